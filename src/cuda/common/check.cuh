@@ -1,0 +1,25 @@
+// check.cuh: CUDA error checks that become fastweight::Error (never exit(), never printf).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "fastweight/error.h"
+
+#define FW_CUDA_CHECK(op, call)                                                                  \
+  do {                                                                                           \
+    const cudaError_t fw_err_ = (call);                                                          \
+    if (fw_err_ != cudaSuccess)                                                                  \
+      throw ::fastweight::Error(::fastweight::detail::cat(op, ": CUDA error ",                   \
+                                                          cudaGetErrorName(fw_err_), " (",       \
+                                                          cudaGetErrorString(fw_err_), ") at ",  \
+                                                          #call));                               \
+  } while (0)
+
+// After a launch: configuration errors surface here (execution errors surface at the next sync).
+#define FW_CUDA_CHECK_LAUNCH(op) FW_CUDA_CHECK(op, cudaGetLastError())
+
+namespace fastweight::detail {
+// Multiprocessor count and opt-in shared memory per block of the current device (cached).
+int sm_count();
+int max_smem_per_block_optin();
+}  // namespace fastweight::detail

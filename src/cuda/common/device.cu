@@ -1,0 +1,53 @@
+// device.cu: device guard and cached device properties.
+#include <mutex>
+
+#include "cuda/common/check.cuh"
+#include "cuda/norm/norm_cuda.h"
+#include "fastweight/fastweight.h"
+
+namespace fastweight {
+namespace detail {
+namespace {
+constexpr int kMaxDevices = 64;
+struct Props { int sms = 0; int smem_optin = 0; };
+Props g_props[kMaxDevices];
+std::once_flag g_once[kMaxDevices];
+
+const Props& props() {
+  int dev = 0;
+  FW_CUDA_CHECK("fastweight", cudaGetDevice(&dev));
+  if (dev < 0 || dev >= kMaxDevices) throw Error(cat("fastweight: device index ", dev, " unsupported"));
+  std::call_once(g_once[dev], [dev] {
+    cudaDeviceProp prop{};
+    FW_CUDA_CHECK("fastweight", cudaGetDeviceProperties(&prop, dev));
+    g_props[dev].sms = prop.multiProcessorCount;
+    g_props[dev].smem_optin = int(prop.sharedMemPerBlockOptin);
+  });
+  return g_props[dev];
+}
+}  // namespace
+
+int sm_count() { return props().sms; }
+int max_smem_per_block_optin() { return props().smem_optin; }
+
+bool cuda_runtime_available() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky "no device" error
+    return false;
+  }
+  return n > 0;
+}
+
+DeviceGuard::DeviceGuard(int device) {
+  FW_CUDA_CHECK("fastweight", cudaGetDevice(&prev_));
+  if (prev_ != device) FW_CUDA_CHECK("fastweight", cudaSetDevice(device));
+  else prev_ = -1;
+}
+DeviceGuard::~DeviceGuard() {
+  if (prev_ >= 0) (void)cudaSetDevice(prev_);
+}
+}  // namespace detail
+
+bool cuda_available() { return detail::cuda_runtime_available(); }
+}  // namespace fastweight

@@ -1,0 +1,29 @@
+// norm_cuda.h: the CUDA back end of the LayerNorm family (host-callable, no CUDA headers).
+// Arguments were validated by src/api; these only plan the launch and run it on `stream`.
+#pragma once
+
+#include <cstddef>
+
+#include "common/norm_params.h"
+
+namespace fastweight::detail {
+
+void rownorm_fwd_cuda(const RowNormParams& p, Stream stream);
+// Bytes of scratch the backward needs for its fp32 weight-gradient partials (0 without dw/db).
+std::size_t rownorm_bwd_workspace_bytes(const RowNormParams& p);
+void rownorm_bwd_cuda(const RowNormParams& p, void* workspace, std::size_t workspace_bytes,
+                      Stream stream);
+
+// Current-device guard and device queries (src/cuda/common/device.cu).
+bool cuda_runtime_available();
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+ private:
+  int prev_ = -1;
+};
+
+}  // namespace fastweight::detail

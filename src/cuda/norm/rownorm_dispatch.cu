@@ -1,0 +1,44 @@
+// rownorm_dispatch.cu: dtype dispatch of the LayerNorm-family kernels. A dtype left out of the
+// build (FW_DTYPES) is refused with a clear error instead of a missing symbol.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "cuda/common/check.cuh"
+#include "cuda/norm/norm_cuda.h"
+
+namespace fastweight::detail {
+
+template <typename T> void rownorm_fwd_launch(const RowNormParams&, cudaStream_t);
+template <typename T> std::size_t rownorm_bwd_workspace(const RowNormParams&);
+template <typename T> void rownorm_bwd_launch(const RowNormParams&, void*, cudaStream_t);
+
+namespace {
+template <typename F>
+auto dispatch(const char* op, DType t, F&& f) {
+  switch (t) {
+#if FW_HAS_F32
+    case DType::f32: return f(float{});
+#endif
+#if FW_HAS_F16
+    case DType::f16: return f(__half{});
+#endif
+#if FW_HAS_BF16
+    case DType::bf16: return f(__nv_bfloat16{});
+#endif
+    default: break;
+  }
+  throw ArgumentError(cat(op, ": x: dtype ", dtype_name(t), " is not compiled into this CUDA build (FW_DTYPES)"));
+}
+}  // namespace
+
+void rownorm_fwd_cuda(const RowNormParams& p, Stream stream) {
+  dispatch("rownorm_fwd", p.io, [&](auto t) { rownorm_fwd_launch<decltype(t)>(p, stream); });
+}
+std::size_t rownorm_bwd_workspace_bytes(const RowNormParams& p) {
+  return dispatch("rownorm_bwd", p.io, [&](auto t) { return rownorm_bwd_workspace<decltype(t)>(p); });
+}
+void rownorm_bwd_cuda(const RowNormParams& p, void* workspace, std::size_t, Stream stream) {
+  dispatch("rownorm_bwd", p.io, [&](auto t) { rownorm_bwd_launch<decltype(t)>(p, workspace, stream); });
+}
+
+}  // namespace fastweight::detail

@@ -1,0 +1,380 @@
+// rownorm_kernel.cuh: the CUDA kernels of the LayerNorm family (layernorm, rmsnorm, headnorm,
+// adalayernorm), all lowered to RowNormParams (common/norm_params.h).
+//
+// Work split. A 1-D grid of P * G CTAs: CTA b serves parameter group g = b / P (one weight row for
+// headnorm / adaLN, the only one for layernorm) and slice p = b % P of the group's rows. The CTA
+// stages its group's parameters in shared memory once, as fp32 with weight_offset added, then walks
+// its rows. P is about one wave of resident CTAs (persistent), so every CTA sees many rows.
+//
+// Two row engines:
+//  * cached (N <= kCachedMaxN): a row is split over `tpr` threads (power of two); each thread keeps
+//    its VPT 16-byte vectors in registers, so x (and dy) are read from memory exactly once and the
+//    variance is an exact two-pass over registers. tpr <= 32: shuffles only, many rows per CTA;
+//    tpr > 32: one or a few rows per CTA with a shared-memory step.
+//  * streaming (any N): one row per CTA iteration, re-reading the row (from L2) per pass.
+//
+// Backward weight gradients are deterministic: each CTA accumulates dy * xhat and dy for its rows
+// in fp32 registers (cached) or in its own fp32 workspace slice (streaming), in row order, and
+// writes one partial row per CTA: ws[(p * G + g) * N + c]. rownorm_wgrad_finalize then sums the P
+// partials of each column in a fixed order. No float atomics anywhere.
+//
+// Saved for the backward by the forward: mean and rstd, fp32, one per row.
+#pragma once
+
+#include <cstdint>
+
+#include "common/norm_params.h"
+#include "cuda/common/vec.cuh"
+
+namespace fastweight::detail {
+
+// Registers per thread for the cached engine: 32 floats of x in the forward; 16 floats each of x,
+// dy, dw and db in the backward (keeps the 512-thread CTA under 128 registers, no spills).
+inline constexpr int kFwdElemsPerThread = 32;
+inline constexpr int kBwdElemsPerThread = 16;
+inline constexpr int kMaxTpr = 512;
+inline constexpr std::int64_t kCachedMaxNFwd = std::int64_t(kMaxTpr) * kFwdElemsPerThread;  // 16384
+inline constexpr std::int64_t kCachedMaxNBwd = std::int64_t(kMaxTpr) * kBwdElemsPerThread;  // 8192
+
+struct RowLaunch {
+  int tpr = 1;           // threads per row (cached engine)
+  int P = 1;             // CTAs per parameter group
+  bool aligned = false;  // every row start 16-byte aligned and N % E == 0
+};
+
+// Sum over the `tpr` threads of a row group. Every thread of the CTA calls it (uniform control
+// flow); `s_red` holds one float per warp. Deterministic and the same bits in every thread.
+__device__ __forceinline__ float row_sum(float v, int tpr, float* s_red) {
+  v = group_sum_warp(v, tpr);
+  if (tpr <= 32) return v;
+  const int warp = threadIdx.x >> 5, wpr = tpr >> 5, first = warp - warp % wpr;
+  __syncthreads();  // the previous row_sum's readers are done with s_red
+  if ((threadIdx.x & 31) == 0) s_red[warp] = v;
+  __syncthreads();
+  float t = 0.f;
+  for (int i = 0; i < wpr; ++i) t += s_red[first + i];
+  return t;
+}
+
+// Stage the group's scale (weight_offset + w, or 1) and bias (or 0) as fp32 in shared memory.
+template <typename T>
+__device__ __forceinline__ void stage_params(const RowNormParams& p, std::int64_t g, float* s_scale,
+                                             float* s_bias) {
+  const bool f32 = p.param == DType::f32;
+  for (std::int64_t c = threadIdx.x; c < p.n; c += blockDim.x) {
+    s_scale[c] = p.w ? p.weight_offset + load_param<T>(p.w, g * p.w_group_stride + c, f32) : 1.f;
+    if (s_bias) s_bias[c] = p.b ? load_param<T>(p.b, g * p.b_group_stride + c, f32) : 0.f;
+  }
+  __syncthreads();
+}
+
+// ---- forward, cached ----------------------------------------------------------------------------
+// smem: scale (N) | bias (N) | reduction scratch (blockDim / 32 + 1)
+template <typename T, int VPT, bool ALIGNED>
+__global__ void __launch_bounds__(kMaxTpr) rownorm_fwd_cached_kernel(const RowNormParams p, const RowLaunch L) {
+  constexpr int E = kVecElems<T>;
+  extern __shared__ float smem[];
+  const int n = int(p.n);
+  float* s_scale = smem;
+  float* s_bias = smem + n;
+  float* s_red = smem + 2 * n;
+  const std::int64_t g = blockIdx.x / L.P, pi = blockIdx.x % L.P;
+  stage_params<T>(p, g, s_scale, s_bias);
+
+  const int R = blockDim.x / L.tpr, rg = threadIdx.x / L.tpr, lane = threadIdx.x % L.tpr;
+  const float inv_n = 1.f / float(n);
+  for (std::int64_t j0 = pi * R; j0 < p.rows_per_group; j0 += std::int64_t(L.P) * R) {
+    const std::int64_t j = j0 + rg;
+    const bool valid = j < p.rows_per_group;
+    const std::int64_t r = p.row_of(g, valid ? j : 0);
+    const int nv = valid ? n : 0;
+    const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(r);
+
+    uint4 xv[VPT];  // (VPT) raw vectors: this thread's columns (k * tpr + lane) * E + [0, E)
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) xv[k] = load_raw<T>(xr, (k * L.tpr + lane) * E, nv, ALIGNED);
+
+    float mean = 0.f;
+    if (!p.rms) {
+      float s = 0.f;
+#pragma unroll
+      for (int k = 0; k < VPT; ++k)
+#pragma unroll
+        for (int e = 0; e < E; ++e) s += raw_get<T>(xv[k], e);
+      mean = row_sum(s, L.tpr, s_red) * inv_n;
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k)
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float d = (k * L.tpr + lane) * E + e < nv ? raw_get<T>(xv[k], e) - mean : 0.f;
+        ss += d * d;
+      }
+    const float rstd = rsqrtf(row_sum(ss, L.tpr, s_red) * inv_n + p.eps);
+
+    if (valid) {
+      T* yr = static_cast<T*>(p.y) + p.y_rows.offset(r);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int col = (k * L.tpr + lane) * E;
+        if (col >= n) continue;
+        float out[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const int c = ALIGNED || col + e < n ? col + e : 0;  // aligned: the vector is all in
+          out[e] = (raw_get<T>(xv[k], e) - mean) * rstd * s_scale[c] + s_bias[c];
+        }
+        store_vec<T>(yr, col, n, ALIGNED, out);
+      }
+      if (lane == 0) {
+        if (p.mean) p.mean[r] = mean;
+        if (p.rstd) p.rstd[r] = rstd;
+      }
+    }
+  }
+}
+
+// ---- backward, cached ---------------------------------------------------------------------------
+// smem: scale (N) | reduction scratch (blockDim / 32 + 1) | partial combine (R * N) when R > 1
+template <typename T, int VPT, bool ALIGNED>
+__global__ void __launch_bounds__(kMaxTpr) rownorm_bwd_cached_kernel(const RowNormParams p, const RowLaunch L,
+                                                                     float* __restrict__ ws_dw,
+                                                                     float* __restrict__ ws_db) {
+  constexpr int E = kVecElems<T>;
+  extern __shared__ float smem[];
+  const int n = int(p.n);
+  float* s_scale = smem;
+  float* s_red = smem + n;
+  float* s_comb = s_red + blockDim.x / 32 + 1;
+  const std::int64_t g = blockIdx.x / L.P, pi = blockIdx.x % L.P;
+  stage_params<T>(p, g, s_scale, nullptr);
+
+  const int R = blockDim.x / L.tpr, rg = threadIdx.x / L.tpr, lane = threadIdx.x % L.tpr;
+  const float inv_n = 1.f / float(n);
+  float acc_dw[VPT][E] = {}, acc_db[VPT][E] = {};  // (VPT, E) fp32 partial sums over this thread's rows
+  for (std::int64_t j0 = pi * R; j0 < p.rows_per_group; j0 += std::int64_t(L.P) * R) {
+    const std::int64_t j = j0 + rg;
+    const bool valid = j < p.rows_per_group;
+    const std::int64_t r = p.row_of(g, valid ? j : 0);
+    const int nv = valid ? n : 0;
+    const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(r);
+    const T* dyr = static_cast<const T*>(p.dy) + p.dy_rows.offset(r);
+    uint4 xv[VPT], dyv[VPT];  // (VPT) raw vectors each
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      xv[k] = load_raw<T>(xr, (k * L.tpr + lane) * E, nv, ALIGNED);
+      dyv[k] = load_raw<T>(dyr, (k * L.tpr + lane) * E, nv, ALIGNED);
+    }
+    const float mean = p.rms || !valid ? 0.f : p.mean[r];
+    const float rstd = valid ? p.rstd[r] : 0.f;
+    float sg = 0.f, sgx = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k)
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const int c = (k * L.tpr + lane) * E + e;
+        const float dy = raw_get<T>(dyv[k], e);  // 0 past the row end
+        const float xh = (raw_get<T>(xv[k], e) - mean) * rstd;
+        const float gg = dy * s_scale[c < n ? c : 0];
+        sg += gg;
+        sgx += gg * xh;
+        acc_dw[k][e] += dy * xh;
+        acc_db[k][e] += dy;
+      }
+    const float mg = p.rms ? 0.f : row_sum(sg, L.tpr, s_red) * inv_n;
+    const float mgx = row_sum(sgx, L.tpr, s_red) * inv_n;
+    if (valid) {
+      T* dxr = static_cast<T*>(p.dx) + p.dx_rows.offset(r);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int col = (k * L.tpr + lane) * E;
+        if (col >= n) continue;
+        float out[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const int c = ALIGNED || col + e < n ? col + e : 0;
+          const float xh = (raw_get<T>(xv[k], e) - mean) * rstd;
+          out[e] = rstd * (raw_get<T>(dyv[k], e) * s_scale[c] - mg - xh * mgx);
+        }
+        store_vec<T>(dxr, col, n, ALIGNED, out);
+      }
+    }
+  }
+  if (ws_dw == nullptr && ws_db == nullptr) return;
+
+  // One partial row per CTA: combine the R row groups in a fixed order (rg = 0, 1, ...).
+  const std::int64_t slot = (pi * p.groups + g) * p.n;
+  auto write_partial = [&](float* ws, const float (&acc)[VPT][E]) {
+    if (R == 1) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k)
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const int c = (k * L.tpr + lane) * E + e;
+          if (c < n) ws[slot + c] = acc[k][e];
+        }
+      return;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < VPT; ++k)
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const int c = (k * L.tpr + lane) * E + e;
+        if (c < n) s_comb[rg * n + c] = acc[k][e];
+      }
+    __syncthreads();
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+      float t = 0.f;
+      for (int i = 0; i < R; ++i) t += s_comb[i * n + c];
+      ws[slot + c] = t;
+    }
+  };
+  if (ws_dw) write_partial(ws_dw, acc_dw);
+  if (ws_db) write_partial(ws_db, acc_db);
+}
+
+// ---- streaming engine (any N): one row per CTA iteration, blockDim threads over the row ----------
+// smem: reduction scratch (blockDim / 32)
+template <typename T, bool ALIGNED>
+__global__ void __launch_bounds__(1024) rownorm_fwd_stream_kernel(const RowNormParams p, const RowLaunch L) {
+  constexpr int E = kVecElems<T>;
+  __shared__ float s_red[32];
+  const std::int64_t g = blockIdx.x / L.P, pi = blockIdx.x % L.P;
+  const bool f32 = p.param == DType::f32;
+  const int n = int(p.n), step = blockDim.x * E;
+  const float inv_n = 1.f / float(p.n);
+  for (std::int64_t j = pi; j < p.rows_per_group; j += L.P) {
+    const std::int64_t r = p.row_of(g, j);
+    const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(r);
+    float mean = 0.f;
+    if (!p.rms) {
+      float s = 0.f;
+      for (int col = threadIdx.x * E; col < n; col += step) {
+        float v[E];
+        load_vec<T>(xr, col, p.n, ALIGNED, v);
+#pragma unroll
+        for (int e = 0; e < E; ++e) s += v[e];
+      }
+      mean = row_sum(s, blockDim.x, s_red) * inv_n;
+    }
+    float ss = 0.f;
+    for (int col = threadIdx.x * E; col < n; col += step) {
+      float v[E];
+      load_vec<T>(xr, col, p.n, ALIGNED, v);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float d = col + e < p.n ? v[e] - mean : 0.f;
+        ss += d * d;
+      }
+    }
+    const float rstd = rsqrtf(row_sum(ss, blockDim.x, s_red) * inv_n + p.eps);
+    T* yr = static_cast<T*>(p.y) + p.y_rows.offset(r);
+    for (int col = threadIdx.x * E; col < n; col += step) {
+      float v[E];
+      load_vec<T>(xr, col, p.n, ALIGNED, v);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const std::int64_t c = col + e < p.n ? col + e : 0;
+        const float s = p.w ? p.weight_offset + load_param<T>(p.w, g * p.w_group_stride + c, f32) : 1.f;
+        const float b = p.b ? load_param<T>(p.b, g * p.b_group_stride + c, f32) : 0.f;
+        v[e] = (v[e] - mean) * rstd * s + b;
+      }
+      store_vec<T>(yr, col, p.n, ALIGNED, v);
+    }
+    if (threadIdx.x == 0) {
+      if (p.mean) p.mean[r] = mean;
+      if (p.rstd) p.rstd[r] = rstd;
+    }
+  }
+}
+
+template <typename T, bool ALIGNED>
+__global__ void __launch_bounds__(1024) rownorm_bwd_stream_kernel(const RowNormParams p, const RowLaunch L,
+                                                                  float* __restrict__ ws_dw,
+                                                                  float* __restrict__ ws_db) {
+  constexpr int E = kVecElems<T>;
+  __shared__ float s_red[32];
+  const std::int64_t g = blockIdx.x / L.P, pi = blockIdx.x % L.P;
+  const bool f32 = p.param == DType::f32;
+  const int n = int(p.n), step = blockDim.x * E;
+  const std::int64_t slot = (pi * p.groups + g) * p.n;
+  const float inv_n = 1.f / float(p.n);
+  auto scale_at = [&](std::int64_t c) {
+    return p.w ? p.weight_offset + load_param<T>(p.w, g * p.w_group_stride + c, f32) : 1.f;
+  };
+  bool first = true;
+  for (std::int64_t j = pi; j < p.rows_per_group; j += L.P) {
+    const std::int64_t r = p.row_of(g, j);
+    const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(r);
+    const T* dyr = static_cast<const T*>(p.dy) + p.dy_rows.offset(r);
+    const float mean = p.rms ? 0.f : p.mean[r];
+    const float rstd = p.rstd[r];
+    float sg = 0.f, sgx = 0.f;
+    for (int col = threadIdx.x * E; col < n; col += step) {
+      float xv[E], dyv[E];
+      load_vec<T>(xr, col, p.n, ALIGNED, xv);
+      load_vec<T>(dyr, col, p.n, ALIGNED, dyv);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        if (col + e >= p.n) continue;
+        const float gg = dyv[e] * scale_at(col + e);
+        sg += gg;
+        sgx += gg * (xv[e] - mean) * rstd;
+      }
+    }
+    const float mg = p.rms ? 0.f : row_sum(sg, blockDim.x, s_red) * inv_n;
+    const float mgx = row_sum(sgx, blockDim.x, s_red) * inv_n;
+    T* dxr = static_cast<T*>(p.dx) + p.dx_rows.offset(r);
+    for (int col = threadIdx.x * E; col < n; col += step) {
+      float xv[E], dyv[E], out[E];
+      load_vec<T>(xr, col, p.n, ALIGNED, xv);
+      load_vec<T>(dyr, col, p.n, ALIGNED, dyv);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const std::int64_t c = col + e;
+        const float xh = (xv[e] - mean) * rstd;
+        out[e] = c < p.n ? rstd * (dyv[e] * scale_at(c) - mg - xh * mgx) : 0.f;
+        if (c < p.n) {  // this thread owns column c of its CTA's slice: no race, fixed row order
+          if (ws_dw) ws_dw[slot + c] = (first ? 0.f : ws_dw[slot + c]) + dyv[e] * xh;
+          if (ws_db) ws_db[slot + c] = (first ? 0.f : ws_db[slot + c]) + dyv[e];
+        }
+      }
+      store_vec<T>(dxr, col, p.n, ALIGNED, out);
+    }
+    first = false;
+  }
+  if (first) {  // a CTA with no rows still owns a partial slot: zeros
+    for (std::int64_t c = threadIdx.x; c < p.n; c += blockDim.x) {
+      if (ws_dw) ws_dw[slot + c] = 0.f;
+      if (ws_db) ws_db[slot + c] = 0.f;
+    }
+  }
+}
+
+// ---- weight-gradient finalize: out[g, c] = sum_{p < P} ws[(p * G + g) * N + c], fixed order ------
+// Block (32, 8): 32 consecutive columns (coalesced), 8 strided slices of p, then a fixed-order sum
+// of the 8 slice sums in shared memory.
+template <typename T>
+__global__ void rownorm_wgrad_finalize_kernel(const float* __restrict__ ws, std::int64_t P, std::int64_t G,
+                                              std::int64_t n, void* out, std::int64_t out_group_stride,
+                                              bool out_f32) {
+  __shared__ float s_part[8][33];
+  const std::int64_t gc = std::int64_t(blockIdx.x) * 32 + threadIdx.x;
+  const std::int64_t cols = G * n;
+  float t = 0.f;
+  if (gc < cols)
+    for (std::int64_t q = threadIdx.y; q < P; q += 8) t += ws[q * cols + gc];
+  s_part[threadIdx.y][threadIdx.x] = t;
+  __syncthreads();
+  if (threadIdx.y == 0 && gc < cols) {
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s += s_part[i][threadIdx.x];
+    const std::int64_t g = gc / n, c = gc - g * n;
+    store_param<T>(out, g * out_group_stride + c, out_f32, s);
+  }
+}
+
+}  // namespace fastweight::detail

@@ -1,0 +1,184 @@
+// test_norm_cuda.cpp: every CUDA norm op against the float64 CPU reference, on the GPU.
+//  - fresh random inputs; IO dtypes fp32/fp16/bf16; N in {1, 7, 100, 1000, 4097, 8192, 16384,
+//    65536, 262144} (both the register-cached and the streaming engines, vector and scalar paths);
+//  - rows cut from a larger buffer (padded row stride, start shifted by one element: unaligned);
+//  - outputs poisoned with NaN before the run: every element of every output must be written;
+//  - relative Frobenius error of y, mean, rstd, dx, dweight, dbias within the dtype's bound;
+//  - the same inputs run twice give bit-identical outputs (deterministic weight gradients);
+//  - launched on a non-default stream.
+// Skipped (not passed) where no GPU is present.
+#include <tuple>
+
+#include "norm_cases.h"
+
+namespace fwtest {
+namespace {
+
+enum class Layout { contiguous, strided };
+enum class Params { io, f32, none };
+
+struct Outputs {
+  HostTensor y, mean, rstd, dx, dw, db;
+};
+
+HostTensor stats_like(const Problem& pb) { return make_host(DType::f32, {pb.rows}); }
+
+// Runs fwd then bwd (with the forward's own statistics) on the device; returns the outputs.
+Outputs run_device(const Problem& pb, HostTensor& x, HostTensor& w, HostTensor& b, HostTensor& dy,
+                   bool has_w, bool has_b, Layout layout, double eps, double offset, cudaStream_t stream) {
+  const bool rms = pb.op == Op::rmsnorm;
+  const std::int64_t pad = layout == Layout::strided ? 3 : 0, lead = layout == Layout::strided ? 1 : 0;
+  Outputs o{make_host(x.dtype, pb.x_shape, pad, lead), stats_like(pb), stats_like(pb),
+            make_host(x.dtype, pb.x_shape, pad, lead), make_host(w.dtype, pb.p_shape), make_host(w.dtype, pb.p_shape)};
+  for (HostTensor* t : {&o.y, &o.mean, &o.rstd, &o.dx, &o.dw, &o.db}) fill_bytes(*t, 0xff);  // NaN
+  DeviceMirror dx_(x), dw_(w), db_(b), ddy(dy), dy_(o.y), dmean(o.mean), drstd(o.rstd), ddx(o.dx), ddw(o.dw), ddb(o.db);
+  const TensorRef wr = has_w ? dw_.ref(w) : TensorRef{}, br = has_b ? db_.ref(b) : TensorRef{};
+  run_fwd(pb.op, {dx_.ref(x), wr, br, dy_.ref(o.y), rms ? TensorRef{} : dmean.ref(o.mean), drstd.ref(o.rstd), eps, offset}, stream);
+  const BwdRefs ba{ddy.ref(dy), dx_.ref(x), wr, rms ? TensorRef{} : dmean.ref(o.mean), drstd.ref(o.rstd), ddx.ref(o.dx),
+                   has_w ? ddw.ref(o.dw) : TensorRef{}, has_b ? ddb.ref(o.db) : TensorRef{}, offset};
+  const std::size_t wsb = bwd_ws(pb.op, ba);
+  void* ws = nullptr;
+  if (wsb) EXPECT_EQ(cudaMalloc(&ws, wsb), cudaSuccess);
+  run_bwd(pb.op, ba, ws, wsb, stream);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  cudaFree(ws);
+  dy_.download(o.y); dmean.download(o.mean); drstd.download(o.rstd);
+  ddx.download(o.dx); ddw.download(o.dw); ddb.download(o.db);
+  return o;
+}
+
+bool same_view_bits(const HostTensor& a, const HostTensor& b) {
+  const auto oa = a.offsets(), ob = b.offsets();
+  const std::size_t es = a.esize();
+  for (std::size_t i = 0; i < oa.size(); ++i)
+    if (std::memcmp(a.bytes.data() + oa[i] * es, b.bytes.data() + ob[i] * es, es) != 0) return false;
+  return true;
+}
+
+using CaseParam = std::tuple<Op, DType, std::int64_t, Layout, Params>;
+struct NormCuda : ::testing::TestWithParam<CaseParam> {};
+
+TEST_P(NormCuda, MatchesReferenceWritesEverythingAndIsDeterministic) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n, layout, params] = GetParam();
+  const std::int64_t rows = std::max<std::int64_t>(4, std::min<std::int64_t>(512, (std::int64_t(1) << 20) / n));
+  const Problem pb = make_problem(op, rows, n);
+  const bool rms = op == Op::rmsnorm;
+  const bool has_w = params != Params::none || op == Op::adalayernorm, has_b = has_w && pb.has_b;
+  const DType pdt = params == Params::f32 ? DType::f32 : dt;
+  const double eps = op == Op::rmsnorm || op == Op::headnorm ? 1e-6 : 1e-5;
+  const double offset = op == Op::headnorm ? 1.0 : 0.0;
+  std::mt19937_64 rng(std::random_device{}());  // fresh inputs every run
+  const std::int64_t pad = layout == Layout::strided ? 5 : 0, lead = layout == Layout::strided ? 1 : 0;
+  HostTensor x = make_host(dt, pb.x_shape, pad, lead), dy = make_host(dt, pb.x_shape, pad, lead);
+  HostTensor w = make_host(pdt, pb.p_shape), b = make_host(pdt, pb.p_shape);
+  fill_random(x, rng, -3.0, 5.0);  // non-zero mean
+  fill_random(dy, rng);
+  fill_random(w, rng, op == Op::headnorm ? -0.5 : 0.5, 1.5);
+  fill_random(b, rng);
+
+  // float64 reference on the same (rounded) inputs
+  HostTensor x64 = to_f64(x), dy64 = to_f64(dy), w64 = to_f64(w), b64 = to_f64(b);
+  HostTensor y64 = make_host(DType::f64, pb.x_shape), dx64 = make_host(DType::f64, pb.x_shape);
+  HostTensor dw64 = make_host(DType::f64, pb.p_shape), db64 = make_host(DType::f64, pb.p_shape);
+  HostTensor mean64 = stats_like(pb), rstd64 = stats_like(pb);
+  run_fwd(op, {x64.ref(), has_w ? w64.ref() : TensorRef{}, has_b ? b64.ref() : TensorRef{}, y64.ref(),
+               rms ? TensorRef{} : mean64.ref(), rstd64.ref(), eps, offset});
+  run_bwd(op, {dy64.ref(), x64.ref(), has_w ? w64.ref() : TensorRef{}, rms ? TensorRef{} : mean64.ref(), rstd64.ref(),
+               dx64.ref(), has_w ? dw64.ref() : TensorRef{}, has_b ? db64.ref() : TensorRef{}, offset}, nullptr, 0);
+
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  Outputs o1 = run_device(pb, x, w, b, dy, has_w, has_b, layout, eps, offset, stream);
+  Outputs o2 = run_device(pb, x, w, b, dy, has_w, has_b, layout, eps, offset, stream);
+  cudaStreamDestroy(stream);
+
+  const double tol = tolerance(dt);
+  const std::string what = std::string(op_name(op)) + " " + dtype_name(dt) + " rows=" + std::to_string(rows) +
+                           " n=" + std::to_string(n);
+  EXPECT_LE(rel_err(o1.y, y64), tol) << what << " y";
+  EXPECT_LE(rel_err(o1.rstd, rstd64), 1e-5) << what << " rstd";
+  if (!rms) EXPECT_LE(rel_err(o1.mean, mean64), 1e-5) << what << " mean";
+  EXPECT_LE(rel_err(o1.dx, dx64), tol) << what << " dx";
+  // Gradients of parameters stored in fp32 are held to the fp32 bound only when x is fp32 too:
+  // they sum products of 16-bit inputs, exactly as the reference does, so the IO bound applies.
+  if (has_w) EXPECT_LE(rel_err(o1.dw, dw64), tol) << what << " dweight";
+  if (has_b) EXPECT_LE(rel_err(o1.db, db64), tol) << what << " dbias";
+
+  EXPECT_TRUE(same_view_bits(o1.y, o2.y)) << what << " y differs between two runs";
+  EXPECT_TRUE(same_view_bits(o1.dx, o2.dx)) << what << " dx differs between two runs";
+  if (has_w) EXPECT_TRUE(same_view_bits(o1.dw, o2.dw)) << what << " dweight differs between two runs";
+  if (has_b) EXPECT_TRUE(same_view_bits(o1.db, o2.db)) << what << " dbias differs between two runs";
+}
+
+std::string case_name(const ::testing::TestParamInfo<CaseParam>& info) {
+  const auto [op, dt, n, layout, params] = info.param;
+  std::string s = std::string(op_name(op)) + "_" + dtype_name(dt) + "_N" + std::to_string(n);
+  s += layout == Layout::strided ? "_strided" : "_contig";
+  s += params == Params::io ? "" : params == Params::f32 ? "_f32params" : "_noparams";
+  return s;
+}
+
+const auto kOps = ::testing::Values(Op::layernorm, Op::rmsnorm, Op::headnorm, Op::adalayernorm);
+const auto kDtypes = ::testing::Values(DType::f32, DType::f16, DType::bf16);
+
+INSTANTIATE_TEST_SUITE_P(Sizes, NormCuda,
+                         ::testing::Combine(kOps, kDtypes,
+                                            ::testing::Values<std::int64_t>(1, 7, 100, 1000, 4097, 8192, 16384, 65536, 262144),
+                                            ::testing::Values(Layout::contiguous, Layout::strided),
+                                            ::testing::Values(Params::io)),
+                         case_name);
+INSTANTIATE_TEST_SUITE_P(ParamVariants, NormCuda,
+                         ::testing::Combine(kOps, ::testing::Values(DType::bf16, DType::f16),
+                                            ::testing::Values<std::int64_t>(128, 1024, 20000),
+                                            ::testing::Values(Layout::contiguous),
+                                            ::testing::Values(Params::f32, Params::none)),
+                         case_name);
+
+TEST(NormCudaEdge, EmptyBatchZeroesWeightGradients) {
+  FW_REQUIRE_GPU();
+  HostTensor x = make_host(DType::bf16, {0, 64}), w = make_host(DType::bf16, {64});
+  HostTensor dw = make_host(DType::bf16, {64}), db = make_host(DType::bf16, {64});
+  HostTensor mean = make_host(DType::f32, {0}), rstd = make_host(DType::f32, {0});
+  fill_bytes(dw, 0xff);
+  fill_bytes(db, 0xff);
+  DeviceMirror dx_(x), ddy(x), ddx(x), dw_(w), ddw(dw), ddb(db), dm(mean), dr(rstd);
+  const BwdRefs a{ddy.ref(x), dx_.ref(x), dw_.ref(w), dm.ref(mean), dr.ref(rstd), ddx.ref(x), ddw.ref(dw), ddb.ref(db)};
+  const std::size_t wsb = bwd_ws(Op::layernorm, a);
+  void* ws = nullptr;
+  if (wsb) ASSERT_EQ(cudaMalloc(&ws, wsb), cudaSuccess);
+  run_bwd(Op::layernorm, a, ws, wsb);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaFree(ws);
+  ddw.download(dw);
+  ddb.download(db);
+  for (int i = 0; i < 64; ++i) { EXPECT_EQ(dw.get(i), 0.0); EXPECT_EQ(db.get(i), 0.0); }
+}
+
+TEST(NormCudaEdge, WorkspaceTooSmallIsRejected) {
+  FW_REQUIRE_GPU();
+  HostTensor x = make_host(DType::f32, {64, 256}), w = make_host(DType::f32, {256}), st = make_host(DType::f32, {64});
+  DeviceMirror dx_(x), dw_(w), dm(st), dr(st), ddx(x), ddw(w);
+  const BwdRefs a{dx_.ref(x), dx_.ref(x), dw_.ref(w), dm.ref(st), dr.ref(st), ddx.ref(x), ddw.ref(w), {}};
+  const std::size_t wsb = bwd_ws(Op::layernorm, a);
+  ASSERT_GT(wsb, 0u);
+  void* ws = nullptr;
+  ASSERT_EQ(cudaMalloc(&ws, wsb), cudaSuccess);
+  EXPECT_THROW(run_bwd(Op::layernorm, a, ws, wsb - 1), ArgumentError);
+  cudaFree(ws);
+}
+
+TEST(NormCudaEdge, Float64IsRejectedOnTheGpu) {
+  HostTensor x = make_host(DType::f64, {2, 8});
+  TensorRef xr = x.ref(DeviceType::cuda), yr = x.ref(DeviceType::cuda);
+  try {
+    layernorm_fwd({xr, {}, {}, yr, {}, {}, 1e-5});
+    ADD_FAILURE() << "no error";
+  } catch (const ArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("float64"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace fwtest

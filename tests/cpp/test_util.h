@@ -1,0 +1,150 @@
+// test_util.h: buffers of any dtype on the host or the GPU, random fills, relative Frobenius error.
+// Shared by the reference, validation and CUDA suites.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/half.h"
+#include "fastweight/fastweight.h"
+
+#if FW_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace fwtest {
+using namespace fastweight;
+
+// Skip (reported as skipped by CTest through SKIP_REGULAR_EXPRESSION) where no GPU is present.
+#define FW_REQUIRE_GPU()                                                     \
+  do {                                                                       \
+    if (!::fastweight::cuda_available()) GTEST_SKIP() << "no CUDA device";   \
+  } while (0)
+
+// A tensor in host memory: `storage` elements of `dtype`, viewed with shape/strides from `offset`.
+struct HostTensor {
+  DType dtype = DType::f64;
+  std::vector<std::int64_t> shape, strides;
+  std::int64_t offset = 0;
+  std::vector<unsigned char> bytes;
+
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (auto s : shape) n *= s;
+    return n;
+  }
+  std::size_t esize() const { return dtype_size(dtype); }
+  void* base() { return bytes.data() + offset * esize(); }
+  TensorRef ref(DeviceType dev = DeviceType::cpu, void* data = nullptr) {
+    TensorRef t;
+    t.data = data ? data : base();
+    t.dtype = dtype;
+    t.ndim = int(shape.size());
+    for (int d = 0; d < t.ndim; ++d) { t.shape[d] = shape[d]; t.strides[d] = strides[d]; }
+    t.device = dev;
+    return t;
+  }
+  // Element offsets of the view, in row-major order of its shape.
+  std::vector<std::int64_t> offsets() const {
+    std::vector<std::int64_t> out;
+    out.reserve(numel());
+    std::vector<std::int64_t> idx(shape.size(), 0);
+    for (std::int64_t i = 0; i < numel(); ++i) {
+      std::int64_t o = offset;
+      for (std::size_t d = 0; d < shape.size(); ++d) o += idx[d] * strides[d];
+      out.push_back(o);
+      for (int d = int(shape.size()) - 1; d >= 0; --d) {
+        if (++idx[d] < shape[d]) break;
+        idx[d] = 0;
+      }
+    }
+    return out;
+  }
+  double get(std::int64_t storage_index) const { return detail::load_as_double(bytes.data(), storage_index, dtype); }
+  void set(std::int64_t storage_index, double v) { detail::store_from_double(bytes.data(), storage_index, dtype, v); }
+  std::vector<double> values() const {
+    std::vector<double> v;
+    for (auto o : offsets()) v.push_back(get(o));
+    return v;
+  }
+};
+
+// Contiguous tensor, or rows cut from a larger buffer: the last dim padded by `pad` elements and the
+// view starting `lead` elements in (lead = 1 makes 16-bit rows unaligned for 16-byte vectors).
+inline HostTensor make_host(DType dt, std::vector<std::int64_t> shape, std::int64_t pad = 0, std::int64_t lead = 0) {
+  HostTensor t;
+  t.dtype = dt;
+  t.shape = shape;
+  t.strides.assign(shape.size(), 1);
+  std::int64_t s = 1;
+  for (int d = int(shape.size()) - 1; d >= 0; --d) {
+    t.strides[d] = s;
+    s *= shape[d] + (d == int(shape.size()) - 1 ? pad : 0);
+  }
+  t.offset = lead;
+  t.bytes.assign(std::size_t(s + lead + 8) * t.esize(), 0);
+  return t;
+}
+
+inline void fill_random(HostTensor& t, std::mt19937_64& rng, double lo = -2.0, double hi = 2.0) {
+  std::uniform_real_distribution<double> u(lo, hi);
+  for (auto o : t.offsets()) t.set(o, u(rng));
+}
+inline void fill_bytes(HostTensor& t, unsigned char b) { std::fill(t.bytes.begin(), t.bytes.end(), b); }
+
+// A float64 copy with the same shape (contiguous): the reference runs on these.
+inline HostTensor to_f64(const HostTensor& t) {
+  HostTensor o = make_host(DType::f64, t.shape);
+  const auto src = t.offsets();
+  for (std::size_t i = 0; i < src.size(); ++i) o.set(std::int64_t(i), t.get(src[i]));
+  return o;
+}
+
+// ||a - b|| / ||b|| over the two views (same shape); NaN anywhere gives +inf.
+inline double rel_err(const HostTensor& a, const HostTensor& b) {
+  const auto va = a.values(), vb = b.values();
+  EXPECT_EQ(va.size(), vb.size());
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = 0; i < va.size(); ++i) {
+    if (!std::isfinite(va[i]) || !std::isfinite(vb[i])) return INFINITY;
+    num += (va[i] - vb[i]) * (va[i] - vb[i]);
+    den += vb[i] * vb[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+inline double tolerance(DType t) {
+  switch (t) {
+    case DType::f32: return 1e-5;
+    case DType::f16: return 2e-3;
+    case DType::bf16: return 1e-2;
+    case DType::f64: return 1e-12;
+  }
+  return 0;
+}
+
+#if FW_WITH_CUDA
+#define FW_TEST_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call
+// A device mirror of a HostTensor's whole storage (same offsets/strides).
+struct DeviceMirror {
+  void* ptr = nullptr;
+  std::size_t nbytes = 0;
+  explicit DeviceMirror(const HostTensor& h) : nbytes(h.bytes.size()) {
+    EXPECT_EQ(cudaMalloc(&ptr, nbytes), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(ptr, h.bytes.data(), nbytes, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ~DeviceMirror() { cudaFree(ptr); }
+  TensorRef ref(HostTensor& h) { return h.ref(DeviceType::cuda, static_cast<unsigned char*>(ptr) + h.offset * h.esize()); }
+  void download(HostTensor& h) {
+    EXPECT_EQ(cudaMemcpy(h.bytes.data(), ptr, nbytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+};
+#endif
+
+}  // namespace fwtest
