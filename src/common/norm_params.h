@@ -65,6 +65,7 @@ struct RowNormParams {
   void* y = nullptr;         RowIndexer y_rows;
   const void* w = nullptr;   std::int64_t w_group_stride = 0;
   const void* b = nullptr;   std::int64_t b_group_stride = 0;
+  bool param_aligned = false;  // set by the CUDA launcher: w/b rows 16-byte aligned, N % E == 0
   float* mean = nullptr;     // rows, contiguous; may be null
   float* rstd = nullptr;     // rows, contiguous; may be null
 

@@ -69,30 +69,62 @@ __device__ __forceinline__ void stage_params(const RowNormParams& p, std::int64_
 }
 
 // ---- forward, cached ----------------------------------------------------------------------------
-// smem: scale (N) | bias (N) | reduction scratch (blockDim / 32 + 1)
+// Parameters are read per vector through L1 (every CTA reads the same N values, so they stay
+// cached); no shared-memory staging, so shared memory never limits CTAs per SM. The next row's
+// vectors are loaded before this row's reductions (double buffer), so two rows per thread group
+// are in flight. smem: reduction scratch (blockDim / 32 + 1).
+template <typename T, bool ALIGNED>
+__device__ __forceinline__ void load_params_vec(const RowNormParams& p, std::int64_t g, int col, int n,
+                                                float (&sc)[kVecElems<T>], float (&bi)[kVecElems<T>]) {
+  constexpr int E = kVecElems<T>;
+  const bool f32 = p.param == DType::f32;
+#pragma unroll
+  for (int e = 0; e < E; ++e) { sc[e] = 1.f; bi[e] = 0.f; }
+  if (ALIGNED && !f32) {  // parameters in the IO dtype: one 16-byte load each (rows of them aligned too)
+    if (p.w) {
+      const uint4 raw = load_raw<T>(static_cast<const T*>(p.w) + g * p.w_group_stride, col, n, p.param_aligned);
+#pragma unroll
+      for (int e = 0; e < E; ++e) sc[e] = p.weight_offset + raw_get<T>(raw, e);
+    }
+    if (p.b) {
+      const uint4 raw = load_raw<T>(static_cast<const T*>(p.b) + g * p.b_group_stride, col, n, p.param_aligned);
+#pragma unroll
+      for (int e = 0; e < E; ++e) bi[e] = raw_get<T>(raw, e);
+    }
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    if (col + e >= n) break;
+    if (p.w) sc[e] = p.weight_offset + load_param<T>(p.w, g * p.w_group_stride + col + e, f32);
+    if (p.b) bi[e] = load_param<T>(p.b, g * p.b_group_stride + col + e, f32);
+  }
+}
+
 template <typename T, int VPT, bool ALIGNED>
 __global__ void __launch_bounds__(kMaxTpr) rownorm_fwd_cached_kernel(const RowNormParams p, const RowLaunch L) {
   constexpr int E = kVecElems<T>;
   extern __shared__ float smem[];
   const int n = int(p.n);
-  float* s_scale = smem;
-  float* s_bias = smem + n;
-  float* s_red = smem + 2 * n;
+  float* s_red = smem;
   const std::int64_t g = blockIdx.x / L.P, pi = blockIdx.x % L.P;
-  stage_params<T>(p, g, s_scale, s_bias);
-
   const int R = blockDim.x / L.tpr, rg = threadIdx.x / L.tpr, lane = threadIdx.x % L.tpr;
+  const std::int64_t J = p.rows_per_group, jstep = std::int64_t(L.P) * R;
   const float inv_n = 1.f / float(n);
-  for (std::int64_t j0 = pi * R; j0 < p.rows_per_group; j0 += std::int64_t(L.P) * R) {
-    const std::int64_t j = j0 + rg;
-    const bool valid = j < p.rows_per_group;
-    const std::int64_t r = p.row_of(g, valid ? j : 0);
-    const int nv = valid ? n : 0;
-    const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(r);
 
-    uint4 xv[VPT];  // (VPT) raw vectors: this thread's columns (k * tpr + lane) * E + [0, E)
+  auto load_row = [&](std::int64_t j, uint4 (&v)[VPT]) {
+    const bool ok = j < J;
+    const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(p.row_of(g, ok ? j : 0));
 #pragma unroll
-    for (int k = 0; k < VPT; ++k) xv[k] = load_raw<T>(xr, (k * L.tpr + lane) * E, nv, ALIGNED);
+    for (int k = 0; k < VPT; ++k) v[k] = load_raw<T>(xr, (k * L.tpr + lane) * E, ok ? n : 0, ALIGNED);
+  };
+  uint4 xv[VPT], xnext[VPT];  // (VPT) raw vectors each: this thread's columns (k * tpr + lane) * E + [0, E)
+  load_row(pi * R + rg, xv);
+  for (std::int64_t j0 = pi * R; j0 < J; j0 += jstep) {
+    const std::int64_t j = j0 + rg;
+    load_row(j + jstep, xnext);  // in flight while this row is reduced and written
+    const bool valid = j < J;
+    const int nv = valid ? n : 0;
 
     float mean = 0.f;
     if (!p.rms) {
@@ -114,17 +146,16 @@ __global__ void __launch_bounds__(kMaxTpr) rownorm_fwd_cached_kernel(const RowNo
     const float rstd = rsqrtf(row_sum(ss, L.tpr, s_red) * inv_n + p.eps);
 
     if (valid) {
+      const std::int64_t r = p.row_of(g, j);
       T* yr = static_cast<T*>(p.y) + p.y_rows.offset(r);
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int col = (k * L.tpr + lane) * E;
         if (col >= n) continue;
-        float out[E];
+        float sc[E], bi[E], out[E];
+        load_params_vec<T, ALIGNED>(p, g, col, n, sc, bi);
 #pragma unroll
-        for (int e = 0; e < E; ++e) {
-          const int c = ALIGNED || col + e < n ? col + e : 0;  // aligned: the vector is all in
-          out[e] = (raw_get<T>(xv[k], e) - mean) * rstd * s_scale[c] + s_bias[c];
-        }
+        for (int e = 0; e < E; ++e) out[e] = (raw_get<T>(xv[k], e) - mean) * rstd * sc[e] + bi[e];
         store_vec<T>(yr, col, n, ALIGNED, out);
       }
       if (lane == 0) {
@@ -132,6 +163,8 @@ __global__ void __launch_bounds__(kMaxTpr) rownorm_fwd_cached_kernel(const RowNo
         if (p.rstd) p.rstd[r] = rstd;
       }
     }
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) xv[k] = xnext[k];
   }
 }
 
@@ -153,19 +186,25 @@ __global__ void __launch_bounds__(kMaxTpr) rownorm_bwd_cached_kernel(const RowNo
   const int R = blockDim.x / L.tpr, rg = threadIdx.x / L.tpr, lane = threadIdx.x % L.tpr;
   const float inv_n = 1.f / float(n);
   float acc_dw[VPT][E] = {}, acc_db[VPT][E] = {};  // (VPT, E) fp32 partial sums over this thread's rows
-  for (std::int64_t j0 = pi * R; j0 < p.rows_per_group; j0 += std::int64_t(L.P) * R) {
-    const std::int64_t j = j0 + rg;
-    const bool valid = j < p.rows_per_group;
-    const std::int64_t r = p.row_of(g, valid ? j : 0);
-    const int nv = valid ? n : 0;
-    const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(r);
-    const T* dyr = static_cast<const T*>(p.dy) + p.dy_rows.offset(r);
-    uint4 xv[VPT], dyv[VPT];  // (VPT) raw vectors each
+  const std::int64_t J = p.rows_per_group, jstep = std::int64_t(L.P) * R;
+  auto load_row = [&](std::int64_t j, uint4 (&xs)[VPT], uint4 (&dys)[VPT]) {
+    const bool ok = j < J;
+    const std::int64_t rr = p.row_of(g, ok ? j : 0);
+    const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(rr);
+    const T* dyr = static_cast<const T*>(p.dy) + p.dy_rows.offset(rr);
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
-      xv[k] = load_raw<T>(xr, (k * L.tpr + lane) * E, nv, ALIGNED);
-      dyv[k] = load_raw<T>(dyr, (k * L.tpr + lane) * E, nv, ALIGNED);
+      xs[k] = load_raw<T>(xr, (k * L.tpr + lane) * E, ok ? n : 0, ALIGNED);
+      dys[k] = load_raw<T>(dyr, (k * L.tpr + lane) * E, ok ? n : 0, ALIGNED);
     }
+  };
+  uint4 xv[VPT], dyv[VPT], xnext[VPT], dynext[VPT];  // (VPT) raw vectors each; *next: the next row
+  load_row(pi * R + rg, xv, dyv);
+  for (std::int64_t j0 = pi * R; j0 < J; j0 += jstep) {
+    const std::int64_t j = j0 + rg;
+    load_row(j + jstep, xnext, dynext);  // in flight while this row is reduced and written
+    const bool valid = j < J;
+    const std::int64_t r = p.row_of(g, valid ? j : 0);
     const float mean = p.rms || !valid ? 0.f : p.mean[r];
     const float rstd = valid ? p.rstd[r] : 0.f;
     float sg = 0.f, sgx = 0.f;
@@ -176,7 +215,9 @@ __global__ void __launch_bounds__(kMaxTpr) rownorm_bwd_cached_kernel(const RowNo
         const int c = (k * L.tpr + lane) * E + e;
         const float dy = raw_get<T>(dyv[k], e);  // 0 past the row end
         const float xh = (raw_get<T>(xv[k], e) - mean) * rstd;
-        const float gg = dy * s_scale[c < n ? c : 0];
+        // __fmul_rn: the same rounded product here and in dx below (no FMA contraction), so that
+        // g - mean(g) cancels exactly where it should (N = 1 gives dx = 0, not rounding noise).
+        const float gg = __fmul_rn(dy, s_scale[c < n ? c : 0]);
         sg += gg;
         sgx += gg * xh;
         acc_dw[k][e] += dy * xh;
@@ -195,11 +236,13 @@ __global__ void __launch_bounds__(kMaxTpr) rownorm_bwd_cached_kernel(const RowNo
         for (int e = 0; e < E; ++e) {
           const int c = ALIGNED || col + e < n ? col + e : 0;
           const float xh = (raw_get<T>(xv[k], e) - mean) * rstd;
-          out[e] = rstd * (raw_get<T>(dyv[k], e) * s_scale[c] - mg - xh * mgx);
+          out[e] = rstd * (__fmul_rn(raw_get<T>(dyv[k], e), s_scale[c]) - mg - xh * mgx);
         }
         store_vec<T>(dxr, col, n, ALIGNED, out);
       }
     }
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) { xv[k] = xnext[k]; dyv[k] = dynext[k]; }
   }
   if (ws_dw == nullptr && ws_db == nullptr) return;
 
@@ -319,7 +362,7 @@ __global__ void __launch_bounds__(1024) rownorm_bwd_stream_kernel(const RowNormP
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         if (col + e >= p.n) continue;
-        const float gg = dyv[e] * scale_at(col + e);
+        const float gg = __fmul_rn(dyv[e], scale_at(col + e));
         sg += gg;
         sgx += gg * (xv[e] - mean) * rstd;
       }
@@ -335,7 +378,7 @@ __global__ void __launch_bounds__(1024) rownorm_bwd_stream_kernel(const RowNormP
       for (int e = 0; e < E; ++e) {
         const std::int64_t c = col + e;
         const float xh = (xv[e] - mean) * rstd;
-        out[e] = c < p.n ? rstd * (dyv[e] * scale_at(c) - mg - xh * mgx) : 0.f;
+        out[e] = c < n ? rstd * (__fmul_rn(dyv[e], scale_at(c)) - mg - xh * mgx) : 0.f;
         if (c < p.n) {  // this thread owns column c of its CTA's slice: no race, fixed row order
           if (ws_dw) ws_dw[slot + c] = (first ? 0.f : ws_dw[slot + c]) + dyv[e] * xh;
           if (ws_db) ws_db[slot + c] = (first ? 0.f : ws_db[slot + c]) + dyv[e];

@@ -54,7 +54,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     plan.threads = std::max(plan.L.tpr, 256);
     const int R = plan.threads / plan.L.tpr;
     const std::size_t red = plan.threads / 32 + 1;
-    plan.smem = sizeof(float) * (bwd ? p.n + red + (R > 1 ? R * p.n : 0) : 2 * p.n + red);
+    plan.smem = sizeof(float) * (bwd ? p.n + red + (R > 1 ? R * p.n : 0) : red);
     // Occupancy of the aligned variant stands for both (same shared memory, similar registers).
     kernel = bwd ? reinterpret_cast<const void*>(&rownorm_bwd_cached_kernel<T, kBwdElemsPerThread / E, true>)
                  : reinterpret_cast<const void*>(&rownorm_fwd_cached_kernel<T, kFwdElemsPerThread / E, true>);
@@ -85,8 +85,14 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
 }
 
 template <typename T>
-void rownorm_fwd_launch(const RowNormParams& p, cudaStream_t stream) {
+void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   constexpr int E = kVecElems<T>;
+  RowNormParams p = p_in;
+  auto aligned_param = [&](const void* base, std::int64_t gstride) {
+    return base == nullptr ||
+           (reinterpret_cast<std::uintptr_t>(base) % 16 == 0 && (p.groups == 1 || (gstride * std::int64_t(sizeof(T))) % 16 == 0));
+  };
+  p.param_aligned = p.n % E == 0 && aligned_param(p.w, p.w_group_stride) && aligned_param(p.b, p.b_group_stride);
   const RowPlan plan = rownorm_plan<T>(p, false);
   const std::int64_t blocks = std::int64_t(plan.L.P) * p.groups;
   if (blocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", blocks, " CTAs is too large"));

@@ -1,0 +1,406 @@
+// fastweight_bench: verify and time every op of the library (the README's main job).
+//
+//   fastweight_bench                         the main suite: every op, BENCHMARKS.md shapes
+//   fastweight_bench --op=layernorm_bwd --dtype=bf16 --rows=4096 --n=8192 [--reps=50]
+//   fastweight_bench --quick --csv=out.csv   fewer shapes; also write CSV
+//   fastweight_bench --cpu                   force the CPU reference (default when no GPU)
+//
+// Per row: the op's relative Frobenius error against the float64 CPU reference (on the same N and
+// min(rows, 2^24 / N) rows, fresh random inputs), then its time. GPU timing (K): the op captured
+// in a CUDA graph, L2 flushed (a 2x-L2 memset) before every replay, CUDA events around the replay
+// only, median of --reps. GB/s uses the seed convention: fwd 2|x| bytes, bwd 3|x| bytes; "%copy"
+// is that over the device-to-device copy bandwidth measured in the same run. CPU timing: the
+// reference itself (wall clock, median), so the table always prints.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/half.h"
+#include "fastweight/fastweight.h"
+#if FW_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace {
+using namespace fastweight;
+
+struct Options {
+  std::string op;  // empty: the suite
+  DType dtype = DType::bf16;
+  std::int64_t rows = 4096, n = 8192;
+  int reps = 30;
+  bool quick = false, cpu = false;
+  std::string csv;
+};
+
+[[noreturn]] void usage(int code) {
+  std::printf(
+      "usage: fastweight_bench [--op=NAME --dtype=bf16|f16|f32 --rows=M --n=N] [--reps=R] [--quick]\n"
+      "                        [--cpu] [--csv=FILE]\n"
+      "ops: layernorm_fwd layernorm_bwd rmsnorm_fwd rmsnorm_bwd headnorm_fwd headnorm_bwd\n"
+      "     adalayernorm_fwd adalayernorm_bwd   (headnorm: rows = B*S*NH with NH = 16; adaLN: B = 4)\n");
+  std::exit(code);
+}
+
+DType parse_dtype(const std::string& s) {
+  if (s == "bf16" || s == "bfloat16") return DType::bf16;
+  if (s == "f16" || s == "fp16" || s == "float16") return DType::f16;
+  if (s == "f32" || s == "fp32" || s == "float32") return DType::f32;
+  std::fprintf(stderr, "unknown dtype %s\n", s.c_str());
+  usage(2);
+}
+
+// A buffer on the device (or the host for --cpu) with a host staging copy.
+struct Buf {
+  DType dt;
+  std::vector<std::int64_t> shape;
+  std::vector<unsigned char> host;
+  void* dev = nullptr;
+  bool on_gpu = false;
+  Buf(DType d, std::vector<std::int64_t> s, bool gpu) : dt(d), shape(std::move(s)), on_gpu(gpu) {
+    std::int64_t n = 1;
+    for (auto v : shape) n *= v;
+    host.assign(std::size_t(n) * dtype_size(dt), 0);
+#if FW_WITH_CUDA
+    if (gpu && !host.empty() && cudaMalloc(&dev, host.size()) != cudaSuccess) throw Error("cudaMalloc failed");
+#endif
+  }
+  ~Buf() {
+#if FW_WITH_CUDA
+    if (dev) cudaFree(dev);
+#endif
+  }
+  std::int64_t numel() const { return std::int64_t(host.size() / dtype_size(dt)); }
+  void fill(std::uint64_t seed, double lo, double hi) {
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<double> u(lo, hi);
+    for (std::int64_t i = 0; i < numel(); ++i) detail::store_from_double(host.data(), i, dt, u(rng));
+    upload();
+  }
+  void upload() {
+#if FW_WITH_CUDA
+    if (on_gpu) cudaMemcpy(dev, host.data(), host.size(), cudaMemcpyHostToDevice);
+#endif
+  }
+  void download() {
+#if FW_WITH_CUDA
+    if (on_gpu) cudaMemcpy(host.data(), dev, host.size(), cudaMemcpyDeviceToHost);
+#endif
+  }
+  TensorRef ref() {
+    return make_tensor(on_gpu ? dev : host.data(), dt, int(shape.size()), shape.data(),
+                       on_gpu ? DeviceType::cuda : DeviceType::cpu, 0);
+  }
+  double get(std::int64_t i) const { return detail::load_as_double(host.data(), i, dt); }
+};
+
+double rel_err(const Buf& a, const Buf& ref) {
+  double num = 0, den = 0;
+  for (std::int64_t i = 0; i < ref.numel(); ++i) {
+    const double x = a.get(i), r = ref.get(i);
+    if (!std::isfinite(x)) return INFINITY;
+    num += (x - r) * (x - r);
+    den += r * r;
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// One norm problem: shapes of x and the parameters for an op family.
+struct Shape {
+  std::vector<std::int64_t> x, p;
+};
+Shape shape_for(const std::string& fam, std::int64_t rows, std::int64_t n) {
+  if (fam == "headnorm") return {{rows / 16, 16, n}, {16, n}};
+  if (fam == "adalayernorm") return {{4, rows / 4, n}, {4, 1, n}};
+  return {{rows, n}, {n}};
+}
+
+// Runs op family `fam` (fwd or bwd) over buffers; all buffers on one device.
+struct Problem {
+  std::string fam;
+  bool bwd;
+  bool gpu;
+  DType dt;
+  Shape s;
+  std::int64_t rows;
+  Buf x, w, b, dy, y, mean, rstd, dx, dw, db;
+  void* ws = nullptr;
+  std::size_t wsb = 0;
+  Problem(const std::string& f, bool bw, bool g, DType d, std::int64_t r, std::int64_t n)
+      : fam(f), bwd(bw), gpu(g), dt(d), s(shape_for(f, r, n)), rows(r),
+        x(d, s.x, g), w(d, s.p, g), b(d, s.p, g), dy(d, s.x, g), y(d, s.x, g), mean(DType::f32, {r}, g),
+        rstd(DType::f32, {r}, g), dx(d, s.x, g), dw(d, s.p, g), db(d, s.p, g) {
+    x.fill(1, -3.0, 5.0);
+    w.fill(2, 0.5, 1.5);
+    b.fill(3, -1.0, 1.0);
+    dy.fill(4, -1.0, 1.0);
+  }
+  ~Problem() {
+#if FW_WITH_CUDA
+    if (ws) cudaFree(ws);
+#endif
+  }
+  bool rms() const { return fam == "rmsnorm"; }
+  double offset() const { return fam == "headnorm" ? 1.0 : 0.0; }
+  void fwd(Stream st) {
+    const double eps = 1e-5;
+    if (fam == "layernorm") layernorm_fwd({x.ref(), w.ref(), b.ref(), y.ref(), mean.ref(), rstd.ref(), eps}, st);
+    else if (fam == "rmsnorm") rmsnorm_fwd({x.ref(), w.ref(), y.ref(), rstd.ref(), eps}, st);
+    else if (fam == "headnorm") headnorm_fwd({x.ref(), w.ref(), b.ref(), y.ref(), mean.ref(), rstd.ref(), eps, 1.0}, st);
+    else adalayernorm_fwd({x.ref(), w.ref(), b.ref(), y.ref(), mean.ref(), rstd.ref(), eps}, st);
+  }
+  void prepare_bwd() {
+    std::size_t need = 0;
+    if (fam == "layernorm") need = layernorm_bwd_workspace_size({dy.ref(), x.ref(), w.ref(), mean.ref(), rstd.ref(), dx.ref(), dw.ref(), db.ref()});
+    else if (fam == "rmsnorm") need = rmsnorm_bwd_workspace_size({dy.ref(), x.ref(), w.ref(), rstd.ref(), dx.ref(), dw.ref()});
+    else if (fam == "headnorm") need = headnorm_bwd_workspace_size({dy.ref(), x.ref(), w.ref(), mean.ref(), rstd.ref(), dx.ref(), dw.ref(), db.ref(), 1.0});
+    else need = adalayernorm_bwd_workspace_size({dy.ref(), x.ref(), w.ref(), mean.ref(), rstd.ref(), dx.ref(), dw.ref(), db.ref()});
+#if FW_WITH_CUDA
+    if (need > wsb) {
+      if (ws) cudaFree(ws);
+      if (cudaMalloc(&ws, need) != cudaSuccess) throw Error("cudaMalloc(workspace) failed");
+      wsb = need;
+    }
+#endif
+  }
+  void bwd_run(Stream st) {
+    if (fam == "layernorm") layernorm_bwd({dy.ref(), x.ref(), w.ref(), mean.ref(), rstd.ref(), dx.ref(), dw.ref(), db.ref()}, ws, wsb, st);
+    else if (fam == "rmsnorm") rmsnorm_bwd({dy.ref(), x.ref(), w.ref(), rstd.ref(), dx.ref(), dw.ref()}, ws, wsb, st);
+    else if (fam == "headnorm") headnorm_bwd({dy.ref(), x.ref(), w.ref(), mean.ref(), rstd.ref(), dx.ref(), dw.ref(), db.ref(), 1.0}, ws, wsb, st);
+    else adalayernorm_bwd({dy.ref(), x.ref(), w.ref(), mean.ref(), rstd.ref(), dx.ref(), dw.ref(), db.ref()}, ws, wsb, st);
+  }
+  void run(Stream st) { bwd ? bwd_run(st) : fwd(st); }
+  double bytes() const { return double(x.host.size()) * (bwd ? 3.0 : 2.0); }
+};
+
+// Error of the op on the device against the float64 CPU reference on the same inputs.
+double verify(const std::string& fam, bool bwd, DType dt, std::int64_t rows, std::int64_t n, bool gpu) {
+  Problem dev(fam, bwd, gpu, dt, rows, n);
+  Problem ref(fam, bwd, false, DType::f64, rows, n);
+  // the reference sees exactly the device's (rounded) inputs
+  for (auto [d, r] : {std::pair{&dev.x, &ref.x}, {&dev.w, &ref.w}, {&dev.b, &ref.b}, {&dev.dy, &ref.dy}})
+    for (std::int64_t i = 0; i < d->numel(); ++i) detail::store_from_double(r->host.data(), i, DType::f64, d->get(i));
+  dev.fwd(nullptr);
+  ref.fwd(nullptr);
+  if (!bwd) {
+#if FW_WITH_CUDA
+    if (gpu) cudaDeviceSynchronize();
+#endif
+    dev.y.download();
+    return rel_err(dev.y, ref.y);
+  }
+  dev.prepare_bwd();
+  dev.bwd_run(nullptr);
+  ref.bwd_run(nullptr);
+#if FW_WITH_CUDA
+  if (gpu) cudaDeviceSynchronize();
+#endif
+  dev.dx.download();
+  dev.dw.download();
+  dev.db.download();
+  double e = std::max(rel_err(dev.dx, ref.dx), rel_err(dev.dw, ref.dw));
+  if (!dev.rms()) e = std::max(e, rel_err(dev.db, ref.db));
+  return e;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+#if FW_WITH_CUDA
+struct GpuTimer {
+  void* flush = nullptr;
+  std::size_t flush_bytes = 0;
+  cudaStream_t st{};
+  cudaEvent_t e0{}, e1{};
+  GpuTimer() {
+    int dev = 0, l2 = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev);
+    flush_bytes = std::size_t(std::max(l2, 1 << 20)) * 2;
+    cudaMalloc(&flush, flush_bytes);
+    cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+  }
+  ~GpuTimer() { cudaFree(flush); cudaStreamDestroy(st); cudaEventDestroy(e0); cudaEventDestroy(e1); }
+  // Median ms of fn captured in a CUDA graph, L2 flushed before each replay.
+  double time_ms(const std::function<void(Stream)>& fn, int reps) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    fn(reinterpret_cast<Stream>(st));  // warm-up outside capture (attributes, first-launch costs)
+    cudaStreamSynchronize(st);
+    if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess) throw Error("capture failed");
+    fn(reinterpret_cast<Stream>(st));
+    if (cudaStreamEndCapture(st, &graph) != cudaSuccess) throw Error("capture failed");
+    if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) throw Error("graph instantiate failed");
+    std::vector<double> ms;
+    for (int i = 0; i < reps + 3; ++i) {
+      cudaMemsetAsync(flush, i & 0xff, flush_bytes, st);
+      cudaEventRecord(e0, st);
+      cudaGraphLaunch(exec, st);
+      cudaEventRecord(e1, st);
+      cudaEventSynchronize(e1);
+      float t = 0;
+      cudaEventElapsedTime(&t, e0, e1);
+      if (i >= 3) ms.push_back(t);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) throw Error(std::string("timing: ") + cudaGetErrorString(err));
+    return median(ms);
+  }
+  // Device-to-device copy bandwidth (bytes read + written), 1 GiB.
+  double copy_gbps() {
+    const std::size_t bytes = std::size_t(1) << 30;
+    void *a = nullptr, *b = nullptr;
+    cudaMalloc(&a, bytes);
+    cudaMalloc(&b, bytes);
+    cudaMemsetAsync(a, 1, bytes, st);
+    std::vector<double> ms;
+    for (int i = 0; i < 10; ++i) {
+      cudaEventRecord(e0, st);
+      cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, st);
+      cudaEventRecord(e1, st);
+      cudaEventSynchronize(e1);
+      float t = 0;
+      cudaEventElapsedTime(&t, e0, e1);
+      if (i >= 2) ms.push_back(t);
+    }
+    cudaFree(a);
+    cudaFree(b);
+    return 2.0 * double(bytes) / (median(ms) * 1e-3) / 1e9;
+  }
+};
+#endif
+
+double cpu_time_ms(Problem& p, int reps) {
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    p.run(nullptr);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return median(ms);
+}
+
+struct Row {
+  std::string op, dtype, shape;
+  double err, ms, gbps, pct;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto val = [&](const char* k) -> const char* {
+      const std::size_t l = std::strlen(k);
+      return a.compare(0, l, k) == 0 ? argv[i] + l : nullptr;
+    };
+    if (a == "--help" || a == "-h") usage(0);
+    else if (const char* v = val("--op=")) o.op = v;
+    else if (const char* v = val("--dtype=")) o.dtype = parse_dtype(v);
+    else if (const char* v = val("--rows=")) o.rows = std::atoll(v);
+    else if (const char* v = val("--n=")) o.n = std::atoll(v);
+    else if (const char* v = val("--reps=")) o.reps = std::atoi(v);
+    else if (const char* v = val("--csv=")) o.csv = v;
+    else if (a == "--quick") o.quick = true;
+    else if (a == "--cpu") o.cpu = true;
+    else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); usage(2); }
+  }
+  const bool gpu = !o.cpu && cuda_available();
+  std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");
+
+  struct Job { std::string fam; bool bwd; DType dt; std::int64_t rows, n; };
+  std::vector<Job> jobs;
+  if (!o.op.empty()) {
+    const auto us = o.op.rfind('_');
+    if (us == std::string::npos) usage(2);
+    jobs.push_back({o.op.substr(0, us), o.op.substr(us + 1) == "bwd", o.dtype, o.rows, o.n});
+  } else {
+    // BENCHMARKS.md shapes (a CPU run, which times the reference, uses small ones).
+    std::vector<std::pair<std::int64_t, std::int64_t>> ln;
+    if (!gpu) ln = {{256, 1024}, {64, 8192}};
+    else if (o.quick) ln = {{4096, 1024}, {4096, 8192}, {262144, 128}};
+    else ln = {{4096, 1024}, {4096, 2048}, {4096, 4096}, {4096, 8192}, {4096, 16384}, {32768, 4096},
+               {32768, 8192}, {262144, 128}, {262144, 256}, {512, 32768}, {512, 65536}};
+    for (const char* fam : {"layernorm", "rmsnorm"})
+      for (auto [m, n] : ln)
+        for (bool bwd : {false, true}) jobs.push_back({fam, bwd, DType::bf16, m, n});
+    if (gpu && !o.quick)
+      for (auto [m, n] : std::vector<std::pair<std::int64_t, std::int64_t>>{{4096, 1024}, {4096, 8192}})
+        for (bool bwd : {false, true}) jobs.push_back({"layernorm", bwd, DType::f16, m, n});
+    // head norm: (B*S, NH=16, DH) rows of DH; adaLN (B=4, S, D)
+    const std::vector<std::pair<std::int64_t, std::int64_t>> hn = gpu ? std::vector<std::pair<std::int64_t, std::int64_t>>{{2 * 8192 * 16, 128}, {8 * 8192 * 16, 256}}
+                                                                        : std::vector<std::pair<std::int64_t, std::int64_t>>{{64 * 16, 128}};
+    for (auto [m, n] : hn)
+      for (bool bwd : {false, true}) jobs.push_back({"headnorm", bwd, DType::bf16, m, n});
+    const std::vector<std::pair<std::int64_t, std::int64_t>> ad = gpu ? std::vector<std::pair<std::int64_t, std::int64_t>>{{4 * 1024, 768}, {4 * 4096, 1152}}
+                                                                        : std::vector<std::pair<std::int64_t, std::int64_t>>{{4 * 64, 768}};
+    for (auto [m, n] : ad)
+      for (bool bwd : {false, true}) jobs.push_back({"adalayernorm", bwd, DType::f16, m, n});
+  }
+
+  double copy = 0;
+#if FW_WITH_CUDA
+  GpuTimer* timer = gpu ? new GpuTimer() : nullptr;
+  if (gpu) {
+    copy = timer->copy_gbps();
+    std::printf("device-to-device copy: %.0f GB/s (read + write)\n", copy);
+  }
+#endif
+  std::vector<Row> rows;
+  int failures = 0;
+  for (const Job& j : jobs) {
+    const std::string op = j.fam + (j.bwd ? "_bwd" : "_fwd");
+    try {
+      const std::int64_t vrows = std::max<std::int64_t>(16, std::min<std::int64_t>(j.rows, (std::int64_t(1) << 24) / j.n)) / 16 * 16;
+      const double err = verify(j.fam, j.bwd, j.dt, std::min(vrows, j.rows), j.n, gpu);
+      const double tol = j.dt == DType::f32 ? 1e-5 : j.dt == DType::f16 ? 2e-3 : 1e-2;
+      if (!(err <= tol)) ++failures;
+      Problem p(j.fam, j.bwd, gpu, j.dt, j.rows, j.n);
+      double ms;
+      if (j.bwd) { p.fwd(nullptr); p.prepare_bwd(); }
+#if FW_WITH_CUDA
+      if (gpu) ms = timer->time_ms([&](Stream st) { p.run(st); }, o.reps);
+      else
+#endif
+        ms = cpu_time_ms(p, std::max(3, o.reps / 10));
+      const double gbps = p.bytes() / (ms * 1e-3) / 1e9;
+      std::string shape = "(";
+      for (std::size_t d = 0; d < p.s.x.size(); ++d) shape += (d ? "," : "") + std::to_string(p.s.x[d]);
+      rows.push_back({op, dtype_name(j.dt), shape + ")", err, ms, gbps, copy > 0 ? 100.0 * gbps / copy : 0.0});
+    } catch (const std::exception& e) {
+      std::printf("%s: error: %s\n", op.c_str(), e.what());
+      ++failures;
+    }
+  }
+#if FW_WITH_CUDA
+  delete timer;
+#endif
+  std::printf("\n| op | dtype | x shape | rel err vs fp64 ref | ms | GB/s | %% of copy |\n|---|---|---|---|---|---|---|\n");
+  for (const Row& r : rows)
+    std::printf("| %s | %s | %s | %.2e | %.4f | %.0f | %s |\n", r.op.c_str(), r.dtype.c_str(), r.shape.c_str(), r.err,
+                r.ms, r.gbps, copy > 0 ? std::to_string(int(std::lround(r.pct))).c_str() : "-");
+  if (!o.csv.empty()) {
+    std::ofstream f(o.csv);
+    f << "op,dtype,shape,rel_err,ms,gbps,pct_copy,device\n";
+    for (const Row& r : rows)
+      f << r.op << ',' << r.dtype << ",\"" << r.shape << "\"," << r.err << ',' << r.ms << ',' << r.gbps << ','
+        << r.pct << ',' << (gpu ? "gpu" : "cpu") << '\n';
+  }
+  std::printf("\n%zu ops verified and timed, %d failed verification (bounds fp32 1e-5, fp16 2e-3, bf16 1e-2)\n",
+              rows.size(), failures);
+  return failures ? 1 : 0;
+}
