@@ -47,10 +47,12 @@ struct Checker {
     FW_CHECK_ARG(t.ndim == 0 || t.shape[t.ndim - 1] <= 1 || t.strides[t.ndim - 1] == 1, op, name,
                  "the last dimension must be contiguous (stride 1), got stride ", t.strides[t.ndim - 1]);
   }
+  // ref_name: whose shape it must match ("x"), or nullptr when `ref` is the required shape itself.
   void same_shape(const char* name, const TensorRef& t, const TensorRef& ref, const char* ref_name) const {
     bool same = t.ndim == ref.ndim;
     for (int d = 0; same && d < t.ndim; ++d) same = t.shape[d] == ref.shape[d];
-    FW_CHECK_ARG(same, op, name, "expected shape ", ref.shape_str(), " (that of ", ref_name, "), got ", t.shape_str());
+    FW_CHECK_ARG(same, op, name, "expected shape ", ref.shape_str(), ref_name ? cat(" (that of ", ref_name, ")") : "",
+                 ", got ", t.shape_str());
   }
   // A tensor of rows like x: same shape and dtype, own strides, last dim contiguous.
   RowIndexer row_tensor(const char* name, const TensorRef& t, bool is_x = false) const {
@@ -93,9 +95,9 @@ struct Checker {
     TensorRef want;
     want.ndim = nd;
     for (int d = 0; d < nd; ++d) want.shape[d] = shape[d];
-    same_shape(name, t, want, "expected");
+    same_shape(name, t, want, nullptr);
     FW_CHECK_ARG(t.dtype == io || t.dtype == DType::f32, op, name, "expected dtype ", dtype_name(io),
-                 " (that of x) or float32, got ", dtype_name(t.dtype));
+                 io == DType::f32 ? " (that of x)" : " (that of x) or float32", ", got ", dtype_name(t.dtype));
     last_dim_contiguous(name, t);
     return grouped ? t.strides[0] : 0;
   }
@@ -247,11 +249,13 @@ RowNormParams plan_bwd(const char* op, NormKind kind, const TensorRef& dy, const
   return p;
 }
 
+#if !FW_WITH_CUDA
 [[noreturn]] void no_cuda(const char* op) {
   throw Error(cat(op, ": the tensors are on a CUDA device but this build of fastweight has no CUDA kernels"));
 }
+#endif
 
-void run_fwd(const char* op, const RowNormParams& p, const TensorRef& x, Stream stream) {
+void run_fwd([[maybe_unused]] const char* op, const RowNormParams& p, const TensorRef& x, Stream stream) {
   if (p.rows == 0) return;  // nothing to normalise (N >= 1 was checked)
   if (x.device == DeviceType::cpu) return detail::rownorm_fwd_reference(p);
 #if FW_WITH_CUDA

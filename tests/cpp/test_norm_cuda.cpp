@@ -48,6 +48,38 @@ Outputs run_device(const Problem& pb, HostTensor& x, HostTensor& w, HostTensor& 
   return o;
 }
 
+// ||rstd * dy * s|| over all rows (s = weight_offset + w, or 1): the magnitude of dx's terms.
+double cancel_scale(const Problem& pb, const HostTensor& x64, const HostTensor& dy64, const HostTensor& w64,
+                    bool has_w, double offset, const HostTensor& rstd) {
+  const std::int64_t n = pb.n;
+  double ss = 0.0;
+  for (std::int64_t r = 0; r < pb.rows; ++r) {
+    // parameter group of row r: headnorm (rows / NH, NH, n): r % NH; adaLN (B, S, n): r / S
+    std::int64_t g = 0;
+    if (pb.op == Op::headnorm) g = r % pb.p_shape[0];
+    if (pb.op == Op::adalayernorm) g = r / pb.x_shape[1];
+    for (std::int64_t c = 0; c < n; ++c) {
+      const double s = has_w ? offset + w64.get(g * n + c) : 1.0;
+      const double t = rstd.get(r) * dy64.get(r * n + c) * s;
+      ss += t * t;
+    }
+  }
+  (void)x64;
+  return std::sqrt(ss);
+}
+
+// ||a - b|| / max(||b||, scale)
+double err_vs_scale(const HostTensor& a, const HostTensor& b, double scale) {
+  const auto va = a.values(), vb = b.values();
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = 0; i < va.size(); ++i) {
+    if (!std::isfinite(va[i])) return INFINITY;
+    num += (va[i] - vb[i]) * (va[i] - vb[i]);
+    den += vb[i] * vb[i];
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), scale);
+}
+
 bool same_view_bits(const HostTensor& a, const HostTensor& b) {
   const auto oa = a.offsets(), ob = b.offsets();
   const std::size_t es = a.esize();
@@ -100,7 +132,10 @@ TEST_P(NormCuda, MatchesReferenceWritesEverythingAndIsDeterministic) {
   EXPECT_LE(rel_err(o1.y, y64), tol) << what << " y";
   EXPECT_LE(rel_err(o1.rstd, rstd64), 1e-5) << what << " rstd";
   if (!rms) EXPECT_LE(rel_err(o1.mean, mean64), 1e-5) << what << " mean";
-  EXPECT_LE(rel_err(o1.dx, dx64), tol) << what << " dx";
+  // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) cancels almost fully in degenerate rows
+  // (N = 1: dx ~ eps / (x^2 + eps)); measure its error against the size of the terms that cancel,
+  // ||rstd * g||, which equals ||dx|| up to a constant whenever the cancellation is not near-total.
+  EXPECT_LE(err_vs_scale(o1.dx, dx64, cancel_scale(pb, x64, dy64, w64, has_w, offset, rstd64)), tol) << what << " dx";
   // Gradients of parameters stored in fp32 are held to the fp32 bound only when x is fp32 too:
   // they sum products of 16-bit inputs, exactly as the reference does, so the IO bound applies.
   if (has_w) EXPECT_LE(rel_err(o1.dw, dw64), tol) << what << " dweight";

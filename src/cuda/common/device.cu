@@ -1,5 +1,7 @@
 // device.cu: device guard and cached device properties.
+#include <map>
 #include <mutex>
+#include <tuple>
 
 #include "cuda/common/check.cuh"
 #include "cuda/norm/norm_cuda.h"
@@ -28,6 +30,28 @@ const Props& props() {
 }  // namespace
 
 int sm_count() { return props().sms; }
+
+int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem) {
+  // Memoised per (device, kernel, threads, smem): the queries cost microseconds, the launches they
+  // plan cost a few; the shared-memory limit is raised once per kernel and device.
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int, std::size_t>, int> occ_cache;
+  static std::map<std::pair<int, const void*>, std::size_t> smem_set;
+  int dev = 0;
+  FW_CUDA_CHECK("fastweight", cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(dev, kernel, threads, smem);
+  if (auto it = occ_cache.find(key); it != occ_cache.end()) return it->second;
+  std::size_t& raised = smem_set[{dev, kernel}];
+  if (smem > raised && smem > 40 * 1024) {  // dynamic + static scratch may pass the 48 KB default
+    FW_CUDA_CHECK("fastweight", cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    raised = smem;
+  }
+  int occ = 0;
+  FW_CUDA_CHECK("fastweight", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, threads, smem));
+  occ_cache[key] = occ;
+  return occ;
+}
 int max_smem_per_block_optin() { return props().smem_optin; }
 
 bool cuda_runtime_available() {

@@ -11,11 +11,12 @@
 //    its VPT 16-byte vectors in registers, so x (and dy) are read from memory exactly once and the
 //    variance is an exact two-pass over registers. tpr <= 32: shuffles only, many rows per CTA;
 //    tpr > 32: one or a few rows per CTA with a shared-memory step.
-//  * streaming (any N): one row per CTA iteration, re-reading the row (from L2) per pass.
+//  * streaming (any N): forward: one row per CTA iteration, re-reading the row (from L2) per pass;
+//    backward: a row-sum pass, then column tiles that keep dW/dB in registers (see below).
 //
 // Backward weight gradients are deterministic: each CTA accumulates dy * xhat and dy for its rows
-// in fp32 registers (cached) or in its own fp32 workspace slice (streaming), in row order, and
-// writes one partial row per CTA: ws[(p * G + g) * N + c]. rownorm_wgrad_finalize then sums the P
+// in fp32 registers, in row order, and writes one partial row per CTA (per column tile for long
+// rows): ws[(p * G + g) * N + c]. rownorm_wgrad_finalize then sums the P
 // partials of each column in a fixed order. No float atomics anywhere.
 //
 // Saved for the backward by the forward: mean and rstd, fp32, one per row.
@@ -28,13 +29,18 @@
 
 namespace fastweight::detail {
 
-// Registers per thread for the cached engine: 32 floats of x in the forward; 16 floats each of x,
-// dy, dw and db in the backward (keeps the 512-thread CTA under 128 registers, no spills).
-inline constexpr int kFwdElemsPerThread = 32;
-inline constexpr int kBwdElemsPerThread = 16;
+// Per-thread work of the cached engine, in 16-byte vectors per row (the same bytes for every dtype):
+// forward 4 vectors of x (plus 4 prefetched), backward 2 each of x and dy (plus 2 + 2 prefetched).
+// CTAs of <= 256 threads are compiled for 3 resident per SM (<= 80 registers, 24 warps); the
+// 512-thread CTA of the longest rows gets 128 registers.
+inline constexpr int kFwdVecs = 4;
+inline constexpr int kBwdVecs = 2;
 inline constexpr int kMaxTpr = 512;
-inline constexpr std::int64_t kCachedMaxNFwd = std::int64_t(kMaxTpr) * kFwdElemsPerThread;  // 16384
-inline constexpr std::int64_t kCachedMaxNBwd = std::int64_t(kMaxTpr) * kBwdElemsPerThread;  // 8192
+inline constexpr int kSmallCta = 256;
+template <typename T> inline constexpr std::int64_t kCachedMaxNFwd = std::int64_t(kMaxTpr) * kFwdVecs * kVecElems<T>;
+template <typename T> inline constexpr std::int64_t kCachedMaxNBwd = std::int64_t(kMaxTpr) * kBwdVecs * kVecElems<T>;
+
+#define FW_CACHED_BOUNDS(BIG) __launch_bounds__((BIG) ? kMaxTpr : kSmallCta, (BIG) ? 1 : 3)
 
 struct RowLaunch {
   int tpr = 1;           // threads per row (cached engine)
@@ -56,16 +62,18 @@ __device__ __forceinline__ float row_sum(float v, int tpr, float* s_red) {
   return t;
 }
 
-// Stage the group's scale (weight_offset + w, or 1) and bias (or 0) as fp32 in shared memory.
-template <typename T>
-__device__ __forceinline__ void stage_params(const RowNormParams& p, std::int64_t g, float* s_scale,
-                                             float* s_bias) {
-  const bool f32 = p.param == DType::f32;
-  for (std::int64_t c = threadIdx.x; c < p.n; c += blockDim.x) {
-    s_scale[c] = p.w ? p.weight_offset + load_param<T>(p.w, g * p.w_group_stride + c, f32) : 1.f;
-    if (s_bias) s_bias[c] = p.b ? load_param<T>(p.b, g * p.b_group_stride + c, f32) : 0.f;
-  }
+// row_sum of two values at once (one barrier pair instead of two). `s_red`: two floats per warp.
+__device__ __forceinline__ float2 row_sum2(float2 v, int tpr, float* s_red) {
+  v.x = group_sum_warp(v.x, tpr);
+  v.y = group_sum_warp(v.y, tpr);
+  if (tpr <= 32) return v;
+  const int warp = threadIdx.x >> 5, wpr = tpr >> 5, first = warp - warp % wpr;
   __syncthreads();
+  if ((threadIdx.x & 31) == 0) { s_red[2 * warp] = v.x; s_red[2 * warp + 1] = v.y; }
+  __syncthreads();
+  float2 t = make_float2(0.f, 0.f);
+  for (int i = 0; i < wpr; ++i) { t.x += s_red[2 * (first + i)]; t.y += s_red[2 * (first + i) + 1]; }
+  return t;
 }
 
 // ---- forward, cached ----------------------------------------------------------------------------
@@ -101,8 +109,8 @@ __device__ __forceinline__ void load_params_vec(const RowNormParams& p, std::int
   }
 }
 
-template <typename T, int VPT, bool ALIGNED>
-__global__ void __launch_bounds__(kMaxTpr) rownorm_fwd_cached_kernel(const RowNormParams p, const RowLaunch L) {
+template <typename T, int VPT, bool ALIGNED, bool BIG>
+__global__ void FW_CACHED_BOUNDS(BIG) rownorm_fwd_cached_kernel(const RowNormParams p, const RowLaunch L) {
   constexpr int E = kVecElems<T>;
   extern __shared__ float smem[];
   const int n = int(p.n);
@@ -169,19 +177,24 @@ __global__ void __launch_bounds__(kMaxTpr) rownorm_fwd_cached_kernel(const RowNo
 }
 
 // ---- backward, cached ---------------------------------------------------------------------------
-// smem: scale (N) | reduction scratch (blockDim / 32 + 1) | partial combine (R * N) when R > 1
-template <typename T, int VPT, bool ALIGNED>
-__global__ void __launch_bounds__(kMaxTpr) rownorm_bwd_cached_kernel(const RowNormParams p, const RowLaunch L,
-                                                                     float* __restrict__ ws_dw,
-                                                                     float* __restrict__ ws_db) {
+// dW/dB partials in registers (fp32), combined over the CTA's row groups in a fixed order at the end.
+// smem: scale (N) | reduction scratch (2 * blockDim / 32 + 2) | partial combine (R * N) when R > 1
+template <typename T, int VPT, bool ALIGNED, bool BIG>
+__global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownorm_bwd_cached_kernel(
+    const RowNormParams p, const RowLaunch L, float* __restrict__ ws_dw, float* __restrict__ ws_db) {
   constexpr int E = kVecElems<T>;
   extern __shared__ float smem[];
   const int n = int(p.n);
   float* s_scale = smem;
   float* s_red = smem + n;
-  float* s_comb = s_red + blockDim.x / 32 + 1;
+  float* s_comb = s_red + 2 * (blockDim.x / 32) + 2;
   const std::int64_t g = blockIdx.x / L.P, pi = blockIdx.x % L.P;
-  stage_params<T>(p, g, s_scale, nullptr);
+  {  // the group's scale (weight_offset + w, or 1) as fp32, once per CTA
+    const bool f32 = p.param == DType::f32;
+    for (int c = threadIdx.x; c < n; c += blockDim.x)
+      s_scale[c] = p.w ? p.weight_offset + load_param<T>(p.w, g * p.w_group_stride + c, f32) : 1.f;
+    __syncthreads();
+  }
 
   const int R = blockDim.x / L.tpr, rg = threadIdx.x / L.tpr, lane = threadIdx.x % L.tpr;
   const float inv_n = 1.f / float(n);
@@ -223,8 +236,9 @@ __global__ void __launch_bounds__(kMaxTpr) rownorm_bwd_cached_kernel(const RowNo
         acc_dw[k][e] += dy * xh;
         acc_db[k][e] += dy;
       }
-    const float mg = p.rms ? 0.f : row_sum(sg, L.tpr, s_red) * inv_n;
-    const float mgx = row_sum(sgx, L.tpr, s_red) * inv_n;
+    const float2 sums = row_sum2(make_float2(sg, sgx), L.tpr, s_red);  // one pass for both sums
+    const float mg = p.rms ? 0.f : sums.x * inv_n;
+    const float mgx = sums.y * inv_n;
     if (valid) {
       T* dxr = static_cast<T*>(p.dx) + p.dx_rows.offset(r);
 #pragma unroll
@@ -281,50 +295,46 @@ __global__ void __launch_bounds__(kMaxTpr) rownorm_bwd_cached_kernel(const RowNo
 // ---- streaming engine (any N): one row per CTA iteration, blockDim threads over the row ----------
 // smem: reduction scratch (blockDim / 32)
 template <typename T, bool ALIGNED>
-__global__ void __launch_bounds__(1024) rownorm_fwd_stream_kernel(const RowNormParams p, const RowLaunch L) {
+__global__ void __launch_bounds__(512) rownorm_fwd_stream_kernel(const RowNormParams p, const RowLaunch L) {
   constexpr int E = kVecElems<T>;
   __shared__ float s_red[32];
   const std::int64_t g = blockIdx.x / L.P, pi = blockIdx.x % L.P;
-  const bool f32 = p.param == DType::f32;
   const int n = int(p.n), step = blockDim.x * E;
-  const float inv_n = 1.f / float(p.n);
+  const float inv_n = 1.f / float(n);
   for (std::int64_t j = pi; j < p.rows_per_group; j += L.P) {
     const std::int64_t r = p.row_of(g, j);
     const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(r);
     float mean = 0.f;
     if (!p.rms) {
       float s = 0.f;
+#pragma unroll 4
       for (int col = threadIdx.x * E; col < n; col += step) {
-        float v[E];
-        load_vec<T>(xr, col, p.n, ALIGNED, v);
+        const uint4 v = load_raw<T>(xr, col, n, ALIGNED);
 #pragma unroll
-        for (int e = 0; e < E; ++e) s += v[e];
+        for (int e = 0; e < E; ++e) s += raw_get<T>(v, e);
       }
       mean = row_sum(s, blockDim.x, s_red) * inv_n;
     }
     float ss = 0.f;
+#pragma unroll 4
     for (int col = threadIdx.x * E; col < n; col += step) {
-      float v[E];
-      load_vec<T>(xr, col, p.n, ALIGNED, v);
+      const uint4 v = load_raw<T>(xr, col, n, ALIGNED);
 #pragma unroll
       for (int e = 0; e < E; ++e) {
-        const float d = col + e < p.n ? v[e] - mean : 0.f;
+        const float d = col + e < n ? raw_get<T>(v, e) - mean : 0.f;
         ss += d * d;
       }
     }
     const float rstd = rsqrtf(row_sum(ss, blockDim.x, s_red) * inv_n + p.eps);
     T* yr = static_cast<T*>(p.y) + p.y_rows.offset(r);
+#pragma unroll 4
     for (int col = threadIdx.x * E; col < n; col += step) {
-      float v[E];
-      load_vec<T>(xr, col, p.n, ALIGNED, v);
+      const uint4 v = load_raw<T>(xr, col, n, ALIGNED);
+      float sc[E], bi[E], out[E];
+      load_params_vec<T, ALIGNED>(p, g, col, n, sc, bi);
 #pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const std::int64_t c = col + e < p.n ? col + e : 0;
-        const float s = p.w ? p.weight_offset + load_param<T>(p.w, g * p.w_group_stride + c, f32) : 1.f;
-        const float b = p.b ? load_param<T>(p.b, g * p.b_group_stride + c, f32) : 0.f;
-        v[e] = (v[e] - mean) * rstd * s + b;
-      }
-      store_vec<T>(yr, col, p.n, ALIGNED, v);
+      for (int e = 0; e < E; ++e) out[e] = (raw_get<T>(v, e) - mean) * rstd * sc[e] + bi[e];
+      store_vec<T>(yr, col, n, ALIGNED, out);
     }
     if (threadIdx.x == 0) {
       if (p.mean) p.mean[r] = mean;
@@ -333,21 +343,21 @@ __global__ void __launch_bounds__(1024) rownorm_fwd_stream_kernel(const RowNormP
   }
 }
 
+// ---- backward for long rows (N > the cached engine's reach): two passes, no per-row partials ------
+// A (rowsum): one row per CTA iteration, stores mean(g) and mean(g * xhat) of each row (fp32).
+// B (coltile): each CTA owns a tile of blockDim * E columns and a slice of the rows; a thread keeps
+//   its vector's scale and dW/dB partials in registers over all its rows (no reductions in the row
+//   loop, so rows pipeline freely), writes dx, and at the end its partial columns of the CTA's slot.
+// Traffic: x and dy are read twice (5 tensor passes instead of 3), against the streaming design's
+// per-row read-modify-write of 8 bytes of partials per element.
 template <typename T, bool ALIGNED>
-__global__ void __launch_bounds__(1024) rownorm_bwd_stream_kernel(const RowNormParams p, const RowLaunch L,
-                                                                  float* __restrict__ ws_dw,
-                                                                  float* __restrict__ ws_db) {
+__global__ void __launch_bounds__(512) rownorm_bwd_rowsum_kernel(const RowNormParams p, const RowLaunch L,
+                                                                 float2* __restrict__ rowsums) {
   constexpr int E = kVecElems<T>;
-  __shared__ float s_red[32];
+  __shared__ float s_red[64];
   const std::int64_t g = blockIdx.x / L.P, pi = blockIdx.x % L.P;
-  const bool f32 = p.param == DType::f32;
   const int n = int(p.n), step = blockDim.x * E;
-  const std::int64_t slot = (pi * p.groups + g) * p.n;
-  const float inv_n = 1.f / float(p.n);
-  auto scale_at = [&](std::int64_t c) {
-    return p.w ? p.weight_offset + load_param<T>(p.w, g * p.w_group_stride + c, f32) : 1.f;
-  };
-  bool first = true;
+  const float inv_n = 1.f / float(n);
   for (std::int64_t j = pi; j < p.rows_per_group; j += L.P) {
     const std::int64_t r = p.row_of(g, j);
     const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(r);
@@ -355,44 +365,60 @@ __global__ void __launch_bounds__(1024) rownorm_bwd_stream_kernel(const RowNormP
     const float mean = p.rms ? 0.f : p.mean[r];
     const float rstd = p.rstd[r];
     float sg = 0.f, sgx = 0.f;
+#pragma unroll 4
     for (int col = threadIdx.x * E; col < n; col += step) {
-      float xv[E], dyv[E];
-      load_vec<T>(xr, col, p.n, ALIGNED, xv);
-      load_vec<T>(dyr, col, p.n, ALIGNED, dyv);
+      const uint4 xv = load_raw<T>(xr, col, n, ALIGNED), dyv = load_raw<T>(dyr, col, n, ALIGNED);
+      float sc[E], unused[E];
+      load_params_vec<T, ALIGNED>(p, g, col, n, sc, unused);
 #pragma unroll
       for (int e = 0; e < E; ++e) {
-        if (col + e >= p.n) continue;
-        const float gg = __fmul_rn(dyv[e], scale_at(col + e));
+        const float gg = __fmul_rn(raw_get<T>(dyv, e), sc[e]);  // 0 past the row end
         sg += gg;
-        sgx += gg * (xv[e] - mean) * rstd;
+        sgx += gg * ((raw_get<T>(xv, e) - mean) * rstd);
       }
     }
-    const float mg = p.rms ? 0.f : row_sum(sg, blockDim.x, s_red) * inv_n;
-    const float mgx = row_sum(sgx, blockDim.x, s_red) * inv_n;
-    T* dxr = static_cast<T*>(p.dx) + p.dx_rows.offset(r);
-    for (int col = threadIdx.x * E; col < n; col += step) {
-      float xv[E], dyv[E], out[E];
-      load_vec<T>(xr, col, p.n, ALIGNED, xv);
-      load_vec<T>(dyr, col, p.n, ALIGNED, dyv);
+    const float2 sums = row_sum2(make_float2(sg, sgx), blockDim.x, s_red);
+    if (threadIdx.x == 0) rowsums[r] = make_float2(p.rms ? 0.f : sums.x * inv_n, sums.y * inv_n);
+  }
+}
+
+// Grid: tiles * P * G CTAs, b = (g * P + pi) * tiles + tile.
+template <typename T, bool ALIGNED>
+__global__ void __launch_bounds__(256) rownorm_bwd_coltile_kernel(const RowNormParams p, const RowLaunch L, int tiles,
+                                                                  const float2* __restrict__ rowsums,
+                                                                  float* __restrict__ ws_dw, float* __restrict__ ws_db) {
+  constexpr int E = kVecElems<T>;
+  const int tile = blockIdx.x % tiles;
+  const std::int64_t gp = blockIdx.x / tiles, g = gp / L.P, pi = gp % L.P;
+  const int n = int(p.n), col = (tile * blockDim.x + threadIdx.x) * E;
+  float sc[E], unused[E], acc_dw[E] = {}, acc_db[E] = {};  // (E) this thread's columns
+  load_params_vec<T, ALIGNED>(p, g, col < n ? col : 0, col < n ? n : 0, sc, unused);
+  if (col < n) {
+#pragma unroll 4
+    for (std::int64_t j = pi; j < p.rows_per_group; j += L.P) {
+      const std::int64_t r = p.row_of(g, j);
+      const uint4 xv = load_raw<T>(static_cast<const T*>(p.x) + p.x_rows.offset(r), col, n, ALIGNED);
+      const uint4 dyv = load_raw<T>(static_cast<const T*>(p.dy) + p.dy_rows.offset(r), col, n, ALIGNED);
+      const float mean = p.rms ? 0.f : p.mean[r];
+      const float rstd = p.rstd[r];
+      const float2 m = rowsums[r];  // (mean(g), mean(g * xhat))
+      float out[E];
 #pragma unroll
       for (int e = 0; e < E; ++e) {
-        const std::int64_t c = col + e;
-        const float xh = (xv[e] - mean) * rstd;
-        out[e] = c < n ? rstd * (__fmul_rn(dyv[e], scale_at(c)) - mg - xh * mgx) : 0.f;
-        if (c < p.n) {  // this thread owns column c of its CTA's slice: no race, fixed row order
-          if (ws_dw) ws_dw[slot + c] = (first ? 0.f : ws_dw[slot + c]) + dyv[e] * xh;
-          if (ws_db) ws_db[slot + c] = (first ? 0.f : ws_db[slot + c]) + dyv[e];
-        }
+        const float dy = raw_get<T>(dyv, e), xh = (raw_get<T>(xv, e) - mean) * rstd;
+        out[e] = rstd * (__fmul_rn(dy, sc[e]) - m.x - xh * m.y);
+        acc_dw[e] += dy * xh;
+        acc_db[e] += dy;
       }
-      store_vec<T>(dxr, col, p.n, ALIGNED, out);
+      store_vec<T>(static_cast<T*>(p.dx) + p.dx_rows.offset(r), col, n, ALIGNED, out);
     }
-    first = false;
   }
-  if (first) {  // a CTA with no rows still owns a partial slot: zeros
-    for (std::int64_t c = threadIdx.x; c < p.n; c += blockDim.x) {
-      if (ws_dw) ws_dw[slot + c] = 0.f;
-      if (ws_db) ws_db[slot + c] = 0.f;
-    }
+  const std::int64_t slot = (pi * p.groups + g) * p.n;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    if (col + e >= n) break;
+    if (ws_dw) ws_dw[slot + col + e] = acc_dw[e];
+    if (ws_db) ws_db[slot + col + e] = acc_db[e];
   }
 }
 

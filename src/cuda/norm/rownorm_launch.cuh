@@ -2,10 +2,13 @@
 // template per IO dtype, instantiated in rownorm_<dtype>.cu so that build options can drop dtypes.
 //
 // Plan: N <= kCachedMaxN{Fwd,Bwd} -> cached engine with tpr = next_pow2(ceil(N / elems_per_thread))
-// threads per row and max(tpr, 256) threads per CTA (256 keeps 8 CTAs resident for small rows);
-// otherwise the streaming engine with 512 threads per row. P (CTAs per parameter group) is one
-// wave of resident CTAs spread over the groups, so the weight-gradient partials stay small
-// (P * G * N floats) and every CTA amortises its parameter staging over many rows.
+// threads per row and max(tpr, 256) threads per CTA; otherwise the forward streams rows (512
+// threads per row) and the backward runs rowsum + coltile. P (CTAs per parameter group, per column
+// tile for coltile) is one wave of resident CTAs spread over the groups (and tiles), so the
+// weight-gradient partials stay small (P * G * N floats) and every CTA sees many rows.
+//
+// Backward workspace (bytes, each part 256-aligned): dW partials (P*G*N fp32) | dB partials (same)
+// | row sums (rows float2, long rows only).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,6 +26,9 @@ struct RowPlan {
   int threads = 256;
   std::size_t smem = 0;
   RowLaunch L;
+  // long-row backward only
+  int tiles = 0;     // column tiles of coltile (threads * E columns each)
+  RowLaunch rs;      // rowsum launch (512 threads per row)
 };
 
 inline bool rows_aligned(const void* base, const RowIndexer& ix, std::size_t elem) {
@@ -38,109 +44,157 @@ inline int next_pow2(std::int64_t v) {
   return t;
 }
 
+// CTAs per group: about one wave of resident CTAs over `units` (groups x tiles), at most `need`.
+inline int ctas_per_unit(const void* kernel, int threads, std::size_t smem, std::int64_t units, std::int64_t need) {
+  const std::int64_t resident = std::int64_t(std::max(resident_ctas_per_sm(kernel, threads, smem), 1)) * sm_count();
+  return int(std::max<std::int64_t>(1, std::min(need, (resident + units - 1) / units)));
+}
+
+// The cached kernel for (dtype, direction, alignment, CTA size).
+template <typename T>
+const void* cached_kernel(bool bwd, bool aligned, bool big) {
+#define FW_PICK(K, V)                                                                        \
+  (aligned ? (big ? reinterpret_cast<const void*>(&K<T, V, true, true>)                     \
+                  : reinterpret_cast<const void*>(&K<T, V, true, false>))                   \
+           : (big ? reinterpret_cast<const void*>(&K<T, V, false, true>)                    \
+                  : reinterpret_cast<const void*>(&K<T, V, false, false>)))
+  return bwd ? FW_PICK(rownorm_bwd_cached_kernel, kBwdVecs) : FW_PICK(rownorm_fwd_cached_kernel, kFwdVecs);
+#undef FW_PICK
+}
+
 template <typename T>
 RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   constexpr int E = kVecElems<T>;
   RowPlan plan;
-  const std::int64_t ept = bwd ? kBwdElemsPerThread : kFwdElemsPerThread;
-  const std::int64_t cached_max = bwd ? kCachedMaxNBwd : kCachedMaxNFwd;
+  const std::int64_t ept = std::int64_t(bwd ? kBwdVecs : kFwdVecs) * E;  // elements per thread per row
+  const std::int64_t cached_max = bwd ? kCachedMaxNBwd<T> : kCachedMaxNFwd<T>;
+  const std::int64_t J = p.rows_per_group;
   plan.L.aligned = p.n % E == 0 && rows_aligned(p.x, p.x_rows, sizeof(T)) &&
                    (bwd ? rows_aligned(p.dy, p.dy_rows, sizeof(T)) && rows_aligned(p.dx, p.dx_rows, sizeof(T))
                         : rows_aligned(p.y, p.y_rows, sizeof(T)));
-  const void* kernel;
+  const bool al = plan.L.aligned;
   if (p.n <= cached_max) {
     plan.cached = true;
     plan.L.tpr = next_pow2((p.n + ept - 1) / ept);
-    plan.threads = std::max(plan.L.tpr, 256);
+    plan.threads = std::max(plan.L.tpr, kSmallCta);
     const int R = plan.threads / plan.L.tpr;
-    const std::size_t red = plan.threads / 32 + 1;
-    plan.smem = sizeof(float) * (bwd ? p.n + red + (R > 1 ? R * p.n : 0) : red);
-    // Occupancy of the aligned variant stands for both (same shared memory, similar registers).
-    kernel = bwd ? reinterpret_cast<const void*>(&rownorm_bwd_cached_kernel<T, kBwdElemsPerThread / E, true>)
-                 : reinterpret_cast<const void*>(&rownorm_fwd_cached_kernel<T, kFwdElemsPerThread / E, true>);
-  } else {
-    plan.cached = false;
-    plan.L.tpr = 512;
-    plan.threads = 512;
-    plan.smem = 0;
-    kernel = bwd ? reinterpret_cast<const void*>(&rownorm_bwd_stream_kernel<T, true>)
-                 : reinterpret_cast<const void*>(&rownorm_fwd_stream_kernel<T, true>);
+    const std::size_t red = 2 * (plan.threads / 32) + 2;
+    // backward: scale (N) and, with several rows per CTA, the fixed-order combine of the partials
+    plan.smem = sizeof(float) * (red + (bwd ? p.n + (R > 1 ? std::size_t(R) * p.n : 0) : 0));
+    const void* kernel = cached_kernel<T>(bwd, al, plan.threads > kSmallCta);
+    plan.L.P = ctas_per_unit(kernel, plan.threads, plan.smem, p.groups, (J + R - 1) / R);
+    return plan;
   }
-  const char* op = bwd ? "rownorm_bwd" : "rownorm_fwd";
-  if (plan.smem > 48 * 1024) {  // both variants may run with this much
-    FW_CUDA_CHECK(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem)));
-    const void* other = bwd ? reinterpret_cast<const void*>(&rownorm_bwd_cached_kernel<T, kBwdElemsPerThread / E, false>)
-                            : reinterpret_cast<const void*>(&rownorm_fwd_cached_kernel<T, kFwdElemsPerThread / E, false>);
-    FW_CUDA_CHECK(op, cudaFuncSetAttribute(other, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem)));
+  plan.cached = false;
+  if (!bwd) {
+    plan.L.tpr = plan.threads = 512;
+    const void* kernel = al ? reinterpret_cast<const void*>(&rownorm_fwd_stream_kernel<T, true>)
+                            : reinterpret_cast<const void*>(&rownorm_fwd_stream_kernel<T, false>);
+    plan.L.P = ctas_per_unit(kernel, plan.threads, 0, p.groups, J);
+    return plan;
   }
-  int occ = 0;
-  FW_CUDA_CHECK(op, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, plan.threads, plan.smem));
-  occ = std::max(occ, 1);
-  const std::int64_t resident = std::int64_t(occ) * sm_count();
-  const std::int64_t rows_per_iter = plan.threads / plan.L.tpr;
-  const std::int64_t need = std::max<std::int64_t>(1, (p.rows_per_group + rows_per_iter - 1) / rows_per_iter);
-  const std::int64_t per_group = std::max<std::int64_t>(1, (resident + p.groups - 1) / p.groups);
-  plan.L.P = int(std::min(need, per_group));
+  plan.rs.aligned = al;
+  plan.rs.tpr = 512;
+  const void* rs_kernel = al ? reinterpret_cast<const void*>(&rownorm_bwd_rowsum_kernel<T, true>)
+                             : reinterpret_cast<const void*>(&rownorm_bwd_rowsum_kernel<T, false>);
+  plan.rs.P = ctas_per_unit(rs_kernel, 512, 0, p.groups, J);
+  plan.threads = 256;  // coltile: 256 threads x one 16-byte vector = 2048 (16-bit) / 1024 (fp32) columns
+  plan.L.tpr = 256;
+  plan.tiles = int((p.n + std::int64_t(plan.threads) * E - 1) / (std::int64_t(plan.threads) * E));
+  const void* ct_kernel = al ? reinterpret_cast<const void*>(&rownorm_bwd_coltile_kernel<T, true>)
+                             : reinterpret_cast<const void*>(&rownorm_bwd_coltile_kernel<T, false>);
+  plan.L.P = ctas_per_unit(ct_kernel, plan.threads, 0, p.groups * plan.tiles, J);
   return plan;
+}
+
+// Parameters (w, b) can be read as 16-byte vectors when every group's row of them is aligned.
+template <typename T>
+RowNormParams with_param_alignment(const RowNormParams& p_in) {
+  constexpr int E = kVecElems<T>;
+  RowNormParams p = p_in;
+  auto ok = [&](const void* base, std::int64_t gstride) {
+    return base == nullptr || (reinterpret_cast<std::uintptr_t>(base) % 16 == 0 &&
+                               (p.groups == 1 || (gstride * std::int64_t(sizeof(T))) % 16 == 0));
+  };
+  p.param_aligned = p.n % E == 0 && ok(p.w, p.w_group_stride) && ok(p.b, p.b_group_stride);
+  return p;
 }
 
 template <typename T>
 void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
-  constexpr int E = kVecElems<T>;
-  RowNormParams p = p_in;
-  auto aligned_param = [&](const void* base, std::int64_t gstride) {
-    return base == nullptr ||
-           (reinterpret_cast<std::uintptr_t>(base) % 16 == 0 && (p.groups == 1 || (gstride * std::int64_t(sizeof(T))) % 16 == 0));
-  };
-  p.param_aligned = p.n % E == 0 && aligned_param(p.w, p.w_group_stride) && aligned_param(p.b, p.b_group_stride);
+  const RowNormParams p = with_param_alignment<T>(p_in);
   const RowPlan plan = rownorm_plan<T>(p, false);
   const std::int64_t blocks = std::int64_t(plan.L.P) * p.groups;
   if (blocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", blocks, " CTAs is too large"));
-  constexpr int VPT = kFwdElemsPerThread / E;
   const unsigned grid = unsigned(blocks);
-  if (plan.cached && plan.L.aligned)
-    rownorm_fwd_cached_kernel<T, VPT, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L);
-  else if (plan.cached)
-    rownorm_fwd_cached_kernel<T, VPT, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L);
-  else if (plan.L.aligned)
+  const bool big = plan.threads > kSmallCta;
+  if (plan.cached) {
+    if (plan.L.aligned && big) rownorm_fwd_cached_kernel<T, kFwdVecs, true, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L);
+    else if (plan.L.aligned) rownorm_fwd_cached_kernel<T, kFwdVecs, true, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L);
+    else if (big) rownorm_fwd_cached_kernel<T, kFwdVecs, false, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L);
+    else rownorm_fwd_cached_kernel<T, kFwdVecs, false, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L);
+  } else if (plan.L.aligned) {
     rownorm_fwd_stream_kernel<T, true><<<grid, plan.threads, 0, stream>>>(p, plan.L);
-  else
+  } else {
     rownorm_fwd_stream_kernel<T, false><<<grid, plan.threads, 0, stream>>>(p, plan.L);
+  }
   FW_CUDA_CHECK_LAUNCH("rownorm_fwd");
+}
+
+struct BwdWorkspace {
+  std::size_t partial_bytes = 0, rowsum_bytes = 0;
+  std::size_t total() const { return partial_bytes * 2 + rowsum_bytes; }
+};
+inline std::size_t align256(std::size_t b) { return (b + 255) / 256 * 256; }
+
+template <typename T>
+BwdWorkspace rownorm_bwd_layout(const RowNormParams& p, const RowPlan& plan) {
+  BwdWorkspace w;
+  w.partial_bytes = align256(std::size_t(plan.L.P) * std::size_t(p.groups) * std::size_t(p.n) * sizeof(float));
+  if (!p.dw && !p.db) w.partial_bytes = 0;
+  if (!plan.cached) w.rowsum_bytes = align256(std::size_t(p.rows) * sizeof(float2));
+  return w;
 }
 
 template <typename T>
 std::size_t rownorm_bwd_workspace(const RowNormParams& p) {
-  if (!p.dw && !p.db) return 0;
   const RowPlan plan = rownorm_plan<T>(p, true);
-  const std::size_t per = std::size_t(plan.L.P) * std::size_t(p.groups) * std::size_t(p.n) * sizeof(float);
-  const std::size_t align = 256;
-  const std::size_t per_aligned = (per + align - 1) / align * align;
-  return per_aligned * ((p.dw ? 1 : 0) + (p.db ? 1 : 0));
+  const BwdWorkspace w = rownorm_bwd_layout<T>(p, plan);
+  return (p.dw ? w.partial_bytes : 0) + (p.db ? w.partial_bytes : 0) + w.rowsum_bytes;
 }
 
 template <typename T>
-void rownorm_bwd_launch(const RowNormParams& p, void* workspace, cudaStream_t stream) {
-  constexpr int E = kVecElems<T>;
+void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t stream) {
+  const RowNormParams p = with_param_alignment<T>(p_in);
   const RowPlan plan = rownorm_plan<T>(p, true);
-  const std::int64_t blocks = std::int64_t(plan.L.P) * p.groups;
-  if (blocks > 0x7fffffff) throw Error(cat("rownorm_bwd: grid of ", blocks, " CTAs is too large"));
-  const std::size_t per = std::size_t(plan.L.P) * std::size_t(p.groups) * std::size_t(p.n) * sizeof(float);
-  const std::size_t per_aligned = (per + 255) / 256 * 256;
-  float* ws_dw = p.dw ? static_cast<float*>(workspace) : nullptr;
-  float* ws_db = p.db ? reinterpret_cast<float*>(static_cast<char*>(workspace) + (p.dw ? per_aligned : 0)) : nullptr;
-  if (p.rows > 0 && blocks > 0) {
-    constexpr int VPT = kBwdElemsPerThread / E;
-    const unsigned grid = unsigned(blocks);
-    if (plan.cached && plan.L.aligned)
-      rownorm_bwd_cached_kernel<T, VPT, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
-    else if (plan.cached)
-      rownorm_bwd_cached_kernel<T, VPT, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
-    else if (plan.L.aligned)
-      rownorm_bwd_stream_kernel<T, true><<<grid, plan.threads, 0, stream>>>(p, plan.L, ws_dw, ws_db);
-    else
-      rownorm_bwd_stream_kernel<T, false><<<grid, plan.threads, 0, stream>>>(p, plan.L, ws_dw, ws_db);
-    FW_CUDA_CHECK_LAUNCH("rownorm_bwd");
+  const BwdWorkspace w = rownorm_bwd_layout<T>(p, plan);
+  char* ws = static_cast<char*>(workspace);
+  float* ws_dw = p.dw ? reinterpret_cast<float*>(ws) : nullptr;
+  float* ws_db = p.db ? reinterpret_cast<float*>(ws + (p.dw ? w.partial_bytes : 0)) : nullptr;
+  float2* rowsums = reinterpret_cast<float2*>(ws + (p.dw ? w.partial_bytes : 0) + (p.db ? w.partial_bytes : 0));
+  const bool al = plan.L.aligned;
+  if (p.rows > 0) {
+    if (plan.cached) {
+      const std::int64_t blocks = std::int64_t(plan.L.P) * p.groups;
+      if (blocks > 0x7fffffff) throw Error(cat("rownorm_bwd: grid of ", blocks, " CTAs is too large"));
+      const unsigned grid = unsigned(blocks);
+      const bool big = plan.threads > kSmallCta;
+      if (al && big) rownorm_bwd_cached_kernel<T, kBwdVecs, true, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
+      else if (al) rownorm_bwd_cached_kernel<T, kBwdVecs, true, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
+      else if (big) rownorm_bwd_cached_kernel<T, kBwdVecs, false, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
+      else rownorm_bwd_cached_kernel<T, kBwdVecs, false, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
+      FW_CUDA_CHECK_LAUNCH("rownorm_bwd");
+    } else {
+      const std::int64_t rs_blocks = std::int64_t(plan.rs.P) * p.groups;
+      const std::int64_t ct_blocks = std::int64_t(plan.L.P) * p.groups * plan.tiles;
+      if (ct_blocks > 0x7fffffff || rs_blocks > 0x7fffffff) throw Error(cat("rownorm_bwd: grid too large"));
+      if (al) rownorm_bwd_rowsum_kernel<T, true><<<unsigned(rs_blocks), 512, 0, stream>>>(p, plan.rs, rowsums);
+      else rownorm_bwd_rowsum_kernel<T, false><<<unsigned(rs_blocks), 512, 0, stream>>>(p, plan.rs, rowsums);
+      FW_CUDA_CHECK_LAUNCH("rownorm_bwd");
+      if (al) rownorm_bwd_coltile_kernel<T, true><<<unsigned(ct_blocks), plan.threads, 0, stream>>>(p, plan.L, plan.tiles, rowsums, ws_dw, ws_db);
+      else rownorm_bwd_coltile_kernel<T, false><<<unsigned(ct_blocks), plan.threads, 0, stream>>>(p, plan.L, plan.tiles, rowsums, ws_dw, ws_db);
+      FW_CUDA_CHECK_LAUNCH("rownorm_bwd");
+    }
   }
   const std::int64_t P = p.rows > 0 ? plan.L.P : 0;  // no rows: the gradients are zeros
   const std::int64_t cols = p.groups * p.n;
