@@ -1,10 +1,11 @@
 // module.cpp: the nanobind module fastweight._C, a thin layer over the C++ API (fastweight.h).
 //
-// Every tensor argument is any DLPack-capable array (torch, numpy, JAX, CuPy ...), taken without a
-// dtype/device constraint in the signature and converted to a fastweight::TensorRef here; the C++ API
-// does all validation (so the messages are the same from C++ and Python). Absent optional tensors
-// (None) become TensorRef{}. The stream is a Python int holding a cudaStream_t (0: legacy default;
-// the Python layer passes torch's current stream). The GIL is released around each C++ call.
+// Every tensor argument is either any DLPack-capable array (torch, numpy, JAX, CuPy ...), taken
+// without a dtype/device constraint in the signature, or a "tensor spec" tuple (the fast path, see
+// ArrayOrSpec below); both are converted to a fastweight::TensorRef here, and the C++ API does all
+// validation (so the messages are the same from C++ and Python). Absent optional tensors (None)
+// become TensorRef{}. The stream is a Python int holding a cudaStream_t (0: legacy default; the
+// Python layer passes torch's current stream). The GIL is released around each C++ call.
 // Errors: fastweight::ArgumentError -> ValueError, fastweight::Error -> RuntimeError, same message.
 // No PyTorch header or library is used, so one build works with every torch version.
 #include <nanobind/nanobind.h>
@@ -28,10 +29,53 @@ using fastweight::DType;
 using fastweight::TensorRef;
 using fastweight::detail::cat;
 
-using In = nb::ndarray<nb::ro>;   // read-only input (accepts read-only numpy arrays too)
-using Out = nb::ndarray<>;        // written by the op
+// ---- tensor arguments: a DLPack array or a spec tuple ------------------------------------------
+// Why the spec: importing a torch tensor through DLPack (tensor.__dlpack__(), then the capsule)
+// costs a few microseconds per tensor, and an op takes 5-9 tensors, so it dominated the host time of
+// small ops. A caller that knows its tensors (fastweight.ops) passes instead the plain tuple
+//   (data_ptr: int, dtype_code: int, shape: tuple[int], strides: tuple[int], device_type: int,
+//    device_index: int)
+// with dtype_code a fastweight::DType (0 float32, 1 float16, 2 bfloat16, 3 float64), strides in
+// elements, device_type a fastweight::DeviceType (0 cpu, 1 cuda); built from t.data_ptr(), t.shape,
+// t.stride() it costs a fraction of __dlpack__. The workspace likewise takes (data_ptr, nbytes).
+// The caller keeps the memory alive for the call (a spec holds no reference to it).
+template <typename Array, std::size_t N>
+struct ArrayOrSpec {
+  Array array;     // a DLPack array was given ...
+  nb::object spec;  // ... or (when valid) an N-tuple spec, parsed in to_ref / to_workspace
+};
+
+using In = ArrayOrSpec<nb::ndarray<nb::ro>, 6>;   // read-only input (accepts read-only numpy arrays)
+using Out = ArrayOrSpec<nb::ndarray<>, 6>;        // written by the op
 using OptIn = std::optional<In>;
 using OptOut = std::optional<Out>;
+using OptWorkspace = std::optional<ArrayOrSpec<nb::ndarray<>, 2>>;
+
+}  // namespace
+
+namespace nanobind::detail {
+// An exact tuple of N items is kept as the spec (parsed later, where errors can name the argument);
+// anything else goes to the ndarray caster, so arrays behave exactly as with a plain nb::ndarray.
+template <typename Array, std::size_t N>
+struct type_caster<ArrayOrSpec<Array, N>> {
+  using Arg = ArrayOrSpec<Array, N>;
+  NB_TYPE_CASTER(Arg, make_caster<Array>::Name + const_name(" | tuple"))
+
+  template <typename Flags>
+  bool from_python(handle src, Flags flags, cleanup_list* cleanup) noexcept {
+    if (PyTuple_CheckExact(src.ptr()) && PyTuple_GET_SIZE(src.ptr()) == Py_ssize_t(N)) {
+      value.spec = nanobind::borrow(src);
+      return true;
+    }
+    make_caster<Array> array;
+    if (!array.from_python(src, flags, cleanup)) return false;
+    value.array = std::move(array.value);
+    return true;
+  }
+};
+}  // namespace nanobind::detail
+
+namespace {
 
 std::string dlpack_dtype_name(nb::dlpack::dtype t) {
   using C = nb::dlpack::dtype_code;
@@ -63,7 +107,7 @@ DType to_dtype(nb::dlpack::dtype t, const char* op, const char* name) {
 }
 
 template <typename A>
-TensorRef to_ref(const A& a, const char* op, const char* name) {
+TensorRef array_to_ref(const A& a, const char* op, const char* name) {
   TensorRef t;
   const std::size_t nd = a.ndim();
   if (nd > std::size_t(fastweight::kMaxDims))
@@ -93,6 +137,50 @@ TensorRef to_ref(const A& a, const char* op, const char* name) {
   return t;
 }
 
+// Item i of a spec tuple as an integer; a Python error (not an int, overflow) is left set.
+std::int64_t spec_int(PyObject* t, Py_ssize_t i) { return PyLong_AsLongLong(PyTuple_GET_ITEM(t, i)); }
+
+TensorRef spec_to_ref(const nb::object& spec, const char* op, const char* name) {
+  PyObject* s = spec.ptr();
+  PyObject* shape = PyTuple_GET_ITEM(s, 2);
+  PyObject* strides = PyTuple_GET_ITEM(s, 3);
+  const bool tuples = PyTuple_Check(shape) && PyTuple_Check(strides) &&  // torch.Size is a tuple
+                      PyTuple_GET_SIZE(shape) == PyTuple_GET_SIZE(strides);
+  const Py_ssize_t nd = tuples ? PyTuple_GET_SIZE(shape) : 0;
+  if (nd > fastweight::kMaxDims)
+    throw fastweight::ArgumentError(cat(op, ": ", name, ": ", nd, " dimensions, at most ",
+                                        fastweight::kMaxDims, " are supported"));
+  TensorRef t;
+  t.data = PyLong_AsVoidPtr(PyTuple_GET_ITEM(s, 0));
+  const std::int64_t dtype = spec_int(s, 1), device = spec_int(s, 4), index = spec_int(s, 5);
+  t.ndim = int(nd);
+  for (Py_ssize_t d = 0; d < nd; ++d) {
+    t.shape[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
+    t.strides[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, d));
+  }
+  if (!tuples || PyErr_Occurred()) {
+    PyErr_Clear();
+    throw fastweight::ArgumentError(
+        cat(op, ": ", name, ": expected an array or a tensor spec (data_ptr: int, dtype_code: int, "
+                            "shape: tuple[int], strides: tuple[int], device_type: int, device_index: int)"));
+  }
+  if (dtype < 0 || dtype > 3)
+    throw fastweight::ArgumentError(cat(op, ": ", name, ": dtype code ", dtype, " is not supported ",
+                                        "(0 float32, 1 float16, 2 bfloat16, 3 float64)"));
+  t.dtype = DType(dtype);
+  if (device != 0 && device != 1)
+    throw fastweight::ArgumentError(cat(op, ": ", name, ": device type ", device,
+                                        " is not supported (0 cpu, 1 cuda)"));
+  t.device = DeviceType(device);
+  t.device_index = device == 0 ? 0 : int(index);
+  return t;
+}
+
+template <typename Array, std::size_t N>
+TensorRef to_ref(const ArrayOrSpec<Array, N>& a, const char* op, const char* name) {
+  return a.spec.is_valid() ? spec_to_ref(a.spec, op, name) : array_to_ref(a.array, op, name);
+}
+
 template <typename A>
 TensorRef to_ref(const std::optional<A>& a, const char* op, const char* name) {
   return a ? to_ref(*a, op, name) : TensorRef{};
@@ -100,14 +188,24 @@ TensorRef to_ref(const std::optional<A>& a, const char* op, const char* name) {
 
 fastweight::Stream to_stream(std::uintptr_t s) { return reinterpret_cast<fastweight::Stream>(s); }
 
-// The workspace: any contiguous array (normally uint8) of at least the asked number of bytes.
+// The workspace: any contiguous array (normally uint8) of at least the asked number of bytes, or
+// the spec (data_ptr, nbytes).
 struct Workspace {
   void* data = nullptr;
   std::size_t bytes = 0;
 };
-Workspace to_workspace(const OptOut& w, const TensorRef& x, const char* op) {
+Workspace to_workspace(const OptWorkspace& w, const TensorRef& x, const char* op) {
   if (!w) return {};
-  const Out& a = *w;
+  if (w->spec.is_valid()) {  // (data_ptr, nbytes): assumed on x's device, contiguous
+    void* data = PyLong_AsVoidPtr(PyTuple_GET_ITEM(w->spec.ptr(), 0));
+    const std::size_t bytes = PyLong_AsSize_t(PyTuple_GET_ITEM(w->spec.ptr(), 1));
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      throw fastweight::ArgumentError(cat(op, ": workspace: expected an array or (data_ptr: int, nbytes: int)"));
+    }
+    return {bytes ? data : nullptr, bytes};
+  }
+  const auto& a = w->array;
   std::int64_t expect = 1;
   for (std::size_t d = a.ndim(); d-- > 0;) {
     if (a.shape(d) != 1 && a.stride(d) != expect)
@@ -170,7 +268,7 @@ std::size_t layernorm_bwd_workspace_size(const In& dy, const In& x, const OptIn&
 
 void layernorm_bwd(const In& dy, const In& x, const OptIn& weight, const In& mean, const In& rstd,
                    const Out& dx, const OptOut& dweight, const OptOut& dbias, double weight_offset,
-                   const OptOut& workspace, std::uintptr_t stream) {
+                   const OptWorkspace& workspace, std::uintptr_t stream) {
   const char* op = "layernorm_bwd";
   auto a = layernorm_bwd_args(op, dy, x, weight, mean, rstd, dx, dweight, dbias, weight_offset);
   const Workspace ws = to_workspace(workspace, a.x, op);
@@ -224,7 +322,7 @@ std::size_t headnorm_bwd_workspace_size(const In& dy, const In& x, const OptIn& 
 
 void headnorm_bwd(const In& dy, const In& x, const OptIn& weight, const In& mean, const In& rstd,
                   const Out& dx, const OptOut& dweight, const OptOut& dbias, double weight_offset,
-                  const OptOut& workspace, std::uintptr_t stream) {
+                  const OptWorkspace& workspace, std::uintptr_t stream) {
   const char* op = "headnorm_bwd";
   auto a = headnorm_bwd_args(op, dy, x, weight, mean, rstd, dx, dweight, dbias, weight_offset);
   const Workspace ws = to_workspace(workspace, a.x, op);
@@ -269,7 +367,7 @@ std::size_t rmsnorm_bwd_workspace_size(const In& dy, const In& x, const OptIn& w
 }
 
 void rmsnorm_bwd(const In& dy, const In& x, const OptIn& weight, const In& rstd, const Out& dx,
-                 const OptOut& dweight, double weight_offset, const OptOut& workspace,
+                 const OptOut& dweight, double weight_offset, const OptWorkspace& workspace,
                  std::uintptr_t stream) {
   const char* op = "rmsnorm_bwd";
   auto a = rmsnorm_bwd_args(op, dy, x, weight, rstd, dx, dweight, weight_offset);
@@ -319,7 +417,7 @@ std::size_t adalayernorm_bwd_workspace_size(const In& dy, const In& x, const In&
 
 void adalayernorm_bwd(const In& dy, const In& x, const In& scale, const In& mean, const In& rstd,
                       const Out& dx, const OptOut& dscale, const OptOut& dshift,
-                      const OptOut& workspace, std::uintptr_t stream) {
+                      const OptWorkspace& workspace, std::uintptr_t stream) {
   const char* op = "adalayernorm_bwd";
   auto a = adalayernorm_bwd_args(op, dy, x, scale, mean, rstd, dx, dscale, dshift);
   const Workspace ws = to_workspace(workspace, a.x, op);
@@ -330,7 +428,8 @@ void adalayernorm_bwd(const In& dy, const In& x, const In& scale, const In& mean
 }  // namespace
 
 NB_MODULE(_C, m) {
-  m.doc() = "fastweight._C: fused LayerNorm-family kernels over DLPack tensors (see fastweight/norm.h)";
+  m.doc() = "fastweight._C: fused LayerNorm-family kernels over DLPack tensors or tensor specs "
+            "(data_ptr, dtype_code, shape, strides, device_type, device_index) (see fastweight/norm.h)";
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {

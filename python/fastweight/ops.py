@@ -20,14 +20,20 @@ weight, else float32 (the autograd formula casts it to the bias's dtype).
 
 Each op has a fake kernel (``torch.compile(fullgraph=True)``, CUDA graphs) and the forward ops a
 backward formula (``torch.library.register_autograd``); mean/rstd are not differentiable outputs.
-Inputs are passed to ``fastweight._C`` through DLPack without copies; strided inputs work as long as
-the last dimension is contiguous (the raw ops raise a ValueError otherwise, the functional API
-below copies). CUDA tensors run on torch's current stream of their device, the workspace of the
-backward comes from torch's caching allocator, so the ops are CUDA-graph capturable.
+Tensors are passed to ``fastweight._C`` without copies as tensor specs ``(data_ptr, dtype_code,
+shape, strides, device_type, device_index)`` (see ``_spec``: far cheaper than DLPack); strided inputs
+work as long as the last dimension is contiguous (the raw ops raise a ValueError otherwise, the
+functional API below copies). CUDA tensors run on torch's current stream of their device, the
+workspace of the backward comes from torch's caching allocator, so the ops are CUDA-graph capturable.
 
 Functional API (differentiable, used by ``fastweight.layer_norm`` & co and ``fastweight.nn``):
-``layer_norm``, ``rms_norm``, ``head_norm``, ``adaptive_layer_norm``. Python wrappers of the raw
-ops that return the statistics: ``layernorm_fwd(x, weight, bias, eps, weight_offset)`` etc.
+``layer_norm``, ``rms_norm``, ``head_norm``, ``adaptive_layer_norm``. In eager mode with plain
+tensors they skip the dispatcher: a ``torch.autograd.Function`` (or, when no gradient is needed, a
+direct call) runs the same ``_C`` kernels as the custom ops, so the results are the same bits at a
+fraction of the host time. Under ``torch.compile`` / export / tracing, with tensor subclasses
+(FakeTensor ...), dispatch modes or functorch transforms they call the custom ops. Python wrappers
+of the raw ops that return the statistics (always through the custom ops):
+``layernorm_fwd(x, weight, bias, eps, weight_offset)`` etc.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from . import _C
 
@@ -47,25 +54,76 @@ __all__ = [
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-def _d(t: Optional[Tensor]) -> Optional[Tensor]:
-    # DLPack refuses tensors that require grad; the op itself is below autograd anyway.
-    return None if t is None else t.detach()
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}  # fastweight::DType
+
+
+def _spec(t: Optional[Tensor]):
+    """``t`` as the binding's tensor spec ``(data_ptr, dtype_code, shape, strides, device_type,
+    device_index)``: ~0.3 us where ``t.__dlpack__()`` alone costs several (bindings/module.cpp).
+    A dtype or device that the spec cannot express goes through DLPack, whose error names it. The
+    spec holds no reference: the caller keeps ``t`` alive (a local variable) during the call."""
+    if t is None:
+        return None
+    code = _DTYPE_CODE.get(t.dtype)
+    if code is not None:
+        if t.is_cuda:
+            return (t.data_ptr(), code, t.shape, t.stride(), 1, t.get_device())
+        if t.is_cpu:
+            return (t.data_ptr(), code, t.shape, t.stride(), 0, 0)
+    return t.detach()  # DLPack refuses tensors that require grad
+
+
+def _new_like(t: Optional[Tensor], spec):
+    """``(out, spec of out)``: a new contiguous tensor with t's shape, dtype and device. When t is
+    contiguous, out has t's strides, so its spec is t's ``spec`` with out's pointer (cheaper)."""
+    if t is None:
+        return None, None
+    if type(spec) is tuple and t.is_contiguous():
+        out = torch.empty_like(t)  # same strides as t
+        return out, (out.data_ptr(), spec[1], spec[2], spec[3], spec[4], spec[5])
+    out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    return out, _spec(out)
+
+
+# (x.new_empty(..., dtype=) allocates on x's device at half the host time of torch.empty(..., device=).)
+def _stats(x: Tensor) -> Tensor:
+    return x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+def _stats_buffer(x: Tensor, n: int) -> Tensor:
+    """n float32 statistics per row of x in one buffer (the eager path: one allocation)."""
+    last = x.shape[-1] if x.dim() else 0
+    return x.new_empty(n * (x.numel() // last) if last else 0, dtype=torch.float32)  # else _C raises on x
+
+
+def _stats_specs(buf: Tensor):
+    """Specs of the halves (mean, rstd) of a _stats_buffer(x, 2); the binding checks only their
+    element count and contiguity. (Cheaper than _spec: buf is known to be float32 and 1-d.)"""
+    rows = buf.numel() // 2
+    if buf.is_cuda:
+        dev, index = 1, buf.get_device()
+    elif buf.is_cpu:
+        dev, index = 0, 0
+    else:
+        return buf[:rows], buf[rows:]
+    p = buf.data_ptr()
+    return (p, 0, (rows,), (1,), dev, index), (p + 4 * rows, 0, (rows,), (1,), dev, index)
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _stream(x: Tensor) -> int:
-    return torch.cuda.current_stream(x.device).cuda_stream if x.device.type == "cuda" else 0
-
-
-def _stats(x: Tensor) -> Tensor:
-    return torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    """torch's current stream of x's device (0 on the CPU)."""
+    if not x.is_cuda:
+        return 0
+    if _raw_stream is not None:
+        return _raw_stream(x.get_device())
+    return torch.cuda.current_stream(x.device).cuda_stream
 
 
 def _nothing(x: Tensor) -> Tensor:
     return x.new_empty(0)
-
-
-def _workspace(nbytes: int, x: Tensor) -> Optional[Tensor]:
-    return torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes > 0 else None
 
 
 def _bias_grad_dtype(weight: Optional[Tensor]) -> torch.dtype:
@@ -74,18 +132,93 @@ def _bias_grad_dtype(weight: Optional[Tensor]) -> torch.dtype:
 
 def _last_contig(t: Optional[Tensor]) -> Optional[Tensor]:
     """``t`` with a contiguous last dimension (copies only when it is not)."""
-    if t is None or t.dim() == 0 or t.size(-1) <= 1 or t.stride(-1) == 1:
+    if t is None or t.is_contiguous() or t.dim() == 0 or t.size(-1) <= 1 or t.stride(-1) == 1:
         return t
     return t.contiguous()
+
+
+def _cast(t: Optional[Tensor], dtype: Optional[torch.dtype]) -> Optional[Tensor]:
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+# ---- the _C calls, shared by the custom ops and the eager path --------------------------------
+# mean/rstd are specs (None: not computed). Each function allocates and returns the outputs; a
+# gradient that is not computed is None.
+def _ln_fwd(fwd, x, weight, bias, mean, rstd, eps, weight_offset) -> Tensor:
+    """layernorm / headnorm forward (``fwd``: their _C function): y."""
+    xs = _spec(x)
+    y, ys = _new_like(x, xs)
+    fwd(xs, _spec(weight), _spec(bias), ys, mean, rstd, eps, weight_offset, _stream(x))
+    return y
+
+
+def _ln_bwd(bwd, bwd_size, pdims, dy, x, weight, mean, rstd, weight_offset, has_bias):
+    """layernorm / headnorm backward (pdims: parameter dims, 1 / 2): dx, dweight, dbias.
+    dbias has the parameter shape and the dtype of weight (float32 without weight)."""
+    xs, ws = _spec(x), _spec(weight)
+    dx, dxs = _new_like(x, xs)
+    dweight, dws = _new_like(weight, ws)
+    dbias, dbs = None, None
+    if has_bias and weight is not None:
+        dbias, dbs = _new_like(weight, ws)
+    elif has_bias:
+        dbias = x.new_empty(x.shape[-pdims:], dtype=torch.float32)
+        dbs = _spec(dbias)
+    _run_bwd(bwd_size, bwd, x, (_spec(dy), xs, ws, mean, rstd, dxs, dws, dbs, weight_offset))
+    return dx, dweight, dbias
+
+
+def _rms_fwd(x, weight, rstd, eps, weight_offset) -> Tensor:
+    xs = _spec(x)
+    y, ys = _new_like(x, xs)
+    _C.rmsnorm_fwd(xs, _spec(weight), ys, rstd, eps, weight_offset, _stream(x))
+    return y
+
+
+def _rms_bwd(dy, x, weight, rstd, weight_offset):
+    xs, ws = _spec(x), _spec(weight)
+    dx, dxs = _new_like(x, xs)
+    dweight, dws = _new_like(weight, ws)
+    _run_bwd(_C.rmsnorm_bwd_workspace_size, _C.rmsnorm_bwd, x,
+             (_spec(dy), xs, ws, rstd, dxs, dws, weight_offset))
+    return dx, dweight
+
+
+def _ada_fwd(x, scale, shift, mean, rstd, eps) -> Tensor:
+    xs = _spec(x)
+    y, ys = _new_like(x, xs)
+    _C.adalayernorm_fwd(xs, _spec(scale), _spec(shift), ys, mean, rstd, eps, _stream(x))
+    return y
+
+
+def _ada_bwd(dy, x, scale, mean, rstd, has_shift):
+    xs, ss = _spec(x), _spec(scale)
+    dx, dxs = _new_like(x, xs)
+    dscale, dss = _new_like(scale, ss)
+    dshift, dhs = _new_like(scale, ss) if has_shift else (None, None)
+    _run_bwd(_C.adalayernorm_bwd_workspace_size, _C.adalayernorm_bwd, x,
+             (_spec(dy), xs, ss, mean, rstd, dxs, dss, dhs))
+    return dx, dscale, dshift
+
+
+def _run_bwd(size_fn, bwd_fn, x: Tensor, args: tuple) -> None:
+    """A backward of ``_C``: ``args`` are its arguments up to the workspace, which comes from torch's
+    caching allocator (CUDA-graph safe) and is passed as ``(data_ptr, nbytes)``."""
+    nbytes = size_fn(*args)
+    ws = x.new_empty(nbytes, dtype=torch.uint8) if nbytes > 0 else None
+    bwd_fn(*args, (ws.data_ptr(), nbytes) if ws is not None else None, _stream(x))
+
+
+def _or_nothing(t: Optional[Tensor], x: Tensor) -> Tensor:
+    return t if t is not None else _nothing(x)
 
 
 # ---- layernorm ----------------------------------------------------------------------------------
 @torch.library.custom_op("fastweight::layernorm_fwd", mutates_args=())
 def _layernorm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                    weight_offset: float) -> tuple[Tensor, Tensor, Tensor]:
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     mean, rstd = _stats(x), _stats(x)
-    _C.layernorm_fwd(_d(x), _d(weight), _d(bias), y, mean, rstd, eps, weight_offset, _stream(x))
+    y = _ln_fwd(_C.layernorm_fwd, x, weight, bias, _spec(mean), _spec(rstd), eps, weight_offset)
     return y, mean, rstd
 
 
@@ -97,14 +230,9 @@ def _(x, weight, bias, eps, weight_offset):
 @torch.library.custom_op("fastweight::layernorm_bwd", mutates_args=())
 def _layernorm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
                    weight_offset: float, has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dweight = torch.empty_like(weight, memory_format=torch.contiguous_format) if weight is not None else None
-    dbias = (torch.empty(x.shape[-1:], dtype=_bias_grad_dtype(weight), device=x.device)
-             if has_bias else None)
-    args = (_d(dy), _d(x), _d(weight), _d(mean), _d(rstd), dx, dweight, dbias, weight_offset)
-    ws = _workspace(_C.layernorm_bwd_workspace_size(*args), x)
-    _C.layernorm_bwd(*args, ws, _stream(x))
-    return dx, (dweight if dweight is not None else _nothing(x)), (dbias if dbias is not None else _nothing(x))
+    dx, dweight, dbias = _ln_bwd(_C.layernorm_bwd, _C.layernorm_bwd_workspace_size, 1, dy, x, weight,
+                                 _spec(mean), _spec(rstd), weight_offset, has_bias)
+    return dx, _or_nothing(dweight, x), _or_nothing(dbias, x)
 
 
 @_layernorm_bwd.register_fake
@@ -131,7 +259,7 @@ def _make_ln_backward(bwd_op):
         dx, dweight, dbias = bwd_op(_last_contig(dy), x, weight, mean, rstd, ctx.weight_offset, has_bias)
         return (dx,
                 dweight if weight is not None else None,
-                dbias.to(ctx.bias_dtype) if has_bias else None,
+                _cast(dbias, ctx.bias_dtype) if has_bias else None,
                 None, None)
     return backward
 
@@ -143,9 +271,8 @@ _layernorm_fwd.register_autograd(_make_ln_backward(_layernorm_bwd), setup_contex
 @torch.library.custom_op("fastweight::headnorm_fwd", mutates_args=())
 def _headnorm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                   weight_offset: float) -> tuple[Tensor, Tensor, Tensor]:
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     mean, rstd = _stats(x), _stats(x)
-    _C.headnorm_fwd(_d(x), _d(weight), _d(bias), y, mean, rstd, eps, weight_offset, _stream(x))
+    y = _ln_fwd(_C.headnorm_fwd, x, weight, bias, _spec(mean), _spec(rstd), eps, weight_offset)
     return y, mean, rstd
 
 
@@ -157,14 +284,9 @@ def _(x, weight, bias, eps, weight_offset):
 @torch.library.custom_op("fastweight::headnorm_bwd", mutates_args=())
 def _headnorm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
                   weight_offset: float, has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dweight = torch.empty_like(weight, memory_format=torch.contiguous_format) if weight is not None else None
-    dbias = (torch.empty(x.shape[-2:], dtype=_bias_grad_dtype(weight), device=x.device)
-             if has_bias else None)
-    args = (_d(dy), _d(x), _d(weight), _d(mean), _d(rstd), dx, dweight, dbias, weight_offset)
-    ws = _workspace(_C.headnorm_bwd_workspace_size(*args), x)
-    _C.headnorm_bwd(*args, ws, _stream(x))
-    return dx, (dweight if dweight is not None else _nothing(x)), (dbias if dbias is not None else _nothing(x))
+    dx, dweight, dbias = _ln_bwd(_C.headnorm_bwd, _C.headnorm_bwd_workspace_size, 2, dy, x, weight,
+                                 _spec(mean), _spec(rstd), weight_offset, has_bias)
+    return dx, _or_nothing(dweight, x), _or_nothing(dbias, x)
 
 
 @_headnorm_bwd.register_fake
@@ -182,10 +304,8 @@ _headnorm_fwd.register_autograd(_make_ln_backward(_headnorm_bwd), setup_context=
 @torch.library.custom_op("fastweight::rmsnorm_fwd", mutates_args=())
 def _rmsnorm_fwd(x: Tensor, weight: Optional[Tensor], eps: float,
                  weight_offset: float) -> tuple[Tensor, Tensor]:
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rstd = _stats(x)
-    _C.rmsnorm_fwd(_d(x), _d(weight), y, rstd, eps, weight_offset, _stream(x))
-    return y, rstd
+    return _rms_fwd(x, weight, _spec(rstd), eps, weight_offset), rstd
 
 
 @_rmsnorm_fwd.register_fake
@@ -196,12 +316,8 @@ def _(x, weight, eps, weight_offset):
 @torch.library.custom_op("fastweight::rmsnorm_bwd", mutates_args=())
 def _rmsnorm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor,
                  weight_offset: float) -> tuple[Tensor, Tensor]:
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dweight = torch.empty_like(weight, memory_format=torch.contiguous_format) if weight is not None else None
-    args = (_d(dy), _d(x), _d(weight), _d(rstd), dx, dweight, weight_offset)
-    ws = _workspace(_C.rmsnorm_bwd_workspace_size(*args), x)
-    _C.rmsnorm_bwd(*args, ws, _stream(x))
-    return dx, (dweight if dweight is not None else _nothing(x))
+    dx, dweight = _rms_bwd(dy, x, weight, _spec(rstd), weight_offset)
+    return dx, _or_nothing(dweight, x)
 
 
 @_rmsnorm_bwd.register_fake
@@ -230,10 +346,8 @@ _rmsnorm_fwd.register_autograd(_rms_backward, setup_context=_rms_setup)
 @torch.library.custom_op("fastweight::adalayernorm_fwd", mutates_args=())
 def _adalayernorm_fwd(x: Tensor, scale: Tensor, shift: Optional[Tensor],
                       eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     mean, rstd = _stats(x), _stats(x)
-    _C.adalayernorm_fwd(_d(x), _d(scale), _d(shift), y, mean, rstd, eps, _stream(x))
-    return y, mean, rstd
+    return _ada_fwd(x, scale, shift, _spec(mean), _spec(rstd), eps), mean, rstd
 
 
 @_adalayernorm_fwd.register_fake
@@ -244,13 +358,8 @@ def _(x, scale, shift, eps):
 @torch.library.custom_op("fastweight::adalayernorm_bwd", mutates_args=())
 def _adalayernorm_bwd(dy: Tensor, x: Tensor, scale: Tensor, mean: Tensor, rstd: Tensor,
                       has_shift: bool) -> tuple[Tensor, Tensor, Tensor]:
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dscale = torch.empty_like(scale, memory_format=torch.contiguous_format)
-    dshift = torch.empty_like(scale, memory_format=torch.contiguous_format) if has_shift else None
-    args = (_d(dy), _d(x), _d(scale), _d(mean), _d(rstd), dx, dscale, dshift)
-    ws = _workspace(_C.adalayernorm_bwd_workspace_size(*args), x)
-    _C.adalayernorm_bwd(*args, ws, _stream(x))
-    return dx, dscale, (dshift if dshift is not None else _nothing(x))
+    dx, dscale, dshift = _ada_bwd(dy, x, scale, _spec(mean), _spec(rstd), has_shift)
+    return dx, dscale, _or_nothing(dshift, x)
 
 
 @_adalayernorm_bwd.register_fake
@@ -271,7 +380,7 @@ def _ada_backward(ctx, dy, _dmean, _drstd):
     x, scale, mean, rstd = ctx.saved_tensors
     has_shift = ctx.shift_dtype is not None
     dx, dscale, dshift = _adalayernorm_bwd(_last_contig(dy), x, scale, mean, rstd, has_shift)
-    return dx, dscale, (dshift.to(ctx.shift_dtype) if has_shift else None), None
+    return dx, dscale, (_cast(dshift, ctx.shift_dtype) if has_shift else None), None
 
 
 _adalayernorm_fwd.register_autograd(_ada_backward, setup_context=_ada_setup)
@@ -332,27 +441,160 @@ def adalayernorm_bwd(dy: Tensor, x: Tensor, scale: Tensor, mean: Tensor, rstd: T
     return dx, ds, (dh if has_shift else None)
 
 
+# ---- eager path of the functional API: torch.autograd.Function over _C, no dispatcher ----------
+# The same _C calls (_ln_fwd & co above) as the custom ops, so the same bits, minus torch.library's
+# dispatch, which costs far more host time than the kernels of small shapes. Both statistics share
+# one buffer (one allocation). Host-time critical: measure before adding to it.
+_PLAIN = frozenset((Tensor, torch.nn.Parameter))
+_len_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+_functorch_level = torch._C._functorch.peek_interpreter_stack
+_jit_tracing = torch._C._get_tracing_state
+_is_compiling = torch.compiler.is_compiling
+_CUSTOM_OP, _NO_GRAD, _AUTOGRAD = 0, 1, 2
+
+
+def _route(x: Tensor, p: Optional[Tensor], q: Optional[Tensor] = None) -> int:
+    """How the functional API runs on x and parameters p, q: _CUSTOM_OP unless in plain eager mode
+    (not compiling, exporting or tracing; no dispatch mode such as FakeTensorMode; no functorch
+    transform) with plain tensors (no subclass: FakeTensor, DTensor ...); else _AUTOGRAD when a
+    gradient is needed, _NO_GRAD if not. (Unrolled: this runs on every call.)"""
+    if _is_compiling() or _len_dispatch_modes() or _functorch_level() is not None or _jit_tracing() is not None:
+        return _CUSTOM_OP
+    if (type(x) not in _PLAIN or (p is not None and type(p) not in _PLAIN)
+            or (q is not None and type(q) not in _PLAIN)):
+        return _CUSTOM_OP
+    if torch.is_grad_enabled() and (x.requires_grad or (p is not None and p.requires_grad)
+                                    or (q is not None and q.requires_grad)):
+        return _AUTOGRAD
+    return _NO_GRAD
+
+
+def _apply(fn):
+    # Function.apply's Python wrapper only adds the functorch support that _route excludes; the C++
+    # apply underneath saves a few microseconds per call.
+    return super(torch.autograd.Function, fn).apply
+
+
+def _fast_once_differentiable(backward):
+    """once_differentiable without its cost (a no_grad context) in the usual case, where the
+    backward already runs without grad mode (no create_graph)."""
+    slow = once_differentiable(backward)
+
+    def wrapper(ctx, *grads):
+        return slow(ctx, *grads) if torch.is_grad_enabled() else backward(ctx, *grads)
+    return wrapper
+
+
+class _LayerNormFn(torch.autograd.Function):
+    """layernorm; forward(cls, x, weight, bias, eps, weight_offset) -> y, cls giving the _C functions
+    (the subclass _HeadNormFn: headnorm)."""
+    fwd, bwd, bwd_size, pdims = _C.layernorm_fwd, _C.layernorm_bwd, _C.layernorm_bwd_workspace_size, 1
+
+    @staticmethod
+    def forward(ctx, cls, x, weight, bias, eps, weight_offset):
+        stats = _stats_buffer(x, 2)
+        y = _ln_fwd(cls.fwd, x, weight, bias, *_stats_specs(stats), eps, weight_offset)
+        ctx.save_for_backward(x, weight, stats)
+        ctx.cls, ctx.weight_offset = cls, weight_offset
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    @_fast_once_differentiable
+    def backward(ctx, dy):
+        x, weight, stats = ctx.saved_tensors
+        cls, bias_dtype = ctx.cls, ctx.bias_dtype
+        dx, dweight, dbias = _ln_bwd(cls.bwd, cls.bwd_size, cls.pdims, _last_contig(dy), x, weight,
+                                     *_stats_specs(stats), ctx.weight_offset, bias_dtype is not None)
+        return None, dx, dweight, _cast(dbias, bias_dtype), None, None
+
+
+class _HeadNormFn(_LayerNormFn):
+    fwd, bwd, bwd_size, pdims = _C.headnorm_fwd, _C.headnorm_bwd, _C.headnorm_bwd_workspace_size, 2
+
+
+class _RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, weight_offset):
+        rstd = _stats_buffer(x, 1)
+        y = _rms_fwd(x, weight, _spec(rstd), eps, weight_offset)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.weight_offset = weight_offset
+        return y
+
+    @staticmethod
+    @_fast_once_differentiable
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dweight = _rms_bwd(_last_contig(dy), x, weight, _spec(rstd), ctx.weight_offset)
+        return dx, dweight, None, None
+
+
+class _AdaLayerNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale, shift, eps):
+        stats = _stats_buffer(x, 2)
+        y = _ada_fwd(x, scale, shift, *_stats_specs(stats), eps)
+        ctx.save_for_backward(x, scale, stats)
+        ctx.shift_dtype = shift.dtype if shift is not None else None
+        return y
+
+    @staticmethod
+    @_fast_once_differentiable
+    def backward(ctx, dy):
+        x, scale, stats = ctx.saved_tensors
+        shift_dtype = ctx.shift_dtype
+        dx, dscale, dshift = _ada_bwd(_last_contig(dy), x, scale, *_stats_specs(stats), shift_dtype is not None)
+        return dx, dscale, _cast(dshift, shift_dtype), None
+
+
+_ln_apply, _hn_apply = _apply(_LayerNormFn), _apply(_HeadNormFn)
+_rms_apply, _ada_apply = _apply(_RMSNormFn), _apply(_AdaLayerNormFn)
+
+
 # ---- functional API -----------------------------------------------------------------------------
+# Without a gradient to compute, the eager path skips the statistics (the kernels write y the same).
 def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                eps: float = 1e-5) -> Tensor:
     """LayerNorm over the last dimension (``torch.nn.functional.layer_norm(x, (N,), w, b, eps)``)."""
-    return torch.ops.fastweight.layernorm_fwd(_last_contig(x), _last_contig(weight),
-                                              _last_contig(bias), float(eps), 0.0)[0]
+    x, weight, bias = _last_contig(x), _last_contig(weight), _last_contig(bias)
+    route = _route(x, weight, bias)
+    if route == _AUTOGRAD:
+        return _ln_apply(_LayerNormFn, x, weight, bias, float(eps), 0.0)
+    if route == _NO_GRAD:
+        return _ln_fwd(_C.layernorm_fwd, x, weight, bias, None, None, float(eps), 0.0)
+    return torch.ops.fastweight.layernorm_fwd(x, weight, bias, float(eps), 0.0)[0]
 
 
 def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) -> Tensor:
     """RMSNorm over the last dimension: ``x / sqrt(mean(x^2) + eps) * weight``."""
-    return torch.ops.fastweight.rmsnorm_fwd(_last_contig(x), _last_contig(weight), float(eps), 0.0)[0]
+    x, weight = _last_contig(x), _last_contig(weight)
+    route = _route(x, weight)
+    if route == _AUTOGRAD:
+        return _rms_apply(x, weight, float(eps), 0.0)
+    if route == _NO_GRAD:
+        return _rms_fwd(x, weight, None, float(eps), 0.0)
+    return torch.ops.fastweight.rmsnorm_fwd(x, weight, float(eps), 0.0)[0]
 
 
 def head_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
               eps: float = 1e-6, weight_offset: float = 0.0) -> Tensor:
     """Per-head LayerNorm of x (..., NH, DH): ``xhat * (weight_offset + weight) + bias``, weight/bias (NH, DH)."""
-    return torch.ops.fastweight.headnorm_fwd(_last_contig(x), _last_contig(weight),
-                                             _last_contig(bias), float(eps), float(weight_offset))[0]
+    x, weight, bias = _last_contig(x), _last_contig(weight), _last_contig(bias)
+    route = _route(x, weight, bias)
+    if route == _AUTOGRAD:
+        return _hn_apply(_HeadNormFn, x, weight, bias, float(eps), float(weight_offset))
+    if route == _NO_GRAD:
+        return _ln_fwd(_C.headnorm_fwd, x, weight, bias, None, None, float(eps), float(weight_offset))
+    return torch.ops.fastweight.headnorm_fwd(x, weight, bias, float(eps), float(weight_offset))[0]
 
 
 def adaptive_layer_norm(x: Tensor, scale: Tensor, shift: Optional[Tensor], eps: float = 1e-5) -> Tensor:
     """Adaptive LayerNorm (adaLN): x (B, S, D), scale/shift (B, 1, D): ``xhat * scale[b] + shift[b]``."""
-    return torch.ops.fastweight.adalayernorm_fwd(_last_contig(x), _last_contig(scale),
-                                                 _last_contig(shift), float(eps))[0]
+    x, scale, shift = _last_contig(x), _last_contig(scale), _last_contig(shift)
+    route = _route(x, scale, shift)
+    if route == _AUTOGRAD:
+        return _ada_apply(x, scale, shift, float(eps))
+    if route == _NO_GRAD:
+        return _ada_fwd(x, scale, shift, None, None, float(eps))
+    return torch.ops.fastweight.adalayernorm_fwd(x, scale, shift, float(eps))[0]

@@ -1,0 +1,247 @@
+"""Tests of the host fast paths of the Python layer (CPU; the paths are the same on CUDA):
+
+* the binding's tensor specs ``(data_ptr, dtype_code, shape, strides, device_type, device_index)``
+  and ``(data_ptr, nbytes)`` workspaces, next to DLPack arrays (bindings/module.cpp);
+* the eager path of the functional API (fastweight.ops: a torch.autograd.Function over _C, no
+  dispatcher), which must give the bits of the custom ops (the path under torch.compile), forward
+  and every gradient, and must step aside for tracing, subclasses, modes and functorch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fastweight
+from fastweight import _C, ops
+
+OPS = ["layernorm", "rmsnorm", "headnorm", "adalayernorm"]
+EPS = {"layernorm": 1e-5, "rmsnorm": 1e-6, "headnorm": 1e-6, "adalayernorm": 1e-5}
+EAGER_NODE = {"layernorm": "_LayerNormFnBackward", "rmsnorm": "_RMSNormFnBackward",
+              "headnorm": "_HeadNormFnBackward", "adalayernorm": "_AdaLayerNormFnBackward"}
+
+
+def _inputs(op, dtype, *, params="all", pdtype=None, layout="contig", n=24, seed=0):
+    """x, p (weight / scale), q (bias / shift) for op; params: "all", "first" or "none"."""
+    gen = torch.Generator().manual_seed(seed)
+    pdtype = pdtype or dtype
+    xs = {"layernorm": (2, 5, n), "rmsnorm": (2, 5, n), "headnorm": (2, 5, 3, n), "adalayernorm": (2, 5, n)}[op]
+    ps = {"layernorm": (n,), "rmsnorm": (n,), "headnorm": (3, n), "adalayernorm": (2, 1, n)}[op]
+
+    def r(shape, dt, scale=1.0, shift=0.0):
+        return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale + shift).to(dt)
+
+    if layout == "contig":
+        x = r(xs, dtype, 2.0, 0.5)
+    elif layout == "strided":  # rows at a larger stride, unaligned start
+        x = r((*xs[:-1], n + 3), dtype, 2.0, 0.5)[..., 1:n + 1]
+    else:  # "last-dim": last dimension not contiguous (the functional API copies)
+        x = r((*xs, 2), dtype, 2.0, 0.5)[..., 0]
+    p = r(ps, pdtype, 0.5, 1.0) if params in ("all", "first") or op == "adalayernorm" else None
+    q = r(ps, pdtype, 0.5) if params == "all" and op != "rmsnorm" else None
+    return x, p, q
+
+
+def _functional(op, x, p, q, weight_offset=0.0):
+    if op == "layernorm":
+        return fastweight.layer_norm(x, p, q, EPS[op])
+    if op == "rmsnorm":
+        return fastweight.rms_norm(x, p, EPS[op])
+    if op == "headnorm":
+        return fastweight.head_norm(x, p, q, EPS[op], weight_offset)
+    return fastweight.adaptive_layer_norm(x, p, q, EPS[op])
+
+
+def _custom_op(op, x, p, q, weight_offset=0.0):
+    """What the functional API calls under torch.compile (same argument preparation)."""
+    x, p, q = ops._last_contig(x), ops._last_contig(p), ops._last_contig(q)
+    lib = torch.ops.fastweight
+    if op == "layernorm":
+        return lib.layernorm_fwd(x, p, q, EPS[op], 0.0)[0]
+    if op == "rmsnorm":
+        return lib.rmsnorm_fwd(x, p, EPS[op], 0.0)[0]
+    if op == "headnorm":
+        return lib.headnorm_fwd(x, p, q, EPS[op], float(weight_offset))[0]
+    return lib.adalayernorm_fwd(x, p, q, EPS[op])[0]
+
+
+def _leaves(*ts):
+    return [t.detach().requires_grad_() if t is not None else None for t in ts]
+
+
+def _grads(fn, op, x, p, q, dy, weight_offset):
+    x, p, q = _leaves(x, p, q)
+    y = fn(op, x, p, q, weight_offset)
+    leaves = [t for t in (x, p, q) if t is not None]
+    if dy == "sum":  # an expanded (stride 0) dy
+        grads = torch.autograd.grad(y.sum(), leaves)
+    else:
+        grads = torch.autograd.grad(y, leaves, dy)
+    return y, list(grads)
+
+
+def _cases():
+    for op in OPS:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            name = str(dtype).split(".")[-1]
+            yield pytest.param(op, dtype, {}, id=f"{op}-{name}")
+        yield pytest.param(op, torch.float32, {"params": "none"}, id=f"{op}-no-params")
+        yield pytest.param(op, torch.float32, {"params": "first"}, id=f"{op}-first-param")
+        yield pytest.param(op, torch.bfloat16, {"pdtype": torch.float32}, id=f"{op}-f32-params")
+        yield pytest.param(op, torch.float32, {"layout": "strided"}, id=f"{op}-strided")
+        yield pytest.param(op, torch.float16, {"layout": "last-dim"}, id=f"{op}-last-dim-copy")
+        yield pytest.param(op, torch.float32, {"dy": "sum"}, id=f"{op}-sum-backward")
+    yield pytest.param("headnorm", torch.bfloat16, {"weight_offset": 1.0}, id="headnorm-offset")
+
+
+@pytest.mark.parametrize("op,dtype,cfg", list(_cases()))
+def test_eager_path_bitwise_equals_custom_op(op, dtype, cfg):
+    """The eager autograd.Function and the custom ops: the same bits, forward and every gradient."""
+    cfg = dict(cfg)
+    dy_kind, off = cfg.pop("dy", "random"), cfg.pop("weight_offset", 0.0)
+    x, p, q = _inputs(op, dtype, **cfg)
+    dy = "sum" if dy_kind == "sum" else torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(dtype)
+
+    ye, ge = _grads(_functional, op, x, p, q, dy, off)
+    yc, gc = _grads(_custom_op, op, x, p, q, dy, off)
+    assert type(ye.grad_fn).__name__ == EAGER_NODE[op]  # the eager path was taken
+    assert "fastweight" in type(yc.grad_fn).__name__  # the custom op's autograd node
+    assert ye.dtype == yc.dtype and ye.shape == yc.shape and ye.is_contiguous()
+    assert torch.equal(ye, yc), f"{op}: y differs"
+    assert len(ge) == len(gc)
+    for i, (a, c) in enumerate(zip(ge, gc)):
+        assert a.dtype == c.dtype and a.shape == c.shape, f"{op}: grad {i} {a.dtype}{tuple(a.shape)}"
+        assert torch.equal(a, c), f"{op}: grad {i} differs"
+
+    # Without a gradient to compute (no_grad / no input requiring grad): no statistics, same y.
+    with torch.no_grad():
+        yn = _functional(op, x, p, q, off)
+    assert yn.grad_fn is None and not yn.requires_grad
+    assert torch.equal(yn, yc.detach())
+    assert torch.equal(_functional(op, x, p, q, off), yn)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_eager_path_double_backward_refused(op):
+    x, p, q = _leaves(*_inputs(op, torch.float64))
+    g = torch.autograd.grad(_functional(op, x, p, q).square().sum(), x, create_graph=True)[0]
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
+
+
+def _custom_op_node(y):
+    """The custom op's autograd node is in y's graph (a subclass may add an alias node on top)."""
+    node = y.grad_fn
+    while node is not None and "fastweight" not in type(node).__name__:
+        node = node.next_functions[0][0] if node.next_functions else None
+    return node is not None
+
+
+def test_routes_away_from_eager_path():
+    """Subclasses, dispatch modes, FakeTensors and functorch transforms get the custom ops."""
+    x, w, b = _leaves(*_inputs("layernorm", torch.float32))
+    assert type(fastweight.layer_norm(x, w, b).grad_fn).__name__ == "_LayerNormFnBackward"
+    assert isinstance(fastweight.nn.LayerNorm(24)(x).grad_fn, torch.autograd.function.BackwardCFunction)
+
+    class Sub(torch.Tensor):
+        pass
+
+    xs = x.detach().as_subclass(Sub).requires_grad_()
+    y = fastweight.layer_norm(xs, w, b)
+    assert _custom_op_node(y)
+    assert torch.equal(y.detach().as_subclass(torch.Tensor), fastweight.layer_norm(x, w, b).detach())
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Log():
+        fastweight.rms_norm(x, w)
+    assert any("fastweight.rmsnorm_fwd" in s for s in seen), seen
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    real = x.detach().view(2, 5, 3, 8)
+    with FakeTensorMode() as mode:
+        fy = fastweight.head_norm(mode.from_tensor(real), None, None)
+    assert fy.shape == (2, 5, 3, 8)
+
+    yv = torch.func.vmap(lambda r: fastweight.layer_norm(r, w.detach(), b.detach()))(x.detach())
+    assert torch.equal(yv, fastweight.layer_norm(x.detach(), w.detach(), b.detach()))
+
+
+# ---- the binding's tensor specs -----------------------------------------------------------------
+def _spec_of(t):
+    return ops._spec(t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64],
+                         ids=lambda d: str(d).split(".")[-1])
+def test_spec_equals_dlpack(dtype):
+    """The same call through specs and through DLPack arrays writes the same bits (strided x)."""
+    gen = torch.Generator().manual_seed(1)
+    big = torch.randn(6, 21, generator=gen).to(dtype)
+    x = big[:, 2:18]  # rows at stride 21
+    w, b = torch.randn(16, generator=gen).to(dtype), torch.randn(16, generator=gen).to(dtype)
+    dy = torch.randn(6, 16, generator=gen).to(dtype)
+    outs = []
+    for conv in (lambda t: t, _spec_of):
+        y, mean, rstd = torch.empty(6, 16, dtype=dtype), torch.empty(6), torch.empty(6)
+        _C.layernorm_fwd(conv(x), conv(w), conv(b), conv(y), conv(mean), conv(rstd), 1e-5, 0.0, 0)
+        dx, dw, db = torch.empty(6, 16, dtype=dtype), torch.empty(16, dtype=dtype), torch.empty(16, dtype=dtype)
+        args = (conv(dy), conv(x), conv(w), conv(mean), conv(rstd), conv(dx), conv(dw), conv(db), 0.0)
+        assert _C.layernorm_bwd_workspace_size(*args) == 0
+        _C.layernorm_bwd(*args, (0, 0) if conv is _spec_of else None, 0)
+        outs.append((y, mean, rstd, dx, dw, db))
+    for a, c in zip(*outs):
+        assert torch.equal(a, c)
+
+
+def test_spec_accepts_plain_tuples_and_workspace_forms():
+    x = torch.randn(3, 8)
+    y1, y2 = torch.empty_like(x), torch.empty_like(x)
+    spec = (x.data_ptr(), 0, tuple(x.shape), tuple(x.stride()), 0, 0)
+    _C.rmsnorm_fwd(spec, None, (y1.data_ptr(), 0, (3, 8), (8, 1), 0, 0), None)
+    _C.rmsnorm_fwd(x, None, y2, None)
+    assert torch.equal(y1, y2)
+    rstd = torch.empty(3)
+    _C.rmsnorm_fwd(x, None, y1, rstd)
+    dx1, dx2, dx3 = (torch.empty_like(x) for _ in range(3))
+    ws = torch.empty(16, dtype=torch.uint8)
+    _C.rmsnorm_bwd(_spec_of(x), _spec_of(x), None, _spec_of(rstd), _spec_of(dx1), None, 0.0, (ws.data_ptr(), 16))
+    _C.rmsnorm_bwd(x, x, None, rstd, dx2, None, 0.0, ws)  # an array workspace, as before
+    _C.rmsnorm_bwd(x.numpy(), x.numpy(), None, rstd.numpy(), dx3.numpy(), None)  # numpy still works
+    assert torch.equal(dx1, dx2) and torch.equal(dx1, dx3)
+
+
+def test_spec_errors_name_the_argument():
+    x = torch.randn(2, 4)
+    y = torch.empty_like(x)
+    p = x.data_ptr()
+    bad = [
+        ((p, 7, (2, 4), (4, 1), 0, 0), r"layernorm_fwd: x: dtype code 7 is not supported"),
+        ((p, 0, (2, 4), (4, 1), 2, 0), r"layernorm_fwd: x: device type 2 is not supported"),
+        ((p, 0, (1,) * 9, (1,) * 9, 0, 0), r"layernorm_fwd: x: 9 dimensions, at most 8"),
+        ((p, 0, (2, 4), (4,), 0, 0), r"layernorm_fwd: x: expected an array or a tensor spec"),
+        (("p", 0, (2, 4), (4, 1), 0, 0), r"layernorm_fwd: x: expected an array or a tensor spec"),
+        ((p, 0, [2, 4], [4, 1], 0, 0), r"layernorm_fwd: x: expected an array or a tensor spec"),
+        ((p + 2, 0, (2, 4), (4, 1), 0, 0), r"layernorm_fwd: x: misaligned pointer"),  # the C++ API's checks
+        ((p, 1, (2, 4), (4, 1), 0, 0), r"layernorm_fwd: y: expected dtype float16 \(that of x\)"),
+    ]
+    for spec, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            _C.layernorm_fwd(spec, None, None, y, None, None)
+    with pytest.raises(ValueError, match=r"layernorm_bwd: workspace: expected an array or \(data_ptr: int, nbytes: int\)"):
+        m, r = torch.zeros(2), torch.ones(2)
+        _C.layernorm_bwd(x, x, None, m, r, y, None, None, 0.0, (0, "many"))
+    with pytest.raises(TypeError):  # neither an array nor a spec (a tuple of another length)
+        _C.layernorm_fwd((p, 0, (2, 4)), None, None, y, None, None)
+    # An unsupported dtype takes the DLPack route in ops._spec: the same message as before.
+    assert isinstance(_spec_of(torch.ones(2, dtype=torch.int32)), torch.Tensor)
+    with pytest.raises(ValueError, match=r"rmsnorm_fwd: x: dtype int32 is not supported"):
+        fastweight.rms_norm(torch.ones(4, 16, dtype=torch.int32))
+    np.testing.assert_array_equal(fastweight.layer_norm(np.ones((2, 4), np.float32)), np.zeros((2, 4), np.float32))
