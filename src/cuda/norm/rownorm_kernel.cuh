@@ -2,9 +2,10 @@
 // adalayernorm), all lowered to RowNormParams (common/norm_params.h).
 //
 // Work split. A 1-D grid of P * G CTAs: CTA b serves parameter group g = b / P (one weight row for
-// headnorm / adaLN, the only one for layernorm) and slice p = b % P of the group's rows. The CTA
-// stages its group's parameters in shared memory once, as fp32 with weight_offset added, then walks
-// its rows. P is about one wave of resident CTAs (persistent), so every CTA sees many rows.
+// headnorm / adaLN, the only one for layernorm) and slice p = b % P of the group's rows, which it
+// walks. The forward reads its group's parameters through L1 (16-byte vectors); the cached backward
+// stages the scale (weight_offset + w) in shared memory once. P is about one wave of resident CTAs
+// (persistent), so every CTA sees many rows.
 //
 // Two row engines:
 //  * cached (N <= kCachedMaxN): a row is split over `tpr` threads (power of two); each thread keeps
@@ -31,8 +32,9 @@ namespace fastweight::detail {
 
 // Per-thread work of the cached engine, in 16-byte vectors per row (the same bytes for every dtype):
 // forward 4 vectors of x (plus 4 prefetched), backward 2 each of x and dy (plus 2 + 2 prefetched).
-// CTAs of <= 256 threads are compiled for 3 resident per SM (<= 80 registers, 24 warps); the
-// 512-thread CTA of the longest rows gets 128 registers.
+// Forward CTAs of <= 256 threads are compiled for 3 resident per SM (<= 80 registers, 24 warps),
+// backward ones for 2 (128 registers: the fp32 dW/dB partials live in registers, see
+// docs/perf/norms.md for the shared-memory alternative that lost); 512-thread CTAs get 128.
 inline constexpr int kFwdVecs = 4;
 inline constexpr int kBwdVecs = 2;
 inline constexpr int kMaxTpr = 512;
