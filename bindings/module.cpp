@@ -222,11 +222,33 @@ Workspace to_workspace(const OptWorkspace& w, const TensorRef& x, const char* op
 }
 
 // ---- the ops ------------------------------------------------------------------------------------
-void layernorm_fwd(const In& x, const OptIn& weight, const OptIn& bias, const Out& y,
-                   const OptOut& mean, const OptOut& rstd, double eps, double weight_offset,
-                   std::uintptr_t stream) {
-  const char* op = "layernorm_fwd";
-  fastweight::LayerNormFwdArgs a;
+// layernorm and headnorm take the same arguments (headnorm's weight/bias are (NH, DH)): one body
+// each for fwd / bwd workspace / bwd, instantiated with the op's names, argument structs and entry
+// points.
+struct LayerNormOps {
+  using Fwd = fastweight::LayerNormFwdArgs;
+  using Bwd = fastweight::LayerNormBwdArgs;
+  static constexpr const char* fwd_name = "layernorm_fwd";
+  static constexpr const char* bwd_name = "layernorm_bwd";
+  static void fwd(const Fwd& a, fastweight::Stream s) { fastweight::layernorm_fwd(a, s); }
+  static std::size_t workspace(const Bwd& a) { return fastweight::layernorm_bwd_workspace_size(a); }
+  static void bwd(const Bwd& a, void* w, std::size_t n, fastweight::Stream s) { fastweight::layernorm_bwd(a, w, n, s); }
+};
+struct HeadNormOps {
+  using Fwd = fastweight::HeadNormFwdArgs;
+  using Bwd = fastweight::HeadNormBwdArgs;
+  static constexpr const char* fwd_name = "headnorm_fwd";
+  static constexpr const char* bwd_name = "headnorm_bwd";
+  static void fwd(const Fwd& a, fastweight::Stream s) { fastweight::headnorm_fwd(a, s); }
+  static std::size_t workspace(const Bwd& a) { return fastweight::headnorm_bwd_workspace_size(a); }
+  static void bwd(const Bwd& a, void* w, std::size_t n, fastweight::Stream s) { fastweight::headnorm_bwd(a, w, n, s); }
+};
+
+template <typename Ops>
+void ln_fwd(const In& x, const OptIn& weight, const OptIn& bias, const Out& y, const OptOut& mean,
+            const OptOut& rstd, double eps, double weight_offset, std::uintptr_t stream) {
+  const char* op = Ops::fwd_name;
+  typename Ops::Fwd a;
   a.x = to_ref(x, op, "x");
   a.weight = to_ref(weight, op, "weight");
   a.bias = to_ref(bias, op, "bias");
@@ -236,14 +258,15 @@ void layernorm_fwd(const In& x, const OptIn& weight, const OptIn& bias, const Ou
   a.eps = eps;
   a.weight_offset = weight_offset;
   nb::gil_scoped_release release;
-  fastweight::layernorm_fwd(a, to_stream(stream));
+  Ops::fwd(a, to_stream(stream));
 }
 
-fastweight::LayerNormBwdArgs layernorm_bwd_args(const char* op, const In& dy, const In& x,
-                                                const OptIn& weight, const In& mean, const In& rstd,
-                                                const Out& dx, const OptOut& dweight,
-                                                const OptOut& dbias, double weight_offset) {
-  fastweight::LayerNormBwdArgs a;
+template <typename Ops>
+typename Ops::Bwd ln_bwd_args(const In& dy, const In& x, const OptIn& weight, const In& mean,
+                              const In& rstd, const Out& dx, const OptOut& dweight,
+                              const OptOut& dbias, double weight_offset) {
+  const char* op = Ops::bwd_name;
+  typename Ops::Bwd a;
   a.dy = to_ref(dy, op, "dy");
   a.x = to_ref(x, op, "x");
   a.weight = to_ref(weight, op, "weight");
@@ -256,78 +279,23 @@ fastweight::LayerNormBwdArgs layernorm_bwd_args(const char* op, const In& dy, co
   return a;
 }
 
-std::size_t layernorm_bwd_workspace_size(const In& dy, const In& x, const OptIn& weight,
-                                         const In& mean, const In& rstd, const Out& dx,
-                                         const OptOut& dweight, const OptOut& dbias,
-                                         double weight_offset) {
-  auto a = layernorm_bwd_args("layernorm_bwd", dy, x, weight, mean, rstd, dx, dweight, dbias,
-                              weight_offset);
+template <typename Ops>
+std::size_t ln_bwd_workspace_size(const In& dy, const In& x, const OptIn& weight, const In& mean,
+                                  const In& rstd, const Out& dx, const OptOut& dweight,
+                                  const OptOut& dbias, double weight_offset) {
+  auto a = ln_bwd_args<Ops>(dy, x, weight, mean, rstd, dx, dweight, dbias, weight_offset);
   nb::gil_scoped_release release;
-  return fastweight::layernorm_bwd_workspace_size(a);
+  return Ops::workspace(a);
 }
 
-void layernorm_bwd(const In& dy, const In& x, const OptIn& weight, const In& mean, const In& rstd,
-                   const Out& dx, const OptOut& dweight, const OptOut& dbias, double weight_offset,
-                   const OptWorkspace& workspace, std::uintptr_t stream) {
-  const char* op = "layernorm_bwd";
-  auto a = layernorm_bwd_args(op, dy, x, weight, mean, rstd, dx, dweight, dbias, weight_offset);
-  const Workspace ws = to_workspace(workspace, a.x, op);
+template <typename Ops>
+void ln_bwd(const In& dy, const In& x, const OptIn& weight, const In& mean, const In& rstd,
+            const Out& dx, const OptOut& dweight, const OptOut& dbias, double weight_offset,
+            const OptWorkspace& workspace, std::uintptr_t stream) {
+  auto a = ln_bwd_args<Ops>(dy, x, weight, mean, rstd, dx, dweight, dbias, weight_offset);
+  const Workspace ws = to_workspace(workspace, a.x, Ops::bwd_name);
   nb::gil_scoped_release release;
-  fastweight::layernorm_bwd(a, ws.data, ws.bytes, to_stream(stream));
-}
-
-void headnorm_fwd(const In& x, const OptIn& weight, const OptIn& bias, const Out& y,
-                  const OptOut& mean, const OptOut& rstd, double eps, double weight_offset,
-                  std::uintptr_t stream) {
-  const char* op = "headnorm_fwd";
-  fastweight::HeadNormFwdArgs a;
-  a.x = to_ref(x, op, "x");
-  a.weight = to_ref(weight, op, "weight");
-  a.bias = to_ref(bias, op, "bias");
-  a.y = to_ref(y, op, "y");
-  a.mean = to_ref(mean, op, "mean");
-  a.rstd = to_ref(rstd, op, "rstd");
-  a.eps = eps;
-  a.weight_offset = weight_offset;
-  nb::gil_scoped_release release;
-  fastweight::headnorm_fwd(a, to_stream(stream));
-}
-
-fastweight::HeadNormBwdArgs headnorm_bwd_args(const char* op, const In& dy, const In& x,
-                                              const OptIn& weight, const In& mean, const In& rstd,
-                                              const Out& dx, const OptOut& dweight,
-                                              const OptOut& dbias, double weight_offset) {
-  fastweight::HeadNormBwdArgs a;
-  a.dy = to_ref(dy, op, "dy");
-  a.x = to_ref(x, op, "x");
-  a.weight = to_ref(weight, op, "weight");
-  a.mean = to_ref(mean, op, "mean");
-  a.rstd = to_ref(rstd, op, "rstd");
-  a.dx = to_ref(dx, op, "dx");
-  a.dweight = to_ref(dweight, op, "dweight");
-  a.dbias = to_ref(dbias, op, "dbias");
-  a.weight_offset = weight_offset;
-  return a;
-}
-
-std::size_t headnorm_bwd_workspace_size(const In& dy, const In& x, const OptIn& weight,
-                                        const In& mean, const In& rstd, const Out& dx,
-                                        const OptOut& dweight, const OptOut& dbias,
-                                        double weight_offset) {
-  auto a = headnorm_bwd_args("headnorm_bwd", dy, x, weight, mean, rstd, dx, dweight, dbias,
-                             weight_offset);
-  nb::gil_scoped_release release;
-  return fastweight::headnorm_bwd_workspace_size(a);
-}
-
-void headnorm_bwd(const In& dy, const In& x, const OptIn& weight, const In& mean, const In& rstd,
-                  const Out& dx, const OptOut& dweight, const OptOut& dbias, double weight_offset,
-                  const OptWorkspace& workspace, std::uintptr_t stream) {
-  const char* op = "headnorm_bwd";
-  auto a = headnorm_bwd_args(op, dy, x, weight, mean, rstd, dx, dweight, dbias, weight_offset);
-  const Workspace ws = to_workspace(workspace, a.x, op);
-  nb::gil_scoped_release release;
-  fastweight::headnorm_bwd(a, ws.data, ws.bytes, to_stream(stream));
+  Ops::bwd(a, ws.data, ws.bytes, to_stream(stream));
 }
 
 void rmsnorm_fwd(const In& x, const OptIn& weight, const Out& y, const OptOut& rstd, double eps,
@@ -444,28 +412,28 @@ NB_MODULE(_C, m) {
   const auto none = nb::none();
 
   // layernorm / headnorm share one signature.
-  m.def("layernorm_fwd", &layernorm_fwd, "x"_a, "weight"_a.none(), "bias"_a.none(),
+  m.def("layernorm_fwd", &ln_fwd<LayerNormOps>, "x"_a, "weight"_a.none(), "bias"_a.none(),
         "y"_a, "mean"_a.none() = none, "rstd"_a.none() = none, "eps"_a = 1e-5,
         "weight_offset"_a = 0.0, "stream"_a = 0,
         "y = (x - mean) * rstd * (weight_offset + weight) + bias over the last dim; writes y and,\n"
         "when given, the fp32 statistics mean/rstd (one per row).");
-  m.def("layernorm_bwd_workspace_size", &layernorm_bwd_workspace_size, "dy"_a, "x"_a,
+  m.def("layernorm_bwd_workspace_size", &ln_bwd_workspace_size<LayerNormOps>, "dy"_a, "x"_a,
         "weight"_a.none(), "mean"_a, "rstd"_a, "dx"_a, "dweight"_a.none() = none,
         "dbias"_a.none() = none, "weight_offset"_a = 0.0,
         "Bytes of workspace layernorm_bwd needs for these arguments (0 on the CPU).");
-  m.def("layernorm_bwd", &layernorm_bwd, "dy"_a, "x"_a, "weight"_a.none(), "mean"_a, "rstd"_a,
+  m.def("layernorm_bwd", &ln_bwd<LayerNormOps>, "dy"_a, "x"_a, "weight"_a.none(), "mean"_a, "rstd"_a,
         "dx"_a, "dweight"_a.none() = none, "dbias"_a.none() = none, "weight_offset"_a = 0.0,
         "workspace"_a.none() = none, "stream"_a = 0,
         "Writes dx and, when given, dweight/dbias (deterministic).");
 
-  m.def("headnorm_fwd", &headnorm_fwd, "x"_a, "weight"_a.none(), "bias"_a.none(),
+  m.def("headnorm_fwd", &ln_fwd<HeadNormOps>, "x"_a, "weight"_a.none(), "bias"_a.none(),
         "y"_a, "mean"_a.none() = none, "rstd"_a.none() = none, "eps"_a = 1e-6,
         "weight_offset"_a = 0.0, "stream"_a = 0,
         "Per-head LayerNorm of x (..., NH, DH) with weight/bias (NH, DH).");
-  m.def("headnorm_bwd_workspace_size", &headnorm_bwd_workspace_size, "dy"_a, "x"_a,
+  m.def("headnorm_bwd_workspace_size", &ln_bwd_workspace_size<HeadNormOps>, "dy"_a, "x"_a,
         "weight"_a.none(), "mean"_a, "rstd"_a, "dx"_a, "dweight"_a.none() = none,
         "dbias"_a.none() = none, "weight_offset"_a = 0.0);
-  m.def("headnorm_bwd", &headnorm_bwd, "dy"_a, "x"_a, "weight"_a.none(), "mean"_a, "rstd"_a,
+  m.def("headnorm_bwd", &ln_bwd<HeadNormOps>, "dy"_a, "x"_a, "weight"_a.none(), "mean"_a, "rstd"_a,
         "dx"_a, "dweight"_a.none() = none, "dbias"_a.none() = none, "weight_offset"_a = 0.0,
         "workspace"_a.none() = none, "stream"_a = 0);
 
