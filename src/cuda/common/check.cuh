@@ -21,9 +21,8 @@
 #define FW_CUDA_CHECK_LAUNCH(op) FW_CUDA_CHECK(op, cudaGetLastError())
 
 namespace fastweight::detail {
-// Multiprocessor count and opt-in shared memory per block of the current device (cached).
+// Multiprocessor count of the current device (cached).
 int sm_count();
-int max_smem_per_block_optin();
 // Resident CTAs per SM of `kernel` at this launch shape on the current device; also raises the
 // kernel's dynamic shared-memory limit to `smem` when needed. Cached (thread-safe).
 int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem);

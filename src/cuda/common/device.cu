@@ -11,7 +11,7 @@ namespace fastweight {
 namespace detail {
 namespace {
 constexpr int kMaxDevices = 64;
-struct Props { int sms = 0; int smem_optin = 0; };
+struct Props { int sms = 0; };
 Props g_props[kMaxDevices];
 std::once_flag g_once[kMaxDevices];
 
@@ -23,7 +23,6 @@ const Props& props() {
     cudaDeviceProp prop{};
     FW_CUDA_CHECK("fastweight", cudaGetDeviceProperties(&prop, dev));
     g_props[dev].sms = prop.multiProcessorCount;
-    g_props[dev].smem_optin = int(prop.sharedMemPerBlockOptin);
   });
   return g_props[dev];
 }
@@ -52,7 +51,6 @@ int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem) {
   occ_cache[key] = occ;
   return occ;
 }
-int max_smem_per_block_optin() { return props().smem_optin; }
 
 bool cuda_runtime_available() {
   int n = 0;

@@ -30,28 +30,6 @@ template <> struct Num<__nv_bfloat16> {
 
 template <typename T> inline constexpr int kVecElems = 16 / int(sizeof(T));
 
-// Loads elements [col, col + E) of a row into v; columns >= n read as 0. `aligned` promises a
-// 16-byte aligned row start and n % E == 0 (then a vector is all in or all out).
-template <typename T>
-__device__ __forceinline__ void load_vec(const T* row, int col, int n, bool aligned,
-                                         float (&v)[kVecElems<T>]) {
-  constexpr int E = kVecElems<T>;
-  if (aligned) {
-    if (col < n) {
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row + col));
-      const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-      for (int i = 0; i < E; ++i) v[i] = Num<T>::to_f(e[i]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < E; ++i) v[i] = 0.f;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < E; ++i) v[i] = col + i < n ? Num<T>::to_f(row[col + i]) : 0.f;
-  }
-}
-
 template <typename T>
 __device__ __forceinline__ void store_vec(T* row, int col, int n, bool aligned,
                                           const float (&v)[kVecElems<T>]) {
