@@ -6,6 +6,8 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "fastweight/tensor.h"
 
@@ -70,6 +72,32 @@ __device__ __forceinline__ float raw_get(const uint4& raw, int i) {
   return Num<T>::to_f(reinterpret_cast<const T*>(&raw)[i]);
 }
 
+// All E elements of a raw vector as fp32, with the fewest instructions: bf16 is the high half of an
+// fp32 (one shift or mask per element), fp16 converts in pairs.
+template <typename T>
+__device__ __forceinline__ void unpack(const uint4& raw, float (&f)[kVecElems<T>]) {
+  const unsigned u[4] = {raw.x, raw.y, raw.z, raw.w};
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = __uint_as_float(u[i]);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = __uint_as_float(u[i] << 16);
+      f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2 h;
+      memcpy(&h, &u[i], 4);
+      const float2 t = __half22float2(h);
+      f[2 * i] = t.x;
+      f[2 * i + 1] = t.y;
+    }
+  }
+}
+
 // A parameter element stored as float32 or as the IO dtype T.
 template <typename T>
 __device__ __forceinline__ float load_param(const void* base, std::int64_t i, bool is_f32) {
@@ -89,5 +117,22 @@ __device__ __forceinline__ float group_sum_warp(float v, int width) {
     if (off < width) v += __shfl_xor_sync(0xffffffffu, v, off);
   return v;
 }
+
+// ---- cp.async (sm_80+): 16-byte global -> shared copies that need no registers while in flight ------
+// A thread that copies into shared memory and later reads back only its own slots needs no barrier:
+// cp_async_wait<N>() makes this thread's older groups visible to this thread.
+// pred = false zero-fills the 16 bytes without reading global memory (`src` must still be mapped).
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* src, bool pred) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(pred ? 16 : 0) : "memory");
+}
+// 4-byte variant (through L1: neighbouring threads copy the same per-row statistics).
+__device__ __forceinline__ void cp_async4(void* smem_dst, const void* src, bool pred) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(pred ? 4 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 }  // namespace fastweight::detail

@@ -2,16 +2,16 @@
 // adalayernorm), all lowered to RowNormParams (common/norm_params.h).
 //
 // Work split. A 1-D grid of P * G CTAs: CTA b serves parameter group g = b / P (one weight row for
-// headnorm / adaLN, the only one for layernorm) and slice p = b % P of the group's rows, which it
-// walks. The forward reads its group's parameters through L1 (16-byte vectors); the cached backward
-// stages the scale (weight_offset + w) in shared memory once. P is about one wave of resident CTAs
-// (persistent), so every CTA sees many rows.
+// headnorm / adaLN, the only one for layernorm) and slice p = b % P of the group's rows. Parameters
+// are read through L1 in the forward (16-byte vectors); the cached backward stages the scale
+// (weight_offset + w) in shared memory once per CTA.
 //
-// Two row engines:
-//  * cached (N <= kCachedMaxN): a row is split over `tpr` threads (power of two); each thread keeps
-//    its VPT 16-byte vectors in registers, so x (and dy) are read from memory exactly once and the
-//    variance is an exact two-pass over registers. tpr <= 32: shuffles only, many rows per CTA;
-//    tpr > 32: one or a few rows per CTA with a shared-memory step.
+// Row engines:
+//  * cached (N <= kCachedMaxN): a row is split over `tpr` threads (power of two); each thread holds
+//    its VPT 16-byte vectors as fp32, so x (and dy) are read from memory exactly once and the
+//    variance is an exact two-pass over registers. tpr <= 32: shuffles only, several rows per CTA;
+//    tpr > 32: a shared-memory step. Forward: one row group per CTA (the slice is one row group).
+//    Backward: persistent CTAs (P about one wave) walking their rows through a cp.async ring.
 //  * streaming (any N): forward: one row per CTA iteration, re-reading the row (from L2) per pass;
 //    backward: a row-sum pass, then column tiles that keep dW/dB in registers (see below).
 //
@@ -24,25 +24,31 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "common/norm_params.h"
 #include "cuda/common/vec.cuh"
 
 namespace fastweight::detail {
 
-// Per-thread work of the cached engine, in 16-byte vectors per row (the same bytes for every dtype):
-// forward 4 vectors of x (plus 4 prefetched), backward 2 each of x and dy (plus 2 + 2 prefetched).
-// Forward CTAs of <= 256 threads are compiled for 3 resident per SM (<= 80 registers, 24 warps),
-// backward ones for 2 (128 registers: the fp32 dW/dB partials live in registers, see
-// docs/perf/norms.md for the shared-memory alternative that lost); 512-thread CTAs get 128.
+// Per-thread work of the cached engines, in 16-byte vectors per row (the same bytes for every dtype).
+// Forward, short rows (tpr <= kRowFwdMaxTpr): 2 vectors, one row group per CTA, no row loop (the
+// hardware overlaps CTAs; measured faster there). Forward, longer rows: 4 vectors, persistent CTAs
+// that load the next row before reducing this one (double buffer in registers); CTAs of 256
+// threads are compiled for 3 per SM (80 registers), 512-thread ones for 1.
+// Backward: 2 vectors each of x and dy, persistent CTAs (the dW/dB partials stay in registers
+// across rows), cp.async-staged rows; CTAs of <= 256 threads compiled for 2 per SM, 512 for 1.
+inline constexpr int kRowFwdVecs = 2;
+inline constexpr int kRowFwdMaxTpr = 128;
 inline constexpr int kFwdVecs = 4;
 inline constexpr int kBwdVecs = 2;
+// Aligned rows of the backward are staged through shared memory by cp.async, kStages rows per
+// thread group deep (kStages - 1 in flight while one is computed): bytes in flight cost no registers.
+inline constexpr int kStages = 4;
 inline constexpr int kMaxTpr = 512;
 inline constexpr int kSmallCta = 256;
 template <typename T> inline constexpr std::int64_t kCachedMaxNFwd = std::int64_t(kMaxTpr) * kFwdVecs * kVecElems<T>;
 template <typename T> inline constexpr std::int64_t kCachedMaxNBwd = std::int64_t(kMaxTpr) * kBwdVecs * kVecElems<T>;
-
-#define FW_CACHED_BOUNDS(BIG) __launch_bounds__((BIG) ? kMaxTpr : kSmallCta, (BIG) ? 1 : 3)
 
 struct RowLaunch {
   int tpr = 1;           // threads per row (cached engine)
@@ -55,7 +61,7 @@ struct RowLaunch {
 __device__ __forceinline__ float row_sum(float v, int tpr, float* s_red) {
   v = group_sum_warp(v, tpr);
   if (tpr <= 32) return v;
-  const int warp = threadIdx.x >> 5, wpr = tpr >> 5, first = warp - warp % wpr;
+  const int warp = threadIdx.x >> 5, wpr = tpr >> 5, first = warp & ~(wpr - 1);  // wpr: a power of 2
   __syncthreads();  // the previous row_sum's readers are done with s_red
   if ((threadIdx.x & 31) == 0) s_red[warp] = v;
   __syncthreads();
@@ -69,7 +75,7 @@ __device__ __forceinline__ float2 row_sum2(float2 v, int tpr, float* s_red) {
   v.x = group_sum_warp(v.x, tpr);
   v.y = group_sum_warp(v.y, tpr);
   if (tpr <= 32) return v;
-  const int warp = threadIdx.x >> 5, wpr = tpr >> 5, first = warp - warp % wpr;
+  const int warp = threadIdx.x >> 5, wpr = tpr >> 5, first = warp & ~(wpr - 1);  // wpr: a power of 2
   __syncthreads();
   if ((threadIdx.x & 31) == 0) { s_red[2 * warp] = v.x; s_red[2 * warp + 1] = v.y; }
   __syncthreads();
@@ -80,9 +86,7 @@ __device__ __forceinline__ float2 row_sum2(float2 v, int tpr, float* s_red) {
 
 // ---- forward, cached ----------------------------------------------------------------------------
 // Parameters are read per vector through L1 (every CTA reads the same N values, so they stay
-// cached); no shared-memory staging, so shared memory never limits CTAs per SM. The next row's
-// vectors are loaded before this row's reductions (double buffer), so two rows per thread group
-// are in flight. smem: reduction scratch (blockDim / 32 + 1).
+// cached) in fp32 or the IO dtype.
 template <typename T, bool ALIGNED>
 __device__ __forceinline__ void load_params_vec(const RowNormParams& p, std::int64_t g, int col, int n,
                                                 float (&sc)[kVecElems<T>], float (&bi)[kVecElems<T>]) {
@@ -90,17 +94,27 @@ __device__ __forceinline__ void load_params_vec(const RowNormParams& p, std::int
   const bool f32 = p.param == DType::f32;
 #pragma unroll
   for (int e = 0; e < E; ++e) { sc[e] = 1.f; bi[e] = 0.f; }
-  if (ALIGNED && !f32) {  // parameters in the IO dtype: one 16-byte load each (rows of them aligned too)
+  if (ALIGNED && p.param_aligned) {  // whole vectors: 16-byte loads (E / 4 of them for fp32 params)
+    auto load = [&](const void* base, std::int64_t gs, float (&f)[E]) {
+      if (f32) {
+        const float4* v = reinterpret_cast<const float4*>(static_cast<const float*>(base) + g * gs + col);
+#pragma unroll
+        for (int i = 0; i < E / 4; ++i) {
+          const float4 t = __ldg(v + i);
+          f[4 * i] = t.x; f[4 * i + 1] = t.y; f[4 * i + 2] = t.z; f[4 * i + 3] = t.w;
+        }
+      } else {
+        unpack<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(base) + g * gs + col)), f);
+      }
+    };
     if (p.w) {
-      const uint4 raw = load_raw<T>(static_cast<const T*>(p.w) + g * p.w_group_stride, col, n, p.param_aligned);
+      load(p.w, p.w_group_stride, sc);
+      if (p.weight_offset != 0.f) {
 #pragma unroll
-      for (int e = 0; e < E; ++e) sc[e] = p.weight_offset + raw_get<T>(raw, e);
+        for (int e = 0; e < E; ++e) sc[e] += p.weight_offset;
+      }
     }
-    if (p.b) {
-      const uint4 raw = load_raw<T>(static_cast<const T*>(p.b) + g * p.b_group_stride, col, n, p.param_aligned);
-#pragma unroll
-      for (int e = 0; e < E; ++e) bi[e] = raw_get<T>(raw, e);
-    }
+    if (p.b) load(p.b, p.b_group_stride, bi);
     return;
   }
 #pragma unroll
@@ -111,12 +125,78 @@ __device__ __forceinline__ void load_params_vec(const RowNormParams& p, std::int
   }
 }
 
+template <typename T, int VPT, bool ALIGNED>
+__global__ void __launch_bounds__(kSmallCta, 4) rownorm_fwd_row_kernel(const RowNormParams p, const RowLaunch L) {
+  constexpr int E = kVecElems<T>;
+  __shared__ float s_red[kSmallCta / 32];
+  const int n = int(p.n);
+  // Short rows: one row group per CTA (L.P CTAs per parameter group); no loop, so the hardware
+  // overlaps CTAs.
+  const std::int64_t g = blockIdx.x / L.P, jb = blockIdx.x % L.P;
+  const int R = blockDim.x / L.tpr, rg = threadIdx.x / L.tpr, lane = threadIdx.x % L.tpr;
+  const std::int64_t j = jb * R + rg;
+  const bool valid = j < p.rows_per_group;
+  const int nv = valid ? n : 0;
+  const std::int64_t r = p.row_of(g, valid ? j : 0);
+  const float inv_n = 1.f / float(n);
+
+  float xf[VPT][E];  // (VPT, E) this thread's columns (k * tpr + lane) * E + [0, E) as fp32, 0 past the end
+  {
+    const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(r);
+    uint4 raw[VPT];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) raw[k] = load_raw<T>(xr, (k * L.tpr + lane) * E, nv, ALIGNED);
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) unpack<T>(raw[k], xf[k]);
+  }
+  float mean = 0.f;
+  if (!p.rms) {
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k)
+#pragma unroll
+      for (int e = 0; e < E; ++e) s += xf[k][e];
+    mean = row_sum(s, L.tpr, s_red) * inv_n;
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int col = (k * L.tpr + lane) * E;
+    const bool vin = col < nv;  // aligned: a vector is wholly inside the row or wholly past it
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const float d = (ALIGNED ? vin : col + e < nv) ? xf[k][e] - mean : 0.f;
+      ss += d * d;
+    }
+  }
+  const float rstd = rsqrtf(row_sum(ss, L.tpr, s_red) * inv_n + p.eps);
+  if (!valid) return;  // after the last barrier
+
+  T* yr = static_cast<T*>(p.y) + p.y_rows.offset(r);
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int col = (k * L.tpr + lane) * E;
+    if (col >= n) continue;
+    float sc[E], bi[E], out[E];
+    load_params_vec<T, ALIGNED>(p, g, col, n, sc, bi);
+#pragma unroll
+    for (int e = 0; e < E; ++e) out[e] = (xf[k][e] - mean) * rstd * sc[e] + bi[e];
+    store_vec<T>(yr, col, n, ALIGNED, out);
+  }
+  if (lane == 0) {
+    if (p.mean) p.mean[r] = mean;
+    if (p.rstd) p.rstd[r] = rstd;
+  }
+}
+
+// Persistent variant for longer rows: P CTAs per group walk their rows; raw vectors in registers,
+// converted per element per pass (fp32 copies of 4 vectors would not fit the register bound).
+#define FW_CACHED_BOUNDS(BIG) __launch_bounds__((BIG) ? kMaxTpr : kSmallCta, (BIG) ? 1 : 3)
 template <typename T, int VPT, bool ALIGNED, bool BIG>
 __global__ void FW_CACHED_BOUNDS(BIG) rownorm_fwd_cached_kernel(const RowNormParams p, const RowLaunch L) {
   constexpr int E = kVecElems<T>;
-  extern __shared__ float smem[];
+  __shared__ float s_red[kMaxTpr / 32];
   const int n = int(p.n);
-  float* s_red = smem;
   const std::int64_t g = blockIdx.x / L.P, pi = blockIdx.x % L.P;
   const int R = blockDim.x / L.tpr, rg = threadIdx.x / L.tpr, lane = threadIdx.x % L.tpr;
   const std::int64_t J = p.rows_per_group, jstep = std::int64_t(L.P) * R;
@@ -135,7 +215,6 @@ __global__ void FW_CACHED_BOUNDS(BIG) rownorm_fwd_cached_kernel(const RowNormPar
     load_row(j + jstep, xnext);  // in flight while this row is reduced and written
     const bool valid = j < J;
     const int nv = valid ? n : 0;
-
     float mean = 0.f;
     if (!p.rms) {
       float s = 0.f;
@@ -147,14 +226,16 @@ __global__ void FW_CACHED_BOUNDS(BIG) rownorm_fwd_cached_kernel(const RowNormPar
     }
     float ss = 0.f;
 #pragma unroll
-    for (int k = 0; k < VPT; ++k)
+    for (int k = 0; k < VPT; ++k) {
+      const int col = (k * L.tpr + lane) * E;
+      const bool vin = col < nv;
 #pragma unroll
       for (int e = 0; e < E; ++e) {
-        const float d = (k * L.tpr + lane) * E + e < nv ? raw_get<T>(xv[k], e) - mean : 0.f;
+        const float d = (ALIGNED ? vin : col + e < nv) ? raw_get<T>(xv[k], e) - mean : 0.f;
         ss += d * d;
       }
+    }
     const float rstd = rsqrtf(row_sum(ss, L.tpr, s_red) * inv_n + p.eps);
-
     if (valid) {
       const std::int64_t r = p.row_of(g, j);
       T* yr = static_cast<T*>(p.y) + p.y_rows.offset(r);
@@ -178,6 +259,7 @@ __global__ void FW_CACHED_BOUNDS(BIG) rownorm_fwd_cached_kernel(const RowNormPar
   }
 }
 
+
 // ---- backward, cached ---------------------------------------------------------------------------
 // dW/dB partials in registers (fp32), combined over the CTA's row groups in a fixed order at the end.
 // smem: scale (N) | reduction scratch (2 * blockDim / 32 + 2) | partial combine (R * N) when R > 1
@@ -185,16 +267,23 @@ template <typename T, int VPT, bool ALIGNED, bool BIG>
 __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownorm_bwd_cached_kernel(
     const RowNormParams p, const RowLaunch L, float* __restrict__ ws_dw, float* __restrict__ ws_db) {
   constexpr int E = kVecElems<T>;
-  extern __shared__ float smem[];
+  constexpr int S = kStages;
+  extern __shared__ uint4 smem_v[];
   const int n = int(p.n);
-  float* s_scale = smem;
-  float* s_red = smem + n;
+  // ALIGNED: (S, 2, VPT, blockDim) 16-byte vectors (x then dy) | (S, 2, blockDim) floats (mean,
+  // rstd) | scale (N rounded up to E) | reduction scratch (2 * blockDim / 32 + 2) | partial combine
+  // (R * N) if R > 1
+  uint4* s_pipe = smem_v;
+  float* s_stat = reinterpret_cast<float*>(smem_v + (ALIGNED ? S * 2 * VPT * blockDim.x : 0));
+  float* s_scale = s_stat + (ALIGNED ? S * 2 * blockDim.x : 0);
+  const int n_pad = (n + E - 1) / E * E;  // the scale is read as float4 vectors, whole
+  float* s_red = s_scale + n_pad;
   float* s_comb = s_red + 2 * (blockDim.x / 32) + 2;
   const std::int64_t g = blockIdx.x / L.P, pi = blockIdx.x % L.P;
-  {  // the group's scale (weight_offset + w, or 1) as fp32, once per CTA
+  {  // the group's scale (weight_offset + w, or 1) as fp32, once per CTA; 0 in the padding
     const bool f32 = p.param == DType::f32;
-    for (int c = threadIdx.x; c < n; c += blockDim.x)
-      s_scale[c] = p.w ? p.weight_offset + load_param<T>(p.w, g * p.w_group_stride + c, f32) : 1.f;
+    for (int c = threadIdx.x; c < n_pad; c += blockDim.x)
+      s_scale[c] = c >= n ? 0.f : p.w ? p.weight_offset + load_param<T>(p.w, g * p.w_group_stride + c, f32) : 1.f;
     __syncthreads();
   }
 
@@ -202,42 +291,92 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
   const float inv_n = 1.f / float(n);
   float acc_dw[VPT][E] = {}, acc_db[VPT][E] = {};  // (VPT, E) fp32 partial sums over this thread's rows
   const std::int64_t J = p.rows_per_group, jstep = std::int64_t(L.P) * R;
-  auto load_row = [&](std::int64_t j, uint4 (&xs)[VPT], uint4 (&dys)[VPT]) {
-    const bool ok = j < J;
-    const std::int64_t rr = p.row_of(g, ok ? j : 0);
-    const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(rr);
-    const T* dyr = static_cast<const T*>(p.dy) + p.dy_rows.offset(rr);
+  auto row_ptrs = [&](std::int64_t j) {
+    const std::int64_t rr = p.row_of(g, j < J ? j : 0);
+    return std::make_pair(static_cast<const T*>(p.x) + p.x_rows.offset(rr),
+                          static_cast<const T*>(p.dy) + p.dy_rows.offset(rr));
+  };
+  auto load_row = [&](std::int64_t j, uint4 (&xs)[VPT], uint4 (&dys)[VPT], float2& st) {  // unaligned: registers
+    const auto [xr, dyr] = row_ptrs(j);
+    const std::int64_t rr = p.row_of(g, j < J ? j : 0);
+    st = j < J ? make_float2(p.rms ? 0.f : p.mean[rr], p.rstd[rr]) : make_float2(0.f, 0.f);
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
-      xs[k] = load_raw<T>(xr, (k * L.tpr + lane) * E, ok ? n : 0, ALIGNED);
-      dys[k] = load_raw<T>(dyr, (k * L.tpr + lane) * E, ok ? n : 0, ALIGNED);
+      xs[k] = load_raw<T>(xr, (k * L.tpr + lane) * E, j < J ? n : 0, ALIGNED);
+      dys[k] = load_raw<T>(dyr, (k * L.tpr + lane) * E, j < J ? n : 0, ALIGNED);
+    }
+  };
+  auto issue_row = [&](std::int64_t j, int stage) {  // aligned: cp.async into this thread's slots
+    const auto [xr, dyr] = row_ptrs(j);
+    const std::int64_t rr = p.row_of(g, j < J ? j : 0);  // statistics of rows past J: zero (rstd 0)
+    cp_async4(&s_stat[(stage * 2 + 0) * blockDim.x + threadIdx.x], p.rms ? p.rstd + rr : p.mean + rr,
+              j < J && !p.rms);
+    cp_async4(&s_stat[(stage * 2 + 1) * blockDim.x + threadIdx.x], p.rstd + rr, j < J);
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int col = (k * L.tpr + lane) * E;
+      const bool ok = j < J && col < n;  // zero-filled otherwise: rows past J add nothing to dW/dB
+      cp_async16(&s_pipe[((stage * 2 + 0) * VPT + k) * blockDim.x + threadIdx.x], xr + (ok ? col : 0), ok);
+      cp_async16(&s_pipe[((stage * 2 + 1) * VPT + k) * blockDim.x + threadIdx.x], dyr + (ok ? col : 0), ok);
     }
   };
   uint4 xv[VPT], dyv[VPT], xnext[VPT], dynext[VPT];  // (VPT) raw vectors each; *next: the next row
-  load_row(pi * R + rg, xv, dyv);
+  float2 st, stnext;  // (mean, rstd) of the row, of the next row
+  if constexpr (ALIGNED) {
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+      issue_row(pi * R + rg + s * jstep, s);
+      cp_async_commit();
+    }
+  } else {
+    load_row(pi * R + rg, xv, dyv, st);
+  }
+  int stage = 0;
   for (std::int64_t j0 = pi * R; j0 < J; j0 += jstep) {
     const std::int64_t j = j0 + rg;
-    load_row(j + jstep, xnext, dynext);  // in flight while this row is reduced and written
+    if constexpr (ALIGNED) {
+      issue_row(j + (S - 1) * jstep, stage == 0 ? S - 1 : stage - 1);
+      cp_async_commit();
+      cp_async_wait<S - 1>();
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        xv[k] = s_pipe[((stage * 2 + 0) * VPT + k) * blockDim.x + threadIdx.x];
+        dyv[k] = s_pipe[((stage * 2 + 1) * VPT + k) * blockDim.x + threadIdx.x];
+      }
+      st = make_float2(s_stat[(stage * 2 + 0) * blockDim.x + threadIdx.x], s_stat[(stage * 2 + 1) * blockDim.x + threadIdx.x]);
+      stage = stage == S - 1 ? 0 : stage + 1;
+    } else {
+      load_row(j + jstep, xnext, dynext, stnext);  // in flight while this row is reduced and written
+    }
     const bool valid = j < J;
     const std::int64_t r = p.row_of(g, valid ? j : 0);
-    const float mean = p.rms || !valid ? 0.f : p.mean[r];
-    const float rstd = valid ? p.rstd[r] : 0.f;
+    const float mean = st.x, rstd = st.y;  // rows past J: 0, 0
+    float xh[VPT][E], gs[VPT][E];  // (VPT, E) xhat and g = dy * scale of this thread's columns
     float sg = 0.f, sgx = 0.f;
 #pragma unroll
-    for (int k = 0; k < VPT; ++k)
+    for (int k = 0; k < VPT; ++k) {
+      const int col = (k * L.tpr + lane) * E;
+      float xf[E], dyf[E], sc[E];  // (E) elements past the row end: x = dy = 0, scale 0 (padding)
+      unpack<T>(xv[k], xf);
+      unpack<T>(dyv[k], dyf);
+      const float4* s4 = reinterpret_cast<const float4*>(s_scale + (col < n ? col : 0));
+#pragma unroll
+      for (int i = 0; i < E / 4; ++i) {
+        const float4 t = s4[i];
+        sc[4 * i] = t.x; sc[4 * i + 1] = t.y; sc[4 * i + 2] = t.z; sc[4 * i + 3] = t.w;
+      }
 #pragma unroll
       for (int e = 0; e < E; ++e) {
-        const int c = (k * L.tpr + lane) * E + e;
-        const float dy = raw_get<T>(dyv[k], e);  // 0 past the row end
-        const float xh = (raw_get<T>(xv[k], e) - mean) * rstd;
-        // __fmul_rn: the same rounded product here and in dx below (no FMA contraction), so that
+        xh[k][e] = (xf[e] - mean) * rstd;
+        // __fmul_rn: one rounded product used in both the sums and dx (no FMA contraction), so that
         // g - mean(g) cancels exactly where it should (N = 1 gives dx = 0, not rounding noise).
-        const float gg = __fmul_rn(dy, s_scale[c < n ? c : 0]);
-        sg += gg;
-        sgx += gg * xh;
-        acc_dw[k][e] += dy * xh;
-        acc_db[k][e] += dy;
+        gs[k][e] = __fmul_rn(dyf[e], sc[e]);
+        sg += gs[k][e];
+        sgx += gs[k][e] * xh[k][e];
+        acc_dw[k][e] += dyf[e] * xh[k][e];
+        acc_db[k][e] += dyf[e];
       }
+    }
     const float2 sums = row_sum2(make_float2(sg, sgx), L.tpr, s_red);  // one pass for both sums
     const float mg = p.rms ? 0.f : sums.x * inv_n;
     const float mgx = sums.y * inv_n;
@@ -249,17 +388,17 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
         if (col >= n) continue;
         float out[E];
 #pragma unroll
-        for (int e = 0; e < E; ++e) {
-          const int c = ALIGNED || col + e < n ? col + e : 0;
-          const float xh = (raw_get<T>(xv[k], e) - mean) * rstd;
-          out[e] = rstd * (__fmul_rn(raw_get<T>(dyv[k], e), s_scale[c]) - mg - xh * mgx);
-        }
+        for (int e = 0; e < E; ++e) out[e] = rstd * (gs[k][e] - mg - xh[k][e] * mgx);
         store_vec<T>(dxr, col, n, ALIGNED, out);
       }
     }
+    if constexpr (!ALIGNED) {
 #pragma unroll
-    for (int k = 0; k < VPT; ++k) { xv[k] = xnext[k]; dyv[k] = dynext[k]; }
+      for (int k = 0; k < VPT; ++k) { xv[k] = xnext[k]; dyv[k] = dynext[k]; }
+      st = stnext;
+    }
   }
+  if constexpr (ALIGNED) cp_async_wait<0>();
   if (ws_dw == nullptr && ws_db == nullptr) return;
 
   // One partial row per CTA: combine the R row groups in a fixed order (rg = 0, 1, ...).
@@ -426,12 +565,17 @@ __global__ void __launch_bounds__(256) rownorm_bwd_coltile_kernel(const RowNormP
 
 // ---- weight-gradient finalize: out[g, c] = sum_{p < P} ws[(p * G + g) * N + c], fixed order ------
 // Block (32, 8): 32 consecutive columns (coalesced), 8 strided slices of p, then a fixed-order sum
-// of the 8 slice sums in shared memory.
+// of the 8 slice sums in shared memory. blockIdx.y picks the gradient (dW, dB): one launch for both.
+struct WgradJob {
+  const float* ws[2] = {nullptr, nullptr};  // (P, G, N) fp32 partials
+  void* out[2] = {nullptr, nullptr};        // (G, N) at out_group_stride, fp32 or the IO dtype
+  std::int64_t out_group_stride[2] = {0, 0};
+};
 template <typename T>
-__global__ void rownorm_wgrad_finalize_kernel(const float* __restrict__ ws, std::int64_t P, std::int64_t G,
-                                              std::int64_t n, void* out, std::int64_t out_group_stride,
+__global__ void rownorm_wgrad_finalize_kernel(const WgradJob job, std::int64_t P, std::int64_t G, std::int64_t n,
                                               bool out_f32) {
   __shared__ float s_part[8][33];
+  const float* __restrict__ ws = job.ws[blockIdx.y];
   const std::int64_t gc = std::int64_t(blockIdx.x) * 32 + threadIdx.x;
   const std::int64_t cols = G * n;
   float t = 0.f;
@@ -444,7 +588,7 @@ __global__ void rownorm_wgrad_finalize_kernel(const float* __restrict__ ws, std:
 #pragma unroll
     for (int i = 0; i < 8; ++i) s += s_part[i][threadIdx.x];
     const std::int64_t g = gc / n, c = gc - g * n;
-    store_param<T>(out, g * out_group_stride + c, out_f32, s);
+    store_param<T>(job.out[blockIdx.y], g * job.out_group_stride[blockIdx.y] + c, out_f32, s);
   }
 }
 

@@ -1,11 +1,12 @@
 // rownorm_launch.cuh: launch planning for the LayerNorm-family kernels (rownorm_kernel.cuh), one
 // template per IO dtype, instantiated in rownorm_<dtype>.cu so that build options can drop dtypes.
 //
-// Plan: N <= kCachedMaxN{Fwd,Bwd} -> cached engine with tpr = next_pow2(ceil(N / elems_per_thread))
-// threads per row and max(tpr, 256) threads per CTA; otherwise the forward streams rows (512
-// threads per row) and the backward runs rowsum + coltile. P (CTAs per parameter group, per column
-// tile for coltile) is one wave of resident CTAs spread over the groups (and tiles), so the
-// weight-gradient partials stay small (P * G * N floats) and every CTA sees many rows.
+// Plan: N <= kCachedMaxN{Fwd,Bwd} -> cached engines with tpr = next_pow2(ceil(N / elems_per_thread))
+// threads per row and max(tpr, 256) threads per CTA. Forward, short rows: one row group per CTA
+// (P = row groups per parameter group); longer rows and the backward: persistent, P (CTAs per parameter group) about one wave of
+// resident CTAs spread over the groups, so the weight-gradient partials stay small (P * G * N
+// floats) and every CTA sees many rows. Longer rows: the forward streams rows (512 threads per
+// row, persistent) and the backward runs rowsum + coltile (P per column tile, likewise one wave).
 //
 // Backward workspace (bytes, each part 256-aligned): dW partials (P*G*N fp32) | dB partials (same)
 // | row sums (rows float2, long rows only).
@@ -23,6 +24,7 @@ namespace fastweight::detail {
 
 struct RowPlan {
   bool cached = true;
+  bool persistent = true;  // forward, cached: persistent CTAs (else one row group per CTA)
   int threads = 256;
   std::size_t smem = 0;
   RowLaunch L;
@@ -50,16 +52,22 @@ inline int ctas_per_unit(const void* kernel, int threads, std::size_t smem, std:
   return int(std::max<std::int64_t>(1, std::min(need, (resident + units - 1) / units)));
 }
 
-// The cached kernel for (dtype, direction, alignment, CTA size).
+// The persistent cached forward kernel for (dtype, alignment, CTA size).
 template <typename T>
-const void* cached_kernel(bool bwd, bool aligned, bool big) {
-#define FW_PICK(K, V)                                                                        \
-  (aligned ? (big ? reinterpret_cast<const void*>(&K<T, V, true, true>)                     \
-                  : reinterpret_cast<const void*>(&K<T, V, true, false>))                   \
-           : (big ? reinterpret_cast<const void*>(&K<T, V, false, true>)                    \
-                  : reinterpret_cast<const void*>(&K<T, V, false, false>)))
-  return bwd ? FW_PICK(rownorm_bwd_cached_kernel, kBwdVecs) : FW_PICK(rownorm_fwd_cached_kernel, kFwdVecs);
-#undef FW_PICK
+const void* fwd_cached_kernel(bool aligned, bool big) {
+  using K = void (*)(const RowNormParams, const RowLaunch);
+  const K k = aligned ? (big ? &rownorm_fwd_cached_kernel<T, kFwdVecs, true, true> : &rownorm_fwd_cached_kernel<T, kFwdVecs, true, false>)
+                      : (big ? &rownorm_fwd_cached_kernel<T, kFwdVecs, false, true> : &rownorm_fwd_cached_kernel<T, kFwdVecs, false, false>);
+  return reinterpret_cast<const void*>(k);
+}
+
+// The cached backward kernel for (dtype, alignment, CTA size).
+template <typename T>
+const void* cached_bwd_kernel(bool aligned, bool big) {
+  using K = void (*)(const RowNormParams, const RowLaunch, float*, float*);
+  const K k = aligned ? (big ? &rownorm_bwd_cached_kernel<T, kBwdVecs, true, true> : &rownorm_bwd_cached_kernel<T, kBwdVecs, true, false>)
+                      : (big ? &rownorm_bwd_cached_kernel<T, kBwdVecs, false, true> : &rownorm_bwd_cached_kernel<T, kBwdVecs, false, false>);
+  return reinterpret_cast<const void*>(k);
 }
 
 template <typename T>
@@ -77,11 +85,30 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     plan.cached = true;
     plan.L.tpr = next_pow2((p.n + ept - 1) / ept);
     plan.threads = std::max(plan.L.tpr, kSmallCta);
+    if (!bwd) {
+      const int tpr_row = next_pow2((p.n + kRowFwdVecs * E - 1) / (kRowFwdVecs * E));
+      if (tpr_row <= kRowFwdMaxTpr) {  // short rows: one row group per CTA
+        plan.persistent = false;
+        plan.L.tpr = tpr_row;
+        plan.threads = kSmallCta;
+        const int R = plan.threads / plan.L.tpr;
+        const std::int64_t blocks = std::max<std::int64_t>(1, (J + R - 1) / R);
+        if (blocks * p.groups > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", blocks * p.groups, " CTAs is too large"));
+        plan.L.P = int(blocks);
+        return plan;
+      }
+      const int R = plan.threads / plan.L.tpr;
+      plan.L.P = ctas_per_unit(fwd_cached_kernel<T>(al, plan.threads > kSmallCta), plan.threads, 0, p.groups, (J + R - 1) / R);
+      return plan;
+    }
     const int R = plan.threads / plan.L.tpr;
+    // scale (N, padded to whole vectors), reduction scratch, and with several rows per CTA the
+    // fixed-order combine of the partials; aligned rows: the cp.async stages (x, dy, mean/rstd)
     const std::size_t red = 2 * (plan.threads / 32) + 2;
-    // backward: scale (N) and, with several rows per CTA, the fixed-order combine of the partials
-    plan.smem = sizeof(float) * (red + (bwd ? p.n + (R > 1 ? std::size_t(R) * p.n : 0) : 0));
-    const void* kernel = cached_kernel<T>(bwd, al, plan.threads > kSmallCta);
+    const std::size_t n_pad = std::size_t((p.n + E - 1) / E * E);
+    plan.smem = sizeof(float) * (red + n_pad + (R > 1 ? std::size_t(R) * p.n : 0));
+    if (al) plan.smem += std::size_t(kStages) * plan.threads * (2 * kBwdVecs * sizeof(uint4) + 2 * sizeof(float));
+    const void* kernel = cached_bwd_kernel<T>(al, plan.threads > kSmallCta);
     plan.L.P = ctas_per_unit(kernel, plan.threads, plan.smem, p.groups, (J + R - 1) / R);
     return plan;
   }
@@ -112,9 +139,10 @@ template <typename T>
 RowNormParams with_param_alignment(const RowNormParams& p_in) {
   constexpr int E = kVecElems<T>;
   RowNormParams p = p_in;
+  const std::int64_t psize = p.param == DType::f32 ? 4 : std::int64_t(sizeof(T));
   auto ok = [&](const void* base, std::int64_t gstride) {
     return base == nullptr || (reinterpret_cast<std::uintptr_t>(base) % 16 == 0 &&
-                               (p.groups == 1 || (gstride * std::int64_t(sizeof(T))) % 16 == 0));
+                               (p.groups == 1 || (gstride * psize) % 16 == 0));
   };
   p.param_aligned = p.n % E == 0 && ok(p.w, p.w_group_stride) && ok(p.b, p.b_group_stride);
   return p;
@@ -127,12 +155,15 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   const std::int64_t blocks = std::int64_t(plan.L.P) * p.groups;
   if (blocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", blocks, " CTAs is too large"));
   const unsigned grid = unsigned(blocks);
-  const bool big = plan.threads > kSmallCta;
-  if (plan.cached) {
-    if (plan.L.aligned && big) rownorm_fwd_cached_kernel<T, kFwdVecs, true, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L);
-    else if (plan.L.aligned) rownorm_fwd_cached_kernel<T, kFwdVecs, true, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L);
-    else if (big) rownorm_fwd_cached_kernel<T, kFwdVecs, false, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L);
-    else rownorm_fwd_cached_kernel<T, kFwdVecs, false, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L);
+  if (plan.cached && !plan.persistent) {
+    if (plan.L.aligned) rownorm_fwd_row_kernel<T, kRowFwdVecs, true><<<grid, plan.threads, 0, stream>>>(p, plan.L);
+    else rownorm_fwd_row_kernel<T, kRowFwdVecs, false><<<grid, plan.threads, 0, stream>>>(p, plan.L);
+  } else if (plan.cached) {
+    const bool big = plan.threads > kSmallCta;
+    if (plan.L.aligned && big) rownorm_fwd_cached_kernel<T, kFwdVecs, true, true><<<grid, plan.threads, 0, stream>>>(p, plan.L);
+    else if (plan.L.aligned) rownorm_fwd_cached_kernel<T, kFwdVecs, true, false><<<grid, plan.threads, 0, stream>>>(p, plan.L);
+    else if (big) rownorm_fwd_cached_kernel<T, kFwdVecs, false, true><<<grid, plan.threads, 0, stream>>>(p, plan.L);
+    else rownorm_fwd_cached_kernel<T, kFwdVecs, false, false><<<grid, plan.threads, 0, stream>>>(p, plan.L);
   } else if (plan.L.aligned) {
     rownorm_fwd_stream_kernel<T, true><<<grid, plan.threads, 0, stream>>>(p, plan.L);
   } else {
@@ -201,12 +232,12 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
   const dim3 fblock(32, 8);
   const unsigned fgrid = unsigned((cols + 31) / 32);
   const bool f32 = p.param == DType::f32;
-  if (p.dw && fgrid > 0) {
-    rownorm_wgrad_finalize_kernel<T><<<fgrid, fblock, 0, stream>>>(ws_dw, P, p.groups, p.n, p.dw, p.dw_group_stride, f32);
-    FW_CUDA_CHECK_LAUNCH("rownorm_bwd");
-  }
-  if (p.db && fgrid > 0) {
-    rownorm_wgrad_finalize_kernel<T><<<fgrid, fblock, 0, stream>>>(ws_db, P, p.groups, p.n, p.db, p.db_group_stride, f32);
+  WgradJob job;
+  unsigned njobs = 0;
+  if (p.dw) { job.ws[njobs] = ws_dw; job.out[njobs] = p.dw; job.out_group_stride[njobs] = p.dw_group_stride; ++njobs; }
+  if (p.db) { job.ws[njobs] = ws_db; job.out[njobs] = p.db; job.out_group_stride[njobs] = p.db_group_stride; ++njobs; }
+  if (njobs > 0 && fgrid > 0) {
+    rownorm_wgrad_finalize_kernel<T><<<dim3(fgrid, njobs), fblock, 0, stream>>>(job, P, p.groups, p.n, f32);
     FW_CUDA_CHECK_LAUNCH("rownorm_bwd");
   }
 }

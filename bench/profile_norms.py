@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Run one LayerNorm-family call per provider (fastweight, FLA, torch) for ncu to profile.
+
+  ncu --clock-control none --kernel-name regex:'rownorm|layer_norm|norm' \\
+      --section SpeedOfLight --section Occupancy --section WarpStateStats \\
+      python3 bench/profile_norms.py --op layernorm --shape 4096x8192
+
+Each provider runs forward + backward twice (warm-up: autotune, compile); profile the second
+(the last iteration runs between cudaProfilerStart/Stop: ncu --profile-from-start off). No timing here: bench_norms.py times, this only feeds the profiler.
+"""
+import argparse
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_norms import Env  # noqa: E402  (fastweight / FLA import logic lives there)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--op", default="layernorm", choices=["layernorm", "rmsnorm"])
+    ap.add_argument("--shape", default="4096x8192")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--providers", default="fastweight,fla,torch")
+    ap.add_argument("--iters", type=int, default=2)
+    a = ap.parse_args()
+    env = Env(SimpleNamespace(dry_cpu=False, fastweight_path=None))
+    torch = env.torch
+    M, N = (int(s) for s in a.shape.split("x"))
+    dt = getattr(torch, a.dtype)
+    x = torch.randn(M, N, device="cuda", dtype=dt, requires_grad=True)
+    w = torch.randn(N, device="cuda", dtype=dt, requires_grad=True)
+    b = torch.randn(N, device="cuda", dtype=dt, requires_grad=True) if a.op == "layernorm" else None
+    dy = torch.randn(M, N, device="cuda", dtype=dt)
+    fw, fla = env.fw, env.fla
+    calls = {
+        "fastweight": (lambda: fw.layer_norm(x, w, b)) if a.op == "layernorm" else (lambda: fw.rms_norm(x, w)),
+        "fla": (lambda: fla.layer_norm(x, w, b)) if a.op == "layernorm" else (lambda: fla.rms_norm(x, w, None)),
+        "torch": (lambda: torch.nn.functional.layer_norm(x, (N,), w, b)) if a.op == "layernorm"
+        else (lambda: torch.nn.functional.rms_norm(x, (N,), w)),
+    }
+    for it in range(a.iters):
+        last = it == a.iters - 1
+        if last:  # ncu --profile-from-start off: only this iteration (all threads, autograd's too)
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+        for name in a.providers.split(","):
+            if name in calls and (name != "fla" or fla is not None):
+                y = calls[name]()
+                y.backward(dy)
+                x.grad = w.grad = None
+                if b is not None:
+                    b.grad = None
+        torch.cuda.synchronize()
+        if last:
+            torch.cuda.profiler.stop()
+    print("done", a)
+
+
+if __name__ == "__main__":
+    main()
