@@ -1,6 +1,7 @@
 // fastweight/fastweight.h: everything public.
 #pragma once
 #include "fastweight/error.h"
+#include "fastweight/mlstm.h"
 #include "fastweight/norm.h"
 #include "fastweight/tensor.h"
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "api/check.h"
 #include "common/norm_params.h"
 #include "fastweight/fastweight.h"
 #include "reference/norm_ref.h"
@@ -24,28 +25,10 @@ struct Checker {
   const char* op;
   const TensorRef& x;  // the tensor every other one is compared with
 
-  void common(const char* name, const TensorRef& t) const {
-    FW_CHECK_ARG(t.ndim >= 0 && t.ndim <= kMaxDims, op, name, "ndim ", t.ndim, " outside [0, ", kMaxDims, "]");
-    FW_CHECK_ARG(t.device == x.device && t.device_index == x.device_index, op, name,
-                 "expected device ", x.device_str(), " (that of x), got ", t.device_str());
-    for (int d = 0; d < t.ndim; ++d)
-      FW_CHECK_ARG(t.shape[d] >= 0, op, name, "negative size in shape ", t.shape_str());
-    if (t.numel() > 0) {
-      FW_CHECK_ARG(t.data != nullptr, op, name, "null data pointer for ", t.numel(), " elements");
-      FW_CHECK_ARG(reinterpret_cast<std::uintptr_t>(t.data) % dtype_size(t.dtype) == 0, op, name,
-                   "misaligned pointer: address is not a multiple of the ", dtype_size(t.dtype),
-                   "-byte ", dtype_name(t.dtype), " element");
-    }
-  }
-  void dtype_io(const char* name, const TensorRef& t) const {
-    const bool ok = t.dtype == DType::f32 || t.dtype == DType::f16 || t.dtype == DType::bf16 ||
-                    (t.dtype == DType::f64 && t.device == DeviceType::cpu);
-    FW_CHECK_ARG(ok, op, name, "dtype ", dtype_name(t.dtype), " is not supported on ", t.device_str(),
-                 " (float32, float16, bfloat16", t.device == DeviceType::cpu ? ", float64)" : ")");
-  }
+  void common(const char* name, const TensorRef& t) const { detail::check_common(op, name, t, x, "x"); }
+  void dtype_io(const char* name, const TensorRef& t) const { detail::check_io_dtype(op, name, t); }
   void last_dim_contiguous(const char* name, const TensorRef& t) const {
-    FW_CHECK_ARG(t.ndim == 0 || t.shape[t.ndim - 1] <= 1 || t.strides[t.ndim - 1] == 1, op, name,
-                 "the last dimension must be contiguous (stride 1), got stride ", t.strides[t.ndim - 1]);
+    detail::check_last_dim_contiguous(op, name, t);
   }
   // ref_name: whose shape it must match ("x"), or nullptr when `ref` is the required shape itself.
   void same_shape(const char* name, const TensorRef& t, const TensorRef& ref, const char* ref_name) const {

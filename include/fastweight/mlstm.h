@@ -1,0 +1,78 @@
+// fastweight/mlstm.h: the mLSTM (xLSTM's matrix LSTM; "vLSTM" in the seeds), shared/MATH.md §2.
+//
+//   q, k (B, NH, S, DQK)   v (B, NH, S, DV)   i, f (B, NH, S): input / forget gate preactivations
+//   h (B, NH, S, DV)
+//   states: c (B, NH, DQK, DV)   n (B, NH, DQK)   m (B, NH) or (B, NH, 1)
+// Conventions are NX-AI mlstm_kernels' (so states are interchangeable): q is scaled by 1/sqrt(DQK),
+// lf = logsigmoid(f), eps = 1e-6 by default, zero initial states (m = 0) when none are given.
+// The forward is computed chunk by chunk (chunk_size: a power of two in [16, 256]; any S, the last
+// chunk may be short); it equals the recurrent and parallel forms (MATH.md).
+// The backward is the exact gradient of the forward, the normaliser's included (mlstm_kernels drops
+// it); it recomputes what it needs from the inputs.
+//
+// Dtypes: q, k, v, h, dh and their gradients share one IO dtype (float32, float16, bfloat16; also
+// float64 on the CPU); i, f (and di, df) have that dtype or float32; states and their gradients are
+// float32 (float64 on the CPU). Every tensor needs a contiguous last dimension; other strides are
+// free. Optional tensors are absent TensorRefs; the three states come all together or not at all.
+// Every argument is validated before anything is written: bad input throws ArgumentError naming
+// the op and the argument. CPU tensors run the float64 reference (src/reference/mlstm_ref.h).
+// CUDA kernels are issue 3's next step: today a CUDA tensor gets a clear Error, never a silent
+// fallback.
+#pragma once
+
+#include <cstdint>
+
+#include "fastweight/error.h"
+#include "fastweight/tensor.h"
+
+namespace fastweight {
+
+struct MlstmFwdArgs {
+  TensorRef q, k, v, i, f;
+  TensorRef c_initial, n_initial, m_initial;  // optional (all or none)
+  TensorRef h;                                // output
+  TensorRef c_last, n_last, m_last;           // optional outputs (all or none): the final states
+  double eps = 1e-6;
+  std::int64_t chunk_size = 64;
+};
+
+struct MlstmBwdArgs {
+  TensorRef q, k, v, i, f;
+  TensorRef c_initial, n_initial, m_initial;     // as given to the forward
+  TensorRef dh;                                  // (B, NH, S, DV)
+  TensorRef dc_last, dn_last, dm_last;           // optional: gradients of the final states (absent: 0)
+  TensorRef dq, dk, dv, di, df;                  // outputs, each optional
+  TensorRef dc_initial, dn_initial, dm_initial;  // optional outputs (need the initial states)
+  double eps = 1e-6;
+  std::int64_t chunk_size = 64;
+};
+
+// One decoding step: q, k (B, NH, DQK), v (B, NH, DV), i, f (B, NH) or (B, NH, 1); the states
+// c, n, m are read, and c_new, n_new, m_new written; they may be the same tensors (in place).
+// h (B, NH, DV). No allocation, so it can be captured in a CUDA graph.
+struct MlstmStepArgs {
+  TensorRef q, k, v, i, f;
+  TensorRef c, n, m;
+  TensorRef h;
+  TensorRef c_new, n_new, m_new;
+  double eps = 1e-6;
+};
+
+// The log-space decay matrix of seed 001: D[t, s] = F_t - F_s + i_s for s <= t, -inf above the
+// diagonal, F_t = lf_1 + ... + lf_t. i, f (B, NH, S); D (B, NH, S, S) float32 or i's dtype.
+struct MlstmDecayMatrixFwdArgs {
+  TensorRef i, f, D;
+};
+// Backward: dD (B, NH, S, S) (entries above the diagonal are ignored), f as in the forward;
+// di, df (B, NH, S) optional outputs.
+struct MlstmDecayMatrixBwdArgs {
+  TensorRef f, dD, di, df;
+};
+
+void mlstm_fwd(const MlstmFwdArgs& args, Stream stream = nullptr);
+void mlstm_bwd(const MlstmBwdArgs& args, Stream stream = nullptr);
+void mlstm_step(const MlstmStepArgs& args, Stream stream = nullptr);
+void mlstm_decay_matrix_fwd(const MlstmDecayMatrixFwdArgs& args, Stream stream = nullptr);
+void mlstm_decay_matrix_bwd(const MlstmDecayMatrixBwdArgs& args, Stream stream = nullptr);
+
+}  // namespace fastweight

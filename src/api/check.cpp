@@ -1,0 +1,46 @@
+// check.cpp: see check.h.
+#include "api/check.h"
+
+#include <string>
+
+namespace fastweight::detail {
+
+void check_common(const char* op, const char* name, const TensorRef& t, const TensorRef& ref, const char* ref_name) {
+  FW_CHECK_ARG(t.ndim >= 0 && t.ndim <= kMaxDims, op, name, "ndim ", t.ndim, " outside [0, ", kMaxDims, "]");
+  FW_CHECK_ARG(t.device == ref.device && t.device_index == ref.device_index, op, name, "expected device ",
+               ref.device_str(), " (that of ", ref_name, "), got ", t.device_str());
+  for (int d = 0; d < t.ndim; ++d) FW_CHECK_ARG(t.shape[d] >= 0, op, name, "negative size in shape ", t.shape_str());
+  if (t.numel() > 0) {
+    FW_CHECK_ARG(t.data != nullptr, op, name, "null data pointer for ", t.numel(), " elements");
+    FW_CHECK_ARG(reinterpret_cast<std::uintptr_t>(t.data) % dtype_size(t.dtype) == 0, op, name,
+                 "misaligned pointer: address is not a multiple of the ", dtype_size(t.dtype), "-byte ",
+                 dtype_name(t.dtype), " element");
+  }
+}
+
+void check_io_dtype(const char* op, const char* name, const TensorRef& t) {
+  const bool ok = t.dtype == DType::f32 || t.dtype == DType::f16 || t.dtype == DType::bf16 ||
+                  (t.dtype == DType::f64 && t.device == DeviceType::cpu);
+  FW_CHECK_ARG(ok, op, name, "dtype ", dtype_name(t.dtype), " is not supported on ", t.device_str(),
+               " (float32, float16, bfloat16", t.device == DeviceType::cpu ? ", float64)" : ")");
+}
+
+void check_last_dim_contiguous(const char* op, const char* name, const TensorRef& t) {
+  FW_CHECK_ARG(t.ndim == 0 || t.shape[t.ndim - 1] <= 1 || t.strides[t.ndim - 1] == 1, op, name,
+               "the last dimension must be contiguous (stride 1), got stride ", t.strides[t.ndim - 1]);
+}
+
+void check_shape(const char* op, const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape) {
+  bool same = t.ndim == int(shape.size());
+  int d = 0;
+  for (auto it = shape.begin(); same && it != shape.end(); ++it, ++d) same = t.shape[d] == *it;
+  if (!same) {
+    std::string want = "(";
+    d = 0;
+    for (auto s : shape) want += (d++ ? ", " : "") + std::to_string(s);
+    want += ")";  // as TensorRef::shape_str
+    FW_CHECK_ARG(false, op, name, "expected shape ", want, ", got ", t.shape_str());
+  }
+}
+
+}  // namespace fastweight::detail

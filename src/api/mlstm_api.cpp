@@ -1,0 +1,267 @@
+// mlstm_api.cpp: the public mLSTM entry points (fastweight/mlstm.h). Each validates every argument
+// before anything is written, then dispatches by device: CPU -> the float64 reference through
+// contiguous float64 copies (any dtype, any strides), CUDA -> not built yet (a clear Error).
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "api/check.h"
+#include "api/host_tensor.h"
+#include "fastweight/mlstm.h"
+#include "reference/mlstm_ref.h"
+
+namespace fastweight {
+namespace {
+using detail::cat;
+using Vec = std::vector<double>;
+
+// ---- argument checks ------------------------------------------------------------------------------
+struct MlstmChecker {
+  const char* op;
+  const TensorRef& ref;  // q (or i for the decay matrix): device and IO dtype of the call
+  const char* ref_name;
+
+  void base(const char* name, const TensorRef& t) const {
+    detail::check_common(op, name, t, ref, ref_name);
+    detail::check_last_dim_contiguous(op, name, t);
+  }
+  // Required tensor in the IO dtype with the given shape.
+  void io(const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape) const {
+    FW_CHECK_ARG(t.defined(), op, name, "is required");
+    base(name, t);
+    FW_CHECK_ARG(t.dtype == ref.dtype, op, name, "expected dtype ", dtype_name(ref.dtype), " (that of ", ref_name,
+                 "), got ", dtype_name(t.dtype));
+    detail::check_shape(op, name, t, shape);
+  }
+  // Gate-like tensor: the IO dtype or float32.
+  void gate(const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape) const {
+    FW_CHECK_ARG(t.defined(), op, name, "is required");
+    base(name, t);
+    FW_CHECK_ARG(t.dtype == ref.dtype || t.dtype == DType::f32, op, name, "expected dtype ", dtype_name(ref.dtype),
+                 " (that of ", ref_name, ") or float32, got ", dtype_name(t.dtype));
+    detail::check_shape(op, name, t, shape);
+  }
+  // State tensor: float32 (float64 on the CPU).
+  void state(const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape) const {
+    FW_CHECK_ARG(t.defined(), op, name, "is required");
+    base(name, t);
+    const bool ok = t.dtype == DType::f32 || (t.dtype == DType::f64 && t.device == DeviceType::cpu);
+    FW_CHECK_ARG(ok, op, name, "expected dtype float32", t.device == DeviceType::cpu ? " or float64" : "",
+                 " (states are kept in fp32), got ", dtype_name(t.dtype));
+    detail::check_shape(op, name, t, shape);
+  }
+  // m: (B, NH) or (B, NH, 1), as mlstm_kernels passes it.
+  void state_m(const char* name, const TensorRef& t, std::int64_t B, std::int64_t NH) const {
+    if (t.ndim == 3) state(name, t, {B, NH, 1});
+    else state(name, t, {B, NH});
+  }
+  // c, n, m: all present or all absent. Returns whether present.
+  bool states(const char* cn, const char* nn, const char* mn, const TensorRef& c, const TensorRef& n,
+              const TensorRef& m, const detail::MlstmShape& sh) const {
+    const int given = int(c.defined()) + int(n.defined()) + int(m.defined());
+    const char* missing = !c.defined() ? cn : !n.defined() ? nn : mn;
+    FW_CHECK_ARG(given == 0 || given == 3, op, missing, "is missing: the states ", cn, ", ", nn, ", ", mn,
+                 " are given together or not at all (got ", given, " of 3)");
+    if (given == 0) return false;
+    state(cn, c, {sh.B, sh.NH, sh.DQK, sh.DV});
+    state(nn, n, {sh.B, sh.NH, sh.DQK});
+    state_m(mn, m, sh.B, sh.NH);
+    return true;
+  }
+  void eps(double e) const {
+    FW_CHECK_ARG(std::isfinite(e) && e >= 0.0, op, "eps", "expected a finite value >= 0, got ", e);
+  }
+  void chunk(std::int64_t L) const {
+    FW_CHECK_ARG(L >= 16 && L <= 256 && (L & (L - 1)) == 0, op, "chunk_size",
+                 "expected a power of two in [16, 256], got ", L);
+  }
+};
+
+// The (B, NH, S, DQK, DV) of a sequence call, from q and v (checked: 4-d, IO dtype).
+detail::MlstmShape sequence_shape(const char* op, const TensorRef& q, const TensorRef& v) {
+  FW_CHECK_ARG(q.defined(), op, "q", "is required");
+  FW_CHECK_ARG(q.ndim == 4, op, "q", "expected shape (B, NH, S, DQK), got ", q.shape_str());
+  detail::check_io_dtype(op, "q", q);
+  FW_CHECK_ARG(q.shape[3] >= 1, op, "q", "DQK must be at least 1, got shape ", q.shape_str());
+  FW_CHECK_ARG(v.defined(), op, "v", "is required");
+  FW_CHECK_ARG(v.ndim == 4, op, "v", "expected shape (B, NH, S, DV), got ", v.shape_str());
+  FW_CHECK_ARG(v.shape[3] >= 1, op, "v", "DV must be at least 1, got shape ", v.shape_str());
+  detail::MlstmShape sh;
+  sh.B = q.shape[0], sh.NH = q.shape[1], sh.S = q.shape[2], sh.DQK = q.shape[3], sh.DV = v.shape[3];
+  return sh;
+}
+
+void check_sequence_inputs(const MlstmChecker& c, const detail::MlstmShape& sh, const TensorRef& q,
+                           const TensorRef& k, const TensorRef& v, const TensorRef& i, const TensorRef& f) {
+  c.io("q", q, {sh.B, sh.NH, sh.S, sh.DQK});
+  c.io("k", k, {sh.B, sh.NH, sh.S, sh.DQK});
+  c.io("v", v, {sh.B, sh.NH, sh.S, sh.DV});
+  c.gate("i", i, {sh.B, sh.NH, sh.S});
+  c.gate("f", f, {sh.B, sh.NH, sh.S});
+}
+
+[[noreturn]] void no_cuda_yet(const char* op) {
+  throw Error(cat(op, ": the tensors are on a CUDA device; fastweight's mLSTM CUDA kernels are not built yet "
+                      "(issue 3, in progress). Run on CPU tensors (float64 reference) meanwhile."));
+}
+
+struct SeqInputs {  // float64 copies of one sequence call's inputs
+  Vec q, k, v, i, f, c0, n0, m0;
+  detail::MlstmInputs in() const { return {q.data(), k.data(), v.data(), i.data(), f.data()}; }
+  detail::MlstmConstState init() const {
+    return {c0.empty() ? nullptr : c0.data(), n0.empty() ? nullptr : n0.data(), m0.empty() ? nullptr : m0.data()};
+  }
+};
+SeqInputs gather_inputs(const TensorRef& q, const TensorRef& k, const TensorRef& v, const TensorRef& i,
+                        const TensorRef& f, const TensorRef& c0, const TensorRef& n0, const TensorRef& m0) {
+  using detail::gather_f64;
+  return {gather_f64(q), gather_f64(k), gather_f64(v), gather_f64(i), gather_f64(f),
+          gather_f64(c0), gather_f64(n0), gather_f64(m0)};
+}
+double* ptr_or_null(Vec& v) { return v.empty() ? nullptr : v.data(); }
+const double* ptr_or_null(const Vec& v) { return v.empty() ? nullptr : v.data(); }
+
+}  // namespace
+
+// ---- forward --------------------------------------------------------------------------------------
+void mlstm_fwd(const MlstmFwdArgs& a, Stream) {
+  const char* op = "mlstm_fwd";
+  const detail::MlstmShape sh = sequence_shape(op, a.q, a.v);
+  const MlstmChecker c{op, a.q, "q"};
+  check_sequence_inputs(c, sh, a.q, a.k, a.v, a.i, a.f);
+  c.states("c_initial", "n_initial", "m_initial", a.c_initial, a.n_initial, a.m_initial, sh);
+  c.io("h", a.h, {sh.B, sh.NH, sh.S, sh.DV});
+  const bool last = c.states("c_last", "n_last", "m_last", a.c_last, a.n_last, a.m_last, sh);
+  c.eps(a.eps);
+  c.chunk(a.chunk_size);
+  if (a.q.device == DeviceType::cuda) no_cuda_yet(op);
+
+  const SeqInputs x = gather_inputs(a.q, a.k, a.v, a.i, a.f, a.c_initial, a.n_initial, a.m_initial);
+  Vec h(std::size_t(a.h.numel())), cl, nl, ml;
+  if (last) cl.resize(std::size_t(a.c_last.numel())), nl.resize(std::size_t(a.n_last.numel())),
+      ml.resize(std::size_t(a.m_last.numel()));
+  detail::mlstm_chunkwise_fwd(sh, x.in(), a.eps, a.chunk_size, x.init(), h.data(),
+                              {ptr_or_null(cl), ptr_or_null(nl), ptr_or_null(ml)});
+  detail::scatter_f64(h, a.h);
+  if (last) detail::scatter_f64(cl, a.c_last), detail::scatter_f64(nl, a.n_last), detail::scatter_f64(ml, a.m_last);
+}
+
+// ---- backward -------------------------------------------------------------------------------------
+void mlstm_bwd(const MlstmBwdArgs& a, Stream) {
+  const char* op = "mlstm_bwd";
+  const detail::MlstmShape sh = sequence_shape(op, a.q, a.v);
+  const MlstmChecker c{op, a.q, "q"};
+  check_sequence_inputs(c, sh, a.q, a.k, a.v, a.i, a.f);
+  const bool init = c.states("c_initial", "n_initial", "m_initial", a.c_initial, a.n_initial, a.m_initial, sh);
+  c.io("dh", a.dh, {sh.B, sh.NH, sh.S, sh.DV});
+  if (a.dc_last.defined()) c.state("dc_last", a.dc_last, {sh.B, sh.NH, sh.DQK, sh.DV});
+  if (a.dn_last.defined()) c.state("dn_last", a.dn_last, {sh.B, sh.NH, sh.DQK});
+  if (a.dm_last.defined()) c.state_m("dm_last", a.dm_last, sh.B, sh.NH);
+  if (a.dq.defined()) c.io("dq", a.dq, {sh.B, sh.NH, sh.S, sh.DQK});
+  if (a.dk.defined()) c.io("dk", a.dk, {sh.B, sh.NH, sh.S, sh.DQK});
+  if (a.dv.defined()) c.io("dv", a.dv, {sh.B, sh.NH, sh.S, sh.DV});
+  if (a.di.defined()) c.gate("di", a.di, {sh.B, sh.NH, sh.S});
+  if (a.df.defined()) c.gate("df", a.df, {sh.B, sh.NH, sh.S});
+  const bool dinit = a.dc_initial.defined() || a.dn_initial.defined() || a.dm_initial.defined();
+  if (dinit) {
+    FW_CHECK_ARG(init, op, a.dc_initial.defined() ? "dc_initial" : a.dn_initial.defined() ? "dn_initial" : "dm_initial",
+                 "gradients of the initial states need the initial states (c_initial, n_initial, m_initial)");
+    if (a.dc_initial.defined()) c.state("dc_initial", a.dc_initial, {sh.B, sh.NH, sh.DQK, sh.DV});
+    if (a.dn_initial.defined()) c.state("dn_initial", a.dn_initial, {sh.B, sh.NH, sh.DQK});
+    if (a.dm_initial.defined()) c.state_m("dm_initial", a.dm_initial, sh.B, sh.NH);
+  }
+  c.eps(a.eps);
+  c.chunk(a.chunk_size);
+  if (a.q.device == DeviceType::cuda) no_cuda_yet(op);
+
+  const SeqInputs x = gather_inputs(a.q, a.k, a.v, a.i, a.f, a.c_initial, a.n_initial, a.m_initial);
+  const Vec dh = detail::gather_f64(a.dh), dcl = detail::gather_f64(a.dc_last), dnl = detail::gather_f64(a.dn_last),
+            dml = detail::gather_f64(a.dm_last);
+  auto out = [](const TensorRef& t) { return Vec(t.defined() ? std::size_t(t.numel()) : 0); };
+  Vec dq = out(a.dq), dk = out(a.dk), dv = out(a.dv), di = out(a.di), df = out(a.df);
+  Vec dc0 = out(a.dc_initial), dn0 = out(a.dn_initial), dm0 = out(a.dm_initial);
+  detail::mlstm_recurrent_bwd(sh, x.in(), a.eps, x.init(), dh.data(), {ptr_or_null(dcl), ptr_or_null(dnl), ptr_or_null(dml)},
+                              {ptr_or_null(dq), ptr_or_null(dk), ptr_or_null(dv), ptr_or_null(di), ptr_or_null(df)},
+                              {ptr_or_null(dc0), ptr_or_null(dn0), ptr_or_null(dm0)});
+  detail::scatter_f64(dq, a.dq), detail::scatter_f64(dk, a.dk), detail::scatter_f64(dv, a.dv);
+  detail::scatter_f64(di, a.di), detail::scatter_f64(df, a.df);
+  detail::scatter_f64(dc0, a.dc_initial), detail::scatter_f64(dn0, a.dn_initial), detail::scatter_f64(dm0, a.dm_initial);
+}
+
+// ---- decoding step --------------------------------------------------------------------------------
+void mlstm_step(const MlstmStepArgs& a, Stream) {
+  const char* op = "mlstm_step";
+  FW_CHECK_ARG(a.q.defined(), op, "q", "is required");
+  FW_CHECK_ARG(a.q.ndim == 3, op, "q", "expected shape (B, NH, DQK), got ", a.q.shape_str());
+  detail::check_io_dtype(op, "q", a.q);
+  FW_CHECK_ARG(a.v.defined() && a.v.ndim == 3, op, "v", "expected shape (B, NH, DV), got ",
+               a.v.defined() ? a.v.shape_str() : "nothing");
+  detail::MlstmShape sh;
+  sh.B = a.q.shape[0], sh.NH = a.q.shape[1], sh.S = 1, sh.DQK = a.q.shape[2], sh.DV = a.v.shape[2];
+  FW_CHECK_ARG(sh.DQK >= 1 && sh.DV >= 1, op, "q", "DQK and DV must be at least 1");
+  const MlstmChecker c{op, a.q, "q"};
+  c.io("q", a.q, {sh.B, sh.NH, sh.DQK});
+  c.io("k", a.k, {sh.B, sh.NH, sh.DQK});
+  c.io("v", a.v, {sh.B, sh.NH, sh.DV});
+  auto gate = [&](const char* name, const TensorRef& t) {
+    if (t.defined() && t.ndim == 3) c.gate(name, t, {sh.B, sh.NH, 1});
+    else c.gate(name, t, {sh.B, sh.NH});
+  };
+  gate("i", a.i);
+  gate("f", a.f);
+  FW_CHECK_ARG(c.states("c", "n", "m", a.c, a.n, a.m, sh), op, "c", "the states c, n, m are required");
+  c.io("h", a.h, {sh.B, sh.NH, sh.DV});
+  FW_CHECK_ARG(c.states("c_new", "n_new", "m_new", a.c_new, a.n_new, a.m_new, sh), op, "c_new",
+               "the new states c_new, n_new, m_new are required (they may be c, n, m themselves)");
+  c.eps(a.eps);
+  if (a.q.device == DeviceType::cuda) no_cuda_yet(op);
+
+  const Vec q = detail::gather_f64(a.q), k = detail::gather_f64(a.k), v = detail::gather_f64(a.v),
+            i = detail::gather_f64(a.i), f = detail::gather_f64(a.f);
+  Vec cs = detail::gather_f64(a.c), ns = detail::gather_f64(a.n), ms = detail::gather_f64(a.m);
+  Vec h(std::size_t(a.h.numel()));
+  detail::mlstm_step(sh, q.data(), k.data(), v.data(), i.data(), f.data(), a.eps, {cs.data(), ns.data(), ms.data()},
+                     h.data());
+  detail::scatter_f64(h, a.h);
+  detail::scatter_f64(cs, a.c_new), detail::scatter_f64(ns, a.n_new), detail::scatter_f64(ms, a.m_new);
+}
+
+// ---- decay matrix -----------------------------------------------------------------------------------
+void mlstm_decay_matrix_fwd(const MlstmDecayMatrixFwdArgs& a, Stream) {
+  const char* op = "mlstm_decay_matrix_fwd";
+  FW_CHECK_ARG(a.i.defined(), op, "i", "is required");
+  FW_CHECK_ARG(a.i.ndim == 3, op, "i", "expected shape (B, NH, S), got ", a.i.shape_str());
+  detail::check_io_dtype(op, "i", a.i);
+  detail::MlstmShape sh;
+  sh.B = a.i.shape[0], sh.NH = a.i.shape[1], sh.S = a.i.shape[2];
+  const MlstmChecker c{op, a.i, "i"};
+  c.io("i", a.i, {sh.B, sh.NH, sh.S});
+  c.gate("f", a.f, {sh.B, sh.NH, sh.S});
+  c.gate("D", a.D, {sh.B, sh.NH, sh.S, sh.S});
+  if (a.i.device == DeviceType::cuda) no_cuda_yet(op);
+  const Vec i = detail::gather_f64(a.i), f = detail::gather_f64(a.f);
+  Vec D(std::size_t(a.D.numel()));
+  detail::mlstm_decay_matrix_fwd(sh, i.data(), f.data(), D.data());
+  detail::scatter_f64(D, a.D);
+}
+
+void mlstm_decay_matrix_bwd(const MlstmDecayMatrixBwdArgs& a, Stream) {
+  const char* op = "mlstm_decay_matrix_bwd";
+  FW_CHECK_ARG(a.f.defined(), op, "f", "is required");
+  FW_CHECK_ARG(a.f.ndim == 3, op, "f", "expected shape (B, NH, S), got ", a.f.shape_str());
+  detail::check_io_dtype(op, "f", a.f);
+  detail::MlstmShape sh;
+  sh.B = a.f.shape[0], sh.NH = a.f.shape[1], sh.S = a.f.shape[2];
+  const MlstmChecker c{op, a.f, "f"};
+  c.io("f", a.f, {sh.B, sh.NH, sh.S});
+  c.gate("dD", a.dD, {sh.B, sh.NH, sh.S, sh.S});
+  if (a.di.defined()) c.gate("di", a.di, {sh.B, sh.NH, sh.S});
+  if (a.df.defined()) c.gate("df", a.df, {sh.B, sh.NH, sh.S});
+  if (a.f.device == DeviceType::cuda) no_cuda_yet(op);
+  const Vec f = detail::gather_f64(a.f), dD = detail::gather_f64(a.dD);
+  Vec di(a.di.defined() ? std::size_t(a.di.numel()) : 0), df(a.df.defined() ? std::size_t(a.df.numel()) : 0);
+  detail::mlstm_decay_matrix_bwd(sh, f.data(), dD.data(), ptr_or_null(di), ptr_or_null(df));
+  detail::scatter_f64(di, a.di), detail::scatter_f64(df, a.df);
+}
+
+}  // namespace fastweight

@@ -1,0 +1,225 @@
+// test_mlstm_api.cpp: the public mLSTM entry points (fastweight/mlstm.h) on the CPU: results equal
+// the float64 reference for every IO dtype and for strided views (rows cut from larger buffers),
+// every output element is written, the step works in place, and every bad input gets an
+// ArgumentError naming the op and the argument before anything is written.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "reference/mlstm_ref.h"
+#include "test_util.h"
+
+namespace fwtest {
+namespace {
+using fastweight::detail::MlstmShape;
+
+struct Seq {  // one sequence call's tensors; pad > 0 makes every view a strided cut of a buffer
+  MlstmShape sh;
+  HostTensor q, k, v, i, f, c0, n0, m0, h, cl, nl, ml;
+  Seq(DType dt, MlstmShape s, std::int64_t pad, DType gate_dt)
+      : sh(s),
+        q(make_host(dt, {s.B, s.NH, s.S, s.DQK}, pad)), k(make_host(dt, {s.B, s.NH, s.S, s.DQK}, pad)),
+        v(make_host(dt, {s.B, s.NH, s.S, s.DV}, pad)), i(make_host(gate_dt, {s.B, s.NH, s.S}, pad)),
+        f(make_host(gate_dt, {s.B, s.NH, s.S}, pad)), c0(make_host(DType::f32, {s.B, s.NH, s.DQK, s.DV}, pad)),
+        n0(make_host(DType::f32, {s.B, s.NH, s.DQK}, pad)), m0(make_host(DType::f32, {s.B, s.NH, 1})),
+        h(make_host(dt, {s.B, s.NH, s.S, s.DV}, pad)), cl(make_host(DType::f32, {s.B, s.NH, s.DQK, s.DV})),
+        nl(make_host(DType::f32, {s.B, s.NH, s.DQK})), ml(make_host(DType::f32, {s.B, s.NH, 1})) {
+    std::mt19937_64 rng(7);
+    for (HostTensor* t : {&q, &k, &v, &c0, &n0}) fill_random(*t, rng, -1.0, 1.0);
+    fill_random(i, rng, -3.0, 3.0);
+    fill_random(f, rng, 0.0, 5.0);
+    fill_random(m0, rng, -1.0, 1.0);
+    for (HostTensor* t : {&h, &cl, &nl, &ml}) fill_bytes(*t, 0xab);
+  }
+  MlstmFwdArgs args(std::int64_t L = 16) {
+    MlstmFwdArgs a;
+    a.q = q.ref(), a.k = k.ref(), a.v = v.ref(), a.i = i.ref(), a.f = f.ref();
+    a.c_initial = c0.ref(), a.n_initial = n0.ref(), a.m_initial = m0.ref();
+    a.h = h.ref(), a.c_last = cl.ref(), a.n_last = nl.ref(), a.m_last = ml.ref();
+    a.chunk_size = L;
+    return a;
+  }
+  bool untouched() const {
+    for (const HostTensor* t : {&h, &cl, &nl, &ml})
+      for (unsigned char c : t->bytes) if (c != 0xab) return false;
+    return true;
+  }
+};
+
+// The reference on float64 copies of the (already rounded) inputs.
+void reference_fwd(Seq& s, HostTensor& h, HostTensor& cl, HostTensor& nl, HostTensor& ml) {
+  HostTensor q = to_f64(s.q), k = to_f64(s.k), v = to_f64(s.v), i = to_f64(s.i), f = to_f64(s.f);
+  HostTensor c0 = to_f64(s.c0), n0 = to_f64(s.n0), m0 = to_f64(s.m0);
+  h = make_host(DType::f64, s.h.shape), cl = make_host(DType::f64, s.cl.shape);
+  nl = make_host(DType::f64, s.nl.shape), ml = make_host(DType::f64, s.ml.shape);
+  auto p = [](HostTensor& t) { return static_cast<double*>(t.base()); };
+  fastweight::detail::mlstm_recurrent_fwd(s.sh, {p(q), p(k), p(v), p(i), p(f)}, 1e-6, {p(c0), p(n0), p(m0)}, p(h),
+                                          {p(cl), p(nl), p(ml)});
+}
+
+TEST(MlstmApi, ForwardMatchesReferenceAllDtypesStrided) {
+  for (DType dt : {DType::f64, DType::f32, DType::bf16, DType::f16})
+    for (std::int64_t pad : {0, 3}) {
+      Seq s(dt, {2, 3, 37, 8, 5}, pad, pad ? DType::f32 : dt);
+      mlstm_fwd(s.args());
+      HostTensor h, cl, nl, ml;
+      reference_fwd(s, h, cl, nl, ml);
+      const double tol = dt == DType::f64 ? 1e-12 : tolerance(dt);
+      SCOPED_TRACE(std::string(dtype_name(dt)) + (pad ? " strided" : " contiguous"));
+      EXPECT_LT(rel_err(s.h, h), tol);
+      EXPECT_LT(rel_err(s.cl, cl), dt == DType::f64 ? 1e-6 : 1e-5);  // fp32 states
+      EXPECT_LT(rel_err(s.nl, nl), dt == DType::f64 ? 1e-6 : 1e-5);
+      EXPECT_LT(rel_err(s.ml, ml), 1e-6);
+    }
+}
+
+TEST(MlstmApi, BackwardMatchesReference) {
+  Seq s(DType::f64, {1, 2, 21, 4, 6}, 2, DType::f64);
+  HostTensor dh = make_host(DType::f64, s.h.shape, 1), dq = make_host(DType::f64, s.q.shape, 1),
+             dk = make_host(DType::f64, s.k.shape), dv = make_host(DType::f64, s.v.shape),
+             di = make_host(DType::f64, s.i.shape), df = make_host(DType::f64, s.f.shape),
+             dc0 = make_host(DType::f32, s.c0.shape), dn0 = make_host(DType::f32, s.n0.shape),
+             dm0 = make_host(DType::f32, {1, 2});
+  std::mt19937_64 rng(3);
+  fill_random(dh, rng);
+  for (HostTensor* t : {&dq, &dk, &dv, &di, &df, &dc0, &dn0, &dm0}) fill_bytes(*t, 0xab);
+  MlstmBwdArgs a;
+  a.q = s.q.ref(), a.k = s.k.ref(), a.v = s.v.ref(), a.i = s.i.ref(), a.f = s.f.ref();
+  a.c_initial = s.c0.ref(), a.n_initial = s.n0.ref(), a.m_initial = s.m0.ref(), a.dh = dh.ref();
+  a.dq = dq.ref(), a.dk = dk.ref(), a.dv = dv.ref(), a.di = di.ref(), a.df = df.ref();
+  a.dc_initial = dc0.ref(), a.dn_initial = dn0.ref(), a.dm_initial = dm0.ref();
+  a.chunk_size = 16;
+  mlstm_bwd(a);
+  // Reference on contiguous copies.
+  HostTensor q = to_f64(s.q), k = to_f64(s.k), v = to_f64(s.v), i = to_f64(s.i), f = to_f64(s.f);
+  HostTensor c0 = to_f64(s.c0), n0 = to_f64(s.n0), m0 = to_f64(s.m0), dhc = to_f64(dh);
+  HostTensor rq = make_host(DType::f64, q.shape), rk = make_host(DType::f64, k.shape), rv = make_host(DType::f64, v.shape),
+             ri = make_host(DType::f64, i.shape), rf = make_host(DType::f64, f.shape),
+             rc = make_host(DType::f64, c0.shape), rn = make_host(DType::f64, n0.shape), rm = make_host(DType::f64, {1, 2});
+  auto p = [](HostTensor& t) { return static_cast<double*>(t.base()); };
+  fastweight::detail::mlstm_recurrent_bwd(s.sh, {p(q), p(k), p(v), p(i), p(f)}, 1e-6, {p(c0), p(n0), p(m0)}, p(dhc),
+                                          {}, {p(rq), p(rk), p(rv), p(ri), p(rf)}, {p(rc), p(rn), p(rm)});
+  EXPECT_LT(rel_err(dq, rq), 1e-13);
+  EXPECT_LT(rel_err(dk, rk), 1e-13);
+  EXPECT_LT(rel_err(dv, rv), 1e-13);
+  EXPECT_LT(rel_err(di, ri), 1e-13);
+  EXPECT_LT(rel_err(df, rf), 1e-13);
+  EXPECT_LT(rel_err(dc0, rc), 1e-6);  // stored as fp32
+  EXPECT_LT(rel_err(dn0, rn), 1e-6);
+  EXPECT_LT(rel_err(dm0, rm), 1e-6);
+}
+
+TEST(MlstmApi, StepInPlaceEqualsOutOfPlaceAndTheSequence) {
+  const MlstmShape sh{2, 2, 1, 8, 4};
+  Seq s(DType::f32, {2, 2, 1, 8, 4}, 0, DType::f32);
+  // Step tensors: (B, NH, D) views of the single-step sequence.
+  auto squeeze = [](HostTensor t) {  // drop the S = 1 axis (dim 2)
+    t.shape.erase(t.shape.begin() + 2);
+    t.strides.erase(t.strides.begin() + 2);
+    return t;
+  };
+  HostTensor q = squeeze(s.q), k = squeeze(s.k), v = squeeze(s.v), i = squeeze(s.i), f = squeeze(s.f);
+  HostTensor h1 = make_host(DType::f32, {2, 2, 4}), h2 = make_host(DType::f32, {2, 2, 4});
+  HostTensor c = s.c0, n = s.n0, m = s.m0;  // copies
+  HostTensor cn = make_host(DType::f32, c.shape), nn = make_host(DType::f32, n.shape), mn = make_host(DType::f32, m.shape);
+  MlstmStepArgs a;
+  a.q = q.ref(), a.k = k.ref(), a.v = v.ref(), a.i = i.ref(), a.f = f.ref();
+  a.c = c.ref(), a.n = n.ref(), a.m = m.ref(), a.h = h1.ref(), a.c_new = cn.ref(), a.n_new = nn.ref(), a.m_new = mn.ref();
+  mlstm_step(a);
+  a.h = h2.ref(), a.c_new = c.ref(), a.n_new = n.ref(), a.m_new = m.ref();  // in place
+  mlstm_step(a);
+  EXPECT_EQ(rel_err(h1, h2), 0.0);
+  EXPECT_EQ(rel_err(cn, c), 0.0);
+  EXPECT_EQ(rel_err(nn, n), 0.0);
+  EXPECT_EQ(rel_err(mn, m), 0.0);
+  mlstm_fwd(s.args());  // the same step as a sequence of length 1
+  EXPECT_LT(rel_err(h1, squeeze(s.h)), 1e-6);
+  EXPECT_LT(rel_err(cn, s.cl), 1e-6);
+  (void)sh;
+}
+
+TEST(MlstmApi, DecayMatrixMatchesReference) {
+  HostTensor i = make_host(DType::f32, {2, 3, 9}, 1), f = make_host(DType::f32, {2, 3, 9}),
+             D = make_host(DType::f32, {2, 3, 9, 9}), dD = make_host(DType::f32, {2, 3, 9, 9}),
+             di = make_host(DType::f32, {2, 3, 9}), df = make_host(DType::f32, {2, 3, 9});
+  std::mt19937_64 rng(5);
+  for (HostTensor* t : {&i, &f, &dD}) fill_random(*t, rng);
+  fill_bytes(D, 0xab);
+  mlstm_decay_matrix_fwd({i.ref(), f.ref(), D.ref()});
+  mlstm_decay_matrix_bwd({f.ref(), dD.ref(), di.ref(), df.ref()});
+  HostTensor i64 = to_f64(i), f64 = to_f64(f), dD64 = to_f64(dD), rD = make_host(DType::f64, D.shape),
+             rdi = make_host(DType::f64, di.shape), rdf = make_host(DType::f64, df.shape);
+  const MlstmShape sh{2, 3, 9, 0, 0};
+  auto p = [](HostTensor& t) { return static_cast<double*>(t.base()); };
+  fastweight::detail::mlstm_decay_matrix_fwd(sh, p(i64), p(f64), p(rD));
+  fastweight::detail::mlstm_decay_matrix_bwd(sh, p(f64), p(dD64), p(rdi), p(rdf));
+  // -inf above the diagonal in both: compare the finite parts and the -inf pattern.
+  const auto got = D.values(), want = rD.values();
+  for (std::size_t e = 0; e < got.size(); ++e) {
+    if (std::isinf(want[e])) EXPECT_TRUE(std::isinf(got[e]) && got[e] < 0) << e;
+    else EXPECT_NEAR(got[e], want[e], 1e-5 * (1 + std::fabs(want[e]))) << e;
+  }
+  EXPECT_LT(rel_err(di, rdi), 1e-6);
+  EXPECT_LT(rel_err(df, rdf), 1e-6);
+}
+
+// ---- bad input ------------------------------------------------------------------------------------
+template <typename F>
+void expect_rejected(const Seq& s, F&& f, std::initializer_list<const char*> fragments) {
+  try {
+    f();
+    ADD_FAILURE() << "no error for: " << *fragments.begin();
+  } catch (const ArgumentError& e) {
+    const std::string msg = e.what();
+    for (const char* frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "message: " << msg;
+  }
+  EXPECT_TRUE(s.untouched()) << "an output was written before the error";
+}
+
+TEST(MlstmApi, RejectsBadInputBeforeWriting) {
+  Seq s(DType::f32, {1, 2, 8, 4, 4}, 0, DType::f32);
+  HostTensor k_bad = make_host(DType::f32, {1, 2, 8, 5}), v_f16 = make_host(DType::f16, {1, 2, 8, 4}),
+             i_bad = make_host(DType::f32, {1, 2, 7}), c_bad = make_host(DType::f32, {1, 2, 4, 5}),
+             n_f16 = make_host(DType::f16, {1, 2, 4}), h_bad = make_host(DType::f32, {1, 2, 8, 3}),
+             q_nc = make_host(DType::f32, {1, 2, 8, 4});
+  q_nc.strides[3] = 2;  // last dim not contiguous (the buffer is large enough: only validation looks)
+  q_nc.bytes.resize(q_nc.bytes.size() * 2);
+  auto run = [&](auto mutate) { auto a = s.args(); mutate(a); mlstm_fwd(a); };
+  expect_rejected(s, [&] { run([&](MlstmFwdArgs& a) { a.k = k_bad.ref(); }); }, {"mlstm_fwd", "k", "(1, 2, 8, 4)", "(1, 2, 8, 5)"});
+  expect_rejected(s, [&] { run([&](MlstmFwdArgs& a) { a.v = v_f16.ref(); }); }, {"mlstm_fwd", "v", "float16"});
+  expect_rejected(s, [&] { run([&](MlstmFwdArgs& a) { a.i = i_bad.ref(); }); }, {"mlstm_fwd", "i", "(1, 2, 8)"});
+  expect_rejected(s, [&] { run([&](MlstmFwdArgs& a) { a.c_initial = c_bad.ref(); }); }, {"c_initial", "(1, 2, 4, 4)"});
+  expect_rejected(s, [&] { run([&](MlstmFwdArgs& a) { a.n_initial = n_f16.ref(); }); }, {"n_initial", "float32"});
+  expect_rejected(s, [&] { run([&](MlstmFwdArgs& a) { a.m_initial = TensorRef{}; }); }, {"m_initial", "together"});
+  expect_rejected(s, [&] { run([&](MlstmFwdArgs& a) { a.h = h_bad.ref(); }); }, {"mlstm_fwd", "h", "(1, 2, 8, 4)"});
+  expect_rejected(s, [&] { run([&](MlstmFwdArgs& a) { a.q = q_nc.ref(); }); }, {"mlstm_fwd", "q", "contiguous"});
+  expect_rejected(s, [&] { run([&](MlstmFwdArgs& a) { a.chunk_size = 48; }); }, {"mlstm_fwd", "chunk_size", "48"});
+  expect_rejected(s, [&] { run([&](MlstmFwdArgs& a) { a.eps = -1.0; }); }, {"mlstm_fwd", "eps"});
+  expect_rejected(s, [&] { run([&](MlstmFwdArgs& a) { a.v = TensorRef{}; }); }, {"mlstm_fwd", "v", "required"});
+  expect_rejected(s, [&] {
+    run([&](MlstmFwdArgs& a) { a.k.data = static_cast<char*>(a.k.data) + 1; });
+  }, {"mlstm_fwd", "k", "misaligned"});
+  expect_rejected(s, [&] {
+    run([&](MlstmFwdArgs& a) { a.k.device = DeviceType::cuda; });
+  }, {"mlstm_fwd", "k", "device"});
+}
+
+TEST(MlstmApi, CudaTensorsGetAClearErrorNotAFallback) {
+  Seq s(DType::f32, {1, 1, 4, 4, 4}, 0, DType::f32);
+  auto a = s.args();
+  for (TensorRef* t : {&a.q, &a.k, &a.v, &a.i, &a.f, &a.c_initial, &a.n_initial, &a.m_initial, &a.h, &a.c_last,
+                       &a.n_last, &a.m_last})
+    t->device = DeviceType::cuda;  // never dereferenced: validation passes, then the dispatch refuses
+  try {
+    mlstm_fwd(a);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("CUDA"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(s.untouched());
+}
+
+}  // namespace
+}  // namespace fwtest
