@@ -8,6 +8,9 @@ Functional API (differentiable for torch tensors; NumPy arrays run the CPU refer
     fastweight.head_norm(x, weight=None, bias=None, eps=1e-6, weight_offset=0.0)
     fastweight.adaptive_layer_norm(x, scale, shift, eps=1e-5)
 
+mLSTM (torch only; see ``fastweight.mlstm_ops``): ``mlstm``, ``mlstm_headnorm``, ``mlstm_step``,
+``mlstm_decay_matrix``; drop-in names of NX-AI's mlstm_kernels in ``fastweight.compat.mlstm_kernels``.
+
 Low level: ``fastweight.ops`` (``torch.ops.fastweight.*`` custom ops and wrappers that return the
 statistics), ``fastweight._numpy`` (the same for NumPy arrays), ``fastweight._C`` (the binding).
 Modules: ``fastweight.nn`` (LayerNorm, RMSNorm, HeadNorm, AdaptiveLayerNorm).
@@ -29,10 +32,12 @@ except ImportError:  # pragma: no cover - exercised by numpy-only installs
     _torch = None
 
 if _torch is not None:
-    from . import nn, ops
+    from . import mlstm_ops, nn, ops
+    from .mlstm_ops import mlstm, mlstm_decay_matrix, mlstm_headnorm, mlstm_step
 
 __all__ = [
     "layer_norm", "rms_norm", "head_norm", "adaptive_layer_norm",
+    "mlstm", "mlstm_headnorm", "mlstm_step", "mlstm_decay_matrix",
     "cuda_available", "build_info", "__version__",
 ]
 

@@ -1,0 +1,106 @@
+// mlstm.cpp: the mLSTM ops of fastweight._C (fastweight/mlstm.h), same conventions as module.cpp:
+// tensors as DLPack arrays or spec tuples, None for absent optionals, the stream as an int, the GIL
+// released around the C++ call, validation (and its messages) in the C++ API.
+#include "convert.h"
+
+using namespace nb::literals;
+
+namespace {
+using namespace fwbind;
+
+// The sequence inputs shared by the forward and backward argument structs.
+template <typename Args>
+void set_sequence_inputs(Args& a, const char* op, const In& q, const In& k, const In& v, const In& i, const In& f,
+                         const OptIn& c_initial, const OptIn& n_initial, const OptIn& m_initial) {
+  a.q = to_ref(q, op, "q"), a.k = to_ref(k, op, "k"), a.v = to_ref(v, op, "v");
+  a.i = to_ref(i, op, "i"), a.f = to_ref(f, op, "f");
+  a.c_initial = to_ref(c_initial, op, "c_initial"), a.n_initial = to_ref(n_initial, op, "n_initial");
+  a.m_initial = to_ref(m_initial, op, "m_initial");
+}
+
+void mlstm_fwd(const In& q, const In& k, const In& v, const In& i, const In& f, const OptIn& c_initial,
+               const OptIn& n_initial, const OptIn& m_initial, const Out& h, const OptOut& c_last,
+               const OptOut& n_last, const OptOut& m_last, double eps, std::int64_t chunk_size, std::uintptr_t stream) {
+  const char* op = "mlstm_fwd";
+  fastweight::MlstmFwdArgs a;
+  set_sequence_inputs(a, op, q, k, v, i, f, c_initial, n_initial, m_initial);
+  a.h = to_ref(h, op, "h");
+  a.c_last = to_ref(c_last, op, "c_last"), a.n_last = to_ref(n_last, op, "n_last"), a.m_last = to_ref(m_last, op, "m_last");
+  a.eps = eps;
+  a.chunk_size = chunk_size;
+  nb::gil_scoped_release release;
+  fastweight::mlstm_fwd(a, to_stream(stream));
+}
+
+void mlstm_bwd(const In& q, const In& k, const In& v, const In& i, const In& f, const OptIn& c_initial,
+               const OptIn& n_initial, const OptIn& m_initial, const In& dh, const OptIn& dc_last, const OptIn& dn_last,
+               const OptIn& dm_last, const OptOut& dq, const OptOut& dk, const OptOut& dv, const OptOut& di,
+               const OptOut& df, const OptOut& dc_initial, const OptOut& dn_initial, const OptOut& dm_initial,
+               double eps, std::int64_t chunk_size, std::uintptr_t stream) {
+  const char* op = "mlstm_bwd";
+  fastweight::MlstmBwdArgs a;
+  set_sequence_inputs(a, op, q, k, v, i, f, c_initial, n_initial, m_initial);
+  a.dh = to_ref(dh, op, "dh");
+  a.dc_last = to_ref(dc_last, op, "dc_last"), a.dn_last = to_ref(dn_last, op, "dn_last");
+  a.dm_last = to_ref(dm_last, op, "dm_last");
+  a.dq = to_ref(dq, op, "dq"), a.dk = to_ref(dk, op, "dk"), a.dv = to_ref(dv, op, "dv");
+  a.di = to_ref(di, op, "di"), a.df = to_ref(df, op, "df");
+  a.dc_initial = to_ref(dc_initial, op, "dc_initial"), a.dn_initial = to_ref(dn_initial, op, "dn_initial");
+  a.dm_initial = to_ref(dm_initial, op, "dm_initial");
+  a.eps = eps;
+  a.chunk_size = chunk_size;
+  nb::gil_scoped_release release;
+  fastweight::mlstm_bwd(a, to_stream(stream));
+}
+
+void mlstm_step(const In& q, const In& k, const In& v, const In& i, const In& f, const In& c, const In& n, const In& m,
+                const Out& h, const Out& c_new, const Out& n_new, const Out& m_new, double eps, std::uintptr_t stream) {
+  const char* op = "mlstm_step";
+  fastweight::MlstmStepArgs a;
+  a.q = to_ref(q, op, "q"), a.k = to_ref(k, op, "k"), a.v = to_ref(v, op, "v");
+  a.i = to_ref(i, op, "i"), a.f = to_ref(f, op, "f");
+  a.c = to_ref(c, op, "c"), a.n = to_ref(n, op, "n"), a.m = to_ref(m, op, "m");
+  a.h = to_ref(h, op, "h");
+  a.c_new = to_ref(c_new, op, "c_new"), a.n_new = to_ref(n_new, op, "n_new"), a.m_new = to_ref(m_new, op, "m_new");
+  a.eps = eps;
+  nb::gil_scoped_release release;
+  fastweight::mlstm_step(a, to_stream(stream));
+}
+
+void decay_fwd(const In& i, const In& f, const Out& D, std::uintptr_t stream) {
+  const char* op = "mlstm_decay_matrix_fwd";
+  fastweight::MlstmDecayMatrixFwdArgs a{to_ref(i, op, "i"), to_ref(f, op, "f"), to_ref(D, op, "D")};
+  nb::gil_scoped_release release;
+  fastweight::mlstm_decay_matrix_fwd(a, to_stream(stream));
+}
+
+void decay_bwd(const In& f, const In& dD, const OptOut& di, const OptOut& df, std::uintptr_t stream) {
+  const char* op = "mlstm_decay_matrix_bwd";
+  fastweight::MlstmDecayMatrixBwdArgs a{to_ref(f, op, "f"), to_ref(dD, op, "dD"), to_ref(di, op, "di"),
+                                        to_ref(df, op, "df")};
+  nb::gil_scoped_release release;
+  fastweight::mlstm_decay_matrix_bwd(a, to_stream(stream));
+}
+
+}  // namespace
+
+void bind_mlstm(nb::module_& m) {
+  const auto none = nb::none();
+  m.def("mlstm_fwd", &mlstm_fwd, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "c_initial"_a.none() = none,
+        "n_initial"_a.none() = none, "m_initial"_a.none() = none, "h"_a, "c_last"_a.none() = none,
+        "n_last"_a.none() = none, "m_last"_a.none() = none, "eps"_a = 1e-6, "chunk_size"_a = 64, "stream"_a = 0,
+        "mLSTM forward (chunkwise): writes h (B, NH, S, DV) and, when given, the final states.");
+  m.def("mlstm_bwd", &mlstm_bwd, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "c_initial"_a.none() = none,
+        "n_initial"_a.none() = none, "m_initial"_a.none() = none, "dh"_a, "dc_last"_a.none() = none,
+        "dn_last"_a.none() = none, "dm_last"_a.none() = none, "dq"_a.none() = none, "dk"_a.none() = none,
+        "dv"_a.none() = none, "di"_a.none() = none, "df"_a.none() = none, "dc_initial"_a.none() = none,
+        "dn_initial"_a.none() = none, "dm_initial"_a.none() = none, "eps"_a = 1e-6, "chunk_size"_a = 64,
+        "stream"_a = 0, "mLSTM backward: the exact gradient (normaliser included); writes the given outputs.");
+  m.def("mlstm_step", &mlstm_step, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "c"_a, "n"_a, "m"_a, "h"_a, "c_new"_a,
+        "n_new"_a, "m_new"_a, "eps"_a = 1e-6, "stream"_a = 0,
+        "One decoding step; c_new/n_new/m_new may be c/n/m (in place).");
+  m.def("mlstm_decay_matrix_fwd", &decay_fwd, "i"_a, "f"_a, "D"_a, "stream"_a = 0,
+        "D[t, s] = F_t - F_s + i_s (s <= t), -inf above the diagonal.");
+  m.def("mlstm_decay_matrix_bwd", &decay_bwd, "f"_a, "dD"_a, "di"_a.none() = none, "df"_a.none() = none,
+        "stream"_a = 0);
+}

@@ -1,0 +1,257 @@
+"""mLSTM ops (xLSTM's matrix LSTM; MATH.md §2): ``torch.ops.fastweight.mlstm_*`` and the functional API.
+
+Shapes follow NX-AI's mlstm_kernels: q, k (B, NH, S, DQK), v (B, NH, S, DV), i, f (B, NH, S) gate
+preactivations; states c (B, NH, DQK, DV), n (B, NH, DQK), m (B, NH, 1), float32. q is scaled by
+1/sqrt(DQK) inside; eps = 1e-6.
+
+    mlstm(q, k, v, i, f, c_initial=None, n_initial=None, m_initial=None,
+          return_last_states=False, eps=1e-6, chunk_size=64) -> h | (h, (c, n, m))
+    mlstm_headnorm(q, k, v, i, f, weight=None, bias=None, ..., norm_eps=1e-6, weight_offset=0.0)
+    mlstm_step(q, k, v, i, f, c, n, m, eps=1e-6, inplace=False) -> (h, (c, n, m))
+    mlstm_decay_matrix(i, f) -> D (B, NH, S, S)
+
+Everything is differentiable (q, k, v, i, f and the initial states; the last states too), and the
+gradient is exact: the normaliser's gradient is kept (mlstm_kernels drops it). Custom ops with fake
+kernels: ``torch.compile(fullgraph=True)`` works. Today the ops run on CPU tensors (the float64
+reference behind the C++ API); CUDA tensors raise a RuntimeError until the kernels of issue 3 land.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _C
+from .ops import _last_contig, _spec, _stream, head_norm
+
+__all__ = ["mlstm", "mlstm_headnorm", "mlstm_step", "mlstm_decay_matrix"]
+
+_F32 = torch.float32
+
+
+def _empty(x: Tensor) -> Tensor:
+    return x.new_empty(0)
+
+
+def _opt(t: Tensor) -> Optional[Tensor]:
+    """Custom ops cannot return None: an empty tensor stands for 'not computed'."""
+    return t if t.numel() > 0 or t.dim() != 1 else None
+
+
+def _state_shapes(q: Tensor, v: Tensor):
+    B, NH, _, DQK = q.shape
+    return (B, NH, DQK, v.shape[-1]), (B, NH, DQK), (B, NH, 1)
+
+
+# ---- forward / backward custom ops ----------------------------------------------------------------
+@torch.library.custom_op("fastweight::mlstm_fwd", mutates_args=())
+def _mlstm_fwd(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, c_initial: Optional[Tensor],
+               n_initial: Optional[Tensor], m_initial: Optional[Tensor], eps: float, chunk_size: int,
+               return_last_states: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    h = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    if return_last_states:
+        cs, ns, ms = _state_shapes(q, v)
+        c, n, m = q.new_empty(cs, dtype=_F32), q.new_empty(ns, dtype=_F32), q.new_empty(ms, dtype=_F32)
+    else:
+        c = n = m = None
+    _C.mlstm_fwd(_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(c_initial), _spec(n_initial),
+                 _spec(m_initial), _spec(h), _spec(c), _spec(n), _spec(m), eps, chunk_size, _stream(q))
+    if not return_last_states:
+        c, n, m = _empty(q), _empty(q), _empty(q)  # distinct: outputs must not alias
+    return h, c, n, m
+
+
+@_mlstm_fwd.register_fake
+def _(q, k, v, i, f, c_initial, n_initial, m_initial, eps, chunk_size, return_last_states):
+    h = q.new_empty(v.shape)
+    if not return_last_states:
+        return h, _empty(q), _empty(q), _empty(q)
+    cs, ns, ms = _state_shapes(q, v)
+    return h, q.new_empty(cs, dtype=_F32), q.new_empty(ns, dtype=_F32), q.new_empty(ms, dtype=_F32)
+
+
+@torch.library.custom_op("fastweight::mlstm_bwd", mutates_args=())
+def _mlstm_bwd(dh: Tensor, q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, c_initial: Optional[Tensor],
+               n_initial: Optional[Tensor], m_initial: Optional[Tensor], dc_last: Optional[Tensor],
+               dn_last: Optional[Tensor], dm_last: Optional[Tensor], eps: float,
+               chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    di, df = torch.empty_like(i), torch.empty_like(f)
+    has_init = c_initial is not None
+    dc0 = torch.empty_like(c_initial) if has_init else None
+    dn0 = torch.empty_like(n_initial) if has_init else None
+    dm0 = torch.empty_like(m_initial) if has_init else None
+    _C.mlstm_bwd(_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(c_initial), _spec(n_initial),
+                 _spec(m_initial), _spec(dh), _spec(dc_last), _spec(dn_last), _spec(dm_last), _spec(dq), _spec(dk),
+                 _spec(dv), _spec(di), _spec(df), _spec(dc0), _spec(dn0), _spec(dm0), eps, chunk_size, _stream(q))
+    if not has_init:
+        dc0, dn0, dm0 = _empty(q), _empty(q), _empty(q)
+    return dq, dk, dv, di, df, dc0, dn0, dm0
+
+
+@_mlstm_bwd.register_fake
+def _(dh, q, k, v, i, f, c_initial, n_initial, m_initial, dc_last, dn_last, dm_last, eps, chunk_size):
+    init = c_initial is not None
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(i), torch.empty_like(f),
+            torch.empty_like(c_initial) if init else _empty(q), torch.empty_like(n_initial) if init else _empty(q),
+            torch.empty_like(m_initial) if init else _empty(q))
+
+
+def _mlstm_setup(ctx, inputs, output):
+    q, k, v, i, f, c0, n0, m0, eps, chunk_size, return_last = inputs
+    ctx.save_for_backward(q, k, v, i, f, c0, n0, m0)
+    ctx.eps, ctx.chunk_size, ctx.return_last = eps, chunk_size, return_last
+
+
+def _mlstm_backward(ctx, dh, dc, dn, dm):
+    q, k, v, i, f, c0, n0, m0 = ctx.saved_tensors
+    if not ctx.return_last:
+        dc = dn = dm = None
+    dc, dn, dm = _last_contig(dc), _last_contig(dn), _last_contig(dm)
+    dq, dk, dv, di, df, dc0, dn0, dm0 = _mlstm_bwd(_last_contig(dh), q, k, v, i, f, c0, n0, m0, dc, dn, dm,
+                                                  ctx.eps, ctx.chunk_size)
+    if c0 is None:
+        dc0 = dn0 = dm0 = None
+    return dq, dk, dv, di, df, dc0, dn0, dm0, None, None, None
+
+
+_mlstm_fwd.register_autograd(_mlstm_backward, setup_context=_mlstm_setup)
+
+
+# ---- functional API ---------------------------------------------------------------------------------
+def _prep_gate(g: Tensor, q: Tensor) -> Tensor:
+    """Gates in q's dtype or float32 (other dtypes are cast to float32), last dim contiguous."""
+    return _last_contig(g if g.dtype in (q.dtype, _F32) else g.to(_F32))
+
+
+def _prep_states(q: Tensor, c, n, m):
+    """Initial states as float32 (B, NH, DQK, DV), (B, NH, DQK), (B, NH, 1), or Nones. The three come
+    together (the C++ API names the missing one otherwise)."""
+    if c is None and n is None and m is None:
+        return None, None, None
+    def f32(t):
+        return None if t is None else _last_contig(t if t.dtype == _F32 else t.to(_F32))
+    if m is not None and m.dim() == 2:
+        m = m.unsqueeze(-1)
+    return f32(c), f32(n), f32(m)
+
+
+def mlstm(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, c_initial: Optional[Tensor] = None,
+          n_initial: Optional[Tensor] = None, m_initial: Optional[Tensor] = None, return_last_states: bool = False,
+          eps: float = 1e-6, chunk_size: int = 64):
+    """The mLSTM over a sequence (chunkwise form, any S): returns h (B, NH, S, DV) in q's dtype, and with
+    ``return_last_states`` also the float32 final states (c, n, m), m shaped (B, NH, 1)."""
+    c0, n0, m0 = _prep_states(q, c_initial, n_initial, m_initial)
+    h, c, n, m = _mlstm_fwd(_last_contig(q), _last_contig(k), _last_contig(v), _prep_gate(i, q), _prep_gate(f, q),
+                            c0, n0, m0, float(eps), int(chunk_size), bool(return_last_states))
+    return (h, (c, n, m)) if return_last_states else h
+
+
+def mlstm_headnorm(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, weight: Optional[Tensor] = None,
+                   bias: Optional[Tensor] = None, c_initial: Optional[Tensor] = None,
+                   n_initial: Optional[Tensor] = None, m_initial: Optional[Tensor] = None,
+                   return_last_states: bool = False, eps: float = 1e-6, chunk_size: int = 64,
+                   norm_eps: float = 1e-6, weight_offset: float = 0.0):
+    """mLSTM followed by the per-head LayerNorm of seed 000 / xLSTM's MultiHeadLayerNorm: each
+    (b, head, t) row of h is normalised over DV with weight/bias (NH, DV). Returns out (B, NH, S, DV)
+    (and the last states). Today the two ops run one after the other (exact gradients, the
+    normaliser's included); the fused kernel is part of issue 3's CUDA work."""
+    res = mlstm(q, k, v, i, f, c_initial, n_initial, m_initial, return_last_states, eps, chunk_size)
+    h = res[0] if return_last_states else res
+    out = head_norm(h.transpose(1, 2), weight, bias, norm_eps, weight_offset).transpose(1, 2)
+    return (out, res[1]) if return_last_states else out
+
+
+# ---- decoding step -------------------------------------------------------------------------------------
+@torch.library.custom_op("fastweight::mlstm_step", mutates_args=())
+def _mlstm_step(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, c: Tensor, n: Tensor, m: Tensor,
+                eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    h = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    c2, n2, m2 = torch.empty_like(c), torch.empty_like(n), torch.empty_like(m)
+    _C.mlstm_step(_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(c), _spec(n), _spec(m), _spec(h),
+                  _spec(c2), _spec(n2), _spec(m2), eps, _stream(q))
+    return h, c2, n2, m2
+
+
+@_mlstm_step.register_fake
+def _(q, k, v, i, f, c, n, m, eps):
+    return q.new_empty(v.shape), torch.empty_like(c), torch.empty_like(n), torch.empty_like(m)
+
+
+@torch.library.custom_op("fastweight::mlstm_step_", mutates_args=("c", "n", "m"))
+def _mlstm_step_(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, c: Tensor, n: Tensor, m: Tensor,
+                 eps: float) -> Tensor:
+    h = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    cs, ns, ms = _spec(c), _spec(n), _spec(m)
+    _C.mlstm_step(_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), cs, ns, ms, _spec(h), cs, ns, ms, eps, _stream(q))
+    return h
+
+
+@_mlstm_step_.register_fake
+def _(q, k, v, i, f, c, n, m, eps):
+    return q.new_empty(v.shape)
+
+
+def mlstm_step(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, c: Tensor, n: Tensor, m: Tensor,
+               eps: float = 1e-6, inplace: bool = False):
+    """One decoding step: q, k (B, NH, DQK), v (B, NH, DV), i, f (B, NH) or (B, NH, 1); states c, n, m
+    (float32). Returns (h, (c, n, m)) with the new states; ``inplace=True`` writes them into c, n, m
+    (which must then be float32 and contiguous in the last dim) and returns those tensors. No autograd
+    (decoding)."""
+    q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
+    i, f = _prep_gate(i, q), _prep_gate(f, q)
+    if inplace:
+        h = _mlstm_step_(q, k, v, i, f, c, n, m, float(eps))
+        return h, (c, n, m)
+    h, c2, n2, m2 = _mlstm_step(q, k, v, i, f, _last_contig(c), _last_contig(n), _last_contig(m), float(eps))
+    return h, (c2, n2, m2)
+
+
+# ---- decay matrix ------------------------------------------------------------------------------------
+@torch.library.custom_op("fastweight::mlstm_decay_matrix_fwd", mutates_args=())
+def _decay_fwd(i: Tensor, f: Tensor) -> Tensor:
+    B, NH, S = i.shape
+    D = i.new_empty((B, NH, S, S))
+    _C.mlstm_decay_matrix_fwd(_spec(i), _spec(f), _spec(D), _stream(i))
+    return D
+
+
+@_decay_fwd.register_fake
+def _(i, f):
+    B, NH, S = i.shape
+    return i.new_empty((B, NH, S, S))
+
+
+@torch.library.custom_op("fastweight::mlstm_decay_matrix_bwd", mutates_args=())
+def _decay_bwd(f: Tensor, dD: Tensor, i_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    di, df = torch.empty(f.shape, dtype=i_dtype, device=f.device), torch.empty_like(f)
+    _C.mlstm_decay_matrix_bwd(_spec(f), _spec(dD), _spec(di), _spec(df), _stream(f))
+    return di, df
+
+
+@_decay_bwd.register_fake
+def _(f, dD, i_dtype):
+    return torch.empty(f.shape, dtype=i_dtype, device=f.device), torch.empty_like(f)
+
+
+def _decay_setup(ctx, inputs, output):
+    i, f = inputs
+    ctx.save_for_backward(f)
+    ctx.i_dtype = i.dtype
+
+
+def _decay_backward(ctx, dD):
+    (f,) = ctx.saved_tensors
+    return _decay_bwd(f, _last_contig(dD), ctx.i_dtype)
+
+
+_decay_fwd.register_autograd(_decay_backward, setup_context=_decay_setup)
+
+
+def mlstm_decay_matrix(i: Tensor, f: Tensor) -> Tensor:
+    """Seed 001's log-space decay matrix: D[t, s] = F_t - F_s + i_s for s <= t, -inf above the
+    diagonal, F_t = logsigmoid(f_1) + ... + logsigmoid(f_t). i, f (B, NH, S) -> D (B, NH, S, S) in i's
+    dtype. Differentiable in i and f (the -inf entries are constants)."""
+    return _decay_fwd(_last_contig(i), _prep_gate(f, i))

@@ -1,0 +1,270 @@
+"""Tests of the Python mLSTM layer (fastweight.mlstm & co, fastweight.compat.mlstm_kernels).
+
+Every result is compared with an independent float64 PyTorch implementation of MATH.md §2 written
+below (the recurrent form, step by step; gradients by float64 autograd of it), by relative Frobenius
+error. CPU tests run the C++ reference through the binding. CUDA tensors must raise a clear error
+until the CUDA kernels land (tests marked `gpu`, skipped without a GPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fastweight
+from fastweight.compat import mlstm_kernels as mk
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+requires_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device")
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+# ---- the float64 reference (independent of fastweight) ------------------------------------------
+def ref_mlstm(q, k, v, i, f, c0=None, n0=None, m0=None, eps=1e-6):
+    """MATH.md §2, recurrent form, float64, differentiable: h (B, NH, S, DV), (c, n, m (B, NH, 1))."""
+    q, k, v, i, f = (t.double() for t in (q, k, v, i, f))
+    B, NH, S, DQK = q.shape
+    DV = v.shape[-1]
+    c = c0.double() if c0 is not None else q.new_zeros(B, NH, DQK, DV)
+    n = n0.double() if n0 is not None else q.new_zeros(B, NH, DQK)
+    m = m0.double().reshape(B, NH) if m0 is not None else q.new_zeros(B, NH)
+    lf = torch.nn.functional.logsigmoid(f)
+    hs = []
+    for t in range(S):
+        m_new = torch.maximum(lf[:, :, t] + m, i[:, :, t])
+        fa = torch.exp(lf[:, :, t] + m - m_new)
+        ia = torch.exp(i[:, :, t] - m_new)
+        kt, vt = k[:, :, t], v[:, :, t]
+        c = fa[..., None, None] * c + ia[..., None, None] * kt[..., :, None] * vt[..., None, :]
+        n = fa[..., None] * n + ia[..., None] * kt
+        qs = q[:, :, t] / math.sqrt(DQK)
+        num = torch.einsum("bhd,bhde->bhe", qs, c)
+        den = torch.maximum((qs * n).sum(-1).abs(), torch.exp(-m_new)) + eps
+        hs.append(num / den[..., None])
+        m = m_new
+    return torch.stack(hs, dim=2), (c, n, m[..., None])
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out).all(), "non-finite values"
+    den = ref.norm()
+    return float((out - ref).norm() / (den if den > 0 else 1.0))
+
+
+def make(B=2, NH=3, S=37, DQK=8, DV=5, dtype=torch.float64, states=False, seed=0, device="cpu", strong=False):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(B, NH, S, DQK), r(B, NH, S, DQK), r(B, NH, S, DV)
+    i = r(B, NH, S) * (20.0 if strong else 2.0)
+    f = r(B, NH, S) * 2.0 + (-20.0 if strong else 3.0)
+    out = [t.to(dtype=dtype, device=device) for t in (q, k, v, i, f)]
+    if states:
+        out += [r(B, NH, DQK, DV).float().to(device), r(B, NH, DQK).float().to(device),
+                r(B, NH, 1).float().to(device)]
+    return out
+
+
+# ---- forward ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("states", [False, True])
+@pytest.mark.parametrize("S,chunk", [(1, 16), (37, 16), (64, 64), (100, 32)])
+def test_forward_matches_reference(dtype, states, S, chunk):
+    args = make(S=S, dtype=dtype, states=states)
+    h, (c, n, m) = fastweight.mlstm(*args[:5], *args[5:], return_last_states=True, chunk_size=chunk)
+    rh, (rc, rn, rm) = ref_mlstm(*args)
+    assert h.dtype == dtype and h.shape == args[2].shape
+    assert c.dtype == n.dtype == m.dtype == torch.float32 and m.shape == (2, 3, 1)
+    assert rel_err(h, rh) < TOL[dtype]
+    for a, b in ((c, rc), (n, rn), (m, rm)):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_strong_gates_stay_finite():
+    args = make(S=50, strong=True)
+    h, (c, n, m) = fastweight.mlstm(*args, return_last_states=True, chunk_size=16)
+    rh, _ = ref_mlstm(*args)
+    assert rel_err(h, rh) < 1e-10  # rel_err also asserts finiteness
+
+
+def test_strided_inputs_and_sequence_split():
+    q, k, v, i, f = make(S=40)
+    big = torch.randn(2, 3, 40, 16, dtype=torch.float64)
+    big[..., ::2] = q  # q as a strided view (last dim stride 2): the functional API copies it
+    qv = big[..., ::2]
+    assert qv.stride(-1) == 2
+    h = fastweight.mlstm(qv, k, v, i, f, chunk_size=16)
+    assert rel_err(h, ref_mlstm(q, k, v, i, f)[0]) < 1e-10
+    # Two calls joined through the states == one call.
+    h1, st = fastweight.mlstm(q[:, :, :17], k[:, :, :17], v[:, :, :17], i[:, :, :17], f[:, :, :17],
+                              return_last_states=True, chunk_size=16)
+    h2 = fastweight.mlstm(q[:, :, 17:], k[:, :, 17:], v[:, :, 17:], i[:, :, 17:], f[:, :, 17:], *st, chunk_size=16)
+    assert rel_err(torch.cat([h1, h2], dim=2), h) < 1e-6  # states pass through float32
+
+
+# ---- backward -----------------------------------------------------------------------------------
+def test_gradcheck_float64():
+    args = [t.requires_grad_() for t in make(B=1, NH=2, S=13, DQK=4, DV=3)]
+    assert torch.autograd.gradcheck(lambda *a: fastweight.mlstm(*a, chunk_size=16), args)
+
+
+def test_gradcheck_with_states_both_ways():
+    q, k, v, i, f, c0, n0, m0 = make(B=1, NH=1, S=9, DQK=3, DV=2, states=True)
+    c0, n0, m0 = c0.double(), n0.double(), m0.double()  # float64 states on the CPU for gradcheck
+    args = [t.requires_grad_() for t in (q, k, v, i, f, c0, n0, m0)]
+
+    def fn(*a):
+        h, (c, n, m) = fastweight.mlstm(*a[:5], *a[5:], return_last_states=True, chunk_size=16)
+        return h, c, n
+    # The API keeps states in float32: compare against the float64 reference's autograd instead.
+    h, c, n = fn(*args)
+    rh, (rc, rn, _) = ref_mlstm(*args)
+    g = torch.Generator().manual_seed(1)
+    wh, wc, wn = (torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (rh, rc, rn))
+    got = torch.autograd.grad((h * wh).sum() + (c.double() * wc).sum() + (n.double() * wn).sum(), args)
+    want = torch.autograd.grad((rh * wh).sum() + (rc * wc).sum() + (rn * wn).sum(), args)
+    for name, a, b in zip("q k v i f c0 n0 m0".split(), got, want):
+        assert rel_err(a, b) < 1e-5, name  # float32 states on the way
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_gradients_match_reference_autograd(dtype):
+    args = [t.requires_grad_() for t in make(S=29, dtype=dtype)]
+    h = fastweight.mlstm(*args, chunk_size=16)
+    dh = torch.randn(h.shape, dtype=torch.float64)
+    got = torch.autograd.grad((h.double() * dh).sum(), args)
+    ref_args = [t.detach().double().requires_grad_() for t in args]
+    want = torch.autograd.grad((ref_mlstm(*ref_args)[0] * dh).sum(), ref_args)
+    for name, a, b in zip("qkvif", got, want):
+        assert a.dtype == dtype
+        assert rel_err(a, b) < max(TOL[dtype], 1e-9) * (5 if dtype == torch.bfloat16 else 1), name
+
+
+def test_normaliser_gradient_is_kept():
+    """mlstm_kernels drops d h / d n; fastweight must not: with a tiny DQK the normaliser is active."""
+    args = [t.requires_grad_() for t in make(B=1, NH=1, S=8, DQK=2, DV=2)]
+    h = fastweight.mlstm(*args, chunk_size=16)
+    got = torch.autograd.grad(h.sum(), args)
+    ref_args = [t.detach().requires_grad_() for t in args]
+    want = torch.autograd.grad(ref_mlstm(*ref_args)[0].sum(), ref_args)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-10
+
+
+# ---- head-norm variant, step, decay matrix ----------------------------------------------------------
+def test_headnorm_variant():
+    q, k, v, i, f = [t.requires_grad_() for t in make(S=21)]
+    w = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    out = fastweight.mlstm_headnorm(q, k, v, i, f, w, b, chunk_size=16, norm_eps=1e-5, weight_offset=1.0)
+    h = ref_mlstm(q, k, v, i, f)[0]
+    mu = h.mean(-1, keepdim=True)
+    ref = (h - mu) / torch.sqrt(((h - mu) ** 2).mean(-1, keepdim=True) + 1e-5) * (1.0 + w[:, None, :]) + b[:, None, :]
+    assert rel_err(out, ref) < 1e-10
+    dout = torch.randn(out.shape, dtype=torch.float64)
+    got = torch.autograd.grad((out * dout).sum(), (q, k, v, i, f, w, b))
+    want = torch.autograd.grad((ref * dout).sum(), (q, k, v, i, f, w, b))
+    for a, c in zip(got, want):
+        assert rel_err(a, c) < 1e-6  # the head norm saves float32 statistics (as on the GPU)
+
+
+def test_step_matches_sequence_and_inplace():
+    q, k, v, i, f, c0, n0, m0 = make(S=6, states=True, dtype=torch.float32)
+    c, n, m = c0.clone(), n0.clone(), m0.clone()
+    hs = []
+    for t in range(6):
+        h, (c, n, m) = fastweight.mlstm_step(q[:, :, t], k[:, :, t], v[:, :, t], i[:, :, t], f[:, :, t], c, n, m)
+        hs.append(h)
+    rh, (rc, rn, rm) = ref_mlstm(q, k, v, i, f, c0, n0, m0)
+    assert rel_err(torch.stack(hs, 2), rh) < 1e-5
+    assert rel_err(c, rc) < 1e-5 and rel_err(m, rm) < 1e-6
+    # In place: the same numbers, written into the given state tensors; gates (B, NH, 1) accepted.
+    ci, ni, mi = c0.clone(), n0.clone(), m0.clone()
+    for t in range(6):
+        h, st = fastweight.mlstm_step(q[:, :, t], k[:, :, t], v[:, :, t], i[:, :, t, None], f[:, :, t, None],
+                                      ci, ni, mi, inplace=True)
+        assert st[0] is ci
+        assert torch.equal(h, hs[t])
+    assert torch.equal(ci, c) and torch.equal(ni, n) and torch.equal(mi, m)
+
+
+def test_decay_matrix():
+    i = torch.randn(2, 3, 11, dtype=torch.float64, requires_grad=True)
+    f = torch.randn(2, 3, 11, dtype=torch.float64, requires_grad=True)
+    D = fastweight.mlstm_decay_matrix(i, f)
+    F = torch.cumsum(torch.nn.functional.logsigmoid(f), -1)
+    ref = F[..., :, None] - F[..., None, :] + i[..., None, :]
+    mask = torch.ones(11, 11, dtype=torch.bool).tril()
+    assert torch.isinf(D[..., ~mask]).all() and (D[..., ~mask] < 0).all()
+    assert rel_err(D[..., mask], ref[..., mask]) < 1e-12
+    assert torch.autograd.gradcheck(lambda i, f: fastweight.mlstm_decay_matrix(i, f).masked_fill(~mask, 0.0), (i, f))
+
+
+# ---- torch.compile, custom-op checks ----------------------------------------------------------------
+def test_opcheck():
+    q, k, v, i, f, c0, n0, m0 = make(B=1, NH=2, S=9, DQK=4, DV=3, states=True)
+    args = [t.requires_grad_() for t in (q, k, v, i, f)]
+    torch.library.opcheck(torch.ops.fastweight.mlstm_fwd.default, (*args, c0, n0, m0, 1e-6, 16, True))
+    torch.library.opcheck(torch.ops.fastweight.mlstm_fwd.default, (*args, None, None, None, 1e-6, 16, False))
+    torch.library.opcheck(torch.ops.fastweight.mlstm_decay_matrix_fwd.default, (args[3], args[4]))
+
+
+def test_compile_fullgraph():
+    args = make(B=1, NH=2, S=20, DQK=4, DV=4, dtype=torch.float32)
+
+    def fn(q, k, v, i, f):
+        h, (c, n, m) = fastweight.mlstm(q, k, v, i, f, return_last_states=True, chunk_size=16)
+        return h * 2.0, c
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for a, b in zip(compiled(*args), fn(*args)):
+        assert torch.equal(a, b)
+
+
+# ---- drop-in shim -----------------------------------------------------------------------------------
+def test_shim_names_and_signatures():
+    q, k, v, i, f, c0, n0, m0 = make(S=33, dtype=torch.float32, states=True)
+    kern = mk.get_mlstm_kernel("chunkwise--triton_xl_chunk")
+    h, (c, n, m) = kern(q, k, v, i, f, c_initial=c0, n_initial=n0, m_initial=m0, return_last_states=True,
+                        chunk_size=16, siz_b_L_parallel=64, num_warps_intra=4)  # tuning args are accepted
+    rh, (rc, _, rm) = ref_mlstm(q, k, v, i, f, c0, n0, m0)
+    assert m.shape == (2, 3, 1) and rel_err(h, rh) < 1e-5 and rel_err(c, rc) < 1e-5
+    step = mk.get_mlstm_step_kernel("triton")
+    hs, (c1, n1, m1) = step(q[:, :, 0], k[:, :, 0], v[:, :, 0], i[:, :, :1], f[:, :, :1], c0, n0, m0)
+    assert rel_err(hs, ref_mlstm(q[:, :, :1], k[:, :, :1], v[:, :, :1], i[:, :, :1], f[:, :, :1], c0, n0, m0)[0][:, :, 0]) < 1e-5
+    with pytest.raises(ValueError, match="unknown kernel"):
+        mk.get_mlstm_kernel("chunkwise--nope")
+
+
+def test_shim_against_mlstm_kernels_native_cpu():
+    """mlstm_kernels' own native (pure torch) chunkwise kernel, where the package is installed."""
+    native = pytest.importorskip("mlstm_kernels.torch.chunkwise.native")
+    q, k, v, i, f = make(S=64, dtype=torch.float32)
+    theirs = native.mlstm_chunkwise__native_autograd(q, k, v, i, f, chunk_size=16)
+    ours = mk.mlstm_chunkwise__xl_chunk(q, k, v, i, f, chunk_size=16)
+    assert rel_err(ours, theirs) < 1e-4
+
+
+# ---- errors -----------------------------------------------------------------------------------------
+def test_bad_input_names_the_argument():
+    q, k, v, i, f = make(S=8)
+    with pytest.raises(ValueError, match=r"mlstm_fwd: i: expected shape \(2, 3, 8\)"):
+        fastweight.mlstm(q, k, v, i[:, :, :7], f)
+    with pytest.raises(ValueError, match="chunk_size"):
+        fastweight.mlstm(q, k, v, i, f, chunk_size=48)
+    with pytest.raises(ValueError, match="k: expected dtype float64"):
+        fastweight.mlstm(q, k.float(), v, i, f)
+    with pytest.raises(ValueError, match="together"):
+        fastweight.mlstm(q, k, v, i, f, c_initial=torch.zeros(2, 3, 8, 5))
+
+
+@gpu
+@requires_cuda
+def test_cuda_tensors_raise_until_kernels_land():
+    args = make(S=8, dtype=torch.float32, device="cuda")
+    with pytest.raises(RuntimeError, match="CUDA kernels are not built yet"):
+        fastweight.mlstm(*args)
