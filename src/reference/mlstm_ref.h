@@ -2,7 +2,7 @@
 // checked against. float64 throughout, plain loops, one (batch, head) after the other.
 //
 // Layouts (contiguous, row-major, outermost first):
-//   q, k (B,NH,S,DQK)   v, h (B,NH,S,DV)   i, f, n, m (B,NH,S)   D (B,NH,S,S)
+//   q, k (B,NH,S,DQK)   v, h, out (B,NH,S,DV)   i, f, n, m (B,NH,S)   D (B,NH,S,S)
 //   states: c (B,NH,DQK,DV)   n (B,NH,DQK)   m (B,NH)
 // Conventions: q is scaled by 1/sqrt(DQK) inside, lf = logsigmoid(f), eps defaults to 1e-6.
 // Every backward recomputes what it needs from the inputs (the reference favours clarity).
@@ -87,5 +87,39 @@ void mlstm_recurrent_bwd(const MlstmShape& sh, const MlstmInputs& in, double eps
 //    arguments and results as mlstm_recurrent_fwd (equal to it in exact arithmetic, for any eps).
 void mlstm_chunkwise_fwd(const MlstmShape& sh, const MlstmInputs& in, double eps, std::int64_t L,
                          const MlstmConstState& init, double* h, const MlstmState& last);
+// Backward of mlstm_chunkwise_fwd, computed chunk by chunk (the blueprint of the CUDA chunkwise
+// backward): the states at the chunk boundaries are recomputed and kept, then a reverse pass over
+// the chunks carries (dC, dn, dm) from chunk to chunk and differentiates each chunk's parallel form
+// against its incoming state. Arguments as mlstm_recurrent_bwd; equal to it away from ties of the
+// stabiliser's max (the tie rule is documented in mlstm_ref.cpp).
+void mlstm_chunkwise_bwd(const MlstmShape& sh, const MlstmInputs& in, double eps, std::int64_t L,
+                         const MlstmConstState& init, const double* dh, const MlstmConstState& dlast,
+                         const MlstmGrads& g, const MlstmState& dinit);
+
+// 5. Head-norm fusion (seed 000): out = headnorm(h), h the chunkwise mLSTM output (chunk size L,
+//    optional initial / last states as in mlstm_chunkwise_fwd). Each (b, head, t) row of DV is
+//    normalised on its own (MATH.md §1): mean, population variance, rstd = 1/sqrt(var + eps),
+//    out = (h - mean) rstd (weight_offset + weight[head]) + bias[head]; scale 1 without weight.
+struct MlstmHeadNorm {
+  const double* weight = nullptr;  // (NH,DV) optional
+  const double* bias = nullptr;    // (NH,DV) optional
+  double eps = kMlstmEps;          // of the norm (not the mLSTM's eps)
+  double weight_offset = 0.0;      // xLSTM: 1 (with weight initialised to 0)
+};
+struct MlstmHeadNormGrads {
+  double* dweight = nullptr;  // (NH,DV) optional: sum over (b, t) of dout * xhat
+  double* dbias = nullptr;    // (NH,DV) optional: sum over (b, t) of dout
+};
+// out (B,NH,S,DV); optional mean, rstd (B,NH,S) of the norm; last as in mlstm_chunkwise_fwd.
+void mlstm_headnorm_fwd(const MlstmShape& sh, const MlstmInputs& in, double eps, std::int64_t L,
+                        const MlstmConstState& init, const MlstmHeadNorm& norm, double* out, double* mean,
+                        double* rstd, const MlstmState& last);
+// Exact gradient of mlstm_headnorm_fwd for dL/dout = dout (B,NH,S,DV) and optional dlast (null: 0):
+// writes g (dq..df), dinit (dc0, dn0, dm0) and gn (dweight, dbias), each optional. The normaliser
+// path is kept (the norm makes it vanish only up to the norm's eps; the reference is exact).
+void mlstm_headnorm_bwd(const MlstmShape& sh, const MlstmInputs& in, double eps, std::int64_t L,
+                        const MlstmConstState& init, const MlstmHeadNorm& norm, const double* dout,
+                        const MlstmConstState& dlast, const MlstmGrads& g, const MlstmState& dinit,
+                        const MlstmHeadNormGrads& gn);
 
 }  // namespace fastweight::detail
