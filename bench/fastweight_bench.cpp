@@ -4,6 +4,8 @@
 //   fastweight_bench --op=layernorm_bwd --dtype=bf16 --rows=4096 --n=8192 [--reps=50]
 //   fastweight_bench --quick --csv=out.csv   fewer shapes; also write CSV
 //   fastweight_bench --cpu                   force the CPU reference (default when no GPU)
+//   fastweight_bench --op=mlstm              only the mLSTM rows (bench_mlstm.cpp: every public
+//                                            mLSTM op, on CPU tensors until its CUDA kernels land)
 //
 // Per row: the op's relative Frobenius error against the float64 CPU reference (on the same N and
 // min(rows, 2^24 / N) rows, fresh random inputs), then its time. GPU timing (K): the op captured
@@ -22,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_mlstm.h"
 #include "common/half.h"
 #include "fastweight/fastweight.h"
 #if FW_WITH_CUDA
@@ -324,7 +327,9 @@ int main(int argc, char** argv) {
 
   struct Job { std::string fam; bool bwd; DType dt; std::int64_t rows, n; };
   std::vector<Job> jobs;
-  if (!o.op.empty()) {
+  if (!o.op.empty() && o.op.rfind("mlstm", 0) == 0) {
+    // mLSTM ops only (below)
+  } else if (!o.op.empty()) {
     const auto us = o.op.rfind('_');
     if (us == std::string::npos) usage(2);
     jobs.push_back({o.op.substr(0, us), o.op.substr(us + 1) == "bwd", o.dtype, o.rows, o.n});
@@ -400,7 +405,22 @@ int main(int argc, char** argv) {
       f << r.op << ',' << r.dtype << ",\"" << r.shape << "\"," << r.err << ',' << r.ms << ',' << r.gbps << ','
         << r.pct << ',' << (gpu ? "gpu" : "cpu") << '\n';
   }
+  // mLSTM (issue 3): the public ops on CPU tensors until the CUDA kernels are dispatched.
+  std::vector<BenchRow> mrows;
+  if (o.op.empty() || o.op.rfind("mlstm", 0) == 0) failures += run_mlstm_bench(o.quick, mrows);
+  if (!mrows.empty()) {
+    std::printf("\nmLSTM (CPU tensors: the float64 reference path; CUDA kernels in progress)\n"
+                "| op | dtype | shape (B,NH,S,DQK,DV) | rel err vs fp64 ref | ms | device |\n|---|---|---|---|---|---|\n");
+    for (const BenchRow& r : mrows)
+      std::printf("| %s | %s | %s | %.2e | %.3f | %s |\n", r.op.c_str(), r.dtype.c_str(), r.shape.c_str(), r.err, r.ms,
+                  r.device.c_str());
+  }
+  if (!o.csv.empty() && !mrows.empty()) {
+    std::ofstream f(o.csv, std::ios::app);
+    for (const BenchRow& r : mrows)
+      f << r.op << ',' << r.dtype << ",\"" << r.shape << "\"," << r.err << ',' << r.ms << ",,," << r.device << '\n';
+  }
   std::printf("\n%zu ops verified and timed, %d failed verification (bounds fp32 1e-5, fp16 2e-3, bf16 1e-2)\n",
-              rows.size(), failures);
+              rows.size() + mrows.size(), failures);
   return failures ? 1 : 0;
 }

@@ -7,6 +7,7 @@
 
 #include "api/check.h"
 #include "api/host_tensor.h"
+#include "api/mlstm_lower.h"
 #include "fastweight/mlstm.h"
 #include "reference/mlstm_ref.h"
 
@@ -122,6 +123,50 @@ double* ptr_or_null(Vec& v) { return v.empty() ? nullptr : v.data(); }
 const double* ptr_or_null(const Vec& v) { return v.empty() ? nullptr : v.data(); }
 
 }  // namespace
+
+// ---- lowering for the CUDA kernels (src/cuda/mlstm) -------------------------------------------------
+namespace detail {
+StridedView view_of(const TensorRef& t, int lead) {
+  StridedView v;
+  if (!t.defined()) return v;
+  v.p = t.data;
+  v.dtype = t.dtype;
+  v.s0 = lead > 0 ? t.strides[0] : 0;
+  v.s1 = lead > 1 ? t.strides[1] : 0;
+  v.s2 = lead > 2 ? t.strides[2] : 0;
+  return v;
+}
+
+MlstmParams lower_mlstm_fwd(const MlstmFwdArgs& a) {
+  MlstmParams p;
+  p.B = a.q.shape[0], p.NH = a.q.shape[1], p.S = a.q.shape[2], p.DQK = a.q.shape[3], p.DV = a.v.shape[3];
+  p.L = a.chunk_size;
+  p.eps = float(a.eps);
+  p.q = view_of(a.q, 3), p.k = view_of(a.k, 3), p.v = view_of(a.v, 3), p.h = view_of(a.h, 3);
+  p.i = view_of(a.i, 2), p.f = view_of(a.f, 2);
+  p.c0 = view_of(a.c_initial, 3), p.n0 = view_of(a.n_initial, 2), p.m0 = view_of(a.m_initial, 2);
+  p.c_last = view_of(a.c_last, 3), p.n_last = view_of(a.n_last, 2), p.m_last = view_of(a.m_last, 2);
+  return p;
+}
+
+MlstmParams lower_mlstm_step(const MlstmStepArgs& a) {
+  MlstmParams p;
+  p.B = a.q.shape[0], p.NH = a.q.shape[1], p.S = 1, p.DQK = a.q.shape[2], p.DV = a.v.shape[2];
+  p.eps = float(a.eps);
+  p.q = view_of(a.q, 2), p.k = view_of(a.k, 2), p.v = view_of(a.v, 2), p.h = view_of(a.h, 2);
+  p.i = view_of(a.i, 2), p.f = view_of(a.f, 2);
+  p.c0 = view_of(a.c, 3), p.n0 = view_of(a.n, 2), p.m0 = view_of(a.m, 2);
+  p.c_last = view_of(a.c_new, 3), p.n_last = view_of(a.n_new, 2), p.m_last = view_of(a.m_new, 2);
+  return p;
+}
+
+MlstmParams lower_mlstm_decay(const TensorRef& i, const TensorRef& f) {
+  MlstmParams p;
+  p.B = i.shape[0], p.NH = i.shape[1], p.S = i.shape[2];
+  p.i = view_of(i, 2), p.f = view_of(f, 2);
+  return p;
+}
+}  // namespace detail
 
 // ---- forward --------------------------------------------------------------------------------------
 void mlstm_fwd(const MlstmFwdArgs& a, Stream) {

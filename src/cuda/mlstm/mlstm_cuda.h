@@ -1,0 +1,27 @@
+// mlstm_cuda.h: the CUDA back end of the mLSTM (host-callable, no CUDA headers). Arguments were
+// validated and lowered by src/api (MlstmParams); these plan the launches and run them on `stream`.
+#pragma once
+
+#include <cstddef>
+
+#include "common/mlstm_params.h"
+
+namespace fastweight::detail {
+
+// Chunkwise forward: h and, when asked, the final states. Workspace: MlstmFwdWorkspace(p).bytes().
+std::size_t mlstm_fwd_workspace_bytes(const MlstmParams& p);
+void mlstm_fwd_cuda(const MlstmParams& p, void* workspace, std::size_t workspace_bytes, Stream stream);
+
+// One decoding step for every (b, head). Sequence views with S = 1 (s2 unused): q, k, v, h
+// (B, NH, D); gates (B, NH[, 1]) through s0/s1; states c0/n0/m0 (in) and c_last/n_last/m_last (out)
+// may be the same memory (in place).
+void mlstm_step_cuda(const MlstmParams& p, Stream stream);
+
+// Decay matrix: D[b, h, t, s] (B, NH, S, S) at D.p + b*s0 + h*s1 + t*s2 + s.
+void mlstm_decay_fwd_cuda(const MlstmParams& p, const StridedView& D, Stream stream);
+// Backward: di, df (B, NH, S) from dD; workspace: mlstm_decay_bwd_workspace_bytes(p).
+std::size_t mlstm_decay_bwd_workspace_bytes(const MlstmParams& p);
+void mlstm_decay_bwd_cuda(const MlstmParams& p, const StridedView& dD, const StridedView& di, const StridedView& df,
+                          void* workspace, std::size_t workspace_bytes, Stream stream);
+
+}  // namespace fastweight::detail
