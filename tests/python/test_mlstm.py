@@ -23,8 +23,10 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfl
 
 
 # ---- the float64 reference (independent of fastweight) ------------------------------------------
-def ref_mlstm(q, k, v, i, f, c0=None, n0=None, m0=None, eps=1e-6):
-    """MATH.md §2, recurrent form, float64, differentiable: h (B, NH, S, DV), (c, n, m (B, NH, 1))."""
+def ref_mlstm(q, k, v, i, f, c0=None, n0=None, m0=None, eps=1e-6, detach_m=False, extras=None):
+    """MATH.md §2, recurrent form, float64, differentiable: h (B, NH, S, DV), (c, n, m (B, NH, 1)).
+    detach_m: the stabiliser m_t carries no gradient (what TFLA-style backwards compute); extras: a
+    dict that receives the per-step m_t and den_t (B, NH, S)."""
     q, k, v, i, f = (t.double() for t in (q, k, v, i, f))
     B, NH, S, DQK = q.shape
     DV = v.shape[-1]
@@ -32,9 +34,11 @@ def ref_mlstm(q, k, v, i, f, c0=None, n0=None, m0=None, eps=1e-6):
     n = n0.double() if n0 is not None else q.new_zeros(B, NH, DQK)
     m = m0.double().reshape(B, NH) if m0 is not None else q.new_zeros(B, NH)
     lf = torch.nn.functional.logsigmoid(f)
-    hs = []
+    hs, ms, dens = [], [], []
     for t in range(S):
         m_new = torch.maximum(lf[:, :, t] + m, i[:, :, t])
+        if detach_m:
+            m_new = m_new.detach()
         fa = torch.exp(lf[:, :, t] + m - m_new)
         ia = torch.exp(i[:, :, t] - m_new)
         kt, vt = k[:, :, t], v[:, :, t]
@@ -44,7 +48,11 @@ def ref_mlstm(q, k, v, i, f, c0=None, n0=None, m0=None, eps=1e-6):
         num = torch.einsum("bhd,bhde->bhe", qs, c)
         den = torch.maximum((qs * n).sum(-1).abs(), torch.exp(-m_new)) + eps
         hs.append(num / den[..., None])
+        ms.append(m_new)
+        dens.append(den)
         m = m_new
+    if extras is not None:
+        extras["m"], extras["den"] = torch.stack(ms, 2), torch.stack(dens, 2)
     return torch.stack(hs, dim=2), (c, n, m[..., None])
 
 
@@ -153,6 +161,39 @@ def test_normaliser_gradient_is_kept():
     want = torch.autograd.grad(ref_mlstm(*ref_args)[0].sum(), ref_args)
     for a, b in zip(got, want):
         assert rel_err(a, b) < 1e-10
+
+
+@pytest.mark.parametrize("iscale,fshift,eps", [(2.0, 3.0, 1e-6), (20.0, -20.0, 1e-6), (3.0, 0.0, 0.3), (2.0, 3.0, 0.0)])
+def test_exact_gradient_is_stabiliser_free_part_plus_eps_correction(iscale, fshift, eps):
+    """The design of the CUDA backward (docs/design/mlstm_backward.md): the exact gradient equals the
+    gradient with every stabiliser m_t held constant (what TFLA-style backwards compute) plus the
+    gradient of sum_t c_t m_t, with c_t = -eps (dh_t . h_t) / den_t and, at the last step, also
+    dm_last - <dc_last, c_last> - <dn_last, n_last>: a scalar reverse scan through
+    m_t = max(lf_t + m_{t-1}, i_t). Checked on this file's independent reference, with states."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 9, d, generator=g, dtype=torch.float64, requires_grad=True) for d in (4, 4, 3))
+    i = (torch.randn(1, 2, 9, generator=g, dtype=torch.float64) * iscale).requires_grad_()
+    f = (torch.randn(1, 2, 9, generator=g, dtype=torch.float64) + fshift).requires_grad_()
+    c0, n0, m0 = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+                  for s in ((1, 2, 4, 3), (1, 2, 4), (1, 2, 1)))
+    dh, dc, dn, dm = (torch.randn(*s, generator=g, dtype=torch.float64)
+                      for s in ((1, 2, 9, 3), (1, 2, 4, 3), (1, 2, 4), (1, 2, 1)))
+    args = (q, k, v, i, f, c0, n0, m0)
+
+    def grads(out):
+        gs = torch.autograd.grad(out, args, allow_unused=True)
+        return [x if x is not None else torch.zeros_like(a) for x, a in zip(gs, args)]
+    h, st = ref_mlstm(*args, eps=eps)
+    exact = grads((h * dh).sum() + (st[0] * dc).sum() + (st[1] * dn).sum() + (st[2] * dm).sum())
+    hd, sd = ref_mlstm(*args, eps=eps, detach_m=True)
+    held = grads((hd * dh).sum() + (sd[0] * dc).sum() + (sd[1] * dn).sum())  # m_last held: no dm term
+    ex = {}
+    h, st = ref_mlstm(*args, eps=eps, extras=ex)
+    c = (-eps * (dh * h).sum(-1) / ex["den"]).detach()
+    c_last = (dm[..., 0] - (dc * st[0]).sum((-1, -2)) - (dn * st[1]).sum(-1)).detach()
+    corr = grads((c * ex["m"]).sum() + (c_last * ex["m"][:, :, -1]).sum())
+    for a, b, cc in zip(exact, held, corr):
+        assert rel_err(b + cc, a) < 1e-12
 
 
 # ---- head-norm variant, step, decay matrix ----------------------------------------------------------
