@@ -33,33 +33,10 @@ struct T {
     for (std::int64_t e = 0; e < n; ++e) set(e, rng ? u(*rng) : 0.0);
   }
   void set(std::int64_t e, double x) {
-    switch (dt) {
-      case DType::f64: reinterpret_cast<double*>(bytes.data())[e] = x; break;
-      case DType::f32: reinterpret_cast<float*>(bytes.data())[e] = float(x); x = float(x); break;
-      case DType::f16: {
-        const auto h = detail::float_to_f16(float(x));
-        reinterpret_cast<std::uint16_t*>(bytes.data())[e] = h;
-        x = detail::f16_to_float(h);
-        break;
-      }
-      case DType::bf16: {
-        const auto h = detail::float_to_bf16(float(x));
-        reinterpret_cast<std::uint16_t*>(bytes.data())[e] = h;
-        x = detail::bf16_to_float(h);
-        break;
-      }
-    }
-    val[std::size_t(e)] = x;
+    detail::store_from_double(bytes.data(), e, dt, x);
+    val[std::size_t(e)] = get(e);  // the value as stored (rounded to dt)
   }
-  double get(std::int64_t e) const {
-    switch (dt) {
-      case DType::f64: return reinterpret_cast<const double*>(bytes.data())[e];
-      case DType::f32: return reinterpret_cast<const float*>(bytes.data())[e];
-      case DType::f16: return detail::f16_to_float(reinterpret_cast<const std::uint16_t*>(bytes.data())[e]);
-      case DType::bf16: return detail::bf16_to_float(reinterpret_cast<const std::uint16_t*>(bytes.data())[e]);
-    }
-    return 0;
-  }
+  double get(std::int64_t e) const { return detail::load_as_double(bytes.data(), e, dt); }
   Vec read() const {
     Vec v(val.size());
     for (std::size_t e = 0; e < v.size(); ++e) v[e] = get(std::int64_t(e));

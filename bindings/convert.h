@@ -1,5 +1,5 @@
-// convert.h: argument conversion shared by the binding files (module.cpp, mlstm.cpp): DLPack arrays
-// or tensor-spec tuples to fastweight::TensorRef, stream handles, workspaces. See module.cpp's top
+// convert.h: argument conversion shared by the binding files (module.cpp, mlstm.cpp, deltanet.cpp):
+// DLPack arrays or tensor-spec tuples to fastweight::TensorRef, stream handles, workspaces. See module.cpp's top
 // comment for the spec format.
 #pragma once
 
@@ -29,7 +29,8 @@ using fastweight::detail::cat;
 // small ops. A caller that knows its tensors (fastweight.ops) passes instead the plain tuple
 //   (data_ptr: int, dtype_code: int, shape: tuple[int], strides: tuple[int], device_type: int,
 //    device_index: int)
-// with dtype_code a fastweight::DType (0 float32, 1 float16, 2 bfloat16, 3 float64), strides in
+// with dtype_code a fastweight::DType (0 float32, 1 float16, 2 bfloat16, 3 float64, 4 int32, 5 int64:
+// the integers for index tensors such as cu_seqlens; the float ops reject them), strides in
 // elements, device_type a fastweight::DeviceType (0 cpu, 1 cuda); built from t.data_ptr(), t.shape,
 // t.stride() it costs a fraction of __dlpack__. The workspace likewise takes (data_ptr, nbytes).
 // The caller keeps the memory alive for the call (a spec holds no reference to it).
@@ -95,9 +96,12 @@ inline DType to_dtype(nb::dlpack::dtype t, const char* op, const char* name) {
     if (t.code == uint8_t(C::Float) && t.bits == 16) return DType::f16;
     if (t.code == uint8_t(C::Bfloat) && t.bits == 16) return DType::bf16;
     if (t.code == uint8_t(C::Float) && t.bits == 64) return DType::f64;
+    if (t.code == uint8_t(C::Int) && t.bits == 32) return DType::i32;
+    if (t.code == uint8_t(C::Int) && t.bits == 64) return DType::i64;
   }
   throw fastweight::ArgumentError(cat(op, ": ", name, ": dtype ", dlpack_dtype_name(t),
-                                      " is not supported (float32, float16, bfloat16, float64)"));
+                                      " is not supported (float32, float16, bfloat16, float64; int32, int64 "
+                                      "for index tensors)"));
 }
 
 template <typename A>
@@ -158,9 +162,9 @@ inline TensorRef spec_to_ref(const nb::object& spec, const char* op, const char*
         cat(op, ": ", name, ": expected an array or a tensor spec (data_ptr: int, dtype_code: int, "
                             "shape: tuple[int], strides: tuple[int], device_type: int, device_index: int)"));
   }
-  if (dtype < 0 || dtype > 3)
+  if (dtype < 0 || dtype > 5)
     throw fastweight::ArgumentError(cat(op, ": ", name, ": dtype code ", dtype, " is not supported ",
-                                        "(0 float32, 1 float16, 2 bfloat16, 3 float64)"));
+                                        "(0 float32, 1 float16, 2 bfloat16, 3 float64, 4 int32, 5 int64)"));
   t.dtype = DType(dtype);
   if (device != 0 && device != 1)
     throw fastweight::ArgumentError(cat(op, ": ", name, ": device type ", device,

@@ -190,7 +190,8 @@ void adalayernorm_bwd(const In& dy, const In& x, const In& scale, const In& mean
 
 }  // namespace
 
-void bind_mlstm(nb::module_& m);  // mlstm.cpp
+void bind_mlstm(nb::module_& m);     // mlstm.cpp
+void bind_deltanet(nb::module_& m);  // deltanet.cpp
 
 NB_MODULE(_C, m) {
   m.doc() = "fastweight._C: fused LayerNorm-family kernels over DLPack tensors or tensor specs "
@@ -254,6 +255,7 @@ NB_MODULE(_C, m) {
         "stream"_a = 0);
 
   bind_mlstm(m);
+  bind_deltanet(m);
 
   m.def("cuda_available", [] { return fastweight::cuda_available(); },
         "True when this build has CUDA kernels and a GPU is visible.");

@@ -1,5 +1,6 @@
 // fastweight/fastweight.h: everything public.
 #pragma once
+#include "fastweight/deltanet.h"
 #include "fastweight/error.h"
 #include "fastweight/mlstm.h"
 #include "fastweight/norm.h"

@@ -18,12 +18,14 @@ namespace fastweight {
 // layer never passes (it passes torch's current stream).
 using Stream = CUstream_st*;
 
-enum class DType : std::uint8_t { f32 = 0, f16 = 1, bf16 = 2, f64 = 3 };
+// Floating dtypes carry data; the integer ones exist for index tensors (DeltaNet's cu_seqlens) and
+// every float-only argument check rejects them.
+enum class DType : std::uint8_t { f32 = 0, f16 = 1, bf16 = 2, f64 = 3, i32 = 4, i64 = 5 };
 enum class DeviceType : std::uint8_t { cpu = 0, cuda = 1 };
 
 inline constexpr int kMaxDims = 8;
 
-const char* dtype_name(DType t);   // "float32", "float16", "bfloat16", "float64"
+const char* dtype_name(DType t);   // "float32", "float16", "bfloat16", "float64", "int32", "int64"
 std::size_t dtype_size(DType t);   // bytes per element
 
 struct TensorRef {

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import _C
-from .ops import _last_contig, _spec, _stream, head_norm
+from .ops import _last_contig, _prep_gate, _spec, _stream, head_norm
 
 __all__ = ["mlstm", "mlstm_headnorm", "mlstm_step", "mlstm_decay_matrix"]
 
@@ -121,11 +121,6 @@ _mlstm_fwd.register_autograd(_mlstm_backward, setup_context=_mlstm_setup)
 
 
 # ---- functional API ---------------------------------------------------------------------------------
-def _prep_gate(g: Tensor, q: Tensor) -> Tensor:
-    """Gates in q's dtype or float32 (other dtypes are cast to float32), last dim contiguous."""
-    return _last_contig(g if g.dtype in (q.dtype, _F32) else g.to(_F32))
-
-
 def _prep_states(q: Tensor, c, n, m):
     """Initial states as float32 (B, NH, DQK, DV), (B, NH, DQK), (B, NH, 1), or Nones. The three come
     together (the C++ API names the missing one otherwise)."""

@@ -54,7 +54,8 @@ __all__ = [
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}  # fastweight::DType
+# fastweight::DType; the integers serve index tensors (cu_seqlens), every float op rejects them.
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3, torch.int32: 4, torch.int64: 5}
 
 
 def _spec(t: Optional[Tensor]):
@@ -135,6 +136,12 @@ def _last_contig(t: Optional[Tensor]) -> Optional[Tensor]:
     if t is None or t.is_contiguous() or t.dim() == 0 or t.size(-1) <= 1 or t.stride(-1) == 1:
         return t
     return t.contiguous()
+
+
+def _prep_gate(g: Tensor, q: Tensor) -> Tensor:
+    """Gates (mLSTM's i, f; DeltaNet's beta) in q's dtype or float32 (other dtypes are cast to
+    float32), last dim contiguous."""
+    return _last_contig(g if g.dtype in (q.dtype, torch.float32) else g.to(torch.float32))
 
 
 def _cast(t: Optional[Tensor], dtype: Optional[torch.dtype]) -> Optional[Tensor]:

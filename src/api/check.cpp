@@ -43,4 +43,51 @@ void check_shape(const char* op, const char* name, const TensorRef& t, std::init
   }
 }
 
+void check_qv_shapes(const char* op, const TensorRef& q, const TensorRef& v, const char* q_dims, const char* k_dim,
+                     const char* v_dims, const char* v_dim) {
+  FW_CHECK_ARG(q.defined(), op, "q", "is required");
+  FW_CHECK_ARG(q.ndim == 4, op, "q", "expected shape ", q_dims, ", got ", q.shape_str());
+  check_io_dtype(op, "q", q);
+  FW_CHECK_ARG(q.shape[3] >= 1, op, "q", k_dim, " must be at least 1, got shape ", q.shape_str());
+  FW_CHECK_ARG(v.defined(), op, "v", "is required");
+  FW_CHECK_ARG(v.ndim == 4, op, "v", "expected shape ", v_dims, ", got ", v.shape_str());
+  FW_CHECK_ARG(v.shape[3] >= 1, op, "v", v_dim, " must be at least 1, got shape ", v.shape_str());
+}
+
+void SeqChecker::base(const char* name, const TensorRef& t) const {
+  check_common(op, name, t, ref, ref_name);
+  check_last_dim_contiguous(op, name, t);
+}
+
+void SeqChecker::io(const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape) const {
+  FW_CHECK_ARG(t.defined(), op, name, "is required");
+  base(name, t);
+  FW_CHECK_ARG(t.dtype == ref.dtype, op, name, "expected dtype ", dtype_name(ref.dtype), " (that of ", ref_name,
+               "), got ", dtype_name(t.dtype));
+  check_shape(op, name, t, shape);
+}
+
+void SeqChecker::gate(const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape) const {
+  FW_CHECK_ARG(t.defined(), op, name, "is required");
+  base(name, t);
+  FW_CHECK_ARG(t.dtype == ref.dtype || t.dtype == DType::f32, op, name, "expected dtype ", dtype_name(ref.dtype),
+               " (that of ", ref_name, ") or float32, got ", dtype_name(t.dtype));
+  check_shape(op, name, t, shape);
+}
+
+void SeqChecker::state(const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape) const {
+  FW_CHECK_ARG(t.defined(), op, name, "is required");
+  base(name, t);
+  const bool ok = t.dtype == DType::f32 || (t.dtype == DType::f64 && t.device == DeviceType::cpu);
+  FW_CHECK_ARG(ok, op, name, "expected dtype float32", t.device == DeviceType::cpu ? " or float64" : "",
+               " (states are kept in fp32), got ", dtype_name(t.dtype));
+  check_shape(op, name, t, shape);
+}
+
+void no_cuda_kernels_yet(const char* op, const char* family, int issue) {
+  throw Error(cat(op, ": the tensors are on a CUDA device; fastweight's ", family,
+                  " CUDA kernels are not built yet (issue ", issue,
+                  ", in progress). Run on CPU tensors (float64 reference) meanwhile."));
+}
+
 }  // namespace fastweight::detail

@@ -19,4 +19,29 @@ void check_last_dim_contiguous(const char* op, const char* name, const TensorRef
 // t.shape == shape exactly.
 void check_shape(const char* op, const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape);
 
+// q and v of a sequence op: present, 4-d (q_dims, v_dims: their shapes as named in the messages,
+// e.g. "(B, T, H, K)"), q in an IO dtype, head dims (the last; named k_dim, v_dim) at least 1.
+void check_qv_shapes(const char* op, const TensorRef& q, const TensorRef& v, const char* q_dims, const char* k_dim,
+                     const char* v_dims, const char* v_dim);
+
+// The checks of the sequence ops (mLSTM, DeltaNet): every tensor against one reference tensor of
+// the call (q), which sets the device and the IO dtype. Each check also runs check_common and
+// check_last_dim_contiguous.
+struct SeqChecker {
+  const char* op;
+  const TensorRef& ref;
+  const char* ref_name;
+
+  void base(const char* name, const TensorRef& t) const;
+  // Required, in the IO dtype, with this shape.
+  void io(const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape) const;
+  // Required, in the IO dtype or float32 (gates, beta), with this shape.
+  void gate(const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape) const;
+  // Required, float32 (float64 on the CPU): recurrent states and their gradients.
+  void state(const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape) const;
+};
+
+// The error of an op whose tensors are on a CUDA device before its family's kernels exist.
+[[noreturn]] void no_cuda_kernels_yet(const char* op, const char* family, int issue);
+
 }  // namespace fastweight::detail

@@ -34,27 +34,24 @@ std::vector<double> gather_f64(const TensorRef& t) {
   std::vector<double> v;
   if (!t.defined()) return v;
   v.resize(std::size_t(t.numel()));
-  for_each_offset(t, [&](std::int64_t off, std::int64_t lin) {
-    switch (t.dtype) {
-      case DType::f32: v[lin] = static_cast<const float*>(t.data)[off]; break;
-      case DType::f64: v[lin] = static_cast<const double*>(t.data)[off]; break;
-      case DType::f16: v[lin] = f16_to_float(static_cast<const std::uint16_t*>(t.data)[off]); break;
-      case DType::bf16: v[lin] = bf16_to_float(static_cast<const std::uint16_t*>(t.data)[off]); break;
-    }
-  });
+  for_each_offset(t, [&](std::int64_t off, std::int64_t lin) { v[lin] = load_as_double(t.data, off, t.dtype); });
   return v;
 }
 
 void scatter_f64(const std::vector<double>& v, const TensorRef& t) {
   if (!t.defined()) return;
+  for_each_offset(t, [&](std::int64_t off, std::int64_t lin) { store_from_double(t.data, off, t.dtype, v[lin]); });
+}
+
+std::vector<std::int64_t> gather_i64(const TensorRef& t) {
+  std::vector<std::int64_t> v;
+  if (!t.defined()) return v;
+  v.resize(std::size_t(t.numel()));
   for_each_offset(t, [&](std::int64_t off, std::int64_t lin) {
-    switch (t.dtype) {
-      case DType::f32: static_cast<float*>(t.data)[off] = float(v[lin]); break;
-      case DType::f64: static_cast<double*>(t.data)[off] = v[lin]; break;
-      case DType::f16: static_cast<std::uint16_t*>(t.data)[off] = float_to_f16(float(v[lin])); break;
-      case DType::bf16: static_cast<std::uint16_t*>(t.data)[off] = float_to_bf16(float(v[lin])); break;
-    }
+    v[lin] = t.dtype == DType::i32 ? static_cast<const std::int32_t*>(t.data)[off]
+                                   : static_cast<const std::int64_t*>(t.data)[off];
   });
+  return v;
 }
 
 }  // namespace fastweight::detail

@@ -13,44 +13,11 @@
 
 namespace fastweight {
 namespace {
-using detail::cat;
+using detail::ptr_or_null;
 using Vec = std::vector<double>;
 
 // ---- argument checks ------------------------------------------------------------------------------
-struct MlstmChecker {
-  const char* op;
-  const TensorRef& ref;  // q (or i for the decay matrix): device and IO dtype of the call
-  const char* ref_name;
-
-  void base(const char* name, const TensorRef& t) const {
-    detail::check_common(op, name, t, ref, ref_name);
-    detail::check_last_dim_contiguous(op, name, t);
-  }
-  // Required tensor in the IO dtype with the given shape.
-  void io(const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape) const {
-    FW_CHECK_ARG(t.defined(), op, name, "is required");
-    base(name, t);
-    FW_CHECK_ARG(t.dtype == ref.dtype, op, name, "expected dtype ", dtype_name(ref.dtype), " (that of ", ref_name,
-                 "), got ", dtype_name(t.dtype));
-    detail::check_shape(op, name, t, shape);
-  }
-  // Gate-like tensor: the IO dtype or float32.
-  void gate(const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape) const {
-    FW_CHECK_ARG(t.defined(), op, name, "is required");
-    base(name, t);
-    FW_CHECK_ARG(t.dtype == ref.dtype || t.dtype == DType::f32, op, name, "expected dtype ", dtype_name(ref.dtype),
-                 " (that of ", ref_name, ") or float32, got ", dtype_name(t.dtype));
-    detail::check_shape(op, name, t, shape);
-  }
-  // State tensor: float32 (float64 on the CPU).
-  void state(const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape) const {
-    FW_CHECK_ARG(t.defined(), op, name, "is required");
-    base(name, t);
-    const bool ok = t.dtype == DType::f32 || (t.dtype == DType::f64 && t.device == DeviceType::cpu);
-    FW_CHECK_ARG(ok, op, name, "expected dtype float32", t.device == DeviceType::cpu ? " or float64" : "",
-                 " (states are kept in fp32), got ", dtype_name(t.dtype));
-    detail::check_shape(op, name, t, shape);
-  }
+struct MlstmChecker : detail::SeqChecker {
   // m: (B, NH) or (B, NH, 1), as mlstm_kernels passes it.
   void state_m(const char* name, const TensorRef& t, std::int64_t B, std::int64_t NH) const {
     if (t.ndim == 3) state(name, t, {B, NH, 1});
@@ -80,13 +47,7 @@ struct MlstmChecker {
 
 // The (B, NH, S, DQK, DV) of a sequence call, from q and v (checked: 4-d, IO dtype).
 detail::MlstmShape sequence_shape(const char* op, const TensorRef& q, const TensorRef& v) {
-  FW_CHECK_ARG(q.defined(), op, "q", "is required");
-  FW_CHECK_ARG(q.ndim == 4, op, "q", "expected shape (B, NH, S, DQK), got ", q.shape_str());
-  detail::check_io_dtype(op, "q", q);
-  FW_CHECK_ARG(q.shape[3] >= 1, op, "q", "DQK must be at least 1, got shape ", q.shape_str());
-  FW_CHECK_ARG(v.defined(), op, "v", "is required");
-  FW_CHECK_ARG(v.ndim == 4, op, "v", "expected shape (B, NH, S, DV), got ", v.shape_str());
-  FW_CHECK_ARG(v.shape[3] >= 1, op, "v", "DV must be at least 1, got shape ", v.shape_str());
+  detail::check_qv_shapes(op, q, v, "(B, NH, S, DQK)", "DQK", "(B, NH, S, DV)", "DV");
   detail::MlstmShape sh;
   sh.B = q.shape[0], sh.NH = q.shape[1], sh.S = q.shape[2], sh.DQK = q.shape[3], sh.DV = v.shape[3];
   return sh;
@@ -101,10 +62,7 @@ void check_sequence_inputs(const MlstmChecker& c, const detail::MlstmShape& sh, 
   c.gate("f", f, {sh.B, sh.NH, sh.S});
 }
 
-[[noreturn]] void no_cuda_yet(const char* op) {
-  throw Error(cat(op, ": the tensors are on a CUDA device; fastweight's mLSTM CUDA kernels are not built yet "
-                      "(issue 3, in progress). Run on CPU tensors (float64 reference) meanwhile."));
-}
+[[noreturn]] void no_cuda_yet(const char* op) { detail::no_cuda_kernels_yet(op, "mLSTM", 3); }
 
 struct SeqInputs {  // float64 copies of one sequence call's inputs
   Vec q, k, v, i, f, c0, n0, m0;
@@ -119,8 +77,6 @@ SeqInputs gather_inputs(const TensorRef& q, const TensorRef& k, const TensorRef&
   return {gather_f64(q), gather_f64(k), gather_f64(v), gather_f64(i), gather_f64(f),
           gather_f64(c0), gather_f64(n0), gather_f64(m0)};
 }
-double* ptr_or_null(Vec& v) { return v.empty() ? nullptr : v.data(); }
-const double* ptr_or_null(const Vec& v) { return v.empty() ? nullptr : v.data(); }
 
 }  // namespace
 
@@ -222,7 +178,7 @@ void mlstm_bwd(const MlstmBwdArgs& a, Stream) {
   const SeqInputs x = gather_inputs(a.q, a.k, a.v, a.i, a.f, a.c_initial, a.n_initial, a.m_initial);
   const Vec dh = detail::gather_f64(a.dh), dcl = detail::gather_f64(a.dc_last), dnl = detail::gather_f64(a.dn_last),
             dml = detail::gather_f64(a.dm_last);
-  auto out = [](const TensorRef& t) { return Vec(t.defined() ? std::size_t(t.numel()) : 0); };
+  const auto out = detail::out_buffer;
   Vec dq = out(a.dq), dk = out(a.dk), dv = out(a.dv), di = out(a.di), df = out(a.df);
   Vec dc0 = out(a.dc_initial), dn0 = out(a.dn_initial), dm0 = out(a.dm_initial);
   detail::mlstm_recurrent_bwd(sh, x.in(), a.eps, x.init(), dh.data(), {ptr_or_null(dcl), ptr_or_null(dnl), ptr_or_null(dml)},

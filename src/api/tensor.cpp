@@ -13,15 +13,17 @@ const char* dtype_name(DType t) {
     case DType::f16: return "float16";
     case DType::bf16: return "bfloat16";
     case DType::f64: return "float64";
+    case DType::i32: return "int32";
+    case DType::i64: return "int64";
   }
   return "?";
 }
 
 std::size_t dtype_size(DType t) {
   switch (t) {
-    case DType::f32: return 4;
+    case DType::f32: case DType::i32: return 4;
     case DType::f16: case DType::bf16: return 2;
-    case DType::f64: return 8;
+    case DType::f64: case DType::i64: return 8;
   }
   return 0;
 }

@@ -52,13 +52,16 @@ inline std::uint16_t float_to_f16(float f) {
   return std::uint16_t(sign | ((r - 0x38000000u) >> 13));
 }
 
-// Element load/store of any IO dtype as double (reference) or float.
+// Element load/store of any dtype as double (reference) or float. Integers convert by value
+// (exact up to 2^53; the store truncates toward zero).
 inline double load_as_double(const void* base, std::int64_t i, DType t) {
   switch (t) {
     case DType::f32: return static_cast<const float*>(base)[i];
     case DType::f64: return static_cast<const double*>(base)[i];
     case DType::f16: return f16_to_float(static_cast<const std::uint16_t*>(base)[i]);
     case DType::bf16: return bf16_to_float(static_cast<const std::uint16_t*>(base)[i]);
+    case DType::i32: return double(static_cast<const std::int32_t*>(base)[i]);
+    case DType::i64: return double(static_cast<const std::int64_t*>(base)[i]);
   }
   return 0.0;
 }
@@ -68,6 +71,8 @@ inline void store_from_double(void* base, std::int64_t i, DType t, double v) {
     case DType::f64: static_cast<double*>(base)[i] = v; break;
     case DType::f16: static_cast<std::uint16_t*>(base)[i] = float_to_f16(float(v)); break;
     case DType::bf16: static_cast<std::uint16_t*>(base)[i] = float_to_bf16(float(v)); break;
+    case DType::i32: static_cast<std::int32_t*>(base)[i] = std::int32_t(v); break;
+    case DType::i64: static_cast<std::int64_t*>(base)[i] = std::int64_t(v); break;
   }
 }
 

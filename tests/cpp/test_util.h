@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <vector>
@@ -125,8 +126,22 @@ inline double tolerance(DType t) {
     case DType::f16: return 2e-3;
     case DType::bf16: return 1e-2;
     case DType::f64: return 1e-12;
+    case DType::i32: case DType::i64: return 0.0;  // exact (index tensors)
   }
   return 0;
+}
+
+// Runs f and expects an ArgumentError whose message holds every fragment (the op, the argument,
+// what was expected...).
+template <typename F>
+void expect_argument_error(F&& f, std::initializer_list<const char*> fragments) {
+  try {
+    f();
+    ADD_FAILURE() << "no error for: " << *fragments.begin();
+  } catch (const ArgumentError& e) {
+    const std::string msg = e.what();
+    for (const char* frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "message: " << msg;
+  }
 }
 
 #if FW_WITH_CUDA

@@ -240,8 +240,12 @@ def test_spec_errors_name_the_argument():
         _C.layernorm_bwd(x, x, None, m, r, y, None, None, 0.0, (0, "many"))
     with pytest.raises(TypeError):  # neither an array nor a spec (a tuple of another length)
         _C.layernorm_fwd((p, 0, (2, 4)), None, None, y, None, None)
-    # An unsupported dtype takes the DLPack route in ops._spec: the same message as before.
-    assert isinstance(_spec_of(torch.ones(2, dtype=torch.int32)), torch.Tensor)
+    # A dtype without a spec code takes the DLPack route in ops._spec: the same message as before.
+    assert isinstance(_spec_of(torch.ones(2, dtype=torch.int16)), torch.Tensor)
+    with pytest.raises(ValueError, match=r"rmsnorm_fwd: x: dtype int16 is not supported"):
+        fastweight.rms_norm(torch.ones(4, 16, dtype=torch.int16))
+    # int32 / int64 have spec codes (for cu_seqlens); the float ops' checks reject them by name.
+    assert isinstance(_spec_of(torch.ones(2, dtype=torch.int32)), tuple)
     with pytest.raises(ValueError, match=r"rmsnorm_fwd: x: dtype int32 is not supported"):
         fastweight.rms_norm(torch.ones(4, 16, dtype=torch.int32))
     np.testing.assert_array_equal(fastweight.layer_norm(np.ones((2, 4), np.float32)), np.zeros((2, 4), np.float32))

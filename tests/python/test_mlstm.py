@@ -15,6 +15,7 @@ import torch
 
 import fastweight
 from fastweight.compat import mlstm_kernels as mk
+from fwtest_util import rel_err
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -54,14 +55,6 @@ def ref_mlstm(q, k, v, i, f, c0=None, n0=None, m0=None, eps=1e-6, detach_m=False
     if extras is not None:
         extras["m"], extras["den"] = torch.stack(ms, 2), torch.stack(dens, 2)
     return torch.stack(hs, dim=2), (c, n, m[..., None])
-
-
-def rel_err(out, ref) -> float:
-    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert torch.isfinite(out).all(), "non-finite values"
-    den = ref.norm()
-    return float((out - ref).norm() / (den if den > 0 else 1.0))
 
 
 def make(B=2, NH=3, S=37, DQK=8, DV=5, dtype=torch.float64, states=False, seed=0, device="cpu", strong=False):

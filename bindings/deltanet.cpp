@@ -1,0 +1,64 @@
+// deltanet.cpp: the DeltaNet ops of fastweight._C (fastweight/deltanet.h), same conventions as
+// module.cpp: tensors as DLPack arrays or spec tuples, None for absent optionals, the stream as an
+// int, the GIL released around the C++ call, validation (and its messages) in the C++ API.
+// scale: None means K^-0.5 (FLA's default).
+#include "convert.h"
+
+using namespace nb::literals;
+
+namespace {
+using namespace fwbind;
+
+// The inputs and options shared by the forward and backward argument structs.
+template <typename Args>
+void set_inputs(Args& a, const char* op, const In& q, const In& k, const In& v, const In& beta,
+                const OptIn& initial_state, const OptIn& cu_seqlens, std::optional<double> scale, bool l2) {
+  a.q = to_ref(q, op, "q"), a.k = to_ref(k, op, "k"), a.v = to_ref(v, op, "v"), a.beta = to_ref(beta, op, "beta");
+  a.initial_state = to_ref(initial_state, op, "initial_state");
+  a.cu_seqlens = to_ref(cu_seqlens, op, "cu_seqlens");
+  a.scale = scale ? *scale : fastweight::kDeltanetDefaultScale;
+  a.use_qk_l2norm_in_kernel = l2;
+}
+
+void deltanet_fwd(const In& q, const In& k, const In& v, const In& beta, const OptIn& initial_state,
+                  const OptIn& cu_seqlens, const Out& o, const OptOut& final_state, std::optional<double> scale,
+                  bool use_qk_l2norm_in_kernel, std::uintptr_t stream) {
+  const char* op = "deltanet_fwd";
+  fastweight::DeltanetFwdArgs a;
+  set_inputs(a, op, q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel);
+  a.o = to_ref(o, op, "o");
+  a.final_state = to_ref(final_state, op, "final_state");
+  nb::gil_scoped_release release;
+  fastweight::deltanet_fwd(a, to_stream(stream));
+}
+
+void deltanet_bwd(const In& q, const In& k, const In& v, const In& beta, const OptIn& initial_state,
+                  const OptIn& cu_seqlens, const In& do_, const OptIn& dfinal_state, const OptOut& dq,
+                  const OptOut& dk, const OptOut& dv, const OptOut& dbeta, const OptOut& dinitial_state,
+                  std::optional<double> scale, bool use_qk_l2norm_in_kernel, std::uintptr_t stream) {
+  const char* op = "deltanet_bwd";
+  fastweight::DeltanetBwdArgs a;
+  set_inputs(a, op, q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel);
+  a.do_ = to_ref(do_, op, "do_");
+  a.dfinal_state = to_ref(dfinal_state, op, "dfinal_state");
+  a.dq = to_ref(dq, op, "dq"), a.dk = to_ref(dk, op, "dk"), a.dv = to_ref(dv, op, "dv");
+  a.dbeta = to_ref(dbeta, op, "dbeta");
+  a.dinitial_state = to_ref(dinitial_state, op, "dinitial_state");
+  nb::gil_scoped_release release;
+  fastweight::deltanet_bwd(a, to_stream(stream));
+}
+
+}  // namespace
+
+void bind_deltanet(nb::module_& m) {
+  const auto none = nb::none();
+  m.def("deltanet_fwd", &deltanet_fwd, "q"_a, "k"_a, "v"_a, "beta"_a, "initial_state"_a.none() = none,
+        "cu_seqlens"_a.none() = none, "o"_a, "final_state"_a.none() = none, "scale"_a.none() = none,
+        "use_qk_l2norm_in_kernel"_a = false, "stream"_a = 0,
+        "DeltaNet forward (FLA layout): writes o (B, T, H, V) and, when given, the final state (N, H, K, V).");
+  m.def("deltanet_bwd", &deltanet_bwd, "q"_a, "k"_a, "v"_a, "beta"_a, "initial_state"_a.none() = none,
+        "cu_seqlens"_a.none() = none, "do_"_a, "dfinal_state"_a.none() = none, "dq"_a.none() = none,
+        "dk"_a.none() = none, "dv"_a.none() = none, "dbeta"_a.none() = none, "dinitial_state"_a.none() = none,
+        "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false, "stream"_a = 0,
+        "DeltaNet backward: the exact gradient; writes the given outputs.");
+}

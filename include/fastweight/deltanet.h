@@ -1,0 +1,67 @@
+// fastweight/deltanet.h: DeltaNet (the delta rule), shared/MATH.md §3. Layout and conventions are
+// flash-linear-attention's (FLA), so tensors and states are interchangeable with it:
+//
+//   q, k (B, T, H, K)   v (B, T, H, V)   beta (B, T, H)   o (B, T, H, V)
+//   initial_state, final_state (N, H, K, V), S[a][j] = S(key a, value j)
+//   cu_seqlens (N+1), int32 or int64 (optional)
+// Per (sequence, head):
+//   S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,   o_t = scale S_t^T q_t,
+//   S_0 = initial_state (zero when absent),   final_state = S_{length}
+// with q, k replaced by x / sqrt(|x|^2 + 1e-6) per row when use_qk_l2norm_in_kernel is set.
+// scale: NaN (the default) means K^-0.5, FLA's default; any finite value is used as given.
+//
+// Sequences: without cu_seqlens there are N = B sequences of length T. With cu_seqlens (FLA's and
+// FlashAttention's variable-length batches) B must be 1 and sequence n is positions
+// [cu_seqlens[n], cu_seqlens[n+1]) of the packed T axis: N = len(cu_seqlens) - 1, offsets
+// non-decreasing from 0 to T (empty sequences allowed: their final state is their initial state).
+// The offsets are checked on CPU tensors (reading CUDA memory is the CUDA kernels' concern).
+//
+// Dtypes: q, k, v, o and dq, dk, dv, do_ share one IO dtype (float32, float16, bfloat16; also
+// float64 on the CPU); beta and dbeta have that dtype or float32; states and their gradients are
+// float32 (float64 on the CPU). Every tensor needs a contiguous last dimension; other strides are
+// free (cu_seqlens: contiguous). Optional tensors are absent TensorRefs. dinitial_state needs
+// initial_state (the gradient of an absent state is not defined); dfinal_state is optional
+// (absent: 0) whether or not the forward wrote a final state.
+// Every argument is validated before anything is written: bad input throws ArgumentError naming
+// the op and the argument. CPU tensors run the float64 chunkwise reference (chunk size 64, not
+// exposed: the result does not depend on it; src/reference/deltanet_ref.h). CUDA kernels come later:
+// today a CUDA tensor gets a clear Error, never a silent fallback.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+#include "fastweight/error.h"
+#include "fastweight/tensor.h"
+
+namespace fastweight {
+
+// scale = kDeltanetDefaultScale: K^-0.5.
+inline constexpr double kDeltanetDefaultScale = std::numeric_limits<double>::quiet_NaN();
+
+struct DeltanetFwdArgs {
+  TensorRef q, k, v, beta;
+  TensorRef initial_state;  // optional (N, H, K, V)
+  TensorRef cu_seqlens;     // optional (N+1), B == 1
+  TensorRef o;              // output (B, T, H, V)
+  TensorRef final_state;    // optional output (N, H, K, V)
+  double scale = kDeltanetDefaultScale;
+  bool use_qk_l2norm_in_kernel = false;
+};
+
+struct DeltanetBwdArgs {
+  TensorRef q, k, v, beta;       // as given to the forward
+  TensorRef initial_state;       // as given to the forward (optional)
+  TensorRef cu_seqlens;          // as given to the forward (optional)
+  TensorRef do_;                 // dL/do (B, T, H, V)
+  TensorRef dfinal_state;        // optional dL/d final_state (N, H, K, V) (absent: 0)
+  TensorRef dq, dk, dv, dbeta;   // outputs, each optional
+  TensorRef dinitial_state;      // optional output (N, H, K, V); needs initial_state
+  double scale = kDeltanetDefaultScale;
+  bool use_qk_l2norm_in_kernel = false;
+};
+
+void deltanet_fwd(const DeltanetFwdArgs& args, Stream stream = nullptr);
+void deltanet_bwd(const DeltanetBwdArgs& args, Stream stream = nullptr);
+
+}  // namespace fastweight

@@ -1,0 +1,116 @@
+"""DeltaNet ops (the delta rule; MATH.md §3): ``torch.ops.fastweight.deltanet_*`` and ``fastweight.delta_rule``.
+
+Layout and conventions are flash-linear-attention's (FLA), so tensors and states are interchangeable
+with it: q, k (B, T, H, K), v (B, T, H, V), beta (B, T, H); states (N, H, K, V). Per (sequence, head):
+
+    S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,   o_t = scale * S_t^T q_t
+
+    delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, cu_seqlens=None) -> (o, final_state or None)
+
+scale defaults to K^-0.5; use_qk_l2norm_in_kernel normalises each row of q and k first
+(x / sqrt(|x|^2 + 1e-6), FLA's convention). cu_seqlens (N+1 int32 or int64 offsets, B = 1) packs N
+variable-length sequences, each with its own state (empty sequences allowed); without it N = B.
+o has q's dtype; the final state is float32 (float64 when q is float64, a CPU-only dtype, so that
+``gradcheck`` reaches the states too); initial_state is cast to that dtype. beta is used in q's dtype
+or float32 (other dtypes are cast to float32).
+
+Everything is differentiable: q, k, v, beta, initial_state, with the final state's gradient taken
+into account (exact gradients). Custom ops with fake kernels: ``torch.compile(fullgraph=True)``
+works. Today the ops run on CPU tensors (the float64 reference behind the C++ API); CUDA tensors raise
+a RuntimeError until the DeltaNet CUDA kernels of issue 4 land.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _C
+from .ops import _last_contig, _nothing, _or_nothing, _prep_gate, _spec, _stream
+
+__all__ = ["delta_rule"]
+
+
+def _state_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _state_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]):
+    B, _, H, K = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (N, H, K, v.shape[-1])
+
+
+# ---- forward / backward custom ops ----------------------------------------------------------------
+# Custom ops cannot return None: an empty tensor (a distinct one per output: outputs must not alias)
+# stands for 'not computed'.
+@torch.library.custom_op("fastweight::deltanet_fwd", mutates_args=())
+def _deltanet_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Optional[Tensor],
+                  cu_seqlens: Optional[Tensor], scale: Optional[float], use_qk_l2norm_in_kernel: bool,
+                  output_final_state: bool) -> tuple[Tensor, Tensor]:
+    o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    ht = q.new_empty(_state_shape(q, v, cu_seqlens), dtype=_state_dtype(q)) if output_final_state else None
+    _C.deltanet_fwd(_spec(q), _spec(k), _spec(v), _spec(beta), _spec(initial_state), _spec(cu_seqlens), _spec(o),
+                    _spec(ht), scale, use_qk_l2norm_in_kernel, _stream(q))
+    return o, _or_nothing(ht, q)
+
+
+@_deltanet_fwd.register_fake
+def _(q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, output_final_state):
+    o = q.new_empty(v.shape)
+    if not output_final_state:
+        return o, _nothing(q)
+    return o, q.new_empty(_state_shape(q, v, cu_seqlens), dtype=_state_dtype(q))
+
+
+@torch.library.custom_op("fastweight::deltanet_bwd", mutates_args=())
+def _deltanet_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Optional[Tensor],
+                  cu_seqlens: Optional[Tensor], dfinal_state: Optional[Tensor], scale: Optional[float],
+                  use_qk_l2norm_in_kernel: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else None
+    _C.deltanet_bwd(_spec(q), _spec(k), _spec(v), _spec(beta), _spec(initial_state), _spec(cu_seqlens), _spec(do),
+                    _spec(dfinal_state), _spec(dq), _spec(dk), _spec(dv), _spec(dbeta), _spec(dh0), scale,
+                    use_qk_l2norm_in_kernel, _stream(q))
+    return dq, dk, dv, dbeta, _or_nothing(dh0, q)
+
+
+@_deltanet_bwd.register_fake
+def _(do, q, k, v, beta, initial_state, cu_seqlens, dfinal_state, scale, use_qk_l2norm_in_kernel):
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else _nothing(q)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta), dh0
+
+
+def _deltanet_setup(ctx, inputs, output):
+    q, k, v, beta, h0, cu_seqlens, scale, l2, output_final_state = inputs
+    ctx.save_for_backward(q, k, v, beta, h0, cu_seqlens)
+    ctx.scale, ctx.l2, ctx.output_final_state = scale, l2, output_final_state
+
+
+def _deltanet_backward(ctx, do, dht):
+    q, k, v, beta, h0, cu_seqlens = ctx.saved_tensors
+    dht = _last_contig(dht) if ctx.output_final_state else None
+    dq, dk, dv, dbeta, dh0 = _deltanet_bwd(_last_contig(do), q, k, v, beta, h0, cu_seqlens, dht, ctx.scale, ctx.l2)
+    return dq, dk, dv, dbeta, (dh0 if h0 is not None else None), None, None, None, None
+
+
+_deltanet_fwd.register_autograd(_deltanet_backward, setup_context=_deltanet_setup)
+
+
+# ---- functional API ---------------------------------------------------------------------------------
+def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, scale: Optional[float] = None,
+               initial_state: Optional[Tensor] = None, output_final_state: bool = False,
+               use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Optional[Tensor] = None):
+    """The delta rule over a sequence (FLA layout): returns ``(o, final_state)``, o (B, T, H, V) in q's
+    dtype, final_state (N, H, K, V) float32 (float64 for float64 q) when ``output_final_state``, else
+    None. See the module docstring for the arguments."""
+    h0 = initial_state
+    if h0 is not None:
+        h0 = _last_contig(h0 if h0.dtype == _state_dtype(q) else h0.to(_state_dtype(q)))
+    o, ht = _deltanet_fwd(_last_contig(q), _last_contig(k), _last_contig(v), _prep_gate(beta, q), h0,
+                          _last_contig(cu_seqlens), None if scale is None else float(scale),
+                          bool(use_qk_l2norm_in_kernel), bool(output_final_state))
+    return o, (ht if output_final_state else None)

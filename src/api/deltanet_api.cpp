@@ -1,0 +1,158 @@
+// deltanet_api.cpp: the public DeltaNet entry points (fastweight/deltanet.h). Each validates every
+// argument before anything is written, then dispatches by device: CPU -> the float64 chunkwise
+// reference through contiguous float64 copies (any dtype, any strides), CUDA -> not built yet (a
+// clear Error).
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "api/check.h"
+#include "api/host_tensor.h"
+#include "fastweight/deltanet.h"
+#include "reference/deltanet_ref.h"
+
+namespace fastweight {
+namespace {
+using detail::DeltanetShape;
+using detail::ptr_or_null;
+using Vec = std::vector<double>;
+
+// The reference's chunk size: the result does not depend on it (chunkwise = loop), so it is not
+// exposed; 64 is FLA's and the future CUDA kernels' chunk.
+constexpr std::int64_t kRefChunk = 64;
+
+// (B, T, H, K, V) from q and v (checked: 4-d, IO dtype, K, V >= 1). N is set by the cu_seqlens check.
+DeltanetShape deltanet_shape(const char* op, const TensorRef& q, const TensorRef& v) {
+  detail::check_qv_shapes(op, q, v, "(B, T, H, K)", "K", "(B, T, H, V)", "V");
+  DeltanetShape sh;
+  sh.B = q.shape[0], sh.T = q.shape[1], sh.H = q.shape[2], sh.K = q.shape[3], sh.V = v.shape[3];
+  return sh;
+}
+
+// The offsets of a CPU cu_seqlens (empty when absent or on a CUDA device), after checking them;
+// sets sh.N. Called after q is checked, so B and T are q's.
+std::vector<std::int64_t> check_cu_seqlens(const detail::SeqChecker& c, const TensorRef& cu, DeltanetShape& sh) {
+  const char* op = c.op;
+  if (!cu.defined()) return {};
+  c.base("cu_seqlens", cu);
+  FW_CHECK_ARG(cu.dtype == DType::i32 || cu.dtype == DType::i64, op, "cu_seqlens", "expected dtype int32 or int64, got ",
+               dtype_name(cu.dtype));
+  FW_CHECK_ARG(cu.ndim == 1 && cu.shape[0] >= 1, op, "cu_seqlens", "expected shape (N+1) with N >= 0, got ",
+               cu.shape_str());
+  FW_CHECK_ARG(sh.B == 1, op, "cu_seqlens", "packed sequences need batch size B = 1 (q (1, T, H, K)), got B = ",
+               sh.B, " in q's shape ", c.ref.shape_str());
+  sh.N = cu.shape[0] - 1;
+  if (cu.device != DeviceType::cpu) return {};  // device memory: checked by the CUDA path (later)
+  std::vector<std::int64_t> off = detail::gather_i64(cu);
+  FW_CHECK_ARG(off[0] == 0, op, "cu_seqlens", "expected offsets starting at 0, got cu_seqlens[0] = ", off[0]);
+  for (std::int64_t n = 0; n < sh.N; ++n)
+    FW_CHECK_ARG(off[n + 1] >= off[n], op, "cu_seqlens", "expected non-decreasing offsets, got cu_seqlens[", n + 1,
+                 "] = ", off[n + 1], " < cu_seqlens[", n, "] = ", off[n]);
+  FW_CHECK_ARG(off[sh.N] == sh.T, op, "cu_seqlens", "expected the last offset cu_seqlens[", sh.N,
+               "] to be T = ", sh.T, " (the packed length of q), got ", off[sh.N]);
+  return off;
+}
+
+// Inputs shared by forward and backward: q, k, v, beta, cu_seqlens, initial_state. Returns the
+// shape (N set; cu_seqlens pointing into `offsets` for a CPU call).
+DeltanetShape check_inputs(const detail::SeqChecker& c, const TensorRef& q, const TensorRef& k, const TensorRef& v,
+                           const TensorRef& beta, const TensorRef& cu, const TensorRef& h0,
+                           std::vector<std::int64_t>& offsets) {
+  DeltanetShape sh = deltanet_shape(c.op, q, v);
+  c.io("q", q, {sh.B, sh.T, sh.H, sh.K});
+  c.io("k", k, {sh.B, sh.T, sh.H, sh.K});
+  c.io("v", v, {sh.B, sh.T, sh.H, sh.V});
+  c.gate("beta", beta, {sh.B, sh.T, sh.H});
+  offsets = check_cu_seqlens(c, cu, sh);
+  if (cu.defined()) sh.cu_seqlens = offsets.data();
+  else sh.N = sh.B;
+  if (h0.defined()) c.state("initial_state", h0, {sh.N, sh.H, sh.K, sh.V});
+  return sh;
+}
+
+detail::DeltanetOptions options(const char* op, double scale, bool l2) {
+  FW_CHECK_ARG(std::isnan(scale) || std::isfinite(scale), op, "scale",
+               "expected a finite value (or NaN for the default K^-0.5), got ", scale);
+  detail::DeltanetOptions opt;
+  if (!std::isnan(scale)) opt.scale = scale;
+  opt.use_qk_l2norm_in_kernel = l2;
+  return opt;
+}
+
+struct Inputs {  // float64 copies of the inputs of one call
+  Vec q, k, v, beta, h0;
+  detail::DeltanetInputs in() const { return {q.data(), k.data(), v.data(), beta.data()}; }
+};
+
+// What forward and backward share: the checks of the inputs (q, k, v, beta, cu_seqlens,
+// initial_state) and options, then the float64 copies of the inputs. Not copyable: sh.cu_seqlens
+// points into offsets.
+struct Call {
+  detail::SeqChecker c;
+  std::vector<std::int64_t> offsets;  // cu_seqlens of a CPU call
+  DeltanetShape sh;
+  detail::DeltanetOptions opt;
+
+  template <typename Args>
+  Call(const char* op, const Args& a)
+      : c{op, a.q, "q"},
+        sh(check_inputs(c, a.q, a.k, a.v, a.beta, a.cu_seqlens, a.initial_state, offsets)),
+        opt(options(op, a.scale, a.use_qk_l2norm_in_kernel)) {}
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+
+  // Once every argument is checked: CUDA tensors are refused, CPU ones copied for the reference.
+  template <typename Args>
+  Inputs inputs(const Args& a) const {
+    if (a.q.device == DeviceType::cuda) detail::no_cuda_kernels_yet(c.op, "DeltaNet", 4);
+    using detail::gather_f64;
+    return {gather_f64(a.q), gather_f64(a.k), gather_f64(a.v), gather_f64(a.beta), gather_f64(a.initial_state)};
+  }
+};
+
+}  // namespace
+
+// ---- forward --------------------------------------------------------------------------------------
+void deltanet_fwd(const DeltanetFwdArgs& a, Stream) {
+  const Call call("deltanet_fwd", a);
+  const DeltanetShape& sh = call.sh;
+  call.c.io("o", a.o, {sh.B, sh.T, sh.H, sh.V});
+  if (a.final_state.defined()) call.c.state("final_state", a.final_state, {sh.N, sh.H, sh.K, sh.V});
+
+  const Inputs x = call.inputs(a);
+  Vec o = detail::out_buffer(a.o), ht = detail::out_buffer(a.final_state);
+  detail::deltanet_chunkwise_fwd(sh, x.in(), call.opt, kRefChunk, ptr_or_null(x.h0), o.data(), ptr_or_null(ht));
+  detail::scatter_f64(o, a.o);
+  detail::scatter_f64(ht, a.final_state);
+}
+
+// ---- backward -------------------------------------------------------------------------------------
+void deltanet_bwd(const DeltanetBwdArgs& a, Stream) {
+  const Call call("deltanet_bwd", a);
+  const DeltanetShape& sh = call.sh;
+  const detail::SeqChecker& c = call.c;
+  c.io("do_", a.do_, {sh.B, sh.T, sh.H, sh.V});
+  if (a.dfinal_state.defined()) c.state("dfinal_state", a.dfinal_state, {sh.N, sh.H, sh.K, sh.V});
+  if (a.dq.defined()) c.io("dq", a.dq, {sh.B, sh.T, sh.H, sh.K});
+  if (a.dk.defined()) c.io("dk", a.dk, {sh.B, sh.T, sh.H, sh.K});
+  if (a.dv.defined()) c.io("dv", a.dv, {sh.B, sh.T, sh.H, sh.V});
+  if (a.dbeta.defined()) c.gate("dbeta", a.dbeta, {sh.B, sh.T, sh.H});
+  if (a.dinitial_state.defined()) {
+    FW_CHECK_ARG(a.initial_state.defined(), c.op, "dinitial_state",
+                 "the gradient of the initial state needs the initial state (initial_state is absent)");
+    c.state("dinitial_state", a.dinitial_state, {sh.N, sh.H, sh.K, sh.V});
+  }
+
+  const Inputs x = call.inputs(a);
+  const Vec dout = detail::gather_f64(a.do_), dht = detail::gather_f64(a.dfinal_state);
+  using detail::out_buffer;
+  Vec dq = out_buffer(a.dq), dk = out_buffer(a.dk), dv = out_buffer(a.dv), dbeta = out_buffer(a.dbeta);
+  Vec dh0 = out_buffer(a.dinitial_state);
+  detail::deltanet_chunkwise_bwd(sh, x.in(), call.opt, kRefChunk, ptr_or_null(x.h0), dout.data(), ptr_or_null(dht),
+                                 {ptr_or_null(dq), ptr_or_null(dk), ptr_or_null(dv), ptr_or_null(dbeta)},
+                                 ptr_or_null(dh0));
+  detail::scatter_f64(dq, a.dq), detail::scatter_f64(dk, a.dk), detail::scatter_f64(dv, a.dv);
+  detail::scatter_f64(dbeta, a.dbeta), detail::scatter_f64(dh0, a.dinitial_state);
+}
+
+}  // namespace fastweight

@@ -1,0 +1,326 @@
+"""Tests of the Python DeltaNet layer (fastweight.delta_rule, fastweight.compat.fla).
+
+Every result is compared with an independent float64 PyTorch implementation of MATH.md §3 written
+below (the loop form, step by step; gradients by float64 autograd of it), by relative Frobenius
+error. CPU tests run the C++ reference through the binding. Where flash-linear-attention is
+installed its own naive torch implementation is compared too. CUDA tensors must raise a clear error
+until the CUDA kernels land (tests marked `gpu`, skipped without a GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastweight
+from fastweight.compat import fla as fw_fla
+from fwtest_util import rel_err
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+requires_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device")
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+# ---- the float64 reference (independent of fastweight) ------------------------------------------
+def _l2(x):
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def ref_delta_rule(q, k, v, beta, scale=None, h0=None, l2=False, cu_seqlens=None):
+    """MATH.md §3, loop form, float64, differentiable: o (B, T, H, V) and the final states (N, H, K, V)."""
+    q, k, v, beta = (t.double() for t in (q, k, v, beta))
+    if l2:
+        q, k = _l2(q), _l2(k)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    if cu_seqlens is None:
+        seqs = [(b, 0, T) for b in range(B)]
+    else:
+        cu = [int(x) for x in cu_seqlens]
+        seqs = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+    outs, finals = [], []
+    for n, (b, bos, eos) in enumerate(seqs):
+        S = h0[n].double() if h0 is not None else q.new_zeros(H, K, V)
+        rows = []
+        for t in range(bos, eos):
+            qt, kt, vt, bt = q[b, t], k[b, t], v[b, t], beta[b, t]  # (H, K) (H, K) (H, V) (H)
+            e = vt - torch.einsum("hkv,hk->hv", S, kt)
+            S = S + bt[:, None, None] * kt[:, :, None] * e[:, None, :]
+            rows.append(scale * torch.einsum("hkv,hk->hv", S, qt))
+        outs.append(torch.stack(rows) if rows else q.new_zeros(0, H, V))
+        finals.append(S)
+    o = torch.stack(outs) if cu_seqlens is None else torch.cat(outs).unsqueeze(0)
+    return o, torch.stack(finals)
+
+
+def make(B=2, T=37, H=3, K=8, V=5, dtype=torch.float64, N=None, seed=0, device="cpu"):
+    """q, k, v, beta in dtype and an initial state (N, H, K, V) in float32 (float64 for float64)."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    q, v = r(B, T, H, K), r(B, T, H, V)
+    k = r(B, T, H, K) / K ** 0.5  # |k| ~ 1: with beta in (0, 1) the recurrence stays a contraction
+    beta = torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    h0 = r(B if N is None else N, H, K, V).to(torch.float64 if dtype == torch.float64 else torch.float32)
+    return [t.to(dtype=dtype, device=device) for t in (q, k, v, beta)] + [h0.to(device)]
+
+
+# ---- forward ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T", [1, 63, 100])
+@pytest.mark.parametrize("states", [False, True])
+def test_forward_matches_reference(dtype, T, states):
+    q, k, v, beta, h0 = make(T=T, dtype=dtype)
+    o, ht = fastweight.delta_rule(q, k, v, beta, initial_state=h0 if states else None, output_final_state=True)
+    ro, rht = ref_delta_rule(q, k, v, beta, h0=h0 if states else None)
+    assert o.dtype == dtype and o.shape == v.shape
+    assert ht.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and ht.shape == (2, 3, 8, 5)
+    assert rel_err(o, ro) < TOL[dtype]
+    assert rel_err(ht, rht) < (1e-12 if dtype == torch.float64 else 1e-6)
+
+
+def test_final_state_is_none_unless_asked_and_scale_default():
+    q, k, v, beta, _ = make(T=9)
+    o, ht = fastweight.delta_rule(q, k, v, beta)
+    assert ht is None
+    o2, _ = fastweight.delta_rule(q, k, v, beta, scale=8 ** -0.5)
+    assert torch.equal(o, o2)  # scale=None is K^-0.5
+
+
+@pytest.mark.parametrize("K,V,T", [(100, 100, 70), (4, 16, 65), (16, 3, 63)])
+def test_head_dims_and_l2norm_and_scale(K, V, T):
+    q, k, v, beta, h0 = make(B=1, T=T, H=2, K=K, V=V, dtype=torch.float32)
+    k = k * 3.0  # the in-kernel L2 norm brings |k| back to 1
+    o, ht = fastweight.delta_rule(q, k, v, beta, 0.3, h0, True, use_qk_l2norm_in_kernel=True)
+    ro, rht = ref_delta_rule(q, k, v, beta, 0.3, h0, l2=True)
+    assert rel_err(o, ro) < 1e-5 and rel_err(ht, rht) < 1e-5
+
+
+def test_strided_inputs_and_sequence_split():
+    q, k, v, beta, h0 = make(T=40)
+    big = torch.randn(2, 40, 3, 16, dtype=torch.float64)
+    big[..., ::2] = q  # q as a strided view (last dim stride 2): the functional API copies it
+    qv = big[..., ::2]
+    wide = torch.randn(2, 40, 3, 12, dtype=torch.float64)
+    wide[..., :8] = k
+    kv = wide[..., :8]  # rows cut from a wider buffer: passed as is (last dim contiguous)
+    assert qv.stride(-1) == 2 and kv.stride(-2) == 12
+    o, ht = fastweight.delta_rule(qv, kv, v, beta, initial_state=h0, output_final_state=True)
+    ro, rht = ref_delta_rule(q, k, v, beta, h0=h0)
+    assert rel_err(o, ro) < 1e-12 and rel_err(ht, rht) < 1e-12
+    # Two calls joined through the state == one call (context parallelism's stitching).
+    o1, s1 = fastweight.delta_rule(q[:, :17], k[:, :17], v[:, :17], beta[:, :17], initial_state=h0,
+                                   output_final_state=True)
+    o2, s2 = fastweight.delta_rule(q[:, 17:], k[:, 17:], v[:, 17:], beta[:, 17:], initial_state=s1,
+                                   output_final_state=True)
+    assert rel_err(torch.cat([o1, o2], 1), o) < 1e-12 and rel_err(s2, ht) < 1e-12
+
+
+# ---- variable length ------------------------------------------------------------------------------
+CU = [0, 0, 17, 17, 60, 83, 83]  # empty sequences first, in the middle and last
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_varlen_matches_reference_and_separate_calls(cu_dtype):
+    cu = torch.tensor(CU, dtype=cu_dtype)
+    q, k, v, beta, h0 = make(B=1, T=83, N=len(CU) - 1)
+    args = [t.requires_grad_() for t in (q, k, v, beta, h0)]
+    o, ht = fastweight.delta_rule(*args[:4], initial_state=args[4], output_final_state=True, cu_seqlens=cu,
+                                  use_qk_l2norm_in_kernel=True)
+    ro, rht = ref_delta_rule(*args[:4], h0=args[4], l2=True, cu_seqlens=cu)
+    assert rel_err(o, ro) < 1e-12 and rel_err(ht, rht) < 1e-12
+    for n in (0, 2, 5):  # empty sequences: the final state is the initial state
+        assert torch.equal(ht[n], h0[n])
+    # Each sequence on its own gives the same numbers.
+    for n in range(len(CU) - 1):
+        a, b = CU[n], CU[n + 1]
+        on, hn = fastweight.delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], beta[:, a:b], initial_state=h0[n:n + 1],
+                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+        assert rel_err(on, o[:, a:b]) < 1e-12 if b > a else on.shape[1] == 0
+        assert rel_err(hn[0], ht[n]) < 1e-12
+    # Gradients, the final state's included.
+    g = torch.Generator().manual_seed(2)
+    do, dht = torch.randn(o.shape, generator=g, dtype=torch.float64), torch.randn(ht.shape, generator=g,
+                                                                                    dtype=torch.float64)
+    got = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), args)
+    want = torch.autograd.grad((ro * do).sum() + (rht * dht).sum(), args)
+    for name, a, b in zip(["q", "k", "v", "beta", "initial_state"], got, want):
+        assert rel_err(a, b) < 1e-11, name
+
+
+# ---- backward -----------------------------------------------------------------------------------
+def test_gradcheck_float64():
+    q, k, v, beta, h0 = make(B=2, T=5, H=2, K=3, V=2)
+    args = [t.requires_grad_() for t in (q, k, v, beta, h0)]
+
+    def fn(q, k, v, beta, h0):
+        return fastweight.delta_rule(q, k, v, beta, initial_state=h0, output_final_state=True)
+    assert torch.autograd.gradcheck(fn, args)
+
+
+def test_gradcheck_float64_varlen_l2norm_no_final_state():
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    q, k, v, beta, h0 = make(B=1, T=7, H=1, K=3, V=4, N=3)
+    args = [t.requires_grad_() for t in (q, k, v, beta, h0)]
+
+    def fn(q, k, v, beta, h0):
+        return fastweight.delta_rule(q, k, v, beta, 0.8, h0, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
+    assert torch.autograd.gradcheck(fn, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_gradients_match_reference_autograd(dtype):
+    q, k, v, beta, h0 = make(T=70, dtype=dtype)
+    args = [t.requires_grad_() for t in (q, k, v, beta, h0)]
+    o, ht = fastweight.delta_rule(*args[:4], initial_state=args[4], output_final_state=True)
+    g = torch.Generator().manual_seed(1)
+    do, dht = (torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (o, ht))
+    got = torch.autograd.grad((o.double() * do).sum() + (ht.double() * dht).sum(), args)
+    ref_args = [t.detach().double().requires_grad_() for t in args]
+    ro, rht = ref_delta_rule(*ref_args[:4], h0=ref_args[4])
+    want = torch.autograd.grad((ro * do).sum() + (rht * dht).sum(), ref_args)
+    # do and dht reach the backward rounded to o's and the state's dtype, every gradient goes out in
+    # its input's dtype: the IO dtype bounds them all (float32: 1e-6, float32 rounding of 70 steps).
+    tol = 1e-6 if dtype == torch.float32 else TOL[dtype]
+    for name, a, b, t in zip(["q", "k", "v", "beta", "initial_state"], got, want, args):
+        assert a.dtype == t.dtype
+        assert rel_err(a, b) < tol, name
+
+
+def test_beta_in_float32_and_other_dtypes_cast():
+    q, k, v, beta, _ = make(T=20, dtype=torch.bfloat16)
+    o32, _ = fastweight.delta_rule(q, k, v, beta.float())
+    o64, _ = fastweight.delta_rule(q, k, v, beta.double())  # cast to float32 (not a q dtype)
+    assert torch.equal(o32, o64)
+    ro, _ = ref_delta_rule(q, k, v, beta.float())
+    assert rel_err(o32, ro) < TOL[torch.bfloat16]
+
+
+# ---- torch.compile, custom-op checks ----------------------------------------------------------------
+def test_opcheck():
+    cu = torch.tensor([0, 4, 9], dtype=torch.int64)
+    q, k, v, beta, h0 = make(B=1, T=9, H=2, K=4, V=3, N=2)
+    args = [t.requires_grad_() for t in (q, k, v, beta)]
+    fwd = torch.ops.fastweight.deltanet_fwd.default
+    torch.library.opcheck(fwd, (*args, h0.requires_grad_(), cu, None, True, True))
+    torch.library.opcheck(fwd, (*args, None, None, 0.5, False, False))
+    do = torch.randn(1, 9, 2, 3, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.fastweight.deltanet_bwd.default,
+                          (do, *[a.detach() for a in args], h0.detach(), cu, torch.randn_like(h0), None, False))
+
+
+def test_compile_fullgraph():
+    cu = torch.tensor([0, 5, 20], dtype=torch.int32)
+    q, k, v, beta, h0 = make(B=1, T=20, H=2, K=4, V=4, N=2, dtype=torch.float32)
+
+    def fn(q, k, v, beta, h0):
+        o, ht = fastweight.delta_rule(q, k, v, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                      use_qk_l2norm_in_kernel=True)
+        return o * 2.0, ht
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    args = [t.requires_grad_() for t in (q, k, v, beta, h0)]
+    got, want = compiled(*args), fn(*args)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    ga = torch.autograd.grad(got[0].sum() + got[1].sum(), args)
+    gb = torch.autograd.grad(want[0].sum() + want[1].sum(), args)
+    for a, b in zip(ga, gb):
+        assert torch.equal(a, b)
+
+
+# ---- drop-in shims ----------------------------------------------------------------------------------
+def test_fla_shims_equal_delta_rule():
+    cu = torch.tensor([0, 7, 30], dtype=torch.int64)
+    q, k, v, beta, h0 = make(B=1, T=30, N=2, dtype=torch.float32)
+    want = fastweight.delta_rule(q, k, v, beta, 0.5, h0, True, True, cu)
+    for fn in (fw_fla.chunk_delta_rule, fw_fla.fused_recurrent_delta_rule):
+        # FLA's positional order: scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens.
+        got = fn(q, k, v, beta, 0.5, h0, True, True, cu)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        got = fn(q, k, v, beta, scale=0.5, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                 use_qk_l2norm_in_kernel=True)
+        assert torch.equal(got[0], want[0])
+        got = fn(q, k, v, beta, 0.5, h0, True, True, offsets=cu, checkpoint_level=1)  # older FLA's names
+        assert torch.equal(got[0], want[0])
+        o, ht = fn(q, k, v, beta)
+        assert ht is None and torch.equal(o, fastweight.delta_rule(q, k, v, beta)[0])
+
+
+def test_fla_shim_head_first_and_defaults():
+    q, k, v, beta, h0 = make(T=12, dtype=torch.float32)
+    want, wht = fastweight.delta_rule(q, k, v, beta, initial_state=h0, output_final_state=True)
+    hf = [t.transpose(1, 2).contiguous() for t in (q, k, v, beta)]  # [B, H, T, ...]
+    o, ht = fw_fla.chunk_delta_rule(*hf, initial_state=h0, output_final_state=True, head_first=True)
+    assert o.shape == (2, 3, 12, 5) and torch.equal(o.transpose(1, 2), want) and torch.equal(ht, wht)
+    # fused_recurrent's beta=None is beta = 1.
+    o1, _ = fw_fla.fused_recurrent_delta_rule(q, k, v)
+    assert torch.equal(o1, fastweight.delta_rule(q, k, v, torch.ones_like(beta))[0])
+
+
+def test_fla_shim_errors():
+    q, k, v, beta, _ = make(T=6, dtype=torch.float32)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'chunk_sise'"):
+        fw_fla.chunk_delta_rule(q, k, v, beta, chunk_sise=64)
+    with pytest.raises(ValueError, match="head-wise beta"):
+        fw_fla.fused_recurrent_delta_rule(q, k, v, beta[..., None].expand(*beta.shape, 5))
+    with pytest.raises(ValueError, match="head_first"):
+        fw_fla.chunk_delta_rule(q, k, v, beta, cu_seqlens=torch.tensor([0, 6]), head_first=True)
+
+
+def test_against_fla_naive_torch():
+    """FLA's own naive torch implementations (head-first [B, H, T, ...], float32), where fla is installed."""
+    naive = pytest.importorskip("fla.ops.delta_rule.naive")
+    q, k, v, beta, h0 = make(T=64, dtype=torch.float32)
+    o, ht = fw_fla.chunk_delta_rule(q, k, v, beta, initial_state=h0, output_final_state=True)
+    hf = [t.transpose(1, 2).contiguous() for t in (q, k, v, beta)]
+    ro, rht = naive.delta_rule_recurrence(*hf, initial_state=h0.clone(), output_final_state=True)
+    assert rel_err(o, ro.transpose(1, 2)) < 1e-4 and rel_err(ht, rht) < 1e-4
+    co, cht = naive.delta_rule_chunkwise(*hf, chunk_size=32)  # no initial state
+    o0, ht0 = fw_fla.chunk_delta_rule(q, k, v, beta, output_final_state=True)
+    assert rel_err(o0, co.transpose(1, 2)) < 1e-4 and rel_err(ht0, cht) < 1e-4
+
+
+# ---- errors -----------------------------------------------------------------------------------------
+def test_bad_input_names_the_argument():
+    q, k, v, beta, h0 = make(T=8)
+    with pytest.raises(ValueError, match=r"deltanet_fwd: beta: expected shape \(2, 8, 3\)"):
+        fastweight.delta_rule(q, k, v, beta[:, :7])
+    with pytest.raises(ValueError, match="deltanet_fwd: k: expected dtype float64"):
+        fastweight.delta_rule(q, k.float(), v, beta)
+    with pytest.raises(ValueError, match=r"initial_state: expected shape \(2, 3, 8, 5\)"):
+        fastweight.delta_rule(q, k, v, beta, initial_state=h0[:1])
+    with pytest.raises(ValueError, match="q: dtype int32 is not supported"):
+        fastweight.delta_rule(q.int(), k, v, beta)
+    with pytest.raises(ValueError, match="cu_seqlens: packed sequences need batch size B = 1"):
+        fastweight.delta_rule(q, k, v, beta, cu_seqlens=torch.tensor([0, 8]))
+    q1, k1, v1, b1 = q[:1], k[:1], v[:1], beta[:1]
+    for cu, msg in (([1, 8], "starting at 0"), ([0, 5, 3, 8], "non-decreasing"), ([0, 7], "T = 8")):
+        with pytest.raises(ValueError, match=f"cu_seqlens: .*{msg}"):
+            fastweight.delta_rule(q1, k1, v1, b1, cu_seqlens=torch.tensor(cu))
+    with pytest.raises(ValueError, match="cu_seqlens: expected dtype int32 or int64, got float32"):
+        fastweight.delta_rule(q1, k1, v1, b1, cu_seqlens=torch.tensor([0.0, 8.0]))
+    with pytest.raises(ValueError, match="cu_seqlens: dtype int16 is not supported"):
+        fastweight.delta_rule(q1, k1, v1, b1, cu_seqlens=torch.tensor([0, 8], dtype=torch.int16))
+    with pytest.raises(ValueError, match=r"initial_state: expected shape \(3, 3, 8, 5\)"):
+        fastweight.delta_rule(q1, k1, v1, b1, initial_state=h0, cu_seqlens=torch.tensor([0, 2, 2, 8]))
+    with pytest.raises(ValueError, match="scale: expected a finite value"):
+        fastweight.delta_rule(q, k, v, beta, scale=float("inf"))
+
+
+def test_integer_dtypes_stay_rejected_by_the_float_ops():
+    for dt in (torch.int32, torch.int64):
+        x = torch.ones(4, 8, dtype=dt)
+        with pytest.raises(ValueError, match=f"layernorm_fwd: x: dtype {str(dt)[6:]} is not supported"):
+            fastweight.layer_norm(x)
+        with pytest.raises(ValueError, match=f"rmsnorm_fwd: weight: expected dtype float32.*got {str(dt)[6:]}"):
+            fastweight.rms_norm(x.float(), torch.ones(8, dtype=dt))
+
+
+@gpu
+@requires_cuda
+def test_cuda_tensors_raise_until_kernels_land():
+    q, k, v, beta, h0 = make(T=8, dtype=torch.float32, device="cuda")
+    with pytest.raises(RuntimeError, match="DeltaNet CUDA kernels are not built yet"):
+        fastweight.delta_rule(q, k, v, beta, initial_state=h0, output_final_state=True)
