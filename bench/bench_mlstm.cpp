@@ -1,7 +1,8 @@
 // bench_mlstm.cpp: verify and time the public mLSTM ops (fastweight/mlstm.h) for fastweight_bench.
 // Verification: the op's outputs vs the float64 reference run directly on float64 copies of the same
 // (rounded) inputs; relative Frobenius error over all outputs. Timing: wall clock, median of 5.
-#include "bench_mlstm.h"
+#include "bench_ops.h"
+#include "bench_util.h"
 
 #include <algorithm>
 #include <chrono>
@@ -15,59 +16,7 @@
 
 namespace {
 using namespace fastweight;
-using Vec = std::vector<double>;
-
-// A contiguous host tensor of dtype dt holding the rounded values of `ref`.
-struct T {
-  DType dt;
-  std::vector<std::int64_t> shape;
-  std::vector<unsigned char> bytes;
-  Vec val;  // the values as stored (after rounding), float64
-  T(DType d, std::vector<std::int64_t> s, std::mt19937_64* rng = nullptr, double lo = -1, double hi = 1)
-      : dt(d), shape(std::move(s)) {
-    std::int64_t n = 1;
-    for (auto e : shape) n *= e;
-    bytes.assign(std::size_t(n) * dtype_size(dt), 0);
-    val.assign(std::size_t(n), 0.0);
-    std::uniform_real_distribution<double> u(lo, hi);
-    for (std::int64_t e = 0; e < n; ++e) set(e, rng ? u(*rng) : 0.0);
-  }
-  void set(std::int64_t e, double x) {
-    detail::store_from_double(bytes.data(), e, dt, x);
-    val[std::size_t(e)] = get(e);  // the value as stored (rounded to dt)
-  }
-  double get(std::int64_t e) const { return detail::load_as_double(bytes.data(), e, dt); }
-  Vec read() const {
-    Vec v(val.size());
-    for (std::size_t e = 0; e < v.size(); ++e) v[e] = get(std::int64_t(e));
-    return v;
-  }
-  TensorRef ref() { return make_tensor(bytes.data(), dt, int(shape.size()), shape.data()); }
-};
-
-// sum ||a_k - b_k||^2 / sum ||b_k||^2 over pairs
-struct Err {
-  double num = 0, den = 0;
-  void add(const Vec& a, const Vec& b) {
-    for (std::size_t e = 0; e < a.size(); ++e) {
-      num += std::isfinite(a[e]) ? (a[e] - b[e]) * (a[e] - b[e]) : INFINITY;
-      den += b[e] * b[e];
-    }
-  }
-  double value() const { return den > 0 ? std::sqrt(num / den) : std::sqrt(num); }
-};
-
-template <typename F>
-double time_ms(F&& f) {
-  std::vector<double> ms;
-  for (int r = 0; r < 5; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    f();
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[2];
-}
+using namespace fwbench;
 
 std::string shape_str(std::int64_t B, std::int64_t NH, std::int64_t S, std::int64_t DQK, std::int64_t DV) {
   return "(" + std::to_string(B) + "," + std::to_string(NH) + "," + std::to_string(S) + "," + std::to_string(DQK) +
@@ -84,10 +33,10 @@ int run_mlstm_bench(bool quick, std::vector<BenchRow>& rows) {
   auto tol = [](DType dt) { return dt == DType::f32 ? 1e-5 : dt == DType::f16 ? 2e-3 : dt == DType::bf16 ? 1e-2 : 1e-12; };
   for (DType dt : {DType::f32, DType::bf16}) {
     std::mt19937_64 rng(3);
-    T q(dt, {B, NH, S, DQK}, &rng), k(dt, {B, NH, S, DQK}, &rng), v(dt, {B, NH, S, DV}, &rng);
-    T i(DType::f32, {B, NH, S}, &rng, -3, 3), f(DType::f32, {B, NH, S}, &rng, 0, 5);
-    T c0(DType::f32, {B, NH, DQK, DV}, &rng), n0(DType::f32, {B, NH, DQK}, &rng), m0(DType::f32, {B, NH, 1}, &rng);
-    T h(dt, {B, NH, S, DV}), cl(DType::f32, {B, NH, DQK, DV}), nl(DType::f32, {B, NH, DQK}), ml(DType::f32, {B, NH, 1});
+    HostBuf q(dt, {B, NH, S, DQK}, &rng), k(dt, {B, NH, S, DQK}, &rng), v(dt, {B, NH, S, DV}, &rng);
+    HostBuf i(DType::f32, {B, NH, S}, &rng, -3, 3), f(DType::f32, {B, NH, S}, &rng, 0, 5);
+    HostBuf c0(DType::f32, {B, NH, DQK, DV}, &rng), n0(DType::f32, {B, NH, DQK}, &rng), m0(DType::f32, {B, NH, 1}, &rng);
+    HostBuf h(dt, {B, NH, S, DV}), cl(DType::f32, {B, NH, DQK, DV}), nl(DType::f32, {B, NH, DQK}), ml(DType::f32, {B, NH, 1});
     const detail::MlstmInputs in{q.val.data(), k.val.data(), v.val.data(), i.val.data(), f.val.data()};
     const detail::MlstmConstState init{c0.val.data(), n0.val.data(), m0.val.data()};
     // forward
@@ -108,8 +57,8 @@ int run_mlstm_bench(bool quick, std::vector<BenchRow>& rows) {
     }
     // backward (all gradients incl. the initial states')
     try {
-      T dh(dt, {B, NH, S, DV}, &rng), dq(dt, {B, NH, S, DQK}), dk(dt, {B, NH, S, DQK}), dv(dt, {B, NH, S, DV});
-      T di(DType::f32, {B, NH, S}), df(DType::f32, {B, NH, S});
+      HostBuf dh(dt, {B, NH, S, DV}, &rng), dq(dt, {B, NH, S, DQK}), dk(dt, {B, NH, S, DQK}), dv(dt, {B, NH, S, DV});
+      HostBuf di(DType::f32, {B, NH, S}), df(DType::f32, {B, NH, S});
       MlstmBwdArgs a;
       a.q = q.ref(), a.k = k.ref(), a.v = v.ref(), a.i = i.ref(), a.f = f.ref();
       a.c_initial = c0.ref(), a.n_initial = n0.ref(), a.m_initial = m0.ref(), a.dh = dh.ref();
@@ -132,10 +81,10 @@ int run_mlstm_bench(bool quick, std::vector<BenchRow>& rows) {
   // step and decay matrix (fp32)
   try {
     std::mt19937_64 rng(4);
-    T q(DType::f32, {B, NH, DQK}, &rng), k(DType::f32, {B, NH, DQK}, &rng), v(DType::f32, {B, NH, DV}, &rng);
-    T i(DType::f32, {B, NH}, &rng), f(DType::f32, {B, NH}, &rng, 0, 5), h(DType::f32, {B, NH, DV});
-    T c(DType::f32, {B, NH, DQK, DV}, &rng), n(DType::f32, {B, NH, DQK}, &rng), m(DType::f32, {B, NH}, &rng);
-    T c2(DType::f32, {B, NH, DQK, DV}), n2(DType::f32, {B, NH, DQK}), m2(DType::f32, {B, NH});
+    HostBuf q(DType::f32, {B, NH, DQK}, &rng), k(DType::f32, {B, NH, DQK}, &rng), v(DType::f32, {B, NH, DV}, &rng);
+    HostBuf i(DType::f32, {B, NH}, &rng), f(DType::f32, {B, NH}, &rng, 0, 5), h(DType::f32, {B, NH, DV});
+    HostBuf c(DType::f32, {B, NH, DQK, DV}, &rng), n(DType::f32, {B, NH, DQK}, &rng), m(DType::f32, {B, NH}, &rng);
+    HostBuf c2(DType::f32, {B, NH, DQK, DV}), n2(DType::f32, {B, NH, DQK}), m2(DType::f32, {B, NH});
     MlstmStepArgs a{q.ref(), k.ref(), v.ref(), i.ref(), f.ref(), c.ref(), n.ref(), m.ref(), h.ref(), c2.ref(), n2.ref(),
                     m2.ref(), 1e-6};
     const double ms = time_ms([&] { mlstm_step(a); });
@@ -152,8 +101,8 @@ int run_mlstm_bench(bool quick, std::vector<BenchRow>& rows) {
   }
   try {
     std::mt19937_64 rng(5);
-    T i(DType::f32, {B, NH, S}, &rng), f(DType::f32, {B, NH, S}, &rng, -5, 5), D(DType::f32, {B, NH, S, S});
-    T dD(DType::f32, {B, NH, S, S}, &rng), di(DType::f32, {B, NH, S}), df(DType::f32, {B, NH, S});
+    HostBuf i(DType::f32, {B, NH, S}, &rng), f(DType::f32, {B, NH, S}, &rng, -5, 5), D(DType::f32, {B, NH, S, S});
+    HostBuf dD(DType::f32, {B, NH, S, S}, &rng), di(DType::f32, {B, NH, S}), df(DType::f32, {B, NH, S});
     const double ms_f = time_ms([&] { mlstm_decay_matrix_fwd({i.ref(), f.ref(), D.ref()}); });
     const double ms_b = time_ms([&] { mlstm_decay_matrix_bwd({f.ref(), dD.ref(), di.ref(), df.ref()}); });
     Vec rD(D.val.size()), rdi(di.val.size()), rdf(df.val.size());

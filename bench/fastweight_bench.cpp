@@ -6,6 +6,7 @@
 //   fastweight_bench --cpu                   force the CPU reference (default when no GPU)
 //   fastweight_bench --op=mlstm              only the mLSTM rows (bench_mlstm.cpp: every public
 //                                            mLSTM op, on CPU tensors until its CUDA kernels land)
+//   fastweight_bench --op=deltanet           only the DeltaNet rows (bench_deltanet.cpp), likewise
 //
 // Per row: the op's relative Frobenius error against the float64 CPU reference (on the same N and
 // min(rows, 2^24 / N) rows, fresh random inputs), then its time. GPU timing (K): the op captured
@@ -24,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "bench_mlstm.h"
+#include "bench_ops.h"
 #include "common/half.h"
 #include "fastweight/fastweight.h"
 #if FW_WITH_CUDA
@@ -327,8 +328,8 @@ int main(int argc, char** argv) {
 
   struct Job { std::string fam; bool bwd; DType dt; std::int64_t rows, n; };
   std::vector<Job> jobs;
-  if (!o.op.empty() && o.op.rfind("mlstm", 0) == 0) {
-    // mLSTM ops only (below)
+  if (!o.op.empty() && (o.op.rfind("mlstm", 0) == 0 || o.op.rfind("deltanet", 0) == 0)) {
+    // mLSTM / DeltaNet ops only (below)
   } else if (!o.op.empty()) {
     const auto us = o.op.rfind('_');
     if (us == std::string::npos) usage(2);
@@ -405,16 +406,22 @@ int main(int argc, char** argv) {
       f << r.op << ',' << r.dtype << ",\"" << r.shape << "\"," << r.err << ',' << r.ms << ',' << r.gbps << ','
         << r.pct << ',' << (gpu ? "gpu" : "cpu") << '\n';
   }
-  // mLSTM (issue 3): the public ops on CPU tensors until the CUDA kernels are dispatched.
-  std::vector<BenchRow> mrows;
+  // mLSTM (issue 3) and DeltaNet (issue 4): the public ops on CPU tensors until their CUDA kernels
+  // are dispatched.
+  std::vector<BenchRow> mrows, drows;
   if (o.op.empty() || o.op.rfind("mlstm", 0) == 0) failures += run_mlstm_bench(o.quick, mrows);
-  if (!mrows.empty()) {
-    std::printf("\nmLSTM (CPU tensors: the float64 reference path; CUDA kernels in progress)\n"
-                "| op | dtype | shape (B,NH,S,DQK,DV) | rel err vs fp64 ref | ms | device |\n|---|---|---|---|---|---|\n");
-    for (const BenchRow& r : mrows)
+  if (o.op.empty() || o.op.rfind("deltanet", 0) == 0) failures += run_deltanet_bench(o.quick, drows);
+  auto table = [](const char* title, const char* shape_head, const std::vector<BenchRow>& rs) {
+    if (rs.empty()) return;
+    std::printf("\n%s\n| op | dtype | shape %s | rel err vs fp64 ref | ms | device |\n|---|---|---|---|---|---|\n",
+                title, shape_head);
+    for (const BenchRow& r : rs)
       std::printf("| %s | %s | %s | %.2e | %.3f | %s |\n", r.op.c_str(), r.dtype.c_str(), r.shape.c_str(), r.err, r.ms,
                   r.device.c_str());
-  }
+  };
+  table("mLSTM (CPU tensors: the float64 reference path; CUDA kernels in progress)", "(B,NH,S,DQK,DV)", mrows);
+  table("DeltaNet (CPU tensors: the float64 reference path; CUDA kernels to come)", "(B,T,H,K,V)", drows);
+  mrows.insert(mrows.end(), drows.begin(), drows.end());
   if (!o.csv.empty() && !mrows.empty()) {
     std::ofstream f(o.csv, std::ios::app);
     for (const BenchRow& r : mrows)

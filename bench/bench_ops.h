@@ -1,4 +1,5 @@
-// bench_mlstm.h: the mLSTM rows of fastweight_bench (bench_mlstm.cpp).
+// bench_ops.h: the per-family rows of fastweight_bench beyond the norms (bench_mlstm.cpp,
+// bench_deltanet.cpp).
 #pragma once
 
 #include <string>
@@ -14,3 +15,6 @@ struct BenchRow {
 // random inputs and times it. Until the CUDA kernels are dispatched (issue 3) the ops run on CPU
 // tensors, so this times the reference path. Returns the number of failed verifications.
 int run_mlstm_bench(bool quick, std::vector<BenchRow>& rows);
+
+// The same for the public DeltaNet ops (fastweight/deltanet.h), against src/reference/deltanet_ref.h.
+int run_deltanet_bench(bool quick, std::vector<BenchRow>& rows);
