@@ -48,6 +48,19 @@ void deltanet_bwd(const In& q, const In& k, const In& v, const In& beta, const O
   fastweight::deltanet_bwd(a, to_stream(stream));
 }
 
+void deltanet_step(const In& q, const In& k, const In& v, const In& beta, const In& state, const Out& o,
+                   const Out& new_state, std::optional<double> scale, bool use_qk_l2norm_in_kernel,
+                   std::uintptr_t stream) {
+  const char* op = "deltanet_step";
+  fastweight::DeltanetStepArgs a;
+  a.q = to_ref(q, op, "q"), a.k = to_ref(k, op, "k"), a.v = to_ref(v, op, "v"), a.beta = to_ref(beta, op, "beta");
+  a.state = to_ref(state, op, "state"), a.o = to_ref(o, op, "o"), a.new_state = to_ref(new_state, op, "new_state");
+  a.scale = scale ? *scale : fastweight::kDeltanetDefaultScale;
+  a.use_qk_l2norm_in_kernel = use_qk_l2norm_in_kernel;
+  nb::gil_scoped_release release;
+  fastweight::deltanet_step(a, to_stream(stream));
+}
+
 }  // namespace
 
 void bind_deltanet(nb::module_& m) {
@@ -61,4 +74,7 @@ void bind_deltanet(nb::module_& m) {
         "dk"_a.none() = none, "dv"_a.none() = none, "dbeta"_a.none() = none, "dinitial_state"_a.none() = none,
         "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false, "stream"_a = 0,
         "DeltaNet backward: the exact gradient; writes the given outputs.");
+  m.def("deltanet_step", &deltanet_step, "q"_a, "k"_a, "v"_a, "beta"_a, "state"_a, "o"_a, "new_state"_a,
+        "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false, "stream"_a = 0,
+        "One decoding step (q, k (B, H, K), v (B, H, V), beta (B, H)); new_state may be state (in place).");
 }

@@ -61,7 +61,20 @@ struct DeltanetBwdArgs {
   bool use_qk_l2norm_in_kernel = false;
 };
 
+// One decoding step for every (b, head): q, k (B, H, K), v (B, H, V), beta (B, H); the state
+// (B, H, K, V) is read and new_state written (they may be the same tensor: in place); o (B, H, V).
+// The same function as deltanet_fwd with T = 1 and the state as initial / final state.
+struct DeltanetStepArgs {
+  TensorRef q, k, v, beta;
+  TensorRef state;      // (B, H, K, V)
+  TensorRef o;          // output (B, H, V)
+  TensorRef new_state;  // output (B, H, K, V), may be `state`
+  double scale = kDeltanetDefaultScale;
+  bool use_qk_l2norm_in_kernel = false;
+};
+
 void deltanet_fwd(const DeltanetFwdArgs& args, Stream stream = nullptr);
 void deltanet_bwd(const DeltanetBwdArgs& args, Stream stream = nullptr);
+void deltanet_step(const DeltanetStepArgs& args, Stream stream = nullptr);
 
 }  // namespace fastweight

@@ -11,7 +11,7 @@ Functional API (differentiable for torch tensors; NumPy arrays run the CPU refer
 mLSTM (torch only; see ``fastweight.mlstm_ops``): ``mlstm``, ``mlstm_headnorm``, ``mlstm_step``,
 ``mlstm_decay_matrix``; drop-in names of NX-AI's mlstm_kernels in ``fastweight.compat.mlstm_kernels``.
 
-DeltaNet (torch only; see ``fastweight.deltanet_ops``): ``delta_rule``; drop-in names of
+DeltaNet (torch only; see ``fastweight.deltanet_ops``): ``delta_rule``, ``delta_rule_step``; drop-in names of
 flash-linear-attention (``chunk_delta_rule``, ``fused_recurrent_delta_rule``) in ``fastweight.compat.fla``.
 
 Low level: ``fastweight.ops`` (``torch.ops.fastweight.*`` custom ops and wrappers that return the
@@ -36,12 +36,12 @@ except ImportError:  # pragma: no cover - exercised by numpy-only installs
 
 if _torch is not None:
     from . import deltanet_ops, mlstm_ops, nn, ops
-    from .deltanet_ops import delta_rule
+    from .deltanet_ops import delta_rule, delta_rule_step
     from .mlstm_ops import mlstm, mlstm_decay_matrix, mlstm_headnorm, mlstm_step
 
 __all__ = [
     "layer_norm", "rms_norm", "head_norm", "adaptive_layer_norm",
-    "mlstm", "mlstm_headnorm", "mlstm_step", "mlstm_decay_matrix", "delta_rule",
+    "mlstm", "mlstm_headnorm", "mlstm_step", "mlstm_decay_matrix", "delta_rule", "delta_rule_step",
     "cuda_available", "build_info", "__version__",
 ]
 

@@ -31,7 +31,7 @@ from torch import Tensor
 from . import _C
 from .ops import _last_contig, _nothing, _or_nothing, _prep_gate, _spec, _stream
 
-__all__ = ["delta_rule"]
+__all__ = ["delta_rule", "delta_rule_step"]
 
 
 def _state_dtype(q: Tensor) -> torch.dtype:
@@ -114,3 +114,49 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, scale: Optional[fl
                           _last_contig(cu_seqlens), None if scale is None else float(scale),
                           bool(use_qk_l2norm_in_kernel), bool(output_final_state))
     return o, (ht if output_final_state else None)
+
+
+# ---- decoding step -------------------------------------------------------------------------------------
+@torch.library.custom_op("fastweight::deltanet_step", mutates_args=())
+def _deltanet_step(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, state: Tensor, scale: Optional[float],
+                   use_qk_l2norm_in_kernel: bool) -> tuple[Tensor, Tensor]:
+    o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    new = torch.empty_like(state)
+    _C.deltanet_step(_spec(q), _spec(k), _spec(v), _spec(beta), _spec(state), _spec(o), _spec(new), scale,
+                     use_qk_l2norm_in_kernel, _stream(q))
+    return o, new
+
+
+@_deltanet_step.register_fake
+def _(q, k, v, beta, state, scale, use_qk_l2norm_in_kernel):
+    return q.new_empty(v.shape), torch.empty_like(state)
+
+
+@torch.library.custom_op("fastweight::deltanet_step_", mutates_args=("state",))
+def _deltanet_step_(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, state: Tensor, scale: Optional[float],
+                    use_qk_l2norm_in_kernel: bool) -> Tensor:
+    o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    ss = _spec(state)
+    _C.deltanet_step(_spec(q), _spec(k), _spec(v), _spec(beta), ss, _spec(o), ss, scale, use_qk_l2norm_in_kernel,
+                     _stream(q))
+    return o
+
+
+@_deltanet_step_.register_fake
+def _(q, k, v, beta, state, scale, use_qk_l2norm_in_kernel):
+    return q.new_empty(v.shape)
+
+
+def delta_rule_step(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, state: Tensor, scale: Optional[float] = None,
+                    use_qk_l2norm_in_kernel: bool = False, inplace: bool = False):
+    """One decoding step of the delta rule: q, k (B, H, K), v (B, H, V), beta (B, H), state (B, H, K, V)
+    (float32). Returns ``(o, new_state)``, o (B, H, V); ``inplace=True`` updates ``state`` itself (it must
+    then be float32 with a contiguous last dimension) and returns it as new_state. No autograd (decoding)."""
+    q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
+    beta = _prep_gate(beta, q)
+    sc = None if scale is None else float(scale)
+    if inplace:
+        return _deltanet_step_(q, k, v, beta, state, sc, bool(use_qk_l2norm_in_kernel)), state
+    st = _last_contig(state if state.dtype == _state_dtype(q) else state.to(_state_dtype(q)))
+    return _deltanet_step(q, k, v, beta, st, sc, bool(use_qk_l2norm_in_kernel))
+

@@ -44,14 +44,14 @@ void check_shape(const char* op, const char* name, const TensorRef& t, std::init
 }
 
 void check_qv_shapes(const char* op, const TensorRef& q, const TensorRef& v, const char* q_dims, const char* k_dim,
-                     const char* v_dims, const char* v_dim) {
+                     const char* v_dims, const char* v_dim, int ndim) {
   FW_CHECK_ARG(q.defined(), op, "q", "is required");
-  FW_CHECK_ARG(q.ndim == 4, op, "q", "expected shape ", q_dims, ", got ", q.shape_str());
+  FW_CHECK_ARG(q.ndim == ndim, op, "q", "expected shape ", q_dims, ", got ", q.shape_str());
   check_io_dtype(op, "q", q);
-  FW_CHECK_ARG(q.shape[3] >= 1, op, "q", k_dim, " must be at least 1, got shape ", q.shape_str());
+  FW_CHECK_ARG(q.shape[ndim - 1] >= 1, op, "q", k_dim, " must be at least 1, got shape ", q.shape_str());
   FW_CHECK_ARG(v.defined(), op, "v", "is required");
-  FW_CHECK_ARG(v.ndim == 4, op, "v", "expected shape ", v_dims, ", got ", v.shape_str());
-  FW_CHECK_ARG(v.shape[3] >= 1, op, "v", v_dim, " must be at least 1, got shape ", v.shape_str());
+  FW_CHECK_ARG(v.ndim == ndim, op, "v", "expected shape ", v_dims, ", got ", v.shape_str());
+  FW_CHECK_ARG(v.shape[ndim - 1] >= 1, op, "v", v_dim, " must be at least 1, got shape ", v.shape_str());
 }
 
 void SeqChecker::base(const char* name, const TensorRef& t) const {

@@ -22,7 +22,7 @@ void check_shape(const char* op, const char* name, const TensorRef& t, std::init
 // q and v of a sequence op: present, 4-d (q_dims, v_dims: their shapes as named in the messages,
 // e.g. "(B, T, H, K)"), q in an IO dtype, head dims (the last; named k_dim, v_dim) at least 1.
 void check_qv_shapes(const char* op, const TensorRef& q, const TensorRef& v, const char* q_dims, const char* k_dim,
-                     const char* v_dims, const char* v_dim);
+                     const char* v_dims, const char* v_dim, int ndim = 4);
 
 // The checks of the sequence ops (mLSTM, DeltaNet): every tensor against one reference tensor of
 // the call (q), which sets the device and the IO dtype. Each check also runs check_common and

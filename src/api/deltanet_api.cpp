@@ -4,6 +4,7 @@
 // clear Error).
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "api/check.h"
@@ -153,6 +154,33 @@ void deltanet_bwd(const DeltanetBwdArgs& a, Stream) {
                                  ptr_or_null(dh0));
   detail::scatter_f64(dq, a.dq), detail::scatter_f64(dk, a.dk), detail::scatter_f64(dv, a.dv);
   detail::scatter_f64(dbeta, a.dbeta), detail::scatter_f64(dh0, a.dinitial_state);
+}
+
+// ---- decoding step ----------------------------------------------------------------------------------
+void deltanet_step(const DeltanetStepArgs& a, Stream) {
+  const char* op = "deltanet_step";
+  detail::check_qv_shapes(op, a.q, a.v, "(B, H, K)", "K", "(B, H, V)", "V", 3);
+  DeltanetShape sh;  // T = 1: the step is the loop form over one position
+  sh.B = a.q.shape[0], sh.T = 1, sh.H = a.q.shape[1], sh.K = a.q.shape[2], sh.V = a.v.shape[2];
+  const detail::SeqChecker c{op, a.q, "q"};
+  c.io("q", a.q, {sh.B, sh.H, sh.K});
+  c.io("k", a.k, {sh.B, sh.H, sh.K});
+  c.io("v", a.v, {sh.B, sh.H, sh.V});
+  c.gate("beta", a.beta, {sh.B, sh.H});
+  c.state("state", a.state, {sh.B, sh.H, sh.K, sh.V});
+  c.io("o", a.o, {sh.B, sh.H, sh.V});
+  c.state("new_state", a.new_state, {sh.B, sh.H, sh.K, sh.V});
+  const detail::DeltanetOptions opt = options(op, a.scale, a.use_qk_l2norm_in_kernel);
+  if (a.q.device == DeviceType::cuda) detail::no_cuda_kernels_yet(op, "DeltaNet", 4);
+  // (B, H, D) is the contiguous (B, 1, H, D) of the reference's layout; the state is (N = B, H, K, V).
+  using detail::gather_f64;
+  const Vec q = gather_f64(a.q), k = gather_f64(a.k), v = gather_f64(a.v), beta = gather_f64(a.beta);
+  const Vec h0 = gather_f64(a.state);
+  Vec o(std::size_t(a.o.numel())), ht(h0.size());
+  sh.N = sh.B;
+  detail::deltanet_recurrent_fwd(sh, {q.data(), k.data(), v.data(), beta.data()}, opt, h0.data(), o.data(), ht.data());
+  detail::scatter_f64(o, a.o);
+  detail::scatter_f64(ht, a.new_state);  // after every read of `state` (in place is safe)
 }
 
 }  // namespace fastweight

@@ -192,14 +192,9 @@ void mlstm_bwd(const MlstmBwdArgs& a, Stream) {
 // ---- decoding step --------------------------------------------------------------------------------
 void mlstm_step(const MlstmStepArgs& a, Stream) {
   const char* op = "mlstm_step";
-  FW_CHECK_ARG(a.q.defined(), op, "q", "is required");
-  FW_CHECK_ARG(a.q.ndim == 3, op, "q", "expected shape (B, NH, DQK), got ", a.q.shape_str());
-  detail::check_io_dtype(op, "q", a.q);
-  FW_CHECK_ARG(a.v.defined() && a.v.ndim == 3, op, "v", "expected shape (B, NH, DV), got ",
-               a.v.defined() ? a.v.shape_str() : "nothing");
+  detail::check_qv_shapes(op, a.q, a.v, "(B, NH, DQK)", "DQK", "(B, NH, DV)", "DV", 3);
   detail::MlstmShape sh;
   sh.B = a.q.shape[0], sh.NH = a.q.shape[1], sh.S = 1, sh.DQK = a.q.shape[2], sh.DV = a.v.shape[2];
-  FW_CHECK_ARG(sh.DQK >= 1 && sh.DV >= 1, op, "q", "DQK and DV must be at least 1");
   const MlstmChecker c{op, a.q, "q"};
   c.io("q", a.q, {sh.B, sh.NH, sh.DQK});
   c.io("k", a.k, {sh.B, sh.NH, sh.DQK});

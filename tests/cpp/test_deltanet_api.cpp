@@ -317,6 +317,37 @@ TEST(DeltanetApi, BackwardRejectsBadInputBeforeWriting) {
   expect_rejected(outs, [&] { run([&](A& a) { a.dq = dq_f64.ref(); }); }, {op, "dq", "float64"});
 }
 
+TEST(DeltanetApi, StepEqualsAOneStepSequenceAndWorksInPlace) {
+  for (bool l2 : {false, true}) {
+    SCOPED_TRACE(l2 ? "l2norm" : "plain");
+    Dn s(DType::f32, {2, 1, 3, 6, 5}, 0, DType::f32);  // T = 1
+    s.l2 = l2;
+    DeltanetFwdArgs f{s.q.ref(), s.k.ref(), s.v.ref(), s.beta.ref(), s.h0.ref(), {}, s.o.ref(), s.ht.ref(),
+                      kDeltanetDefaultScale, l2};
+    deltanet_fwd(f);
+    auto squeeze = [](HostTensor t) {  // (B, 1, H, D) -> (B, H, D)
+      t.shape.erase(t.shape.begin() + 1);
+      t.strides.erase(t.strides.begin() + 1);
+      return t;
+    };
+    HostTensor q = squeeze(s.q), k = squeeze(s.k), v = squeeze(s.v), beta = squeeze(s.beta);
+    HostTensor o = make_host(DType::f32, {2, 3, 5}), st = s.h0, nst = make_host(DType::f32, {2, 3, 6, 5});
+    fill_bytes(o, kPoison), fill_bytes(nst, kPoison);
+    deltanet_step({q.ref(), k.ref(), v.ref(), beta.ref(), st.ref(), o.ref(), nst.ref(), kDeltanetDefaultScale, l2});
+    EXPECT_LT(rel_err(o, squeeze(s.o)), 1e-6);
+    EXPECT_LT(rel_err(nst, s.ht), 1e-6);
+    HostTensor o2 = make_host(DType::f32, {2, 3, 5});
+    deltanet_step({q.ref(), k.ref(), v.ref(), beta.ref(), st.ref(), o2.ref(), st.ref(), kDeltanetDefaultScale, l2});
+    EXPECT_EQ(rel_err(o2, o), 0.0);
+    EXPECT_EQ(rel_err(st, nst), 0.0);  // in place: the same bits
+    HostTensor bad = make_host(DType::f32, {2, 3, 6, 4});
+    fill_bytes(o2, kPoison);
+    expect_rejected({&o2}, [&] {
+      deltanet_step({q.ref(), k.ref(), v.ref(), beta.ref(), bad.ref(), o2.ref(), bad.ref(), kDeltanetDefaultScale, l2});
+    }, {"deltanet_step", "state", "(2, 3, 6, 5)"});
+  }
+}
+
 TEST(DeltanetApi, CudaTensorsGetAClearErrorNotAFallback) {
   Dn s(DType::f32, {1, 4, 1, 4, 4}, 0, DType::f32, {0, 1, 4});
   auto a = s.args();

@@ -283,6 +283,27 @@ def test_against_fla_naive_torch():
 
 
 # ---- errors -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("l2", [False, True])
+def test_step_equals_the_sequence_and_in_place(l2):
+    q, k, v, beta, h0 = make(T=5, dtype=torch.float32)
+    o_seq, ht = fastweight.delta_rule(q, k, v, beta, initial_state=h0, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=l2)
+    st = h0.clone()
+    outs = []
+    for t in range(5):
+        o, st = fastweight.delta_rule_step(q[:, t], k[:, t], v[:, t], beta[:, t], st, use_qk_l2norm_in_kernel=l2)
+        outs.append(o)
+    assert rel_err(torch.stack(outs, 1), o_seq) < 1e-6 and rel_err(st, ht) < 1e-6
+    si = h0.clone()
+    for t in range(5):
+        o, s2 = fastweight.delta_rule_step(q[:, t], k[:, t], v[:, t], beta[:, t], si, use_qk_l2norm_in_kernel=l2,
+                                           inplace=True)
+        assert s2 is si and torch.equal(o, outs[t])
+    assert torch.equal(si, st)
+    with pytest.raises(ValueError, match=r"deltanet_step: state: expected shape"):
+        fastweight.delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], h0[:, :, :-1])
+
+
 def test_bad_input_names_the_argument():
     q, k, v, beta, h0 = make(T=8)
     with pytest.raises(ValueError, match=r"deltanet_fwd: beta: expected shape \(2, 8, 3\)"):
