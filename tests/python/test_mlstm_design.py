@@ -1,4 +1,4 @@
-"""The formulas of the CUDA chunkwise mLSTM backward (src/cuda/mlstm/mlstm_bwd.cu, kernels K0..K4; design:
+"""The formulas of the CUDA chunkwise mLSTM forward (h, final states) and backward (src/cuda/mlstm/mlstm_bwd.cu, kernels K0..K4; design:
 docs/design/mlstm_backward.md), emulated chunk by chunk in float64 torch exactly as the kernels compute
 them (chunk states, row statistics, reverse state-gradient scan, dq / dk / dv / gate terms, the scalar
 correction through m), against full autograd of an independent recurrent implementation. This checks
@@ -26,7 +26,7 @@ def ref(q,k,v,i,f,c0,n0,m0,eps):
 def emu(q,k,v,i,f,c0,n0,m0,eps,L,dh,dcl,dnl,dml):
     # one head at a time
     NH,S,DQK=q.shape; DV=v.shape[-1]; scale=1/math.sqrt(DQK)
-    out={x:[] for x in 'dq dk dv di df dc0 dn0 dm0'.split()}
+    out={x:[] for x in 'h c n m dq dk dv di df dc0 dn0 dm0'.split()}
     for h in range(NH):
         NC=(S+L-1)//L
         # K0 states
@@ -41,6 +41,7 @@ def emu(q,k,v,i,f,c0,n0,m0,eps,L,dh,dcl,dnl,dml):
             C.append(dk_*C[kc]+(w[:,None]*k[h,t0:t0+nn]).T@v[h,t0:t0+nn]); N.append(dk_*N[kc]+(w[:,None]*k[h,t0:t0+nn]).sum(0))
             M.append(float(G+ML))
         # K1 rows
+        hrows=[]
         inv_den=torch.zeros(S, dtype=torch.float64); db=torch.zeros(S, dtype=torch.float64); corr=torch.zeros(S, dtype=torch.float64); eY=torch.zeros(S, dtype=torch.float64)
         for kc in range(NC):
             t0=kc*L; nn=min(L,S-t0); g,a,Mt=gates[kc]; mk=M[kc]
@@ -55,6 +56,7 @@ def emu(q,k,v,i,f,c0,n0,m0,eps,L,dh,dcl,dnl,dml):
             hdot=(si+sa)/den; dden=-hdot/den
             dbv=torch.where(b.abs()>em, dden*torch.sign(b), torch.where(b.abs()<em, 0*dden, 0.5*dden*torch.sign(b)))
             inv_den[t0:t0+nn]=1/den; db[t0:t0+nn]=dbv; corr[t0:t0+nn]=eps*dden; eY[t0:t0+nn]=si/den+scale*e*qn*dbv
+            hrows.append((inter_num+intra_num)/den[:,None])  # the forward's kernel B
         # K2 scan
         dC=[None]*(NC+1); dN=[None]*(NC+1); R=[0.0]*(NC+1)
         dCc=dcl[h].clone(); dNc=dnl[h].clone()
@@ -109,6 +111,8 @@ def emu(q,k,v,i,f,c0,n0,m0,eps,L,dh,dcl,dnl,dml):
             elif A<Bv: di[t]+=d; d=0.0
             else: dlf[t]+=0.5*d; di[t]+=0.5*d; d*=0.5
         dm0+=d
+        out['h'].append(torch.cat(hrows, 0) if hrows else torch.zeros(0, DV, dtype=torch.float64))
+        out['c'].append(C[NC]); out['n'].append(N[NC]); out['m'].append(torch.tensor(M[NC], dtype=torch.float64))
         out['dq'].append(dq); out['dk'].append(dk); out['dv'].append(dv); out['di'].append(di)
         out['df'].append(dlf*torch.sigmoid(-f[h])); out['dm0'].append(torch.tensor(dm0, dtype=torch.float64))
     return {k_:torch.stack(v_) for k_,v_ in out.items()}
@@ -129,6 +133,9 @@ def test_kernel_formulas_equal_the_exact_gradient(S, L, iscale, fshift, eps):
     h, c, n, m = ref(*args, eps)
     want = torch.autograd.grad((h * dh).sum() + (c * dcl).sum() + (n * dnl).sum() + (m * dml).sum(), args)
     got = emu(*(x.detach() for x in args), eps, L, dh, dcl, dnl, dml)
+    for name, w in (("h", h), ("c", c), ("n", n), ("m", m)):  # the forward kernels' formulas too
+        w = w.detach()
+        assert float((got[name] - w).norm() / max(float(w.norm()), 1e-300)) < 1e-12, name
     for name, w in zip("dq dk dv di df dc0 dn0 dm0".split(), want):
         err = float((got[name] - w).norm() / max(float(w.norm()), 1e-300))
         assert err < 1e-11, (name, err)
