@@ -22,44 +22,18 @@ gradients are not compared here; tests/python/test_mlstm.py checks fastweight ag
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import Ctx, measure, report, run_case  # noqa: E402
 
 SHAPES = [(2, 16, 8192, 128, 128), (1, 8, 8192, 256, 512), (8, 16, 8192, 128, 256), (4, 16, 4096, 128, 128),
           (2, 16, 1000, 128, 128), (2, 16, 4097, 128, 128)]
 QUICK = [(2, 16, 8192, 128, 128), (2, 16, 1000, 128, 128)]
 DRY = [(1, 2, 64, 16, 16), (1, 2, 37, 16, 8)]
 PROVIDERS = ["fastweight", "xl_chunk", "limit_chunk", "parallel", "native", "sdpa"]
-
-
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
-
-
-def short(e: BaseException, n: int = 140) -> str:
-    s = " ".join(f"{type(e).__name__}: {e}".split())
-    return s if len(s) <= n else s[: n - 3] + "..."
-
-
-def import_fastweight():
-    try:
-        import fastweight
-        return fastweight
-    except ImportError:
-        for b in sorted((REPO / "build").glob("*/python")):
-            sys.path.insert(0, str(b))
-            try:
-                import fastweight
-                return fastweight
-            except ImportError:
-                sys.path.remove(str(b))
-    raise ImportError("fastweight is not importable (build the Python module or set PYTHONPATH)")
 
 
 def make_call(name, fw, chunk):
@@ -78,96 +52,29 @@ def make_call(name, fw, chunk):
     return lambda q, k, v, i, f: kern(q, k, v, i, f, chunk_size=chunk if name != "xl_chunk" else 128)
 
 
-def timed(fn, cuda: bool, reps: int) -> float:
-    import torch
-    for _ in range(3):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
-    else:
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--dry-cpu", action="store_true")
-    ap.add_argument("--providers", default="")
-    ap.add_argument("--chunk", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--out", default=str(REPO / "bench" / "out"))
-    a = ap.parse_args()
-    import torch
-    fw = import_fastweight()
-    cuda = not a.dry_cpu
-    if cuda and not torch.cuda.is_available():
-        log("no CUDA device: use --dry-cpu")
-        return 2
-    dev = "cuda" if cuda else "cpu"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    shapes = DRY if a.dry_cpu else QUICK if a.quick else SHAPES
-    wanted = [p.strip() for p in a.providers.split(",") if p.strip()] or PROVIDERS
-    rows = []
-    for (B, NH, S, DQK, DV) in shapes:
-        g = torch.Generator(device="cpu").manual_seed(0)
-        mk = lambda *s: torch.randn(*s, generator=g).to(dev, dtype)  # noqa: E731
+    c = Ctx(__doc__, SHAPES, QUICK, DRY, PROVIDERS)
+    torch = c.torch
+    for (B, NH, S, DQK, DV) in c.shapes:
+        _, mk = c.maker()
         q, k, v = mk(B, NH, S, DQK), mk(B, NH, S, DQK), mk(B, NH, S, DV)
         i, f = mk(B, NH, S), (mk(B, NH, S) + 3.0)
-        ref_h = None
-        for name in wanted:
-            row = dict(shape=f"{B},{NH},{S},{DQK},{DV}", provider=name, dtype=str(dtype).replace("torch.", ""))
-            try:
-                call = make_call(name, fw, a.chunk)
+        ref = {}
+        for name in c.wanted:
+            def body(row, name=name):
+                call = make_call(name, c.fw, c.a.chunk)
                 with torch.no_grad():
                     h = call(q, k, v, i, f)
-                    row["fwd_ms"] = timed(lambda: call(q, k, v, i, f), cuda, a.reps)
                 if name == "fastweight":
-                    ref_h = h.float()
-                elif ref_h is not None and name != "sdpa":
-                    row["err"] = float((h.float() - ref_h).norm() / ref_h.norm())
+                    ref["h"] = h.float()
+                elif "h" in ref and name != "sdpa":
+                    row["err"] = float((h.float() - ref["h"]).norm() / ref["h"].norm())
                 args = [t.detach().clone().requires_grad_() for t in (q, k, v, i, f)]
                 dh = torch.randn_like(h)
-
-                def fb():
-                    out = call(*args)
-                    torch.autograd.backward(out, dh)
-                if cuda:
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    fb()
-                    torch.cuda.synchronize()
-                    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                row["fwdbwd_ms"] = timed(fb, cuda, a.reps)
-            except Exception as e:  # noqa: BLE001
-                row["na"] = short(e)
-            rows.append(row)
-            log(row)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_mlstm.json").write_text(json.dumps(dict(device=dev, rows=rows), indent=1))
-    print(f"| shape (B,NH,S,DQK,DV) | provider | fwd ms | fwd+bwd ms | peak GiB | h err vs fastweight |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        if "na" in r:
-            print(f"| {r['shape']} | {r['provider']} | n/a ({r['na']}) | | | |")
-            continue
-        pk = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"
-        err = f"{r['err']:.1e}" if "err" in r else "-"
-        print(f"| {r['shape']} | {r['provider']} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | {pk} | {err} |")
+                measure(row, torch, c.cuda, c.a.reps, lambda: call(q, k, v, i, f),
+                        lambda: torch.autograd.backward(call(*args), dh))
+            run_case(c.rows, c.row(f"{B},{NH},{S},{DQK},{DV}", name), body)
+    report(c.rows, c.a.out, "bench_mlstm", c.dev, "shape (B,NH,S,DQK,DV)", "h err vs fastweight")
     return 0
 
 

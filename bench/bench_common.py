@@ -1,0 +1,155 @@
+"""bench_common.py: helpers shared by the Python side-by-side benchmarks (bench_mlstm.py,
+bench_deltanet.py): finding the fastweight build, logging, timing."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def short(e: BaseException, n: int = 140) -> str:
+    s = " ".join(f"{type(e).__name__}: {e}".split())
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def import_fastweight():
+    """fastweight as installed / on PYTHONPATH, else from a build tree's python/."""
+    try:
+        import fastweight
+        return fastweight
+    except ImportError:
+        for b in sorted((REPO / "build").glob("*/python")):
+            sys.path.insert(0, str(b))
+            try:
+                import fastweight
+                return fastweight
+            except ImportError:
+                sys.path.remove(str(b))
+    raise ImportError("fastweight is not importable (build the Python module or set PYTHONPATH)")
+
+
+def timed(fn, cuda: bool, reps: int) -> float:
+    import torch
+    for _ in range(3):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+    else:
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def import_fla(module: str):
+    """An FLA submodule (e.g. "fla.ops.delta_rule"). fla/__init__ also imports fla.models (hence
+    transformers); when that fails, retry with a bare 'fla' package so that only the submodule loads."""
+    import importlib
+    import importlib.util
+    import types
+    try:
+        return importlib.import_module(module)
+    except Exception as first:  # noqa: BLE001
+        for m in [k for k in sys.modules if k == "fla" or k.startswith("fla.")]:
+            del sys.modules[m]
+        spec = importlib.util.find_spec("fla")
+        if spec is None or not spec.submodule_search_locations:
+            raise first
+        pkg = types.ModuleType("fla")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        sys.modules["fla"] = pkg
+        return importlib.import_module(module)
+
+
+class Ctx:
+    """What a side-by-side script needs: options, torch, device and dtype, fastweight, the shapes and
+    providers of this run, and a seeded random-tensor maker."""
+
+    def __init__(self, doc: str, shapes, quick, dry, providers, argv=None):
+        import argparse
+        ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        ap.add_argument("--quick", action="store_true")
+        ap.add_argument("--dry-cpu", action="store_true", help="tiny shapes on the CPU: checks the script's logic")
+        ap.add_argument("--providers", default="")
+        ap.add_argument("--chunk", type=int, default=64)
+        ap.add_argument("--reps", type=int, default=10)
+        ap.add_argument("--out", default=str(REPO / "bench" / "out"))
+        self.a = ap.parse_args(argv)
+        import torch
+        self.torch = torch
+        self.cuda = not self.a.dry_cpu
+        if self.cuda and not torch.cuda.is_available():
+            log("no CUDA device: use --dry-cpu")
+            sys.exit(2)
+        self.dev = "cuda" if self.cuda else "cpu"
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.fw = import_fastweight()
+        self.shapes = dry if self.a.dry_cpu else quick if self.a.quick else shapes
+        self.wanted = [p.strip() for p in self.a.providers.split(",") if p.strip()] or providers
+        self.rows = []
+
+    def maker(self):
+        """(generator, mk): mk(*shape) is a fresh normal tensor in the run's device and dtype."""
+        g = self.torch.Generator(device="cpu").manual_seed(0)
+        return g, (lambda *s: self.torch.randn(*s, generator=g).to(self.dev, self.dtype))
+
+    def row(self, shape: str, provider: str) -> dict:
+        return dict(shape=shape, provider=provider, dtype=str(self.dtype).replace("torch.", ""))
+
+
+def measure(row: dict, torch, cuda: bool, reps: int, fwd, fwdbwd) -> None:
+    """Fills row with fwd_ms (no grad), peak_gib (one fwd+bwd, GPU) and fwdbwd_ms."""
+    with torch.no_grad():
+        row["fwd_ms"] = timed(fwd, cuda, reps)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        fwdbwd()
+        torch.cuda.synchronize()
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    row["fwdbwd_ms"] = timed(fwdbwd, cuda, reps)
+
+
+def report(rows: list, out: str, name: str, device: str, shape_head: str, err_head: str) -> None:
+    """Writes <out>/<name>.json and prints the markdown table."""
+    import json
+    o = Path(out)
+    o.mkdir(parents=True, exist_ok=True)
+    (o / f"{name}.json").write_text(json.dumps(dict(device=device, rows=rows), indent=1))
+    print(f"| {shape_head} | provider | fwd ms | fwd+bwd ms | peak GiB | {err_head} |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if "na" in r:
+            print(f"| {r['shape']} | {r['provider']} | n/a ({r['na']}) | | | |")
+            continue
+        pk = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"
+        err = f"{r['err']:.1e}" if "err" in r else "-"
+        print(f"| {r['shape']} | {r['provider']} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | {pk} | {err} |")
+
+
+def run_case(rows: list, row: dict, body) -> None:
+    """body(row) fills row; a failure becomes row["na"] (the reason) and the run goes on."""
+    try:
+        body(row)
+    except Exception as e:  # noqa: BLE001
+        row["na"] = short(e)
+    rows.append(row)
+    log(row)
