@@ -25,62 +25,20 @@
 #include <string>
 #include <vector>
 
+#include "ref_util.h"
 #include "reference/deltanet_ref.h"
 
 namespace {
 
 using namespace fastweight::detail;
-using Vec = std::vector<double>;
+using namespace fwref;
 using I64 = std::int64_t;
-
-double rel_err(const Vec& a, const Vec& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double num = 0.0, den = 0.0;
-  for (std::size_t x = 0; x < a.size(); ++x) {
-    num += (a[x] - b[x]) * (a[x] - b[x]);
-    den += b[x] * b[x];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
-double dot(const Vec& a, const Vec& b) {
-  double s = 0.0;
-  for (std::size_t x = 0; x < a.size(); ++x) s += a[x] * b[x];
-  return s;
-}
-
-bool all_finite(const Vec& a) {
-  return std::all_of(a.begin(), a.end(), [](double x) { return std::isfinite(x); });
-}
-
-Vec randn(std::size_t n, std::mt19937_64& rng, double sd = 1.0) {
-  std::normal_distribution<double> d(0.0, sd);
-  Vec v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
 
 Vec uniform(std::size_t n, std::mt19937_64& rng, double lo, double hi) {
   std::uniform_real_distribution<double> d(lo, hi);
   Vec v(n);
   for (auto& x : v) x = d(rng);
   return v;
-}
-
-// central differences of loss() with respect to every entry of x
-template <class F>
-Vec central_diff(Vec& x, F&& loss, double h = 1e-6) {
-  Vec g(x.size());
-  for (std::size_t e = 0; e < x.size(); ++e) {
-    const double v = x[e];
-    x[e] = v + h;
-    const double lp = loss();
-    x[e] = v - h;
-    const double lm = loss();
-    x[e] = v;
-    g[e] = (lp - lm) / (2 * h);
-  }
-  return g;
 }
 
 // One problem, owned: inputs, initial state, loss weights do, dht, and the options.
@@ -107,7 +65,7 @@ Problem make_problem(I64 B, I64 T, I64 H, I64 K, I64 V, bool l2, std::uint64_t s
   p.B = B, p.T = T, p.H = H, p.K = K, p.V = V, p.cu = std::move(cu);
   p.opt.use_qk_l2norm_in_kernel = l2;
   const std::size_t rows = B * T * H, states = p.N() * H * K * V;
-  p.q = randn(rows * K, rng), p.k = randn(rows * K, rng, l2 ? 1.0 : 1.0 / std::sqrt(double(K)));
+  p.q = randn(rows * K, rng), p.k = randn(rows * K, rng, 0.0, l2 ? 1.0 : 1.0 / std::sqrt(double(K)));
   p.v = randn(rows * V, rng), p.beta = uniform(rows, rng, 0.0, 1.0);
   p.h0 = randn(states, rng), p.dht = randn(states, rng), p.dout = randn(rows * V, rng);
   return p;
@@ -416,33 +374,8 @@ TEST(DeltanetVarlen, EqualLengthsEqualBatched) {
 }
 
 // ---- 5. golden file ---------------------------------------------------------------------------------
-struct Golden {
-  std::vector<I64> shape;
-  Vec v;
-};
-
-std::map<std::string, Golden> load_golden() {
-  std::map<std::string, Golden> m;
-  std::ifstream in(FW_GOLDEN_DIR "/deltanet.txt");
-  EXPECT_TRUE(in.good()) << "cannot open " FW_GOLDEN_DIR "/deltanet.txt";
-  std::string line;
-  while (std::getline(in, line)) {
-    std::istringstream is(line);
-    std::string name, tok;
-    int nd = 0;
-    is >> name >> nd;
-    Golden g;
-    g.shape.resize(nd);
-    I64 numel = 1;
-    for (auto& s : g.shape) { is >> s; numel *= s; }
-    while (is >> tok) g.v.push_back(std::strtod(tok.c_str(), nullptr));
-    EXPECT_EQ(I64(g.v.size()), numel) << name;
-    m[name] = std::move(g);
-  }
-  return m;
-}
 const std::map<std::string, Golden>& golden() {
-  static const auto g = load_golden();
+  static const auto g = load_golden(FW_GOLDEN_DIR "/deltanet.txt");
   return g;
 }
 

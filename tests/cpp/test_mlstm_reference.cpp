@@ -22,61 +22,13 @@
 #include <string>
 #include <vector>
 
+#include "ref_util.h"
 #include "reference/mlstm_ref.h"
 
 namespace {
 
 using namespace fastweight::detail;
-using Vec = std::vector<double>;
-
-struct Golden {
-  std::vector<std::int64_t> shape;
-  Vec v;
-};
-
-std::map<std::string, Golden> load_golden() {
-  std::map<std::string, Golden> m;
-  std::ifstream in(FW_GOLDEN_DIR "/mlstm.txt");
-  EXPECT_TRUE(in.good()) << "cannot open " FW_GOLDEN_DIR "/mlstm.txt";
-  std::string line;
-  while (std::getline(in, line)) {
-    std::istringstream is(line);
-    std::string name, tok;
-    int nd = 0;
-    is >> name >> nd;
-    Golden g;
-    g.shape.resize(nd);
-    std::int64_t numel = 1;
-    for (auto& s : g.shape) { is >> s; numel *= s; }
-    while (is >> tok) g.v.push_back(std::strtod(tok.c_str(), nullptr));  // strtod reads "-inf"
-    EXPECT_EQ(std::int64_t(g.v.size()), numel) << name;
-    m[name] = std::move(g);
-  }
-  return m;
-}
-
-double rel_err(const Vec& a, const Vec& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double num = 0.0, den = 0.0;
-  for (std::size_t x = 0; x < a.size(); ++x) {
-    num += (a[x] - b[x]) * (a[x] - b[x]);
-    den += b[x] * b[x];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
-bool all_finite(const Vec& a) {
-  for (double x : a)
-    if (!std::isfinite(x)) return false;
-  return true;
-}
-
-Vec randn(std::size_t n, std::mt19937_64& rng, double mean = 0.0, double sd = 1.0) {
-  std::normal_distribution<double> d(mean, sd);
-  Vec v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using namespace fwref;
 
 // One problem's inputs, owned.
 struct Problem {
@@ -110,31 +62,9 @@ Problem make_problem(MlstmShape sh, std::uint64_t seed, Gates gates) {
   return p;
 }
 
-double dot(const Vec& a, const Vec& b) {
-  double s = 0.0;
-  for (std::size_t x = 0; x < a.size(); ++x) s += a[x] * b[x];
-  return s;
-}
-
-// central differences of loss() with respect to every entry of x
-template <class F>
-Vec central_diff(Vec& x, F&& loss, double h = 1e-6) {
-  Vec g(x.size());
-  for (std::size_t e = 0; e < x.size(); ++e) {
-    const double v = x[e];
-    x[e] = v + h;
-    const double lp = loss();
-    x[e] = v - h;
-    const double lm = loss();
-    x[e] = v;
-    g[e] = (lp - lm) / (2 * h);
-  }
-  return g;
-}
-
 // ---- 1. golden file -----------------------------------------------------------------------------
 const std::map<std::string, Golden>& golden() {
-  static const auto g = load_golden();
+  static const auto g = load_golden(FW_GOLDEN_DIR "/mlstm.txt");
   return g;
 }
 
