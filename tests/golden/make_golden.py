@@ -7,19 +7,13 @@ implementation of shared/MATH.md §1 (plain torch ops, no fastweight code), on s
 File format, one tensor per line: `<case>.<name> <ndim> <d0> ... <v0> <v1> ...` (values %.17g).
 tests/cpp/test_norm_reference.cpp reads it and checks the CPU reference against it.
 """
-import pathlib
-
 import torch
+from golden_io import GoldenWriter
 
 torch.manual_seed(20261122)
 f64 = torch.float64
-out = []
-
-
-def put(case, name, t):
-    t = t.detach().to(f64).contiguous()
-    vals = " ".join(f"{v:.17g}" for v in t.flatten().tolist())
-    out.append(f"{case}.{name} {t.dim()} {' '.join(str(s) for s in t.shape)} {vals}")
+golden = GoldenWriter()
+put = golden.put
 
 
 def normalize(x, eps, rms=False):
@@ -59,6 +53,4 @@ case("headnorm", torch.randn(2, 3, 4, 16), {"weight": 0.1 * torch.randn(4, 16), 
 case("adalayernorm", torch.randn(2, 6, 24) * 2, {"scale": torch.randn(2, 1, 24), "shift": torch.randn(2, 1, 24)},
      lambda x, p, eps: normalize(x, eps)[0] * p["scale"] + p["shift"], 1e-5)
 
-path = pathlib.Path(__file__).with_name("norms.txt")
-path.write_text("\n".join(out) + "\n")
-print(f"wrote {path} ({len(out)} tensors)")
+golden.write(__file__, "norms.txt")

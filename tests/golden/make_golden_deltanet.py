@@ -20,19 +20,13 @@ dq, dk, dv, dbeta, dh0 of sum(do * o) + sum(dht * ht); `scale` (the value used),
 The loop is asserted equal to the product form S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
 (seed 002's scan) before anything is written.
 """
-import pathlib
-
 import torch
+from golden_io import GoldenWriter
 
 torch.manual_seed(20261123)
 f64 = torch.float64
-out = []
-
-
-def put(case, name, t):
-    t = t.detach().to(f64).contiguous()
-    vals = " ".join(f"{v:.17g}" for v in t.flatten().tolist())
-    out.append(f"{case}.{name} {t.dim()} {' '.join(str(s) for s in t.shape)} {vals}")
+golden = GoldenWriter()
+put = golden.put
 
 
 def l2norm(x):
@@ -110,6 +104,4 @@ case("varlen", 1, 19, 2, 5, 3, l2=True, cu=[0, 4, 4, 11, 12, 12, 19])
 # longer than FLA's chunk of 64 (a tail of 6), with the norm
 case("long", 1, 70, 2, 8, 6, l2=True)
 
-path = pathlib.Path(__file__).with_name("deltanet.txt")
-path.write_text("\n".join(out) + "\n")
-print(f"wrote {path} ({len(out)} tensors, {path.stat().st_size} bytes)")
+golden.write(__file__, "deltanet.txt")

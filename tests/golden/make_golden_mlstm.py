@@ -21,19 +21,13 @@ states (dcS, dnS, dmS); `out` is h (chunk) or headnorm(h) (headnorm), `dout` its
 gradients are of sum(dout * out) + sum(dcS * cS) + sum(dnS * nS) + sum(dmS * mS).
 """
 import math
-import pathlib
-
 import torch
+from golden_io import GoldenWriter
 
 torch.manual_seed(20261122)
 f64 = torch.float64
-out = []
-
-
-def put(case, name, t):
-    t = t.detach().to(f64).contiguous()
-    vals = " ".join(f"{v:.17g}" for v in t.flatten().tolist())
-    out.append(f"{case}.{name} {t.dim()} {' '.join(str(s) for s in t.shape)} {vals}")
+golden = GoldenWriter()
+put = golden.put
 
 
 def decay_matrix(i, f):
@@ -191,6 +185,4 @@ chunk_case("chunk", 2, 2, 13, 5, 3, 0.1, 4, igate_shift=-1.0)
 # head-norm fused: out = headnorm(chunkwise h), weight_offset = 1 (xLSTM), chunks of 3 over S = 7
 chunk_case("headnorm", 2, 2, 7, 4, 6, 1e-6, 3, norm=(1e-5, 1.0))
 
-path = pathlib.Path(__file__).with_name("mlstm.txt")
-path.write_text("\n".join(out) + "\n")
-print(f"wrote {path} ({len(out)} tensors, {path.stat().st_size} bytes)")
+golden.write(__file__, "mlstm.txt")
