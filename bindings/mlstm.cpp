@@ -18,9 +18,10 @@ void set_sequence_inputs(Args& a, const char* op, const In& q, const In& k, cons
   a.m_initial = to_ref(m_initial, op, "m_initial");
 }
 
-void mlstm_fwd(const In& q, const In& k, const In& v, const In& i, const In& f, const OptIn& c_initial,
-               const OptIn& n_initial, const OptIn& m_initial, const Out& h, const OptOut& c_last,
-               const OptOut& n_last, const OptOut& m_last, double eps, std::int64_t chunk_size, std::uintptr_t stream) {
+fastweight::MlstmFwdArgs fwd_args(const In& q, const In& k, const In& v, const In& i, const In& f,
+                                  const OptIn& c_initial, const OptIn& n_initial, const OptIn& m_initial, const Out& h,
+                                  const OptOut& c_last, const OptOut& n_last, const OptOut& m_last, double eps,
+                                  std::int64_t chunk_size) {
   const char* op = "mlstm_fwd";
   fastweight::MlstmFwdArgs a;
   set_sequence_inputs(a, op, q, k, v, i, f, c_initial, n_initial, m_initial);
@@ -28,8 +29,26 @@ void mlstm_fwd(const In& q, const In& k, const In& v, const In& i, const In& f, 
   a.c_last = to_ref(c_last, op, "c_last"), a.n_last = to_ref(n_last, op, "n_last"), a.m_last = to_ref(m_last, op, "m_last");
   a.eps = eps;
   a.chunk_size = chunk_size;
+  return a;
+}
+
+std::size_t mlstm_fwd_workspace_size(const In& q, const In& k, const In& v, const In& i, const In& f,
+                                     const OptIn& c_initial, const OptIn& n_initial, const OptIn& m_initial,
+                                     const Out& h, const OptOut& c_last, const OptOut& n_last, const OptOut& m_last,
+                                     double eps, std::int64_t chunk_size) {
+  const auto a = fwd_args(q, k, v, i, f, c_initial, n_initial, m_initial, h, c_last, n_last, m_last, eps, chunk_size);
   nb::gil_scoped_release release;
-  fastweight::mlstm_fwd(a, to_stream(stream));
+  return fastweight::mlstm_fwd_workspace_size(a);
+}
+
+void mlstm_fwd(const In& q, const In& k, const In& v, const In& i, const In& f, const OptIn& c_initial,
+               const OptIn& n_initial, const OptIn& m_initial, const Out& h, const OptOut& c_last,
+               const OptOut& n_last, const OptOut& m_last, double eps, std::int64_t chunk_size,
+               const OptWorkspace& workspace, std::uintptr_t stream) {
+  const auto a = fwd_args(q, k, v, i, f, c_initial, n_initial, m_initial, h, c_last, n_last, m_last, eps, chunk_size);
+  const Workspace ws = to_workspace(workspace, a.q, "mlstm_fwd");
+  nb::gil_scoped_release release;
+  fastweight::mlstm_fwd(a, ws.data, ws.bytes, to_stream(stream));
 }
 
 void mlstm_bwd(const In& q, const In& k, const In& v, const In& i, const In& f, const OptIn& c_initial,
@@ -74,21 +93,36 @@ void decay_fwd(const In& i, const In& f, const Out& D, std::uintptr_t stream) {
   fastweight::mlstm_decay_matrix_fwd(a, to_stream(stream));
 }
 
-void decay_bwd(const In& f, const In& dD, const OptOut& di, const OptOut& df, std::uintptr_t stream) {
+std::size_t decay_bwd_workspace_size(const In& f, const In& dD, const OptOut& di, const OptOut& df) {
   const char* op = "mlstm_decay_matrix_bwd";
   fastweight::MlstmDecayMatrixBwdArgs a{to_ref(f, op, "f"), to_ref(dD, op, "dD"), to_ref(di, op, "di"),
                                         to_ref(df, op, "df")};
   nb::gil_scoped_release release;
-  fastweight::mlstm_decay_matrix_bwd(a, to_stream(stream));
+  return fastweight::mlstm_decay_matrix_bwd_workspace_size(a);
+}
+
+void decay_bwd(const In& f, const In& dD, const OptOut& di, const OptOut& df, const OptWorkspace& workspace,
+               std::uintptr_t stream) {
+  const char* op = "mlstm_decay_matrix_bwd";
+  fastweight::MlstmDecayMatrixBwdArgs a{to_ref(f, op, "f"), to_ref(dD, op, "dD"), to_ref(di, op, "di"),
+                                        to_ref(df, op, "df")};
+  const Workspace ws = to_workspace(workspace, a.f, op);
+  nb::gil_scoped_release release;
+  fastweight::mlstm_decay_matrix_bwd(a, ws.data, ws.bytes, to_stream(stream));
 }
 
 }  // namespace
 
 void bind_mlstm(nb::module_& m) {
   const auto none = nb::none();
+  m.def("mlstm_fwd_workspace_size", &mlstm_fwd_workspace_size, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a,
+        "c_initial"_a.none() = none, "n_initial"_a.none() = none, "m_initial"_a.none() = none, "h"_a,
+        "c_last"_a.none() = none, "n_last"_a.none() = none, "m_last"_a.none() = none, "eps"_a = 1e-6,
+        "chunk_size"_a = 64, "Bytes of workspace mlstm_fwd needs for these arguments (0 on the CPU).");
   m.def("mlstm_fwd", &mlstm_fwd, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "c_initial"_a.none() = none,
         "n_initial"_a.none() = none, "m_initial"_a.none() = none, "h"_a, "c_last"_a.none() = none,
-        "n_last"_a.none() = none, "m_last"_a.none() = none, "eps"_a = 1e-6, "chunk_size"_a = 64, "stream"_a = 0,
+        "n_last"_a.none() = none, "m_last"_a.none() = none, "eps"_a = 1e-6, "chunk_size"_a = 64,
+        "workspace"_a.none() = none, "stream"_a = 0,
         "mLSTM forward (chunkwise): writes h (B, NH, S, DV) and, when given, the final states.");
   m.def("mlstm_bwd", &mlstm_bwd, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "c_initial"_a.none() = none,
         "n_initial"_a.none() = none, "m_initial"_a.none() = none, "dh"_a, "dc_last"_a.none() = none,
@@ -101,6 +135,8 @@ void bind_mlstm(nb::module_& m) {
         "One decoding step; c_new/n_new/m_new may be c/n/m (in place).");
   m.def("mlstm_decay_matrix_fwd", &decay_fwd, "i"_a, "f"_a, "D"_a, "stream"_a = 0,
         "D[t, s] = F_t - F_s + i_s (s <= t), -inf above the diagonal.");
+  m.def("mlstm_decay_matrix_bwd_workspace_size", &decay_bwd_workspace_size, "f"_a, "dD"_a, "di"_a.none() = none,
+        "df"_a.none() = none);
   m.def("mlstm_decay_matrix_bwd", &decay_bwd, "f"_a, "dD"_a, "di"_a.none() = none, "df"_a.none() = none,
-        "stream"_a = 0);
+        "workspace"_a.none() = none, "stream"_a = 0);
 }

@@ -15,11 +15,12 @@
 // float32 (float64 on the CPU). Every tensor needs a contiguous last dimension; other strides are
 // free. Optional tensors are absent TensorRefs; the three states come all together or not at all.
 // Every argument is validated before anything is written: bad input throws ArgumentError naming
-// the op and the argument. CPU tensors run the float64 reference (src/reference/mlstm_ref.h).
-// CUDA kernels are issue 3's next step: today a CUDA tensor gets a clear Error, never a silent
-// fallback.
+// the op and the argument. CPU tensors run the float64 reference (src/reference/mlstm_ref.h); CUDA
+// tensors run the kernels of src/cuda/mlstm (forward, step, decay matrix; the backward's kernels are
+// next: mlstm_bwd on CUDA tensors gets a clear Error, never a silent fallback).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "fastweight/error.h"
@@ -69,10 +70,19 @@ struct MlstmDecayMatrixBwdArgs {
   TensorRef f, dD, di, df;
 };
 
+// Ops that need scratch memory on the GPU take it from the caller (CUTLASS style):
+// `<op>_workspace_size(args)` bytes (0 on the CPU), then `<op>(args, workspace, bytes, stream)`. The
+// forward's workspace holds the fp32 state entering every chunk: B*NH*(S/L+1)*(DQK*DV+DQK+1) floats.
+// The two-argument forms are for calls that need no workspace (CPU tensors).
+std::size_t mlstm_fwd_workspace_size(const MlstmFwdArgs& args);
+void mlstm_fwd(const MlstmFwdArgs& args, void* workspace, std::size_t workspace_bytes, Stream stream = nullptr);
 void mlstm_fwd(const MlstmFwdArgs& args, Stream stream = nullptr);
 void mlstm_bwd(const MlstmBwdArgs& args, Stream stream = nullptr);
 void mlstm_step(const MlstmStepArgs& args, Stream stream = nullptr);
 void mlstm_decay_matrix_fwd(const MlstmDecayMatrixFwdArgs& args, Stream stream = nullptr);
+std::size_t mlstm_decay_matrix_bwd_workspace_size(const MlstmDecayMatrixBwdArgs& args);
+void mlstm_decay_matrix_bwd(const MlstmDecayMatrixBwdArgs& args, void* workspace, std::size_t workspace_bytes,
+                            Stream stream = nullptr);
 void mlstm_decay_matrix_bwd(const MlstmDecayMatrixBwdArgs& args, Stream stream = nullptr);
 
 }  // namespace fastweight

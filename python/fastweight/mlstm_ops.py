@@ -12,8 +12,9 @@ preactivations; states c (B, NH, DQK, DV), n (B, NH, DQK), m (B, NH, 1), float32
 
 Everything is differentiable (q, k, v, i, f and the initial states; the last states too), and the
 gradient is exact: the normaliser's gradient is kept (mlstm_kernels drops it). Custom ops with fake
-kernels: ``torch.compile(fullgraph=True)`` works. Today the ops run on CPU tensors (the float64
-reference behind the C++ API); CUDA tensors raise a RuntimeError until the kernels of issue 3 land.
+kernels: ``torch.compile(fullgraph=True)`` works. CPU tensors run the float64 reference behind the
+C++ API; CUDA tensors run the CUDA kernels for the forward, the step and the decay matrix; the
+backward of ``mlstm`` on CUDA tensors raises a RuntimeError until its kernels land (issue 3).
 """
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ _F32 = torch.float32
 
 def _empty(x: Tensor) -> Tensor:
     return x.new_empty(0)
+
+
+def _workspace(x: Tensor, nbytes: int) -> Optional[Tensor]:
+    """Scratch for a _C call from torch's caching allocator (CUDA-graph safe); None when 0 bytes.
+    The caller keeps the tensor in a local variable for the call and passes _ws_spec of it."""
+    return x.new_empty(nbytes, dtype=torch.uint8) if nbytes > 0 else None
+
+
+def _ws_spec(ws: Optional[Tensor]):
+    return (ws.data_ptr(), ws.numel()) if ws is not None else None
 
 
 def _opt(t: Tensor) -> Optional[Tensor]:
@@ -56,8 +67,10 @@ def _mlstm_fwd(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, c_initial:
         c, n, m = q.new_empty(cs, dtype=_F32), q.new_empty(ns, dtype=_F32), q.new_empty(ms, dtype=_F32)
     else:
         c = n = m = None
-    _C.mlstm_fwd(_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(c_initial), _spec(n_initial),
-                 _spec(m_initial), _spec(h), _spec(c), _spec(n), _spec(m), eps, chunk_size, _stream(q))
+    args = (_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(c_initial), _spec(n_initial), _spec(m_initial),
+            _spec(h), _spec(c), _spec(n), _spec(m), eps, chunk_size)
+    ws = _workspace(q, _C.mlstm_fwd_workspace_size(*args))
+    _C.mlstm_fwd(*args, _ws_spec(ws), _stream(q))
     if not return_last_states:
         c, n, m = _empty(q), _empty(q), _empty(q)  # distinct: outputs must not alias
     return h, c, n, m
@@ -222,7 +235,9 @@ def _(i, f):
 @torch.library.custom_op("fastweight::mlstm_decay_matrix_bwd", mutates_args=())
 def _decay_bwd(f: Tensor, dD: Tensor, i_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     di, df = torch.empty(f.shape, dtype=i_dtype, device=f.device), torch.empty_like(f)
-    _C.mlstm_decay_matrix_bwd(_spec(f), _spec(dD), _spec(di), _spec(df), _stream(f))
+    args = (_spec(f), _spec(dD), _spec(di), _spec(df))
+    ws = _workspace(f, _C.mlstm_decay_matrix_bwd_workspace_size(*args))
+    _C.mlstm_decay_matrix_bwd(*args, _ws_spec(ws), _stream(f))
     return di, df
 
 

@@ -3,6 +3,7 @@
 // contiguous float64 copies (any dtype, any strides), CUDA -> not built yet (a clear Error).
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "api/check.h"
@@ -10,6 +11,10 @@
 #include "api/mlstm_lower.h"
 #include "fastweight/mlstm.h"
 #include "reference/mlstm_ref.h"
+#if FW_WITH_CUDA
+#include "cuda/mlstm/mlstm_cuda.h"
+#include "cuda/norm/norm_cuda.h"  // DeviceGuard
+#endif
 
 namespace fastweight {
 namespace {
@@ -63,6 +68,15 @@ void check_sequence_inputs(const MlstmChecker& c, const detail::MlstmShape& sh, 
 }
 
 [[noreturn]] void no_cuda_yet(const char* op) { detail::no_cuda_kernels_yet(op, "mLSTM", 3); }
+#if !FW_WITH_CUDA
+[[noreturn]] void no_cuda_build(const char* op) {
+  throw Error(cat(op, ": the tensors are on a CUDA device but this build of fastweight has no CUDA kernels"));
+}
+#endif
+void check_workspace(const char* op, void* ws, std::size_t bytes, std::size_t need) {
+  FW_CHECK_ARG(bytes >= need && (need == 0 || ws != nullptr), op, "workspace", "needs ", need,
+               " bytes (", op, "_workspace_size), got ", bytes, ws ? "" : " (null pointer)");
+}
 
 struct SeqInputs {  // float64 copies of one sequence call's inputs
   Vec q, k, v, i, f, c0, n0, m0;
@@ -125,7 +139,9 @@ MlstmParams lower_mlstm_decay(const TensorRef& i, const TensorRef& f) {
 }  // namespace detail
 
 // ---- forward --------------------------------------------------------------------------------------
-void mlstm_fwd(const MlstmFwdArgs& a, Stream) {
+namespace {
+// Validates a forward call; returns its shape and whether the last states are asked for.
+std::pair<detail::MlstmShape, bool> validate_fwd(const MlstmFwdArgs& a) {
   const char* op = "mlstm_fwd";
   const detail::MlstmShape sh = sequence_shape(op, a.q, a.v);
   const MlstmChecker c{op, a.q, "q"};
@@ -135,8 +151,32 @@ void mlstm_fwd(const MlstmFwdArgs& a, Stream) {
   const bool last = c.states("c_last", "n_last", "m_last", a.c_last, a.n_last, a.m_last, sh);
   c.eps(a.eps);
   c.chunk(a.chunk_size);
-  if (a.q.device == DeviceType::cuda) no_cuda_yet(op);
+  return {sh, last};
+}
+}  // namespace
 
+std::size_t mlstm_fwd_workspace_size(const MlstmFwdArgs& a) {
+  validate_fwd(a);
+#if FW_WITH_CUDA
+  if (a.q.device == DeviceType::cuda) return detail::mlstm_fwd_workspace_bytes(detail::lower_mlstm_fwd(a));
+#endif
+  return 0;
+}
+
+void mlstm_fwd(const MlstmFwdArgs& a, void* workspace, std::size_t workspace_bytes, Stream stream) {
+  const char* op = "mlstm_fwd";
+  const auto [sh, last] = validate_fwd(a);
+  if (a.q.device == DeviceType::cuda) {
+#if FW_WITH_CUDA
+    const detail::MlstmParams p = detail::lower_mlstm_fwd(a);
+    check_workspace(op, workspace, workspace_bytes, detail::mlstm_fwd_workspace_bytes(p));
+    detail::DeviceGuard guard(a.q.device_index);
+    detail::mlstm_fwd_cuda(p, workspace, workspace_bytes, stream);
+    return;
+#else
+    no_cuda_build(op);
+#endif
+  }
   const SeqInputs x = gather_inputs(a.q, a.k, a.v, a.i, a.f, a.c_initial, a.n_initial, a.m_initial);
   Vec h(std::size_t(a.h.numel())), cl, nl, ml;
   if (last) cl.resize(std::size_t(a.c_last.numel())), nl.resize(std::size_t(a.n_last.numel())),
@@ -146,6 +186,8 @@ void mlstm_fwd(const MlstmFwdArgs& a, Stream) {
   detail::scatter_f64(h, a.h);
   if (last) detail::scatter_f64(cl, a.c_last), detail::scatter_f64(nl, a.n_last), detail::scatter_f64(ml, a.m_last);
 }
+
+void mlstm_fwd(const MlstmFwdArgs& a, Stream stream) { mlstm_fwd(a, nullptr, 0, stream); }
 
 // ---- backward -------------------------------------------------------------------------------------
 void mlstm_bwd(const MlstmBwdArgs& a, Stream) {
@@ -190,7 +232,7 @@ void mlstm_bwd(const MlstmBwdArgs& a, Stream) {
 }
 
 // ---- decoding step --------------------------------------------------------------------------------
-void mlstm_step(const MlstmStepArgs& a, Stream) {
+void mlstm_step(const MlstmStepArgs& a, Stream stream) {
   const char* op = "mlstm_step";
   detail::check_qv_shapes(op, a.q, a.v, "(B, NH, DQK)", "DQK", "(B, NH, DV)", "DV", 3);
   detail::MlstmShape sh;
@@ -210,8 +252,15 @@ void mlstm_step(const MlstmStepArgs& a, Stream) {
   FW_CHECK_ARG(c.states("c_new", "n_new", "m_new", a.c_new, a.n_new, a.m_new, sh), op, "c_new",
                "the new states c_new, n_new, m_new are required (they may be c, n, m themselves)");
   c.eps(a.eps);
-  if (a.q.device == DeviceType::cuda) no_cuda_yet(op);
-
+  if (a.q.device == DeviceType::cuda) {
+#if FW_WITH_CUDA
+    detail::DeviceGuard guard(a.q.device_index);
+    detail::mlstm_step_cuda(detail::lower_mlstm_step(a), stream);
+    return;
+#else
+    no_cuda_build(op);
+#endif
+  }
   const Vec q = detail::gather_f64(a.q), k = detail::gather_f64(a.k), v = detail::gather_f64(a.v),
             i = detail::gather_f64(a.i), f = detail::gather_f64(a.f);
   Vec cs = detail::gather_f64(a.c), ns = detail::gather_f64(a.n), ms = detail::gather_f64(a.m);
@@ -223,7 +272,7 @@ void mlstm_step(const MlstmStepArgs& a, Stream) {
 }
 
 // ---- decay matrix -----------------------------------------------------------------------------------
-void mlstm_decay_matrix_fwd(const MlstmDecayMatrixFwdArgs& a, Stream) {
+void mlstm_decay_matrix_fwd(const MlstmDecayMatrixFwdArgs& a, Stream stream) {
   const char* op = "mlstm_decay_matrix_fwd";
   FW_CHECK_ARG(a.i.defined(), op, "i", "is required");
   FW_CHECK_ARG(a.i.ndim == 3, op, "i", "expected shape (B, NH, S), got ", a.i.shape_str());
@@ -234,14 +283,23 @@ void mlstm_decay_matrix_fwd(const MlstmDecayMatrixFwdArgs& a, Stream) {
   c.io("i", a.i, {sh.B, sh.NH, sh.S});
   c.gate("f", a.f, {sh.B, sh.NH, sh.S});
   c.gate("D", a.D, {sh.B, sh.NH, sh.S, sh.S});
-  if (a.i.device == DeviceType::cuda) no_cuda_yet(op);
+  if (a.i.device == DeviceType::cuda) {
+#if FW_WITH_CUDA
+    detail::DeviceGuard guard(a.i.device_index);
+    detail::mlstm_decay_fwd_cuda(detail::lower_mlstm_decay(a.i, a.f), detail::view_of(a.D, 3), stream);
+    return;
+#else
+    no_cuda_build(op);
+#endif
+  }
   const Vec i = detail::gather_f64(a.i), f = detail::gather_f64(a.f);
   Vec D(std::size_t(a.D.numel()));
   detail::mlstm_decay_matrix_fwd(sh, i.data(), f.data(), D.data());
   detail::scatter_f64(D, a.D);
 }
 
-void mlstm_decay_matrix_bwd(const MlstmDecayMatrixBwdArgs& a, Stream) {
+namespace {
+detail::MlstmShape validate_decay_bwd(const MlstmDecayMatrixBwdArgs& a) {
   const char* op = "mlstm_decay_matrix_bwd";
   FW_CHECK_ARG(a.f.defined(), op, "f", "is required");
   FW_CHECK_ARG(a.f.ndim == 3, op, "f", "expected shape (B, NH, S), got ", a.f.shape_str());
@@ -253,11 +311,42 @@ void mlstm_decay_matrix_bwd(const MlstmDecayMatrixBwdArgs& a, Stream) {
   c.gate("dD", a.dD, {sh.B, sh.NH, sh.S, sh.S});
   if (a.di.defined()) c.gate("di", a.di, {sh.B, sh.NH, sh.S});
   if (a.df.defined()) c.gate("df", a.df, {sh.B, sh.NH, sh.S});
-  if (a.f.device == DeviceType::cuda) no_cuda_yet(op);
+  return sh;
+}
+}  // namespace
+
+std::size_t mlstm_decay_matrix_bwd_workspace_size(const MlstmDecayMatrixBwdArgs& a) {
+  validate_decay_bwd(a);
+#if FW_WITH_CUDA
+  if (a.f.device == DeviceType::cuda) return detail::mlstm_decay_bwd_workspace_bytes(detail::lower_mlstm_decay(a.f, a.f));
+#endif
+  return 0;
+}
+
+void mlstm_decay_matrix_bwd(const MlstmDecayMatrixBwdArgs& a, void* workspace, std::size_t workspace_bytes,
+                            Stream stream) {
+  const char* op = "mlstm_decay_matrix_bwd";
+  const detail::MlstmShape sh = validate_decay_bwd(a);
+  if (a.f.device == DeviceType::cuda) {
+#if FW_WITH_CUDA
+    const detail::MlstmParams p = detail::lower_mlstm_decay(a.f, a.f);  // only B, NH, S and f are used
+    check_workspace(op, workspace, workspace_bytes, detail::mlstm_decay_bwd_workspace_bytes(p));
+    detail::DeviceGuard guard(a.f.device_index);
+    detail::mlstm_decay_bwd_cuda(p, detail::view_of(a.dD, 3), detail::view_of(a.di, 2), detail::view_of(a.df, 2),
+                                 workspace, workspace_bytes, stream);
+    return;
+#else
+    no_cuda_build(op);
+#endif
+  }
   const Vec f = detail::gather_f64(a.f), dD = detail::gather_f64(a.dD);
   Vec di(a.di.defined() ? std::size_t(a.di.numel()) : 0), df(a.df.defined() ? std::size_t(a.df.numel()) : 0);
   detail::mlstm_decay_matrix_bwd(sh, f.data(), dD.data(), ptr_or_null(di), ptr_or_null(df));
   detail::scatter_f64(di, a.di), detail::scatter_f64(df, a.df);
+}
+
+void mlstm_decay_matrix_bwd(const MlstmDecayMatrixBwdArgs& a, Stream stream) {
+  mlstm_decay_matrix_bwd(a, nullptr, 0, stream);
 }
 
 }  // namespace fastweight

@@ -200,14 +200,25 @@ TEST(MlstmApi, RejectsBadInputBeforeWriting) {
   }, {"mlstm_fwd", "k", "device"});
 }
 
-TEST(MlstmApi, CudaTensorsGetAClearErrorNotAFallback) {
+TEST(MlstmApi, CudaTensorsWithoutWorkspaceOrKernelAreRefusedBeforeAnything) {
   Seq s(DType::f32, {1, 1, 4, 4, 4}, 0, DType::f32);
   auto a = s.args();
   for (TensorRef* t : {&a.q, &a.k, &a.v, &a.i, &a.f, &a.c_initial, &a.n_initial, &a.m_initial, &a.h, &a.c_last,
                        &a.n_last, &a.m_last})
-    t->device = DeviceType::cuda;  // never dereferenced: validation passes, then the dispatch refuses
-  try {
+    t->device = DeviceType::cuda;  // never dereferenced: the call is refused first
+  try {  // the forward's CUDA path needs its workspace (or, in a CPU-only build, is refused)
     mlstm_fwd(a);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_TRUE(msg.find("workspace") != std::string::npos || msg.find("CUDA") != std::string::npos) << msg;
+  }
+  // the backward has no CUDA kernel yet: a clear error, not a fallback
+  HostTensor dh = make_host(DType::f32, {1, 1, 4, 4});
+  MlstmBwdArgs b;
+  b.q = a.q, b.k = a.k, b.v = a.v, b.i = a.i, b.f = a.f, b.dh = dh.ref(DeviceType::cuda);
+  try {
+    mlstm_bwd(b);
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("CUDA"), std::string::npos) << e.what();

@@ -296,9 +296,64 @@ def test_bad_input_names_the_argument():
         fastweight.mlstm(q, k, v, i, f, c_initial=torch.zeros(2, 3, 8, 5))
 
 
+# ---- CUDA -------------------------------------------------------------------------------------------
 @gpu
 @requires_cuda
-def test_cuda_tensors_raise_until_kernels_land():
-    args = make(S=8, dtype=torch.float32, device="cuda")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("S,chunk", [(1, 64), (100, 64), (1000, 128), (257, 256)])
+def test_cuda_forward_matches_reference(dtype, S, chunk):
+    args = make(B=2, NH=2, S=S, DQK=64, DV=96, dtype=dtype, states=True, device="cuda")
+    h, (c, n, m) = fastweight.mlstm(*args, return_last_states=True, chunk_size=chunk)
+    rh, (rc, rn, rm) = ref_mlstm(*[t.cpu() for t in args])
+    assert h.is_cuda and h.dtype == dtype
+    assert rel_err(h, rh) < (1e-4 if dtype == torch.float32 else 2e-2)
+    for a, b in ((c, rc), (n, rn), (m, rm)):
+        assert rel_err(a, b) < 1e-4
+
+
+@gpu
+@requires_cuda
+def test_cuda_forward_strong_gates_graph_capture_and_determinism():
+    args = make(B=1, NH=2, S=300, DQK=64, DV=64, dtype=torch.float32, device="cuda", strong=True)
+    h1 = fastweight.mlstm(*args, chunk_size=64)
+    h2 = fastweight.mlstm(*args, chunk_size=64)
+    assert torch.equal(h1, h2)
+    assert rel_err(h1, ref_mlstm(*[t.cpu() for t in args])[0]) < 1e-4
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        hg = fastweight.mlstm(*args, chunk_size=64)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(hg, h1)
+
+
+@gpu
+@requires_cuda
+def test_cuda_step_and_decay():
+    q, k, v, i, f, c0, n0, m0 = make(S=4, dtype=torch.float32, states=True, device="cuda")
+    h, (c, n, m) = fastweight.mlstm_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], i[:, :, 0], f[:, :, 0], c0, n0, m0)
+    rh, (rc, rn, rm) = ref_mlstm(*[t[:, :, :1].cpu() for t in (q, k, v, i, f)], c0.cpu(), n0.cpu(), m0.cpu())
+    assert rel_err(h, rh[:, :, 0]) < 1e-5 and rel_err(c, rc) < 1e-5 and rel_err(m, rm) < 1e-6
+    ci, ni, mi = c0.clone(), n0.clone(), m0.clone()
+    hi, _ = fastweight.mlstm_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], i[:, :, 0], f[:, :, 0], ci, ni, mi, inplace=True)
+    assert torch.equal(hi, h) and torch.equal(ci, c) and torch.equal(ni, n) and torch.equal(mi, m)
+    i = torch.randn(2, 3, 70, device="cuda", requires_grad=True)
+    f = torch.randn(2, 3, 70, device="cuda", requires_grad=True)
+    D = fastweight.mlstm_decay_matrix(i, f)
+    ic, fc = i.detach().cpu().double().requires_grad_(), f.detach().cpu().double().requires_grad_()
+    Dc = fastweight.mlstm_decay_matrix(ic, fc)
+    mask = torch.ones(70, 70, dtype=torch.bool).tril()
+    assert rel_err(D[..., mask], Dc[..., mask]) < 1e-6
+    dD = torch.randn(D.shape, device="cuda").masked_fill(~mask.cuda(), 0.0)
+    gi, gf = torch.autograd.grad((D.masked_fill(~mask.cuda(), 0.0) * dD).sum(), (i, f))
+    ri, rf = torch.autograd.grad((Dc.masked_fill(~mask, 0.0) * dD.cpu().double()).sum(), (ic, fc))
+    assert rel_err(gi, ri) < 1e-5 and rel_err(gf, rf) < 1e-5
+
+
+@gpu
+@requires_cuda
+def test_cuda_backward_raises_until_its_kernels_land():
+    args = [t.requires_grad_() for t in make(S=8, dtype=torch.float32, device="cuda")]
+    h = fastweight.mlstm(*args, chunk_size=16)
     with pytest.raises(RuntimeError, match="CUDA kernels are not built yet"):
-        fastweight.mlstm(*args)
+        h.sum().backward()
