@@ -91,9 +91,9 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
         plan.persistent = false;
         plan.L.tpr = tpr_row;
         plan.threads = kSmallCta;
-        const int R = plan.threads / plan.L.tpr;
-        const std::int64_t blocks = std::max<std::int64_t>(1, (J + R - 1) / R);
-        if (blocks * p.groups > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", blocks * p.groups, " CTAs is too large"));
+        const int R = plan.threads / plan.L.tpr;  // rows in memory order over all groups (see the kernel)
+        const std::int64_t blocks = std::max<std::int64_t>(1, (p.rows + R - 1) / R);
+        if (blocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", blocks, " CTAs is too large"));
         plan.L.P = int(blocks);
         return plan;
       }
@@ -152,7 +152,8 @@ template <typename T>
 void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   const RowNormParams p = with_param_alignment<T>(p_in);
   const RowPlan plan = rownorm_plan<T>(p, false);
-  const std::int64_t blocks = std::int64_t(plan.L.P) * p.groups;
+  // the short-row kernel's grid covers all rows (P = CTAs in total), the others P per group
+  const std::int64_t blocks = std::int64_t(plan.L.P) * (plan.cached && !plan.persistent ? 1 : p.groups);
   if (blocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", blocks, " CTAs is too large"));
   const unsigned grid = unsigned(blocks);
   if (plan.cached && !plan.persistent) {
