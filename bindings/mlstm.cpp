@@ -51,11 +51,11 @@ void mlstm_fwd(const In& q, const In& k, const In& v, const In& i, const In& f, 
   fastweight::mlstm_fwd(a, ws.data, ws.bytes, to_stream(stream));
 }
 
-void mlstm_bwd(const In& q, const In& k, const In& v, const In& i, const In& f, const OptIn& c_initial,
+fastweight::MlstmBwdArgs bwd_args(const In& q, const In& k, const In& v, const In& i, const In& f, const OptIn& c_initial,
                const OptIn& n_initial, const OptIn& m_initial, const In& dh, const OptIn& dc_last, const OptIn& dn_last,
                const OptIn& dm_last, const OptOut& dq, const OptOut& dk, const OptOut& dv, const OptOut& di,
                const OptOut& df, const OptOut& dc_initial, const OptOut& dn_initial, const OptOut& dm_initial,
-               double eps, std::int64_t chunk_size, std::uintptr_t stream) {
+               double eps, std::int64_t chunk_size) {
   const char* op = "mlstm_bwd";
   fastweight::MlstmBwdArgs a;
   set_sequence_inputs(a, op, q, k, v, i, f, c_initial, n_initial, m_initial);
@@ -68,8 +68,31 @@ void mlstm_bwd(const In& q, const In& k, const In& v, const In& i, const In& f, 
   a.dm_initial = to_ref(dm_initial, op, "dm_initial");
   a.eps = eps;
   a.chunk_size = chunk_size;
+  return a;
+}
+
+std::size_t mlstm_bwd_workspace_size(const In& q, const In& k, const In& v, const In& i, const In& f,
+                                     const OptIn& c_initial, const OptIn& n_initial, const OptIn& m_initial,
+                                     const In& dh, const OptIn& dc_last, const OptIn& dn_last, const OptIn& dm_last,
+                                     const OptOut& dq, const OptOut& dk, const OptOut& dv, const OptOut& di,
+                                     const OptOut& df, const OptOut& dc_initial, const OptOut& dn_initial,
+                                     const OptOut& dm_initial, double eps, std::int64_t chunk_size) {
+  const auto a = bwd_args(q, k, v, i, f, c_initial, n_initial, m_initial, dh, dc_last, dn_last, dm_last, dq, dk, dv,
+                          di, df, dc_initial, dn_initial, dm_initial, eps, chunk_size);
   nb::gil_scoped_release release;
-  fastweight::mlstm_bwd(a, to_stream(stream));
+  return fastweight::mlstm_bwd_workspace_size(a);
+}
+
+void mlstm_bwd(const In& q, const In& k, const In& v, const In& i, const In& f, const OptIn& c_initial,
+               const OptIn& n_initial, const OptIn& m_initial, const In& dh, const OptIn& dc_last, const OptIn& dn_last,
+               const OptIn& dm_last, const OptOut& dq, const OptOut& dk, const OptOut& dv, const OptOut& di,
+               const OptOut& df, const OptOut& dc_initial, const OptOut& dn_initial, const OptOut& dm_initial,
+               double eps, std::int64_t chunk_size, const OptWorkspace& workspace, std::uintptr_t stream) {
+  const auto a = bwd_args(q, k, v, i, f, c_initial, n_initial, m_initial, dh, dc_last, dn_last, dm_last, dq, dk, dv,
+                          di, df, dc_initial, dn_initial, dm_initial, eps, chunk_size);
+  const Workspace ws = to_workspace(workspace, a.q, "mlstm_bwd");
+  nb::gil_scoped_release release;
+  fastweight::mlstm_bwd(a, ws.data, ws.bytes, to_stream(stream));
 }
 
 void mlstm_step(const In& q, const In& k, const In& v, const In& i, const In& f, const In& c, const In& n, const In& m,
@@ -124,12 +147,19 @@ void bind_mlstm(nb::module_& m) {
         "n_last"_a.none() = none, "m_last"_a.none() = none, "eps"_a = 1e-6, "chunk_size"_a = 64,
         "workspace"_a.none() = none, "stream"_a = 0,
         "mLSTM forward (chunkwise): writes h (B, NH, S, DV) and, when given, the final states.");
+  m.def("mlstm_bwd_workspace_size", &mlstm_bwd_workspace_size, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a,
+        "c_initial"_a.none() = none, "n_initial"_a.none() = none, "m_initial"_a.none() = none, "dh"_a,
+        "dc_last"_a.none() = none, "dn_last"_a.none() = none, "dm_last"_a.none() = none, "dq"_a.none() = none,
+        "dk"_a.none() = none, "dv"_a.none() = none, "di"_a.none() = none, "df"_a.none() = none,
+        "dc_initial"_a.none() = none, "dn_initial"_a.none() = none, "dm_initial"_a.none() = none, "eps"_a = 1e-6,
+        "chunk_size"_a = 64, "Bytes of workspace mlstm_bwd needs for these arguments (0 on the CPU).");
   m.def("mlstm_bwd", &mlstm_bwd, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "c_initial"_a.none() = none,
         "n_initial"_a.none() = none, "m_initial"_a.none() = none, "dh"_a, "dc_last"_a.none() = none,
         "dn_last"_a.none() = none, "dm_last"_a.none() = none, "dq"_a.none() = none, "dk"_a.none() = none,
         "dv"_a.none() = none, "di"_a.none() = none, "df"_a.none() = none, "dc_initial"_a.none() = none,
         "dn_initial"_a.none() = none, "dm_initial"_a.none() = none, "eps"_a = 1e-6, "chunk_size"_a = 64,
-        "stream"_a = 0, "mLSTM backward: the exact gradient (normaliser included); writes the given outputs.");
+        "workspace"_a.none() = none, "stream"_a = 0,
+        "mLSTM backward: the exact gradient (normaliser and stabiliser paths included); writes the given outputs.");
   m.def("mlstm_step", &mlstm_step, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "c"_a, "n"_a, "m"_a, "h"_a, "c_new"_a,
         "n_new"_a, "m_new"_a, "eps"_a = 1e-6, "stream"_a = 0,
         "One decoding step; c_new/n_new/m_new may be c/n/m (in place).");

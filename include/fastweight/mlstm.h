@@ -16,8 +16,7 @@
 // free. Optional tensors are absent TensorRefs; the three states come all together or not at all.
 // Every argument is validated before anything is written: bad input throws ArgumentError naming
 // the op and the argument. CPU tensors run the float64 reference (src/reference/mlstm_ref.h); CUDA
-// tensors run the kernels of src/cuda/mlstm (forward, step, decay matrix; the backward's kernels are
-// next: mlstm_bwd on CUDA tensors gets a clear Error, never a silent fallback).
+// tensors run the kernels of src/cuda/mlstm (forward, backward, step, decay matrix).
 #pragma once
 
 #include <cstddef>
@@ -77,6 +76,8 @@ struct MlstmDecayMatrixBwdArgs {
 std::size_t mlstm_fwd_workspace_size(const MlstmFwdArgs& args);
 void mlstm_fwd(const MlstmFwdArgs& args, void* workspace, std::size_t workspace_bytes, Stream stream = nullptr);
 void mlstm_fwd(const MlstmFwdArgs& args, Stream stream = nullptr);
+std::size_t mlstm_bwd_workspace_size(const MlstmBwdArgs& args);
+void mlstm_bwd(const MlstmBwdArgs& args, void* workspace, std::size_t workspace_bytes, Stream stream = nullptr);
 void mlstm_bwd(const MlstmBwdArgs& args, Stream stream = nullptr);
 void mlstm_step(const MlstmStepArgs& args, Stream stream = nullptr);
 void mlstm_decay_matrix_fwd(const MlstmDecayMatrixFwdArgs& args, Stream stream = nullptr);

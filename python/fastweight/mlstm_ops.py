@@ -13,8 +13,7 @@ preactivations; states c (B, NH, DQK, DV), n (B, NH, DQK), m (B, NH, 1), float32
 Everything is differentiable (q, k, v, i, f and the initial states; the last states too), and the
 gradient is exact: the normaliser's gradient is kept (mlstm_kernels drops it). Custom ops with fake
 kernels: ``torch.compile(fullgraph=True)`` works. CPU tensors run the float64 reference behind the
-C++ API; CUDA tensors run the CUDA kernels for the forward, the step and the decay matrix; the
-backward of ``mlstm`` on CUDA tensors raises a RuntimeError until its kernels land (issue 3).
+C++ API; CUDA tensors run the CUDA kernels (forward, backward, step, decay matrix).
 """
 
 from __future__ import annotations
@@ -96,9 +95,11 @@ def _mlstm_bwd(dh: Tensor, q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor
     dc0 = torch.empty_like(c_initial) if has_init else None
     dn0 = torch.empty_like(n_initial) if has_init else None
     dm0 = torch.empty_like(m_initial) if has_init else None
-    _C.mlstm_bwd(_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(c_initial), _spec(n_initial),
-                 _spec(m_initial), _spec(dh), _spec(dc_last), _spec(dn_last), _spec(dm_last), _spec(dq), _spec(dk),
-                 _spec(dv), _spec(di), _spec(df), _spec(dc0), _spec(dn0), _spec(dm0), eps, chunk_size, _stream(q))
+    args = (_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(c_initial), _spec(n_initial), _spec(m_initial),
+            _spec(dh), _spec(dc_last), _spec(dn_last), _spec(dm_last), _spec(dq), _spec(dk), _spec(dv), _spec(di),
+            _spec(df), _spec(dc0), _spec(dn0), _spec(dm0), eps, chunk_size)
+    ws = _workspace(q, _C.mlstm_bwd_workspace_size(*args))
+    _C.mlstm_bwd(*args, _ws_spec(ws), _stream(q))
     if not has_init:
         dc0, dn0, dm0 = _empty(q), _empty(q), _empty(q)
     return dq, dk, dv, di, df, dc0, dn0, dm0

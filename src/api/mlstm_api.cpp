@@ -67,7 +67,6 @@ void check_sequence_inputs(const MlstmChecker& c, const detail::MlstmShape& sh, 
   c.gate("f", f, {sh.B, sh.NH, sh.S});
 }
 
-[[noreturn]] void no_cuda_yet(const char* op) { detail::no_cuda_kernels_yet(op, "mLSTM", 3); }
 #if !FW_WITH_CUDA
 [[noreturn]] void no_cuda_build(const char* op) {
   throw Error(cat(op, ": the tensors are on a CUDA device but this build of fastweight has no CUDA kernels"));
@@ -116,6 +115,21 @@ MlstmParams lower_mlstm_fwd(const MlstmFwdArgs& a) {
   p.i = view_of(a.i, 2), p.f = view_of(a.f, 2);
   p.c0 = view_of(a.c_initial, 3), p.n0 = view_of(a.n_initial, 2), p.m0 = view_of(a.m_initial, 2);
   p.c_last = view_of(a.c_last, 3), p.n_last = view_of(a.n_last, 2), p.m_last = view_of(a.m_last, 2);
+  return p;
+}
+
+MlstmBwdParams lower_mlstm_bwd(const MlstmBwdArgs& a) {
+  MlstmFwdArgs f;
+  f.q = a.q, f.k = a.k, f.v = a.v, f.i = a.i, f.f = a.f;
+  f.c_initial = a.c_initial, f.n_initial = a.n_initial, f.m_initial = a.m_initial;
+  f.eps = a.eps, f.chunk_size = a.chunk_size;
+  MlstmBwdParams p;
+  p.f = lower_mlstm_fwd(f);
+  p.dh = view_of(a.dh, 3);
+  p.dc_last = view_of(a.dc_last, 3), p.dn_last = view_of(a.dn_last, 2), p.dm_last = view_of(a.dm_last, 2);
+  p.dq = view_of(a.dq, 3), p.dk = view_of(a.dk, 3), p.dv = view_of(a.dv, 3);
+  p.di = view_of(a.di, 2), p.df = view_of(a.df, 2);
+  p.dc0 = view_of(a.dc_initial, 3), p.dn0 = view_of(a.dn_initial, 2), p.dm0 = view_of(a.dm_initial, 2);
   return p;
 }
 
@@ -190,7 +204,8 @@ void mlstm_fwd(const MlstmFwdArgs& a, void* workspace, std::size_t workspace_byt
 void mlstm_fwd(const MlstmFwdArgs& a, Stream stream) { mlstm_fwd(a, nullptr, 0, stream); }
 
 // ---- backward -------------------------------------------------------------------------------------
-void mlstm_bwd(const MlstmBwdArgs& a, Stream) {
+namespace {
+detail::MlstmShape validate_bwd(const MlstmBwdArgs& a) {
   const char* op = "mlstm_bwd";
   const detail::MlstmShape sh = sequence_shape(op, a.q, a.v);
   const MlstmChecker c{op, a.q, "q"};
@@ -215,8 +230,32 @@ void mlstm_bwd(const MlstmBwdArgs& a, Stream) {
   }
   c.eps(a.eps);
   c.chunk(a.chunk_size);
-  if (a.q.device == DeviceType::cuda) no_cuda_yet(op);
+  return sh;
+}
+}  // namespace
 
+std::size_t mlstm_bwd_workspace_size(const MlstmBwdArgs& a) {
+  validate_bwd(a);
+#if FW_WITH_CUDA
+  if (a.q.device == DeviceType::cuda) return detail::mlstm_bwd_workspace_bytes(detail::lower_mlstm_bwd(a));
+#endif
+  return 0;
+}
+
+void mlstm_bwd(const MlstmBwdArgs& a, void* workspace, std::size_t workspace_bytes, Stream stream) {
+  const char* op = "mlstm_bwd";
+  const detail::MlstmShape sh = validate_bwd(a);
+  if (a.q.device == DeviceType::cuda) {
+#if FW_WITH_CUDA
+    const detail::MlstmBwdParams p = detail::lower_mlstm_bwd(a);
+    check_workspace(op, workspace, workspace_bytes, detail::mlstm_bwd_workspace_bytes(p));
+    detail::DeviceGuard guard(a.q.device_index);
+    detail::mlstm_bwd_cuda(p, workspace, workspace_bytes, stream);
+    return;
+#else
+    no_cuda_build(op);
+#endif
+  }
   const SeqInputs x = gather_inputs(a.q, a.k, a.v, a.i, a.f, a.c_initial, a.n_initial, a.m_initial);
   const Vec dh = detail::gather_f64(a.dh), dcl = detail::gather_f64(a.dc_last), dnl = detail::gather_f64(a.dn_last),
             dml = detail::gather_f64(a.dm_last);
@@ -230,6 +269,8 @@ void mlstm_bwd(const MlstmBwdArgs& a, Stream) {
   detail::scatter_f64(di, a.di), detail::scatter_f64(df, a.df);
   detail::scatter_f64(dc0, a.dc_initial), detail::scatter_f64(dn0, a.dn_initial), detail::scatter_f64(dm0, a.dm_initial);
 }
+
+void mlstm_bwd(const MlstmBwdArgs& a, Stream stream) { mlstm_bwd(a, nullptr, 0, stream); }
 
 // ---- decoding step --------------------------------------------------------------------------------
 void mlstm_step(const MlstmStepArgs& a, Stream stream) {

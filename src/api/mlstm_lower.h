@@ -9,6 +9,7 @@
 namespace fastweight::detail {
 
 MlstmParams lower_mlstm_fwd(const MlstmFwdArgs& a);
+MlstmBwdParams lower_mlstm_bwd(const MlstmBwdArgs& a);
 MlstmParams lower_mlstm_step(const MlstmStepArgs& a);
 // The decay matrix: i, f, and S from i (B, NH, S); D / dD (lead 3) and di / df (lead 2) with view_of.
 MlstmParams lower_mlstm_decay(const TensorRef& i, const TensorRef& f);

@@ -38,6 +38,14 @@ struct MlstmParams {
   FW_MLSTM_HD std::int64_t chunks() const { return (S + L - 1) / L; }
 };
 
+// The backward: the forward's inputs plus the output gradient and the gradients to write (each
+// optional; dc0/dn0/dm0 need the initial states; dc_last/dn_last/dm_last absent: 0).
+struct MlstmBwdParams {
+  MlstmParams f;
+  StridedView dh, dc_last, dn_last, dm_last;
+  StridedView dq, dk, dv, di, df, dc0, dn0, dm0;
+};
+
 // Workspace of the chunkwise forward: the states entering every chunk and the final one, fp32,
 // contiguous: c (B*NH, NC+1, DQK, DV) | n (B*NH, NC+1, DQK) | m (B*NH, NC+1), each 256-byte aligned.
 struct MlstmFwdWorkspace {

@@ -5,7 +5,8 @@
 // Checks: h and the final states for fp32 / bf16 / fp16, S in {1, 63, 100, 1000} with chunk sizes
 // 16..256 (tails inside), DQK != DV, initial states, strided (padded) inputs, strong gates
 // (f = -20, i = +20: finite), outputs poisoned before the run, bitwise determinism; the step
-// (out of place and in place) and the decay matrix forward and backward.
+// (out of place and in place), the decay matrix forward and backward, and the chunkwise backward
+// (every gradient, initial states' included, against the exact float64 one).
 #include <gtest/gtest.h>
 
 #include <random>
@@ -129,6 +130,98 @@ std::vector<FwdCase> fwd_cases() {
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Cases, MlstmCudaFwd, ::testing::ValuesIn(fwd_cases()),
+                         [](const auto& info) { return name_of(info.param); });
+
+class MlstmCudaBwd : public ::testing::TestWithParam<FwdCase> {};
+
+TEST_P(MlstmCudaBwd, MatchesReferenceAllGradientsAndIsDeterministic) {
+  FW_REQUIRE_GPU();
+  const FwdCase c = GetParam();
+  const MlstmShape sh{c.B, c.NH, c.S, c.DQK, c.DV};
+  HostTensor q = make_host(c.dt, {c.B, c.NH, c.S, c.DQK}), k = make_host(c.dt, {c.B, c.NH, c.S, c.DQK}),
+             v = make_host(c.dt, {c.B, c.NH, c.S, c.DV}), i = make_host(DType::f32, {c.B, c.NH, c.S}),
+             f = make_host(DType::f32, {c.B, c.NH, c.S}), dh = make_host(c.dt, {c.B, c.NH, c.S, c.DV}),
+             c0 = make_host(DType::f32, {c.B, c.NH, c.DQK, c.DV}), n0 = make_host(DType::f32, {c.B, c.NH, c.DQK}),
+             m0 = make_host(DType::f32, {c.B, c.NH, 1}), dcl = make_host(DType::f32, {c.B, c.NH, c.DQK, c.DV}),
+             dnl = make_host(DType::f32, {c.B, c.NH, c.DQK}), dml = make_host(DType::f32, {c.B, c.NH, 1});
+  HostTensor dq = make_host(c.dt, q.shape), dk = make_host(c.dt, k.shape), dv = make_host(c.dt, v.shape),
+             di = make_host(DType::f32, i.shape), df = make_host(DType::f32, f.shape),
+             dc0 = make_host(DType::f32, c0.shape), dn0 = make_host(DType::f32, n0.shape),
+             dm0 = make_host(DType::f32, m0.shape);
+  std::mt19937_64 rng(17);
+  for (HostTensor* t : {&q, &k, &v, &c0, &n0, &dh, &dcl, &dnl}) fill_random(*t, rng, -1.0, 1.0);
+  fill_random(m0, rng, -1.0, 1.0);
+  fill_random(dml, rng, -1.0, 1.0);
+  if (c.strong) {
+    fill_random(i, rng, 19.5, 20.5);
+    fill_random(f, rng, -20.5, -19.5);
+  } else {
+    fill_random(i, rng, -3.0, 3.0);
+    fill_random(f, rng, 0.0, 5.0);
+  }
+  for (HostTensor* t : {&dq, &dk, &dv, &di, &df, &dc0, &dn0, &dm0}) fill_bytes(*t, 0xff);
+  DeviceMirror gq(q), gk(k), gv(v), gi(i), gf(f), gdh(dh), gc0(c0), gn0(n0), gm0(m0), gdcl(dcl), gdnl(dnl), gdml(dml);
+  DeviceMirror gdq(dq), gdk(dk), gdv(dv), gdi(di), gdf(df), gdc0(dc0), gdn0(dn0), gdm0(dm0);
+  MlstmBwdArgs a;
+  a.q = gq.ref(q), a.k = gk.ref(k), a.v = gv.ref(v), a.i = gi.ref(i), a.f = gf.ref(f);
+  if (c.states) a.c_initial = gc0.ref(c0), a.n_initial = gn0.ref(n0), a.m_initial = gm0.ref(m0);
+  a.dh = gdh.ref(dh), a.dc_last = gdcl.ref(dcl), a.dn_last = gdnl.ref(dnl), a.dm_last = gdml.ref(dml);
+  a.dq = gdq.ref(dq), a.dk = gdk.ref(dk), a.dv = gdv.ref(dv), a.di = gdi.ref(di), a.df = gdf.ref(df);
+  if (c.states) a.dc_initial = gdc0.ref(dc0), a.dn_initial = gdn0.ref(dn0), a.dm_initial = gdm0.ref(dm0);
+  a.chunk_size = c.L;
+  const std::size_t wsb = mlstm_bwd_workspace_size(a);
+  void* ws = nullptr;
+  FW_TEST_CUDA(cudaMalloc(&ws, wsb));
+  mlstm_bwd(a, ws, wsb, nullptr);
+  FW_TEST_CUDA(cudaDeviceSynchronize());
+  HostTensor dq1 = dq, dk1 = dk;
+  gdq.download(dq1), gdk.download(dk1), gdv.download(dv), gdi.download(di), gdf.download(df);
+  if (c.states) gdc0.download(dc0), gdn0.download(dn0), gdm0.download(dm0);
+  mlstm_bwd(a, ws, wsb, nullptr);  // again: the same bits
+  FW_TEST_CUDA(cudaDeviceSynchronize());
+  HostTensor dq2 = dq, dk2 = dk;
+  gdq.download(dq2), gdk.download(dk2);
+  cudaFree(ws);
+  EXPECT_EQ(dq1.bytes, dq2.bytes) << "not deterministic";
+  EXPECT_EQ(dk1.bytes, dk2.bytes) << "not deterministic";
+  // reference: the exact float64 gradient on the (rounded) inputs
+  HostTensor rq = to_f64(q), rk = to_f64(k), rv = to_f64(v), ri = to_f64(i), rf = to_f64(f), rdh = to_f64(dh);
+  HostTensor rc0 = to_f64(c0), rn0 = to_f64(n0), rm0 = to_f64(m0), rdcl = to_f64(dcl), rdnl = to_f64(dnl),
+             rdml = to_f64(dml);
+  HostTensor eq = make_host(DType::f64, q.shape), ek = make_host(DType::f64, k.shape), ev = make_host(DType::f64, v.shape),
+             ei = make_host(DType::f64, i.shape), ef = make_host(DType::f64, f.shape),
+             ec0 = make_host(DType::f64, c0.shape), en0 = make_host(DType::f64, n0.shape),
+             em0 = make_host(DType::f64, m0.shape);
+  fastweight::detail::MlstmConstState init{};
+  fastweight::detail::MlstmState dinit{};
+  if (c.states) init = {p64(rc0), p64(rn0), p64(rm0)}, dinit = {p64(ec0), p64(en0), p64(em0)};
+  fastweight::detail::mlstm_recurrent_bwd(sh, {p64(rq), p64(rk), p64(rv), p64(ri), p64(rf)}, 1e-6, init, p64(rdh),
+                                          {p64(rdcl), p64(rdnl), p64(rdml)},
+                                          {p64(eq), p64(ek), p64(ev), p64(ei), p64(ef)}, dinit);
+  const double tol = c.dt == DType::f32 ? 1e-4 : 2e-2;
+  EXPECT_LT(rel_err(dq1, eq), tol) << "dq";
+  EXPECT_LT(rel_err(dk1, ek), tol) << "dk";
+  EXPECT_LT(rel_err(dv, ev), tol) << "dv";
+  EXPECT_LT(rel_err(di, ei), tol) << "di";
+  EXPECT_LT(rel_err(df, ef), tol) << "df";
+  if (c.states) {
+    EXPECT_LT(rel_err(dc0, ec0), tol) << "dc0";
+    EXPECT_LT(rel_err(dn0, en0), tol) << "dn0";
+    EXPECT_LT(rel_err(dm0, em0), tol) << "dm0";
+  }
+}
+
+std::vector<FwdCase> bwd_cases() {
+  std::vector<FwdCase> v;
+  v.push_back({DType::f32, 1, 2, 1, 64, 64, 64, true, false, false});
+  v.push_back({DType::f32, 2, 2, 100, 64, 96, 64, true, false, false});
+  v.push_back({DType::f32, 1, 2, 300, 128, 64, 128, true, false, true});
+  v.push_back({DType::f32, 1, 1, 257, 64, 64, 256, false, false, false});
+  v.push_back({DType::bf16, 1, 2, 200, 64, 128, 64, true, false, false});
+  v.push_back({DType::f16, 1, 2, 63, 96, 80, 16, true, false, false});
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(Cases, MlstmCudaBwd, ::testing::ValuesIn(bwd_cases()),
                          [](const auto& info) { return name_of(info.param); });
 
 TEST(MlstmCudaStep, MatchesReferenceInPlaceAndOutOfPlace) {

@@ -352,8 +352,19 @@ def test_cuda_step_and_decay():
 
 @gpu
 @requires_cuda
-def test_cuda_backward_raises_until_its_kernels_land():
-    args = [t.requires_grad_() for t in make(S=8, dtype=torch.float32, device="cuda")]
-    h = fastweight.mlstm(*args, chunk_size=16)
-    with pytest.raises(RuntimeError, match="CUDA kernels are not built yet"):
-        h.sum().backward()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S,chunk,strong", [(1, 64, False), (100, 64, False), (300, 128, True), (257, 256, False)])
+def test_cuda_backward_matches_reference(dtype, S, chunk, strong):
+    args = make(B=1, NH=2, S=S, DQK=64, DV=96, dtype=dtype, states=True, device="cuda", strong=strong)
+    args = [t.requires_grad_() for t in args]
+    h, (c, n, m) = fastweight.mlstm(*args, return_last_states=True, chunk_size=chunk)
+    g = torch.Generator().manual_seed(2)
+    dh, dc, dn, dm = (torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (h, c, n, m))
+    loss = sum(((x.double() * w.cuda()).sum() for x, w in ((h, dh), (c, dc), (n, dn), (m, dm))))
+    got = torch.autograd.grad(loss, args)
+    ref_args = [t.detach().cpu().double().requires_grad_() for t in args]
+    rh, (rc, rn, rm) = ref_mlstm(*ref_args)
+    want = torch.autograd.grad((rh * dh).sum() + (rc * dc).sum() + (rn * dn).sum() + (rm * dm).sum(), ref_args)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for name, a, b in zip("q k v i f c0 n0 m0".split(), got, want):
+        assert rel_err(a, b) < tol, name

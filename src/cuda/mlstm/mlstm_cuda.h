@@ -12,6 +12,15 @@ namespace fastweight::detail {
 std::size_t mlstm_fwd_workspace_bytes(const MlstmParams& p);
 void mlstm_fwd_cuda(const MlstmParams& p, void* workspace, std::size_t workspace_bytes, Stream stream);
 
+// Kernel A of the forward alone: the states entering every chunk (and the final one) into the
+// workspace parts c, n, m of MlstmFwdWorkspace(p); also p's c_last/n_last/m_last when set.
+void mlstm_states_cuda(const MlstmParams& p, float* ws_c, float* ws_n, float* ws_m, Stream stream);
+
+// Chunkwise backward: the exact gradient (docs/design/mlstm_backward.md). Workspace:
+// mlstm_bwd_workspace_bytes(b).
+std::size_t mlstm_bwd_workspace_bytes(const MlstmBwdParams& b);
+void mlstm_bwd_cuda(const MlstmBwdParams& b, void* workspace, std::size_t workspace_bytes, Stream stream);
+
 // One decoding step for every (b, head). Sequence views with S = 1 (s2 unused): q, k, v, h
 // (B, NH, D); gates (B, NH[, 1]) through s0/s1; states c0/n0/m0 (in) and c_last/n_last/m_last (out)
 // may be the same memory (in place).

@@ -272,6 +272,16 @@ __global__ void __launch_bounds__(kThreads) mlstm_fwd_out_kernel(const MlstmPara
 
 std::size_t mlstm_fwd_workspace_bytes(const MlstmParams& p) { return std::size_t(MlstmFwdWorkspace(p).bytes()); }
 
+void mlstm_states_cuda(const MlstmParams& p, float* ws_c, float* ws_n, float* ws_m, Stream stream) {
+  const std::int64_t heads = p.B * p.NH;
+  const std::int64_t kt = (p.DQK + kT - 1) / kT, vt = (p.DV + kT - 1) / kT;
+  if (heads == 0) return;
+  if (heads > 0x7fffffff || kt > 65535 || vt > 65535) throw Error(cat("mlstm: grid too large (heads ", heads, ")"));
+  mlstm_fwd_states_kernel<<<dim3(unsigned(heads), unsigned(kt), unsigned(vt)), kThreads, 0,
+                            reinterpret_cast<cudaStream_t>(stream)>>>(p, ws_c, ws_n, ws_m);
+  FW_CUDA_CHECK_LAUNCH("mlstm");
+}
+
 void mlstm_fwd_cuda(const MlstmParams& p, void* workspace, std::size_t workspace_bytes, Stream stream) {
   const MlstmFwdWorkspace w(p);
   if (p.B * p.NH == 0) return;

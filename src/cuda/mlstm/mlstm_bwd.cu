@@ -1,0 +1,744 @@
+// mlstm_bwd.cu: the exact chunkwise mLSTM backward (docs/design/mlstm_backward.md), version 1:
+// fp32 FMA on CUDA cores, float64 gate bookkeeping (mlstm_common.cuh). With every stabiliser m held
+// as the forward chose it (TFLA's gradient, exact for it), plus the scalar correction through m:
+//   K0 states   the forward's kernel A: C_k, n_k, m_k entering every chunk (workspace)
+//   K1 rows     per row t: den_t, db_t, the correction c_t = eps dden_t and eY_t (the inter part's
+//               d/dg_t), from the recomputed forward and dh
+//   K2 scan     reverse over chunks per (head, 64x64 tile of C): dC_{k+1} and dn_{k+1} kept for every
+//               chunk, <C_k, dC_{k+1}> partials, dc0/dn0
+//   K3q         per (head, chunk, 64-row block, DQK tile): dq and the rows' dg (t role)
+//   K3kv        per (head, chunk, 64-row block, role): dk (role 0) or dv (role 1), and the rows' di,
+//               dg (s role) and the chunk's dG partial (role 0)
+//   K4 gates    per head, serial in float64: suffix sums of dg within chunks + dG, the correction
+//               scan through m_t = max(lf_t + m_{t-1}, i_t), then di, df, dm0
+// Notation per chunk k (t, s rows of the chunk, local cumulative log forget g, a_s = i_s - g_s,
+// M_t = max(m_k, a_0..a_t)): e_t = exp(m_k - M_t), D_ts = exp(a_s - M_t) (s <= t),
+// w_s = exp(a_s - M_L), d_k = exp(m_k - M_L); dnum_t = dh_t / den_t, X_ts = v_s . dnum_t + db_t,
+// P_ts = scale (q_t . k_s) D_ts, Z_ts = P_ts X_ts.
+#include "cuda/common/check.cuh"
+#include "cuda/mlstm/mlstm_common.cuh"
+#include "cuda/mlstm/mlstm_cuda.h"
+
+namespace fastweight::detail {
+namespace {
+
+constexpr int kT = 64;
+constexpr int kThreads = 256;
+constexpr int kMaxL = 256;
+
+struct BwdWs {  // offsets in floats into the workspace
+  std::int64_t heads, NC, ns, tiles, rbs;
+  std::int64_t c, n, m, dc, dn, inv_den, db, corr, ey, dgq, dgkv, dikv, R, G, mrec /* doubles */, total;
+  explicit BwdWs(const MlstmParams& p) {
+    heads = p.B * p.NH, NC = p.chunks(), ns = NC + 1;
+    tiles = ((p.DQK + kT - 1) / kT) * ((p.DV + kT - 1) / kT);
+    rbs = (p.L + kT - 1) / kT;
+    auto al = [](std::int64_t x) { return (x + 63) / 64 * 64; };
+    std::int64_t o = 0;
+    auto take = [&](std::int64_t n_) { const std::int64_t at = o; o += al(n_); return at; };
+    c = take(heads * ns * p.DQK * p.DV), n = take(heads * ns * p.DQK), m = take(heads * ns);
+    dc = take(heads * ns * p.DQK * p.DV), dn = take(heads * ns * p.DQK);
+    inv_den = take(heads * p.S), db = take(heads * p.S), corr = take(heads * p.S), ey = take(heads * p.S);
+    dgq = take(heads * p.S), dgkv = take(heads * p.S), dikv = take(heads * p.S);
+    R = take(heads * ns * tiles), G = take(heads * std::max<std::int64_t>(NC, 1) * rbs);
+    mrec = take(2 * heads * p.S);  // float64 m_t of the correction scan (2 floats each)
+    total = o;
+  }
+};
+
+// Sum over the 16 threads of a row group (tc = tid % 16, consecutive lanes): fixed xor tree.
+__device__ __forceinline__ float sum16(float v) {
+  for (int off = 8; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+// Block sum (fixed order), every thread gets it. s_red: kThreads / 32 floats.
+__device__ float block_sum(float v, float* s_red) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float t = 0.f;
+  for (int w = 0; w < kThreads / 32; ++w) t += s_red[w];
+  return t;
+}
+
+struct Tiles {  // dynamic shared memory of K1, K3q, K3kv
+  float a[kT][kT + 1];
+  float b[kT][kT + 1];
+  float c[kT][kT + 1];
+  float big[kT][kMaxL + 1];  // (64 rows, up to L columns): P, W or P^T rows of one block
+  float vec[kT];
+};
+
+__device__ __forceinline__ std::int64_t off4(const StridedView& t, std::int64_t b, std::int64_t h, std::int64_t row) {
+  return b * t.s0 + h * t.s1 + row * t.s2;
+}
+
+// Loads rows [row0, row0 + nrow) of a (B, NH, S, D) view, columns [col0, col0 + 64), into tile[r][c]
+// (zeros outside); scale multiplies every element.
+__device__ void load_rows(float (*tile)[kT + 1], const StridedView& t, std::int64_t b, std::int64_t h, std::int64_t row0,
+                          int nrow, std::int64_t col0, std::int64_t D, float scale = 1.f) {
+  for (int e = threadIdx.x; e < kT * kT; e += kThreads) {
+    const int r = e / kT, c = e % kT;
+    tile[r][c] = r < nrow && col0 + c < D ? scale * mlstm_ld(t, off4(t, b, h, row0 + r) + col0 + c) : 0.f;
+  }
+}
+
+// ---- K1: row statistics ---------------------------------------------------------------------------
+// grid (heads, NC, row blocks). Recomputes b_t, num_t . dh_t (split inter / intra) and writes
+// inv_den, db, corr = eps dden, eY = d/dg_t of the inter part.
+__global__ void __launch_bounds__(kThreads) k1_rows(const MlstmBwdParams B, const float* __restrict__ ws, float* wsw,
+                                                    BwdWs L) {
+  const MlstmParams& p = B.f;
+  __shared__ double s_g[kMaxL], s_a[kMaxL], s_M[kMaxL];
+  extern __shared__ float4 smem_raw[];
+  Tiles& sm = *reinterpret_cast<Tiles*>(smem_raw);
+  const int tid = threadIdx.x, tr = tid / 16, tc = tid % 16;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y;
+  const int rb = blockIdx.z;
+  const std::int64_t t0 = kc * p.L;
+  const int n = int(p.S - t0 < p.L ? p.S - t0 : p.L), row0 = rb * kT;
+  if (row0 >= n) return;
+  const int nrow = n - row0 < kT ? n - row0 : kT, rowend = row0 + nrow;
+  const double mk = double(ws[L.m + bh * L.ns + kc]);
+  mlstm_chunk_gates(p, b, hd, t0, rowend, mk, s_g, s_a, s_M);
+  const float scale = rsqrtf(float(p.DQK));
+  const float* Ck = ws + L.c + (bh * L.ns + kc) * p.DQK * p.DV;
+  const float* nk = ws + L.n + (bh * L.ns + kc) * p.DQK;
+  float et[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int t = row0 + 4 * tr + i;
+    et[i] = t < rowend ? float(exp(mk - s_M[t])) : 0.f;
+  }
+  // P (rows of this block x steps 0..rowend) into sm.big, and q . n_k
+  float qn[4] = {};
+  for (int sb = 0; sb <= rb; ++sb) {
+    const int s0 = sb * kT, nsb = rowend - s0 < kT ? rowend - s0 : kT;
+    float sc[4][4] = {};
+    for (std::int64_t rt = 0; rt < p.DQK; rt += kT) {
+      load_rows(sm.a, p.q, b, hd, t0 + row0, nrow, rt, p.DQK);
+      load_rows(sm.b, p.k, b, hd, t0 + s0, nsb, rt, p.DQK);
+      if (sb == 0 && tid < kT) sm.vec[tid] = rt + tid < p.DQK ? nk[rt + tid] : 0.f;
+      __syncthreads();
+      for (int r = 0; r < kT; ++r) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float qv = sm.a[4 * tr + i][r];
+          if (sb == 0) qn[i] = fmaf(qv, sm.vec[r], qn[i]);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) sc[i][j] = fmaf(qv, sm.b[4 * tc + j][r], sc[i][j]);
+        }
+      }
+      __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int tl = 4 * tr + i, sl = 4 * tc + j, t = row0 + tl, s = s0 + sl;
+        const bool on = tl < nrow && sl < nsb && s <= t;
+        sm.big[tl][s0 + sl] = on ? scale * sc[i][j] * float(exp(s_a[s] - s_M[t])) : 0.f;
+      }
+  }
+  __syncthreads();
+  // b_t = scale e_t (q . n_k) + sum_s P_ts
+  float bsum[4] = {};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float part = 0.f;
+    for (int s = tc; s < rowend; s += 16) part += sm.big[4 * tr + i][s];
+    bsum[i] = sum16(part) + scale * et[i] * qn[i];
+  }
+  // dh . inter_num and dh . intra_num, over DV tiles
+  float sint[4] = {}, sintra[4] = {};
+  for (std::int64_t ct = 0; ct < p.DV; ct += kT) {
+    float qc[4][4] = {};
+    for (std::int64_t rt = 0; rt < p.DQK; rt += kT) {
+      load_rows(sm.a, p.q, b, hd, t0 + row0, nrow, rt, p.DQK);
+      for (int e = tid; e < kT * kT; e += kThreads) {
+        const int r = e / kT, c = e % kT;
+        sm.b[r][c] = rt + r < p.DQK && ct + c < p.DV ? Ck[(rt + r) * p.DV + ct + c] : 0.f;
+      }
+      __syncthreads();
+      for (int r = 0; r < kT; ++r)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) qc[i][j] = fmaf(sm.a[4 * tr + i][r], sm.b[r][4 * tc + j], qc[i][j]);
+      __syncthreads();
+    }
+    load_rows(sm.c, B.dh, b, hd, t0 + row0, nrow, ct, p.DV);  // dh rows
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sint[i] = fmaf(qc[i][j], sm.c[4 * tr + i][4 * tc + j], sint[i]);
+    for (int sb = 0; sb <= rb; ++sb) {  // intra: sum_s P_ts (dh_t . v_s)
+      const int s0 = sb * kT, nsb = rowend - s0 < kT ? rowend - s0 : kT;
+      load_rows(sm.b, p.v, b, hd, t0 + s0, nsb, ct, p.DV);
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int sl = 4 * tc + j;
+          float wd = 0.f;
+          for (int c = 0; c < kT; ++c) wd = fmaf(sm.c[4 * tr + i][c], sm.b[sl][c], wd);
+          sintra[i] = fmaf(sm.big[4 * tr + i][s0 + sl], wd, sintra[i]);
+        }
+      __syncthreads();
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float si = sum16(sint[i]) * scale * et[i], sa = sum16(sintra[i]);
+    const int t = row0 + 4 * tr + i;
+    if (tc != 0 || t >= rowend) continue;
+    const double mt = s_g[t] + s_M[t];
+    const float em = float(exp(-mt)), ab = fabsf(bsum[i]);
+    const float den = fmaxf(ab, em) + p.eps;
+    const float hdot = (si + sa) / den;  // dh_t . h_t
+    const float dden = -hdot / den;
+    const float sg = bsum[i] > 0.f ? 1.f : bsum[i] < 0.f ? -1.f : 0.f;
+    const float db = ab > em ? dden * sg : ab < em ? 0.f : 0.5f * dden * sg;  // torch.maximum splits ties
+    const std::int64_t ri = bh * p.S + t0 + t;
+    wsw[L.inv_den + ri] = 1.f / den;
+    wsw[L.db + ri] = db;
+    wsw[L.corr + ri] = p.eps * dden;
+    wsw[L.ey + ri] = si / den + scale * et[i] * qn[i] * db;
+  }
+}
+
+// ---- K2: reverse scan of the state gradients ----------------------------------------------------------
+__global__ void __launch_bounds__(kThreads) k2_scan(const MlstmBwdParams B, float* ws, BwdWs L) {
+  const MlstmParams& p = B.f;
+  __shared__ double s_g[kMaxL], s_a[kMaxL], s_M[kMaxL];
+  __shared__ float s_q[kT][kT + 1], s_d[kT][kT + 1], s_e[kT], s_db[kT], s_red[kThreads / 32];
+  const int tid = threadIdx.x, tr = tid / 16, tc = tid % 16;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
+  const int r0 = blockIdx.y * kT, c0 = blockIdx.z * kT;
+  const std::int64_t tile = std::int64_t(blockIdx.y) * gridDim.z + blockIdx.z;
+  const std::int64_t DQK = p.DQK, DV = p.DV;
+  float dC[4][4], dn[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const std::int64_t r = r0 + 4 * tr + i;
+    dn[i] = B.dn_last.p && r < DQK ? mlstm_ld(B.dn_last, b * B.dn_last.s0 + hd * B.dn_last.s1 + r) : 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const std::int64_t c = c0 + 4 * tc + j;
+      dC[i][j] = B.dc_last.p && r < DQK && c < DV
+                     ? mlstm_ld(B.dc_last, b * B.dc_last.s0 + hd * B.dc_last.s1 + r * B.dc_last.s2 + c)
+                     : 0.f;
+    }
+  }
+  // <C_k, dC> (+ <n_k, dn> in the first column of tiles) for the state entering chunk k
+  auto inner = [&](std::int64_t k) {
+    const float* Ck = ws + L.c + (bh * L.ns + k) * DQK * DV;
+    const float* nk = ws + L.n + (bh * L.ns + k) * DQK;
+    float part = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const std::int64_t r = r0 + 4 * tr + i;
+      if (r >= DQK) continue;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const std::int64_t c = c0 + 4 * tc + j;
+        if (c < DV) part = fmaf(Ck[r * DV + c], dC[i][j], part);
+      }
+      if (blockIdx.z == 0 && tc == 0) part = fmaf(nk[r], dn[i], part);
+    }
+    return block_sum(part, s_red);
+  };
+  {
+    const float R = inner(L.NC);  // the last state: <c_last, dc_last> + <n_last, dn_last>
+    if (tid == 0) ws[L.R + (bh * L.ns + L.NC) * L.tiles + tile] = R;
+  }
+  const float scale = rsqrtf(float(DQK));
+  for (std::int64_t kc = L.NC - 1; kc >= 0; --kc) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // keep dC_{kc+1}, dn_{kc+1} for K3
+      const std::int64_t r = r0 + 4 * tr + i;
+      if (r >= DQK) continue;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const std::int64_t c = c0 + 4 * tc + j;
+        if (c < DV) ws[L.dc + ((bh * L.ns + kc + 1) * DQK + r) * DV + c] = dC[i][j];
+      }
+      if (blockIdx.z == 0 && tc == 0) ws[L.dn + (bh * L.ns + kc + 1) * DQK + r] = dn[i];
+    }
+    const float R = inner(kc);
+    if (tid == 0) ws[L.R + (bh * L.ns + kc) * L.tiles + tile] = R;
+    const std::int64_t t0 = kc * p.L;
+    const int n = int(p.S - t0 < p.L ? p.S - t0 : p.L);
+    const double mk = double(ws[L.m + bh * L.ns + kc]);
+    mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);
+    const float decay = float(exp(mk - s_M[n - 1]));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      dn[i] *= decay;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) dC[i][j] *= decay;
+    }
+    for (int sb = 0; sb < n; sb += kT) {
+      const int nb = n - sb < kT ? n - sb : kT;
+      for (int e = tid; e < kT * kT; e += kThreads) {
+        const int t = e / kT, col = e % kT;
+        const std::int64_t row = t0 + sb + t;
+        s_q[t][col] = t < nb && r0 + col < DQK ? mlstm_ld(p.q, off4(p.q, b, hd, row) + r0 + col) : 0.f;
+        s_d[t][col] = t < nb && c0 + col < DV
+                          ? mlstm_ld(B.dh, off4(B.dh, b, hd, row) + c0 + col) * ws[L.inv_den + bh * p.S + row]
+                          : 0.f;
+      }
+      if (tid < kT) {
+        const std::int64_t row = t0 + sb + tid;
+        s_e[tid] = tid < nb ? scale * float(exp(mk - s_M[sb + tid])) : 0.f;
+        s_db[tid] = tid < nb ? ws[L.db + bh * p.S + row] : 0.f;
+      }
+      __syncthreads();
+      for (int t = 0; t < nb; ++t) {
+        float qe[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) qe[i] = s_e[t] * s_q[t][4 * tr + i];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          dn[i] = fmaf(qe[i], s_db[t], dn[i]);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) dC[i][j] = fmaf(qe[i], s_d[t][4 * tc + j], dC[i][j]);
+        }
+      }
+      __syncthreads();
+    }
+  }
+  // dC_0, dn_0: the initial states' gradients
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const std::int64_t r = r0 + 4 * tr + i;
+    if (r >= DQK) continue;
+    if (B.dc0.p)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const std::int64_t c = c0 + 4 * tc + j;
+        if (c < DV) mlstm_st(B.dc0, b * B.dc0.s0 + hd * B.dc0.s1 + r * B.dc0.s2 + c, dC[i][j]);
+      }
+    if (B.dn0.p && blockIdx.z == 0 && tc == 0) mlstm_st(B.dn0, b * B.dn0.s0 + hd * B.dn0.s1 + r, dn[i]);
+  }
+}
+
+// ---- K3q: dq and the t-role dg -----------------------------------------------------------------------
+// grid (heads, NC, row blocks x DQK tiles); thread (tr, tc): rows t = 4tr + i, columns r = 4tc + j.
+__global__ void __launch_bounds__(kThreads) k3_dq(const MlstmBwdParams B, float* ws, BwdWs L) {
+  const MlstmParams& p = B.f;
+  __shared__ double s_g[kMaxL], s_a[kMaxL], s_M[kMaxL];
+  extern __shared__ float4 smem_raw[];
+  Tiles& sm = *reinterpret_cast<Tiles*>(smem_raw);
+  const int tid = threadIdx.x, tr = tid / 16, tc = tid % 16;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y;
+  const int rbs = int(L.rbs), rb = blockIdx.z % rbs;
+  const std::int64_t r0 = std::int64_t(blockIdx.z / rbs) * kT;
+  const std::int64_t t0 = kc * p.L;
+  const int n = int(p.S - t0 < p.L ? p.S - t0 : p.L), row0 = rb * kT;
+  if (row0 >= n) return;
+  const int nrow = n - row0 < kT ? n - row0 : kT, rowend = row0 + nrow;
+  const double mk = double(ws[L.m + bh * L.ns + kc]);
+  mlstm_chunk_gates(p, b, hd, t0, rowend, mk, s_g, s_a, s_M);
+  const float scale = rsqrtf(float(p.DQK));
+  const float* Ck = ws + L.c + (bh * L.ns + kc) * p.DQK * p.DV;
+  const float* nk = ws + L.n + (bh * L.ns + kc) * p.DQK;
+  const float* inv_den = ws + L.inv_den + bh * p.S + t0;
+  const float* dbv = ws + L.db + bh * p.S + t0;
+  float dq[4][4] = {};
+  // inter: e_t (C_k dnum_t + n_k db_t)
+  for (std::int64_t ct = 0; ct < p.DV; ct += kT) {
+    for (int e = tid; e < kT * kT; e += kThreads) {
+      const int t = e / kT, c = e % kT;
+      sm.a[t][c] = t < nrow && ct + c < p.DV ? mlstm_ld(B.dh, off4(B.dh, b, hd, t0 + row0 + t) + ct + c) * inv_den[row0 + t] : 0.f;
+      sm.b[t][c] = r0 + t < p.DQK && ct + c < p.DV ? Ck[(r0 + t) * p.DV + ct + c] : 0.f;  // rows r
+    }
+    __syncthreads();
+    for (int c = 0; c < kT; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) dq[i][j] = fmaf(sm.a[4 * tr + i][c], sm.b[4 * tc + j][c], dq[i][j]);
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int t = row0 + 4 * tr + i;
+    const float e = t < rowend ? float(exp(mk - s_M[t])) : 0.f, dbt = t < rowend ? dbv[t] : 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const std::int64_t r = r0 + 4 * tc + j;
+      dq[i][j] = e * (dq[i][j] + (r < p.DQK ? nk[r] : 0.f) * dbt);
+    }
+  }
+  // intra: sum_s D_ts X_ts k_s, and Z row sums for dg (first DQK tile only)
+  float zs[4] = {};
+  const bool scalars = r0 == 0;
+  for (int sb = 0; sb <= rb; ++sb) {
+    const int s0 = sb * kT, nsb = rowend - s0 < kT ? rowend - s0 : kT;
+    float wd[4][4] = {}, sc[4][4] = {};
+    for (std::int64_t ct = 0; ct < p.DV; ct += kT) {  // v_s . dh_t
+      load_rows(sm.a, B.dh, b, hd, t0 + row0, nrow, ct, p.DV);
+      load_rows(sm.b, p.v, b, hd, t0 + s0, nsb, ct, p.DV);
+      __syncthreads();
+      for (int c = 0; c < kT; ++c)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) wd[i][j] = fmaf(sm.a[4 * tr + i][c], sm.b[4 * tc + j][c], wd[i][j]);
+      __syncthreads();
+    }
+    if (scalars)
+      for (std::int64_t rt = 0; rt < p.DQK; rt += kT) {  // q_t . k_s
+        load_rows(sm.a, p.q, b, hd, t0 + row0, nrow, rt, p.DQK);
+        load_rows(sm.b, p.k, b, hd, t0 + s0, nsb, rt, p.DQK);
+        __syncthreads();
+        for (int r = 0; r < kT; ++r)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) sc[i][j] = fmaf(sm.a[4 * tr + i][r], sm.b[4 * tc + j][r], sc[i][j]);
+        __syncthreads();
+      }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int tl = 4 * tr + i, sl = 4 * tc + j, t = row0 + tl, s = s0 + sl;
+        const bool on = tl < nrow && sl < nsb && s <= t;
+        const float D = on ? float(exp(s_a[s] - s_M[t])) : 0.f;
+        const float X = on ? wd[i][j] * inv_den[t] + dbv[t] : 0.f;
+        sm.c[tl][sl] = D * X;
+        zs[i] += scale * sc[i][j] * D * X;
+      }
+    load_rows(sm.b, p.k, b, hd, t0 + s0, nsb, r0, p.DQK);  // k_s, this DQK tile
+    __syncthreads();
+    for (int sl = 0; sl < kT; ++sl)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) dq[i][j] = fmaf(sm.c[4 * tr + i][sl], sm.b[sl][4 * tc + j], dq[i][j]);
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int t = row0 + 4 * tr + i;
+    if (t >= rowend) continue;
+    const std::int64_t row = off4(B.dq, b, hd, t0 + t);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const std::int64_t r = r0 + 4 * tc + j;
+      if (r < p.DQK && B.dq.p) mlstm_st(B.dq, row + r, scale * dq[i][j]);
+    }
+  }
+  if (scalars)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float z = sum16(zs[i]);
+      const int t = row0 + 4 * tr + i;
+      if (tc == 0 && t < rowend) ws[L.dgq + bh * p.S + t0 + t] = z + ws[L.ey + bh * p.S + t0 + t];
+    }
+}
+
+// ---- K3kv: dk (role 0, with the s-role scalars) or dv (role 1) --------------------------------------------
+// grid (heads, NC, row blocks x 2); thread (tr, tc): rows s = 4tr + i, columns t (or r, c) = 4tc + j.
+__global__ void __launch_bounds__(kThreads) k3_dkdv(const MlstmBwdParams B, float* ws, BwdWs L) {
+  const MlstmParams& p = B.f;
+  __shared__ double s_g[kMaxL], s_a[kMaxL], s_M[kMaxL];
+  __shared__ float s_red[kThreads / 32];
+  extern __shared__ float4 smem_raw[];
+  Tiles& sm = *reinterpret_cast<Tiles*>(smem_raw);
+  const int tid = threadIdx.x, tr = tid / 16, tc = tid % 16;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y;
+  const int sb = blockIdx.z / 2, role = blockIdx.z % 2;
+  const std::int64_t t0 = kc * p.L;
+  const int n = int(p.S - t0 < p.L ? p.S - t0 : p.L), s0 = sb * kT;
+  if (s0 >= n) return;
+  const int nsb = n - s0 < kT ? n - s0 : kT;
+  const double mk = double(ws[L.m + bh * L.ns + kc]);
+  mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);
+  const double ML = s_M[n - 1];
+  const float scale = rsqrtf(float(p.DQK));
+  const float* inv_den = ws + L.inv_den + bh * p.S + t0;
+  const float* dbv = ws + L.db + bh * p.S + t0;
+  const float* dC1 = ws + L.dc + (bh * L.ns + kc + 1) * p.DQK * p.DV;  // dL/dC_{k+1}
+  const float* dn1 = ws + L.dn + (bh * L.ns + kc + 1) * p.DQK;
+  // pairs (s in this block, t >= s in the chunk): role 0 keeps W_st = D X, role 1 keeps P
+  float zs[4] = {};
+  for (int tb = sb; tb * kT < n; ++tb) {
+    const int t0b = tb * kT, ntb = n - t0b < kT ? n - t0b : kT;
+    float sc[4][4] = {}, wd[4][4] = {};
+    for (std::int64_t rt = 0; rt < p.DQK; rt += kT) {
+      load_rows(sm.a, p.k, b, hd, t0 + s0, nsb, rt, p.DQK);
+      load_rows(sm.b, p.q, b, hd, t0 + t0b, ntb, rt, p.DQK);
+      __syncthreads();
+      for (int r = 0; r < kT; ++r)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) sc[i][j] = fmaf(sm.a[4 * tr + i][r], sm.b[4 * tc + j][r], sc[i][j]);
+      __syncthreads();
+    }
+    if (role == 0)
+      for (std::int64_t ct = 0; ct < p.DV; ct += kT) {
+        load_rows(sm.a, p.v, b, hd, t0 + s0, nsb, ct, p.DV);
+        load_rows(sm.b, B.dh, b, hd, t0 + t0b, ntb, ct, p.DV);
+        __syncthreads();
+        for (int c = 0; c < kT; ++c)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) wd[i][j] = fmaf(sm.a[4 * tr + i][c], sm.b[4 * tc + j][c], wd[i][j]);
+        __syncthreads();
+      }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int sl = 4 * tr + i, tl = 4 * tc + j, s = s0 + sl, t = t0b + tl;
+        const bool on = sl < nsb && tl < ntb && s <= t;
+        const float D = on ? float(exp(s_a[s] - s_M[t])) : 0.f;
+        const float P = scale * sc[i][j] * D;
+        if (role == 0) {
+          const float X = on ? wd[i][j] * inv_den[t] + dbv[t] : 0.f;
+          sm.big[sl][t] = D * X;
+          zs[i] += P * X;
+        } else {
+          sm.big[sl][t] = P;
+        }
+      }
+  }
+  __syncthreads();
+  float w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int s = s0 + 4 * tr + i;
+    w[i] = 4 * tr + i < nsb ? float(exp(s_a[s] - ML)) : 0.f;
+  }
+  if (role == 0) {
+    float u[4] = {};
+    for (std::int64_t rt = 0; rt < p.DQK; rt += kT) {
+      float dk[4][4] = {}, dcv[4][4] = {};
+      for (int tb = sb; tb * kT < n; ++tb) {  // sum_t W_st qs_t
+        const int t0b = tb * kT, ntb = n - t0b < kT ? n - t0b : kT;
+        load_rows(sm.a, p.q, b, hd, t0 + t0b, ntb, rt, p.DQK, scale);
+        __syncthreads();
+        for (int tl = 0; tl < ntb; ++tl)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) dk[i][j] = fmaf(sm.big[4 * tr + i][t0b + tl], sm.a[tl][4 * tc + j], dk[i][j]);
+        __syncthreads();
+      }
+      for (std::int64_t ct = 0; ct < p.DV; ct += kT) {  // (dC_{k+1} v_s)[r]
+        load_rows(sm.a, p.v, b, hd, t0 + s0, nsb, ct, p.DV);
+        for (int e = tid; e < kT * kT; e += kThreads) {
+          const int r = e / kT, c = e % kT;
+          sm.b[r][c] = rt + r < p.DQK && ct + c < p.DV ? dC1[(rt + r) * p.DV + ct + c] : 0.f;
+        }
+        __syncthreads();
+        for (int c = 0; c < kT; ++c)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) dcv[i][j] = fmaf(sm.a[4 * tr + i][c], sm.b[4 * tc + j][c], dcv[i][j]);
+        __syncthreads();
+      }
+      load_rows(sm.a, p.k, b, hd, t0 + s0, nsb, rt, p.DQK);  // k_s for U
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int s = s0 + 4 * tr + i;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const std::int64_t r = rt + 4 * tc + j;
+          const float dnr = r < p.DQK ? dn1[r] : 0.f;
+          u[i] = fmaf(sm.a[4 * tr + i][4 * tc + j], dcv[i][j] + dnr, u[i]);
+          dk[i][j] = fmaf(w[i], dcv[i][j] + dnr, dk[i][j]);
+          if (4 * tr + i < nsb && r < p.DQK && B.dk.p) mlstm_st(B.dk, off4(B.dk, b, hd, t0 + s) + r, dk[i][j]);
+        }
+      }
+      __syncthreads();
+    }
+    float gpart = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float U = sum16(u[i]), z = sum16(zs[i]);
+      const int sl = 4 * tr + i;
+      const float da = z + w[i] * U;  // d/da_s = d/di_s = -d/dg_s
+      if (tc == 0 && sl < nsb) {
+        ws[L.dikv + bh * p.S + t0 + s0 + sl] = da;
+        ws[L.dgkv + bh * p.S + t0 + s0 + sl] = -da;
+        gpart += w[i] * U;
+      }
+    }
+    const float G = block_sum(gpart, s_red);
+    if (tid == 0) ws[L.G + (bh * L.NC + kc) * L.rbs + sb] = G;
+  } else {
+    for (std::int64_t ct = 0; ct < p.DV; ct += kT) {
+      float dv[4][4] = {};
+      for (int tb = sb; tb * kT < n; ++tb) {  // sum_t P_st dnum_t
+        const int t0b = tb * kT, ntb = n - t0b < kT ? n - t0b : kT;
+        for (int e = tid; e < kT * kT; e += kThreads) {
+          const int t = e / kT, c = e % kT;
+          sm.a[t][c] = t < ntb && ct + c < p.DV
+                           ? mlstm_ld(B.dh, off4(B.dh, b, hd, t0 + t0b + t) + ct + c) * inv_den[t0b + t]
+                           : 0.f;
+        }
+        __syncthreads();
+        for (int tl = 0; tl < ntb; ++tl)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) dv[i][j] = fmaf(sm.big[4 * tr + i][t0b + tl], sm.a[tl][4 * tc + j], dv[i][j]);
+        __syncthreads();
+      }
+      float kdc[4][4] = {};
+      for (std::int64_t rt = 0; rt < p.DQK; rt += kT) {  // (dC_{k+1}^T k_s)[c]
+        load_rows(sm.a, p.k, b, hd, t0 + s0, nsb, rt, p.DQK);
+        for (int e = tid; e < kT * kT; e += kThreads) {
+          const int r = e / kT, c = e % kT;
+          sm.b[c][r] = rt + r < p.DQK && ct + c < p.DV ? dC1[(rt + r) * p.DV + ct + c] : 0.f;  // transposed
+        }
+        __syncthreads();
+        for (int r = 0; r < kT; ++r)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) kdc[i][j] = fmaf(sm.a[4 * tr + i][r], sm.b[4 * tc + j][r], kdc[i][j]);
+        __syncthreads();
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int sl = 4 * tr + i;
+        if (sl >= nsb) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const std::int64_t c = ct + 4 * tc + j;
+          if (c < p.DV && B.dv.p) mlstm_st(B.dv, off4(B.dv, b, hd, t0 + s0 + sl) + c, fmaf(w[i], kdc[i][j], dv[i][j]));
+        }
+      }
+    }
+  }
+}
+
+// ---- K4: gate gradients and the correction through m (per head, float64, thread 0 serial) --------------
+__global__ void __launch_bounds__(kThreads) k4_gates(const MlstmBwdParams B, float* ws, BwdWs L) {
+  const MlstmParams& p = B.f;
+  __shared__ double s_g[kMaxL], s_a[kMaxL], s_M[kMaxL];
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, S = p.S;
+  float* dlf = ws + L.dgq + bh * S;   // reused in place: dg_q -> dlf
+  float* di = ws + L.dikv + bh * S;   // di_kv -> di
+  const float* dgkv = ws + L.dgkv + bh * S;
+  double* mrec = reinterpret_cast<double*>(ws + L.mrec) + bh * S;
+  const double m0 = p.m0.p ? double(mlstm_ld(p.m0, b * p.m0.s0 + hd * p.m0.s1)) : 0.0;
+  double dm0 = 0.0;
+  for (std::int64_t kc = 0; kc < L.NC; ++kc) {
+    const std::int64_t t0 = kc * p.L;
+    const int n = int(S - t0 < p.L ? S - t0 : p.L);
+    const double mk = double(ws[L.m + bh * L.ns + kc]);
+    mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);
+    if (threadIdx.x == 0) {
+      double R = 0.0, G = 0.0;
+      for (std::int64_t tl = 0; tl < L.tiles; ++tl) R += ws[L.R + (bh * L.ns + kc) * L.tiles + tl];
+      for (std::int64_t sb = 0; sb * kT < n; ++sb) G += ws[L.G + (bh * L.NC + kc) * L.rbs + sb];
+      const double dk = exp(mk - s_M[n - 1]);
+      G += dk * R;  // the decay of the entering state, exp(G + m_k - m_{k+1})
+      if (kc == 0) {
+        dm0 += dk * R;
+        for (int t = 0; t < n; ++t) dm0 += ws[L.ey + bh * S + t];  // e_t = exp(g_t + m_0 - m_t)
+      }
+      double acc = G;
+      for (int t = n - 1; t >= 0; --t) {  // dlf_u = sum_{t >= u} dg_t + dG (chunk-local g)
+        acc += double(dlf[t0 + t]) + double(dgkv[t0 + t]);
+        dlf[t0 + t] = float(acc);
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x != 0) return;
+  // correction: c_t at every step (+ the last state's terms at the last step), reverse through
+  // m_t = max(lf_t + m_{t-1}, i_t) with ties split in halves (torch.maximum)
+  double Rl = 0.0;
+  for (std::int64_t tl = 0; tl < L.tiles; ++tl) Rl += ws[L.R + (bh * L.ns + L.NC) * L.tiles + tl];
+  const double dml = B.dm_last.p ? double(mlstm_ld(B.dm_last, b * B.dm_last.s0 + hd * B.dm_last.s1)) : 0.0;
+  const double cS = dml - Rl;
+  double m = m0;
+  for (std::int64_t t = 0; t < S; ++t) {
+    const double lf = mlstm_logsigmoid(double(mlstm_ld(p.f, b * p.f.s0 + hd * p.f.s1 + t)));
+    const double ig = double(mlstm_ld(p.i, b * p.i.s0 + hd * p.i.s1 + t));
+    m = fmax(lf + m, ig);
+    mrec[t] = m;
+  }
+  double d = S == 0 ? cS : 0.0;
+  for (std::int64_t t = S - 1; t >= 0; --t) {
+    d += double(ws[L.corr + bh * S + t]) + (t == S - 1 ? cS : 0.0);
+    const double fv = double(mlstm_ld(p.f, b * p.f.s0 + hd * p.f.s1 + t));
+    const double lf = mlstm_logsigmoid(fv);
+    const double mp = t > 0 ? mrec[t - 1] : m0;
+    const double A = lf + mp, Bv = double(mlstm_ld(p.i, b * p.i.s0 + hd * p.i.s1 + t));
+    if (A > Bv) {
+      dlf[t] = float(double(dlf[t]) + d);
+    } else if (A < Bv) {
+      di[t] = float(double(di[t]) + d);
+      d = 0.0;
+    } else {
+      dlf[t] = float(double(dlf[t]) + 0.5 * d);
+      di[t] = float(double(di[t]) + 0.5 * d);
+      d *= 0.5;
+    }
+  }
+  dm0 += d;
+  for (std::int64_t t = 0; t < S; ++t) {
+    const double fv = double(mlstm_ld(p.f, b * p.f.s0 + hd * p.f.s1 + t));
+    const double sig_neg = fv >= 0 ? exp(-fv) / (1.0 + exp(-fv)) : 1.0 / (1.0 + exp(fv));
+    if (B.df.p) mlstm_st(B.df, b * B.df.s0 + hd * B.df.s1 + t, float(double(dlf[t]) * sig_neg));
+    if (B.di.p) mlstm_st(B.di, b * B.di.s0 + hd * B.di.s1 + t, di[t]);
+  }
+  if (B.dm0.p) mlstm_st(B.dm0, b * B.dm0.s0 + hd * B.dm0.s1, float(dm0));
+}
+
+}  // namespace
+
+std::size_t mlstm_bwd_workspace_bytes(const MlstmBwdParams& b) { return std::size_t(BwdWs(b.f).total) * 4; }
+
+void mlstm_bwd_cuda(const MlstmBwdParams& B, void* workspace, std::size_t workspace_bytes, Stream stream) {
+  const MlstmParams& p = B.f;
+  const BwdWs L(p);
+  const std::int64_t heads = p.B * p.NH;
+  if (heads == 0) return;
+  if (workspace_bytes < std::size_t(L.total) * 4)
+    throw ArgumentError(cat("mlstm_bwd: workspace: ", workspace_bytes, " bytes, need ", L.total * 4));
+  const std::int64_t kt = (p.DQK + kT - 1) / kT, vt = (p.DV + kT - 1) / kT;
+  if (heads > 0x7fffffff || L.NC > 65535 || L.rbs * kt > 65535 || kt > 65535 || vt > 65535)
+    throw Error(cat("mlstm_bwd: grid too large (heads ", heads, ", chunks ", L.NC, ")"));
+  float* ws = static_cast<float*>(workspace);
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  MlstmParams pf = p;
+  pf.c_last = pf.n_last = pf.m_last = StridedView{};
+  mlstm_states_cuda(pf, ws + L.c, ws + L.n, ws + L.m, stream);  // K0
+  const std::size_t smem = sizeof(Tiles);
+  for (const void* k : {reinterpret_cast<const void*>(&k1_rows), reinterpret_cast<const void*>(&k3_dq),
+                        reinterpret_cast<const void*>(&k3_dkdv)})
+    (void)resident_ctas_per_sm(k, kThreads, smem);  // raises the dynamic shared-memory limit
+  const unsigned H = unsigned(heads), NC = unsigned(L.NC), RB = unsigned(L.rbs);
+  if (NC > 0) {
+    k1_rows<<<dim3(H, NC, RB), kThreads, smem, s>>>(B, ws, ws, L);
+    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  }
+  k2_scan<<<dim3(H, unsigned(kt), unsigned(vt)), kThreads, 0, s>>>(B, ws, L);
+  FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  if (NC > 0) {
+    k3_dq<<<dim3(H, NC, RB * unsigned(kt)), kThreads, smem, s>>>(B, ws, L);
+    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+    k3_dkdv<<<dim3(H, NC, RB * 2), kThreads, smem, s>>>(B, ws, L);
+    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  }
+  k4_gates<<<H, kThreads, 0, s>>>(B, ws, L);
+  FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+}
+
+}  // namespace fastweight::detail
