@@ -8,7 +8,9 @@
 #include <vector>
 
 #include "api/check.h"
+#include "api/deltanet_lower.h"
 #include "api/host_tensor.h"
+#include "api/mlstm_lower.h"  // view_of
 #include "fastweight/deltanet.h"
 #include "reference/deltanet_ref.h"
 
@@ -182,5 +184,22 @@ void deltanet_step(const DeltanetStepArgs& a, Stream) {
   detail::scatter_f64(o, a.o);
   detail::scatter_f64(ht, a.new_state);  // after every read of `state` (in place is safe)
 }
+
+// ---- lowering for the CUDA kernels (src/cuda/deltanet) -----------------------------------------------
+namespace detail {
+DeltanetParams lower_deltanet_fwd(const DeltanetFwdArgs& a) {
+  DeltanetParams p;
+  p.B = a.q.shape[0], p.T = a.q.shape[1], p.H = a.q.shape[2], p.K = a.q.shape[3], p.V = a.v.shape[3];
+  p.N = a.cu_seqlens.defined() ? a.cu_seqlens.shape[0] - 1 : p.B;
+  p.scale = float(std::isnan(a.scale) ? std::pow(double(p.K), -0.5) : a.scale);  // as the reference
+  p.l2 = a.use_qk_l2norm_in_kernel;
+  p.q = view_of(a.q, 3), p.k = view_of(a.k, 3), p.v = view_of(a.v, 3), p.o = view_of(a.o, 3);
+  p.beta = view_of(a.beta, 2);
+  p.h0 = view_of(a.initial_state, 3), p.ht = view_of(a.final_state, 3);
+  p.cu_seqlens = a.cu_seqlens.defined() ? a.cu_seqlens.data : nullptr;
+  p.cu_i64 = !a.cu_seqlens.defined() || a.cu_seqlens.dtype == DType::i64;
+  return p;
+}
+}  // namespace detail
 
 }  // namespace fastweight

@@ -1,0 +1,12 @@
+// deltanet_cuda.h: the CUDA back end of DeltaNet (host-callable, no CUDA headers).
+#pragma once
+
+#include "common/deltanet_params.h"
+
+namespace fastweight::detail {
+
+// Chunkwise forward (chunks of 64, the WY form of the reference): o and, when p.ht is set, the
+// final states. No workspace: the state lives in shared memory.
+void deltanet_fwd_cuda(const DeltanetParams& p, Stream stream);
+
+}  // namespace fastweight::detail
