@@ -7,6 +7,7 @@
 // outputs poisoned before the run, bitwise determinism.
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -32,6 +33,8 @@ std::string name_of(const DnCase& c) {
          std::to_string(c.V) + (c.l2 ? "_l2" : "") + (c.state ? "_state" : "") +
          (c.cu.empty() ? "" : std::string("_varlen_") + dtype_name(c.cu_dt));
 }
+// gtest prints a failing case by its name, not as raw bytes
+void PrintTo(const DnCase& c, std::ostream* os) { *os << name_of(c); }
 double* p64(HostTensor& t) { return static_cast<double*>(t.base()); }
 
 class DeltanetCudaFwd : public ::testing::TestWithParam<DnCase> {};
