@@ -4,7 +4,8 @@
 // them once they have passed this suite on a GPU).
 // Checks: h and the final states for fp32 / bf16 / fp16, S in {1, 63, 100, 1000} with chunk sizes
 // 16..256 (tails inside), DQK != DV, initial states, strided (padded) inputs, strong gates
-// (f = -20, i = +20: finite), outputs poisoned before the run, bitwise determinism; the step
+// (f = -20, i = +20: finite), outputs poisoned before the run, bitwise determinism (bf16: the
+// tensor-core forward, mlstm_fwd_tc.cu; fp32 / fp16: mlstm_fwd.cu); the step
 // (out of place and in place), the decay matrix forward and backward, and the chunkwise backward
 // (every gradient, initial states' included, against the exact float64 one).
 #include <gtest/gtest.h>
@@ -132,6 +133,14 @@ std::vector<FwdCase> fwd_cases() {
   v.push_back({DType::bf16, 1, 2, 300, 64, 128, 128, false, false, true});
   v.push_back({DType::f32, 1, 1, 4097, 64, 64, 256, true, false, false});
   v.push_back({DType::f32, 2, 1, 77, 256, 512, 64, true, false, false});
+  // bf16 runs on tensor cores (mlstm_fwd_tc.cu): odd head dims (zero-filled tiles), chunk sizes
+  // 16..256, many chunks, the largest DQK, S = 1, and unaligned rows (element loads, not cp.async)
+  v.push_back({DType::bf16, 1, 2, 63, 96, 80, 16, true, false, false});
+  v.push_back({DType::bf16, 2, 2, 1000, 96, 80, 256, false, false, false});
+  v.push_back({DType::bf16, 1, 1, 4097, 64, 64, 64, true, false, false});
+  v.push_back({DType::bf16, 2, 1, 77, 256, 512, 64, true, false, false});
+  v.push_back({DType::bf16, 1, 3, 1, 128, 128, 64, true, false, false});
+  v.push_back({DType::bf16, 1, 2, 1000, 128, 128, 64, true, true, false});
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Cases, MlstmCudaFwd, ::testing::ValuesIn(fwd_cases()),

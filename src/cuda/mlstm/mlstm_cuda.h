@@ -8,9 +8,14 @@
 
 namespace fastweight::detail {
 
-// Chunkwise forward: h and, when asked, the final states. Workspace: MlstmFwdWorkspace(p).bytes().
+// Chunkwise forward: h and, when asked, the final states. Workspace: mlstm_fwd_workspace_bytes(p).
 std::size_t mlstm_fwd_workspace_bytes(const MlstmParams& p);
 void mlstm_fwd_cuda(const MlstmParams& p, void* workspace, std::size_t workspace_bytes, Stream stream);
+// The tensor-core forward (mlstm_fwd_tc.cu), which mlstm_fwd_cuda picks where it applies: bf16 q,
+// k, v, h and DQK <= 256.
+bool mlstm_fwd_tc_applies(const MlstmParams& p);
+std::size_t mlstm_fwd_tc_workspace_bytes(const MlstmParams& p);
+void mlstm_fwd_tc_cuda(const MlstmParams& p, void* workspace, std::size_t workspace_bytes, Stream stream);
 
 // Kernel A of the forward alone: the states entering every chunk (and the final one) into the
 // workspace parts c, n, m of MlstmFwdWorkspace(p); also p's c_last/n_last/m_last when set.

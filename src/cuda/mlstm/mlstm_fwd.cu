@@ -3,8 +3,8 @@
 //      entering every chunk (and the final one) to the workspace (fp32);
 //   B  outputs: one CTA per (head, chunk, 64-row block of the chunk, 64-column tile of DV) computes
 //      h = (inter: q C_k + intra: masked decayed (q k^T) v) / (max(|q n_k + rowsum|, exp(-m_t)) + eps).
-// Version 1 computes in fp32 FMA on CUDA cores for every IO dtype (fp32 is true fp32); tensor-core
-// tiles for 16-bit IO are the next step. Log-space bookkeeping: mlstm_common.cuh.
+// This version computes in fp32 FMA on CUDA cores (fp32 IO is true fp32; fp16 IO, whose states
+// could overflow a 16-bit copy, also runs here); bf16 IO runs on tensor cores (mlstm_fwd_tc.cu). Log-space bookkeeping: mlstm_common.cuh.
 #include <algorithm>
 
 #include "cuda/common/check.cuh"
@@ -270,7 +270,9 @@ __global__ void __launch_bounds__(kThreads) mlstm_fwd_out_kernel(const MlstmPara
 
 }  // namespace
 
-std::size_t mlstm_fwd_workspace_bytes(const MlstmParams& p) { return std::size_t(MlstmFwdWorkspace(p).bytes()); }
+std::size_t mlstm_fwd_workspace_bytes(const MlstmParams& p) {
+  return mlstm_fwd_tc_applies(p) ? mlstm_fwd_tc_workspace_bytes(p) : std::size_t(MlstmFwdWorkspace(p).bytes());
+}
 
 void mlstm_states_cuda(const MlstmParams& p, float* ws_c, float* ws_n, float* ws_m, Stream stream) {
   const std::int64_t heads = p.B * p.NH;
@@ -283,6 +285,7 @@ void mlstm_states_cuda(const MlstmParams& p, float* ws_c, float* ws_n, float* ws
 }
 
 void mlstm_fwd_cuda(const MlstmParams& p, void* workspace, std::size_t workspace_bytes, Stream stream) {
+  if (mlstm_fwd_tc_applies(p)) return mlstm_fwd_tc_cuda(p, workspace, workspace_bytes, stream);  // bf16: tensor cores
   const MlstmFwdWorkspace w(p);
   if (p.B * p.NH == 0) return;
   if (workspace_bytes < std::size_t(w.bytes()))

@@ -1,0 +1,453 @@
+// mlstm_fwd_tc.cu: the chunkwise mLSTM forward on tensor cores (bf16 IO; mma.sync m16n8k16, fp32
+// accumulators), version 2 of mlstm_fwd.cu's two kernels plus a gate pass:
+//   G  gates:   per (head, chunk): g_t (cumulative log forget within the chunk), a_t = i_t - g_t and
+//               A_t = max(a_0..a_t), float64, to the workspace (once, instead of per CTA).
+//   A  states:  per (head, 64 x 64 tile of C), serial over chunks: C <- d C + (w k)^T v on tensor
+//               cores. w k is split into bf16 hi + lo parts (two products) so the fp32 chain keeps
+//               ~16 bits of w k: the final states match the float64 reference to ~1e-5, not bf16's
+//               2^-9. The state entering each chunk goes to the workspace as bf16 (what kernel B's
+//               bf16 product reads anyway; half the bytes of fp32), n in fp32, m in float64.
+//   B  outputs: per (head, chunk, 64-row block, 64-column tile of DV): inter q C_k and intra
+//               (q k^T * D) v on tensor cores, P kept in registers between the two products
+//               (FlashAttention-2's fragment reuse); q . n_k and the row sums in fp32.
+// Math and notation as mlstm_fwd.cu / mlstm_common.cuh (M_t = max(m_k, A_t), D_ts = exp(a_s - M_t)).
+// Deterministic: fixed reduction orders, no atomics. No allocation, no host sync: graph safe.
+#include <algorithm>
+
+#include "cuda/common/check.cuh"
+#include "cuda/common/mma.cuh"
+#include "cuda/mlstm/mlstm_common.cuh"
+#include "cuda/mlstm/mlstm_cuda.h"
+
+namespace fastweight::detail {
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int kT = 64;         // tile edge: chunk rows / steps, DQK and DV columns
+constexpr int kThreads = 128;  // 4 warps; warp w owns tile rows 16w..16w+15
+constexpr int kLd = kT + 8;    // smem row stride (bf16) of 64-column tiles: 144 B, ldmatrix conflict-free
+constexpr int kMaxL = 256;
+
+__host__ __device__ constexpr std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
+__host__ __device__ constexpr std::int64_t lmin(std::int64_t x, std::int64_t y) { return x < y ? x : y; }
+__device__ __forceinline__ int bytes16(int nr_ok, int left) {  // bytes of a 16-byte chunk inside the tile
+  return nr_ok ? 2 * (left < 0 ? 0 : left > 8 ? 8 : left) : 0;
+}
+
+// Workspace (each part 256-byte aligned): C states bf16 (heads, NC+1, DQK, DVp) with DVp = DV
+// rounded up to 8 (16-byte rows) | n fp32 (heads, NC+1, DQK) | m f64 (heads, NC+1) | g, a, A f64
+// (heads, S) each.
+struct TcWs {
+  std::int64_t DVp, c, n, m, g, a, A, total;  // byte offsets
+  explicit TcWs(const MlstmParams& p) {
+    const std::int64_t heads = p.B * p.NH, ns = p.chunks() + 1;
+    DVp = round_up(p.DV, 8);
+    std::int64_t o = 0;
+    auto take = [&](std::int64_t bytes) { const std::int64_t at = o; o += round_up(bytes, 256); return at; };
+    c = take(heads * ns * p.DQK * DVp * 2);
+    n = take(heads * ns * p.DQK * 4);
+    m = take(heads * ns * 8);
+    g = take(heads * p.S * 8), a = take(heads * p.S * 8), A = take(heads * p.S * 8);
+    total = o;
+  }
+};
+
+// Rows [0, nr) x columns [0, nc) of a bf16 matrix (row i at src + i * rs) into an R x C smem tile
+// (stride ld; C a multiple of 8), zeros elsewhere. vec: src 16-byte aligned and rs % 8 == 0 ->
+// cp.async (the caller commits and waits); else synchronous element loads.
+__device__ __forceinline__ void load_tile(bf16* sm, int ld, int R, int C, const bf16* src, std::int64_t rs, int nr,
+                                          int nc, bool vec) {
+  if (vec) {
+    const int CH = C / 8;  // 16-byte chunks per row
+    for (int e = threadIdx.x; e < R * CH; e += kThreads) {
+      const int r = e / CH, col = (e % CH) * 8;
+      const int bytes = bytes16(r < nr, nc - col);
+      cp_async16(sm + r * ld + col, bytes ? src + r * rs + col : src, bytes);
+    }
+  } else {
+    for (int e = threadIdx.x; e < R * C; e += kThreads) {
+      const int r = e / C, col = e % C;
+      sm[r * ld + col] = r < nr && col < nc ? src[r * rs + col] : __float2bfloat16_rn(0.f);
+    }
+  }
+}
+
+struct TcFlags {
+  bool q, k, v, h2;  // q/k/v: 16-byte rows (cp.async); h2: bf16 pairs may be stored as 32-bit words
+};
+
+// ---- G: gate bookkeeping ---------------------------------------------------------------------------
+__global__ void __launch_bounds__(256) mlstm_tc_gates_kernel(const MlstmParams p, double* __restrict__ wg,
+                                                             double* __restrict__ wa, double* __restrict__ wA) {
+  __shared__ double s_g[kMaxL], s_a[kMaxL], s_A[kMaxL];
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, t0 = std::int64_t(blockIdx.y) * p.L;
+  const int n = int(lmin(p.L, p.S - t0));
+  mlstm_chunk_gates(p, b, hd, t0, n, -INFINITY, s_g, s_a, s_A);  // m = -inf: A_t without the entering m
+  const int t = threadIdx.x;
+  if (t < n) {
+    const std::int64_t o = bh * p.S + t0 + t;
+    wg[o] = s_g[t], wa[o] = s_a[t], wA[o] = s_A[t];
+  }
+}
+
+// ---- A: chunk states -------------------------------------------------------------------------------
+struct StatesSmem {
+  bf16 k[2][kT][kLd];  // (2 stages) (64 steps, 64 DQK columns) k, as loaded
+  bf16 v[2][kT][kLd];  // (2 stages) (64 steps, 64 DV columns) v
+  bf16 hi[kT][kLd];    // (64 steps, 64 DQK) bf16(w_s k_s)
+  bf16 lo[kT][kLd];    // (64 steps, 64 DQK) bf16(w_s k_s - hi)
+  float w[kT];         // (64 steps) w_s = exp(a_s - M)
+  float n[2][kT];      // (2 halves, 64 DQK) n partial sums
+};
+
+__device__ __forceinline__ void issue_kv_tile(StatesSmem& sm, int stage, const MlstmParams& p, const TcFlags& fl,
+                                              const bf16* k, const bf16* v, int nb, int nr, int nc) {
+  load_tile(&sm.k[stage][0][0], kLd, kT, kT, k, p.k.s2, nb, nr, fl.k);
+  load_tile(&sm.v[stage][0][0], kLd, kT, kT, v, p.v.s2, nb, nc, fl.v);
+  cp_async_commit();
+}
+
+__global__ void __launch_bounds__(kThreads, 1) mlstm_tc_states_kernel(const MlstmParams p, const TcFlags fl,
+                                                                   bf16* __restrict__ ws_c, float* __restrict__ ws_n,
+                                                                   double* __restrict__ ws_m, const double* __restrict__ wg,
+                                                                   const double* __restrict__ wa,
+                                                                   const double* __restrict__ wA) {
+  extern __shared__ float4 smem_raw[];
+  StatesSmem& sm = *reinterpret_cast<StatesSmem*>(smem_raw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
+  const int r0 = blockIdx.y * kT, c0 = blockIdx.z * kT;
+  const std::int64_t NC = p.chunks(), ns = NC + 1, DQK = p.DQK, DV = p.DV, DVp = round_up(DV, 8);
+  const int nr = int(lmin(kT, DQK - r0)), nc = int(lmin(kT, DV - c0));
+  const bf16* kb = static_cast<const bf16*>(p.k.p) + b * p.k.s0 + hd * p.k.s1 + r0;
+  const bf16* vb = static_cast<const bf16*>(p.v.p) + b * p.v.s0 + hd * p.v.s1 + c0;
+
+  // acc[j]: rows r0 + 16 warp + gq (+8), columns c0 + 8j + 2 t4 (+1) of C (fp32, the exact chain)
+  float acc[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const std::int64_t r = r0 + 16 * warp + gq + (e >> 1) * 8, c = c0 + 8 * j + 2 * t4 + (e & 1);
+      acc[j][e] = p.c0.p && r < DQK && c < DV ? mlstm_ld(p.c0, b * p.c0.s0 + hd * p.c0.s1 + r * p.c0.s2 + c) : 0.f;
+    }
+  const int ncol = tid & 63, half = tid >> 6;  // n: column ncol, steps half*32.. of each tile
+  float nh = half == 0 && p.n0.p && r0 + ncol < DQK ? mlstm_ld(p.n0, b * p.n0.s0 + hd * p.n0.s1 + r0 + ncol) : 0.f;
+  double m = p.m0.p ? double(mlstm_ld(p.m0, b * p.m0.s0 + hd * p.m0.s1)) : 0.0;
+
+  auto issue = [&](std::int64_t kc, int sb, int stage) {  // k, v rows of chunk kc, steps sb*64..
+    const std::int64_t t = kc * p.L + sb * kT;
+    issue_kv_tile(sm, stage, p, fl, kb + t * p.k.s2, vb + t * p.v.s2, int(lmin(lmin(kT, p.S - t), (kc + 1) * p.L - t)),
+                  nr, nc);
+  };
+  int stage = 0;
+  if (NC > 0) issue(0, 0, 0);
+  for (std::int64_t kc = 0;; ++kc) {
+    // The state entering chunk kc (kc == NC: the final one) to the workspace.
+    bf16* wc = ws_c + ((bh * ns + kc) * DQK) * DVp;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const std::int64_t r = r0 + 16 * warp + gq + hr * 8, c = c0 + 8 * j + 2 * t4;
+        if (r < DQK && c < DV)  // DVp is even and c even: the pair stays inside the padded row
+          *reinterpret_cast<std::uint32_t*>(wc + r * DVp + c) = pack_bf16(acc[j][2 * hr], acc[j][2 * hr + 1]);
+      }
+    sm.n[half][ncol] = nh;
+    __syncthreads();
+    if (blockIdx.z == 0 && tid < kT && r0 + tid < DQK) ws_n[(bh * ns + kc) * DQK + r0 + tid] = sm.n[0][tid] + sm.n[1][tid];
+    if (blockIdx.y == 0 && blockIdx.z == 0 && tid == 0) ws_m[bh * ns + kc] = m;
+    if (kc == NC) break;
+
+    const std::int64_t t0 = kc * p.L;
+    const int n = int(lmin(p.L, p.S - t0));
+    const double M = fmax(m, wA[bh * p.S + t0 + n - 1]), G = wg[bh * p.S + t0 + n - 1];
+    const float decay = float(exp(m - M));  // <= 1
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
+    nh *= decay;
+    const int nsb = (n + kT - 1) / kT;
+    for (int sb = 0; sb < nsb; ++sb) {
+      // prefetch the next tile (next block of this chunk, else the first of the next chunk)
+      if (sb + 1 < nsb) issue(kc, sb + 1, stage ^ 1);
+      else if (kc + 1 < NC) issue(kc + 1, 0, stage ^ 1);
+      else cp_async_commit();  // empty group: keeps wait_group<1> meaning "this tile has landed"
+      const int nb = min(kT, n - sb * kT);
+      if (tid < kT) sm.w[tid] = tid < nb ? float(exp(wa[bh * p.S + t0 + sb * kT + tid] - M)) : 0.f;
+      cp_async_wait<1>();
+      __syncthreads();
+      // w k split into hi + lo (bf16 each); n gets the fp32 products
+#pragma unroll 4
+      for (int s = half * 32; s < half * 32 + 32; ++s) {
+        const float x = sm.w[s] * __bfloat162float(sm.k[stage][s][ncol]);
+        const bf16 hi = __float2bfloat16_rn(x);
+        sm.hi[s][ncol] = hi;
+        sm.lo[s][ncol] = __float2bfloat16_rn(x - __bfloat162float(hi));
+        nh += x;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int ks = 0; ks < kT / 16; ++ks) {
+        std::uint32_t ah[4], al[4];
+        const int ar = ks * 16 + ld_row_a_kmajor(lane), ac = 16 * warp + ld_col_a_kmajor(lane);
+        ldsm_x4_t(ah, &sm.hi[ar][ac]);
+        ldsm_x4_t(al, &sm.lo[ar][ac]);
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          std::uint32_t bv[4];
+          ldsm_x4_t(bv, &sm.v[stage][ks * 16 + ld_row_b_kmajor(lane)][16 * jj + ld_col_b_kmajor(lane)]);
+          mma_bf16_16816(acc[2 * jj], ah, bv[0], bv[1]);
+          mma_bf16_16816(acc[2 * jj], al, bv[0], bv[1]);
+          mma_bf16_16816(acc[2 * jj + 1], ah, bv[2], bv[3]);
+          mma_bf16_16816(acc[2 * jj + 1], al, bv[2], bv[3]);
+        }
+      }
+      __syncthreads();  // this stage's buffers are free for the prefetch after next
+      stage ^= 1;
+    }
+    m = G + M;
+  }
+  // The caller's final states, from the fp32 chain.
+  if (p.c_last.p)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const std::int64_t r = r0 + 16 * warp + gq + (e >> 1) * 8, c = c0 + 8 * j + 2 * t4 + (e & 1);
+        if (r < DQK && c < DV) mlstm_st(p.c_last, b * p.c_last.s0 + hd * p.c_last.s1 + r * p.c_last.s2 + c, acc[j][e]);
+      }
+  if (p.n_last.p && blockIdx.z == 0 && tid < kT && r0 + tid < DQK)
+    mlstm_st(p.n_last, b * p.n_last.s0 + hd * p.n_last.s1 + r0 + tid, sm.n[0][tid] + sm.n[1][tid]);
+  if (p.m_last.p && blockIdx.y == 0 && blockIdx.z == 0 && tid == 0)
+    mlstm_st(p.m_last, b * p.m_last.s0 + hd * p.m_last.s1, float(m));
+}
+
+// ---- B: outputs --------------------------------------------------------------------------------------
+// Dynamic smem, DQKp = DQK rounded up to 16, ldq = DQKp + 8:
+//   f64 a[kMaxL] | f64 M[64] | f64 mt[64] | f32 nk[DQKp] | bf16 q[64][ldq] | k[64][ldq] | c[DQKp][kLd] | v[64][kLd]
+struct OutLayout {
+  int DQKp, ldq;
+  std::size_t a, M, mt, nk, q, k, c, v, bytes;
+  __host__ __device__ explicit OutLayout(std::int64_t DQK) {
+    DQKp = int(round_up(DQK, 16)), ldq = DQKp + 8;
+    a = 0, M = a + 8 * kMaxL, mt = M + 8 * kT, nk = mt + 8 * kT;
+    q = round_up(nk + 4 * std::size_t(DQKp), 16);
+    k = q + 2 * std::size_t(kT) * ldq;
+    c = k + 2 * std::size_t(kT) * ldq;
+    v = c + 2 * std::size_t(DQKp) * kLd;
+    bytes = v + 2 * std::size_t(kT) * kLd;
+  }
+};
+
+__global__ void __launch_bounds__(kThreads) mlstm_tc_out_kernel(const MlstmParams p, const TcFlags fl,
+                                                                const bf16* __restrict__ ws_c,
+                                                                const float* __restrict__ ws_n,
+                                                                const double* __restrict__ ws_m,
+                                                                const double* __restrict__ wg,
+                                                                const double* __restrict__ wa,
+                                                                const double* __restrict__ wA) {
+  extern __shared__ float4 smem_raw[];
+  char* base = reinterpret_cast<char*>(smem_raw);
+  const OutLayout lay(p.DQK);
+  double* s_a = reinterpret_cast<double*>(base + lay.a);   // (rows of the chunk up to this block's end) a_s
+  double* s_M = reinterpret_cast<double*>(base + lay.M);   // (64 block rows) M_t
+  double* s_mt = reinterpret_cast<double*>(base + lay.mt); // (64 block rows) m_t = g_t + M_t
+  float* s_nk = reinterpret_cast<float*>(base + lay.nk);   // (DQKp) n_k
+  bf16* sq = reinterpret_cast<bf16*>(base + lay.q);        // (64 rows t, DQKp) q
+  bf16* sk = reinterpret_cast<bf16*>(base + lay.k);        // (64 steps s, DQKp) k
+  bf16* sc = reinterpret_cast<bf16*>(base + lay.c);        // (DQKp, 64 DV columns) C_k
+  bf16* sv = reinterpret_cast<bf16*>(base + lay.v);        // (64 steps s, 64 DV columns) v
+  const int ldq = lay.ldq, DQKp = lay.DQKp;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y;
+  const int row_blocks = int((p.L + kT - 1) / kT);
+  const int rb = blockIdx.z % row_blocks, c0 = int(blockIdx.z / row_blocks) * kT;
+  const std::int64_t ns = p.chunks() + 1, DQK = p.DQK, DV = p.DV, DVp = round_up(DV, 8);
+  const std::int64_t t0 = kc * p.L;
+  const int n = int(lmin(p.L, p.S - t0));
+  const int row0 = rb * kT;
+  if (row0 >= n) return;  // a short last chunk has fewer row blocks (uniform over the CTA)
+  const int nrow = min(kT, n - row0), rowend = row0 + nrow, nc = int(lmin(kT, DV - c0));
+
+  const bf16* qb = static_cast<const bf16*>(p.q.p) + b * p.q.s0 + hd * p.q.s1;
+  const bf16* kb = static_cast<const bf16*>(p.k.p) + b * p.k.s0 + hd * p.k.s1;
+  const bf16* vb = static_cast<const bf16*>(p.v.p) + b * p.v.s0 + hd * p.v.s1 + c0;
+  load_tile(sq, ldq, kT, DQKp, qb + (t0 + row0) * p.q.s2, p.q.s2, nrow, int(DQK), fl.q);
+  load_tile(sc, kLd, DQKp, kT, ws_c + (bh * ns + kc) * DQK * DVp + c0, DVp, int(DQK), nc, true);
+  cp_async_commit();
+  auto issue_kv = [&](int sb) {
+    const int s0 = sb * kT, nsb = min(kT, rowend - s0);
+    load_tile(sk, ldq, kT, DQKp, kb + (t0 + s0) * p.k.s2, p.k.s2, nsb, int(DQK), fl.k);
+    load_tile(sv, kLd, kT, kT, vb + (t0 + s0) * p.v.s2, p.v.s2, nsb, nc, fl.v);
+    cp_async_commit();
+  };
+  issue_kv(0);
+
+  const double mk = ws_m[bh * ns + kc];
+  const std::int64_t go = bh * p.S + t0;
+  for (int s = tid; s < rowend; s += kThreads) s_a[s] = wa[go + s];
+  if (tid < kT) {
+    const double M = tid < nrow ? fmax(mk, wA[go + row0 + tid]) : 0.0;
+    s_M[tid] = M;
+    s_mt[tid] = tid < nrow ? wg[go + row0 + tid] + M : 0.0;
+  }
+  for (int r = tid; r < DQKp; r += kThreads) s_nk[r] = r < DQK ? ws_n[(bh * ns + kc) * DQK + r] : 0.f;
+  cp_async_wait<1>();
+  __syncthreads();
+
+  const float scale = rsqrtf(float(DQK));
+  const int tlA = 16 * warp + gq, tlB = tlA + 8;  // this thread's two block rows
+  float acc[8][4] = {};  // (16 rows of the warp, 64 DV columns) numerator
+  // Inter-chunk part: q C_k on tensor cores, q . n_k in fp32.
+  for (int ks = 0; ks < DQKp / 16; ++ks) {
+    std::uint32_t a[4];
+    ldsm_x4(a, sq + (16 * warp + ld_row_a_rowmajor(lane)) * ldq + ks * 16 + ld_col_a_rowmajor(lane));
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      std::uint32_t bv[4];
+      ldsm_x4_t(bv, sc + (ks * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
+      mma_bf16_16816(acc[2 * jj], a, bv[0], bv[1]);
+      mma_bf16_16816(acc[2 * jj + 1], a, bv[2], bv[3]);
+    }
+  }
+  float qn;  // lanes 2r, 2r+1: row r of the warp, even / odd columns
+  {
+    const bf16* qr = sq + (16 * warp + (lane >> 1)) * ldq;
+    float s = 0.f;
+    for (int c = lane & 1; c < DQKp; c += 2) s = fmaf(__bfloat162float(qr[c]), s_nk[c], s);
+    qn = s + __shfl_xor_sync(0xffffffffu, s, 1);
+  }
+  float qnA = __shfl_sync(0xffffffffu, qn, 2 * gq), qnB = __shfl_sync(0xffffffffu, qn, 2 * (gq + 8));
+  {  // decay of the entering state into row t (scale included): exp(m_k - M_t) <= 1
+    const float eA = tlA < nrow ? scale * __expf(float(mk - s_M[tlA])) : 0.f;
+    const float eB = tlB < nrow ? scale * __expf(float(mk - s_M[tlB])) : 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j][0] *= eA, acc[j][1] *= eA, acc[j][2] *= eB, acc[j][3] *= eB;
+    qnA *= eA, qnB *= eB;
+  }
+
+  // Intra-chunk part, one 64-step block of s at a time (s <= t only).
+  float rsA = 0.f, rsB = 0.f;
+  for (int sb = 0; sb <= rb; ++sb) {
+    if (sb > 0) issue_kv(sb);
+    cp_async_wait<0>();
+    __syncthreads();
+    const int s0 = sb * kT;
+    float sacc[8][4] = {};  // (16 rows, 64 steps) q k^T
+    for (int ks = 0; ks < DQKp / 16; ++ks) {
+      std::uint32_t a[4];
+      ldsm_x4(a, sq + (16 * warp + ld_row_a_rowmajor(lane)) * ldq + ks * 16 + ld_col_a_rowmajor(lane));
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        std::uint32_t bk[4];
+        ldsm_x4(bk, sk + (16 * jj + ld_row_b_nmajor(lane)) * ldq + ks * 16 + ld_col_b_nmajor(lane));
+        mma_bf16_16816(sacc[2 * jj], a, bk[0], bk[1]);
+        mma_bf16_16816(sacc[2 * jj + 1], a, bk[2], bk[3]);
+      }
+    }
+    // P = scale (q k^T) exp(a_s - M_t) on s <= t; to bf16 A fragments (register reuse)
+    std::uint32_t pa[4][4];
+    const double MA = s_M[tlA], MB = s_M[tlB];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float pv[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tl = e < 2 ? tlA : tlB, s = s0 + 8 * j + 2 * t4 + (e & 1);
+        const bool on = tl < nrow && s <= row0 + tl;  // s <= t < rowend
+        pv[e] = on ? scale * sacc[j][e] * __expf(float(s_a[on ? s : 0] - (e < 2 ? MA : MB))) : 0.f;
+      }
+      rsA += pv[0] + pv[1], rsB += pv[2] + pv[3];
+      pa[j >> 1][(j & 1) * 2] = pack_bf16(pv[0], pv[1]);
+      pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16(pv[2], pv[3]);
+    }
+#pragma unroll
+    for (int kp = 0; kp < 4; ++kp)
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        std::uint32_t bv[4];
+        ldsm_x4_t(bv, sv + (kp * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
+        mma_bf16_16816(acc[2 * jj], pa[kp], bv[0], bv[1]);
+        mma_bf16_16816(acc[2 * jj + 1], pa[kp], bv[2], bv[3]);
+      }
+    __syncthreads();  // sk / sv are free for the next block
+  }
+  // the four lanes of a row hold its row sum in parts (fixed xor tree: every lane the same bits)
+  rsA += __shfl_xor_sync(0xffffffffu, rsA, 1), rsB += __shfl_xor_sync(0xffffffffu, rsB, 1);
+  rsA += __shfl_xor_sync(0xffffffffu, rsA, 2), rsB += __shfl_xor_sync(0xffffffffu, rsB, 2);
+
+  // h = num / (max(|q . n|, exp(-m_t)) + eps)
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int tl = hr ? tlB : tlA;
+    if (tl >= nrow) continue;
+    const float den = fmaxf(fabsf((hr ? qnB + rsB : qnA + rsA)), float(exp(-s_mt[tl]))) + p.eps;
+    const float inv = 1.f / den;
+    bf16* hrow = static_cast<bf16*>(p.h.p) + b * p.h.s0 + hd * p.h.s1 + (t0 + row0 + tl) * p.h.s2;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int c = c0 + 8 * j + 2 * t4;
+      const float x0 = acc[j][2 * hr] * inv, x1 = acc[j][2 * hr + 1] * inv;
+      if (fl.h2 && c + 1 < DV) {
+        *reinterpret_cast<std::uint32_t*>(hrow + c) = pack_bf16(x0, x1);
+      } else {
+        if (c < DV) hrow[c] = __float2bfloat16_rn(x0);
+        if (c + 1 < DV) hrow[c + 1] = __float2bfloat16_rn(x1);
+      }
+    }
+  }
+}
+
+bool rows16(const StridedView& t) {  // 16-byte aligned rows at every (b, h, t)
+  return reinterpret_cast<std::uintptr_t>(t.p) % 16 == 0 && t.s0 % 8 == 0 && t.s1 % 8 == 0 && t.s2 % 8 == 0;
+}
+
+}  // namespace
+
+bool mlstm_fwd_tc_applies(const MlstmParams& p) {
+  return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 && p.h.dtype == DType::bf16 &&
+         p.DQK >= 1 && p.DQK <= 256 && p.DV >= 1 && p.L >= 1 && p.L <= kMaxL;
+}
+
+std::size_t mlstm_fwd_tc_workspace_bytes(const MlstmParams& p) { return std::size_t(TcWs(p).total); }
+
+void mlstm_fwd_tc_cuda(const MlstmParams& p, void* workspace, std::size_t workspace_bytes, Stream stream) {
+  const TcWs w(p);
+  if (p.B * p.NH == 0) return;
+  if (workspace_bytes < std::size_t(w.total))
+    throw ArgumentError(cat("mlstm_fwd: workspace: ", workspace_bytes, " bytes, need ", w.total));
+  char* ws = static_cast<char*>(workspace);
+  bf16* ws_c = reinterpret_cast<bf16*>(ws + w.c);
+  float* ws_n = reinterpret_cast<float*>(ws + w.n);
+  double* ws_m = reinterpret_cast<double*>(ws + w.m);
+  double *wg = reinterpret_cast<double*>(ws + w.g), *wa = reinterpret_cast<double*>(ws + w.a),
+         *wA = reinterpret_cast<double*>(ws + w.A);
+  const std::int64_t heads = p.B * p.NH, NC = p.chunks();
+  const std::int64_t kt = (p.DQK + kT - 1) / kT, vt = (p.DV + kT - 1) / kT, rbs = (p.L + kT - 1) / kT;
+  if (heads > 0x7fffffff || kt > 65535 || vt > 65535 || NC > 65535 || rbs * vt > 65535)
+    throw Error(cat("mlstm_fwd: grid too large (heads ", heads, ", chunks ", NC, ")"));
+  const TcFlags fl{rows16(p.q), rows16(p.k), rows16(p.v),
+                   reinterpret_cast<std::uintptr_t>(p.h.p) % 4 == 0 && p.h.s0 % 2 == 0 && p.h.s1 % 2 == 0 &&
+                       p.h.s2 % 2 == 0};
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (NC > 0) {
+    mlstm_tc_gates_kernel<<<dim3(unsigned(heads), unsigned(NC)), 256, 0, s>>>(p, wg, wa, wA);
+    FW_CUDA_CHECK_LAUNCH("mlstm_fwd");
+  }
+  const std::size_t ssm = sizeof(StatesSmem);
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_tc_states_kernel), kThreads, ssm);
+  mlstm_tc_states_kernel<<<dim3(unsigned(heads), unsigned(kt), unsigned(vt)), kThreads, ssm, s>>>(p, fl, ws_c, ws_n,
+                                                                                                  ws_m, wg, wa, wA);
+  FW_CUDA_CHECK_LAUNCH("mlstm_fwd");
+  if (NC == 0) return;
+  const OutLayout lay(p.DQK);
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_tc_out_kernel), kThreads, lay.bytes);
+  mlstm_tc_out_kernel<<<dim3(unsigned(heads), unsigned(NC), unsigned(rbs * vt)), kThreads, lay.bytes, s>>>(
+      p, fl, ws_c, ws_n, ws_m, wg, wa, wA);
+  FW_CUDA_CHECK_LAUNCH("mlstm_fwd");
+}
+
+}  // namespace fastweight::detail
