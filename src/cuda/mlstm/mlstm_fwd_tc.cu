@@ -91,39 +91,57 @@ __global__ void __launch_bounds__(256) mlstm_tc_gates_kernel(const MlstmParams p
 }
 
 // ---- A: chunk states -------------------------------------------------------------------------------
+// One 64-step tile of a chunk per iteration, two stages: the next tile (k, v, its a_s and the chunk's
+// A_{n-1}, g_{n-1}) lands by cp.async while this one is multiplied; one barrier per tile. w_s k_s is
+// formed in registers on the A fragments (no shared-memory pass); n = (w k)^T 1 is one more n-tile
+// whose B fragment is all ones.
 struct StatesSmem {
-  bf16 k[2][kT][kLd];  // (2 stages) (64 steps, 64 DQK columns) k, as loaded
+  bf16 k[2][kT][kLd];  // (2 stages) (64 steps, 64 DQK columns) k
   bf16 v[2][kT][kLd];  // (2 stages) (64 steps, 64 DV columns) v
-  bf16 hi[kT][kLd];    // (64 steps, 64 DQK) bf16(w_s k_s)
-  bf16 lo[kT][kLd];    // (64 steps, 64 DQK) bf16(w_s k_s - hi)
-  float w[kT];         // (64 steps) w_s = exp(a_s - M)
-  float n[2][kT];      // (2 halves, 64 DQK) n partial sums
+  double a[2][kT];     // (2 stages) (64 steps) a_s
+  double end[2][2];    // (2 stages) the chunk's A_{n-1}, g_{n-1}
 };
 
-__device__ __forceinline__ void issue_kv_tile(StatesSmem& sm, int stage, const MlstmParams& p, const TcFlags& fl,
-                                              const bf16* k, const bf16* v, int nb, int nr, int nc) {
-  load_tile(&sm.k[stage][0][0], kLd, kT, kT, k, p.k.s2, nb, nr, fl.k);
-  load_tile(&sm.v[stage][0][0], kLd, kT, kT, v, p.v.s2, nb, nc, fl.v);
-  cp_async_commit();
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(smem)), "l"(gmem));
+}
+
+// Scales the bf16 pairs of an A fragment by (w0, w1) (registers 0, 1) and (w8, w9) (registers 2, 3)
+// and splits the products into hi + lo bf16 fragments.
+__device__ __forceinline__ void scale_split(const std::uint32_t (&a)[4], float w0, float w1, float w8, float w9,
+                                            std::uint32_t (&hi)[4], std::uint32_t (&lo)[4]) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&a[r]));
+    const float y0 = x.x * (r < 2 ? w0 : w8), y1 = x.y * (r < 2 ? w1 : w9);
+    const __nv_bfloat162 h = __floats2bfloat162_rn(y0, y1);
+    const float2 hf = __bfloat1622float2(h);
+    hi[r] = *reinterpret_cast<const std::uint32_t*>(&h);
+    lo[r] = pack_bf16(y0 - hf.x, y1 - hf.y);
+  }
 }
 
 __global__ void __launch_bounds__(kThreads, 1) mlstm_tc_states_kernel(const MlstmParams p, const TcFlags fl,
-                                                                   bf16* __restrict__ ws_c, float* __restrict__ ws_n,
-                                                                   double* __restrict__ ws_m, const double* __restrict__ wg,
-                                                                   const double* __restrict__ wa,
-                                                                   const double* __restrict__ wA) {
+                                                                      bf16* __restrict__ ws_c, float* __restrict__ ws_n,
+                                                                      double* __restrict__ ws_m,
+                                                                      const double* __restrict__ wg,
+                                                                      const double* __restrict__ wa,
+                                                                      const double* __restrict__ wA) {
   extern __shared__ float4 smem_raw[];
   StatesSmem& sm = *reinterpret_cast<StatesSmem*>(smem_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
   const int r0 = blockIdx.y * kT, c0 = blockIdx.z * kT;
-  const std::int64_t NC = p.chunks(), ns = NC + 1, DQK = p.DQK, DV = p.DV, DVp = round_up(DV, 8);
+  const bool with_n = blockIdx.z == 0;  // one CTA per DQK tile carries n
+  const std::int64_t NC = p.chunks(), ns = NC + 1, DQK = p.DQK, DV = p.DV, DVp = round_up(DV, 8), S = p.S, L = p.L;
   const int nr = int(lmin(kT, DQK - r0)), nc = int(lmin(kT, DV - c0));
   const bf16* kb = static_cast<const bf16*>(p.k.p) + b * p.k.s0 + hd * p.k.s1 + r0;
   const bf16* vb = static_cast<const bf16*>(p.v.p) + b * p.v.s0 + hd * p.v.s1 + c0;
+  const double* ga = wa + bh * S;
 
-  // acc[j]: rows r0 + 16 warp + gq (+8), columns c0 + 8j + 2 t4 (+1) of C (fp32, the exact chain)
-  float acc[8][4];
+  // acc[j]: rows r0 + 16 warp + gq (+8), columns c0 + 8j + 2 t4 (+1) of C (fp32: the exact chain);
+  // accn: n of the same rows in every column (B = ones)
+  float acc[8][4], accn[4];
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -131,81 +149,90 @@ __global__ void __launch_bounds__(kThreads, 1) mlstm_tc_states_kernel(const Mlst
       const std::int64_t r = r0 + 16 * warp + gq + (e >> 1) * 8, c = c0 + 8 * j + 2 * t4 + (e & 1);
       acc[j][e] = p.c0.p && r < DQK && c < DV ? mlstm_ld(p.c0, b * p.c0.s0 + hd * p.c0.s1 + r * p.c0.s2 + c) : 0.f;
     }
-  const int ncol = tid & 63, half = tid >> 6;  // n: column ncol, steps half*32.. of each tile
-  float nh = half == 0 && p.n0.p && r0 + ncol < DQK ? mlstm_ld(p.n0, b * p.n0.s0 + hd * p.n0.s1 + r0 + ncol) : 0.f;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const std::int64_t r = r0 + 16 * warp + gq + (e >> 1) * 8;
+    accn[e] = p.n0.p && r < DQK ? mlstm_ld(p.n0, b * p.n0.s0 + hd * p.n0.s1 + r) : 0.f;
+  }
   double m = p.m0.p ? double(mlstm_ld(p.m0, b * p.m0.s0 + hd * p.m0.s1)) : 0.0;
+  const std::uint32_t ones = pack_bf16(1.f, 1.f);
 
-  auto issue = [&](std::int64_t kc, int sb, int stage) {  // k, v rows of chunk kc, steps sb*64..
-    const std::int64_t t = kc * p.L + sb * kT;
-    issue_kv_tile(sm, stage, p, fl, kb + t * p.k.s2, vb + t * p.v.s2, int(lmin(lmin(kT, p.S - t), (kc + 1) * p.L - t)),
-                  nr, nc);
+  // tile (kc, sb) -> stage: k, v rows, a_s, and at sb == 0 the chunk's end values
+  auto issue = [&](std::int64_t kc, int sb, int st) {
+    const std::int64_t t = kc * L + sb * kT, tend = lmin(S, (kc + 1) * L);
+    const int nb = int(lmin(kT, tend - t));
+    load_tile(&sm.k[st][0][0], kLd, kT, kT, kb + t * p.k.s2, p.k.s2, nb, nr, fl.k);
+    load_tile(&sm.v[st][0][0], kLd, kT, kT, vb + t * p.v.s2, p.v.s2, nb, nc, fl.v);
+    if (tid < nb) cp_async8(&sm.a[st][tid], ga + t + tid);
+    if (tid == kT) cp_async8(&sm.end[st][0], wA + bh * S + tend - 1);
+    if (tid == kT + 1) cp_async8(&sm.end[st][1], wg + bh * S + tend - 1);
+    cp_async_commit();
   };
-  int stage = 0;
+  int st = 0;
   if (NC > 0) issue(0, 0, 0);
+  double M = 0.0, G = 0.0;
   for (std::int64_t kc = 0;; ++kc) {
     // The state entering chunk kc (kc == NC: the final one) to the workspace.
     bf16* wc = ws_c + ((bh * ns + kc) * DQK) * DVp;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int hr = 0; hr < 2; ++hr) {
+      const std::int64_t r = r0 + 16 * warp + gq + hr * 8;
+      if (r >= DQK) continue;
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const std::int64_t r = r0 + 16 * warp + gq + hr * 8, c = c0 + 8 * j + 2 * t4;
-        if (r < DQK && c < DV)  // DVp is even and c even: the pair stays inside the padded row
+      for (int j = 0; j < 8; ++j) {
+        const std::int64_t c = c0 + 8 * j + 2 * t4;
+        if (c < DV)  // DVp is even and c even: the pair stays inside the padded row
           *reinterpret_cast<std::uint32_t*>(wc + r * DVp + c) = pack_bf16(acc[j][2 * hr], acc[j][2 * hr + 1]);
       }
-    sm.n[half][ncol] = nh;
-    __syncthreads();
-    if (blockIdx.z == 0 && tid < kT && r0 + tid < DQK) ws_n[(bh * ns + kc) * DQK + r0 + tid] = sm.n[0][tid] + sm.n[1][tid];
+      if (with_n && t4 == 0) ws_n[(bh * ns + kc) * DQK + r] = accn[2 * hr];
+    }
     if (blockIdx.y == 0 && blockIdx.z == 0 && tid == 0) ws_m[bh * ns + kc] = m;
     if (kc == NC) break;
 
-    const std::int64_t t0 = kc * p.L;
-    const int n = int(lmin(p.L, p.S - t0));
-    const double M = fmax(m, wA[bh * p.S + t0 + n - 1]), G = wg[bh * p.S + t0 + n - 1];
-    const float decay = float(exp(m - M));  // <= 1
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
-    nh *= decay;
-    const int nsb = (n + kT - 1) / kT;
+    const int n = int(lmin(L, S - kc * L)), nsb = (n + kT - 1) / kT;
     for (int sb = 0; sb < nsb; ++sb) {
-      // prefetch the next tile (next block of this chunk, else the first of the next chunk)
-      if (sb + 1 < nsb) issue(kc, sb + 1, stage ^ 1);
-      else if (kc + 1 < NC) issue(kc + 1, 0, stage ^ 1);
-      else cp_async_commit();  // empty group: keeps wait_group<1> meaning "this tile has landed"
-      const int nb = min(kT, n - sb * kT);
-      if (tid < kT) sm.w[tid] = tid < nb ? float(exp(wa[bh * p.S + t0 + sb * kT + tid] - M)) : 0.f;
-      cp_async_wait<1>();
-      __syncthreads();
-      // w k split into hi + lo (bf16 each); n gets the fp32 products
-#pragma unroll 4
-      for (int s = half * 32; s < half * 32 + 32; ++s) {
-        const float x = sm.w[s] * __bfloat162float(sm.k[stage][s][ncol]);
-        const bf16 hi = __float2bfloat16_rn(x);
-        sm.hi[s][ncol] = hi;
-        sm.lo[s][ncol] = __float2bfloat16_rn(x - __bfloat162float(hi));
-        nh += x;
+      cp_async_wait<0>();
+      __syncthreads();  // this tile is visible; every warp is done with the other stage
+      if (sb + 1 < nsb) issue(kc, sb + 1, st ^ 1);
+      else if (kc + 1 < NC) issue(kc + 1, 0, st ^ 1);
+      if (sb == 0) {  // chunk start: M = max(m, A_{n-1}); decay the state into it
+        M = fmax(m, sm.end[st][0]), G = sm.end[st][1];
+        const float decay = float(exp(m - M));  // <= 1
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) accn[e] *= decay;
       }
-      __syncthreads();
+      const int nb = min(kT, n - sb * kT);
 #pragma unroll
       for (int ks = 0; ks < kT / 16; ++ks) {
-        std::uint32_t ah[4], al[4];
-        const int ar = ks * 16 + ld_row_a_kmajor(lane), ac = 16 * warp + ld_col_a_kmajor(lane);
-        ldsm_x4_t(ah, &sm.hi[ar][ac]);
-        ldsm_x4_t(al, &sm.lo[ar][ac]);
+        const int s0 = ks * 16 + 2 * t4;  // this lane's steps: s0, s0 + 1, s0 + 8, s0 + 9
+        float w[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int sidx = s0 + (u & 1) + (u >> 1) * 8;
+          w[u] = sidx < nb ? __expf(float(sm.a[st][sidx] - M)) : 0.f;  // w_s = exp(a_s - M) <= 1
+        }
+        std::uint32_t a[4], ah[4], al[4];
+        ldsm_x4_t(a, &sm.k[st][ks * 16 + ld_row_a_kmajor(lane)][16 * warp + ld_col_a_kmajor(lane)]);
+        scale_split(a, w[0], w[1], w[2], w[3], ah, al);
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
           std::uint32_t bv[4];
-          ldsm_x4_t(bv, &sm.v[stage][ks * 16 + ld_row_b_kmajor(lane)][16 * jj + ld_col_b_kmajor(lane)]);
+          ldsm_x4_t(bv, &sm.v[st][ks * 16 + ld_row_b_kmajor(lane)][16 * jj + ld_col_b_kmajor(lane)]);
           mma_bf16_16816(acc[2 * jj], ah, bv[0], bv[1]);
-          mma_bf16_16816(acc[2 * jj], al, bv[0], bv[1]);
           mma_bf16_16816(acc[2 * jj + 1], ah, bv[2], bv[3]);
+          mma_bf16_16816(acc[2 * jj], al, bv[0], bv[1]);
           mma_bf16_16816(acc[2 * jj + 1], al, bv[2], bv[3]);
         }
+        if (with_n) {
+          mma_bf16_16816(accn, ah, ones, ones);
+          mma_bf16_16816(accn, al, ones, ones);
+        }
       }
-      __syncthreads();  // this stage's buffers are free for the prefetch after next
-      stage ^= 1;
+      st ^= 1;
     }
     m = G + M;
   }
@@ -218,8 +245,12 @@ __global__ void __launch_bounds__(kThreads, 1) mlstm_tc_states_kernel(const Mlst
         const std::int64_t r = r0 + 16 * warp + gq + (e >> 1) * 8, c = c0 + 8 * j + 2 * t4 + (e & 1);
         if (r < DQK && c < DV) mlstm_st(p.c_last, b * p.c_last.s0 + hd * p.c_last.s1 + r * p.c_last.s2 + c, acc[j][e]);
       }
-  if (p.n_last.p && blockIdx.z == 0 && tid < kT && r0 + tid < DQK)
-    mlstm_st(p.n_last, b * p.n_last.s0 + hd * p.n_last.s1 + r0 + tid, sm.n[0][tid] + sm.n[1][tid]);
+  if (p.n_last.p && with_n && t4 == 0)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const std::int64_t r = r0 + 16 * warp + gq + hr * 8;
+      if (r < DQK) mlstm_st(p.n_last, b * p.n_last.s0 + hd * p.n_last.s1 + r, accn[2 * hr]);
+    }
   if (p.m_last.p && blockIdx.y == 0 && blockIdx.z == 0 && tid == 0)
     mlstm_st(p.m_last, b * p.m_last.s0 + hd * p.m_last.s1, float(m));
 }
