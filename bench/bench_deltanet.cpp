@@ -1,7 +1,13 @@
 // bench_deltanet.cpp: verify and time the public DeltaNet ops (fastweight/deltanet.h) for
 // fastweight_bench: fixed-length and variable-length (cu_seqlens) batches, the L2-norm option.
 // Verification: the op's outputs vs the float64 loop form of the reference on float64 copies of the
-// same (rounded) inputs; relative Frobenius error over all outputs. Timing: wall clock, median of 5.
+// same (rounded) inputs; relative Frobenius error over all outputs. Timing on CPU tensors: wall
+// clock, median of 5. With a GPU, deltanet_fwd on CUDA tensors (its only CUDA kernel so far) at
+// shared/BENCHMARKS.md shapes, bf16: verified at B = 1, H = 2 and the same T, K, V and offsets (the
+// float64 loop costs O(B H T K V) on one host core: 0.5 s at T = 8192), timed at the full shape like
+// the norms (CUDA graph, L2 flushed, median of --reps). The row names both shapes.
+#include <algorithm>
+#include <cstdio>
 #include <string>
 
 #include "bench_ops.h"
@@ -10,9 +16,102 @@
 
 namespace {
 using namespace fwbench;
+
+std::string dims(std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t K, std::int64_t V) {
+  return "(" + std::to_string(B) + "," + std::to_string(T) + "," + std::to_string(H) + "," + std::to_string(K) + "," +
+         std::to_string(V) + ")";
+}
+
+#if FW_WITH_CUDA
+// n sequences of random lengths (empty ones possible) packed into `total` tokens: offsets (n+1).
+std::vector<std::int64_t> random_offsets(std::int64_t n, std::int64_t total, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<std::int64_t> u(0, total);
+  std::vector<std::int64_t> off{0};
+  for (std::int64_t i = 1; i < n; ++i) off.push_back(u(rng));
+  std::sort(off.begin(), off.end());
+  off.push_back(total);
+  return off;
+}
+
+// One deltanet_fwd call on the GPU: bf16 q, k, v, beta, fp32 initial and final states, the in-kernel
+// L2 norm on (as FLA's DeltaNet layers call it); cu: varlen offsets (B = 1), empty: B sequences of T.
+struct GpuFwd {
+  std::int64_t B, T, H, K, V, N;
+  std::vector<std::int64_t> cu;
+  std::mt19937_64 rng;
+  HostBuf q, k, v, beta, h0, o, ht, cub;
+  DevBuf dq, dk, dv, dbeta, dh0, dout, dht, dcu;
+  GpuFwd(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t kk, std::int64_t vv,
+         std::vector<std::int64_t> offs)
+      : B(b), T(t), H(h), K(kk), V(vv), N(offs.empty() ? b : std::int64_t(offs.size()) - 1), cu(std::move(offs)),
+        rng(11), q(DType::bf16, {B, T, H, K}, &rng), k(DType::bf16, {B, T, H, K}, &rng),
+        v(DType::bf16, {B, T, H, V}, &rng), beta(DType::bf16, {B, T, H}, &rng, 0.0, 1.0),
+        h0(DType::f32, {N, H, K, V}, &rng, -0.1, 0.1), o(DType::bf16, {B, T, H, V}), ht(DType::f32, {N, H, K, V}),
+        cub(DType::i64, {std::max<std::int64_t>(std::int64_t(cu.size()), 1)}), dq(q), dk(k), dv(v), dbeta(beta),
+        dh0(h0), dout(o), dht(ht), dcu(upload_offsets()) {}
+  HostBuf& upload_offsets() {  // before dcu copies cub to the device
+    for (std::size_t i = 0; i < cu.size(); ++i) cub.set(std::int64_t(i), double(cu[i]));
+    return cub;
+  }
+  DeltanetFwdArgs args() const {
+    DeltanetFwdArgs a;
+    a.q = dq.ref(), a.k = dk.ref(), a.v = dv.ref(), a.beta = dbeta.ref(), a.initial_state = dh0.ref();
+    if (!cu.empty()) a.cu_seqlens = dcu.ref();
+    a.o = dout.ref(), a.final_state = dht.ref(), a.use_qk_l2norm_in_kernel = true;
+    return a;
+  }
+  // max over o and the final state of the relative error against the float64 loop form
+  double verify() {
+    deltanet_fwd(args(), nullptr);
+    cuda_or_throw(cudaDeviceSynchronize(), "deltanet_fwd");
+    detail::DeltanetShape sh;
+    sh.B = B, sh.T = T, sh.H = H, sh.K = K, sh.V = V;
+    if (!cu.empty()) sh.cu_seqlens = cu.data(), sh.N = N;
+    detail::DeltanetOptions opt;
+    opt.use_qk_l2norm_in_kernel = true;
+    Vec ro(o.val.size()), rht(ht.val.size());
+    detail::deltanet_recurrent_fwd(sh, {q.val.data(), k.val.data(), v.val.data(), beta.val.data()}, opt,
+                                   h0.val.data(), ro.data(), rht.data());
+    Err eo, eh;
+    eo.add(dout.read(), ro), eh.add(dht.read(), rht);
+    return std::max(eo.value(), eh.value());
+  }
+  std::string shape() const {
+    return dims(B, T, H, K, V) + (cu.empty() ? "" : " varlen " + std::to_string(N) + " seqs");
+  }
+};
+
+int gpu_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
+  int failures = 0;
+  struct Case { std::int64_t B, T, H, K, seqs; };  // K = V; seqs > 0: varlen (B = 1, T tokens)
+  std::vector<Case> cases = {{4, 4096, 16, 128, 0}};
+  if (!fb.quick) cases.push_back({2, 8192, 16, 128, 0}), cases.push_back({8, 2048, 32, 64, 0});
+  cases.push_back({1, 32768, 16, 128, 8});  // 8 sequences of random lengths (BENCHMARKS.md)
+  for (const Case& c : cases) {
+    try {
+      const std::vector<std::int64_t> cu = c.seqs > 0 ? random_offsets(c.seqs, c.T, 5) : std::vector<std::int64_t>{};
+      GpuFwd check(1, c.T, 2, c.K, c.K, cu);
+      const double err = check.verify();
+      if (!(err <= 1e-2)) ++failures;
+      GpuFwd run(c.B, c.T, c.H, c.K, c.K, cu);
+      const DeltanetFwdArgs a = run.args();
+      const double ms = fb.timer->time_ms([&](Stream st) { deltanet_fwd(a, st); }, fb.reps);
+      const std::string shp = run.shape() + " l2norm; verified at " + check.shape();
+      rows.push_back({"deltanet_fwd", "bfloat16", shp, err, ms, "cuda"});
+    } catch (const std::exception& ex) {
+      std::printf("deltanet_fwd (cuda): error: %s\n", ex.what());
+      ++failures;
+    }
+  }
+  return failures;
+}
+#endif
+
 }  // namespace
 
-int run_deltanet_bench(bool quick, std::vector<BenchRow>& rows) {
+int run_deltanet_bench(const FamilyBench& fb, std::vector<BenchRow>& rows) {
+  const bool quick = fb.quick;
   const std::int64_t T = quick ? 128 : 256, H = 2, K = 64, V = 64;
   int failures = 0;
   struct Case { DType dt; bool varlen, l2; };
@@ -27,8 +126,7 @@ int run_deltanet_bench(bool quick, std::vector<BenchRow>& rows) {
     HostBuf beta(c.dt, {B, T, H}, &rng, 0.0, 1.0), h0(DType::f32, {N, H, K, V}, &rng, -0.1, 0.1);
     HostBuf o(c.dt, {B, T, H, V}), ht(DType::f32, {N, H, K, V});
     const std::string name = std::string(c.varlen ? "varlen" : "") + (c.varlen && c.l2 ? " " : "") + (c.l2 ? "l2norm" : "");
-    const std::string shp = "(" + std::to_string(B) + "," + std::to_string(T) + "," + std::to_string(H) + "," +
-                            std::to_string(K) + "," + std::to_string(V) + ")" + (name.empty() ? "" : " " + name);
+    const std::string shp = dims(B, T, H, K, V) + (name.empty() ? "" : " " + name);
     TensorRef cur;
     if (c.varlen) cur = make_tensor(cu.data(), DType::i64, {std::int64_t(cu.size())});
     detail::DeltanetShape sh;
@@ -73,5 +171,8 @@ int run_deltanet_bench(bool quick, std::vector<BenchRow>& rows) {
       ++failures;
     }
   }
+#if FW_WITH_CUDA
+  if (fb.timer) failures += gpu_rows(fb, rows);
+#endif
   return failures;
 }

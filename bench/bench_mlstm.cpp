@@ -1,6 +1,11 @@
 // bench_mlstm.cpp: verify and time the public mLSTM ops (fastweight/mlstm.h) for fastweight_bench.
 // Verification: the op's outputs vs the float64 reference run directly on float64 copies of the same
-// (rounded) inputs; relative Frobenius error over all outputs. Timing: wall clock, median of 5.
+// (rounded) inputs; relative Frobenius error over all outputs. Timing on CPU tensors: wall clock,
+// median of 5. With a GPU, mlstm_fwd and mlstm_bwd on CUDA tensors at (B,NH,S,DQK,DV) =
+// (2,16,8192,128,128), bf16 (shared/BENCHMARKS.md): verified at B = 1, NH = 2 and the same S, DQK, DV
+// (the float64 recurrent form costs O(B NH S DQK DV) on one host core, and its backward keeps every
+// state: 1 GiB at S = 8192), timed at the full shape like the norms (CUDA graph, L2 flushed, median
+// of --reps). The row names both shapes.
 #include "bench_ops.h"
 #include "bench_util.h"
 
@@ -23,9 +28,109 @@ std::string shape_str(std::int64_t B, std::int64_t NH, std::int64_t S, std::int6
          "," + std::to_string(DV) + ")";
 }
 
+#if FW_WITH_CUDA
+// One mLSTM problem on the GPU: bf16 q, k, v (and dh, dq, dk, dv), fp32 gates, initial and final
+// states (and di, df), chunk 64; the gates as in the CPU rows (i in [-3, 3], f in [0, 5]).
+struct GpuMlstm {
+  std::int64_t B, NH, S, DQK, DV;
+  std::mt19937_64 rng;
+  HostBuf q, k, v, i, f, c0, n0, m0, h, cl, nl, ml, dh, dq, dk, dv, di, df;
+  DevBuf gq, gk, gv, gi, gf, gc0, gn0, gm0, gh, gcl, gnl, gml, gdh, gdq, gdk, gdv, gdi, gdf;
+  GpuMlstm(std::int64_t b, std::int64_t nh, std::int64_t s, std::int64_t dqk, std::int64_t dv_)
+      : B(b), NH(nh), S(s), DQK(dqk), DV(dv_), rng(3),
+        q(DType::bf16, {B, NH, S, DQK}, &rng), k(DType::bf16, {B, NH, S, DQK}, &rng),
+        v(DType::bf16, {B, NH, S, DV}, &rng),
+        i(DType::f32, {B, NH, S}, &rng, -3, 3), f(DType::f32, {B, NH, S}, &rng, 0, 5),
+        c0(DType::f32, {B, NH, DQK, DV}, &rng), n0(DType::f32, {B, NH, DQK}, &rng), m0(DType::f32, {B, NH, 1}, &rng),
+        h(DType::bf16, {B, NH, S, DV}), cl(DType::f32, {B, NH, DQK, DV}), nl(DType::f32, {B, NH, DQK}),
+        ml(DType::f32, {B, NH, 1}), dh(DType::bf16, {B, NH, S, DV}, &rng), dq(DType::bf16, {B, NH, S, DQK}),
+        dk(DType::bf16, {B, NH, S, DQK}), dv(DType::bf16, {B, NH, S, DV}), di(DType::f32, {B, NH, S}),
+        df(DType::f32, {B, NH, S}), gq(q), gk(k), gv(v), gi(i), gf(f), gc0(c0), gn0(n0), gm0(m0), gh(h), gcl(cl),
+        gnl(nl), gml(ml), gdh(dh), gdq(dq), gdk(dk), gdv(dv), gdi(di), gdf(df) {}
+  MlstmFwdArgs fwd_args() const {
+    return {gq.ref(), gk.ref(), gv.ref(), gi.ref(), gf.ref(), gc0.ref(), gn0.ref(), gm0.ref(),
+            gh.ref(), gcl.ref(), gnl.ref(), gml.ref(), 1e-6, 64};
+  }
+  MlstmBwdArgs bwd_args() const {
+    MlstmBwdArgs a;
+    a.q = gq.ref(), a.k = gk.ref(), a.v = gv.ref(), a.i = gi.ref(), a.f = gf.ref();
+    a.c_initial = gc0.ref(), a.n_initial = gn0.ref(), a.m_initial = gm0.ref(), a.dh = gdh.ref();
+    a.dq = gdq.ref(), a.dk = gdk.ref(), a.dv = gdv.ref(), a.di = gdi.ref(), a.df = gdf.ref();
+    a.chunk_size = 64;
+    return a;
+  }
+  detail::MlstmShape shape() const { return {B, NH, S, DQK, DV}; }
+  detail::MlstmInputs inputs() const { return {q.val.data(), k.val.data(), v.val.data(), i.val.data(), f.val.data()}; }
+  detail::MlstmConstState init() const { return {c0.val.data(), n0.val.data(), m0.val.data()}; }
+  // max over h and the final states of the relative error against the float64 recurrent form
+  double verify_fwd() {
+    const MlstmFwdArgs a = fwd_args();
+    DevScratch ws(mlstm_fwd_workspace_size(a));
+    mlstm_fwd(a, ws.p, ws.bytes, nullptr);
+    cuda_or_throw(cudaDeviceSynchronize(), "mlstm_fwd");
+    Vec rh(h.val.size()), rc(cl.val.size()), rn(nl.val.size()), rm(ml.val.size());
+    detail::mlstm_recurrent_fwd(shape(), inputs(), 1e-6, init(), rh.data(), {rc.data(), rn.data(), rm.data()});
+    Err eh, ec, en, em;
+    eh.add(gh.read(), rh), ec.add(gcl.read(), rc), en.add(gnl.read(), rn), em.add(gml.read(), rm);
+    return std::max({eh.value(), ec.value(), en.value(), em.value()});
+  }
+  // dq, dk, dv, di, df together, as the CPU rows
+  double verify_bwd() {
+    const MlstmBwdArgs a = bwd_args();
+    DevScratch ws(mlstm_bwd_workspace_size(a));
+    mlstm_bwd(a, ws.p, ws.bytes, nullptr);
+    cuda_or_throw(cudaDeviceSynchronize(), "mlstm_bwd");
+    Vec rq(dq.val.size()), rk(dk.val.size()), rv(dv.val.size()), ri(di.val.size()), rf(df.val.size());
+    detail::mlstm_recurrent_bwd(shape(), inputs(), 1e-6, init(), dh.val.data(), {},
+                                {rq.data(), rk.data(), rv.data(), ri.data(), rf.data()}, {});
+    Err e;
+    e.add(gdq.read(), rq), e.add(gdk.read(), rk), e.add(gdv.read(), rv), e.add(gdi.read(), ri), e.add(gdf.read(), rf);
+    return e.value();
+  }
+};
+
+int gpu_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
+  int failures = 0;
+  const std::int64_t B = 2, NH = 16, S = 8192, DQK = 128, DV = 128, vS = fb.quick ? 2048 : S;
+  const std::string shp = shape_str(B, NH, S, DQK, DV) + "; verified at " + shape_str(1, 2, vS, DQK, DV);
+  double err[2] = {INFINITY, INFINITY};  // fwd, bwd
+  try {
+    GpuMlstm check(1, 2, vS, DQK, DV);
+    err[0] = check.verify_fwd();
+    err[1] = check.verify_bwd();
+  } catch (const std::exception& ex) {
+    std::printf("mlstm (cuda) verification: error: %s\n", ex.what());
+  }
+  int timed = 0;
+  try {
+    GpuMlstm run(B, NH, S, DQK, DV);
+    for (bool bwd : {false, true}) {
+      double ms = 0;
+      if (bwd) {
+        const MlstmBwdArgs a = run.bwd_args();
+        DevScratch ws(mlstm_bwd_workspace_size(a));
+        ms = fb.timer->time_ms([&](Stream st) { mlstm_bwd(a, ws.p, ws.bytes, st); }, fb.reps);
+      } else {
+        const MlstmFwdArgs a = run.fwd_args();
+        DevScratch ws(mlstm_fwd_workspace_size(a));
+        ms = fb.timer->time_ms([&](Stream st) { mlstm_fwd(a, ws.p, ws.bytes, st); }, fb.reps);
+      }
+      if (!(err[bwd] <= 1e-2)) ++failures;
+      rows.push_back({bwd ? "mlstm_bwd" : "mlstm_fwd", "bfloat16", shp, err[bwd], ms, "cuda"});
+      ++timed;
+    }
+  } catch (const std::exception& ex) {
+    std::printf("mlstm (cuda) timing: error: %s\n", ex.what());
+    failures += 2 - timed;
+  }
+  return failures;
+}
+#endif
+
 }  // namespace
 
-int run_mlstm_bench(bool quick, std::vector<BenchRow>& rows) {
+int run_mlstm_bench(const FamilyBench& fb, std::vector<BenchRow>& rows) {
+  const bool quick = fb.quick;
   const std::int64_t B = 1, NH = 2, S = quick ? 128 : 256, DQK = 64, DV = 64, L = 64;
   const detail::MlstmShape sh{B, NH, S, DQK, DV};
   const std::string shp = shape_str(B, NH, S, DQK, DV);
@@ -123,5 +228,8 @@ int run_mlstm_bench(bool quick, std::vector<BenchRow>& rows) {
     std::printf("mlstm_decay_matrix: error: %s\n", ex.what());
     ++failures;
   }
+#if FW_WITH_CUDA
+  if (fb.timer) failures += gpu_rows(fb, rows);
+#endif
   return failures;
 }

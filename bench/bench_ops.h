@@ -5,16 +5,30 @@
 #include <string>
 #include <vector>
 
+namespace fwbench {
+struct GpuTimer;  // bench_util.h (CUDA builds)
+}
+
 struct BenchRow {
   std::string op, dtype, shape;
   double err, ms;
-  std::string device;
+  std::string device;  // "cpu" (CPU tensors: the reference path) or "cuda" (CUDA tensors)
+};
+
+// How the family benches run: quick (fewer, smaller shapes); with a GPU timer (a GPU is present and
+// --cpu was not given) also on CUDA tensors, timed like the norms (CUDA graph, L2 flushed, median
+// of reps).
+struct FamilyBench {
+  bool quick = false;
+  int reps = 30;
+  fwbench::GpuTimer* timer = nullptr;
 };
 
 // Verifies every public mLSTM op against the float64 reference (src/reference/mlstm_ref.h) on fresh
-// random inputs and times it. Until the CUDA kernels are dispatched (issue 3) the ops run on CPU
-// tensors, so this times the reference path. Returns the number of failed verifications.
-int run_mlstm_bench(bool quick, std::vector<BenchRow>& rows);
+// random inputs and times it on CPU tensors; with a GPU also mlstm_fwd and mlstm_bwd on CUDA tensors
+// (bf16). Returns the number of failed verifications.
+int run_mlstm_bench(const FamilyBench& fb, std::vector<BenchRow>& rows);
 
-// The same for the public DeltaNet ops (fastweight/deltanet.h), against src/reference/deltanet_ref.h.
-int run_deltanet_bench(bool quick, std::vector<BenchRow>& rows);
+// The same for the public DeltaNet ops (fastweight/deltanet.h), against src/reference/deltanet_ref.h;
+// on CUDA tensors deltanet_fwd (bf16, fixed length and varlen), the only DeltaNet op with a CUDA kernel.
+int run_deltanet_bench(const FamilyBench& fb, std::vector<BenchRow>& rows);

@@ -1,15 +1,22 @@
-// bench_util.h: host tensors, error and timing helpers shared by the op benches (bench_*.cpp).
+// bench_util.h: host tensors, error and timing helpers shared by the op benches (bench_*.cpp and
+// fastweight_bench.cpp): wall-clock timing of CPU calls, and with CUDA the GPU timer (CUDA graph, L2
+// flushed) and device copies of host tensors.
 #pragma once
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "common/half.h"
 #include "fastweight/fastweight.h"
+#if FW_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 namespace fwbench {
 using namespace fastweight;
@@ -55,6 +62,11 @@ struct Err {
   double value() const { return den > 0 ? std::sqrt(num / den) : std::sqrt(num); }
 };
 
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
 template <typename F>
 inline double time_ms(F&& f) {
   std::vector<double> ms;
@@ -66,5 +78,114 @@ inline double time_ms(F&& f) {
   std::sort(ms.begin(), ms.end());
   return ms[2];
 }
+
+#if FW_WITH_CUDA
+struct GpuTimer {
+  void* flush = nullptr;
+  std::size_t flush_bytes = 0;
+  cudaStream_t st{};
+  cudaEvent_t e0{}, e1{};
+  GpuTimer() {
+    int dev = 0, l2 = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev);
+    flush_bytes = std::size_t(std::max(l2, 1 << 20)) * 2;
+    cudaMalloc(&flush, flush_bytes);
+    cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+  }
+  ~GpuTimer() { cudaFree(flush); cudaStreamDestroy(st); cudaEventDestroy(e0); cudaEventDestroy(e1); }
+  GpuTimer(const GpuTimer&) = delete;
+  GpuTimer& operator=(const GpuTimer&) = delete;
+  // Median ms of fn captured in a CUDA graph, L2 flushed before each replay.
+  double time_ms(const std::function<void(Stream)>& fn, int reps) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    fn(reinterpret_cast<Stream>(st));  // warm-up outside capture (attributes, first-launch costs)
+    cudaStreamSynchronize(st);
+    if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess) throw Error("capture failed");
+    fn(reinterpret_cast<Stream>(st));
+    if (cudaStreamEndCapture(st, &graph) != cudaSuccess) throw Error("capture failed");
+    if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) throw Error("graph instantiate failed");
+    std::vector<double> ms;
+    for (int i = 0; i < reps + 3; ++i) {
+      cudaMemsetAsync(flush, i & 0xff, flush_bytes, st);
+      cudaEventRecord(e0, st);
+      cudaGraphLaunch(exec, st);
+      cudaEventRecord(e1, st);
+      cudaEventSynchronize(e1);
+      float t = 0;
+      cudaEventElapsedTime(&t, e0, e1);
+      if (i >= 3) ms.push_back(t);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) throw Error(std::string("timing: ") + cudaGetErrorString(err));
+    return median(ms);
+  }
+  // Device-to-device copy bandwidth (bytes read + written), 1 GiB.
+  double copy_gbps() {
+    const std::size_t bytes = std::size_t(1) << 30;
+    void *a = nullptr, *b = nullptr;
+    cudaMalloc(&a, bytes);
+    cudaMalloc(&b, bytes);
+    cudaMemsetAsync(a, 1, bytes, st);
+    std::vector<double> ms;
+    for (int i = 0; i < 10; ++i) {
+      cudaEventRecord(e0, st);
+      cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, st);
+      cudaEventRecord(e1, st);
+      cudaEventSynchronize(e1);
+      float t = 0;
+      cudaEventElapsedTime(&t, e0, e1);
+      if (i >= 2) ms.push_back(t);
+    }
+    cudaFree(a);
+    cudaFree(b);
+    return 2.0 * double(bytes) / (median(ms) * 1e-3) / 1e9;
+  }
+};
+
+inline void cuda_or_throw(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// A device copy of a HostBuf (uploaded at construction): ref() views it as a CUDA tensor of the
+// current device, read() downloads it into the HostBuf and returns the values.
+struct DevBuf {
+  HostBuf& h;
+  void* p = nullptr;
+  explicit DevBuf(HostBuf& hb) : h(hb) {
+    cuda_or_throw(cudaMalloc(&p, std::max<std::size_t>(h.bytes.size(), 1)), "cudaMalloc");
+    cuda_or_throw(cudaMemcpy(p, h.bytes.data(), h.bytes.size(), cudaMemcpyHostToDevice), "upload");
+  }
+  ~DevBuf() { cudaFree(p); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  TensorRef ref() const {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    return make_tensor(p, h.dt, int(h.shape.size()), h.shape.data(), DeviceType::cuda, dev);
+  }
+  Vec read() {
+    cuda_or_throw(cudaMemcpy(h.bytes.data(), p, h.bytes.size(), cudaMemcpyDeviceToHost), "download");
+    return h.read();
+  }
+};
+
+// Device scratch (an op's workspace), freed at scope exit.
+struct DevScratch {
+  void* p = nullptr;
+  std::size_t bytes = 0;
+  explicit DevScratch(std::size_t n) : bytes(n) {
+    if (n) cuda_or_throw(cudaMalloc(&p, n), "cudaMalloc(workspace)");
+  }
+  ~DevScratch() { cudaFree(p); }
+  DevScratch(const DevScratch&) = delete;
+  DevScratch& operator=(const DevScratch&) = delete;
+};
+#endif
 
 }  // namespace fwbench

@@ -5,8 +5,10 @@
 //   fastweight_bench --quick --csv=out.csv   fewer shapes; also write CSV
 //   fastweight_bench --cpu                   force the CPU reference (default when no GPU)
 //   fastweight_bench --op=mlstm              only the mLSTM rows (bench_mlstm.cpp: every public
-//                                            mLSTM op, on CPU tensors until its CUDA kernels land)
+//                                            mLSTM op on CPU tensors; with a GPU also mlstm_fwd and
+//                                            mlstm_bwd on CUDA tensors)
 //   fastweight_bench --op=deltanet           only the DeltaNet rows (bench_deltanet.cpp), likewise
+//                                            (on CUDA: deltanet_fwd, fixed length and varlen)
 //
 // Per row: the op's relative Frobenius error against the float64 CPU reference (on the same N and
 // min(rows, 2^24 / N) rows, fresh random inputs), then its time. GPU timing (K): the op captured
@@ -26,6 +28,7 @@
 #include <vector>
 
 #include "bench_ops.h"
+#include "bench_util.h"
 #include "common/half.h"
 #include "fastweight/fastweight.h"
 #if FW_WITH_CUDA
@@ -34,6 +37,10 @@
 
 namespace {
 using namespace fastweight;
+using fwbench::median;
+#if FW_WITH_CUDA
+using fwbench::GpuTimer;
+#endif
 
 struct Options {
   std::string op;  // empty: the suite
@@ -214,79 +221,6 @@ double verify(const std::string& fam, bool bwd, DType dt, std::int64_t rows, std
   return e;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
-#if FW_WITH_CUDA
-struct GpuTimer {
-  void* flush = nullptr;
-  std::size_t flush_bytes = 0;
-  cudaStream_t st{};
-  cudaEvent_t e0{}, e1{};
-  GpuTimer() {
-    int dev = 0, l2 = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev);
-    flush_bytes = std::size_t(std::max(l2, 1 << 20)) * 2;
-    cudaMalloc(&flush, flush_bytes);
-    cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-  }
-  ~GpuTimer() { cudaFree(flush); cudaStreamDestroy(st); cudaEventDestroy(e0); cudaEventDestroy(e1); }
-  // Median ms of fn captured in a CUDA graph, L2 flushed before each replay.
-  double time_ms(const std::function<void(Stream)>& fn, int reps) {
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    fn(reinterpret_cast<Stream>(st));  // warm-up outside capture (attributes, first-launch costs)
-    cudaStreamSynchronize(st);
-    if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess) throw Error("capture failed");
-    fn(reinterpret_cast<Stream>(st));
-    if (cudaStreamEndCapture(st, &graph) != cudaSuccess) throw Error("capture failed");
-    if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) throw Error("graph instantiate failed");
-    std::vector<double> ms;
-    for (int i = 0; i < reps + 3; ++i) {
-      cudaMemsetAsync(flush, i & 0xff, flush_bytes, st);
-      cudaEventRecord(e0, st);
-      cudaGraphLaunch(exec, st);
-      cudaEventRecord(e1, st);
-      cudaEventSynchronize(e1);
-      float t = 0;
-      cudaEventElapsedTime(&t, e0, e1);
-      if (i >= 3) ms.push_back(t);
-    }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) throw Error(std::string("timing: ") + cudaGetErrorString(err));
-    return median(ms);
-  }
-  // Device-to-device copy bandwidth (bytes read + written), 1 GiB.
-  double copy_gbps() {
-    const std::size_t bytes = std::size_t(1) << 30;
-    void *a = nullptr, *b = nullptr;
-    cudaMalloc(&a, bytes);
-    cudaMalloc(&b, bytes);
-    cudaMemsetAsync(a, 1, bytes, st);
-    std::vector<double> ms;
-    for (int i = 0; i < 10; ++i) {
-      cudaEventRecord(e0, st);
-      cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, st);
-      cudaEventRecord(e1, st);
-      cudaEventSynchronize(e1);
-      float t = 0;
-      cudaEventElapsedTime(&t, e0, e1);
-      if (i >= 2) ms.push_back(t);
-    }
-    cudaFree(a);
-    cudaFree(b);
-    return 2.0 * double(bytes) / (median(ms) * 1e-3) / 1e9;
-  }
-};
-#endif
-
 double cpu_time_ms(Problem& p, int reps) {
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
@@ -392,9 +326,6 @@ int main(int argc, char** argv) {
       ++failures;
     }
   }
-#if FW_WITH_CUDA
-  delete timer;
-#endif
   std::printf("\n| op | dtype | x shape | rel err vs fp64 ref | ms | GB/s | %% of copy |\n|---|---|---|---|---|---|---|\n");
   for (const Row& r : rows)
     std::printf("| %s | %s | %s | %.2e | %.4f | %.0f | %s |\n", r.op.c_str(), r.dtype.c_str(), r.shape.c_str(), r.err,
@@ -406,11 +337,19 @@ int main(int argc, char** argv) {
       f << r.op << ',' << r.dtype << ",\"" << r.shape << "\"," << r.err << ',' << r.ms << ',' << r.gbps << ','
         << r.pct << ',' << (gpu ? "gpu" : "cpu") << '\n';
   }
-  // mLSTM (issue 3) and DeltaNet (issue 4): the public ops on CPU tensors until their CUDA kernels
-  // are dispatched.
+  // mLSTM (issue 3) and DeltaNet (issue 4): the public ops on CPU tensors (the reference path), and
+  // with a GPU the ops dispatched to CUDA on CUDA tensors (timed as above).
+  FamilyBench fb;
+  fb.quick = o.quick, fb.reps = o.reps;
+#if FW_WITH_CUDA
+  fb.timer = timer;
+#endif
   std::vector<BenchRow> mrows, drows;
-  if (o.op.empty() || o.op.rfind("mlstm", 0) == 0) failures += run_mlstm_bench(o.quick, mrows);
-  if (o.op.empty() || o.op.rfind("deltanet", 0) == 0) failures += run_deltanet_bench(o.quick, drows);
+  if (o.op.empty() || o.op.rfind("mlstm", 0) == 0) failures += run_mlstm_bench(fb, mrows);
+  if (o.op.empty() || o.op.rfind("deltanet", 0) == 0) failures += run_deltanet_bench(fb, drows);
+#if FW_WITH_CUDA
+  delete timer;
+#endif
   auto table = [](const char* title, const char* shape_head, const std::vector<BenchRow>& rs) {
     if (rs.empty()) return;
     std::printf("\n%s\n| op | dtype | shape %s | rel err vs fp64 ref | ms | device |\n|---|---|---|---|---|---|\n",
@@ -419,8 +358,9 @@ int main(int argc, char** argv) {
       std::printf("| %s | %s | %s | %.2e | %.3f | %s |\n", r.op.c_str(), r.dtype.c_str(), r.shape.c_str(), r.err, r.ms,
                   r.device.c_str());
   };
-  table("mLSTM (CPU tensors: the float64 reference path; CUDA kernels in progress)", "(B,NH,S,DQK,DV)", mrows);
-  table("DeltaNet (CPU tensors: the float64 reference path; CUDA kernels to come)", "(B,T,H,K,V)", drows);
+  // device cpu: the float64 reference path on CPU tensors (wall clock); cuda: the CUDA kernels, timed as the norms
+  table("mLSTM (cpu: the reference path; cuda: the CUDA kernels)", "(B,NH,S,DQK,DV)", mrows);
+  table("DeltaNet (cpu: the reference path; cuda: the CUDA forward, no CUDA backward yet)", "(B,T,H,K,V)", drows);
   mrows.insert(mrows.end(), drows.begin(), drows.end());
   if (!o.csv.empty() && !mrows.empty()) {
     std::ofstream f(o.csv, std::ios::app);

@@ -14,7 +14,9 @@
 // FlashAttention's variable-length batches) B must be 1 and sequence n is positions
 // [cu_seqlens[n], cu_seqlens[n+1]) of the packed T axis: N = len(cu_seqlens) - 1, offsets
 // non-decreasing from 0 to T (empty sequences allowed: their final state is their initial state).
-// The offsets are checked on CPU tensors (reading CUDA memory is the CUDA kernels' concern).
+// The offsets are checked on CPU tensors. On a CUDA device they are trusted, not read by the host
+// (that would synchronise the stream and break CUDA-graph capture), as in FlashAttention's varlen
+// kernels: invalid device offsets are undefined behaviour.
 //
 // Dtypes: q, k, v, o and dq, dk, dv, do_ share one IO dtype (float32, float16, bfloat16; also
 // float64 on the CPU); beta and dbeta have that dtype or float32; states and their gradients are
@@ -24,8 +26,10 @@
 // (absent: 0) whether or not the forward wrote a final state.
 // Every argument is validated before anything is written: bad input throws ArgumentError naming
 // the op and the argument. CPU tensors run the float64 chunkwise reference (chunk size 64, not
-// exposed: the result does not depend on it; src/reference/deltanet_ref.h). CUDA kernels come later:
-// today a CUDA tensor gets a clear Error, never a silent fallback.
+// exposed: the result does not depend on it; src/reference/deltanet_ref.h). CUDA tensors: the
+// forward runs the CUDA kernel (chunks of 64, fp32 accumulation, fp32 states, no workspace; K <= 256,
+// ArgumentError beyond); the backward and the decoding step have no CUDA kernel yet (issue 4) and
+// throw a clear Error, never a silent fallback.
 #pragma once
 
 #include <cstdint>

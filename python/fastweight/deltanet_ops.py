@@ -17,8 +17,12 @@ or float32 (other dtypes are cast to float32).
 
 Everything is differentiable: q, k, v, beta, initial_state, with the final state's gradient taken
 into account (exact gradients). Custom ops with fake kernels: ``torch.compile(fullgraph=True)``
-works. Today the ops run on CPU tensors (the float64 reference behind the C++ API); CUDA tensors raise
-a RuntimeError until the DeltaNet CUDA kernels of issue 4 land.
+works. CPU tensors run the float64 reference behind the C++ API. CUDA tensors: the forward runs the
+CUDA kernel (fp32 accumulation and states, no workspace; K <= 256, ValueError beyond; cu_seqlens on
+q's device, its offsets trusted there: reading them back would synchronise). The backward and
+``delta_rule_step`` have no CUDA kernel yet (issue 4) and raise a RuntimeError, so on CUDA the
+forward is for inference (``torch.no_grad()`` or inputs that do not require grad): a backward
+through it raises rather than returning a gradient.
 """
 
 from __future__ import annotations

@@ -84,10 +84,14 @@ void SeqChecker::state(const char* name, const TensorRef& t, std::initializer_li
   check_shape(op, name, t, shape);
 }
 
-void no_cuda_kernels_yet(const char* op, const char* family, int issue) {
-  throw Error(cat(op, ": the tensors are on a CUDA device; fastweight's ", family,
-                  " CUDA kernels are not built yet (issue ", issue,
-                  ", in progress). Run on CPU tensors (float64 reference) meanwhile."));
+void no_cuda_kernel_yet(const char* op, const char* what, int issue, const char* built) {
+  throw Error(cat(op, ": the tensors are on a CUDA device; fastweight's ", what,
+                  " CUDA kernel is not built yet (issue ", issue, ", in progress; ", built,
+                  " runs on CUDA). Run it on CPU tensors (float64 reference) meanwhile."));
+}
+
+void no_cuda_build(const char* op) {
+  throw Error(cat(op, ": the tensors are on a CUDA device but this build of fastweight has no CUDA kernels"));
 }
 
 }  // namespace fastweight::detail

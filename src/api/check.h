@@ -41,7 +41,10 @@ struct SeqChecker {
   void state(const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape) const;
 };
 
-// The error of an op whose tensors are on a CUDA device before its family's kernels exist.
-[[noreturn]] void no_cuda_kernels_yet(const char* op, const char* family, int issue);
+// The error of an op whose tensors are on a CUDA device before its kernel exists: `what` names the
+// missing kernel ("DeltaNet backward"), `built` those of its family that exist ("the DeltaNet forward").
+[[noreturn]] void no_cuda_kernel_yet(const char* op, const char* what, int issue, const char* built);
+// The error of CUDA tensors given to a build without CUDA kernels (FW_ENABLE_CUDA=OFF).
+[[noreturn]] void no_cuda_build(const char* op);
 
 }  // namespace fastweight::detail

@@ -1,7 +1,7 @@
 // deltanet_api.cpp: the public DeltaNet entry points (fastweight/deltanet.h). Each validates every
 // argument before anything is written, then dispatches by device: CPU -> the float64 chunkwise
-// reference through contiguous float64 copies (any dtype, any strides), CUDA -> not built yet (a
-// clear Error).
+// reference through contiguous float64 copies (any dtype, any strides); CUDA -> the forward kernel
+// (src/cuda/deltanet), while the backward and the decoding step are not built yet (a clear Error).
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -13,6 +13,10 @@
 #include "api/mlstm_lower.h"  // view_of
 #include "fastweight/deltanet.h"
 #include "reference/deltanet_ref.h"
+#if FW_WITH_CUDA
+#include "cuda/deltanet/deltanet_cuda.h"
+#include "cuda/norm/norm_cuda.h"  // DeviceGuard
+#endif
 
 namespace fastweight {
 namespace {
@@ -21,7 +25,7 @@ using detail::ptr_or_null;
 using Vec = std::vector<double>;
 
 // The reference's chunk size: the result does not depend on it (chunkwise = loop), so it is not
-// exposed; 64 is FLA's and the future CUDA kernels' chunk.
+// exposed; 64 is FLA's and the CUDA forward's chunk.
 constexpr std::int64_t kRefChunk = 64;
 
 // (B, T, H, K, V) from q and v (checked: 4-d, IO dtype, K, V >= 1). N is set by the cu_seqlens check.
@@ -45,7 +49,11 @@ std::vector<std::int64_t> check_cu_seqlens(const detail::SeqChecker& c, const Te
   FW_CHECK_ARG(sh.B == 1, op, "cu_seqlens", "packed sequences need batch size B = 1 (q (1, T, H, K)), got B = ",
                sh.B, " in q's shape ", c.ref.shape_str());
   sh.N = cu.shape[0] - 1;
-  if (cu.device != DeviceType::cpu) return {};  // device memory: checked by the CUDA path (later)
+  if (cu.device != DeviceType::cpu) {  // device memory: trusted, not read (check_cuda_fwd); its shape is checked
+    FW_CHECK_ARG(sh.N > 0 || sh.T == 0, op, "cu_seqlens", "holds no sequence (shape ", cu.shape_str(),
+                 ") but q has T = ", sh.T, " packed positions");
+    return {};
+  }
   std::vector<std::int64_t> off = detail::gather_i64(cu);
   FW_CHECK_ARG(off[0] == 0, op, "cu_seqlens", "expected offsets starting at 0, got cu_seqlens[0] = ", off[0]);
   for (std::int64_t n = 0; n < sh.N; ++n)
@@ -104,23 +112,58 @@ struct Call {
   Call(const Call&) = delete;
   Call& operator=(const Call&) = delete;
 
-  // Once every argument is checked: CUDA tensors are refused, CPU ones copied for the reference.
+  // Float64 copies of a CPU call's inputs, for the reference (once every argument is checked).
   template <typename Args>
   Inputs inputs(const Args& a) const {
-    if (a.q.device == DeviceType::cuda) detail::no_cuda_kernels_yet(c.op, "DeltaNet", 4);
     using detail::gather_f64;
     return {gather_f64(a.q), gather_f64(a.k), gather_f64(a.v), gather_f64(a.beta), gather_f64(a.initial_state)};
   }
 };
 
+#if FW_WITH_CUDA
+// What the CUDA forward (version 1) needs beyond the API's checks: the state slice (K, 64) of a CTA
+// in shared memory, and a grid of N*H x ceil(V/64) CTAs. Any dtype, stride and alignment the API
+// accepts is supported (scalar loads, int64 offsets). cu_seqlens stays on the device unread: reading
+// it here would synchronise the stream (and break CUDA-graph capture), so its offsets are trusted.
+void check_cuda_fwd(const char* op, const DeltanetShape& sh, const TensorRef& q, const TensorRef& v) {
+  FW_CHECK_ARG(sh.K <= detail::kDeltanetFwdMaxK, op, "q", "head dim K = ", sh.K,
+               " is not supported by the CUDA forward (K <= ", detail::kDeltanetFwdMaxK, "), got shape ",
+               q.shape_str());
+  FW_CHECK_ARG(sh.N * sh.H <= 0x7fffffff, op, "q", "N*H = ", sh.N * sh.H,
+               " sequence-heads exceed the CUDA grid (at most 2^31 - 1), got shape ", q.shape_str());
+  FW_CHECK_ARG((sh.V + 63) / 64 <= 65535, op, "v", "head dim V = ", sh.V,
+               " exceeds the CUDA grid (at most 65535 tiles of 64), got shape ", v.shape_str());
+}
+#endif
+
+// Backward and decoding step: CUDA tensors are refused until their kernels land.
+[[noreturn]] void no_cuda_kernel_yet(const char* op, [[maybe_unused]] const char* what) {
+#if FW_WITH_CUDA
+  detail::no_cuda_kernel_yet(op, what, 4, "the DeltaNet forward");
+#else
+  detail::no_cuda_build(op);
+#endif
+}
+
 }  // namespace
 
 // ---- forward --------------------------------------------------------------------------------------
-void deltanet_fwd(const DeltanetFwdArgs& a, Stream) {
-  const Call call("deltanet_fwd", a);
+void deltanet_fwd(const DeltanetFwdArgs& a, [[maybe_unused]] Stream stream) {
+  const char* op = "deltanet_fwd";
+  const Call call(op, a);
   const DeltanetShape& sh = call.sh;
   call.c.io("o", a.o, {sh.B, sh.T, sh.H, sh.V});
   if (a.final_state.defined()) call.c.state("final_state", a.final_state, {sh.N, sh.H, sh.K, sh.V});
+  if (a.q.device == DeviceType::cuda) {
+#if FW_WITH_CUDA
+    check_cuda_fwd(op, sh, a.q, a.v);
+    detail::DeviceGuard guard(a.q.device_index);
+    detail::deltanet_fwd_cuda(detail::lower_deltanet_fwd(a), stream);  // no workspace: the state is in smem
+    return;
+#else
+    detail::no_cuda_build(op);
+#endif
+  }
 
   const Inputs x = call.inputs(a);
   Vec o = detail::out_buffer(a.o), ht = detail::out_buffer(a.final_state);
@@ -145,6 +188,7 @@ void deltanet_bwd(const DeltanetBwdArgs& a, Stream) {
                  "the gradient of the initial state needs the initial state (initial_state is absent)");
     c.state("dinitial_state", a.dinitial_state, {sh.N, sh.H, sh.K, sh.V});
   }
+  if (a.q.device == DeviceType::cuda) no_cuda_kernel_yet(c.op, "DeltaNet backward");
 
   const Inputs x = call.inputs(a);
   const Vec dout = detail::gather_f64(a.do_), dht = detail::gather_f64(a.dfinal_state);
@@ -173,7 +217,7 @@ void deltanet_step(const DeltanetStepArgs& a, Stream) {
   c.io("o", a.o, {sh.B, sh.H, sh.V});
   c.state("new_state", a.new_state, {sh.B, sh.H, sh.K, sh.V});
   const detail::DeltanetOptions opt = options(op, a.scale, a.use_qk_l2norm_in_kernel);
-  if (a.q.device == DeviceType::cuda) detail::no_cuda_kernels_yet(op, "DeltaNet", 4);
+  if (a.q.device == DeviceType::cuda) no_cuda_kernel_yet(op, "DeltaNet decoding-step");
   // (B, H, D) is the contiguous (B, 1, H, D) of the reference's layout; the state is (N = B, H, K, V).
   using detail::gather_f64;
   const Vec q = gather_f64(a.q), k = gather_f64(a.k), v = gather_f64(a.v), beta = gather_f64(a.beta);

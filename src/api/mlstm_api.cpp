@@ -68,9 +68,7 @@ void check_sequence_inputs(const MlstmChecker& c, const detail::MlstmShape& sh, 
 }
 
 #if !FW_WITH_CUDA
-[[noreturn]] void no_cuda_build(const char* op) {
-  throw Error(cat(op, ": the tensors are on a CUDA device but this build of fastweight has no CUDA kernels"));
-}
+using detail::no_cuda_build;  // shared with DeltaNet (check.cpp)
 #endif
 void check_workspace(const char* op, void* ws, std::size_t bytes, std::size_t need) {
   FW_CHECK_ARG(bytes >= need && (need == 0 || ws != nullptr), op, "workspace", "needs ", need,

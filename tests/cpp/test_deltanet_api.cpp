@@ -4,7 +4,8 @@
 // cut from larger buffers), T crossing a chunk boundary, the L2 norm, an explicit scale and
 // variable-length batches with int32 and int64 cu_seqlens (empty sequences included). Every bad
 // input gets an ArgumentError naming the op and the argument before anything is written, and CUDA
-// tensors get a clear Error. The integer dtypes added for cu_seqlens stay rejected by the float ops.
+// tensors beyond the CUDA forward get a clear Error. The integer dtypes added for cu_seqlens stay
+// rejected by the float ops.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -348,12 +349,16 @@ TEST(DeltanetApi, StepEqualsAOneStepSequenceAndWorksInPlace) {
   }
 }
 
-TEST(DeltanetApi, CudaTensorsGetAClearErrorNotAFallback) {
-  Dn s(DType::f32, {1, 4, 1, 4, 4}, 0, DType::f32, {0, 1, 4});
-  auto a = s.args();
-  for (TensorRef* t : {&a.q, &a.k, &a.v, &a.beta, &a.initial_state, &a.cu_seqlens, &a.o, &a.final_state})
-    t->device = DeviceType::cuda;  // never dereferenced: validation passes, then the dispatch refuses
-  auto expect_clear = [&](auto&& call) {
+// CUDA tensors here are host buffers flagged as CUDA: never dereferenced, as every call below is
+// refused before anything is launched. The forward's CUDA runs are in test_deltanet_cuda.cpp; here
+// what it cannot do (K > 256, float64: ArgumentErrors naming q), and the backward and decoding step,
+// which have no CUDA kernel yet: a clear Error (not an ArgumentError, not a fallback), outputs
+// untouched. A build without CUDA refuses all three.
+TEST(DeltanetApi, CudaTensorsBeyondTheKernelsGetAClearErrorNotAFallback) {
+  auto on_cuda = [](std::initializer_list<TensorRef*> ts) {
+    for (TensorRef* t : ts) t->device = DeviceType::cuda;
+  };
+  auto expect_clear = [&](auto&& call, const char* fragment) {
     try {
       call();
       ADD_FAILURE() << "no error";
@@ -361,18 +366,63 @@ TEST(DeltanetApi, CudaTensorsGetAClearErrorNotAFallback) {
       ADD_FAILURE() << "an argument error instead of the CUDA one: " << e.what();
     } catch (const Error& e) {
       const std::string msg = e.what();
-      EXPECT_NE(msg.find("DeltaNet CUDA kernels are not built yet"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(fragment), std::string::npos) << msg;
     }
   };
-  expect_clear([&] { deltanet_fwd(a); });
-  EXPECT_TRUE(s.untouched());
+#if FW_WITH_CUDA
+  const char* bwd_msg = "DeltaNet backward CUDA kernel is not built yet";
+  const char* step_msg = "DeltaNet decoding-step CUDA kernel is not built yet";
+  {
+    Dn wide(DType::f32, {1, 4, 1, 300, 4}, 0, DType::f32);  // K = 300: the state slice would not fit
+    auto a = wide.args();
+    on_cuda({&a.q, &a.k, &a.v, &a.beta, &a.initial_state, &a.o, &a.final_state});
+    expect_rejected({&wide.o, &wide.ht}, [&] { deltanet_fwd(a); }, {"deltanet_fwd", "q", "K = 300", "CUDA forward"});
+    Dn d64(DType::f64, {1, 4, 1, 4, 4}, 0, DType::f64);
+    auto b = d64.args();
+    b.initial_state = b.final_state = TensorRef{};
+    on_cuda({&b.q, &b.k, &b.v, &b.beta, &b.o});
+    expect_rejected({&d64.o}, [&] { deltanet_fwd(b); }, {"deltanet_fwd", "q", "float64", "not supported on cuda"});
+  }
+#else
+  const char* bwd_msg = "no CUDA kernels";
+  const char* step_msg = bwd_msg;
+  {
+    Dn s(DType::f32, {1, 4, 1, 4, 4}, 0, DType::f32, {0, 1, 4});
+    auto a = s.args();
+    on_cuda({&a.q, &a.k, &a.v, &a.beta, &a.initial_state, &a.cu_seqlens, &a.o, &a.final_state});
+    expect_clear([&] { deltanet_fwd(a); }, "no CUDA kernels");
+    EXPECT_TRUE(s.untouched());
+  }
+#endif
+  {  // device offsets are not read, but what their shape tells is checked: no sequence, T = 4 positions
+    Dn s(DType::f32, {1, 4, 1, 4, 4}, 0, DType::f32, {0});
+    auto a = s.args();
+    a.initial_state = a.final_state = TensorRef{};
+    on_cuda({&a.q, &a.k, &a.v, &a.beta, &a.cu_seqlens, &a.o});
+    expect_rejected({&s.o}, [&] { deltanet_fwd(a); }, {"deltanet_fwd", "cu_seqlens", "no sequence", "T = 4"});
+  }
+  Dn s(DType::f32, {1, 4, 1, 4, 4}, 0, DType::f32, {0, 1, 4});
   Grads g = make_grads(s, 0);
   auto b = bwd_args(s, g);
-  for (TensorRef* t : {&b.q, &b.k, &b.v, &b.beta, &b.initial_state, &b.cu_seqlens, &b.do_, &b.dfinal_state, &b.dq,
-                       &b.dk, &b.dv, &b.dbeta, &b.dinitial_state})
-    t->device = DeviceType::cuda;
-  expect_clear([&] { deltanet_bwd(b); });
+  on_cuda({&b.q, &b.k, &b.v, &b.beta, &b.initial_state, &b.cu_seqlens, &b.do_, &b.dfinal_state, &b.dq, &b.dk, &b.dv,
+           &b.dbeta, &b.dinitial_state});
+  expect_clear([&] { deltanet_bwd(b); }, bwd_msg);
   for (const HostTensor* t : {&g.dq, &g.dk, &g.dv, &g.dbeta, &g.dh0})
+    for (unsigned char c : t->bytes) ASSERT_EQ(c, kPoison);
+  // the step: (B, H, D) = (1, 1, 4) views of the sequence tensors' first position (T dim dropped)
+  auto squeeze = [](TensorRef t) {
+    for (int d = 1; d + 1 < t.ndim; ++d) t.shape[d] = t.shape[d + 1], t.strides[d] = t.strides[d + 1];
+    --t.ndim;
+    return t;
+  };
+  DeltanetStepArgs st;
+  st.q = squeeze(s.q.ref()), st.k = squeeze(s.k.ref()), st.v = squeeze(s.v.ref()), st.beta = squeeze(s.beta.ref());
+  HostTensor state = make_host(DType::f32, {1, 1, 4, 4}), o = make_host(DType::f32, {1, 1, 4});
+  fill_bytes(state, kPoison), fill_bytes(o, kPoison);
+  st.state = st.new_state = state.ref(), st.o = o.ref();
+  on_cuda({&st.q, &st.k, &st.v, &st.beta, &st.state, &st.o, &st.new_state});
+  expect_clear([&] { deltanet_step(st); }, step_msg);
+  for (const HostTensor* t : {&state, &o})
     for (unsigned char c : t->bytes) ASSERT_EQ(c, kPoison);
 }
 

@@ -3,11 +3,14 @@
 Every result is compared with an independent float64 PyTorch implementation of MATH.md §3 written
 below (the loop form, step by step; gradients by float64 autograd of it), by relative Frobenius
 error. CPU tests run the C++ reference through the binding. Where flash-linear-attention is
-installed its own naive torch implementation is compared too. CUDA tensors must raise a clear error
-until the CUDA kernels land (tests marked `gpu`, skipped without a GPU).
+installed its own naive torch implementation is compared too. On CUDA tensors (tests marked `gpu`,
+skipped without a GPU) the forward runs the CUDA kernel and is checked the same way, on fresh random
+inputs; the backward and the decoding step must raise a clear error until their kernels land.
 """
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -339,9 +342,147 @@ def test_integer_dtypes_stay_rejected_by_the_float_ops():
             fastweight.rms_norm(x.float(), torch.ones(8, dtype=dt))
 
 
+# ---- CUDA: the forward runs the CUDA kernel; the backward and the step have none yet (issue 4) ------
+def _fresh_seed() -> int:
+    """Fresh inputs every run (DESIGN.md), printed in every assertion message to reproduce a failure."""
+    return random.SystemRandom().randrange(2 ** 31)
+
+
+def _cuda(*ts):
+    return [None if t is None else t.cuda() for t in ts]
+
+
 @gpu
 @requires_cuda
-def test_cuda_tensors_raise_until_kernels_land():
-    q, k, v, beta, h0 = make(T=8, dtype=torch.float32, device="cuda")
-    with pytest.raises(RuntimeError, match="DeltaNet CUDA kernels are not built yet"):
-        fastweight.delta_rule(q, k, v, beta, initial_state=h0, output_final_state=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T", [1, 63, 300])
+@pytest.mark.parametrize("l2,states", [(False, False), (True, True)])
+def test_cuda_forward_matches_reference_and_cpu(dtype, T, l2, states):
+    seed = _fresh_seed()
+    q, k, v, beta, h0 = make(B=2, T=T, H=3, K=64, V=96, dtype=dtype, seed=seed)
+    h0 = h0 if states else None
+    with torch.no_grad():
+        o, ht = fastweight.delta_rule(*_cuda(q, k, v, beta), initial_state=_cuda(h0)[0], output_final_state=True,
+                                      use_qk_l2norm_in_kernel=l2)
+    assert o.is_cuda and o.dtype == dtype and o.shape == v.shape
+    assert ht.is_cuda and ht.dtype == torch.float32 and ht.shape == (2, 3, 64, 96)
+    ro, rht = ref_delta_rule(q, k, v, beta, h0=h0, l2=l2)
+    co, cht = fastweight.delta_rule(q, k, v, beta, initial_state=h0, output_final_state=True,
+                                    use_qk_l2norm_in_kernel=l2)  # the CPU path on the same inputs
+    eo, eh, ec = rel_err(o, ro), rel_err(ht, rht), rel_err(o, co)
+    msg = f"seed {seed}: o {eo:.2e}, final state {eh:.2e}, o vs the CPU path {ec:.2e}"
+    assert eo < TOL[dtype] and ec < TOL[dtype], msg
+    assert eh < 1e-5 and rel_err(ht, cht) < 1e-5, msg  # fp32 state from fp32 accumulation
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_cuda_varlen_matches_reference(cu_dtype):
+    seed = _fresh_seed()
+    offs = [0, 0, 70, 70, 200, 263, 263]  # empty sequences first, in the middle and last; chunk-crossing lengths
+    cu = torch.tensor(offs, dtype=cu_dtype)
+    q, k, v, beta, h0 = make(B=1, T=263, H=2, K=128, V=64, N=len(offs) - 1, dtype=torch.bfloat16, seed=seed)
+    o, ht = fastweight.delta_rule(*_cuda(q, k, v, beta), initial_state=h0.cuda(), output_final_state=True,
+                                  cu_seqlens=cu.cuda(), use_qk_l2norm_in_kernel=True)
+    ro, rht = ref_delta_rule(q, k, v, beta, h0=h0, l2=True, cu_seqlens=cu)
+    eo, eh = rel_err(o, ro), rel_err(ht, rht)
+    assert eo < TOL[torch.bfloat16] and eh < 1e-5, f"seed {seed}: o {eo:.2e}, final state {eh:.2e}"
+    for n in (0, 2, 5):  # empty sequences: the final state is the initial state
+        assert torch.equal(ht[n].cpu(), h0[n])
+    # FLA's name goes the same way
+    fo, fht = fw_fla.chunk_delta_rule(*_cuda(q, k, v, beta), initial_state=h0.cuda(), output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu.cuda())
+    assert torch.equal(fo, o) and torch.equal(fht, ht)
+
+
+@gpu
+@requires_cuda
+def test_cuda_strided_inputs_and_sequence_split():
+    seed = _fresh_seed()
+    dt = torch.bfloat16
+    q, k, v, beta, h0 = make(B=2, T=150, H=4, K=64, V=32, dtype=dt, seed=seed)
+    # q: a head-first (B, H, T, K) buffer seen as (B, T, H, K): every stride but the last is non-standard
+    qs = q.transpose(1, 2).contiguous().cuda().transpose(1, 2)
+    # k, v, beta (float32 beside bfloat16 q): rows cut from wider buffers, starting inside them
+    wide_k = torch.zeros(2, 150, 4, 80, dtype=dt, device="cuda")
+    wide_k[..., :64] = k.cuda()
+    ks = wide_k[..., :64]
+    wide_v = torch.zeros(2, 150, 4, 40, dtype=dt, device="cuda")
+    wide_v[..., 3:35] = v.cuda()
+    vs = wide_v[..., 3:35]
+    wide_b = torch.zeros(2, 150, 7, device="cuda")
+    wide_b[..., 1:5] = beta.float().cuda()
+    bs = wide_b[..., 1:5]
+    assert not qs.is_contiguous() and qs.stride(-1) == 1 and ks.stride(-2) == 80 and vs.stride(-2) == 40
+    assert bs.stride() == (1050, 7, 1) and bs.storage_offset() == 1
+    o, ht = fastweight.delta_rule(qs, ks, vs, bs, initial_state=h0.cuda(), output_final_state=True)
+    ro, rht = ref_delta_rule(q, k, v, beta.float(), h0=h0)
+    eo, eh = rel_err(o, ro), rel_err(ht, rht)
+    assert eo < TOL[dt] and eh < 1e-5, f"seed {seed}: o {eo:.2e}, final state {eh:.2e}"
+    # the same numbers as contiguous inputs (strides change addresses only), and as a last-dim-strided q
+    # (which the functional API copies)
+    oc, htc = fastweight.delta_rule(*_cuda(q, k, v, beta.float()), initial_state=h0.cuda(), output_final_state=True)
+    assert torch.equal(o, oc) and torch.equal(ht, htc)
+    big = torch.zeros(2, 150, 4, 128, dtype=dt, device="cuda")
+    big[..., ::2] = q.cuda()
+    o2, _ = fastweight.delta_rule(big[..., ::2], ks, vs, bs, initial_state=h0.cuda())
+    assert torch.equal(o2, o)
+    # two calls joined through the state == one call (context parallelism's stitching)
+    o1, s1 = fastweight.delta_rule(qs[:, :100], ks[:, :100], vs[:, :100], bs[:, :100], initial_state=h0.cuda(),
+                                   output_final_state=True)
+    o2, s2 = fastweight.delta_rule(qs[:, 100:], ks[:, 100:], vs[:, 100:], bs[:, 100:], initial_state=s1,
+                                   output_final_state=True)
+    assert rel_err(torch.cat([o1, o2], 1), o) < TOL[dt] and rel_err(s2, ht) < 1e-5, f"seed {seed}"
+
+
+@gpu
+@requires_cuda
+def test_cuda_forward_deterministic_graph_capture_and_compile():
+    q, k, v, beta, h0 = _cuda(*make(B=2, T=200, H=2, K=64, V=64, dtype=torch.float32, seed=_fresh_seed()))
+
+    def fn(q, k, v, beta, h0):
+        return fastweight.delta_rule(q, k, v, beta, initial_state=h0, output_final_state=True,
+                                     use_qk_l2norm_in_kernel=True)
+    o1, ht1 = fn(q, k, v, beta, h0)
+    o2, ht2 = fn(q, k, v, beta, h0)
+    assert torch.equal(o1, o2) and torch.equal(ht1, ht2)  # bit-identical
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        og, htg = fn(q, k, v, beta, h0)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(og, o1) and torch.equal(htg, ht1)
+    with torch.no_grad():
+        oc, htc = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, beta, h0)
+    assert torch.equal(oc, o1) and torch.equal(htc, ht1)
+
+
+@gpu
+@requires_cuda
+def test_cuda_autograd_forward_runs_backward_raises_clearly():
+    q, k, v, beta, h0 = make(B=1, T=70, H=2, K=32, V=16, dtype=torch.float32)
+    args = [t.cuda().requires_grad_() for t in (q, k, v, beta, h0)]
+    o, ht = fastweight.delta_rule(*args[:4], initial_state=args[4], output_final_state=True)  # forward: CUDA
+    ro, rht = ref_delta_rule(q, k, v, beta, h0=h0)
+    assert o.requires_grad and rel_err(o, ro) < TOL[torch.float32] and rel_err(ht, rht) < 1e-5
+    with pytest.raises(RuntimeError, match="DeltaNet backward CUDA kernel is not built yet"):
+        (o.sum() + ht.sum()).backward()
+    assert all(t.grad is None for t in args)  # no gradient, not a wrong one
+
+
+@gpu
+@requires_cuda
+def test_cuda_errors_name_the_argument():
+    q, k, v, beta, h0 = _cuda(*make(B=1, T=8, H=2, K=300, V=4, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"deltanet_fwd: q: head dim K = 300 is not supported by the CUDA forward"):
+        fastweight.delta_rule(q, k, v, beta)
+    q, k, v, beta, h0 = _cuda(*make(B=1, T=8, H=2, K=8, V=4, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"deltanet_fwd: cu_seqlens: expected device cuda:\d"):
+        fastweight.delta_rule(q, k, v, beta, cu_seqlens=torch.tensor([0, 8]))  # offsets must be on q's device
+    with pytest.raises(ValueError, match=r"deltanet_fwd: cu_seqlens: holds no sequence .* T = 8"):
+        fastweight.delta_rule(q, k, v, beta, cu_seqlens=torch.tensor([0], device="cuda"))  # checked by shape alone
+    with pytest.raises(ValueError, match="deltanet_fwd: q: dtype float64 is not supported on cuda"):
+        fastweight.delta_rule(q.double(), k.double(), v.double(), beta.double())
+    with pytest.raises(RuntimeError, match="DeltaNet decoding-step CUDA kernel is not built yet"):
+        fastweight.delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], h0)

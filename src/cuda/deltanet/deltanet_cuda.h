@@ -5,6 +5,9 @@
 
 namespace fastweight::detail {
 
+// The largest head dim K of the forward: the CTA's state slice (K, 64) lives in shared memory.
+inline constexpr std::int64_t kDeltanetFwdMaxK = 256;
+
 // Chunkwise forward (chunks of 64, the WY form of the reference): o and, when p.ht is set, the
 // final states. No workspace: the state lives in shared memory.
 void deltanet_fwd_cuda(const DeltanetParams& p, Stream stream);

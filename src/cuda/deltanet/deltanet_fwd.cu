@@ -15,7 +15,7 @@ namespace {
 
 constexpr int kC = 64;         // chunk length and tile edge
 constexpr int kThreads = 256;  // 16 x 16 threads, 4 x 4 outputs of a 64 x 64 tile each
-constexpr int kMaxK = 256;
+constexpr int kMaxK = int(kDeltanetFwdMaxK);
 
 struct Smem {
   float S[kMaxK][kC + 1];  // (K, 64) this CTA's columns of the state

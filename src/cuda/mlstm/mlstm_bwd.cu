@@ -9,8 +9,8 @@
 //   K3q         per (head, chunk, 64-row block, DQK tile): dq and the rows' dg (t role)
 //   K3kv        per (head, chunk, 64-row block, role): dk (role 0) or dv (role 1), and the rows' di,
 //               dg (s role) and the chunk's dG partial (role 0)
-//   K4 gates    per head, serial in float64: suffix sums of dg within chunks + dG, the correction
-//               scan through m_t = max(lf_t + m_{t-1}, i_t), then di, df, dm0
+//   K4 gates    per head in float64: suffix sums of dg within chunks + dG, the correction scan
+//               through m_t = max(lf_t + m_{t-1}, i_t) (segmented, parallel), then di, df, dm0
 // Notation per chunk k (t, s rows of the chunk, local cumulative log forget g, a_s = i_s - g_s,
 // M_t = max(m_k, a_0..a_t)): e_t = exp(m_k - M_t), D_ts = exp(a_s - M_t) (s <= t),
 // w_s = exp(a_s - M_L), d_k = exp(m_k - M_L); dnum_t = dh_t / den_t, X_ts = v_s . dnum_t + db_t,
@@ -28,7 +28,7 @@ constexpr int kMaxL = 256;
 
 struct BwdWs {  // offsets in floats into the workspace
   std::int64_t heads, NC, ns, tiles, rbs;
-  std::int64_t c, n, m, dc, dn, inv_den, db, corr, ey, dgq, dgkv, dikv, R, G, mrec /* doubles */, total;
+  std::int64_t c, n, m, dc, dn, inv_den, db, corr, ey, dgq, dgkv, dikv, R, G, gam, total;
   explicit BwdWs(const MlstmParams& p) {
     heads = p.B * p.NH, NC = p.chunks(), ns = NC + 1;
     tiles = ((p.DQK + kT - 1) / kT) * ((p.DV + kT - 1) / kT);
@@ -41,7 +41,7 @@ struct BwdWs {  // offsets in floats into the workspace
     inv_den = take(heads * p.S), db = take(heads * p.S), corr = take(heads * p.S), ey = take(heads * p.S);
     dgq = take(heads * p.S), dgkv = take(heads * p.S), dikv = take(heads * p.S);
     R = take(heads * ns * tiles), G = take(heads * std::max<std::int64_t>(NC, 1) * rbs);
-    mrec = take(2 * heads * p.S);  // float64 m_t of the correction scan (2 floats each)
+    gam = take(heads * p.S);  // K4: routing gamma_t of each max (1 lf, 0 i, 1/2 tie)
     total = o;
   }
 };
@@ -625,80 +625,111 @@ __global__ void __launch_bounds__(kThreads) k3_dkdv(const MlstmBwdParams B, floa
   }
 }
 
-// ---- K4: gate gradients and the correction through m (per head, float64, thread 0 serial) --------------
+// ---- K4: gate gradients and the correction through m (per head, float64) ---------------------------
+// 1. chunk by chunk, the whole CTA: dlf_u = dG + sum_{t >= u in the chunk} (dg_q + dg_kv)_t by a
+//    block suffix scan, and the routing of each m_t = max(lf_t + m_{t-1}, i_t) in the chunk frame
+//    (lf wins iff M_{u-1} > a_u, M_{-1} = m_k; ties split in halves as torch.maximum) as gamma_t in
+//    {1, 0, 1/2}, to the workspace (the m chain m_{k+1} = g_{n-1} + M_{n-1} in float64, as K0's).
+// 2. the reverse scan of the correction, d_in(t) = x_t + gamma_{t+1} d_in(t+1) (x_t = c_t, plus the
+//    last state's terms at t = S - 1), in contiguous segments per thread: each thread composes its
+//    segment's affine map, thread 0 chains the maps right to left (fixed order), each thread re-walks
+//    its segment adding d to dlf (lf wins) or di (i wins).
+// 3. df = dlf sigmoid(-f), di, dm0.
+// (Version 1 ran all of this in thread 0 from global memory: 11 ms of a 34 ms backward on the H100.)
 __global__ void __launch_bounds__(kThreads) k4_gates(const MlstmBwdParams B, float* ws, BwdWs L) {
   const MlstmParams& p = B.f;
   __shared__ double s_g[kMaxL], s_a[kMaxL], s_M[kMaxL];
+  __shared__ double s_x[kMaxL];                                  // suffix scan of one chunk
+  __shared__ double s_fa[kThreads], s_fb[kThreads], s_d[kThreads];  // segment maps a + b D, incoming D
+  __shared__ double s_tot;
+  const int tid = threadIdx.x;
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, S = p.S;
   float* dlf = ws + L.dgq + bh * S;   // reused in place: dg_q -> dlf
   float* di = ws + L.dikv + bh * S;   // di_kv -> di
   const float* dgkv = ws + L.dgkv + bh * S;
-  double* mrec = reinterpret_cast<double*>(ws + L.mrec) + bh * S;
+  float* gam = ws + L.gam + bh * S;  // (S) gamma_t
   const double m0 = p.m0.p ? double(mlstm_ld(p.m0, b * p.m0.s0 + hd * p.m0.s1)) : 0.0;
-  double dm0 = 0.0;
+  double dm0 = 0.0, mk = m0;
   for (std::int64_t kc = 0; kc < L.NC; ++kc) {
     const std::int64_t t0 = kc * p.L;
     const int n = int(S - t0 < p.L ? S - t0 : p.L);
-    const double mk = double(ws[L.m + bh * L.ns + kc]);
     mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);
-    if (threadIdx.x == 0) {
+    if (tid == 0) {
       double R = 0.0, G = 0.0;
       for (std::int64_t tl = 0; tl < L.tiles; ++tl) R += ws[L.R + (bh * L.ns + kc) * L.tiles + tl];
       for (std::int64_t sb = 0; sb * kT < n; ++sb) G += ws[L.G + (bh * L.NC + kc) * L.rbs + sb];
       const double dk = exp(mk - s_M[n - 1]);
-      G += dk * R;  // the decay of the entering state, exp(G + m_k - m_{k+1})
+      s_tot = G + dk * R;  // the decay of the entering state, exp(G + m_k - m_{k+1})
       if (kc == 0) {
         dm0 += dk * R;
         for (int t = 0; t < n; ++t) dm0 += ws[L.ey + bh * S + t];  // e_t = exp(g_t + m_0 - m_t)
       }
-      double acc = G;
-      for (int t = n - 1; t >= 0; --t) {  // dlf_u = sum_{t >= u} dg_t + dG (chunk-local g)
-        acc += double(dlf[t0 + t]) + double(dgkv[t0 + t]);
-        dlf[t0 + t] = float(acc);
-      }
+    }
+    if (tid < n) {
+      s_x[tid] = double(dlf[t0 + tid]) + double(dgkv[t0 + tid]);
+      const double prev = tid == 0 ? mk : s_M[tid - 1], a = s_a[tid];
+      gam[t0 + tid] = prev > a ? 1.f : prev < a ? 0.f : 0.5f;
     }
     __syncthreads();
+    for (int d = 1; d < n; d <<= 1) {  // inclusive suffix sum (Hillis-Steele; fixed order)
+      const double add = tid + d < n ? s_x[tid + d] : 0.0;
+      __syncthreads();
+      if (tid < n) s_x[tid] += add;
+      __syncthreads();
+    }
+    if (tid < n) dlf[t0 + tid] = float(s_tot + s_x[tid]);
+    mk = s_g[n - 1] + s_M[n - 1];
+    __syncthreads();  // s_* are rewritten by the next chunk
   }
-  if (threadIdx.x != 0) return;
-  // correction: c_t at every step (+ the last state's terms at the last step), reverse through
-  // m_t = max(lf_t + m_{t-1}, i_t) with ties split in halves (torch.maximum)
+  // 2. the correction scan
   double Rl = 0.0;
   for (std::int64_t tl = 0; tl < L.tiles; ++tl) Rl += ws[L.R + (bh * L.ns + L.NC) * L.tiles + tl];
   const double dml = B.dm_last.p ? double(mlstm_ld(B.dm_last, b * B.dm_last.s0 + hd * B.dm_last.s1)) : 0.0;
   const double cS = dml - Rl;
-  double m = m0;
-  for (std::int64_t t = 0; t < S; ++t) {
-    const double lf = mlstm_logsigmoid(double(mlstm_ld(p.f, b * p.f.s0 + hd * p.f.s1 + t)));
-    const double ig = double(mlstm_ld(p.i, b * p.i.s0 + hd * p.i.s1 + t));
-    m = fmax(lf + m, ig);
-    mrec[t] = m;
+  const std::int64_t seg = (S + kThreads - 1) / kThreads, lo = std::min<std::int64_t>(S, tid * seg),
+                     hi = std::min<std::int64_t>(S, lo + seg);
+  const float* corr = ws + L.corr + bh * S;
+  {
+    double fa = 0.0, fb = 1.0;  // d leaving the segment to the left = fa + fb * (d entering from the right)
+    for (std::int64_t t = hi - 1; t >= lo; --t) {
+      const double g = gam[t];
+      fa = (fa + double(corr[t]) + (t == S - 1 ? cS : 0.0)) * g;
+      fb *= g;
+    }
+    s_fa[tid] = fa, s_fb[tid] = fb;
   }
-  double d = S == 0 ? cS : 0.0;
-  for (std::int64_t t = S - 1; t >= 0; --t) {
-    d += double(ws[L.corr + bh * S + t]) + (t == S - 1 ? cS : 0.0);
-    const double fv = double(mlstm_ld(p.f, b * p.f.s0 + hd * p.f.s1 + t));
-    const double lf = mlstm_logsigmoid(fv);
-    const double mp = t > 0 ? mrec[t - 1] : m0;
-    const double A = lf + mp, Bv = double(mlstm_ld(p.i, b * p.i.s0 + hd * p.i.s1 + t));
-    if (A > Bv) {
-      dlf[t] = float(double(dlf[t]) + d);
-    } else if (A < Bv) {
-      di[t] = float(double(di[t]) + d);
-      d = 0.0;
-    } else {
-      dlf[t] = float(double(dlf[t]) + 0.5 * d);
-      di[t] = float(double(di[t]) + 0.5 * d);
-      d *= 0.5;
+  __syncthreads();
+  if (tid == 0) {
+    double D = 0.0;
+    for (int j = kThreads - 1; j >= 0; --j) s_d[j] = D, D = s_fa[j] + s_fb[j] * D;
+    s_tot = S == 0 ? cS : D;  // d left of step 0 goes to m_initial
+  }
+  __syncthreads();
+  {
+    double d = s_d[tid];
+    for (std::int64_t t = hi - 1; t >= lo; --t) {
+      d += double(corr[t]) + (t == S - 1 ? cS : 0.0);
+      const float g = gam[t];
+      if (g == 1.f) {
+        dlf[t] = float(double(dlf[t]) + d);
+      } else if (g == 0.f) {
+        di[t] = float(double(di[t]) + d);
+        d = 0.0;
+      } else {
+        dlf[t] = float(double(dlf[t]) + 0.5 * d);
+        di[t] = float(double(di[t]) + 0.5 * d);
+        d *= 0.5;
+      }
     }
   }
-  dm0 += d;
-  for (std::int64_t t = 0; t < S; ++t) {
+  // 3. outputs (each thread its own segment: written by it in step 2)
+  for (std::int64_t t = lo; t < hi; ++t) {
     const double fv = double(mlstm_ld(p.f, b * p.f.s0 + hd * p.f.s1 + t));
     const double sig_neg = fv >= 0 ? exp(-fv) / (1.0 + exp(-fv)) : 1.0 / (1.0 + exp(fv));
     if (B.df.p) mlstm_st(B.df, b * B.df.s0 + hd * B.df.s1 + t, float(double(dlf[t]) * sig_neg));
     if (B.di.p) mlstm_st(B.di, b * B.di.s0 + hd * B.di.s1 + t, di[t]);
   }
-  if (B.dm0.p) mlstm_st(B.dm0, b * B.dm0.s0 + hd * B.dm0.s1, float(dm0));
+  if (tid == 0 && B.dm0.p) mlstm_st(B.dm0, b * B.dm0.s0 + hd * B.dm0.s1, float(dm0 + s_tot));
 }
 
 }  // namespace
