@@ -92,6 +92,7 @@ int gpu_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
     try {
       const std::vector<std::int64_t> cu = c.seqs > 0 ? random_offsets(c.seqs, c.T, 5) : std::vector<std::int64_t>{};
       GpuFwd check(1, c.T, 2, c.K, c.K, cu);
+      std::printf("deltanet_fwd (cuda): verifying at %s\n", check.shape().c_str());
       const double err = check.verify();
       if (!(err <= 1e-2)) ++failures;
       GpuFwd run(c.B, c.T, c.H, c.K, c.K, cu);

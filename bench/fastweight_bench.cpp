@@ -240,6 +240,7 @@ struct Row {
 
 int main(int argc, char** argv) {
   Options o;
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines survive a timeout or a crash
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto val = [&](const char* k) -> const char* {
