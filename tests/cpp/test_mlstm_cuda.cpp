@@ -247,6 +247,11 @@ std::vector<FwdCase> bwd_cases() {
   v.push_back({DType::f32, 1, 1, 257, 64, 64, 256, false, false, false});
   v.push_back({DType::bf16, 1, 2, 200, 64, 128, 64, true, false, false});
   v.push_back({DType::f16, 1, 2, 63, 96, 80, 16, true, false, false});
+  // bf16, chunk 64, head dims <= 128: K3 on tensor cores (mlstm_bwd_tc.cu)
+  v.push_back({DType::bf16, 2, 2, 1000, 128, 128, 64, true, false, false});
+  v.push_back({DType::bf16, 1, 2, 63, 96, 80, 64, true, false, false});
+  v.push_back({DType::bf16, 1, 1, 130, 40, 24, 64, false, false, false});
+  v.push_back({DType::bf16, 1, 2, 300, 64, 64, 64, true, false, true});
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Cases, MlstmCudaBwd, ::testing::ValuesIn(bwd_cases()),

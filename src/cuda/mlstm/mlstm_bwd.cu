@@ -17,6 +17,7 @@
 // P_ts = scale (q_t . k_s) D_ts, Z_ts = P_ts X_ts.
 #include "cuda/common/check.cuh"
 #include "cuda/mlstm/mlstm_common.cuh"
+#include "cuda/mlstm/mlstm_bwd_ws.h"
 #include "cuda/mlstm/mlstm_cuda.h"
 
 namespace fastweight::detail {
@@ -25,26 +26,6 @@ namespace {
 constexpr int kT = 64;
 constexpr int kThreads = 256;
 constexpr int kMaxL = 256;
-
-struct BwdWs {  // offsets in floats into the workspace
-  std::int64_t heads, NC, ns, tiles, rbs;
-  std::int64_t c, n, m, dc, dn, inv_den, db, corr, ey, dgq, dgkv, dikv, R, G, gam, total;
-  explicit BwdWs(const MlstmParams& p) {
-    heads = p.B * p.NH, NC = p.chunks(), ns = NC + 1;
-    tiles = ((p.DQK + kT - 1) / kT) * ((p.DV + kT - 1) / kT);
-    rbs = (p.L + kT - 1) / kT;
-    auto al = [](std::int64_t x) { return (x + 63) / 64 * 64; };
-    std::int64_t o = 0;
-    auto take = [&](std::int64_t n_) { const std::int64_t at = o; o += al(n_); return at; };
-    c = take(heads * ns * p.DQK * p.DV), n = take(heads * ns * p.DQK), m = take(heads * ns);
-    dc = take(heads * ns * p.DQK * p.DV), dn = take(heads * ns * p.DQK);
-    inv_den = take(heads * p.S), db = take(heads * p.S), corr = take(heads * p.S), ey = take(heads * p.S);
-    dgq = take(heads * p.S), dgkv = take(heads * p.S), dikv = take(heads * p.S);
-    R = take(heads * ns * tiles), G = take(heads * std::max<std::int64_t>(NC, 1) * rbs);
-    gam = take(heads * p.S);  // K4: routing gamma_t of each max (1 lf, 0 i, 1/2 tie)
-    total = o;
-  }
-};
 
 // Sum over the 16 threads of a row group (tc = tid % 16, consecutive lanes): fixed xor tree.
 __device__ __forceinline__ float sum16(float v) {
@@ -762,7 +743,9 @@ void mlstm_bwd_cuda(const MlstmBwdParams& B, void* workspace, std::size_t worksp
   }
   k2_scan<<<dim3(H, unsigned(kt), unsigned(vt)), kThreads, 0, s>>>(B, ws, L);
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
-  if (NC > 0) {
+  if (NC > 0 && mlstm_bwd_k3_tc_applies(B)) {
+    mlstm_bwd_k3_tc(B, ws, L, stream);  // bf16, chunk 64, head dims <= 128: tensor cores
+  } else if (NC > 0) {
     k3_dq<<<dim3(H, NC, RB * unsigned(kt)), kThreads, smem, s>>>(B, ws, L);
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
     k3_dkdv<<<dim3(H, NC, RB * 2), kThreads, smem, s>>>(B, ws, L);

@@ -18,21 +18,14 @@
 #include "cuda/common/mma.cuh"
 #include "cuda/mlstm/mlstm_common.cuh"
 #include "cuda/mlstm/mlstm_cuda.h"
+#include "cuda/mlstm/mlstm_tc.cuh"
 
 namespace fastweight::detail {
 namespace {
 
-using bf16 = __nv_bfloat16;
-constexpr int kT = 64;         // tile edge: chunk rows / steps, DQK and DV columns
-constexpr int kThreads = 128;  // 4 warps; warp w owns tile rows 16w..16w+15
-constexpr int kLd = kT + 8;    // smem row stride (bf16) of 64-column tiles: 144 B, ldmatrix conflict-free
+using namespace mtc;
+constexpr int kThreads = kTcThreads;
 constexpr int kMaxL = 256;
-
-__host__ __device__ constexpr std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
-__host__ __device__ constexpr std::int64_t lmin(std::int64_t x, std::int64_t y) { return x < y ? x : y; }
-__device__ __forceinline__ int bytes16(int nr_ok, int left) {  // bytes of a 16-byte chunk inside the tile
-  return nr_ok ? 2 * (left < 0 ? 0 : left > 8 ? 8 : left) : 0;
-}
 
 // Workspace (each part 256-byte aligned): C states bf16 (heads, NC+1, DQK, DVp) with DVp = DV
 // rounded up to 8 (16-byte rows) | n fp32 (heads, NC+1, DQK) | m f64 (heads, NC+1) | g, a, A f64
@@ -51,26 +44,6 @@ struct TcWs {
     total = o;
   }
 };
-
-// Rows [0, nr) x columns [0, nc) of a bf16 matrix (row i at src + i * rs) into an R x C smem tile
-// (stride ld; C a multiple of 8), zeros elsewhere. vec: src 16-byte aligned and rs % 8 == 0 ->
-// cp.async (the caller commits and waits); else synchronous element loads.
-__device__ __forceinline__ void load_tile(bf16* sm, int ld, int R, int C, const bf16* src, std::int64_t rs, int nr,
-                                          int nc, bool vec) {
-  if (vec) {
-    const int CH = C / 8;  // 16-byte chunks per row
-    for (int e = threadIdx.x; e < R * CH; e += kThreads) {
-      const int r = e / CH, col = (e % CH) * 8;
-      const int bytes = bytes16(r < nr, nc - col);
-      cp_async16(sm + r * ld + col, bytes ? src + r * rs + col : src, bytes);
-    }
-  } else {
-    for (int e = threadIdx.x; e < R * C; e += kThreads) {
-      const int r = e / C, col = e % C;
-      sm[r * ld + col] = r < nr && col < nc ? src[r * rs + col] : __float2bfloat16_rn(0.f);
-    }
-  }
-}
 
 struct TcFlags {
   bool q, k, v, h2;  // q/k/v: 16-byte rows (cp.async); h2: bf16 pairs may be stored as 32-bit words
@@ -432,9 +405,6 @@ __global__ void __launch_bounds__(kThreads) mlstm_tc_out_kernel(const MlstmParam
   }
 }
 
-bool rows16(const StridedView& t) {  // 16-byte aligned rows at every (b, h, t)
-  return reinterpret_cast<std::uintptr_t>(t.p) % 16 == 0 && t.s0 % 8 == 0 && t.s1 % 8 == 0 && t.s2 % 8 == 0;
-}
 
 }  // namespace
 

@@ -1,0 +1,352 @@
+// mlstm_bwd_tc.cu: K3 of the chunkwise mLSTM backward (mlstm_bwd.cu, docs/design/mlstm_backward.md)
+// on tensor cores, for bf16 q, k, v, dh, chunk 64, DQK and DV <= 128. Two kernels, one CTA of 4 warps
+// per (head, chunk), each warp 16 rows, products by mma.sync m16n8k16 (bf16 -> fp32):
+//   q-role  (rows t): S = q k^T, WD = dh v^T; X = WD / den_t + db_t, Y = D X (s <= t);
+//           dq = scale (e_t (dh C_k^T / den_t + db_t n_k) + Y k);  dg_t = sum_s P X + eY_t
+//   kv-role (rows s): S^T = k q^T, WD^T = v dh^T; the same X, D, P transposed;
+//           dk = scale Y^T q + w_s (v dC_{k+1}^T + dn_{k+1});  dv = P^T dnum + w_s k dC_{k+1};
+//           da_s = sum_t P X + w_s k_s . (dC_{k+1} v_s + dn_{k+1}), G partial = sum_s w_s (...)
+// P and Y stay in registers between the products (FlashAttention-2's fragment reuse). The chunk
+// states C_k and dC_{k+1} (fp32 in the workspace, from K0 / K2) are rounded to bf16 in shared memory;
+// every other scaling (1/den, e_t, w_s, scale) is applied in fp32 to the accumulators or to P, Y.
+// Reads and writes the workspace exactly as k3_dq / k3_dkdv do. Deterministic (fixed-order sums).
+#include "cuda/common/check.cuh"
+#include "cuda/mlstm/mlstm_bwd_ws.h"
+#include "cuda/mlstm/mlstm_common.cuh"
+#include "cuda/mlstm/mlstm_cuda.h"
+#include "cuda/mlstm/mlstm_tc.cuh"
+
+namespace fastweight::detail {
+namespace {
+
+using namespace mtc;
+constexpr int kThreads = kTcThreads;
+constexpr int kMaxD = 128;  // DQK, DV
+
+struct K3Flags {
+  bool q, k, v, dh;  // 16-byte rows: cp.async
+};
+
+// Dynamic smem, Dq = DQK and Dv = DV rounded up to 16, ldq = Dq + 8, ldv = Dv + 8 (bf16 elements):
+//   bf16 q[64][ldq] | k[64][ldq] | dh[64][ldv] | v[64][ldv] | st[Dq][ldv] (C_k or dC_{k+1}) |
+//   f32 nv[Dq] (n_k or dn_{k+1}) | f32 inv_den[64], db[64]
+struct K3Layout {
+  int Dq, Dv, ldq, ldv;
+  std::size_t q, k, dh, v, st, nv, inv, db, bytes;
+  __host__ __device__ K3Layout(std::int64_t DQK, std::int64_t DV) {
+    Dq = int(round_up(DQK, 16)), Dv = int(round_up(DV, 16)), ldq = Dq + 8, ldv = Dv + 8;
+    q = 0, k = q + 2 * std::size_t(kT) * ldq, dh = k + 2 * std::size_t(kT) * ldq;
+    v = dh + 2 * std::size_t(kT) * ldv, st = v + 2 * std::size_t(kT) * ldv;
+    nv = st + 2 * std::size_t(Dq) * ldv;
+    inv = nv + 4 * std::size_t(Dq), db = inv + 4 * kT, bytes = db + 4 * kT;
+  }
+};
+
+struct K3Smem {
+  bf16 *q, *k, *dh, *v, *st;
+  float *nv, *inv, *db;
+  const K3Layout lay;
+  __device__ K3Smem(char* base, std::int64_t DQK, std::int64_t DV) : lay(DQK, DV) {
+    q = reinterpret_cast<bf16*>(base + lay.q), k = reinterpret_cast<bf16*>(base + lay.k);
+    dh = reinterpret_cast<bf16*>(base + lay.dh), v = reinterpret_cast<bf16*>(base + lay.v);
+    st = reinterpret_cast<bf16*>(base + lay.st), nv = reinterpret_cast<float*>(base + lay.nv);
+    inv = reinterpret_cast<float*>(base + lay.inv), db = reinterpret_cast<float*>(base + lay.db);
+  }
+};
+
+// The common loads of both roles: q, k, dh, v rows of the chunk; a state matrix (fp32, (DQK, DV)
+// contiguous) as bf16 and its vector (DQK); 1/den and db of the chunk's rows.
+__device__ void k3_load(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem& sm, std::int64_t b, std::int64_t hd,
+                        std::int64_t t0, int n, const float* stf, const float* nvf, const float* inv_den,
+                        const float* dbv) {
+  const MlstmParams& p = B.f;
+  const int DQK = int(p.DQK), DV = int(p.DV), ldq = sm.lay.ldq, ldv = sm.lay.ldv, Dq = sm.lay.Dq, Dv = sm.lay.Dv;
+  auto rows = [&](const StridedView& t) {
+    return static_cast<const bf16*>(t.p) + b * t.s0 + hd * t.s1 + t0 * t.s2;
+  };
+  load_tile(sm.q, ldq, kT, Dq, rows(p.q), p.q.s2, n, DQK, fl.q);
+  load_tile(sm.k, ldq, kT, Dq, rows(p.k), p.k.s2, n, DQK, fl.k);
+  load_tile(sm.dh, ldv, kT, Dv, rows(B.dh), B.dh.s2, n, DV, fl.dh);
+  load_tile(sm.v, ldv, kT, Dv, rows(p.v), p.v.s2, n, DV, fl.v);
+  cp_async_commit();
+  for (int e = threadIdx.x; e < Dq * Dv; e += kThreads) {
+    const int r = e / Dv, c = e % Dv;
+    sm.st[r * ldv + c] = __float2bfloat16_rn(r < DQK && c < DV ? stf[r * DV + c] : 0.f);
+  }
+  for (int r = threadIdx.x; r < Dq; r += kThreads) sm.nv[r] = r < DQK ? nvf[r] : 0.f;
+  if (threadIdx.x < kT) {
+    sm.inv[threadIdx.x] = threadIdx.x < n ? inv_den[threadIdx.x] : 0.f;
+    sm.db[threadIdx.x] = threadIdx.x < n ? dbv[threadIdx.x] : 0.f;
+  }
+  cp_async_wait<0>();
+}
+
+// acc (16 rows of the warp x 64 columns) += A (rows 16w.., K = Kp, row major in smem, stride lda)
+// times B^T where B is stored n-major (row n, K contiguous; stride ldb): C = A B^T.
+__device__ __forceinline__ void mma_abt(float (&acc)[8][4], const bf16* A, int lda, const bf16* Bn, int ldb, int Kp,
+                                        int warp, int lane) {
+  for (int ks = 0; ks < Kp / 16; ++ks) {
+    std::uint32_t a[4];
+    ldsm_x4(a, A + (16 * warp + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      std::uint32_t bb[4];
+      ldsm_x4(bb, Bn + (16 * jj + ld_row_b_nmajor(lane)) * ldb + ks * 16 + ld_col_b_nmajor(lane));
+      mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
+      mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
+    }
+  }
+}
+
+// acc (16 x N, N = 16 * nj2 * ... up to 128 columns) += A B where A is given as fragments of the 4
+// k-steps (64 rows of B: the chunk's steps) and B is stored k-major (row k, N contiguous; stride ldb).
+__device__ __forceinline__ void mma_fragb(float (&acc)[16][4], const std::uint32_t (&af)[4][4], const bf16* Bk, int ldb,
+                                          int N, int lane) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      if (16 * jj >= N) break;
+      std::uint32_t bb[4];
+      ldsm_x4_t(bb, Bk + (ks * 16 + ld_row_b_kmajor(lane)) * ldb + 16 * jj + ld_col_b_kmajor(lane));
+      mma_bf16_16816(acc[2 * jj], af[ks], bb[0], bb[1]);
+      mma_bf16_16816(acc[2 * jj + 1], af[ks], bb[2], bb[3]);
+    }
+}
+
+// acc (16 x N) += A (rows 16w.., K = Kp, row major, stride lda) times B stored k-major (stride ldb).
+__device__ __forceinline__ void mma_ab(float (&acc)[16][4], const bf16* A, int lda, const bf16* Bk, int ldb, int Kp,
+                                       int N, int warp, int lane) {
+  for (int ks = 0; ks < Kp / 16; ++ks) {
+    std::uint32_t a[4];
+    ldsm_x4(a, A + (16 * warp + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      if (16 * jj >= N) break;
+      std::uint32_t bb[4];
+      ldsm_x4_t(bb, Bk + (ks * 16 + ld_row_b_kmajor(lane)) * ldb + 16 * jj + ld_col_b_kmajor(lane));
+      mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
+      mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
+    }
+  }
+}
+
+// acc (16 x N) += A B^T with A row major (stride lda, K = Kp) and B stored n-major (row n = output
+// column, K contiguous; stride ldb): N up to 128 output columns.
+__device__ __forceinline__ void mma_abt_wide(float (&acc)[16][4], const bf16* A, int lda, const bf16* Bn, int ldb,
+                                             int Kp, int N, int warp, int lane) {
+  for (int ks = 0; ks < Kp / 16; ++ks) {
+    std::uint32_t a[4];
+    ldsm_x4(a, A + (16 * warp + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      if (16 * jj >= N) break;
+      std::uint32_t bb[4];
+      ldsm_x4(bb, Bn + (16 * jj + ld_row_b_nmajor(lane)) * ldb + ks * 16 + ld_col_b_nmajor(lane));
+      mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
+      mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
+    }
+  }
+}
+
+__device__ __forceinline__ void pack_frag(std::uint32_t (&af)[4][4], int j, const float (&x)[4]) {
+  af[j >> 1][(j & 1) * 2] = pack_bf16(x[0], x[1]);
+  af[j >> 1][(j & 1) * 2 + 1] = pack_bf16(x[2], x[3]);
+}
+
+// Writes the warp's (16 rows x N columns) accumulator rows rA, rB (rows of the chunk) of a
+// (B, NH, S, N) output, times mul; rows >= n and columns >= N are not written.
+__device__ __forceinline__ void store_rows(const StridedView& out, const float (&acc)[16][4], std::int64_t b,
+                                           std::int64_t hd, std::int64_t t0, int rA, int rB, int n, std::int64_t N,
+                                           float mul) {
+  const int t4 = threadIdx.x & 3;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = hr ? rB : rA;
+    if (r >= n || !out.p) continue;
+    const std::int64_t row = b * out.s0 + hd * out.s1 + (t0 + r) * out.s2;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = 8 * j + 2 * t4 + e;
+        if (c < N) mlstm_st(out, row + c, mul * acc[j][2 * hr + e]);
+      }
+  }
+}
+
+// ---- q role -------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads) k3q_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
+  const MlstmParams& p = B.f;
+  __shared__ double s_g[kT], s_a[kT], s_M[kT];
+  extern __shared__ float4 smem_raw[];
+  const K3Smem sm(reinterpret_cast<char*>(smem_raw), p.DQK, p.DV);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
+  const int n = int(lmin(kT, p.S - t0));
+  const double mk = double(ws[L.m + bh * L.ns + kc]);
+  k3_load(B, fl, sm, b, hd, t0, n, ws + L.c + (bh * L.ns + kc) * p.DQK * p.DV, ws + L.n + (bh * L.ns + kc) * p.DQK,
+          ws + L.inv_den + bh * p.S + t0, ws + L.db + bh * p.S + t0);
+  mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);  // synchronises: the loads are visible
+  const float scale = rsqrtf(float(p.DQK));
+  const int Dq = sm.lay.Dq, Dv = sm.lay.Dv, ldq = sm.lay.ldq, ldv = sm.lay.ldv;
+  const int tA = 16 * warp + gq, tB = tA + 8;  // this thread's two rows
+
+  std::uint32_t yf[4][4];  // Y = D X as A fragments (k = s)
+  float zA = 0.f, zB = 0.f;
+  {
+    float sacc[8][4] = {}, wacc[8][4] = {};
+    mma_abt(sacc, sm.q, ldq, sm.k, ldq, Dq, warp, lane);   // q k^T
+    mma_abt(wacc, sm.dh, ldv, sm.v, ldv, Dv, warp, lane);  // dh v^T
+    const double MA = s_M[tA < n ? tA : 0], MB = s_M[tB < n ? tB : 0];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float y[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = e < 2 ? tA : tB, s = 8 * j + 2 * t4 + (e & 1);
+        const bool on = t < n && s <= t;
+        const float D = on ? __expf(float(s_a[s] - (e < 2 ? MA : MB))) : 0.f;
+        const float X = wacc[j][e] * sm.inv[t] + sm.db[t];
+        y[e] = D * X;
+        (e < 2 ? zA : zB) += scale * sacc[j][e] * y[e];  // P X
+      }
+      pack_frag(yf, j, y);
+    }
+  }
+  float dq[16][4] = {};  // (16 rows, DQK columns)
+  mma_abt_wide(dq, sm.dh, ldv, sm.st, ldv, Dv, Dq, warp, lane);  // dh C_k^T
+  {
+    const float eA = tA < n ? __expf(float(mk - s_M[tA])) : 0.f, eB = tB < n ? __expf(float(mk - s_M[tB])) : 0.f;
+    const float iA = sm.inv[tA], iB = sm.inv[tB], dA = sm.db[tA], dB = sm.db[tB];
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float nr = sm.nv[(8 * j + 2 * t4 + (e & 1)) % Dq];
+        dq[j][e] = e < 2 ? eA * (dq[j][e] * iA + dA * nr) : eB * (dq[j][e] * iB + dB * nr);
+      }
+  }
+  mma_fragb(dq, yf, sm.k, ldq, Dq, lane);  // + Y k
+  store_rows(B.dq, dq, b, hd, t0, tA, tB, n, p.DQK, scale);
+  zA += __shfl_xor_sync(0xffffffffu, zA, 1), zB += __shfl_xor_sync(0xffffffffu, zB, 1);
+  zA += __shfl_xor_sync(0xffffffffu, zA, 2), zB += __shfl_xor_sync(0xffffffffu, zB, 2);
+  if (t4 == 0) {
+    const std::int64_t o = bh * p.S + t0;
+    if (tA < n) ws[L.dgq + o + tA] = zA + ws[L.ey + o + tA];
+    if (tB < n) ws[L.dgq + o + tB] = zB + ws[L.ey + o + tB];
+  }
+}
+
+// ---- kv role ------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads) k3kv_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
+  const MlstmParams& p = B.f;
+  __shared__ double s_g[kT], s_a[kT], s_M[kT];
+  __shared__ float s_red[kThreads / 32];
+  extern __shared__ float4 smem_raw[];
+  const K3Smem sm(reinterpret_cast<char*>(smem_raw), p.DQK, p.DV);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
+  const int n = int(lmin(kT, p.S - t0));
+  const double mk = double(ws[L.m + bh * L.ns + kc]);
+  k3_load(B, fl, sm, b, hd, t0, n, ws + L.dc + (bh * L.ns + kc + 1) * p.DQK * p.DV,
+          ws + L.dn + (bh * L.ns + kc + 1) * p.DQK, ws + L.inv_den + bh * p.S + t0, ws + L.db + bh * p.S + t0);
+  mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);
+  const float scale = rsqrtf(float(p.DQK));
+  const int Dq = sm.lay.Dq, Dv = sm.lay.Dv, ldq = sm.lay.ldq, ldv = sm.lay.ldv;
+  const int sA = 16 * warp + gq, sB = sA + 8;  // this thread's two rows (steps s)
+  const double ML = s_M[n - 1];
+  const float wA = sA < n ? __expf(float(s_a[sA] - ML)) : 0.f, wB = sB < n ? __expf(float(s_a[sB] - ML)) : 0.f;
+
+  std::uint32_t yf[4][4], pf[4][4];  // scale Y^T and P^T / den as A fragments (k = t)
+  float zA = 0.f, zB = 0.f;
+  {
+    float sacc[8][4] = {}, wacc[8][4] = {};
+    mma_abt(sacc, sm.k, ldq, sm.q, ldq, Dq, warp, lane);   // k q^T
+    mma_abt(wacc, sm.v, ldv, sm.dh, ldv, Dv, warp, lane);  // v dh^T
+    const double aA = s_a[sA < n ? sA : 0], aB = s_a[sB < n ? sB : 0];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float y[4], pp[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int s = e < 2 ? sA : sB, t = 8 * j + 2 * t4 + (e & 1);
+        const bool on = s < n && t < n && s <= t;
+        const float D = on ? __expf(float((e < 2 ? aA : aB) - s_M[t])) : 0.f;
+        const float P = scale * sacc[j][e] * D;
+        const float X = wacc[j][e] * sm.inv[t] + sm.db[t];
+        (e < 2 ? zA : zB) += P * X;
+        y[e] = scale * D * X;
+        pp[e] = P * sm.inv[t];
+      }
+      pack_frag(yf, j, y);
+      pack_frag(pf, j, pp);
+    }
+  }
+  // dk = w_s (v dC^T + dn) + scale Y^T q; u_s = k_s . (dC v_s + dn)
+  float uA = 0.f, uB = 0.f;
+  {
+    float acc[16][4] = {};
+    mma_abt_wide(acc, sm.v, ldv, sm.st, ldv, Dv, Dq, warp, lane);  // v dC^T: (s, r)
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = (8 * j + 2 * t4 + (e & 1)) % Dq, s = e < 2 ? sA : sB;
+        const float x = acc[j][e] + sm.nv[r];
+        (e < 2 ? uA : uB) += __bfloat162float(sm.k[s * ldq + r]) * x;
+        acc[j][e] = (e < 2 ? wA : wB) * x;
+      }
+    mma_fragb(acc, yf, sm.q, ldq, Dq, lane);
+    store_rows(B.dk, acc, b, hd, t0, sA, sB, n, p.DQK, 1.f);
+  }
+  // dv = w_s k dC + P^T dnum
+  {
+    float acc[16][4] = {};
+    mma_ab(acc, sm.k, ldq, sm.st, ldv, Dq, Dv, warp, lane);  // k dC: (s, c)
+#pragma unroll
+    for (int j = 0; j < 16; ++j) acc[j][0] *= wA, acc[j][1] *= wA, acc[j][2] *= wB, acc[j][3] *= wB;
+    mma_fragb(acc, pf, sm.dh, ldv, Dv, lane);
+    store_rows(B.dv, acc, b, hd, t0, sA, sB, n, p.DV, 1.f);
+  }
+  // the s-role scalars: da_s = d/di_s = -d/dg_s, and the chunk's dG partial sum_s w_s u_s
+  uA += __shfl_xor_sync(0xffffffffu, uA, 1), uB += __shfl_xor_sync(0xffffffffu, uB, 1);
+  uA += __shfl_xor_sync(0xffffffffu, uA, 2), uB += __shfl_xor_sync(0xffffffffu, uB, 2);
+  zA += __shfl_xor_sync(0xffffffffu, zA, 1), zB += __shfl_xor_sync(0xffffffffu, zB, 1);
+  zA += __shfl_xor_sync(0xffffffffu, zA, 2), zB += __shfl_xor_sync(0xffffffffu, zB, 2);
+  float gpart = 0.f;
+  if (t4 == 0) {
+    const std::int64_t o = bh * p.S + t0;
+    if (sA < n) ws[L.dikv + o + sA] = zA + wA * uA, ws[L.dgkv + o + sA] = -(zA + wA * uA), gpart += wA * uA;
+    if (sB < n) ws[L.dikv + o + sB] = zB + wB * uB, ws[L.dgkv + o + sB] = -(zB + wB * uB), gpart += wB * uB;
+  }
+  for (int off = 16; off > 0; off >>= 1) gpart += __shfl_xor_sync(0xffffffffu, gpart, off);
+  if (lane == 0) s_red[warp] = gpart;
+  __syncthreads();
+  if (tid == 0) ws[L.G + (bh * L.NC + kc) * L.rbs] = (s_red[0] + s_red[1]) + (s_red[2] + s_red[3]);
+}
+
+}  // namespace
+
+bool mlstm_bwd_k3_tc_applies(const MlstmBwdParams& b) {
+  const MlstmParams& p = b.f;
+  return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 &&
+         b.dh.dtype == DType::bf16 && p.L == kT && p.DQK >= 1 && p.DQK <= kMaxD && p.DV >= 1 && p.DV <= kMaxD;
+}
+
+void mlstm_bwd_k3_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
+  const MlstmParams& p = B.f;
+  if (L.NC == 0 || L.heads == 0) return;
+  const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
+  const K3Layout lay(p.DQK, p.DV);
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  const dim3 grid(unsigned(L.heads), unsigned(L.NC));
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k3q_tc), kThreads, lay.bytes);
+  k3q_tc<<<grid, kThreads, lay.bytes, s>>>(B, fl, ws, L);
+  FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k3kv_tc), kThreads, lay.bytes);
+  k3kv_tc<<<grid, kThreads, lay.bytes, s>>>(B, fl, ws, L);
+  FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+}
+
+}  // namespace fastweight::detail
