@@ -176,7 +176,7 @@ __device__ __forceinline__ void store_rows(const StridedView& out, const float (
 }
 
 // ---- q role -------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kThreads) k3q_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
+__global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
   const MlstmParams& p = B.f;
   __shared__ double s_g[kT], s_a[kT], s_M[kT];
   extern __shared__ float4 smem_raw[];
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) k3q_tc(const MlstmBwdParams B, const
     for (int j = 0; j < 16; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float nr = sm.nv[(8 * j + 2 * t4 + (e & 1)) % Dq];
+        const float nr = 8 * j < Dq ? sm.nv[8 * j + 2 * t4 + (e & 1)] : 0.f;  // n-tiles past Dq stay 0
         dq[j][e] = e < 2 ? eA * (dq[j][e] * iA + dA * nr) : eB * (dq[j][e] * iB + dB * nr);
       }
   }
@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(kThreads) k3q_tc(const MlstmBwdParams B, const
 }
 
 // ---- kv role ------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kThreads) k3kv_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
+__global__ void __launch_bounds__(kThreads, 2) k3kv_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
   const MlstmParams& p = B.f;
   __shared__ double s_g[kT], s_a[kT], s_M[kT];
   __shared__ float s_red[kThreads / 32];
@@ -292,7 +292,8 @@ __global__ void __launch_bounds__(kThreads) k3kv_tc(const MlstmBwdParams B, cons
     for (int j = 0; j < 16; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = (8 * j + 2 * t4 + (e & 1)) % Dq, s = e < 2 ? sA : sB;
+        if (8 * j >= Dq) break;  // n-tiles past Dq: no columns (and no n) there
+        const int r = 8 * j + 2 * t4 + (e & 1), s = e < 2 ? sA : sB;
         const float x = acc[j][e] + sm.nv[r];
         (e < 2 ? uA : uB) += __bfloat162float(sm.k[s * ldq + r]) * x;
         acc[j][e] = (e < 2 ? wA : wB) * x;
