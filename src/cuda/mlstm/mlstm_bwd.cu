@@ -731,7 +731,10 @@ void mlstm_bwd_cuda(const MlstmBwdParams& B, void* workspace, std::size_t worksp
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   MlstmParams pf = p;
   pf.c_last = pf.n_last = pf.m_last = StridedView{};
-  mlstm_states_cuda(pf, ws + L.c, ws + L.n, ws + L.m, stream);  // K0
+  if (mlstm_states_tc_applies(pf))  // K0
+    mlstm_states_tc_f32(pf, ws + L.c, ws + L.n, ws + L.m, reinterpret_cast<double*>(ws + L.gates), stream);
+  else
+    mlstm_states_cuda(pf, ws + L.c, ws + L.n, ws + L.m, stream);
   const std::size_t smem = sizeof(Tiles);
   for (const void* k : {reinterpret_cast<const void*>(&k1_rows), reinterpret_cast<const void*>(&k3_dq),
                         reinterpret_cast<const void*>(&k3_dkdv)})

@@ -11,7 +11,7 @@ namespace fastweight::detail {
 
 struct BwdWs {  // offsets in floats into the workspace
   std::int64_t heads, NC, ns, tiles, rbs;
-  std::int64_t c, n, m, dc, dn, inv_den, db, corr, ey, dgq, dgkv, dikv, R, G, gam, total;
+  std::int64_t c, n, m, dc, dn, inv_den, db, corr, ey, dgq, dgkv, dikv, R, G, gam, gates, total;
   explicit BwdWs(const MlstmParams& p) {
     heads = p.B * p.NH, NC = p.chunks(), ns = NC + 1;
     tiles = ((p.DQK + 63) / 64) * ((p.DV + 63) / 64);  // 64 x 64 tiles of C
@@ -25,6 +25,7 @@ struct BwdWs {  // offsets in floats into the workspace
     dgq = take(heads * p.S), dgkv = take(heads * p.S), dikv = take(heads * p.S);
     R = take(heads * ns * tiles), G = take(heads * std::max<std::int64_t>(NC, 1) * rbs);
     gam = take(heads * p.S);  // K4: routing gamma_t of each max (1 lf, 0 i, 1/2 tie)
+    gates = take(6 * heads * p.S);  // K0 on tensor cores: g, a, A in float64 (2 floats each)
     total = o;
   }
 };

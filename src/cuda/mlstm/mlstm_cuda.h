@@ -20,6 +20,10 @@ void mlstm_fwd_tc_cuda(const MlstmParams& p, void* workspace, std::size_t worksp
 // Kernel A of the forward alone: the states entering every chunk (and the final one) into the
 // workspace parts c, n, m of MlstmFwdWorkspace(p); also p's c_last/n_last/m_last when set.
 void mlstm_states_cuda(const MlstmParams& p, float* ws_c, float* ws_n, float* ws_m, Stream stream);
+// The same on tensor cores (mlstm_fwd_tc.cu) for bf16 q, k, v: C, n, m as above (fp32); `gates` is
+// scratch of 3 * B * NH * S doubles. Final states are not written.
+bool mlstm_states_tc_applies(const MlstmParams& p);
+void mlstm_states_tc_f32(const MlstmParams& p, float* ws_c, float* ws_n, float* ws_m, double* gates, Stream stream);
 
 // Chunkwise backward: the exact gradient (docs/design/mlstm_backward.md). Workspace:
 // mlstm_bwd_workspace_bytes(b).

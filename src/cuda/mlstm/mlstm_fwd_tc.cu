@@ -94,9 +94,12 @@ __device__ __forceinline__ void scale_split(const std::uint32_t (&a)[4], float w
   }
 }
 
+// F32: the states go out as the backward's workspace wants them (C fp32 (DQK, DV) rows, m fp32);
+// else as the output kernel reads them (C bf16 (DQK, DVp) rows, m float64).
+template <bool F32>
 __global__ void __launch_bounds__(kThreads, 1) mlstm_tc_states_kernel(const MlstmParams p, const TcFlags fl,
-                                                                      bf16* __restrict__ ws_c, float* __restrict__ ws_n,
-                                                                      double* __restrict__ ws_m,
+                                                                      void* __restrict__ ws_cv, float* __restrict__ ws_n,
+                                                                      void* __restrict__ ws_mv,
                                                                       const double* __restrict__ wg,
                                                                       const double* __restrict__ wa,
                                                                       const double* __restrict__ wA) {
@@ -146,7 +149,6 @@ __global__ void __launch_bounds__(kThreads, 1) mlstm_tc_states_kernel(const Mlst
   double M = 0.0, G = 0.0;
   for (std::int64_t kc = 0;; ++kc) {
     // The state entering chunk kc (kc == NC: the final one) to the workspace.
-    bf16* wc = ws_c + ((bh * ns + kc) * DQK) * DVp;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const std::int64_t r = r0 + 16 * warp + gq + hr * 8;
@@ -154,12 +156,21 @@ __global__ void __launch_bounds__(kThreads, 1) mlstm_tc_states_kernel(const Mlst
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const std::int64_t c = c0 + 8 * j + 2 * t4;
-        if (c < DV)  // DVp is even and c even: the pair stays inside the padded row
-          *reinterpret_cast<std::uint32_t*>(wc + r * DVp + c) = pack_bf16(acc[j][2 * hr], acc[j][2 * hr + 1]);
+        if constexpr (F32) {
+          float* wc = static_cast<float*>(ws_cv) + ((bh * ns + kc) * DQK + r) * DV;
+          if (c < DV) wc[c] = acc[j][2 * hr];
+          if (c + 1 < DV) wc[c + 1] = acc[j][2 * hr + 1];
+        } else if (c < DV) {  // DVp is even and c even: the pair stays inside the padded row
+          bf16* wc = static_cast<bf16*>(ws_cv) + ((bh * ns + kc) * DQK + r) * DVp;
+          *reinterpret_cast<std::uint32_t*>(wc + c) = pack_bf16(acc[j][2 * hr], acc[j][2 * hr + 1]);
+        }
       }
       if (with_n && t4 == 0) ws_n[(bh * ns + kc) * DQK + r] = accn[2 * hr];
     }
-    if (blockIdx.y == 0 && blockIdx.z == 0 && tid == 0) ws_m[bh * ns + kc] = m;
+    if (blockIdx.y == 0 && blockIdx.z == 0 && tid == 0) {
+      if constexpr (F32) static_cast<float*>(ws_mv)[bh * ns + kc] = float(m);
+      else static_cast<double*>(ws_mv)[bh * ns + kc] = m;
+    }
     if (kc == NC) break;
 
     const int n = int(lmin(L, S - kc * L)), nsb = (n + kT - 1) / kT;
@@ -439,9 +450,9 @@ void mlstm_fwd_tc_cuda(const MlstmParams& p, void* workspace, std::size_t worksp
     FW_CUDA_CHECK_LAUNCH("mlstm_fwd");
   }
   const std::size_t ssm = sizeof(StatesSmem);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_tc_states_kernel), kThreads, ssm);
-  mlstm_tc_states_kernel<<<dim3(unsigned(heads), unsigned(kt), unsigned(vt)), kThreads, ssm, s>>>(p, fl, ws_c, ws_n,
-                                                                                                  ws_m, wg, wa, wA);
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_tc_states_kernel<false>), kThreads, ssm);
+  mlstm_tc_states_kernel<false><<<dim3(unsigned(heads), unsigned(kt), unsigned(vt)), kThreads, ssm, s>>>(
+      p, fl, ws_c, ws_n, ws_m, wg, wa, wA);
   FW_CUDA_CHECK_LAUNCH("mlstm_fwd");
   if (NC == 0) return;
   const OutLayout lay(p.DQK);
@@ -449,6 +460,30 @@ void mlstm_fwd_tc_cuda(const MlstmParams& p, void* workspace, std::size_t worksp
   mlstm_tc_out_kernel<<<dim3(unsigned(heads), unsigned(NC), unsigned(rbs * vt)), kThreads, lay.bytes, s>>>(
       p, fl, ws_c, ws_n, ws_m, wg, wa, wA);
   FW_CUDA_CHECK_LAUNCH("mlstm_fwd");
+}
+
+bool mlstm_states_tc_applies(const MlstmParams& p) {
+  return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 && p.L >= 1 && p.L <= kMaxL;
+}
+
+void mlstm_states_tc_f32(const MlstmParams& p, float* ws_c, float* ws_n, float* ws_m, double* gates, Stream stream) {
+  const std::int64_t heads = p.B * p.NH, NC = p.chunks();
+  const std::int64_t kt = (p.DQK + kT - 1) / kT, vt = (p.DV + kT - 1) / kT;
+  if (heads == 0) return;
+  if (heads > 0x7fffffff || kt > 65535 || vt > 65535 || NC > 65535)
+    throw Error(cat("mlstm: grid too large (heads ", heads, ", chunks ", NC, ")"));
+  double *wg = gates, *wa = gates + heads * p.S, *wA = gates + 2 * heads * p.S;
+  const TcFlags fl{rows16(p.q), rows16(p.k), rows16(p.v), false};
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (NC > 0) {
+    mlstm_tc_gates_kernel<<<dim3(unsigned(heads), unsigned(NC)), 256, 0, s>>>(p, wg, wa, wA);
+    FW_CUDA_CHECK_LAUNCH("mlstm");
+  }
+  const std::size_t ssm = sizeof(StatesSmem);
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_tc_states_kernel<true>), kThreads, ssm);
+  mlstm_tc_states_kernel<true><<<dim3(unsigned(heads), unsigned(kt), unsigned(vt)), kThreads, ssm, s>>>(
+      p, fl, ws_c, ws_n, ws_m, wg, wa, wA);
+  FW_CUDA_CHECK_LAUNCH("mlstm");
 }
 
 }  // namespace fastweight::detail
