@@ -744,8 +744,12 @@ void mlstm_bwd_cuda(const MlstmBwdParams& B, void* workspace, std::size_t worksp
     k1_rows<<<dim3(H, NC, RB), kThreads, smem, s>>>(B, ws, ws, L);
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
   }
-  k2_scan<<<dim3(H, unsigned(kt), unsigned(vt)), kThreads, 0, s>>>(B, ws, L);
-  FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  if (mlstm_bwd_k2_tc_applies(B)) {
+    mlstm_bwd_k2_tc(B, ws, L, stream);
+  } else {
+    k2_scan<<<dim3(H, unsigned(kt), unsigned(vt)), kThreads, 0, s>>>(B, ws, L);
+    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  }
   if (NC > 0 && mlstm_bwd_k3_tc_applies(B)) {
     mlstm_bwd_k3_tc(B, ws, L, stream);  // bf16, chunk 64, head dims <= 128: tensor cores
   } else if (NC > 0) {

@@ -337,6 +337,183 @@ __global__ void __launch_bounds__(kThreads, 2) k3kv_tc(const MlstmBwdParams B, c
   if (tid == 0) ws[L.G + (bh * L.NC + kc) * L.rbs] = (s_red[0] + s_red[1]) + (s_red[2] + s_red[3]);
 }
 
+// ---- K2 on tensor cores: the reverse scan of the state gradients -----------------------------------
+// Grid (heads, DQK tiles, DV tiles) as k2_scan; warp w owns dC rows r0 + 16w.., all 64 columns, in
+// fp32 accumulators (the exact chain), walking the chunks backwards:
+//   dC_k = d_k dC_{k+1} + sum_t (e_t scale / den_t) q_t dh_t^T,  dn_k = d_k dn_{k+1} + sum_t (e_t scale db_t) q_t
+// with d_k = exp(m_k - M_{n-1}), e_t = exp(m_k - M_t), M_t = max(m_k, A_t) (A_t: the gate pass of
+// K0). The per-step factors scale the A fragments of q^T in registers, split into bf16 hi + lo (as
+// the forward's states kernel); dn is one more n-tile with B = ones. Writes dC_{k+1}, dn_{k+1} and
+// <C_k, dC_{k+1}> + <n_k, dn_{k+1}> partials exactly as k2_scan, and dc0 / dn0.
+struct ScanSmem {
+  bf16 q[2][kT][kLd];   // (2 stages) (64 steps, 64 DQK columns) q
+  bf16 dh[2][kT][kLd];  // (2 stages) (64 steps, 64 DV columns) dh
+  double A[2][kT];      // (2 stages) A_t of the steps
+  double Aend[2];       // (2 stages) A_{n-1} of the tile's chunk
+  float mk[2];          // (2 stages) m_k of the tile's chunk (the workspace's fp32 value, as K1 / K3)
+  float inv[2][kT], db[2][kT];
+  float red[kThreads / 32];
+};
+
+// Fixed-order block sum over the 4 warps; every thread gets the same bits.
+__device__ __forceinline__ float block_sum4(float v, float* red) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  return (red[0] + red[1]) + (red[2] + red[3]);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) k2_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
+  const MlstmParams& p = B.f;
+  extern __shared__ float4 smem_raw[];
+  ScanSmem& sm = *reinterpret_cast<ScanSmem*>(smem_raw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
+  const int r0 = blockIdx.y * kT, c0 = blockIdx.z * kT;
+  const bool with_n = blockIdx.z == 0;
+  const std::int64_t tile = std::int64_t(blockIdx.y) * gridDim.z + blockIdx.z;
+  const std::int64_t NC = L.NC, ns = L.ns, DQK = p.DQK, DV = p.DV, S = p.S, Lc = p.L;
+  const int nr = int(lmin(kT, DQK - r0)), nc = int(lmin(kT, DV - c0));
+  const bf16* qb = static_cast<const bf16*>(p.q.p) + b * p.q.s0 + hd * p.q.s1 + r0;
+  const bf16* hb = static_cast<const bf16*>(B.dh.p) + b * B.dh.s0 + hd * B.dh.s1 + c0;
+  const double* wA = reinterpret_cast<const double*>(ws + L.gates) + 2 * L.heads * S + bh * S;
+  const float scale = rsqrtf(float(DQK));
+
+  float acc[8][4], accn[4];  // dC rows r0 + 16 warp + gq (+8), columns c0 + 8j + 2 t4 (+1); dn of the rows
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const std::int64_t r = r0 + 16 * warp + gq + (e >> 1) * 8, c = c0 + 8 * j + 2 * t4 + (e & 1);
+      acc[j][e] = B.dc_last.p && r < DQK && c < DV
+                      ? mlstm_ld(B.dc_last, b * B.dc_last.s0 + hd * B.dc_last.s1 + r * B.dc_last.s2 + c)
+                      : 0.f;
+    }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const std::int64_t r = r0 + 16 * warp + gq + (e >> 1) * 8;
+    accn[e] = B.dn_last.p && r < DQK ? mlstm_ld(B.dn_last, b * B.dn_last.s0 + hd * B.dn_last.s1 + r) : 0.f;
+  }
+  const std::uint32_t ones = pack_bf16(1.f, 1.f);
+
+  // <C_k, dC> + <n_k, dn> over this tile (n in the first column of tiles), fixed order
+  auto inner = [&](std::int64_t k) {
+    const float* Ck = ws + L.c + (bh * ns + k) * DQK * DV;
+    const float* nk = ws + L.n + (bh * ns + k) * DQK;
+    float part = 0.f;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const std::int64_t r = r0 + 16 * warp + gq + hr * 8;
+      if (r >= DQK) continue;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const std::int64_t c = c0 + 8 * j + 2 * t4 + e;
+          if (c < DV) part = fmaf(Ck[r * DV + c], acc[j][2 * hr + e], part);
+        }
+      if (with_n && t4 == 0) part = fmaf(nk[r], accn[2 * hr], part);
+    }
+    return block_sum4(part, sm.red);
+  };
+  {
+    const float R = inner(NC);  // the last state: <c_last, dc_last> + <n_last, dn_last>
+    if (tid == 0) ws[L.R + (bh * ns + NC) * L.tiles + tile] = R;
+  }
+
+  auto issue = [&](std::int64_t kc, int sb, int st) {  // q, dh rows and step scalars of chunk kc, steps sb*64..
+    const std::int64_t t = kc * Lc + sb * kT, tend = lmin(S, (kc + 1) * Lc);
+    const int nb = int(lmin(kT, tend - t));
+    load_tile(&sm.q[st][0][0], kLd, kT, kT, qb + t * p.q.s2, p.q.s2, nb, nr, fl.q);
+    load_tile(&sm.dh[st][0][0], kLd, kT, kT, hb + t * B.dh.s2, B.dh.s2, nb, nc, fl.dh);
+    if (tid < nb) {
+      cp_async8(&sm.A[st][tid], wA + t + tid);
+      cp_async4(&sm.inv[st][tid], ws + L.inv_den + bh * S + t + tid);
+      cp_async4(&sm.db[st][tid], ws + L.db + bh * S + t + tid);
+    }
+    if (tid == kT) cp_async8(&sm.Aend[st], wA + tend - 1);
+    if (tid == kT + 1) cp_async4(&sm.mk[st], ws + L.m + bh * ns + kc);
+    cp_async_commit();
+  };
+  int st = 0;
+  if (NC > 0) issue(NC - 1, 0, 0);
+  for (std::int64_t kc = NC - 1; kc >= 0; --kc) {
+    const int n = int(lmin(Lc, S - kc * Lc)), nsb = (n + kT - 1) / kT;
+    // keep dC_{kc+1}, dn_{kc+1} for K3, and their inner product with the state entering chunk kc
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const std::int64_t r = r0 + 16 * warp + gq + hr * 8;
+      if (r >= DQK) continue;
+      float* wd = ws + L.dc + ((bh * ns + kc + 1) * DQK + r) * DV;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const std::int64_t c = c0 + 8 * j + 2 * t4;
+        if (c < DV) wd[c] = acc[j][2 * hr];
+        if (c + 1 < DV) wd[c + 1] = acc[j][2 * hr + 1];
+      }
+      if (with_n && t4 == 0) ws[L.dn + (bh * ns + kc + 1) * DQK + r] = accn[2 * hr];
+    }
+    const float R = inner(kc);
+    if (tid == 0) ws[L.R + (bh * ns + kc) * L.tiles + tile] = R;
+    double mk = 0.0;
+    for (int sb = 0; sb < nsb; ++sb) {
+      cp_async_wait<0>();
+      __syncthreads();  // this tile is visible; every warp is done with the other stage
+      if (sb + 1 < nsb) issue(kc, sb + 1, st ^ 1);
+      else if (kc > 0) issue(kc - 1, 0, st ^ 1);
+      if (sb == 0) {  // decay of dC_{k+1} into chunk k: exp(m_k - M_{n-1}) <= 1
+        mk = double(sm.mk[st]);
+        const float decay = float(exp(mk - fmax(mk, sm.Aend[st])));
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) accn[e] *= decay;
+      }
+      const int nb = min(kT, n - sb * kT);
+#pragma unroll
+      for (int ks = 0; ks < kT / 16; ++ks) {
+        const int s0 = ks * 16 + 2 * t4;  // this lane's steps: s0, s0 + 1, s0 + 8, s0 + 9
+        float fc[4], fn[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int sidx = s0 + (u & 1) + (u >> 1) * 8;
+          const float e = sidx < nb ? scale * __expf(float(mk - fmax(mk, sm.A[st][sidx]))) : 0.f;
+          fc[u] = sidx < nb ? e * sm.inv[st][sidx] : 0.f;
+          fn[u] = sidx < nb ? e * sm.db[st][sidx] : 0.f;
+        }
+        std::uint32_t a[4], ah[4], al[4];
+        ldsm_x4_t(a, &sm.q[st][ks * 16 + ld_row_a_kmajor(lane)][16 * warp + ld_col_a_kmajor(lane)]);
+        scale_split(a, fc[0], fc[1], fc[2], fc[3], ah, al);
+        mma_split_kstep(acc, ah, al, sm.dh[st], ks, lane);
+        if (with_n) {
+          scale_split(a, fn[0], fn[1], fn[2], fn[3], ah, al);
+          mma_bf16_16816(accn, ah, ones, ones);
+          mma_bf16_16816(accn, al, ones, ones);
+        }
+      }
+      st ^= 1;
+    }
+  }
+  // dC_0, dn_0: the initial states' gradients
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const std::int64_t r = r0 + 16 * warp + gq + hr * 8;
+    if (r >= DQK) continue;
+    if (B.dc0.p)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const std::int64_t c = c0 + 8 * j + 2 * t4 + e;
+          if (c < DV) mlstm_st(B.dc0, b * B.dc0.s0 + hd * B.dc0.s1 + r * B.dc0.s2 + c, acc[j][2 * hr + e]);
+        }
+    if (B.dn0.p && with_n && t4 == 0) mlstm_st(B.dn0, b * B.dn0.s0 + hd * B.dn0.s1 + r, accn[2 * hr]);
+  }
+}
+
 }  // namespace
 
 bool mlstm_bwd_k3_tc_applies(const MlstmBwdParams& b) {
@@ -357,6 +534,23 @@ void mlstm_bwd_k3_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream 
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k3kv_tc), kThreads, lkv.bytes);
   k3kv_tc<<<grid, kThreads, lkv.bytes, s>>>(B, fl, ws, L);
+  FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+}
+
+bool mlstm_bwd_k2_tc_applies(const MlstmBwdParams& b) {
+  const MlstmParams& p = b.f;
+  return mlstm_states_tc_applies(p) && b.dh.dtype == DType::bf16;  // the gate pass of K0 (tensor cores) ran
+}
+
+void mlstm_bwd_k2_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
+  const MlstmParams& p = B.f;
+  const std::int64_t kt = (p.DQK + kT - 1) / kT, vt = (p.DV + kT - 1) / kT;
+  if (L.heads == 0) return;
+  const K3Flags fl{rows16(p.q), false, false, rows16(B.dh)};
+  const std::size_t smem = sizeof(ScanSmem);
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k2_tc), kThreads, smem);
+  k2_tc<<<dim3(unsigned(L.heads), unsigned(kt), unsigned(vt)), kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(
+      B, fl, ws, L);
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
 }
 

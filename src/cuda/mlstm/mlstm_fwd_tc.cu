@@ -75,25 +75,6 @@ struct StatesSmem {
   double end[2][2];    // (2 stages) the chunk's A_{n-1}, g_{n-1}
 };
 
-__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(smem)), "l"(gmem));
-}
-
-// Scales the bf16 pairs of an A fragment by (w0, w1) (registers 0, 1) and (w8, w9) (registers 2, 3)
-// and splits the products into hi + lo bf16 fragments.
-__device__ __forceinline__ void scale_split(const std::uint32_t (&a)[4], float w0, float w1, float w8, float w9,
-                                            std::uint32_t (&hi)[4], std::uint32_t (&lo)[4]) {
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&a[r]));
-    const float y0 = x.x * (r < 2 ? w0 : w8), y1 = x.y * (r < 2 ? w1 : w9);
-    const __nv_bfloat162 h = __floats2bfloat162_rn(y0, y1);
-    const float2 hf = __bfloat1622float2(h);
-    hi[r] = *reinterpret_cast<const std::uint32_t*>(&h);
-    lo[r] = pack_bf16(y0 - hf.x, y1 - hf.y);
-  }
-}
-
 // F32: the states go out as the backward's workspace wants them (C fp32 (DQK, DV) rows, m fp32);
 // else as the output kernel reads them (C bf16 (DQK, DVp) rows, m float64).
 template <bool F32>
@@ -202,15 +183,7 @@ __global__ void __launch_bounds__(kThreads, 1) mlstm_tc_states_kernel(const Mlst
         std::uint32_t a[4], ah[4], al[4];
         ldsm_x4_t(a, &sm.k[st][ks * 16 + ld_row_a_kmajor(lane)][16 * warp + ld_col_a_kmajor(lane)]);
         scale_split(a, w[0], w[1], w[2], w[3], ah, al);
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          std::uint32_t bv[4];
-          ldsm_x4_t(bv, &sm.v[st][ks * 16 + ld_row_b_kmajor(lane)][16 * jj + ld_col_b_kmajor(lane)]);
-          mma_bf16_16816(acc[2 * jj], ah, bv[0], bv[1]);
-          mma_bf16_16816(acc[2 * jj + 1], ah, bv[2], bv[3]);
-          mma_bf16_16816(acc[2 * jj], al, bv[0], bv[1]);
-          mma_bf16_16816(acc[2 * jj + 1], al, bv[2], bv[3]);
-        }
+        mma_split_kstep(acc, ah, al, sm.v[st], ks, lane);
         if (with_n) {
           mma_bf16_16816(accn, ah, ones, ones);
           mma_bf16_16816(accn, al, ones, ones);

@@ -42,6 +42,37 @@ __device__ __forceinline__ void load_tile(bf16* sm, int ld, int R, int C, const 
   }
 }
 
+
+// Scales the bf16 pairs of an A fragment by (w0, w1) (registers 0, 1) and (w8, w9) (registers 2, 3)
+// and splits the products into hi + lo bf16 fragments.
+__device__ __forceinline__ void scale_split(const std::uint32_t (&a)[4], float w0, float w1, float w8, float w9,
+                                            std::uint32_t (&hi)[4], std::uint32_t (&lo)[4]) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&a[r]));
+    const float y0 = x.x * (r < 2 ? w0 : w8), y1 = x.y * (r < 2 ? w1 : w9);
+    const __nv_bfloat162 h = __floats2bfloat162_rn(y0, y1);
+    const float2 hf = __bfloat1622float2(h);
+    hi[r] = *reinterpret_cast<const std::uint32_t*>(&h);
+    lo[r] = pack_bf16(y0 - hf.x, y1 - hf.y);
+  }
+}
+
+// acc (16 rows of the warp x 64 columns) += (hi + lo) B over the 16 steps of k-step ks, with B the
+// (64 steps, 64 columns) k-major smem tile: the split product of the state-passing kernels.
+__device__ __forceinline__ void mma_split_kstep(float (&acc)[8][4], const std::uint32_t (&hi)[4],
+                                                const std::uint32_t (&lo)[4], const bf16 (*Bt)[kLd], int ks, int lane) {
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj) {
+    std::uint32_t bv[4];
+    ldsm_x4_t(bv, &Bt[ks * 16 + ld_row_b_kmajor(lane)][16 * jj + ld_col_b_kmajor(lane)]);
+    mma_bf16_16816(acc[2 * jj], hi, bv[0], bv[1]);
+    mma_bf16_16816(acc[2 * jj + 1], hi, bv[2], bv[3]);
+    mma_bf16_16816(acc[2 * jj], lo, bv[0], bv[1]);
+    mma_bf16_16816(acc[2 * jj + 1], lo, bv[2], bv[3]);
+  }
+}
+
 // 16-byte aligned rows at every (b, h, t): the loader may use cp.async
 inline bool rows16(const StridedView& t) {
   return reinterpret_cast<std::uintptr_t>(t.p) % 16 == 0 && t.s0 % 8 == 0 && t.s1 % 8 == 0 && t.s2 % 8 == 0;
