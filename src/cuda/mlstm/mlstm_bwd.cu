@@ -740,7 +740,9 @@ void mlstm_bwd_cuda(const MlstmBwdParams& B, void* workspace, std::size_t worksp
                         reinterpret_cast<const void*>(&k3_dkdv)})
     (void)resident_ctas_per_sm(k, kThreads, smem);  // raises the dynamic shared-memory limit
   const unsigned H = unsigned(heads), NC = unsigned(L.NC), RB = unsigned(L.rbs);
-  if (NC > 0) {
+  if (NC > 0 && mlstm_bwd_k3_tc_applies(B)) {
+    mlstm_bwd_k1_tc(B, ws, L, stream);  // bf16, chunk 64, head dims <= 128: tensor cores
+  } else if (NC > 0) {
     k1_rows<<<dim3(H, NC, RB), kThreads, smem, s>>>(B, ws, ws, L);
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
   }

@@ -80,7 +80,7 @@ __device__ void k3_load(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem
     if (sm.lo) sm.lo[r * ldv + c] = __float2bfloat16_rn(x - __bfloat162float(hi));
   }
   for (int r = threadIdx.x; r < Dq; r += kThreads) sm.nv[r] = r < DQK ? nvf[r] : 0.f;
-  if (threadIdx.x < kT) {
+  if (threadIdx.x < kT && inv_den) {  // K1 computes them (nullptr there)
     sm.inv[threadIdx.x] = threadIdx.x < n ? inv_den[threadIdx.x] : 0.f;
     sm.db[threadIdx.x] = threadIdx.x < n ? dbv[threadIdx.x] : 0.f;
   }
@@ -337,6 +337,96 @@ __global__ void __launch_bounds__(kThreads, 2) k3kv_tc(const MlstmBwdParams B, c
   if (tid == 0) ws[L.G + (bh * L.NC + kc) * L.rbs] = (s_red[0] + s_red[1]) + (s_red[2] + s_red[3]);
 }
 
+// ---- K1 on tensor cores: the row statistics ----------------------------------------------------------
+// Per (head, chunk), warp w rows t = 16w + gq (+8). b_t = scale e_t (q . n_k) + sum_s P_ts (the
+// normaliser's argument), si_t = scale e_t dh_t . (q_t C_k) and sa_t = sum_s P_ts (dh_t . v_s) (dh
+// against the inter and intra numerators), then as k1_rows: 1/den, db, corr = eps dden, eY. P, dh v^T
+// and q C_k (C_k as bf16 hi + lo) are products on tensor cores; every sum over them is fp32.
+__global__ void __launch_bounds__(kThreads, 1) k1_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
+  const MlstmParams& p = B.f;
+  __shared__ double s_g[kT], s_a[kT], s_M[kT];
+  extern __shared__ float4 smem_raw[];
+  const K3Smem sm(reinterpret_cast<char*>(smem_raw), p.DQK, p.DV, true);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
+  const int n = int(lmin(kT, p.S - t0));
+  const double mk = double(ws[L.m + bh * L.ns + kc]);
+  k3_load(B, fl, sm, b, hd, t0, n, ws + L.c + (bh * L.ns + kc) * p.DQK * p.DV, ws + L.n + (bh * L.ns + kc) * p.DQK,
+          nullptr, nullptr);
+  mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);  // synchronises: the loads are visible
+  const float scale = rsqrtf(float(p.DQK));
+  const int Dq = sm.lay.Dq, Dv = sm.lay.Dv, ldq = sm.lay.ldq, ldv = sm.lay.ldv;
+  const int tA = 16 * warp + gq, tB = tA + 8;
+
+  float rsA = 0.f, rsB = 0.f, saA = 0.f, saB = 0.f;  // sum_s P, sum_s P (dh . v_s): this lane's part
+  {
+    float sacc[8][4] = {}, wacc[8][4] = {};
+    mma_abt(sacc, sm.q, ldq, sm.k, ldq, Dq, warp, lane);   // q k^T
+    mma_abt(wacc, sm.dh, ldv, sm.v, ldv, Dv, warp, lane);  // dh v^T
+    const double MA = s_M[tA < n ? tA : 0], MB = s_M[tB < n ? tB : 0];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = e < 2 ? tA : tB, s = 8 * j + 2 * t4 + (e & 1);
+        const bool on = t < n && s <= t;
+        const float P = on ? scale * sacc[j][e] * __expf(float(s_a[s] - (e < 2 ? MA : MB))) : 0.f;
+        (e < 2 ? rsA : rsB) += P;
+        (e < 2 ? saA : saB) += P * wacc[j][e];
+      }
+  }
+  float siA = 0.f, siB = 0.f;  // dh_t . (q_t C_k): this lane's part
+  {
+    float acc[16][4] = {};
+    mma_ab(acc, sm.q, ldq, sm.st, ldv, Dq, Dv, warp, lane);  // q C_k: (t, c)
+    mma_ab(acc, sm.q, ldq, sm.lo, ldv, Dq, Dv, warp, lane);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      if (8 * j >= Dv) break;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = e < 2 ? tA : tB, c = 8 * j + 2 * t4 + (e & 1);
+        (e < 2 ? siA : siB) += acc[j][e] * __bfloat162float(sm.dh[t * ldv + c]);
+      }
+    }
+  }
+  float qn;  // lanes 2r, 2r+1: q . n_k of row r of the warp (even / odd columns)
+  {
+    const bf16* qr = sm.q + (16 * warp + (lane >> 1)) * ldq;
+    float x = 0.f;
+    for (int c = lane & 1; c < Dq; c += 2) x = fmaf(__bfloat162float(qr[c]), sm.nv[c], x);
+    qn = x + __shfl_xor_sync(0xffffffffu, x, 1);
+  }
+  const float qnA = __shfl_sync(0xffffffffu, qn, 2 * gq), qnB = __shfl_sync(0xffffffffu, qn, 2 * (gq + 8));
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    rsA += __shfl_xor_sync(0xffffffffu, rsA, off), rsB += __shfl_xor_sync(0xffffffffu, rsB, off);
+    saA += __shfl_xor_sync(0xffffffffu, saA, off), saB += __shfl_xor_sync(0xffffffffu, saB, off);
+    siA += __shfl_xor_sync(0xffffffffu, siA, off), siB += __shfl_xor_sync(0xffffffffu, siB, off);
+  }
+  if (t4 != 0) return;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int t = hr ? tB : tA;
+    if (t >= n) continue;
+    const float et = float(exp(mk - s_M[t]));
+    const float qnt = hr ? qnB : qnA;
+    const float bsum = (hr ? rsB : rsA) + scale * et * qnt;
+    const float si = (hr ? siB : siA) * scale * et, sa = hr ? saB : saA;
+    const double mt = s_g[t] + s_M[t];
+    const float em = float(exp(-mt)), ab = fabsf(bsum);
+    const float den = fmaxf(ab, em) + p.eps;
+    const float dden = -((si + sa) / den) / den;  // -(dh_t . h_t) / den
+    const float sg = bsum > 0.f ? 1.f : bsum < 0.f ? -1.f : 0.f;
+    const float db = ab > em ? dden * sg : ab < em ? 0.f : 0.5f * dden * sg;  // torch.maximum splits ties
+    const std::int64_t ri = bh * p.S + t0 + t;
+    ws[L.inv_den + ri] = 1.f / den;
+    ws[L.db + ri] = db;
+    ws[L.corr + ri] = p.eps * dden;
+    ws[L.ey + ri] = si / den + scale * et * qnt * db;
+  }
+}
+
 // ---- K2 on tensor cores: the reverse scan of the state gradients -----------------------------------
 // Grid (heads, DQK tiles, DV tiles) as k2_scan; warp w owns dC rows r0 + 16w.., all 64 columns, in
 // fp32 accumulators (the exact chain), walking the chunks backwards:
@@ -550,6 +640,17 @@ void mlstm_bwd_k2_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream 
   const std::size_t smem = sizeof(ScanSmem);
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k2_tc), kThreads, smem);
   k2_tc<<<dim3(unsigned(L.heads), unsigned(kt), unsigned(vt)), kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(
+      B, fl, ws, L);
+  FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+}
+
+void mlstm_bwd_k1_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
+  const MlstmParams& p = B.f;
+  if (L.NC == 0 || L.heads == 0) return;
+  const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
+  const K3Layout lay(p.DQK, p.DV, true);
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k1_tc), kThreads, lay.bytes);
+  k1_tc<<<dim3(unsigned(L.heads), unsigned(L.NC)), kThreads, lay.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
       B, fl, ws, L);
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
 }

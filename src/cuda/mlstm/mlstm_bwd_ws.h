@@ -35,6 +35,8 @@ struct BwdWs {  // offsets in floats into the workspace
 // v, dh, chunk 64, DQK and DV <= 128. Reads and writes the workspace exactly as k3_dq / k3_dkdv.
 bool mlstm_bwd_k3_tc_applies(const MlstmBwdParams& b);
 void mlstm_bwd_k3_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, Stream stream);
+// K1 (row statistics) on tensor cores, where K3's tensor-core path applies (same conditions).
+void mlstm_bwd_k1_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, Stream stream);
 // K2 (the reverse scan of dC, dn) on tensor cores: bf16 q, k, v, dh, after K0 on tensor cores (it
 // reads K0's gate pass from the workspace). Writes what k2_scan writes.
 bool mlstm_bwd_k2_tc_applies(const MlstmBwdParams& b);
