@@ -111,6 +111,9 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, scale: Optional[fl
     """The delta rule over a sequence (FLA layout): returns ``(o, final_state)``, o (B, T, H, V) in q's
     dtype, final_state (N, H, K, V) float32 (float64 for float64 q) when ``output_final_state``, else
     None. See the module docstring for the arguments."""
+    if cu_seqlens is not None and not isinstance(cu_seqlens, Tensor):  # as FLA: offsets are a tensor
+        raise TypeError("fastweight.delta_rule: cu_seqlens must be a torch.Tensor of N+1 int32/int64 offsets "
+                        f"on q's device (FLA's convention), got {type(cu_seqlens).__name__}")
     h0 = initial_state
     if h0 is not None:
         h0 = _last_contig(h0 if h0.dtype == _state_dtype(q) else h0.to(_state_dtype(q)))

@@ -325,6 +325,8 @@ def test_bad_input_names_the_argument():
             fastweight.delta_rule(q1, k1, v1, b1, cu_seqlens=torch.tensor(cu))
     with pytest.raises(ValueError, match="cu_seqlens: expected dtype int32 or int64, got float32"):
         fastweight.delta_rule(q1, k1, v1, b1, cu_seqlens=torch.tensor([0.0, 8.0]))
+    with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor .* got list"):
+        fastweight.delta_rule(q1, k1, v1, b1, cu_seqlens=[0, 8])
     with pytest.raises(ValueError, match="cu_seqlens: dtype int16 is not supported"):
         fastweight.delta_rule(q1, k1, v1, b1, cu_seqlens=torch.tensor([0, 8], dtype=torch.int16))
     with pytest.raises(ValueError, match=r"initial_state: expected shape \(3, 3, 8, 5\)"):
