@@ -30,19 +30,26 @@ def _l2(x):
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
-def ref_delta_rule(q, k, v, beta, scale=None, h0=None, l2=False, cu_seqlens=None):
-    """MATH.md §3, loop form, float64, differentiable: o (B, T, H, V) and the final states (N, H, K, V)."""
+def prepare(q, k, v, beta, scale, l2, cu_seqlens):
+    """float64 inputs (L2-normalised q, k when asked), the scale, and the sequences as (b, bos, eos)."""
     q, k, v, beta = (t.double() for t in (q, k, v, beta))
     if l2:
         q, k = _l2(q), _l2(k)
     B, T, H, K = q.shape
-    V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     if cu_seqlens is None:
         seqs = [(b, 0, T) for b in range(B)]
     else:
         cu = [int(x) for x in cu_seqlens]
         seqs = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+    return q, k, v, beta, scale, seqs
+
+
+def ref_delta_rule(q, k, v, beta, scale=None, h0=None, l2=False, cu_seqlens=None):
+    """MATH.md §3, loop form, float64, differentiable: o (B, T, H, V) and the final states (N, H, K, V)."""
+    q, k, v, beta, scale, seqs = prepare(q, k, v, beta, scale, l2, cu_seqlens)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
     outs, finals = [], []
     for n, (b, bos, eos) in enumerate(seqs):
         S = h0[n].double() if h0 is not None else q.new_zeros(H, K, V)

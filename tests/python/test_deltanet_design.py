@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_deltanet import _l2, make, ref_delta_rule
+from test_deltanet import make, prepare, ref_delta_rule
 
 BLOCK = 16
 
@@ -42,14 +42,9 @@ def unit_lower_inverse_blocked(Lm: torch.Tensor) -> torch.Tensor:
 
 
 def emulate(q, k, v, beta, scale=None, h0=None, l2=False, cu_seqlens=None, chunk=64):
-    q, k, v, beta = (t.double() for t in (q, k, v, beta))
-    if l2:
-        q, k = _l2(q), _l2(k)
+    q, k, v, beta, scale, seqs = prepare(q, k, v, beta, scale, l2, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
-    seqs = [(b, 0, T) for b in range(B)] if cu_seqlens is None else \
-        [(0, int(cu_seqlens[n]), int(cu_seqlens[n + 1])) for n in range(len(cu_seqlens) - 1)]
     o = torch.zeros(B, T, H, V, dtype=torch.float64)
     finals = []
     for n, (b, bos, eos) in enumerate(seqs):
