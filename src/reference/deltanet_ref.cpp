@@ -306,20 +306,30 @@ void chunkwise_head_bwd(const Head& hd, double scale, std::int64_t L, const Vec&
   }
 }
 
-// Forward driver shared by the chunk forms: L <= 0 means one chunk per sequence.
-void chunk_forms_fwd(const DeltanetShape& sh, const DeltanetInputs& in, const DeltanetOptions& opt, std::int64_t L,
-                     const double* h0, double* o, double* ht) {
-  const double scale = deltanet_scale(sh, opt);
+// The forward over every (sequence, head): gather the head's rows, run head(hd, S, ol) from the
+// initial state, scatter o and the final state. The loop and the chunk forms differ only in `head`.
+template <typename HeadFwd>
+void forward_heads(const DeltanetShape& sh, const DeltanetInputs& in, const DeltanetOptions& opt, const double* h0,
+                   double* o, double* ht, HeadFwd head) {
   Head hd;
   Vec S, ol;  // (K,V), (len,V)
   for (std::int64_t n = 0; n < sh.seqs(); ++n)
     for (std::int64_t h = 0; h < sh.H; ++h) {
       hd.gather(sh, in, opt.use_qk_l2norm_in_kernel, n, h);
       load_state(sh, h0, n, h, S);
-      chunkwise_head(hd, scale, L > 0 ? L : std::max<std::int64_t>(hd.len, 1), S, ol);
+      head(hd, S, ol);
       hd.scatter(ol, sh.V, o);
       store_state(sh, S, n, h, ht);
     }
+}
+
+// Forward driver shared by the chunk forms: L <= 0 means one chunk per sequence.
+void chunk_forms_fwd(const DeltanetShape& sh, const DeltanetInputs& in, const DeltanetOptions& opt, std::int64_t L,
+                     const double* h0, double* o, double* ht) {
+  const double scale = deltanet_scale(sh, opt);
+  forward_heads(sh, in, opt, h0, o, ht, [&](const Head& hd, Vec& S, Vec& ol) {
+    chunkwise_head(hd, scale, L > 0 ? L : std::max<std::int64_t>(hd.len, 1), S, ol);
+  });
 }
 
 void chunk_forms_bwd(const DeltanetShape& sh, const DeltanetInputs& in, const DeltanetOptions& opt, std::int64_t L,
@@ -351,16 +361,7 @@ double deltanet_scale(const DeltanetShape& sh, const DeltanetOptions& opt) {
 void deltanet_recurrent_fwd(const DeltanetShape& sh, const DeltanetInputs& in, const DeltanetOptions& opt,
                             const double* h0, double* o, double* ht) {
   const double scale = deltanet_scale(sh, opt);
-  Head hd;
-  Vec S, ol;  // (K,V), (len,V)
-  for (std::int64_t n = 0; n < sh.seqs(); ++n)
-    for (std::int64_t h = 0; h < sh.H; ++h) {
-      hd.gather(sh, in, opt.use_qk_l2norm_in_kernel, n, h);
-      load_state(sh, h0, n, h, S);
-      loop_head(hd, scale, S, ol, nullptr);
-      hd.scatter(ol, sh.V, o);
-      store_state(sh, S, n, h, ht);
-    }
+  forward_heads(sh, in, opt, h0, o, ht, [&](const Head& hd, Vec& S, Vec& ol) { loop_head(hd, scale, S, ol, nullptr); });
 }
 
 void deltanet_recurrent_bwd(const DeltanetShape& sh, const DeltanetInputs& in, const DeltanetOptions& opt,
