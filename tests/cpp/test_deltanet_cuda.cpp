@@ -111,6 +111,11 @@ std::vector<DnCase> cases() {
   v.push_back({DType::f32, 1, 200, 2, 256, 64, false, true, {}, DType::i64});
   v.push_back({DType::f32, 1, 150, 2, 64, 128, true, true, {0, 0, 70, 70, 150}, DType::i32});
   v.push_back({DType::f32, 1, 150, 2, 64, 128, false, true, {0, 33, 33, 150}, DType::i64});
+  // bf16, K <= 128: version 2 on tensor cores (deltanet_fwd_tc.cu): odd K, V (element loads), T = 1,
+  // chunk tails, many chunks, varlen with empty sequences
+  for (std::int64_t T : {1, 63, 1000}) v.push_back({DType::bf16, 1, T, 2, 100, 72, true, true, {}, DType::i64});
+  v.push_back({DType::bf16, 2, 257, 3, 40, 24, false, false, {}, DType::i64});
+  v.push_back({DType::bf16, 1, 150, 2, 128, 128, true, true, {0, 0, 70, 70, 150}, DType::i32});
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Cases, DeltanetCudaFwd, ::testing::ValuesIn(cases()),

@@ -11,5 +11,9 @@ inline constexpr std::int64_t kDeltanetFwdMaxK = 256;
 // Chunkwise forward (chunks of 64, the WY form of the reference): o and, when p.ht is set, the
 // final states. No workspace: the state lives in shared memory.
 void deltanet_fwd_cuda(const DeltanetParams& p, Stream stream);
+// Version 2 on tensor cores (deltanet_fwd_tc.cu; work in progress): bf16 q, k, v, o and K <= 128;
+// deltanet_fwd_cuda picks it where it applies.
+bool deltanet_fwd_tc_applies(const DeltanetParams& p);
+void deltanet_fwd_tc_cuda(const DeltanetParams& p, Stream stream);
 
 }  // namespace fastweight::detail

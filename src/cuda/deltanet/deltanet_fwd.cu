@@ -184,6 +184,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_fwd_kernel(const DeltanetPa
 }  // namespace
 
 void deltanet_fwd_cuda(const DeltanetParams& p, Stream stream) {
+  if (deltanet_fwd_tc_applies(p)) return deltanet_fwd_tc_cuda(p, stream);  // bf16, K <= 128: tensor cores
   const std::int64_t seqs = p.N * p.H, vt = (p.V + kC - 1) / kC;
   if (seqs == 0) return;
   if (p.K > kMaxK) throw ArgumentError(cat("deltanet_fwd: K = ", p.K, " > ", kMaxK, " is not supported by the CUDA kernel"));
