@@ -2,7 +2,7 @@
 // fastweight_bench: fixed-length and variable-length (cu_seqlens) batches, the L2-norm option.
 // Verification: the op's outputs vs the float64 loop form of the reference on float64 copies of the
 // same (rounded) inputs; relative Frobenius error over all outputs. Timing on CPU tensors: wall
-// clock, median of 5. With a GPU, deltanet_fwd on CUDA tensors (its only CUDA kernel so far) at
+// clock, median of 5. With a GPU, deltanet_fwd and deltanet_bwd on CUDA tensors at
 // shared/BENCHMARKS.md shapes, bf16: verified at B = 1, H = 2 and the same T, K, V and offsets (the
 // float64 loop costs O(B H T K V) on one host core: 0.5 s at T = 8192), timed at the full shape like
 // the norms (CUDA graph, L2 flushed, median of --reps). The row names both shapes.
@@ -34,22 +34,26 @@ std::vector<std::int64_t> random_offsets(std::int64_t n, std::int64_t total, std
   return off;
 }
 
-// One deltanet_fwd call on the GPU: bf16 q, k, v, beta, fp32 initial and final states, the in-kernel
-// L2 norm on (as FLA's DeltaNet layers call it); cu: varlen offsets (B = 1), empty: B sequences of T.
-struct GpuFwd {
+// deltanet_fwd / deltanet_bwd on the GPU: bf16 q, k, v, beta, fp32 initial and final states, the
+// in-kernel L2 norm on (as FLA's DeltaNet layers call it); cu: varlen offsets (B = 1), empty: B
+// sequences of T. The backward gets random dL/do and dL/d final state and writes every gradient.
+struct GpuDn {
   std::int64_t B, T, H, K, V, N;
   std::vector<std::int64_t> cu;
   std::mt19937_64 rng;
-  HostBuf q, k, v, beta, h0, o, ht, cub;
-  DevBuf dq, dk, dv, dbeta, dh0, dout, dht, dcu;
-  GpuFwd(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t kk, std::int64_t vv,
-         std::vector<std::int64_t> offs)
+  HostBuf q, k, v, beta, h0, o, ht, cub, go, ght, gq, gk, gv, gb, gh0;
+  DevBuf dq, dk, dv, dbeta, dh0, dout, dht, dcu, d_go, d_ght, d_gq, d_gk, d_gv, d_gb, d_gh0;
+  GpuDn(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t kk, std::int64_t vv,
+        std::vector<std::int64_t> offs)
       : B(b), T(t), H(h), K(kk), V(vv), N(offs.empty() ? b : std::int64_t(offs.size()) - 1), cu(std::move(offs)),
         rng(11), q(DType::bf16, {B, T, H, K}, &rng), k(DType::bf16, {B, T, H, K}, &rng),
         v(DType::bf16, {B, T, H, V}, &rng), beta(DType::bf16, {B, T, H}, &rng, 0.0, 1.0),
         h0(DType::f32, {N, H, K, V}, &rng, -0.1, 0.1), o(DType::bf16, {B, T, H, V}), ht(DType::f32, {N, H, K, V}),
-        cub(DType::i64, {std::max<std::int64_t>(std::int64_t(cu.size()), 1)}), dq(q), dk(k), dv(v), dbeta(beta),
-        dh0(h0), dout(o), dht(ht), dcu(upload_offsets()) {}
+        cub(DType::i64, {std::max<std::int64_t>(std::int64_t(cu.size()), 1)}), go(DType::bf16, {B, T, H, V}, &rng),
+        ght(DType::f32, {N, H, K, V}, &rng, -0.1, 0.1), gq(DType::bf16, {B, T, H, K}), gk(DType::bf16, {B, T, H, K}),
+        gv(DType::bf16, {B, T, H, V}), gb(DType::bf16, {B, T, H}), gh0(DType::f32, {N, H, K, V}), dq(q), dk(k),
+        dv(v), dbeta(beta), dh0(h0), dout(o), dht(ht), dcu(upload_offsets()), d_go(go), d_ght(ght), d_gq(gq),
+        d_gk(gk), d_gv(gv), d_gb(gb), d_gh0(gh0) {}
   HostBuf& upload_offsets() {  // before dcu copies cub to the device
     for (std::size_t i = 0; i < cu.size(); ++i) cub.set(std::int64_t(i), double(cu[i]));
     return cub;
@@ -61,21 +65,49 @@ struct GpuFwd {
     a.o = dout.ref(), a.final_state = dht.ref(), a.use_qk_l2norm_in_kernel = true;
     return a;
   }
-  // max over o and the final state of the relative error against the float64 loop form
-  double verify() {
-    deltanet_fwd(args(), nullptr);
-    cuda_or_throw(cudaDeviceSynchronize(), "deltanet_fwd");
+  DeltanetBwdArgs bwd_args() const {
+    DeltanetBwdArgs a;
+    a.q = dq.ref(), a.k = dk.ref(), a.v = dv.ref(), a.beta = dbeta.ref(), a.initial_state = dh0.ref();
+    if (!cu.empty()) a.cu_seqlens = dcu.ref();
+    a.do_ = d_go.ref(), a.dfinal_state = d_ght.ref(), a.dq = d_gq.ref(), a.dk = d_gk.ref(), a.dv = d_gv.ref();
+    a.dbeta = d_gb.ref(), a.dinitial_state = d_gh0.ref(), a.use_qk_l2norm_in_kernel = true;
+    return a;
+  }
+  detail::DeltanetShape ref_shape() const {
     detail::DeltanetShape sh;
     sh.B = B, sh.T = T, sh.H = H, sh.K = K, sh.V = V;
     if (!cu.empty()) sh.cu_seqlens = cu.data(), sh.N = N;
+    return sh;
+  }
+  detail::DeltanetInputs ref_inputs() const { return {q.val.data(), k.val.data(), v.val.data(), beta.val.data()}; }
+  static detail::DeltanetOptions ref_options() {
     detail::DeltanetOptions opt;
     opt.use_qk_l2norm_in_kernel = true;
+    return opt;
+  }
+  // max over o and the final state of the relative error against the float64 loop form
+  double verify_fwd() {
+    deltanet_fwd(args(), nullptr);
+    cuda_or_throw(cudaDeviceSynchronize(), "deltanet_fwd");
     Vec ro(o.val.size()), rht(ht.val.size());
-    detail::deltanet_recurrent_fwd(sh, {q.val.data(), k.val.data(), v.val.data(), beta.val.data()}, opt,
-                                   h0.val.data(), ro.data(), rht.data());
+    detail::deltanet_recurrent_fwd(ref_shape(), ref_inputs(), ref_options(), h0.val.data(), ro.data(), rht.data());
     Err eo, eh;
     eo.add(dout.read(), ro), eh.add(dht.read(), rht);
     return std::max(eo.value(), eh.value());
+  }
+  // max over dq, dk, dv, dbeta and dinitial_state of the relative error against the loop form's BPTT
+  double verify_bwd() {
+    const DeltanetBwdArgs a = bwd_args();
+    DevScratch ws(deltanet_bwd_workspace_size(a));
+    deltanet_bwd(a, ws.p, ws.bytes, nullptr);
+    cuda_or_throw(cudaDeviceSynchronize(), "deltanet_bwd");
+    Vec rq(gq.val.size()), rk(gk.val.size()), rv(gv.val.size()), rb(gb.val.size()), rh(gh0.val.size());
+    detail::deltanet_recurrent_bwd(ref_shape(), ref_inputs(), ref_options(), h0.val.data(), go.val.data(),
+                                   ght.val.data(), {rq.data(), rk.data(), rv.data(), rb.data()}, rh.data());
+    Err eq, ek, ev, eb, eh;
+    eq.add(d_gq.read(), rq), ek.add(d_gk.read(), rk), ev.add(d_gv.read(), rv), eb.add(d_gb.read(), rb);
+    eh.add(d_gh0.read(), rh);
+    return std::max({eq.value(), ek.value(), ev.value(), eb.value(), eh.value()});
   }
   std::string shape() const {
     return dims(B, T, H, K, V) + (cu.empty() ? "" : " varlen " + std::to_string(N) + " seqs");
@@ -91,17 +123,22 @@ int gpu_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
   for (const Case& c : cases) {
     try {
       const std::vector<std::int64_t> cu = c.seqs > 0 ? random_offsets(c.seqs, c.T, 5) : std::vector<std::int64_t>{};
-      GpuFwd check(1, c.T, 2, c.K, c.K, cu);
-      std::printf("deltanet_fwd (cuda): verifying at %s\n", check.shape().c_str());
-      const double err = check.verify();
-      if (!(err <= 1e-2)) ++failures;
-      GpuFwd run(c.B, c.T, c.H, c.K, c.K, cu);
+      GpuDn check(1, c.T, 2, c.K, c.K, cu);
+      std::printf("deltanet (cuda): verifying at %s\n", check.shape().c_str());
+      const double err_f = check.verify_fwd(), err_b = check.verify_bwd();
+      failures += !(err_f <= 1e-2) + !(err_b <= 1e-2);
+      GpuDn run(c.B, c.T, c.H, c.K, c.K, cu);
       const DeltanetFwdArgs a = run.args();
-      const double ms = fb.timer->time_ms([&](Stream st) { deltanet_fwd(a, st); }, fb.reps);
+      const double ms_f = fb.timer->time_ms([&](Stream st) { deltanet_fwd(a, st); }, fb.reps);
+      const DeltanetBwdArgs ab = run.bwd_args();
+      DevScratch ws(deltanet_bwd_workspace_size(ab));
+      const double ms_b = fb.timer->time_ms([&](Stream st) { deltanet_bwd(ab, ws.p, ws.bytes, st); }, fb.reps);
       const std::string shp = run.shape() + " l2norm; verified at " + check.shape();
-      rows.push_back({"deltanet_fwd", "bfloat16", shp, err, ms, "cuda"});
+      rows.push_back({"deltanet_fwd", "bfloat16", shp, err_f, ms_f, "cuda"});
+      rows.push_back({"deltanet_bwd", "bfloat16", shp + "; workspace " + std::to_string(ws.bytes >> 20) + " MiB", err_b,
+                      ms_b, "cuda"});
     } catch (const std::exception& ex) {
-      std::printf("deltanet_fwd (cuda): error: %s\n", ex.what());
+      std::printf("deltanet (cuda): error: %s\n", ex.what());
       ++failures;
     }
   }

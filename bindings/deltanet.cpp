@@ -32,10 +32,11 @@ void deltanet_fwd(const In& q, const In& k, const In& v, const In& beta, const O
   fastweight::deltanet_fwd(a, to_stream(stream));
 }
 
-void deltanet_bwd(const In& q, const In& k, const In& v, const In& beta, const OptIn& initial_state,
-                  const OptIn& cu_seqlens, const In& do_, const OptIn& dfinal_state, const OptOut& dq,
-                  const OptOut& dk, const OptOut& dv, const OptOut& dbeta, const OptOut& dinitial_state,
-                  std::optional<double> scale, bool use_qk_l2norm_in_kernel, std::uintptr_t stream) {
+fastweight::DeltanetBwdArgs bwd_args(const In& q, const In& k, const In& v, const In& beta, const OptIn& initial_state,
+                                     const OptIn& cu_seqlens, const In& do_, const OptIn& dfinal_state,
+                                     const OptOut& dq, const OptOut& dk, const OptOut& dv, const OptOut& dbeta,
+                                     const OptOut& dinitial_state, std::optional<double> scale,
+                                     bool use_qk_l2norm_in_kernel) {
   const char* op = "deltanet_bwd";
   fastweight::DeltanetBwdArgs a;
   set_inputs(a, op, q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel);
@@ -44,8 +45,30 @@ void deltanet_bwd(const In& q, const In& k, const In& v, const In& beta, const O
   a.dq = to_ref(dq, op, "dq"), a.dk = to_ref(dk, op, "dk"), a.dv = to_ref(dv, op, "dv");
   a.dbeta = to_ref(dbeta, op, "dbeta");
   a.dinitial_state = to_ref(dinitial_state, op, "dinitial_state");
+  return a;
+}
+
+std::size_t deltanet_bwd_workspace_size(const In& q, const In& k, const In& v, const In& beta,
+                                        const OptIn& initial_state, const OptIn& cu_seqlens, const In& do_,
+                                        const OptIn& dfinal_state, const OptOut& dq, const OptOut& dk,
+                                        const OptOut& dv, const OptOut& dbeta, const OptOut& dinitial_state,
+                                        std::optional<double> scale, bool use_qk_l2norm_in_kernel) {
+  const auto a = bwd_args(q, k, v, beta, initial_state, cu_seqlens, do_, dfinal_state, dq, dk, dv, dbeta,
+                          dinitial_state, scale, use_qk_l2norm_in_kernel);
   nb::gil_scoped_release release;
-  fastweight::deltanet_bwd(a, to_stream(stream));
+  return fastweight::deltanet_bwd_workspace_size(a);
+}
+
+void deltanet_bwd(const In& q, const In& k, const In& v, const In& beta, const OptIn& initial_state,
+                  const OptIn& cu_seqlens, const In& do_, const OptIn& dfinal_state, const OptOut& dq,
+                  const OptOut& dk, const OptOut& dv, const OptOut& dbeta, const OptOut& dinitial_state,
+                  std::optional<double> scale, bool use_qk_l2norm_in_kernel, const OptWorkspace& workspace,
+                  std::uintptr_t stream) {
+  const auto a = bwd_args(q, k, v, beta, initial_state, cu_seqlens, do_, dfinal_state, dq, dk, dv, dbeta,
+                          dinitial_state, scale, use_qk_l2norm_in_kernel);
+  const Workspace ws = to_workspace(workspace, a.q, "deltanet_bwd");
+  nb::gil_scoped_release release;
+  fastweight::deltanet_bwd(a, ws.data, ws.bytes, to_stream(stream));
 }
 
 void deltanet_step(const In& q, const In& k, const In& v, const In& beta, const In& state, const Out& o,
@@ -69,11 +92,17 @@ void bind_deltanet(nb::module_& m) {
         "cu_seqlens"_a.none() = none, "o"_a, "final_state"_a.none() = none, "scale"_a.none() = none,
         "use_qk_l2norm_in_kernel"_a = false, "stream"_a = 0,
         "DeltaNet forward (FLA layout): writes o (B, T, H, V) and, when given, the final state (N, H, K, V).");
+  m.def("deltanet_bwd_workspace_size", &deltanet_bwd_workspace_size, "q"_a, "k"_a, "v"_a, "beta"_a,
+        "initial_state"_a.none() = none, "cu_seqlens"_a.none() = none, "do_"_a, "dfinal_state"_a.none() = none,
+        "dq"_a.none() = none, "dk"_a.none() = none, "dv"_a.none() = none, "dbeta"_a.none() = none,
+        "dinitial_state"_a.none() = none, "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false,
+        "Bytes of workspace deltanet_bwd needs for these arguments (0 on the CPU).");
   m.def("deltanet_bwd", &deltanet_bwd, "q"_a, "k"_a, "v"_a, "beta"_a, "initial_state"_a.none() = none,
         "cu_seqlens"_a.none() = none, "do_"_a, "dfinal_state"_a.none() = none, "dq"_a.none() = none,
         "dk"_a.none() = none, "dv"_a.none() = none, "dbeta"_a.none() = none, "dinitial_state"_a.none() = none,
-        "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false, "stream"_a = 0,
-        "DeltaNet backward: the exact gradient; writes the given outputs.");
+        "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false, "workspace"_a.none() = none, "stream"_a = 0,
+        "DeltaNet backward: the exact gradient; writes the given outputs (CUDA tensors need the workspace of "
+        "deltanet_bwd_workspace_size).");
   m.def("deltanet_step", &deltanet_step, "q"_a, "k"_a, "v"_a, "beta"_a, "state"_a, "o"_a, "new_state"_a,
         "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false, "stream"_a = 0,
         "One decoding step (q, k (B, H, K), v (B, H, V), beta (B, H)); new_state may be state (in place).");

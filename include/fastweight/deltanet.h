@@ -26,12 +26,14 @@
 // (absent: 0) whether or not the forward wrote a final state.
 // Every argument is validated before anything is written: bad input throws ArgumentError naming
 // the op and the argument. CPU tensors run the float64 chunkwise reference (chunk size 64, not
-// exposed: the result does not depend on it; src/reference/deltanet_ref.h). CUDA tensors: the
-// forward runs the CUDA kernel (chunks of 64, fp32 accumulation, fp32 states, no workspace; K <= 256,
-// ArgumentError beyond); the backward and the decoding step have no CUDA kernel yet (issue 4) and
-// throw a clear Error, never a silent fallback.
+// exposed: the result does not depend on it; src/reference/deltanet_ref.h). CUDA tensors run the
+// CUDA kernels (src/cuda/deltanet: chunks of 64, fp32 accumulation, fp32 states; K <= 256,
+// ArgumentError beyond): the forward and the decoding step need no workspace; the backward needs
+// deltanet_bwd_workspace_size(args) bytes of device memory (fp32 chunk states, their gradients and
+// per-row intermediates; 0 on the CPU), passed to the four-argument deltanet_bwd.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 
@@ -78,6 +80,11 @@ struct DeltanetStepArgs {
 };
 
 void deltanet_fwd(const DeltanetFwdArgs& args, Stream stream = nullptr);
+// The backward's scratch: `deltanet_bwd_workspace_size(args)` bytes (0 for CPU tensors), then
+// `deltanet_bwd(args, workspace, bytes, stream)`. The two-argument form passes no workspace: it is for
+// CPU tensors (on CUDA tensors it throws ArgumentError naming the workspace).
+std::size_t deltanet_bwd_workspace_size(const DeltanetBwdArgs& args);
+void deltanet_bwd(const DeltanetBwdArgs& args, void* workspace, std::size_t workspace_bytes, Stream stream = nullptr);
 void deltanet_bwd(const DeltanetBwdArgs& args, Stream stream = nullptr);
 void deltanet_step(const DeltanetStepArgs& args, Stream stream = nullptr);
 

@@ -17,12 +17,11 @@ or float32 (other dtypes are cast to float32).
 
 Everything is differentiable: q, k, v, beta, initial_state, with the final state's gradient taken
 into account (exact gradients). Custom ops with fake kernels: ``torch.compile(fullgraph=True)``
-works. CPU tensors run the float64 reference behind the C++ API. CUDA tensors: the forward runs the
-CUDA kernel (fp32 accumulation and states, no workspace; K <= 256, ValueError beyond; cu_seqlens on
-q's device, its offsets trusted there: reading them back would synchronise). The backward and
-``delta_rule_step`` have no CUDA kernel yet (issue 4) and raise a RuntimeError, so on CUDA the
-forward is for inference (``torch.no_grad()`` or inputs that do not require grad): a backward
-through it raises rather than returning a gradient.
+works. CPU tensors run the float64 reference behind the C++ API. CUDA tensors run the CUDA kernels
+(chunks of 64, fp32 accumulation and states; K <= 256, ValueError beyond; cu_seqlens on q's device,
+its offsets trusted there: reading them back would synchronise): the forward and ``delta_rule_step``
+need no workspace, the backward takes its workspace (``_C.deltanet_bwd_workspace_size`` bytes) from
+torch's caching allocator, so training on CUDA works and stays CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ import torch
 from torch import Tensor
 
 from . import _C
+from .mlstm_ops import _workspace, _ws_spec
 from .ops import _last_contig, _nothing, _or_nothing, _prep_gate, _spec, _stream
 
 __all__ = ["delta_rule", "delta_rule_step"]
@@ -76,9 +76,11 @@ def _deltanet_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, ini
                   use_qk_l2norm_in_kernel: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    _C.deltanet_bwd(_spec(q), _spec(k), _spec(v), _spec(beta), _spec(initial_state), _spec(cu_seqlens), _spec(do),
-                    _spec(dfinal_state), _spec(dq), _spec(dk), _spec(dv), _spec(dbeta), _spec(dh0), scale,
-                    use_qk_l2norm_in_kernel, _stream(q))
+    args = (_spec(q), _spec(k), _spec(v), _spec(beta), _spec(initial_state), _spec(cu_seqlens), _spec(do),
+            _spec(dfinal_state), _spec(dq), _spec(dk), _spec(dv), _spec(dbeta), _spec(dh0), scale,
+            use_qk_l2norm_in_kernel)
+    ws = _workspace(q, _C.deltanet_bwd_workspace_size(*args))  # torch's caching allocator (0 bytes on the CPU)
+    _C.deltanet_bwd(*args, _ws_spec(ws), _stream(q))
     return dq, dk, dv, dbeta, _or_nothing(dh0, q)
 
 

@@ -84,10 +84,9 @@ void SeqChecker::state(const char* name, const TensorRef& t, std::initializer_li
   check_shape(op, name, t, shape);
 }
 
-void no_cuda_kernel_yet(const char* op, const char* what, int issue, const char* built) {
-  throw Error(cat(op, ": the tensors are on a CUDA device; fastweight's ", what,
-                  " CUDA kernel is not built yet (issue ", issue, ", in progress; ", built,
-                  " runs on CUDA). Run it on CPU tensors (float64 reference) meanwhile."));
+void check_workspace(const char* op, void* ws, std::size_t bytes, std::size_t need) {
+  FW_CHECK_ARG(bytes >= need && (need == 0 || ws != nullptr), op, "workspace", "needs ", need,
+               " bytes (", op, "_workspace_size), got ", bytes, ws ? "" : " (null pointer)");
 }
 
 void no_cuda_build(const char* op) {

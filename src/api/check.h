@@ -2,6 +2,7 @@
 // ArgumentError "op: name: what was expected, what was given" and never touches data.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 
@@ -41,9 +42,8 @@ struct SeqChecker {
   void state(const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape) const;
 };
 
-// The error of an op whose tensors are on a CUDA device before its kernel exists: `what` names the
-// missing kernel ("DeltaNet backward"), `built` those of its family that exist ("the DeltaNet forward").
-[[noreturn]] void no_cuda_kernel_yet(const char* op, const char* what, int issue, const char* built);
+// A caller's workspace for a CUDA op: at least `need` bytes (and not null when need > 0).
+void check_workspace(const char* op, void* ws, std::size_t bytes, std::size_t need);
 // The error of CUDA tensors given to a build without CUDA kernels (FW_ENABLE_CUDA=OFF).
 [[noreturn]] void no_cuda_build(const char* op);
 

@@ -1,7 +1,8 @@
 // deltanet_api.cpp: the public DeltaNet entry points (fastweight/deltanet.h). Each validates every
 // argument before anything is written, then dispatches by device: CPU -> the float64 chunkwise
-// reference through contiguous float64 copies (any dtype, any strides); CUDA -> the forward kernel
-// (src/cuda/deltanet), while the backward and the decoding step are not built yet (a clear Error).
+// reference through contiguous float64 copies (any dtype, any strides); CUDA -> the kernels of
+// src/cuda/deltanet (the decoding step is the forward over one position, the state as initial and
+// final state).
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -133,17 +134,10 @@ void check_cuda_fwd(const char* op, const DeltanetShape& sh, const TensorRef& q,
                " sequence-heads exceed the CUDA grid (at most 2^31 - 1), got shape ", q.shape_str());
   FW_CHECK_ARG((sh.V + 63) / 64 <= 65535, op, "v", "head dim V = ", sh.V,
                " exceeds the CUDA grid (at most 65535 tiles of 64), got shape ", v.shape_str());
+  FW_CHECK_ARG(sh.H <= 65535, op, "q", "H = ", sh.H, " heads exceed the CUDA grid (at most 65535), got shape ",
+               q.shape_str());
 }
 #endif
-
-// Backward and decoding step: CUDA tensors are refused until their kernels land.
-[[noreturn]] void no_cuda_kernel_yet(const char* op, [[maybe_unused]] const char* what) {
-#if FW_WITH_CUDA
-  detail::no_cuda_kernel_yet(op, what, 4, "the DeltaNet forward");
-#else
-  detail::no_cuda_build(op);
-#endif
-}
 
 }  // namespace
 
@@ -173,8 +167,9 @@ void deltanet_fwd(const DeltanetFwdArgs& a, [[maybe_unused]] Stream stream) {
 }
 
 // ---- backward -------------------------------------------------------------------------------------
-void deltanet_bwd(const DeltanetBwdArgs& a, Stream) {
-  const Call call("deltanet_bwd", a);
+namespace {
+// Every check of the backward's arguments; the caller's Call holds the shape.
+void check_bwd(const Call& call, const DeltanetBwdArgs& a) {
   const DeltanetShape& sh = call.sh;
   const detail::SeqChecker& c = call.c;
   c.io("do_", a.do_, {sh.B, sh.T, sh.H, sh.V});
@@ -188,7 +183,37 @@ void deltanet_bwd(const DeltanetBwdArgs& a, Stream) {
                  "the gradient of the initial state needs the initial state (initial_state is absent)");
     c.state("dinitial_state", a.dinitial_state, {sh.N, sh.H, sh.K, sh.V});
   }
-  if (a.q.device == DeviceType::cuda) no_cuda_kernel_yet(c.op, "DeltaNet backward");
+#if FW_WITH_CUDA
+  if (a.q.device == DeviceType::cuda) check_cuda_fwd(c.op, sh, a.q, a.v);
+#endif
+}
+}  // namespace
+
+std::size_t deltanet_bwd_workspace_size(const DeltanetBwdArgs& a) {
+  const Call call("deltanet_bwd", a);
+  check_bwd(call, a);
+#if FW_WITH_CUDA
+  if (a.q.device == DeviceType::cuda) return detail::deltanet_bwd_workspace_bytes(detail::lower_deltanet_bwd(a));
+#endif
+  return 0;
+}
+
+void deltanet_bwd(const DeltanetBwdArgs& a, [[maybe_unused]] void* workspace, [[maybe_unused]] std::size_t workspace_bytes,
+                  [[maybe_unused]] Stream stream) {
+  const Call call("deltanet_bwd", a);
+  check_bwd(call, a);
+  const DeltanetShape& sh = call.sh;
+  if (a.q.device == DeviceType::cuda) {
+#if FW_WITH_CUDA
+    const detail::DeltanetBwdParams p = detail::lower_deltanet_bwd(a);
+    detail::check_workspace(call.c.op, workspace, workspace_bytes, detail::deltanet_bwd_workspace_bytes(p));
+    detail::DeviceGuard guard(a.q.device_index);
+    detail::deltanet_bwd_cuda(p, workspace, stream);
+    return;
+#else
+    detail::no_cuda_build(call.c.op);
+#endif
+  }
 
   const Inputs x = call.inputs(a);
   const Vec dout = detail::gather_f64(a.do_), dht = detail::gather_f64(a.dfinal_state);
@@ -202,8 +227,10 @@ void deltanet_bwd(const DeltanetBwdArgs& a, Stream) {
   detail::scatter_f64(dbeta, a.dbeta), detail::scatter_f64(dh0, a.dinitial_state);
 }
 
+void deltanet_bwd(const DeltanetBwdArgs& a, Stream stream) { deltanet_bwd(a, nullptr, 0, stream); }
+
 // ---- decoding step ----------------------------------------------------------------------------------
-void deltanet_step(const DeltanetStepArgs& a, Stream) {
+void deltanet_step(const DeltanetStepArgs& a, [[maybe_unused]] Stream stream) {
   const char* op = "deltanet_step";
   detail::check_qv_shapes(op, a.q, a.v, "(B, H, K)", "K", "(B, H, V)", "V", 3);
   DeltanetShape sh;  // T = 1: the step is the loop form over one position
@@ -217,7 +244,19 @@ void deltanet_step(const DeltanetStepArgs& a, Stream) {
   c.io("o", a.o, {sh.B, sh.H, sh.V});
   c.state("new_state", a.new_state, {sh.B, sh.H, sh.K, sh.V});
   const detail::DeltanetOptions opt = options(op, a.scale, a.use_qk_l2norm_in_kernel);
-  if (a.q.device == DeviceType::cuda) no_cuda_kernel_yet(op, "DeltaNet decoding-step");
+  if (a.q.device == DeviceType::cuda) {
+#if FW_WITH_CUDA
+    sh.N = sh.B;
+    check_cuda_fwd(op, sh, a.q, a.v);
+    detail::DeviceGuard guard(a.q.device_index);
+    // The forward over T = 1: every CTA reads its columns of `state` before it writes them to
+    // new_state, and no two CTAs share columns, so in place is safe.
+    detail::deltanet_fwd_cuda(detail::lower_deltanet_step(a), stream);
+    return;
+#else
+    detail::no_cuda_build(op);
+#endif
+  }
   // (B, H, D) is the contiguous (B, 1, H, D) of the reference's layout; the state is (N = B, H, K, V).
   using detail::gather_f64;
   const Vec q = gather_f64(a.q), k = gather_f64(a.k), v = gather_f64(a.v), beta = gather_f64(a.beta);
@@ -242,6 +281,35 @@ DeltanetParams lower_deltanet_fwd(const DeltanetFwdArgs& a) {
   p.h0 = view_of(a.initial_state, 3), p.ht = view_of(a.final_state, 3);
   p.cu_seqlens = a.cu_seqlens.defined() ? a.cu_seqlens.data : nullptr;
   p.cu_i64 = !a.cu_seqlens.defined() || a.cu_seqlens.dtype == DType::i64;
+  return p;
+}
+
+DeltanetBwdParams lower_deltanet_bwd(const DeltanetBwdArgs& a) {
+  DeltanetFwdArgs f;
+  f.q = a.q, f.k = a.k, f.v = a.v, f.beta = a.beta, f.initial_state = a.initial_state, f.cu_seqlens = a.cu_seqlens;
+  f.scale = a.scale, f.use_qk_l2norm_in_kernel = a.use_qk_l2norm_in_kernel;
+  DeltanetBwdParams p;
+  static_cast<DeltanetParams&>(p) = lower_deltanet_fwd(f);
+  p.do_ = view_of(a.do_, 3), p.dht = view_of(a.dfinal_state, 3);
+  p.dq = view_of(a.dq, 3), p.dk = view_of(a.dk, 3), p.dv = view_of(a.dv, 3), p.dbeta = view_of(a.dbeta, 2);
+  p.dh0 = view_of(a.dinitial_state, 3);
+  return p;
+}
+
+DeltanetParams lower_deltanet_step(const DeltanetStepArgs& a) {
+  // (B, H, D) as (B, T = 1, H, D): the T stride is never used
+  auto as_bthd = [](const TensorRef& t) {
+    StridedView v = view_of(t, 2);
+    v.s2 = v.s1, v.s1 = 0;
+    return v;
+  };
+  DeltanetParams p;
+  p.B = a.q.shape[0], p.T = 1, p.H = a.q.shape[1], p.K = a.q.shape[2], p.V = a.v.shape[2], p.N = p.B;
+  p.scale = float(std::isnan(a.scale) ? std::pow(double(p.K), -0.5) : a.scale);
+  p.l2 = a.use_qk_l2norm_in_kernel;
+  p.q = as_bthd(a.q), p.k = as_bthd(a.k), p.v = as_bthd(a.v), p.o = as_bthd(a.o);
+  p.beta = view_of(a.beta, 1);  // (B, H): element (b, h) at b*s0 + h
+  p.h0 = view_of(a.state, 3), p.ht = view_of(a.new_state, 3);
   return p;
 }
 }  // namespace detail

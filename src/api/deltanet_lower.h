@@ -9,5 +9,8 @@
 namespace fastweight::detail {
 
 DeltanetParams lower_deltanet_fwd(const DeltanetFwdArgs& a);
+DeltanetBwdParams lower_deltanet_bwd(const DeltanetBwdArgs& a);
+// The decoding step as the forward over T = 1 with the state as initial and final state.
+DeltanetParams lower_deltanet_step(const DeltanetStepArgs& a);
 
 }  // namespace fastweight::detail

@@ -70,10 +70,7 @@ void check_sequence_inputs(const MlstmChecker& c, const detail::MlstmShape& sh, 
 #if !FW_WITH_CUDA
 using detail::no_cuda_build;  // shared with DeltaNet (check.cpp)
 #endif
-void check_workspace(const char* op, void* ws, std::size_t bytes, std::size_t need) {
-  FW_CHECK_ARG(bytes >= need && (need == 0 || ws != nullptr), op, "workspace", "needs ", need,
-               " bytes (", op, "_workspace_size), got ", bytes, ws ? "" : " (null pointer)");
-}
+using detail::check_workspace;
 
 struct SeqInputs {  // float64 copies of one sequence call's inputs
   Vec q, k, v, i, f, c0, n0, m0;

@@ -18,6 +18,43 @@ struct DeltanetParams {
   StridedView q, k, v, beta, o, h0, ht;
   const void* cu_seqlens = nullptr;  // (N+1) on the device, int32 or int64; null: N = B sequences of T
   bool cu_i64 = true;
+  // The backward's recompute (deltanet_bwd.cu) runs the forward with these set (fp32 workspace): the
+  // state entering every chunk and X = R - Lg D of every row (D = diag(beta) X); see DnBwdWs.
+  float* save_S = nullptr;
+  float* save_X = nullptr;
+};
+
+// The backward: the forward's inputs (o, ht unused) plus the gradients; absent views are not written.
+struct DeltanetBwdParams : DeltanetParams {
+  StridedView do_, dht;                    // dL/do (B, T, H, V), dL/d final state (N, H, K, V) or absent
+  StridedView dq, dk, dv, dbeta, dh0;      // outputs, each optional
+};
+
+// Chunk slots of 64 rows: sequence n's chunk c is slot base(n) + c, with base(n) = n * ceil(T / 64)
+// for equal lengths and floor(bos_n / 64) + n for cu_seqlens (no prefix sum over the lengths needed:
+// base(n+1) - base(n) >= ceil(len_n / 64)). Slots past a sequence's end stay unused.
+inline constexpr std::int64_t kDeltanetChunk = 64;
+inline std::int64_t deltanet_slots(const DeltanetParams& p) {
+  const std::int64_t c = kDeltanetChunk;
+  return p.cu_seqlens ? p.T / c + p.N + 1 : p.N * ((p.T + c - 1) / c);
+}
+
+// The backward's workspace, offsets in floats (each region 64-float aligned):
+//   S, dS (slots, H, K, V): the state entering each chunk / dL/d the state leaving it
+//   X, Y (B*T*H, V): per row X = R - Lg D and Y = T^T dD (dR = diag(beta) Y)
+//   dbp (ceil(V/64), B*T*H): dbeta partial sums, one per 64-column tile of V
+//   dqh, dkh (B*T*H, K): dL/d of the L2-normalised q, k (only with the in-kernel L2 norm)
+struct DnBwdWs {
+  std::int64_t rows, vt, S, dS, X, Y, dbp, dqh, dkh, total;
+  explicit DnBwdWs(const DeltanetParams& p) {
+    rows = p.B * p.T * p.H, vt = (p.V + kDeltanetChunk - 1) / kDeltanetChunk;
+    std::int64_t o = 0;
+    auto take = [&](std::int64_t n) { const std::int64_t at = o; o += (n + 63) / 64 * 64; return at; };
+    const std::int64_t states = deltanet_slots(p) * p.H * p.K * p.V;
+    S = take(states), dS = take(states), X = take(rows * p.V), Y = take(rows * p.V), dbp = take(vt * rows);
+    dqh = take(p.l2 ? rows * p.K : 0), dkh = take(p.l2 ? rows * p.K : 0);
+    total = o;
+  }
 };
 
 }  // namespace fastweight::detail

@@ -3,15 +3,18 @@
 // the reference on float64 copies of the rounded inputs, for every IO dtype, strided views (rows
 // cut from larger buffers), T crossing a chunk boundary, the L2 norm, an explicit scale and
 // variable-length batches with int32 and int64 cu_seqlens (empty sequences included). Every bad
-// input gets an ArgumentError naming the op and the argument before anything is written, and CUDA
-// tensors beyond the CUDA forward get a clear Error. The integer dtypes added for cu_seqlens stay
-// rejected by the float ops.
+// input gets an ArgumentError naming the op and the argument before anything is written, CUDA
+// tensors beyond the CUDA kernels get a clear error, and the CUDA backward refuses a missing or
+// too small workspace before writing (on a GPU; skipped, and reported so, without one). The integer
+// dtypes added for cu_seqlens stay rejected by the float ops.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstddef>
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "reference/deltanet_ref.h"
@@ -209,6 +212,19 @@ TEST(DeltanetApi, BackwardOutputsAreOptional) {
   EXPECT_LT(err[2], 1e-12);
 }
 
+// CPU tensors need no workspace: the size is 0 and the four-argument form (null, 0) equals the
+// two-argument one, bit for bit.
+TEST(DeltanetApi, BackwardWorkspaceIsZeroOnTheCpu) {
+  Dn s(DType::f32, {1, 70, 2, 6, 5}, 0, DType::f32, {0, 0, 30, 70}, DType::i32);
+  Grads g = make_grads(s, 0), g2 = make_grads(s, 0);
+  EXPECT_EQ(deltanet_bwd_workspace_size(bwd_args(s, g)), std::size_t(0));
+  deltanet_bwd(bwd_args(s, g));
+  deltanet_bwd(bwd_args(s, g2), nullptr, 0);
+  for (auto [a, b] : {std::pair{&g.dq, &g2.dq}, {&g.dk, &g2.dk}, {&g.dv, &g2.dv}, {&g.dbeta, &g2.dbeta},
+                      {&g.dh0, &g2.dh0}})
+    EXPECT_EQ(a->bytes, b->bytes);
+}
+
 // Variable length: int32 and int64 offsets, empty sequences first, in the middle and last; T = 150
 // puts a 100-long sequence across the chunk boundary.
 TEST(DeltanetApi, VarlenMatchesReferenceInt32AndInt64) {
@@ -350,28 +366,16 @@ TEST(DeltanetApi, StepEqualsAOneStepSequenceAndWorksInPlace) {
 }
 
 // CUDA tensors here are host buffers flagged as CUDA: never dereferenced, as every call below is
-// refused before anything is launched. The forward's CUDA runs are in test_deltanet_cuda.cpp; here
-// what it cannot do (K > 256, float64: ArgumentErrors naming q), and the backward and decoding step,
-// which have no CUDA kernel yet: a clear Error (not an ArgumentError, not a fallback), outputs
-// untouched. A build without CUDA refuses all three.
+// refused before anything is launched. The CUDA runs are in test_deltanet_cuda.cpp; here what the
+// forward cannot do (K > 256, float64: ArgumentErrors naming q) and what the shape of device offsets
+// tells, outputs untouched. A build without CUDA refuses the forward, the backward and the step
+// with a clear Error (not an ArgumentError, not a fallback). The backward's workspace checks need
+// real device memory: DeltanetApi.CudaBackwardRefusesAMissingOrShortWorkspaceBeforeWriting below.
 TEST(DeltanetApi, CudaTensorsBeyondTheKernelsGetAClearErrorNotAFallback) {
   auto on_cuda = [](std::initializer_list<TensorRef*> ts) {
     for (TensorRef* t : ts) t->device = DeviceType::cuda;
   };
-  auto expect_clear = [&](auto&& call, const char* fragment) {
-    try {
-      call();
-      ADD_FAILURE() << "no error";
-    } catch (const ArgumentError& e) {
-      ADD_FAILURE() << "an argument error instead of the CUDA one: " << e.what();
-    } catch (const Error& e) {
-      const std::string msg = e.what();
-      EXPECT_NE(msg.find(fragment), std::string::npos) << msg;
-    }
-  };
 #if FW_WITH_CUDA
-  const char* bwd_msg = "DeltaNet backward CUDA kernel is not built yet";
-  const char* step_msg = "DeltaNet decoding-step CUDA kernel is not built yet";
   {
     Dn wide(DType::f32, {1, 4, 1, 300, 4}, 0, DType::f32);  // K = 300: the state slice would not fit
     auto a = wide.args();
@@ -384,14 +388,48 @@ TEST(DeltanetApi, CudaTensorsBeyondTheKernelsGetAClearErrorNotAFallback) {
     expect_rejected({&d64.o}, [&] { deltanet_fwd(b); }, {"deltanet_fwd", "q", "float64", "not supported on cuda"});
   }
 #else
-  const char* bwd_msg = "no CUDA kernels";
-  const char* step_msg = bwd_msg;
+  auto expect_clear = [&](auto&& call, const char* fragment) {
+    try {
+      call();
+      ADD_FAILURE() << "no error";
+    } catch (const ArgumentError& e) {
+      ADD_FAILURE() << "an argument error instead of the CUDA one: " << e.what();
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(fragment), std::string::npos) << msg;
+    }
+  };
   {
     Dn s(DType::f32, {1, 4, 1, 4, 4}, 0, DType::f32, {0, 1, 4});
     auto a = s.args();
     on_cuda({&a.q, &a.k, &a.v, &a.beta, &a.initial_state, &a.cu_seqlens, &a.o, &a.final_state});
     expect_clear([&] { deltanet_fwd(a); }, "no CUDA kernels");
     EXPECT_TRUE(s.untouched());
+  }
+  {  // the backward and the decoding step: likewise refused, outputs untouched
+    Dn s(DType::f32, {1, 4, 1, 4, 4}, 0, DType::f32, {0, 1, 4});
+    Grads g = make_grads(s, 0);
+    auto b = bwd_args(s, g);
+    on_cuda({&b.q, &b.k, &b.v, &b.beta, &b.initial_state, &b.cu_seqlens, &b.do_, &b.dfinal_state, &b.dq, &b.dk,
+             &b.dv, &b.dbeta, &b.dinitial_state});
+    expect_clear([&] { deltanet_bwd(b); }, "no CUDA kernels");
+    for (const HostTensor* t : {&g.dq, &g.dk, &g.dv, &g.dbeta, &g.dh0})
+      for (unsigned char c : t->bytes) ASSERT_EQ(c, kPoison);
+    // the step: (B, H, D) = (1, 1, 4) views of the sequence tensors' first position (T dim dropped)
+    auto squeeze = [](TensorRef t) {
+      for (int d = 1; d + 1 < t.ndim; ++d) t.shape[d] = t.shape[d + 1], t.strides[d] = t.strides[d + 1];
+      --t.ndim;
+      return t;
+    };
+    DeltanetStepArgs st;
+    st.q = squeeze(s.q.ref()), st.k = squeeze(s.k.ref()), st.v = squeeze(s.v.ref()), st.beta = squeeze(s.beta.ref());
+    HostTensor state = make_host(DType::f32, {1, 1, 4, 4}), o = make_host(DType::f32, {1, 1, 4});
+    fill_bytes(state, kPoison), fill_bytes(o, kPoison);
+    st.state = st.new_state = state.ref(), st.o = o.ref();
+    on_cuda({&st.q, &st.k, &st.v, &st.beta, &st.state, &st.o, &st.new_state});
+    expect_clear([&] { deltanet_step(st); }, "no CUDA kernels");
+    for (const HostTensor* t : {&state, &o})
+      for (unsigned char c : t->bytes) ASSERT_EQ(c, kPoison);
   }
 #endif
   {  // device offsets are not read, but what their shape tells is checked: no sequence, T = 4 positions
@@ -401,29 +439,44 @@ TEST(DeltanetApi, CudaTensorsBeyondTheKernelsGetAClearErrorNotAFallback) {
     on_cuda({&a.q, &a.k, &a.v, &a.beta, &a.cu_seqlens, &a.o});
     expect_rejected({&s.o}, [&] { deltanet_fwd(a); }, {"deltanet_fwd", "cu_seqlens", "no sequence", "T = 4"});
   }
-  Dn s(DType::f32, {1, 4, 1, 4, 4}, 0, DType::f32, {0, 1, 4});
+}
+
+// The CUDA backward needs deltanet_bwd_workspace_size bytes of device scratch. The two-argument form
+// (no workspace) and a workspace one byte short are ArgumentErrors (naming the workspace), raised
+// before anything is launched: every output, in device memory, keeps its poison. Varlen with int32
+// offsets and every output requested, so that the size covers the largest case.
+TEST(DeltanetApi, CudaBackwardRefusesAMissingOrShortWorkspaceBeforeWriting) {
+  FW_REQUIRE_GPU();
+#if FW_WITH_CUDA
+  Dn s(DType::f32, {1, 70, 2, 16, 8}, 0, DType::f32, {0, 0, 30, 70}, DType::i32);
   Grads g = make_grads(s, 0);
-  auto b = bwd_args(s, g);
-  on_cuda({&b.q, &b.k, &b.v, &b.beta, &b.initial_state, &b.cu_seqlens, &b.do_, &b.dfinal_state, &b.dq, &b.dk, &b.dv,
-           &b.dbeta, &b.dinitial_state});
-  expect_clear([&] { deltanet_bwd(b); }, bwd_msg);
-  for (const HostTensor* t : {&g.dq, &g.dk, &g.dv, &g.dbeta, &g.dh0})
-    for (unsigned char c : t->bytes) ASSERT_EQ(c, kPoison);
-  // the step: (B, H, D) = (1, 1, 4) views of the sequence tensors' first position (T dim dropped)
-  auto squeeze = [](TensorRef t) {
-    for (int d = 1; d + 1 < t.ndim; ++d) t.shape[d] = t.shape[d + 1], t.strides[d] = t.strides[d + 1];
-    --t.ndim;
-    return t;
+  DeviceMirror gq(s.q), gk(s.k), gv(s.v), gb(s.beta), gh0(s.h0), gcu(s.cu), gdo(g.dout), gdht(g.dht), gdq(g.dq),
+      gdk(g.dk), gdv(g.dv), gdb(g.dbeta), gdh0(g.dh0);
+  DeltanetBwdArgs a;
+  a.q = gq.ref(s.q), a.k = gk.ref(s.k), a.v = gv.ref(s.v), a.beta = gb.ref(s.beta), a.initial_state = gh0.ref(s.h0);
+  a.cu_seqlens = gcu.ref(s.cu), a.do_ = gdo.ref(g.dout), a.dfinal_state = gdht.ref(g.dht);
+  a.dq = gdq.ref(g.dq), a.dk = gdk.ref(g.dk), a.dv = gdv.ref(g.dv), a.dbeta = gdb.ref(g.dbeta);
+  a.dinitial_state = gdh0.ref(g.dh0);
+  const std::size_t need = deltanet_bwd_workspace_size(a);
+  ASSERT_GT(need, std::size_t(0)) << "the CUDA backward reports no workspace";
+  void* ws = nullptr;
+  FW_TEST_CUDA(cudaMalloc(&ws, need));
+  auto untouched = [&](const char* when) {
+    FW_TEST_CUDA(cudaDeviceSynchronize());
+    for (auto [dev, host] : {std::pair{&gdq, &g.dq}, {&gdk, &g.dk}, {&gdv, &g.dv}, {&gdb, &g.dbeta}, {&gdh0, &g.dh0}}) {
+      HostTensor back = *host;
+      dev->download(back);
+      for (unsigned char c : back.bytes) ASSERT_EQ(c, kPoison) << "an output was written before the error: " << when;
+    }
   };
-  DeltanetStepArgs st;
-  st.q = squeeze(s.q.ref()), st.k = squeeze(s.k.ref()), st.v = squeeze(s.v.ref()), st.beta = squeeze(s.beta.ref());
-  HostTensor state = make_host(DType::f32, {1, 1, 4, 4}), o = make_host(DType::f32, {1, 1, 4});
-  fill_bytes(state, kPoison), fill_bytes(o, kPoison);
-  st.state = st.new_state = state.ref(), st.o = o.ref();
-  on_cuda({&st.q, &st.k, &st.v, &st.beta, &st.state, &st.o, &st.new_state});
-  expect_clear([&] { deltanet_step(st); }, step_msg);
-  for (const HostTensor* t : {&state, &o})
-    for (unsigned char c : t->bytes) ASSERT_EQ(c, kPoison);
+  expect_argument_error([&] { deltanet_bwd(a); }, {"deltanet_bwd", "workspace"});
+  untouched("no workspace");
+  expect_argument_error([&] { deltanet_bwd(a, ws, need - 1); }, {"deltanet_bwd", "workspace"});
+  untouched("workspace one byte short");
+  expect_argument_error([&] { deltanet_bwd(a, nullptr, need); }, {"deltanet_bwd", "workspace"});
+  untouched("null workspace");
+  FW_TEST_CUDA(cudaFree(ws));
+#endif
 }
 
 // DType::i32 / i64 exist for index tensors only: the float ops keep rejecting them by name.

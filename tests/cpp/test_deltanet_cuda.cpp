@@ -1,12 +1,22 @@
-// test_deltanet_cuda.cpp: the DeltaNet CUDA forward (src/cuda/deltanet) against the float64 loop
-// form of the reference, on the GPU (label gpu; skipped, and reported so, without one). The kernel
-// is called through the lowering of src/api/deltanet_lower.h with arguments built here, and through
-// the public entry point deltanet_fwd (DeltanetCudaApi: strided views, fp16, an explicit scale).
-// Checks: o and the final state for fp32 / bf16, T in {1, 63, 100, 1000}, K, V in {64, 100, 128, 256}
-// (K != V), L2 norm on / off, initial state, varlen (int32 and int64 offsets, empty sequences),
-// outputs poisoned before the run, bitwise determinism.
+// test_deltanet_cuda.cpp: the DeltaNet CUDA kernels (src/cuda/deltanet) against the float64 loop
+// form of the reference, on the GPU (label gpu; skipped, and reported so, without one).
+// Forward: called through the lowering of src/api/deltanet_lower.h with arguments built here, and
+// through the public entry point deltanet_fwd (DeltanetCudaApi: strided views, fp16, an explicit
+// scale). Checks: o and the final state for fp32 / bf16, T in {1, 63, 100, 1000}, K, V in
+// {64, 100, 128, 256} (K != V), L2 norm on / off, initial state, varlen (int32 and int64 offsets,
+// empty sequences), outputs poisoned before the run, bitwise determinism.
+// Backward (DeltanetCudaBwd): the public deltanet_bwd with a cudaMalloc'ed workspace of
+// deltanet_bwd_workspace_size bytes (poisoned, so nothing may rely on its contents), on a stream of
+// its own: dq, dk, dv, dbeta and dinitial_state each against the loop form's backward (relative
+// Frobenius error 1e-4 fp32, 2e-2 bf16), outputs poisoned with NaN bytes before every call, bitwise
+// determinism, strided views whose padding must stay untouched, a call asking only some gradients.
+// Decoding step (DeltanetCudaStep): the public deltanet_step against the loop form over one
+// position, out of place (state left as it was) and in place (new_state == state), L2 on / off.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <bit>
+#include <cstddef>
 #include <cstdio>
 #include <ostream>
 #include <random>
@@ -58,6 +68,18 @@ std::pair<HostTensor, HostTensor> reference(const Case& c, std::int64_t N, const
   return {ro, rht};
 }
 
+// Random inputs of a case: keys of norm ~1 without the L2 norm (beta |k|^2 > 2 makes the recurrence
+// blow up), beta in [0, 1), a small initial state.
+void fill_inputs(std::mt19937_64& rng, bool l2, std::int64_t K, HostTensor& q, HostTensor& k, HostTensor& v,
+                 HostTensor& beta, HostTensor& h0) {
+  fill_random(q, rng, -1.0, 1.0);
+  const double kr = l2 ? 1.0 : 1.7 / std::sqrt(double(K));
+  fill_random(k, rng, -kr, kr);
+  fill_random(v, rng, -1.0, 1.0);
+  fill_random(beta, rng, 0.0, 1.0);
+  fill_random(h0, rng, -0.5, 0.5);
+}
+
 class DeltanetCudaFwd : public ::testing::TestWithParam<DnCase> {};
 
 TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
@@ -69,12 +91,7 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
              o = make_host(c.dt, {c.B, c.T, c.H, c.V}), h0 = make_host(DType::f32, {N, c.H, c.K, c.V}),
              ht = make_host(DType::f32, {N, c.H, c.K, c.V});
   std::mt19937_64 rng(23);
-  fill_random(q, rng, -1.0, 1.0);
-  const double kr = c.l2 ? 1.0 : 1.7 / std::sqrt(double(c.K));  // |k| ~ 1 without the L2 norm
-  fill_random(k, rng, -kr, kr);
-  fill_random(v, rng, -1.0, 1.0);
-  fill_random(beta, rng, 0.0, 1.0);
-  fill_random(h0, rng, -0.5, 0.5);
+  fill_inputs(rng, c.l2, c.K, q, k, v, beta, h0);
   fill_bytes(o, 0xff), fill_bytes(ht, 0xff);
   HostTensor cu = make_host(c.cu_dt, {std::int64_t(std::max<std::size_t>(c.cu.size(), 1))});
   for (std::size_t i = 0; i < c.cu.size(); ++i) cu.set(std::int64_t(i), double(c.cu[i]));
@@ -186,6 +203,250 @@ TEST(DeltanetCudaApi, PublicForwardOnStridedViewsMatchesReference) {
                 eo, eh);
   }
 }
+
+// ---- backward ------------------------------------------------------------------------------------
+// Every byte of t's storage outside its view (padding) still holds `poison`.
+::testing::AssertionResult padding_untouched(const HostTensor& t, unsigned char poison) {
+  std::vector<char> in_view(t.bytes.size() / t.esize(), 0);
+  for (auto e : t.offsets()) in_view[std::size_t(e)] = 1;
+  for (std::size_t e = 0; e < in_view.size(); ++e)
+    if (!in_view[e])
+      for (std::size_t b = 0; b < t.esize(); ++b)
+        if (t.bytes[e * t.esize() + b] != poison) return ::testing::AssertionFailure() << "element " << e << " written";
+  return ::testing::AssertionSuccess();
+}
+
+enum : unsigned { kDq = 1, kDk = 2, kDv = 4, kDbeta = 8, kDh0 = 16, kAllGrads = 31 };
+
+struct DnBwdCase {
+  DType dt;
+  std::int64_t B, T, H, K, V;
+  bool l2, state, dht;           // L2 norm; initial_state given (and dinitial_state asked); dfinal_state given
+  std::vector<std::int64_t> cu;  // varlen offsets (B must be 1), empty: fixed length
+  DType cu_dt;
+  unsigned grads;                // the gradients asked for (kDq | ...); kDh0 needs `state`
+  std::int64_t pad;              // > 0: every tensor a strided view (rows padded, one element in)
+};
+std::string name_of(const DnBwdCase& c) {
+  std::string n = std::string(dtype_name(c.dt)) + "_T" + std::to_string(c.T) + "_K" + std::to_string(c.K) + "V" +
+                  std::to_string(c.V) + (c.l2 ? "_l2" : "") + (c.state ? "_state" : "") + (c.dht ? "_dht" : "") +
+                  (c.cu.empty() ? "" : std::string("_varlen_") + dtype_name(c.cu_dt)) + (c.pad ? "_strided" : "");
+  if (c.grads != kAllGrads) {
+    n += "_only";
+    const char* names[] = {"dq", "dk", "dv", "dbeta", "dh0"};
+    for (int b = 0; b < 5; ++b)
+      if (c.grads & (1u << b)) n += std::string("_") + names[b];
+  }
+  return n;
+}
+void PrintTo(const DnBwdCase& c, std::ostream* os) { *os << name_of(c); }
+
+class DeltanetCudaBwd : public ::testing::TestWithParam<DnBwdCase> {};
+
+TEST_P(DeltanetCudaBwd, PublicBackwardMatchesReferenceWritesEverythingAndIsDeterministic) {
+  FW_REQUIRE_GPU();
+  const DnBwdCase c = GetParam();
+  const std::int64_t N = c.cu.empty() ? c.B : std::int64_t(c.cu.size()) - 1;
+  const std::int64_t lead = c.pad ? 1 : 0;
+  auto host = [&](DType dt, std::vector<std::int64_t> shape) { return make_host(dt, std::move(shape), c.pad, lead); };
+  HostTensor q = host(c.dt, {c.B, c.T, c.H, c.K}), k = host(c.dt, {c.B, c.T, c.H, c.K}),
+             v = host(c.dt, {c.B, c.T, c.H, c.V}), beta = host(c.dt, {c.B, c.T, c.H}),
+             h0 = host(DType::f32, {N, c.H, c.K, c.V}), dout = host(c.dt, {c.B, c.T, c.H, c.V}),
+             dht = host(DType::f32, {N, c.H, c.K, c.V});
+  // outputs; poisoned with 0xff bytes (NaN in every float dtype): each element of a view must be written
+  HostTensor dq = host(c.dt, {c.B, c.T, c.H, c.K}), dk = host(c.dt, {c.B, c.T, c.H, c.K}),
+             dv = host(c.dt, {c.B, c.T, c.H, c.V}), dbeta = host(c.dt, {c.B, c.T, c.H}),
+             dh0 = host(DType::f32, {N, c.H, c.K, c.V});
+  std::mt19937_64 rng(41);
+  fill_inputs(rng, c.l2, c.K, q, k, v, beta, h0);
+  fill_random(dout, rng, -1.0, 1.0);
+  fill_random(dht, rng, -1.0, 1.0);
+  HostTensor* outs[] = {&dq, &dk, &dv, &dbeta, &dh0};
+  const char* names[] = {"dq", "dk", "dv", "dbeta", "dinitial_state"};
+  for (HostTensor* t : outs) fill_bytes(*t, 0xff);
+  HostTensor cu = make_host(c.cu_dt, {std::int64_t(std::max<std::size_t>(c.cu.size(), 1))});
+  for (std::size_t i = 0; i < c.cu.size(); ++i) cu.set(std::int64_t(i), double(c.cu[i]));
+  DeviceMirror gq(q), gk(k), gv(v), gb(beta), gh0(h0), gdo(dout), gdht(dht), gcu(cu), gdq(dq), gdk(dk), gdv(dv),
+      gdb(dbeta), gdh0(dh0);
+  DeviceMirror* gouts[] = {&gdq, &gdk, &gdv, &gdb, &gdh0};
+  DeltanetBwdArgs a;
+  a.q = gq.ref(q), a.k = gk.ref(k), a.v = gv.ref(v), a.beta = gb.ref(beta), a.do_ = gdo.ref(dout);
+  if (c.state) a.initial_state = gh0.ref(h0);
+  if (c.dht) a.dfinal_state = gdht.ref(dht);
+  if (!c.cu.empty()) a.cu_seqlens = gcu.ref(cu);
+  TensorRef* arefs[] = {&a.dq, &a.dk, &a.dv, &a.dbeta, &a.dinitial_state};
+  for (int e = 0; e < 5; ++e)
+    if (c.grads & (1u << e)) *arefs[e] = gouts[e]->ref(*outs[e]);
+  a.use_qk_l2norm_in_kernel = c.l2;
+
+  const std::size_t need = deltanet_bwd_workspace_size(a);
+  void* ws = nullptr;
+  FW_TEST_CUDA(cudaMalloc(&ws, std::max<std::size_t>(need, 1)));
+  cudaStream_t stream{};
+  FW_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // Two calls, each on poisoned outputs; the workspace holds 0xff bytes before the first and zeros
+  // before the second: the results may depend on neither.
+  std::vector<HostTensor> run[2];
+  for (int r = 0; r < 2; ++r) {
+    for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
+    FW_TEST_CUDA(cudaMemset(ws, r == 0 ? 0xff : 0x00, need));
+    FW_TEST_CUDA(cudaDeviceSynchronize());  // the memsets run on the legacy stream, not on `stream`
+    deltanet_bwd(a, ws, need, reinterpret_cast<Stream>(stream));
+    FW_TEST_CUDA(cudaStreamSynchronize(stream));
+    for (int e = 0; e < 5; ++e) {
+      run[r].push_back(*outs[e]);
+      gouts[e]->download(run[r].back());
+    }
+  }
+  FW_TEST_CUDA(cudaStreamDestroy(stream));
+  FW_TEST_CUDA(cudaFree(ws));
+
+  // the loop form's backward on float64 copies of the (rounded) inputs
+  HostTensor rq = to_f64(q), rk = to_f64(k), rv = to_f64(v), rb = to_f64(beta), rh0 = to_f64(h0),
+             rdo = to_f64(dout), rdht = to_f64(dht);
+  HostTensor ref[] = {make_host(DType::f64, q.shape), make_host(DType::f64, k.shape), make_host(DType::f64, v.shape),
+                      make_host(DType::f64, beta.shape), make_host(DType::f64, h0.shape)};
+  fastweight::detail::DeltanetShape sh;
+  sh.B = c.B, sh.T = c.T, sh.H = c.H, sh.K = c.K, sh.V = c.V;
+  if (!c.cu.empty()) sh.cu_seqlens = c.cu.data(), sh.N = N;
+  fastweight::detail::DeltanetOptions opt;
+  opt.use_qk_l2norm_in_kernel = c.l2;
+  fastweight::detail::deltanet_recurrent_bwd(sh, {p64(rq), p64(rk), p64(rv), p64(rb)}, opt,
+                                             c.state ? p64(rh0) : nullptr, p64(rdo), c.dht ? p64(rdht) : nullptr,
+                                             {p64(ref[0]), p64(ref[1]), p64(ref[2]), p64(ref[3])}, p64(ref[4]));
+
+  const double tol = c.dt == DType::f32 ? 1e-4 : 2e-2;
+  std::printf("[ measured ] bwd %s:", name_of(c).c_str());
+  int checked = 0;
+  for (int e = 0; e < 5; ++e) {
+    if (!(c.grads & (1u << e))) {
+      EXPECT_EQ(run[0][e].bytes, std::vector<unsigned char>(run[0][e].bytes.size(), 0xff))
+          << names[e] << " was not asked for but written";
+      continue;
+    }
+    const double err = rel_err(run[0][e], ref[e]);  // +inf on any NaN: every element written
+    EXPECT_LT(err, tol) << names[e];
+    EXPECT_EQ(run[0][e].bytes, run[1][e].bytes) << names[e] << ": not deterministic";
+    EXPECT_TRUE(padding_untouched(run[0][e], 0xff)) << names[e] << ": written outside its view";
+    std::printf(" %s %.2e", names[e], err);
+    ++checked;
+  }
+  std::printf("\n");
+  EXPECT_EQ(checked, std::popcount(c.grads));
+}
+
+std::vector<DnBwdCase> bwd_cases() {
+  std::vector<DnBwdCase> v;
+  const std::vector<std::int64_t> none;
+  for (DType dt : {DType::f32, DType::bf16}) {
+    // T = 1 (one position), 63 (one chunk's tail), 1000 (many chunks); odd K = V
+    for (std::int64_t T : {1, 63, 1000}) v.push_back({dt, 1, T, 2, 100, 100, true, true, true, none, DType::i64, kAllGrads, 0});
+    // K != V, two batches, strided views
+    v.push_back({dt, 2, 200, 3, 64, 128, false, true, true, none, DType::i64, kAllGrads, 3});
+  }
+  v.push_back({DType::f32, 1, 150, 2, 256, 64, false, true, true, none, DType::i64, kAllGrads, 0});  // the largest K
+  v.push_back({DType::bf16, 1, 150, 2, 128, 256, true, true, true, none, DType::i64, kAllGrads, 0});
+  // varlen with empty sequences (first and in the middle), chunk-crossing lengths
+  v.push_back({DType::f32, 1, 150, 2, 64, 128, true, true, true, {0, 0, 70, 70, 150}, DType::i32, kAllGrads, 0});
+  v.push_back({DType::bf16, 1, 150, 2, 100, 72, true, true, true, {0, 0, 70, 70, 150}, DType::i32, kAllGrads, 0});
+  v.push_back({DType::f32, 1, 150, 2, 64, 128, false, true, false, {0, 33, 33, 150}, DType::i64, kAllGrads, 0});
+  // only some gradients asked for (no initial state, no dfinal_state)
+  v.push_back({DType::f32, 2, 130, 2, 64, 64, false, false, false, none, DType::i64, kDv | kDbeta, 0});
+  v.push_back({DType::bf16, 1, 100, 2, 100, 72, true, true, true, none, DType::i64, kDq | kDh0, 0});
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(Cases, DeltanetCudaBwd, ::testing::ValuesIn(bwd_cases()),
+                         [](const auto& info) { return name_of(info.param); });
+
+// ---- decoding step ------------------------------------------------------------------------------------
+struct StepCase {
+  DType dt;
+  std::int64_t B, H, K, V;
+  bool l2;
+};
+std::string name_of(const StepCase& c) {
+  return std::string(dtype_name(c.dt)) + "_K" + std::to_string(c.K) + "V" + std::to_string(c.V) + (c.l2 ? "_l2" : "");
+}
+void PrintTo(const StepCase& c, std::ostream* os) { *os << name_of(c); }
+
+class DeltanetCudaStep : public ::testing::TestWithParam<StepCase> {};
+
+TEST_P(DeltanetCudaStep, MatchesReferenceOutOfPlaceAndInPlace) {
+  FW_REQUIRE_GPU();
+  const StepCase c = GetParam();
+  HostTensor q = make_host(c.dt, {c.B, c.H, c.K}), k = make_host(c.dt, {c.B, c.H, c.K}),
+             v = make_host(c.dt, {c.B, c.H, c.V}), beta = make_host(c.dt, {c.B, c.H}),
+             st = make_host(DType::f32, {c.B, c.H, c.K, c.V}), o = make_host(c.dt, {c.B, c.H, c.V}),
+             nst = make_host(DType::f32, {c.B, c.H, c.K, c.V});
+  std::mt19937_64 rng(53);
+  fill_random(q, rng, -1.0, 1.0);
+  const double kr = c.l2 ? 1.0 : 1.7 / std::sqrt(double(c.K));
+  fill_random(k, rng, -kr, kr);
+  fill_random(v, rng, -1.0, 1.0);
+  fill_random(beta, rng, 0.0, 1.0);
+  fill_random(st, rng, -0.5, 0.5);
+  fill_bytes(o, 0xff), fill_bytes(nst, 0xff);
+  DeviceMirror gq(q), gk(k), gv(v), gb(beta), gst(st), go(o), gnst(nst);
+  DeltanetStepArgs a;
+  a.q = gq.ref(q), a.k = gk.ref(k), a.v = gv.ref(v), a.beta = gb.ref(beta), a.state = gst.ref(st);
+  a.o = go.ref(o), a.new_state = gnst.ref(nst);
+  a.use_qk_l2norm_in_kernel = c.l2;
+  cudaStream_t stream{};
+  FW_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const Stream s = reinterpret_cast<Stream>(stream);
+  // out of place, twice (outputs poisoned again before the second call)
+  deltanet_step(a, s);
+  FW_TEST_CUDA(cudaStreamSynchronize(stream));
+  HostTensor o1 = o, n1 = nst, st_after = st;
+  go.download(o1), gnst.download(n1), gst.download(st_after);
+  FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
+  FW_TEST_CUDA(cudaMemset(gnst.ptr, 0xff, gnst.nbytes));
+  FW_TEST_CUDA(cudaDeviceSynchronize());  // the memsets run on the legacy stream, not on `stream`
+  deltanet_step(a, s);
+  FW_TEST_CUDA(cudaStreamSynchronize(stream));
+  HostTensor o2 = o, n2 = nst;
+  go.download(o2), gnst.download(n2);
+  // in place: new_state is the state
+  FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
+  FW_TEST_CUDA(cudaDeviceSynchronize());
+  a.new_state = a.state;
+  deltanet_step(a, s);
+  FW_TEST_CUDA(cudaStreamSynchronize(stream));
+  FW_TEST_CUDA(cudaStreamDestroy(stream));
+  HostTensor o3 = o, n3 = st;
+  go.download(o3), gst.download(n3);
+
+  // the loop form over one position: (B, H, D) is the contiguous (B, 1, H, D), the state (N = B, H, K, V)
+  HostTensor rq = to_f64(q), rk = to_f64(k), rv = to_f64(v), rb = to_f64(beta), rst = to_f64(st);
+  HostTensor ro = make_host(DType::f64, o.shape), rnst = make_host(DType::f64, st.shape);
+  fastweight::detail::DeltanetShape sh;
+  sh.B = c.B, sh.T = 1, sh.H = c.H, sh.K = c.K, sh.V = c.V;
+  fastweight::detail::DeltanetOptions opt;
+  opt.use_qk_l2norm_in_kernel = c.l2;
+  fastweight::detail::deltanet_recurrent_fwd(sh, {p64(rq), p64(rk), p64(rv), p64(rb)}, opt, p64(rst), p64(ro),
+                                             p64(rnst));
+  const double tol = c.dt == DType::f32 ? 1e-5 : 2e-2;
+  const double e_o = rel_err(o1, ro), e_n = rel_err(n1, rnst), e_oi = rel_err(o3, ro), e_ni = rel_err(n3, rnst);
+  EXPECT_LT(e_o, tol) << "o";  // +inf on any NaN: every element written
+  EXPECT_LT(e_n, tol) << "new_state";
+  EXPECT_LT(e_oi, tol) << "o (in place)";
+  EXPECT_LT(e_ni, tol) << "state (in place)";
+  EXPECT_EQ(st_after.bytes, st.bytes) << "out of place: the state was written";
+  EXPECT_EQ(o1.bytes, o2.bytes) << "o: not deterministic";
+  EXPECT_EQ(n1.bytes, n2.bytes) << "new_state: not deterministic";
+  std::printf("[ measured ] step %s: o %.2e new_state %.2e  in place: o %.2e state %.2e\n", name_of(c).c_str(), e_o,
+              e_n, e_oi, e_ni);
+}
+
+std::vector<StepCase> step_cases() {
+  std::vector<StepCase> v;
+  for (DType dt : {DType::f32, DType::bf16})
+    for (auto [K, V] : {std::pair<std::int64_t, std::int64_t>{100, 72}, {128, 128}})
+      for (bool l2 : {false, true}) v.push_back({dt, 3, 4, K, V, l2});
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(Cases, DeltanetCudaStep, ::testing::ValuesIn(step_cases()),
+                         [](const auto& info) { return name_of(info.param); });
 
 }  // namespace
 }  // namespace fwtest

@@ -4,8 +4,9 @@ Every result is compared with an independent float64 PyTorch implementation of M
 below (the loop form, step by step; gradients by float64 autograd of it), by relative Frobenius
 error. CPU tests run the C++ reference through the binding. Where flash-linear-attention is
 installed its own naive torch implementation is compared too. On CUDA tensors (tests marked `gpu`,
-skipped without a GPU) the forward runs the CUDA kernel and is checked the same way, on fresh random
-inputs; the backward and the decoding step must raise a clear error until their kernels land.
+skipped without a GPU) the forward, the backward (autograd, with its workspace from torch's caching
+allocator) and the decoding step run the CUDA kernels and are checked the same way, on fresh random
+inputs, against the reference and against the CPU float64 path on the same inputs.
 """
 
 from __future__ import annotations
@@ -351,7 +352,7 @@ def test_integer_dtypes_stay_rejected_by_the_float_ops():
             fastweight.rms_norm(x.float(), torch.ones(8, dtype=dt))
 
 
-# ---- CUDA: the forward runs the CUDA kernel; the backward and the step have none yet (issue 4) ------
+# ---- CUDA: forward, backward (autograd) and decoding step run the CUDA kernels ---------------------
 def _fresh_seed() -> int:
     """Fresh inputs every run (DESIGN.md), printed in every assertion message to reproduce a failure."""
     return random.SystemRandom().randrange(2 ** 31)
@@ -467,17 +468,109 @@ def test_cuda_forward_deterministic_graph_capture_and_compile():
     assert torch.equal(oc, o1) and torch.equal(htc, ht1)
 
 
+# Bounds of the CUDA backward and step against the float64 CPU path on the same (rounded) inputs:
+# fp32 accumulation and states; bf16 gradients are rounded to bf16 on the way out.
+CUDA_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+GRAD_NAMES = ["q", "k", "v", "beta", "initial_state"]
+
+
+def _cuda_vs_cpu_f64_autograd(seed, dtype, q, k, v, beta, h0, l2, cu=None, scale=None):
+    """delta_rule forward + autograd on CUDA vs the CPU float64 path (fastweight's reference through the C++
+    API) on the same inputs and the same upstream gradients (do, dht rounded to o's and the state's dtype, as
+    the CUDA backward receives them). Asserts the bounds on o, the final state and every gradient."""
+    tol = CUDA_TOL[dtype]
+    dev = [t.detach().cuda().requires_grad_() for t in (q, k, v, beta)]
+    dh0 = h0.detach().cuda().requires_grad_() if h0 is not None else None
+    kw = dict(scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=l2)
+    o, ht = fastweight.delta_rule(*dev, initial_state=dh0, cu_seqlens=_cuda(cu)[0], **kw)
+    assert o.is_cuda and o.dtype == dtype and ht.dtype == torch.float32
+    g = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(o.shape, generator=g, dtype=torch.float64).to(dtype).double()
+    dht = torch.randn(ht.shape, generator=g, dtype=torch.float64).float().double()
+    inputs = dev + ([dh0] if dh0 is not None else [])
+    got = torch.autograd.grad((o.double() * do.cuda()).sum() + (ht.double() * dht.cuda()).sum(), inputs)
+    # the CPU float64 path on the same (rounded) inputs
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v, beta)]
+    rh0 = h0.detach().double().requires_grad_() if h0 is not None else None
+    ro, rht = fastweight.delta_rule(*ref, initial_state=rh0, cu_seqlens=cu, **kw)
+    want = torch.autograd.grad((ro * do).sum() + (rht * dht).sum(), ref + ([rh0] if rh0 is not None else []))
+    errs = {"o": rel_err(o, ro), "final_state": rel_err(ht, rht)}
+    for name, a, b, t in zip(GRAD_NAMES, got, want, inputs):
+        assert a.is_cuda and a.dtype == t.dtype and a.shape == t.shape, name
+        errs["d" + name] = rel_err(a, b)
+    msg = f"seed {seed}, {dtype}: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items())
+    assert len(errs) == 2 + len(inputs), msg  # every gradient checked
+    assert all(e <= tol for e in errs.values()), msg
+
+
 @gpu
 @requires_cuda
-def test_cuda_autograd_forward_runs_backward_raises_clearly():
-    q, k, v, beta, h0 = make(B=1, T=70, H=2, K=32, V=16, dtype=torch.float32)
-    args = [t.cuda().requires_grad_() for t in (q, k, v, beta, h0)]
-    o, ht = fastweight.delta_rule(*args[:4], initial_state=args[4], output_final_state=True)  # forward: CUDA
-    ro, rht = ref_delta_rule(q, k, v, beta, h0=h0)
-    assert o.requires_grad and rel_err(o, ro) < TOL[torch.float32] and rel_err(ht, rht) < 1e-5
-    with pytest.raises(RuntimeError, match="DeltaNet backward CUDA kernel is not built yet"):
-        (o.sum() + ht.sum()).backward()
-    assert all(t.grad is None for t in args)  # no gradient, not a wrong one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,K,V,l2,states", [
+    (1, 100, 100, True, True),      # one position
+    (63, 100, 100, False, True),    # one chunk's tail
+    (1000, 100, 100, True, True),   # many chunks, odd K = V
+    (200, 64, 128, False, True),    # K != V
+    (130, 64, 128, True, False),    # no initial state (no dinitial_state)
+])
+def test_cuda_autograd_matches_cpu_float64(dtype, T, K, V, l2, states):
+    seed = _fresh_seed()
+    q, k, v, beta, h0 = make(B=2, T=T, H=2, K=K, V=V, dtype=dtype, seed=seed)
+    _cuda_vs_cpu_f64_autograd(seed, dtype, q, k, v, beta, h0 if states else None, l2)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype,cu_dtype", [(torch.float32, torch.int32), (torch.bfloat16, torch.int64)])
+def test_cuda_autograd_varlen_matches_cpu_float64(dtype, cu_dtype):
+    seed = _fresh_seed()
+    offs = [0, 0, 70, 70, 200, 263]  # empty sequences first and in the middle; chunk-crossing lengths
+    cu = torch.tensor(offs, dtype=cu_dtype)
+    q, k, v, beta, h0 = make(B=1, T=263, H=2, K=64, V=128, N=len(offs) - 1, dtype=dtype, seed=seed)
+    _cuda_vs_cpu_f64_autograd(seed, dtype, q, k, v, beta, h0, True, cu=cu, scale=0.3)
+
+
+@gpu
+@requires_cuda
+def test_cuda_backward_deterministic_and_graph_capture():
+    q, k, v, beta, h0 = _cuda(*make(B=2, T=150, H=2, K=64, V=64, dtype=torch.float32, seed=_fresh_seed()))
+    do, dht = torch.randn_like(v), torch.randn_like(h0)
+    bwd = torch.ops.fastweight.deltanet_bwd
+
+    def fn():
+        return bwd(do, q, k, v, beta, h0, None, dht, None, True)
+    g1, g2 = fn(), fn()
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))  # bit-identical
+    graph = torch.cuda.CUDAGraph()  # the workspace comes from torch's caching allocator: capturable
+    with torch.cuda.graph(graph):
+        gg = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(gg, g1))
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K,V", [(100, 72), (128, 128)])
+@pytest.mark.parametrize("l2", [False, True])
+def test_cuda_step_matches_cpu_float64_and_in_place(dtype, K, V, l2):
+    seed = _fresh_seed()
+    q, k, v, beta, h0 = make(B=2, T=3, H=3, K=K, V=V, dtype=dtype, seed=seed)
+    tol = 1e-5 if dtype == torch.float32 else CUDA_TOL[dtype]
+    st = h0.cuda()
+    si = h0.cuda()  # updated in place
+    rst = h0.double()
+    for t in range(3):  # a few steps, the state carried from one to the next
+        args = (q[:, t], k[:, t], v[:, t], beta[:, t])
+        o, st = fastweight.delta_rule_step(*_cuda(*args), st, use_qk_l2norm_in_kernel=l2)
+        oi, s2 = fastweight.delta_rule_step(*_cuda(*args), si, use_qk_l2norm_in_kernel=l2, inplace=True)
+        ro, rst = fastweight.delta_rule_step(*(a.double() for a in args), rst, use_qk_l2norm_in_kernel=l2)
+        assert o.is_cuda and o.dtype == dtype and o.shape == (2, 3, V) and st.dtype == torch.float32
+        assert s2 is si
+        errs = [rel_err(o, ro), rel_err(st, rst), rel_err(oi, ro), rel_err(si, rst)]
+        msg = f"seed {seed}, step {t}: o, new_state, in place o, in place state: " + ", ".join(f"{e:.2e}" for e in errs)
+        assert all(e <= tol for e in errs), msg
 
 
 @gpu
@@ -493,5 +586,8 @@ def test_cuda_errors_name_the_argument():
         fastweight.delta_rule(q, k, v, beta, cu_seqlens=torch.tensor([0], device="cuda"))  # checked by shape alone
     with pytest.raises(ValueError, match="deltanet_fwd: q: dtype float64 is not supported on cuda"):
         fastweight.delta_rule(q.double(), k.double(), v.double(), beta.double())
-    with pytest.raises(RuntimeError, match="DeltaNet decoding-step CUDA kernel is not built yet"):
-        fastweight.delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], h0)
+    # the backward's CUDA path needs its workspace: refused (naming it) before anything is written
+    do, dq = torch.randn_like(v), torch.full_like(q, float("nan"))
+    with pytest.raises(ValueError, match="deltanet_bwd: .*workspace"):
+        fastweight._C.deltanet_bwd(q, k, v, beta, do_=do, dq=dq)
+    assert torch.isnan(dq).all()

@@ -7,8 +7,8 @@
 //   o_i = scale (S0^T q_i + sum_{j<=i} (q_i . k_j) d_j),   S_end = S0 + K^T D
 // with q, k rows L2-normalised first when asked (x / sqrt(sum x^2 + 1e-6), FLA's convention).
 #include "cuda/common/check.cuh"
+#include "cuda/deltanet/deltanet_common.cuh"
 #include "cuda/deltanet/deltanet_cuda.h"
-#include "cuda/mlstm/mlstm_common.cuh"  // mlstm_ld / mlstm_st: dtype-generic StridedView access
 
 namespace fastweight::detail {
 namespace {
@@ -26,10 +26,6 @@ struct Smem {
   float rq[kC], rk[kC], beta[kC];  // per row: q / k L2 factors, beta
 };
 
-__device__ __forceinline__ std::int64_t row_off(const StridedView& t, std::int64_t b, std::int64_t tt, std::int64_t h) {
-  return b * t.s0 + tt * t.s1 + h * t.s2;
-}
-
 __global__ void __launch_bounds__(kThreads) deltanet_fwd_kernel(const DeltanetParams p) {
   extern __shared__ float4 smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
@@ -37,14 +33,8 @@ __global__ void __launch_bounds__(kThreads) deltanet_fwd_kernel(const DeltanetPa
   const std::int64_t nh = blockIdx.x, n = nh / p.H, h = nh % p.H;
   const std::int64_t c0 = std::int64_t(blockIdx.y) * kC;
   const std::int64_t K = p.K, V = p.V;
-  // the sequence's rows: (b, [bos, eos))
-  std::int64_t b = n, bos = 0, eos = p.T;
-  if (p.cu_seqlens) {
-    b = 0;
-    bos = p.cu_i64 ? static_cast<const std::int64_t*>(p.cu_seqlens)[n] : static_cast<const std::int32_t*>(p.cu_seqlens)[n];
-    eos = p.cu_i64 ? static_cast<const std::int64_t*>(p.cu_seqlens)[n + 1]
-                   : static_cast<const std::int32_t*>(p.cu_seqlens)[n + 1];
-  }
+  const DnSeq sq = dn_seq(p, n);  // the sequence's rows: (b, [bos, eos))
+  const std::int64_t b = sq.b, bos = sq.bos, eos = sq.eos;
   // S0 = initial state (or 0)
   for (std::int64_t e = tid; e < K * kC; e += kThreads) {
     const std::int64_t a = e / kC, c = e % kC;
@@ -54,25 +44,19 @@ __global__ void __launch_bounds__(kThreads) deltanet_fwd_kernel(const DeltanetPa
 
   for (std::int64_t t0 = bos; t0 < eos; t0 += kC) {
     const int nc = int(eos - t0 < kC ? eos - t0 : kC);
-    // per-row L2 factors and beta
-    if (tid < kC) {
-      float sq = 0.f, sk = 0.f;
-      if (tid < nc && p.l2) {
-        const std::int64_t oq = row_off(p.q, b, t0 + tid, h), ok = row_off(p.k, b, t0 + tid, h);
-        for (std::int64_t x = 0; x < K; ++x) {
-          const float qx = mlstm_ld(p.q, oq + x), kx = mlstm_ld(p.k, ok + x);
-          sq = fmaf(qx, qx, sq), sk = fmaf(kx, kx, sk);
-        }
+    dn_row_factors(p, b, t0, nc, h, tid, sm.rq, sm.rk, sm.beta);
+    if (p.save_S) {  // the backward's recompute: the state entering this chunk
+      float* dst = p.save_S + ((sq.base + (t0 - bos) / kC) * p.H + h) * K * V;
+      for (std::int64_t e = tid; e < K * kC; e += kThreads) {
+        const std::int64_t a = e / kC, c = e % kC;
+        if (c0 + c < V) dst[a * V + c0 + c] = sm.S[a][c];
       }
-      sm.rq[tid] = p.l2 ? rsqrtf(sq + 1e-6f) : 1.f;
-      sm.rk[tid] = p.l2 ? rsqrtf(sk + 1e-6f) : 1.f;
-      sm.beta[tid] = tid < nc ? mlstm_ld(p.beta, p.beta.s0 * b + p.beta.s1 * (t0 + tid) + h) : 0.f;
     }
     __syncthreads();
     auto load = [&](float (*tile)[kC + 1], const StridedView& t, const float* r, std::int64_t col0, std::int64_t D) {
       for (int e = tid; e < kC * kC; e += kThreads) {
         const int i = e / kC, x = e % kC;
-        tile[i][x] = i < nc && col0 + x < D ? r[i] * mlstm_ld(t, row_off(t, b, t0 + i, h) + col0 + x) : 0.f;
+        tile[i][x] = i < nc && col0 + x < D ? r[i] * mlstm_ld(t, dn_row(t, b, t0 + i, h) + col0 + x) : 0.f;
       }
     };
     // G = K K^T and R = V - K S0 (this CTA's columns), over K tiles
@@ -98,7 +82,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_fwd_kernel(const DeltanetPa
       for (int j = 0; j < 4; ++j) {
         const int r = 4 * tr + i, c = 4 * tc + j;
         sm.G[r][c] = g[i][j];
-        const float vv = r < nc && c0 + c < V ? mlstm_ld(p.v, row_off(p.v, b, t0 + r, h) + c0 + c) : 0.f;
+        const float vv = r < nc && c0 + c < V ? mlstm_ld(p.v, dn_row(p.v, b, t0 + r, h) + c0 + c) : 0.f;
         sm.D[r][c] = vv - ks[i][j];  // R
       }
     __syncthreads();
@@ -111,49 +95,54 @@ __global__ void __launch_bounds__(kThreads) deltanet_fwd_kernel(const DeltanetPa
         for (int j = part; j < i; j += 4) acc = fmaf(sm.G[i][j], sm.D[j][col], acc);
         s_part[part][col] = acc;
         __syncthreads();
-        if (part == 0)
-          sm.D[i][col] = sm.beta[i] * (sm.D[i][col] - ((s_part[0][col] + s_part[1][col]) + (s_part[2][col] + s_part[3][col])));
+        if (part == 0) {
+          const float x = sm.D[i][col] - ((s_part[0][col] + s_part[1][col]) + (s_part[2][col] + s_part[3][col]));
+          if (p.save_X && c0 + col < V) p.save_X[((b * p.T + t0 + i) * p.H + h) * V + c0 + col] = x;
+          sm.D[i][col] = sm.beta[i] * x;
+        }
         __syncthreads();
       }
       for (int i = nc + tid / kC; i < kC; i += kThreads / kC) sm.D[i][col] = 0.f;  // rows past the end
       __syncthreads();
     }
-    // o = scale (Q S0 + (Q K^T masked) D)
-    float o[4][4] = {}, qk[4][4] = {};
-    for (std::int64_t xt = 0; xt < K; xt += kC) {
-      load(sm.a, p.q, sm.rq, xt, K);
-      load(sm.b, p.k, sm.rk, xt, K);
-      __syncthreads();
-      for (int x = 0; x < kC; ++x)
+    // o = scale (Q S0 + (Q K^T masked) D); skipped by the backward's recompute (no o)
+    if (p.o.p) {
+      float o[4][4] = {}, qk[4][4] = {};
+      for (std::int64_t xt = 0; xt < K; xt += kC) {
+        load(sm.a, p.q, sm.rq, xt, K);
+        load(sm.b, p.k, sm.rk, xt, K);
+        __syncthreads();
+        for (int x = 0; x < kC; ++x)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float qi = sm.a[4 * tr + i][x];
+          for (int i = 0; i < 4; ++i) {
+            const float qi = sm.a[4 * tr + i][x];
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            qk[i][j] = fmaf(qi, sm.b[4 * tc + j][x], qk[i][j]);
-            o[i][j] = xt + x < K ? fmaf(qi, sm.S[xt + x][4 * tc + j], o[i][j]) : o[i][j];
+            for (int j = 0; j < 4; ++j) {
+              qk[i][j] = fmaf(qi, sm.b[4 * tc + j][x], qk[i][j]);
+              o[i][j] = xt + x < K ? fmaf(qi, sm.S[xt + x][4 * tc + j], o[i][j]) : o[i][j];
+            }
           }
-        }
-      __syncthreads();
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) sm.G[4 * tr + i][4 * tc + j] = 4 * tc + j <= 4 * tr + i ? qk[i][j] : 0.f;
-    __syncthreads();
-    for (int jj = 0; jj < kC; ++jj)
+        __syncthreads();
+      }
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) o[i][j] = fmaf(sm.G[4 * tr + i][jj], sm.D[jj][4 * tc + j], o[i][j]);
+        for (int j = 0; j < 4; ++j) sm.G[4 * tr + i][4 * tc + j] = 4 * tc + j <= 4 * tr + i ? qk[i][j] : 0.f;
+      __syncthreads();
+      for (int jj = 0; jj < kC; ++jj)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = 4 * tr + i;
-      if (r >= nc) continue;
+        for (int i = 0; i < 4; ++i)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const std::int64_t c = c0 + 4 * tc + j;
-        if (c < V) mlstm_st(p.o, row_off(p.o, b, t0 + r, h) + c, p.scale * o[i][j]);
+          for (int j = 0; j < 4; ++j) o[i][j] = fmaf(sm.G[4 * tr + i][jj], sm.D[jj][4 * tc + j], o[i][j]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = 4 * tr + i;
+        if (r >= nc) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const std::int64_t c = c0 + 4 * tc + j;
+          if (c < V) mlstm_st(p.o, dn_row(p.o, b, t0 + r, h) + c, p.scale * o[i][j]);
+        }
       }
     }
     // S += K^T D, over K tiles (rows a of S)
@@ -185,6 +174,10 @@ __global__ void __launch_bounds__(kThreads) deltanet_fwd_kernel(const DeltanetPa
 
 void deltanet_fwd_cuda(const DeltanetParams& p, Stream stream) {
   if (deltanet_fwd_tc_applies(p)) return deltanet_fwd_tc_cuda(p, stream);  // bf16, K <= 128: tensor cores
+  deltanet_fwd_v1_cuda(p, stream);
+}
+
+void deltanet_fwd_v1_cuda(const DeltanetParams& p, Stream stream) {
   const std::int64_t seqs = p.N * p.H, vt = (p.V + kC - 1) / kC;
   if (seqs == 0) return;
   if (p.K > kMaxK) throw ArgumentError(cat("deltanet_fwd: K = ", p.K, " > ", kMaxK, " is not supported by the CUDA kernel"));

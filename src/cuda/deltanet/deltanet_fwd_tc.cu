@@ -1,5 +1,5 @@
 // deltanet_fwd_tc.cu: the DeltaNet chunkwise forward on tensor cores (bf16 q, k, v, o; K <= 128),
-// version 2 of deltanet_fwd.cu (WORK IN PROGRESS: compiled, not yet run on a GPU, not dispatched).
+// version 2 of deltanet_fwd.cu, dispatched by deltanet_fwd_cuda where it applies.
 // Same grid as version 1: one CTA (4 warps) per (sequence, head, 64-column tile of V), serial over
 // chunks of 64, the state slice S (K x 64) in fp32 registers (warp w: rows 16w.. and 16(w+4)..).
 // Per chunk, with rq, rk the L2 factors (1 without L2) and beta (docs/design/deltanet_chunk_tc.md;
@@ -11,8 +11,8 @@
 // (S, T diag(beta), R, rk V'), so the chain keeps ~16 bits per step, not bf16's 8.
 #include "cuda/common/check.cuh"
 #include "cuda/common/mma.cuh"
+#include "cuda/deltanet/deltanet_common.cuh"
 #include "cuda/deltanet/deltanet_cuda.h"
-#include "cuda/mlstm/mlstm_common.cuh"  // mlstm_ld / mlstm_st
 #include "cuda/mlstm/mlstm_tc.cuh"
 
 namespace fastweight::detail {
@@ -109,13 +109,8 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_fwd_tc_kernel(const Delt
   const std::int64_t c0 = std::int64_t(blockIdx.y) * kT;
   const std::int64_t K = p.K, V = p.V;
   const int nc = int(lmin(kT, V - c0));
-  std::int64_t b = n, bos = 0, eos = p.T;
-  if (p.cu_seqlens) {
-    b = 0;
-    bos = p.cu_i64 ? static_cast<const std::int64_t*>(p.cu_seqlens)[n] : static_cast<const std::int32_t*>(p.cu_seqlens)[n];
-    eos = p.cu_i64 ? static_cast<const std::int64_t*>(p.cu_seqlens)[n + 1]
-                   : static_cast<const std::int32_t*>(p.cu_seqlens)[n + 1];
-  }
+  const DnSeq seq = dn_seq(p, n);  // the sequence's rows: (b, [bos, eos))
+  const std::int64_t b = seq.b, bos = seq.bos, eos = seq.eos;
   const int ngroups = Kp / 16;  // 16-row groups of S: warp w owns groups w and w + 4
 
   // S (fp32): acc_s[gg] = rows 16 (w + 4 gg).., 64 columns

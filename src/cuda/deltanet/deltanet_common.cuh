@@ -1,0 +1,47 @@
+// deltanet_common.cuh: device helpers shared by the DeltaNet CUDA kernels (deltanet_fwd.cu,
+// deltanet_bwd.cu): a sequence's rows and chunk slots, strided row offsets, per-row L2 factors.
+#pragma once
+
+#include "common/deltanet_params.h"
+#include "cuda/mlstm/mlstm_common.cuh"  // mlstm_ld / mlstm_st: dtype-generic StridedView access
+
+namespace fastweight::detail {
+
+// Sequence n: rows [bos, eos) of batch b; its chunk c is slot base + c (deltanet_slots).
+struct DnSeq {
+  std::int64_t b, bos, eos, base;
+};
+__device__ __forceinline__ std::int64_t dn_cu(const DeltanetParams& p, std::int64_t n) {
+  return p.cu_i64 ? static_cast<const std::int64_t*>(p.cu_seqlens)[n] : static_cast<const std::int32_t*>(p.cu_seqlens)[n];
+}
+__device__ __forceinline__ DnSeq dn_seq(const DeltanetParams& p, std::int64_t n) {
+  constexpr std::int64_t c = kDeltanetChunk;
+  if (!p.cu_seqlens) return {n, 0, p.T, n * ((p.T + c - 1) / c)};
+  const std::int64_t bos = dn_cu(p, n);
+  return {0, bos, dn_cu(p, n + 1), bos / c + n};
+}
+
+// Element (b, t, h, 0) of a (B, T, H, D) view.
+__device__ __forceinline__ std::int64_t dn_row(const StridedView& t, std::int64_t b, std::int64_t tt, std::int64_t h) {
+  return b * t.s0 + tt * t.s1 + h * t.s2;
+}
+
+// Rows t0.. t0+nc of a chunk (64 rows; threads 0..63 one row each): the L2 factors of q and k
+// (x / sqrt(|x|^2 + 1e-6), FLA's convention; 1 without L2) and beta (0 past the end).
+__device__ __forceinline__ void dn_row_factors(const DeltanetParams& p, std::int64_t b, std::int64_t t0, int nc,
+                                               std::int64_t h, int tid, float* rq, float* rk, float* beta) {
+  if (tid >= int(kDeltanetChunk)) return;
+  float sq = 0.f, sk = 0.f;
+  if (tid < nc && p.l2) {
+    const std::int64_t oq = dn_row(p.q, b, t0 + tid, h), ok = dn_row(p.k, b, t0 + tid, h);
+    for (std::int64_t x = 0; x < p.K; ++x) {
+      const float qx = mlstm_ld(p.q, oq + x), kx = mlstm_ld(p.k, ok + x);
+      sq = fmaf(qx, qx, sq), sk = fmaf(kx, kx, sk);
+    }
+  }
+  rq[tid] = p.l2 ? rsqrtf(sq + 1e-6f) : 1.f;
+  rk[tid] = p.l2 ? rsqrtf(sk + 1e-6f) : 1.f;
+  beta[tid] = tid < nc ? mlstm_ld(p.beta, p.beta.s0 * b + p.beta.s1 * (t0 + tid) + h) : 0.f;
+}
+
+}  // namespace fastweight::detail
