@@ -86,8 +86,10 @@ struct GpuDn {
     return opt;
   }
   // max over o and the final state of the relative error against the float64 loop form
-  double verify_fwd() {
-    deltanet_fwd(args(), nullptr);
+  // pipeline: with the workspace (the tensor-core pipeline where it applies), else the on-chip kernel
+  double verify_fwd(bool pipeline) {
+    DevScratch ws(pipeline ? deltanet_fwd_workspace_size(args()) : 0);
+    deltanet_fwd(args(), ws.p, ws.bytes, nullptr);
     cuda_or_throw(cudaDeviceSynchronize(), "deltanet_fwd");
     Vec ro(o.val.size()), rht(ht.val.size());
     detail::deltanet_recurrent_fwd(ref_shape(), ref_inputs(), ref_options(), h0.val.data(), ro.data(), rht.data());
@@ -125,16 +127,20 @@ int gpu_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
       const std::vector<std::int64_t> cu = c.seqs > 0 ? random_offsets(c.seqs, c.T, 5) : std::vector<std::int64_t>{};
       GpuDn check(1, c.T, 2, c.K, c.K, cu);
       std::printf("deltanet (cuda): verifying at %s\n", check.shape().c_str());
-      const double err_f = check.verify_fwd(), err_b = check.verify_bwd();
-      failures += !(err_f <= 1e-2) + !(err_b <= 1e-2);
+      const double err_f = check.verify_fwd(true), err_f1 = check.verify_fwd(false), err_b = check.verify_bwd();
+      failures += !(err_f <= 1e-2) + !(err_f1 <= 1e-2) + !(err_b <= 1e-2);
       GpuDn run(c.B, c.T, c.H, c.K, c.K, cu);
       const DeltanetFwdArgs a = run.args();
-      const double ms_f = fb.timer->time_ms([&](Stream st) { deltanet_fwd(a, st); }, fb.reps);
+      DevScratch wsf(deltanet_fwd_workspace_size(a));
+      const double ms_f = fb.timer->time_ms([&](Stream st) { deltanet_fwd(a, wsf.p, wsf.bytes, st); }, fb.reps);
+      const double ms_f1 = fb.timer->time_ms([&](Stream st) { deltanet_fwd(a, st); }, fb.reps);
       const DeltanetBwdArgs ab = run.bwd_args();
       DevScratch ws(deltanet_bwd_workspace_size(ab));
       const double ms_b = fb.timer->time_ms([&](Stream st) { deltanet_bwd(ab, ws.p, ws.bytes, st); }, fb.reps);
       const std::string shp = run.shape() + " l2norm; verified at " + check.shape();
-      rows.push_back({"deltanet_fwd", "bfloat16", shp, err_f, ms_f, "cuda"});
+      rows.push_back({"deltanet_fwd", "bfloat16", shp + "; workspace " + std::to_string(wsf.bytes >> 20) + " MiB", err_f,
+                      ms_f, "cuda"});
+      rows.push_back({"deltanet_fwd", "bfloat16", shp + "; no workspace (on-chip kernel)", err_f1, ms_f1, "cuda"});
       rows.push_back({"deltanet_bwd", "bfloat16", shp + "; workspace " + std::to_string(ws.bytes >> 20) + " MiB", err_b,
                       ms_b, "cuda"});
     } catch (const std::exception& ex) {

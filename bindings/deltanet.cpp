@@ -20,16 +20,33 @@ void set_inputs(Args& a, const char* op, const In& q, const In& k, const In& v, 
   a.use_qk_l2norm_in_kernel = l2;
 }
 
-void deltanet_fwd(const In& q, const In& k, const In& v, const In& beta, const OptIn& initial_state,
-                  const OptIn& cu_seqlens, const Out& o, const OptOut& final_state, std::optional<double> scale,
-                  bool use_qk_l2norm_in_kernel, std::uintptr_t stream) {
+fastweight::DeltanetFwdArgs fwd_args(const In& q, const In& k, const In& v, const In& beta, const OptIn& initial_state,
+                                     const OptIn& cu_seqlens, const Out& o, const OptOut& final_state,
+                                     std::optional<double> scale, bool use_qk_l2norm_in_kernel) {
   const char* op = "deltanet_fwd";
   fastweight::DeltanetFwdArgs a;
   set_inputs(a, op, q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel);
   a.o = to_ref(o, op, "o");
   a.final_state = to_ref(final_state, op, "final_state");
+  return a;
+}
+
+std::size_t deltanet_fwd_workspace_size(const In& q, const In& k, const In& v, const In& beta,
+                                        const OptIn& initial_state, const OptIn& cu_seqlens, const Out& o,
+                                        const OptOut& final_state, std::optional<double> scale,
+                                        bool use_qk_l2norm_in_kernel) {
+  const auto a = fwd_args(q, k, v, beta, initial_state, cu_seqlens, o, final_state, scale, use_qk_l2norm_in_kernel);
   nb::gil_scoped_release release;
-  fastweight::deltanet_fwd(a, to_stream(stream));
+  return fastweight::deltanet_fwd_workspace_size(a);
+}
+
+void deltanet_fwd(const In& q, const In& k, const In& v, const In& beta, const OptIn& initial_state,
+                  const OptIn& cu_seqlens, const Out& o, const OptOut& final_state, std::optional<double> scale,
+                  bool use_qk_l2norm_in_kernel, const OptWorkspace& workspace, std::uintptr_t stream) {
+  const auto a = fwd_args(q, k, v, beta, initial_state, cu_seqlens, o, final_state, scale, use_qk_l2norm_in_kernel);
+  const Workspace ws = to_workspace(workspace, a.q, "deltanet_fwd");
+  nb::gil_scoped_release release;
+  fastweight::deltanet_fwd(a, ws.data, ws.bytes, to_stream(stream));
 }
 
 fastweight::DeltanetBwdArgs bwd_args(const In& q, const In& k, const In& v, const In& beta, const OptIn& initial_state,
@@ -90,8 +107,13 @@ void bind_deltanet(nb::module_& m) {
   const auto none = nb::none();
   m.def("deltanet_fwd", &deltanet_fwd, "q"_a, "k"_a, "v"_a, "beta"_a, "initial_state"_a.none() = none,
         "cu_seqlens"_a.none() = none, "o"_a, "final_state"_a.none() = none, "scale"_a.none() = none,
-        "use_qk_l2norm_in_kernel"_a = false, "stream"_a = 0,
-        "DeltaNet forward (FLA layout): writes o (B, T, H, V) and, when given, the final state (N, H, K, V).");
+        "use_qk_l2norm_in_kernel"_a = false, "workspace"_a.none() = none, "stream"_a = 0,
+        "DeltaNet forward (FLA layout): writes o (B, T, H, V) and, when given, the final state (N, H, K, V). "
+        "workspace: optional, deltanet_fwd_workspace_size bytes (the tensor-core pipeline; None: on-chip kernel).");
+  m.def("deltanet_fwd_workspace_size", &deltanet_fwd_workspace_size, "q"_a, "k"_a, "v"_a, "beta"_a,
+        "initial_state"_a.none() = none, "cu_seqlens"_a.none() = none, "o"_a, "final_state"_a.none() = none,
+        "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false,
+        "Bytes of the forward's optional workspace (0: none is used).");
   m.def("deltanet_bwd_workspace_size", &deltanet_bwd_workspace_size, "q"_a, "k"_a, "v"_a, "beta"_a,
         "initial_state"_a.none() = none, "cu_seqlens"_a.none() = none, "do_"_a, "dfinal_state"_a.none() = none,
         "dq"_a.none() = none, "dk"_a.none() = none, "dv"_a.none() = none, "dbeta"_a.none() = none,

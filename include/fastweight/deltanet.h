@@ -28,9 +28,12 @@
 // the op and the argument. CPU tensors run the float64 chunkwise reference (chunk size 64, not
 // exposed: the result does not depend on it; src/reference/deltanet_ref.h). CUDA tensors run the
 // CUDA kernels (src/cuda/deltanet: chunks of 64, fp32 accumulation, fp32 states; K <= 256,
-// ArgumentError beyond): the forward and the decoding step need no workspace; the backward needs
-// deltanet_bwd_workspace_size(args) bytes of device memory (fp32 chunk states, their gradients and
-// per-row intermediates; 0 on the CPU), passed to the four-argument deltanet_bwd.
+// ArgumentError beyond). The forward takes an optional workspace of deltanet_fwd_workspace_size(args)
+// bytes (bf16 with K <= 128: the fast tensor-core pipeline, which keeps the state entering every
+// chunk; 0 otherwise); without one (the two-argument form) a single kernel runs with its state on
+// chip. The backward needs deltanet_bwd_workspace_size(args) bytes (fp32 chunk states, their
+// gradients and per-row intermediates; 0 on the CPU), passed to the four-argument deltanet_bwd. The
+// decoding step needs none.
 #pragma once
 
 #include <cstddef>
@@ -79,6 +82,10 @@ struct DeltanetStepArgs {
   bool use_qk_l2norm_in_kernel = false;
 };
 
+// The forward's optional scratch: `deltanet_fwd_workspace_size(args)` bytes (0: none is used), then
+// `deltanet_fwd(args, workspace, bytes, stream)`; a null workspace means the two-argument form.
+std::size_t deltanet_fwd_workspace_size(const DeltanetFwdArgs& args);
+void deltanet_fwd(const DeltanetFwdArgs& args, void* workspace, std::size_t workspace_bytes, Stream stream = nullptr);
 void deltanet_fwd(const DeltanetFwdArgs& args, Stream stream = nullptr);
 // The backward's scratch: `deltanet_bwd_workspace_size(args)` bytes (0 for CPU tensors), then
 // `deltanet_bwd(args, workspace, bytes, stream)`. The two-argument form passes no workspace: it is for

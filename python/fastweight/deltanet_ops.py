@@ -19,9 +19,10 @@ Everything is differentiable: q, k, v, beta, initial_state, with the final state
 into account (exact gradients). Custom ops with fake kernels: ``torch.compile(fullgraph=True)``
 works. CPU tensors run the float64 reference behind the C++ API. CUDA tensors run the CUDA kernels
 (chunks of 64, fp32 accumulation and states; K <= 256, ValueError beyond; cu_seqlens on q's device,
-its offsets trusted there: reading them back would synchronise): the forward and ``delta_rule_step``
-need no workspace, the backward takes its workspace (``_C.deltanet_bwd_workspace_size`` bytes) from
-torch's caching allocator, so training on CUDA works and stays CUDA-graph safe.
+its offsets trusted there: reading them back would synchronise). The forward and the backward take
+their workspaces (``_C.deltanet_fwd_workspace_size`` / ``_C.deltanet_bwd_workspace_size`` bytes) from
+torch's caching allocator, so training on CUDA works and stays CUDA-graph safe; ``delta_rule_step``
+needs none.
 """
 
 from __future__ import annotations
@@ -57,8 +58,10 @@ def _deltanet_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: 
                   output_final_state: bool) -> tuple[Tensor, Tensor]:
     o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     ht = q.new_empty(_state_shape(q, v, cu_seqlens), dtype=_state_dtype(q)) if output_final_state else None
-    _C.deltanet_fwd(_spec(q), _spec(k), _spec(v), _spec(beta), _spec(initial_state), _spec(cu_seqlens), _spec(o),
-                    _spec(ht), scale, use_qk_l2norm_in_kernel, _stream(q))
+    args = (_spec(q), _spec(k), _spec(v), _spec(beta), _spec(initial_state), _spec(cu_seqlens), _spec(o), _spec(ht),
+            scale, use_qk_l2norm_in_kernel)
+    ws = _workspace(q, _C.deltanet_fwd_workspace_size(*args))  # the tensor-core pipeline's scratch (or none)
+    _C.deltanet_fwd(*args, _ws_spec(ws), _stream(q))
     return o, _or_nothing(ht, q)
 
 

@@ -142,17 +142,41 @@ void check_cuda_fwd(const char* op, const DeltanetShape& sh, const TensorRef& q,
 }  // namespace
 
 // ---- forward --------------------------------------------------------------------------------------
-void deltanet_fwd(const DeltanetFwdArgs& a, [[maybe_unused]] Stream stream) {
-  const char* op = "deltanet_fwd";
-  const Call call(op, a);
+namespace {
+void check_fwd(const Call& call, const DeltanetFwdArgs& a) {
   const DeltanetShape& sh = call.sh;
   call.c.io("o", a.o, {sh.B, sh.T, sh.H, sh.V});
   if (a.final_state.defined()) call.c.state("final_state", a.final_state, {sh.N, sh.H, sh.K, sh.V});
+#if FW_WITH_CUDA
+  if (a.q.device == DeviceType::cuda) check_cuda_fwd(call.c.op, sh, a.q, a.v);
+#endif
+}
+}  // namespace
+
+std::size_t deltanet_fwd_workspace_size(const DeltanetFwdArgs& a) {
+  const Call call("deltanet_fwd", a);
+  check_fwd(call, a);
+#if FW_WITH_CUDA
+  if (a.q.device == DeviceType::cuda) return detail::deltanet_fwd_workspace_bytes(detail::lower_deltanet_fwd(a));
+#endif
+  return 0;
+}
+
+void deltanet_fwd(const DeltanetFwdArgs& a, Stream stream) { deltanet_fwd(a, nullptr, 0, stream); }
+
+void deltanet_fwd(const DeltanetFwdArgs& a, [[maybe_unused]] void* workspace,
+                  [[maybe_unused]] std::size_t workspace_bytes, [[maybe_unused]] Stream stream) {
+  const char* op = "deltanet_fwd";
+  const Call call(op, a);
+  check_fwd(call, a);
+  const DeltanetShape& sh = call.sh;
   if (a.q.device == DeviceType::cuda) {
 #if FW_WITH_CUDA
-    check_cuda_fwd(op, sh, a.q, a.v);
+    const detail::DeltanetParams p = detail::lower_deltanet_fwd(a);
+    const std::size_t need = detail::deltanet_fwd_workspace_bytes(p);
+    if (workspace) detail::check_workspace(op, workspace, workspace_bytes, need);  // null: the on-chip kernel
     detail::DeviceGuard guard(a.q.device_index);
-    detail::deltanet_fwd_cuda(detail::lower_deltanet_fwd(a), stream);  // no workspace: the state is in smem
+    detail::deltanet_fwd_cuda(p, need ? workspace : nullptr, stream);
     return;
 #else
     detail::no_cuda_build(op);
@@ -251,7 +275,7 @@ void deltanet_step(const DeltanetStepArgs& a, [[maybe_unused]] Stream stream) {
     detail::DeviceGuard guard(a.q.device_index);
     // The forward over T = 1: every CTA reads its columns of `state` before it writes them to
     // new_state, and no two CTAs share columns, so in place is safe.
-    detail::deltanet_fwd_cuda(detail::lower_deltanet_step(a), stream);
+    detail::deltanet_fwd_cuda(detail::lower_deltanet_step(a), nullptr, stream);
     return;
 #else
     detail::no_cuda_build(op);

@@ -39,20 +39,45 @@ inline std::int64_t deltanet_slots(const DeltanetParams& p) {
   return p.cu_seqlens ? p.T / c + p.N + 1 : p.N * ((p.T + c - 1) / c);
 }
 
+// Scratch of the tensor-core chunk pipeline (deltanet_chunk_tc.cu), fp32 unless noted; rows = B*T*H:
+//   xw (rows, K) bf16 hi then lo: Xw = T2 diag(rk) K per chunk, T2 = (I + Lg diag(beta))^-1
+//   xu (rows, V): Xu = T2 V;  rk (rows): rk beta, rk the L2 factor of k (1 without the L2 norm)
+//   S (slots, H): the state entering each chunk, a (K, V) bf16 hi then a (K, V) bf16 lo matrix
+//   X (rows, V): X = Xu - Xw S (D = diag(beta) X)
+struct DnChunkBufs {
+  float *xw = nullptr, *xu = nullptr, *rk = nullptr, *S = nullptr, *X = nullptr;
+};
+
+// The forward's workspace with the tensor-core pipeline (offsets in floats, 64-float aligned).
+struct DnFwdWs {
+  std::int64_t xw, xu, rk, S, X, total;
+  explicit DnFwdWs(const DeltanetParams& p) {
+    const std::int64_t rows = p.B * p.T * p.H;
+    std::int64_t o = 0;
+    auto take = [&](std::int64_t n) { const std::int64_t at = o; o += (n + 63) / 64 * 64; return at; };
+    xw = take(rows * p.K), xu = take(rows * p.V), rk = take(rows), S = take(deltanet_slots(p) * p.H * p.K * p.V);
+    X = take(rows * p.V);
+    total = o;
+  }
+};
+
 // The backward's workspace, offsets in floats (each region 64-float aligned):
 //   S, dS (slots, H, K, V): the state entering each chunk / dL/d the state leaving it
 //   X, Y (B*T*H, V): per row X = R - Lg D and Y = T^T dD (dR = diag(beta) Y)
 //   dbp (ceil(V/64), B*T*H): dbeta partial sums, one per 64-column tile of V
 //   dqh, dkh (B*T*H, K): dL/d of the L2-normalised q, k (only with the in-kernel L2 norm)
+//   xw, xu, rk: the tensor-core recompute's scratch (DnChunkBufs), when it applies
 struct DnBwdWs {
-  std::int64_t rows, vt, S, dS, X, Y, dbp, dqh, dkh, total;
-  explicit DnBwdWs(const DeltanetParams& p) {
+  std::int64_t rows, vt, S, dS, X, Y, dbp, dqh, dkh, xw, xu, rk, total;
+  // tc: the recompute runs the tensor-core pipeline (its xw, xu, rk regions; see DnChunkBufs)
+  DnBwdWs(const DeltanetParams& p, bool tc) {
     rows = p.B * p.T * p.H, vt = (p.V + kDeltanetChunk - 1) / kDeltanetChunk;
     std::int64_t o = 0;
     auto take = [&](std::int64_t n) { const std::int64_t at = o; o += (n + 63) / 64 * 64; return at; };
     const std::int64_t states = deltanet_slots(p) * p.H * p.K * p.V;
     S = take(states), dS = take(states), X = take(rows * p.V), Y = take(rows * p.V), dbp = take(vt * rows);
     dqh = take(p.l2 ? rows * p.K : 0), dkh = take(p.l2 ? rows * p.K : 0);
+    xw = take(tc ? rows * p.K : 0), xu = take(tc ? rows * p.V : 0), rk = take(tc ? rows : 0);
     total = o;
   }
 };

@@ -102,20 +102,33 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
   if (!c.cu.empty()) a.cu_seqlens = gcu.ref(cu);
   a.use_qk_l2norm_in_kernel = c.l2;
   const auto p = fastweight::detail::lower_deltanet_fwd(a);
-  fastweight::detail::deltanet_fwd_cuda(p, nullptr);
-  FW_TEST_CUDA(cudaDeviceSynchronize());
-  HostTensor o1 = o, ht1 = ht;
-  go.download(o1), ght.download(ht1);
-  fastweight::detail::deltanet_fwd_cuda(p, nullptr);
-  FW_TEST_CUDA(cudaDeviceSynchronize());
-  HostTensor o2 = o;
-  go.download(o2);
-  EXPECT_EQ(o1.bytes, o2.bytes) << "not deterministic";
   // reference (loop form) on the rounded inputs
   const auto [ro, rht] = reference(c, N, q, k, v, beta, c.state ? &h0 : nullptr, o, ht, 0.0);
   const double tol = c.dt == DType::f32 ? 1e-4 : 2e-2;
-  EXPECT_LT(rel_err(o1, ro), tol) << "o";  // +inf on any NaN: every element written
-  EXPECT_LT(rel_err(ht1, rht), c.dt == DType::f32 ? 1e-4 : 2e-2) << "final state";
+  // without a workspace (the on-chip kernel), then with one where the tensor-core pipeline applies
+  // (the workspace poisoned with 0xff bytes: every read of it must follow a write)
+  const std::size_t need = fastweight::detail::deltanet_fwd_workspace_bytes(p);
+  void* ws = nullptr;
+  if (need) FW_TEST_CUDA(cudaMalloc(&ws, need));
+  for (void* w : {static_cast<void*>(nullptr), ws}) {
+    const char* mode = w ? "pipeline (workspace)" : "on-chip (no workspace)";
+    std::vector<HostTensor> runs;
+    for (int r = 0; r < 2; ++r) {
+      FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
+      FW_TEST_CUDA(cudaMemset(ght.ptr, 0xff, ght.nbytes));
+      if (w) FW_TEST_CUDA(cudaMemset(w, 0xff, need));
+      FW_TEST_CUDA(cudaDeviceSynchronize());
+      fastweight::detail::deltanet_fwd_cuda(p, w, nullptr);
+      FW_TEST_CUDA(cudaDeviceSynchronize());
+      runs.push_back(o), runs.push_back(ht);
+      go.download(runs[2 * r]), ght.download(runs[2 * r + 1]);
+    }
+    EXPECT_EQ(runs[0].bytes, runs[2].bytes) << mode << ": not deterministic";
+    EXPECT_LT(rel_err(runs[0], ro), tol) << mode << ": o";  // +inf on any NaN: every element written
+    EXPECT_LT(rel_err(runs[1], rht), tol) << mode << ": final state";
+    if (!need) break;  // no pipeline for this case
+  }
+  if (ws) FW_TEST_CUDA(cudaFree(ws));
 }
 
 std::vector<DnCase> cases() {

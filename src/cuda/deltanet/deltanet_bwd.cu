@@ -10,7 +10,8 @@
 // then the L2-norm backward dx = r (dx^ - x^ (x^ . dx^)) when the kernel normalised q, k.
 // (The chunk algebra is checked in float64 against autograd of the loop form in
 // tests/python/test_deltanet_design.py.) Kernels, all deterministic (no atomics):
-//   1. recompute: the forward (version 1) saves S0 of every chunk and X of every row (fp32);
+//   1. recompute: S0 of every chunk and X of every row (fp32): the tensor-core pipeline's wy and state
+//      kernels (bf16, K <= 128; deltanet_chunk_tc.cu), else the forward version 1 in its saving mode;
 //   2. state pass: one CTA per (sequence, head, 64 columns of V), chunks in reverse: dSe saved per
 //      chunk, Y and dv per row, dbeta partial sums per column tile; dinitial_state at the end;
 //   3. chunk pass: one CTA per (chunk, head, 64 columns of K), chunks in parallel: dq, dk, dbeta;
@@ -27,10 +28,6 @@ namespace {
 constexpr int kC = int(kDeltanetChunk);  // chunk length and tile edge
 constexpr int kThreads = 256;            // 16 x 16 threads, 4 x 4 elements of a 64 x 64 tile each
 constexpr int kMaxK = int(kDeltanetFwdMaxK);
-
-__device__ __forceinline__ std::int64_t ws_row(const DeltanetParams& p, std::int64_t b, std::int64_t t, std::int64_t h) {
-  return (b * p.T + t) * p.H + h;  // row of the (B*T*H, .) workspace regions
-}
 
 // A (64, 64) tile of a (B, T, H, D) view: rows t0.. of the chunk (scaled by r[i]), columns col0..;
 // zero past the chunk's nc rows and past D.
@@ -148,7 +145,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_state_kernel(const Delt
       const int i = tid / 4, q4 = tid % 4;  // row i, columns 16 q4 .. 16 q4 + 15
       float db = 0.f;
       if (i < nc) {
-        const std::int64_t row = ws_row(p, b, t0 + i, h);
+        const std::int64_t row = dn_ws_row(p, b, t0 + i, h);
         float* yw = ws + w.Y + row * V;
         const float* xw = ws + w.X + row * V;
         const std::int64_t odv = p.dv.p ? dn_row(p.dv, b, t0 + i, h) : 0;
@@ -164,7 +161,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_state_kernel(const Delt
       }
       db += __shfl_xor_sync(0xffffffffu, db, 1);
       db += __shfl_xor_sync(0xffffffffu, db, 2);
-      if (q4 == 0 && i < nc) ws[w.dbp + vt * w.rows + ws_row(p, b, t0 + i, h)] = db;
+      if (q4 == 0 && i < nc) ws[w.dbp + vt * w.rows + dn_ws_row(p, b, t0 + i, h)] = db;
     }
     __syncthreads();
     // dS0 = dSe + s Q^T dO - K^T dR, over K tiles (rows a of dS)
@@ -208,28 +205,17 @@ struct SmemChunk {
   float rq[kC], rk[kC], beta[kC];
 };
 
+// s_split: the chunk states are bf16 hi + lo (the tensor-core recompute, DnChunkBufs), else fp32.
 __global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_kernel(const DeltanetBwdParams p, const DnBwdWs w,
-                                                                      float* __restrict__ ws) {
+                                                                      float* __restrict__ ws, bool s_split) {
   extern __shared__ float4 smem_raw[];
   SmemChunk& sm = *reinterpret_cast<SmemChunk*>(smem_raw);
   const int tid = threadIdx.x, tr = tid / 16, tc = tid % 16;
   const std::int64_t slot = blockIdx.x, h = blockIdx.y, k0 = std::int64_t(blockIdx.z) * kC, K = p.K, V = p.V;
-  // the slot's sequence n and chunk ci
-  std::int64_t n = 0;
-  if (p.cu_seqlens) {  // the last n with base(n) = cu[n] / 64 + n <= slot (base is increasing)
-    std::int64_t lo = 0, hi = p.N - 1;
-    while (lo < hi) {
-      const std::int64_t mid = (lo + hi + 1) / 2;
-      if (dn_cu(p, mid) / kC + mid <= slot) lo = mid;
-      else hi = mid - 1;
-    }
-    n = lo;
-  } else {
-    n = slot / ((p.T + kC - 1) / kC);
-  }
-  const DnSeq sq = dn_seq(p, n);
-  const std::int64_t b = sq.b, t0 = sq.bos + (slot - sq.base) * kC;
-  if (t0 >= sq.eos) return;  // an unused slot (varlen): uniform over the CTA
+  DnSeq sq;
+  std::int64_t t0;
+  if (!dn_slot(p, slot, sq, t0)) return;  // an unused slot (varlen): uniform over the CTA
+  const std::int64_t b = sq.b;
   const int nc = int(std::min<std::int64_t>(kC, sq.eos - t0));
   dn_row_factors(p, b, t0, nc, h, tid, sm.rq, sm.rk, sm.beta);
   __syncthreads();
@@ -243,13 +229,17 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_kernel(const Delt
     for (int e = tid; e < kC * kC; e += kThreads) {
       const int i = e / kC, c = e % kC;
       const bool in = i < nc && v0 + c < V;
-      const std::int64_t row = ws_row(p, b, t0 + i, h);
+      const std::int64_t row = dn_ws_row(p, b, t0 + i, h);
       sm.O[i][c] = in ? mlstm_ld(p.do_, dn_row(p.do_, b, t0 + i, h) + v0 + c) : 0.f;
       sm.D[i][c] = in ? sm.beta[i] * ws[w.X + row * V + v0 + c] : 0.f;
       sm.R[i][c] = in ? sm.beta[i] * ws[w.Y + row * V + v0 + c] : 0.f;
       const bool sin = k0 + i < K && v0 + c < V;  // here i is a row of K
-      sm.S[i][c] = sin ? Sw[(k0 + i) * V + v0 + c] : 0.f;
-      sm.dS[i][c] = sin ? dSw[(k0 + i) * V + v0 + c] : 0.f;
+      const std::int64_t at = (k0 + i) * V + v0 + c;
+      sm.S[i][c] = !sin ? 0.f
+                   : s_split ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(Sw)[at]) +
+                                   __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(Sw)[K * V + at])
+                             : Sw[at];
+      sm.dS[i][c] = sin ? dSw[at] : 0.f;
     }
     __syncthreads();
     for (int x = 0; x < kC; ++x)
@@ -301,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_kernel(const Delt
   for (int i = 0; i < 4; ++i) {
     const int r = 4 * tr + i;
     if (r >= nc) continue;
-    const std::int64_t row = ws_row(p, b, t0 + r, h);
+    const std::int64_t row = dn_ws_row(p, b, t0 + r, h);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const std::int64_t c = k0 + 4 * tc + j;
@@ -316,7 +306,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_kernel(const Delt
     }
   }
   if (blockIdx.z == 0 && p.dbeta.p && tid < nc) {  // dbeta: the column tiles' partial sums, in order
-    const std::int64_t row = ws_row(p, b, t0 + tid, h);
+    const std::int64_t row = dn_ws_row(p, b, t0 + tid, h);
     float db = 0.f;
     for (std::int64_t v = 0; v < w.vt; ++v) db += ws[w.dbp + v * w.rows + row];
     mlstm_st(p.dbeta, p.dbeta.s0 * b + p.dbeta.s1 * (t0 + tid) + h, db);
@@ -355,7 +345,7 @@ __global__ void __launch_bounds__(32 * kL2Warps) deltanet_bwd_l2_kernel(const De
 }  // namespace
 
 std::size_t deltanet_bwd_workspace_bytes(const DeltanetBwdParams& p) {
-  return std::size_t(DnBwdWs(p).total) * sizeof(float);
+  return std::size_t(DnBwdWs(p, deltanet_chunk_tc_applies(p)).total) * sizeof(float);
 }
 
 void deltanet_bwd_cuda(const DeltanetBwdParams& p, void* workspace, Stream stream) {
@@ -363,13 +353,19 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p, void* workspace, Stream strea
   if (p.K > kMaxK) throw ArgumentError(cat("deltanet_bwd: K = ", p.K, " > ", kMaxK, " is not supported by the CUDA kernel"));
   if (seqs > 0x7fffffff || vt > 65535 || p.H > 65535)
     throw Error(cat("deltanet_bwd: grid too large (", seqs, " sequence-heads, H = ", p.H, ")"));
-  const DnBwdWs w(p);
+  const bool tc = deltanet_chunk_tc_applies(p);
+  const DnBwdWs w(p, tc);
   float* ws = static_cast<float*>(workspace);
   const auto st = reinterpret_cast<cudaStream_t>(stream);
   // 1. recompute: S0 per chunk and X per row (no o, no final state)
   DeltanetParams f = p;
-  f.o = {}, f.ht = {}, f.save_S = ws + w.S, f.save_X = ws + w.X;
-  deltanet_fwd_v1_cuda(f, stream);
+  f.o = {}, f.ht = {};
+  if (tc) {
+    deltanet_chunk_tc_states(f, DnChunkBufs{ws + w.xw, ws + w.xu, ws + w.rk, ws + w.S, ws + w.X}, stream);
+  } else {
+    f.save_S = ws + w.S, f.save_X = ws + w.X;
+    deltanet_fwd_v1_cuda(f, stream);
+  }
   if (seqs == 0) return;
   // 2. state pass
   const std::size_t smem_s = sizeof(SmemState);
@@ -382,7 +378,7 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p, void* workspace, Stream strea
     if (slots > 0x7fffffff) throw Error(cat("deltanet_bwd: grid too large (", slots, " chunks)"));
     const std::size_t smem_c = sizeof(SmemChunk);
     (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_chunk_kernel), kThreads, smem_c);
-    deltanet_bwd_chunk_kernel<<<dim3(unsigned(slots), unsigned(p.H), unsigned(kt)), kThreads, smem_c, st>>>(p, w, ws);
+    deltanet_bwd_chunk_kernel<<<dim3(unsigned(slots), unsigned(p.H), unsigned(kt)), kThreads, smem_c, st>>>(p, w, ws, tc);
     FW_CUDA_CHECK_LAUNCH("deltanet_bwd (chunk pass)");
   }
   // 4. L2-norm backward

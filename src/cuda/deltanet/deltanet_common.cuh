@@ -21,6 +21,32 @@ __device__ __forceinline__ DnSeq dn_seq(const DeltanetParams& p, std::int64_t n)
   return {0, bos, dn_cu(p, n + 1), bos / c + n};
 }
 
+// Chunk slot `slot`: its sequence and first row t0; false for a slot past its sequence's end.
+__device__ __forceinline__ bool dn_slot(const DeltanetParams& p, std::int64_t slot, DnSeq& sq, std::int64_t& t0) {
+  constexpr std::int64_t c = kDeltanetChunk;
+  std::int64_t n = 0;
+  if (p.cu_seqlens) {  // the last n with base(n) = cu[n] / 64 + n <= slot (base is increasing)
+    std::int64_t lo = 0, hi = p.N - 1;
+    while (lo < hi) {
+      const std::int64_t mid = (lo + hi + 1) / 2;
+      if (dn_cu(p, mid) / c + mid <= slot) lo = mid;
+      else hi = mid - 1;
+    }
+    n = lo;
+  } else {
+    n = slot / ((p.T + c - 1) / c);
+  }
+  sq = dn_seq(p, n);
+  t0 = sq.bos + (slot - sq.base) * c;
+  return t0 < sq.eos;
+}
+
+// Row (b, t, h) of the (B*T*H, .) workspace regions.
+__device__ __forceinline__ std::int64_t dn_ws_row(const DeltanetParams& p, std::int64_t b, std::int64_t t,
+                                                  std::int64_t h) {
+  return (b * p.T + t) * p.H + h;
+}
+
 // Element (b, t, h, 0) of a (B, T, H, D) view.
 __device__ __forceinline__ std::int64_t dn_row(const StridedView& t, std::int64_t b, std::int64_t tt, std::int64_t h) {
   return b * t.s0 + tt * t.s1 + h * t.s2;

@@ -9,10 +9,18 @@ namespace fastweight::detail {
 inline constexpr std::int64_t kDeltanetFwdMaxK = 256;
 
 // Chunkwise forward (chunks of 64, the WY form of the reference): o and, when p.ht is set, the
-// final states. No workspace: the state lives in shared memory.
-void deltanet_fwd_cuda(const DeltanetParams& p, Stream stream);
+// final states. With a workspace of deltanet_fwd_workspace_bytes(p) > 0 bytes (bf16, K <= 128) the
+// tensor-core pipeline runs (deltanet_chunk_tc.cu); without one (null), a single kernel whose state
+// lives in shared memory or registers (version 2 on tensor cores where it applies, else version 1).
+std::size_t deltanet_fwd_workspace_bytes(const DeltanetParams& p);
+void deltanet_fwd_cuda(const DeltanetParams& p, void* workspace, Stream stream);
+// The pipeline (deltanet_chunk_tc.cu; bf16 q, k, v, K <= 128): wy + state kernels write w.S, w.X
+// (and p.ht when set); the output kernel writes p.o from them.
+bool deltanet_chunk_tc_applies(const DeltanetParams& p);
+void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Stream stream);
+void deltanet_chunk_tc_output(const DeltanetParams& p, const DnChunkBufs& w, Stream stream);
 // Version 2 on tensor cores (deltanet_fwd_tc.cu): bf16 q, k, v, o and K <= 128;
-// deltanet_fwd_cuda picks it where it applies.
+// deltanet_fwd_cuda picks it where it applies (no workspace).
 bool deltanet_fwd_tc_applies(const DeltanetParams& p);
 void deltanet_fwd_tc_cuda(const DeltanetParams& p, Stream stream);
 // Version 1 (fp32 FMA) alone: any dtype, K <= 256; with p.save_S / p.save_X set it is the backward's

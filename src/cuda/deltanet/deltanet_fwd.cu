@@ -172,7 +172,19 @@ __global__ void __launch_bounds__(kThreads) deltanet_fwd_kernel(const DeltanetPa
 
 }  // namespace
 
-void deltanet_fwd_cuda(const DeltanetParams& p, Stream stream) {
+std::size_t deltanet_fwd_workspace_bytes(const DeltanetParams& p) {
+  return deltanet_chunk_tc_applies(p) ? std::size_t(DnFwdWs(p).total) * sizeof(float) : 0;
+}
+
+void deltanet_fwd_cuda(const DeltanetParams& p, void* workspace, Stream stream) {
+  if (workspace && deltanet_chunk_tc_applies(p)) {  // the tensor-core pipeline
+    const DnFwdWs l(p);
+    float* ws = static_cast<float*>(workspace);
+    const DnChunkBufs w{ws + l.xw, ws + l.xu, ws + l.rk, ws + l.S, ws + l.X};
+    deltanet_chunk_tc_states(p, w, stream);
+    deltanet_chunk_tc_output(p, w, stream);
+    return;
+  }
   if (deltanet_fwd_tc_applies(p)) return deltanet_fwd_tc_cuda(p, stream);  // bf16, K <= 128: tensor cores
   deltanet_fwd_v1_cuda(p, stream);
 }

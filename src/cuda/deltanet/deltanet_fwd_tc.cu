@@ -13,12 +13,13 @@
 #include "cuda/common/mma.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
 #include "cuda/deltanet/deltanet_cuda.h"
+#include "cuda/deltanet/deltanet_tc.cuh"
 #include "cuda/mlstm/mlstm_tc.cuh"
 
 namespace fastweight::detail {
 namespace {
 
-using namespace mtc;
+using namespace dtc;
 constexpr int kThreads = kTcThreads;
 constexpr int kMaxK = 128;
 
@@ -39,47 +40,6 @@ struct DnLayout {
     bytes = Vp + 2 * kT * kLd;
   }
 };
-
-// acc (warp's 16 rows x 64 columns) += A (row major, rows 16 mrow.., K = Kp) B (k-major, 64 columns)
-__device__ __forceinline__ void mma_rk(float (&acc)[8][4], const bf16* A, int lda, int mrow, const bf16* Bk, int ldb,
-                                       int Kp, int lane) {
-  for (int ks = 0; ks < Kp / 16; ++ks) {
-    std::uint32_t a[4];
-    ldsm_x4(a, A + (16 * mrow + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      std::uint32_t bb[4];
-      ldsm_x4_t(bb, Bk + (ks * 16 + ld_row_b_kmajor(lane)) * ldb + 16 * jj + ld_col_b_kmajor(lane));
-      mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
-      mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
-    }
-  }
-}
-// acc (16 x 64) += A B^T with A row major (rows 16 mrow..) and B stored n-major (64 rows, K contiguous)
-__device__ __forceinline__ void mma_rn(float (&acc)[8][4], const bf16* A, int lda, int mrow, const bf16* Bn, int ldb,
-                                       int Kp, int lane) {
-  for (int ks = 0; ks < Kp / 16; ++ks) {
-    std::uint32_t a[4];
-    ldsm_x4(a, A + (16 * mrow + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      std::uint32_t bb[4];
-      ldsm_x4(bb, Bn + (16 * jj + ld_row_b_nmajor(lane)) * ldb + ks * 16 + ld_col_b_nmajor(lane));
-      mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
-      mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
-    }
-  }
-}
-// Fragment element (j, e) -> (row, column) within the warp's 16 x 64 tile
-__device__ __forceinline__ int frow(int lane, int e) { return (lane >> 2) + (e >> 1) * 8; }
-__device__ __forceinline__ int fcol(int lane, int j, int e) { return 8 * j + 2 * (lane & 3) + (e & 1); }
-
-// Stores x as bf16 hi + lo at (r, c) of two tiles
-__device__ __forceinline__ void put_split(bf16* hi, bf16* lo, int ld, int r, int c, float x) {
-  const bf16 h = __float2bfloat16_rn(x);
-  hi[r * ld + c] = h;
-  lo[r * ld + c] = __float2bfloat16_rn(x - __bfloat162float(h));
-}
 
 __global__ void __launch_bounds__(kThreads, 1) deltanet_fwd_tc_kernel(const DeltanetParams p, const bool vq,
                                                                       const bool vk, const bool vv) {
@@ -113,17 +73,8 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_fwd_tc_kernel(const Delt
   const std::int64_t b = seq.b, bos = seq.bos, eos = seq.eos;
   const int ngroups = Kp / 16;  // 16-row groups of S: warp w owns groups w and w + 4
 
-  // S (fp32): acc_s[gg] = rows 16 (w + 4 gg).., 64 columns
-  float acc_s[2][8][4];
-#pragma unroll
-  for (int gg = 0; gg < 2; ++gg)
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const std::int64_t r = 16 * (warp + 4 * gg) + frow(lane, e), c = c0 + fcol(lane, j, e);
-        acc_s[gg][j][e] = p.h0.p && r < K && c < V ? mlstm_ld(p.h0, n * p.h0.s0 + h * p.h0.s1 + r * p.h0.s2 + c) : 0.f;
-      }
+  float acc_s[2][8][4];  // S (fp32), rows 16 (w + 4 gg)..
+  state_load(acc_s, p.h0, n, h, c0, K, V, warp, lane);
 
   auto rows = [&](const StridedView& t, std::int64_t t0) {
     return static_cast<const bf16*>(t.p) + b * t.s0 + t0 * t.s1 + h * t.s2;
@@ -175,44 +126,8 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_fwd_tc_kernel(const Delt
         }
     }
     __syncthreads();
-    // d. T = (I + L)^-1: diagonal 16 x 16 blocks by forward substitution (warp w: block w, lanes 0-15
-    //    one column each), then block rows 1..3, T_ij = -T_ii sum_{k=j}^{i-1} L_ik T_kj (warp j)
-    {
-      const int bo = 16 * warp, col = lane & 15;
-      for (int r = 0; r < 16; ++r) {
-        float x = r == col ? 1.f : 0.f;
-        for (int c = 0; c < r; ++c) x = fmaf(-sL[bo + r][bo + c], sT[bo + c][bo + col], x);
-        if (lane < 16) sT[bo + r][bo + col] = x;
-        __syncwarp();
-      }
-      // blocks above the diagonal are zero
-      for (int e = lane; e < 16 * 64; e += 32) {
-        const int r = e / 64, c = e % 64;
-        if (c >= bo + 16) sT[bo + r][c] = 0.f;
-      }
-    }
-    __syncthreads();
-    for (int bi = 1; bi < 4; ++bi) {
-      const int bj = warp;
-      if (bj < bi) {
-        // scr = sum_{k=bj}^{bi-1} L_{bi,k} T_{k,bj} (16 x 16), 8 elements per lane
-        for (int e = lane; e < 256; e += 32) {
-          const int r = e / 16, c = e % 16;
-          float x = 0.f;
-          for (int kk = 16 * bj; kk < 16 * bi; ++kk) x = fmaf(sL[16 * bi + r][kk], sT[kk][16 * bj + c], x);
-          scr[warp][r][c] = x;
-        }
-        __syncwarp();
-        for (int e = lane; e < 256; e += 32) {
-          const int r = e / 16, c = e % 16;
-          float x = 0.f;
-          for (int kk = 0; kk < 16; ++kk) x = fmaf(sT[16 * bi + r][16 * bi + kk], scr[warp][kk][c], x);
-          sT[16 * bi + r][16 * bj + c] = -x;
-        }
-        __syncwarp();
-      }
-      __syncthreads();
-    }
+    // d. T = (I + L)^-1 (fp32, blocked)
+    unit_lower_inverse(sL, sT, scr, warp, lane);
     // e. T diag(beta) as hi + lo (the A operand of V' = T diag(beta) R)
     for (int e = tid; e < 64 * 64; e += kThreads) {
       const int i = e / 64, j = e % 64;
@@ -236,31 +151,8 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_fwd_tc_kernel(const Delt
     __syncthreads();
     // g. o = scale (diag(rq) Q S + tril(diag(rq) Q K^T diag(rk)) V')
     {
-      float o[8][4] = {}, pk[8][4] = {};
-      mma_rk(o, sq, ldk, warp, sSh, kLd, Kp, lane);
-      mma_rk(o, sq, ldk, warp, sSl, kLd, Kp, lane);
-      mma_rn(pk, sq, ldk, warp, sk, ldk, Kp, lane);  // Q K^T
-      std::uint32_t pf[4][4];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        float x[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
-          x[e] = c <= i ? s_rk[c] * pk[j][e] : 0.f;  // rows' rq applied with Q S below
-        }
-        pf[j >> 1][(j & 1) * 2] = pack_bf16(x[0], x[1]);
-        pf[j >> 1][(j & 1) * 2 + 1] = pack_bf16(x[2], x[3]);
-      }
-#pragma unroll
-      for (int kp = 0; kp < 4; ++kp)
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          std::uint32_t bb[4];
-          ldsm_x4_t(bb, sVp + (kp * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
-          mma_bf16_16816(o[2 * jj], pf[kp], bb[0], bb[1]);
-          mma_bf16_16816(o[2 * jj + 1], pf[kp], bb[2], bb[3]);
-        }
+      float o[8][4] = {};
+      chunk_output(o, sq, sk, ldk, Kp, sSh, sSl, sVp, s_rk, warp, lane);
 #pragma unroll
       for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -271,43 +163,11 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_fwd_tc_kernel(const Delt
             mlstm_st(p.o, b * p.o.s0 + (t0 + i) * p.o.s1 + h * p.o.s2 + c, p.scale * s_rq[i] * o[j][e]);
         }
     }
-    // h. S += K^T (rk V'): A = K^T (k-major from sk), B = rk V' as hi + lo
-#pragma unroll
-    for (int gg = 0; gg < 2; ++gg) {
-      const int g = warp + 4 * gg;
-      if (g >= ngroups) continue;
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        std::uint32_t a[4];
-        ldsm_x4_t(a, sk + (ks * 16 + ld_row_a_kmajor(lane)) * ldk + 16 * g + ld_col_a_kmajor(lane));
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          std::uint32_t bh[4], bl[4];
-          ldsm_x4_t(bh, sRh + (ks * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
-          ldsm_x4_t(bl, sRl + (ks * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
-          mma_bf16_16816(acc_s[gg][2 * jj], a, bh[0], bh[1]);
-          mma_bf16_16816(acc_s[gg][2 * jj + 1], a, bh[2], bh[3]);
-          mma_bf16_16816(acc_s[gg][2 * jj], a, bl[0], bl[1]);
-          mma_bf16_16816(acc_s[gg][2 * jj + 1], a, bl[2], bl[3]);
-        }
-      }
-    }
+    // h. S += K^T (rk V')
+    state_update(acc_s, sk, ldk, sRh, sRl, ngroups, warp, lane);
     __syncthreads();  // the next chunk overwrites q, k, v, S hi/lo
   }
-  if (p.ht.p)
-#pragma unroll
-    for (int gg = 0; gg < 2; ++gg)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const std::int64_t r = 16 * (warp + 4 * gg) + frow(lane, e), c = c0 + fcol(lane, j, e);
-          if (r < K && c < V) mlstm_st(p.ht, n * p.ht.s0 + h * p.ht.s1 + r * p.ht.s2 + c, acc_s[gg][j][e]);
-        }
-}
-
-bool rows16_seq(const StridedView& t) {  // (B, T, H, D): 16-byte aligned rows at every (b, t, h)
-  return reinterpret_cast<std::uintptr_t>(t.p) % 16 == 0 && t.s0 % 8 == 0 && t.s1 % 8 == 0 && t.s2 % 8 == 0;
+  if (p.ht.p) state_store(acc_s, p.ht, n, h, c0, K, V, warp, lane);
 }
 
 }  // namespace

@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Run one DeltaNet forward + backward per provider (fastweight, FLA's chunk_delta_rule) for ncu.
+
+  ncu --clock-control none --profile-from-start off --kernel-name regex:'deltanet|chunk' \\
+      --section SpeedOfLight python3 bench/profile_deltanet.py --shape 4,4096,16,128
+
+Each provider runs twice (warm-up: Triton compile); the second runs between cudaProfilerStart/Stop.
+No timing here: bench_deltanet.py times, this only feeds the profiler.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import import_fastweight  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="4,4096,16,128", help="B,T,H,K (K = V)")
+    ap.add_argument("--providers", default="fastweight,fla_chunk")
+    ap.add_argument("--no-backward", action="store_true")
+    a = ap.parse_args()
+    import torch
+    fw = import_fastweight()
+    from bench_deltanet import make_call
+    B, T, H, D = (int(x) for x in a.shape.split(","))
+    g = torch.Generator(device="cpu").manual_seed(0)
+    mk = lambda *s: torch.randn(*s, generator=g).to("cuda", torch.bfloat16)  # noqa: E731
+    q, k, v = mk(B, T, H, D), mk(B, T, H, D), mk(B, T, H, D)
+    beta = torch.sigmoid(mk(B, T, H).float()).to(torch.bfloat16)
+    h0 = torch.randn(B, H, D, D, generator=g).to("cuda", torch.float32) * 0.1
+    for name in a.providers.split(","):
+        call = make_call(name, fw)
+        for it in range(2):
+            args = [t.detach().clone().requires_grad_(not a.no_backward) for t in (q, k, v, beta, h0)]
+            torch.cuda.synchronize()
+            if it == 1:
+                torch.cuda.cudart().cudaProfilerStart()
+            o, ht = call(*args[:4], args[4], None)
+            if not a.no_backward:
+                torch.autograd.backward([o, ht], [torch.ones_like(o), torch.ones_like(ht)])
+            torch.cuda.synchronize()
+            if it == 1:
+                torch.cuda.cudart().cudaProfilerStop()
+        print(f"{name}: done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

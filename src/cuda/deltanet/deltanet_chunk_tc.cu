@@ -1,0 +1,425 @@
+// deltanet_chunk_tc.cu: the DeltaNet chunkwise forward on tensor cores as a pipeline of three
+// kernels (bf16 q, k, v; K <= 128), FLA's chunk_delta_rule split: only the state recurrence is serial.
+// Per chunk of 64 rows, with rk the L2 factors of k (1 without the L2 norm), K^ = diag(rk) K,
+// Lg = strict_lower(K^ K^T) and W = diag(beta):
+//   X = R - Lg D with R = V - K^ S and D = W X  <=>  X = T2 R with T2 = (I + Lg W)^-1,
+// so with Xw = T2 K^ and Xu = T2 V (state-free, all chunks in parallel):
+//   X = Xu - Xw S,  D = W X,  S' = S + K^T diag(rk) D,  o = scale diag(rq) (Q S + tril(Q K^T) diag(rk) D).
+// (D = W X for every beta, beta = 0 included; X is what the backward needs for dbeta.)
+//   1. wy (grid: chunk slots x H): Lg, T2 in fp32 (blocked inverse), Xw (bf16 hi + lo) and Xu (fp32);
+//   2. state (grid: sequences*H x 64-column tiles of V; serial over chunks): S in fp32 registers,
+//      X = Xu - Xw S and S += K^T diag(rk beta) X with hi + lo operands (~16 bits per step), the
+//      next chunk's k and Xw prefetched (cp.async); writes S (entering each chunk) and X;
+//   3. output (grid: chunk slots x H x V tiles): o from q, k, S (hi + lo) and D.
+// The backward's recompute runs 1 and 2 (deltanet_bwd.cu). Dispatched by deltanet_fwd_cuda when a
+// workspace is given (DnFwdWs); without one the single-kernel version 2 runs (deltanet_fwd_tc.cu).
+#include "cuda/common/check.cuh"
+#include "cuda/deltanet/deltanet_common.cuh"
+#include "cuda/deltanet/deltanet_cuda.h"
+#include "cuda/deltanet/deltanet_tc.cuh"
+
+namespace fastweight::detail {
+namespace {
+
+using namespace dtc;
+constexpr int kThreads = kTcThreads;  // 4 warps; warp w owns tile rows 16w..16w+15
+constexpr int kMaxK = 128;
+
+// S (Kc x 64 tile, bf16 hi + lo in smem) -> the workspace's (K, V) hi then lo matrices at columns
+// c0..: 16-byte rows pieces where V % 8 == 0, else elements. All threads of the CTA.
+__device__ __forceinline__ void store_state_split(float* dst, const bf16* sSh, const bf16* sSl, std::int64_t K,
+                                                  std::int64_t V, std::int64_t c0) {
+  bf16* gh = reinterpret_cast<bf16*>(dst);
+  bf16* gl = gh + K * V;
+  const int nc = int(lmin(64, V - c0));
+  if (V % 8 == 0) {
+    for (int e = threadIdx.x; e < K * 8; e += kThreads) {
+      const int r = e / 8, c = (e % 8) * 8;
+      if (c >= nc) continue;
+      *reinterpret_cast<uint4*>(gh + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSh + r * kLd + c);
+      *reinterpret_cast<uint4*>(gl + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSl + r * kLd + c);
+    }
+  } else {
+    for (int e = threadIdx.x; e < K * 64; e += kThreads) {
+      const int r = e / 64, c = e % 64;
+      if (c < nc) gh[r * V + c0 + c] = sSh[r * kLd + c], gl[r * V + c0 + c] = sSl[r * kLd + c];
+    }
+  }
+}
+
+// Columns c, c + 1 of an fp32 row (c even): one 8-byte access when the row length is even (aligned).
+__device__ __forceinline__ void store_pair(float* at, float x0, float x1, bool has1, bool even) {
+  if (even) {
+    *reinterpret_cast<float2*>(at) = make_float2(x0, x1);
+  } else {
+    at[0] = x0;
+    if (has1) at[1] = x1;
+  }
+}
+__device__ __forceinline__ float2 load_pair(const float* at, bool has1, bool even) {
+  if (even) return *reinterpret_cast<const float2*>(at);
+  return make_float2(at[0], has1 ? at[1] : 0.f);
+}
+
+// K columns in smem: K rounded up to 64 (whole 64-column tiles for the products), stride + 8.
+__host__ __device__ inline int k_cols(std::int64_t K) { return int(round_up(K, 64)); }
+
+__device__ __forceinline__ const bf16* bf_rows(const StridedView& t, std::int64_t b, std::int64_t t0, std::int64_t h) {
+  return static_cast<const bf16*>(t.p) + dn_row(t, b, t0, h);
+}
+
+// ---- 1. wy --------------------------------------------------------------------------------------
+// smem: f32 L[64][65] | f32 T[64][65] | f32 scr[4][16][17] | f32 rk[64], beta[64] |
+//       bf16 k[64][ldk] | v[64][kLd] | A1h, A1l, A2h, A2l [64][kLd]
+struct WyLayout {
+  int Kc, ldk;
+  std::size_t L, T, scr, rk, beta, k, v, A1h, A1l, A2h, A2l, bytes;
+  __host__ __device__ explicit WyLayout(std::int64_t K) {
+    Kc = k_cols(K), ldk = Kc + 8;
+    L = 0, T = L + 4 * 64 * 65, scr = T + 4 * 64 * 65, rk = scr + 4 * 4 * 16 * 17, beta = rk + 4 * 64;
+    k = round_up(beta + 4 * 64, 16), v = k + 2 * std::size_t(kT) * ldk;
+    A1h = v + 2 * kT * kLd, A1l = A1h + 2 * kT * kLd, A2h = A1l + 2 * kT * kLd, A2l = A2h + 2 * kT * kLd;
+    bytes = A2l + 2 * kT * kLd;
+  }
+};
+
+__global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetParams p, const DnChunkBufs w, bool vk,
+                                                               bool vv) {
+  extern __shared__ float4 smem_raw[];
+  char* base = reinterpret_cast<char*>(smem_raw);
+  const WyLayout lay(p.K);
+  float(*sL)[65] = reinterpret_cast<float(*)[65]>(base + lay.L);  // (64, 64) Lg W, row i col j
+  float(*sT)[65] = reinterpret_cast<float(*)[65]>(base + lay.T);  // (64, 64) T2 = (I + Lg W)^-1
+  float(*scr)[16][17] = reinterpret_cast<float(*)[16][17]>(base + lay.scr);
+  float* s_rk = reinterpret_cast<float*>(base + lay.rk);
+  float* s_beta = reinterpret_cast<float*>(base + lay.beta);
+  bf16* sk = reinterpret_cast<bf16*>(base + lay.k);      // (64 rows, Kc) k
+  bf16* sv = reinterpret_cast<bf16*>(base + lay.v);      // (64 rows, 64 V columns) v
+  bf16* sA1h = reinterpret_cast<bf16*>(base + lay.A1h);  // (64, 64) T2 diag(rk) hi
+  bf16* sA1l = reinterpret_cast<bf16*>(base + lay.A1l);
+  bf16* sA2h = reinterpret_cast<bf16*>(base + lay.A2h);  // (64, 64) T2 hi
+  bf16* sA2l = reinterpret_cast<bf16*>(base + lay.A2l);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, Kc = lay.Kc, ldk = lay.ldk;
+  const std::int64_t h = blockIdx.y, K = p.K, V = p.V;
+  DnSeq sq;
+  std::int64_t t0;
+  if (!dn_slot(p, blockIdx.x, sq, t0)) return;
+  const std::int64_t b = sq.b;
+  const int nr = int(lmin(kT, sq.eos - t0));
+
+  load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
+  cp_async_commit();
+  if (tid < kT) s_beta[tid] = tid < nr ? mlstm_ld(p.beta, p.beta.s0 * b + p.beta.s1 * (t0 + tid) + h) : 0.f;
+  cp_async_wait<0>();
+  __syncthreads();
+  if (tid < kT) {  // the L2 factor from the bf16 row (as the single-kernel version)
+    float ss = 0.f;
+    for (int x = 0; x < Kc; ++x) {
+      const float kx = __bfloat162float(sk[tid * ldk + x]);
+      ss = fmaf(kx, kx, ss);
+    }
+    const float r = p.l2 ? rsqrtf(ss + 1e-6f) : 1.f;
+    s_rk[tid] = r;
+    if (tid < nr) w.rk[dn_ws_row(p, b, t0 + tid, h)] = r * s_beta[tid];  // rk beta: all the later kernels need
+  }
+  __syncthreads();
+  {  // L = Lg W: L_ij = rk_i rk_j (k_i . k_j) beta_j for j < i
+    float g[8][4] = {};
+    mma_rn(g, sk, ldk, warp, sk, ldk, Kc, lane);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
+        sL[i][c] = c < i ? s_rk[i] * s_rk[c] * s_beta[c] * g[j][e] : 0.f;
+      }
+  }
+  __syncthreads();
+  unit_lower_inverse(sL, sT, scr, warp, lane);
+  for (int e = tid; e < 64 * 64; e += kThreads) {  // A1 = T2 diag(rk), A2 = T2, as hi + lo
+    const int i = e / 64, j = e % 64;
+    put_split(sA1h, sA1l, kLd, i, j, sT[i][j] * s_rk[j]);
+    put_split(sA2h, sA2l, kLd, i, j, sT[i][j]);
+  }
+  __syncthreads();
+  // Xw = A1 K, per 64 columns of K, to bf16 hi + lo (rows of this chunk only)
+  bf16* xwh = reinterpret_cast<bf16*>(w.xw);
+  bf16* xwl = xwh + p.B * p.T * p.H * K;
+  for (int kc = 0; kc < Kc; kc += 64) {
+    float acc[8][4] = {};
+    mma_rk(acc, sA1h, kLd, warp, sk + kc, ldk, 64, lane);
+    mma_rk(acc, sA1l, kLd, warp, sk + kc, ldk, 64, lane);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {  // (e, e + 1): columns c, c + 1 of row i
+        const int i = 16 * warp + frow(lane, e), c = kc + fcol(lane, j, e);
+        if (i >= nr || c >= K) continue;
+        const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * K + c;
+        const __nv_bfloat162 hi = __floats2bfloat162_rn(acc[j][e], acc[j][e + 1]);
+        const float2 hf = __bfloat1622float2(hi);
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(acc[j][e] - hf.x, acc[j][e + 1] - hf.y);
+        if (K % 2 == 0) {  // c even: 4-byte aligned pairs
+          *reinterpret_cast<__nv_bfloat162*>(xwh + at) = hi, *reinterpret_cast<__nv_bfloat162*>(xwl + at) = lo;
+        } else {
+          xwh[at] = hi.x, xwl[at] = lo.x;
+          if (c + 1 < K) xwh[at + 1] = hi.y, xwl[at + 1] = lo.y;
+        }
+      }
+  }
+  // Xu = A2 V, per 64 columns of V
+  for (std::int64_t v0 = 0; v0 < V; v0 += 64) {
+    load_tile(sv, kLd, kT, kT, bf_rows(p.v, b, t0, h) + v0, p.v.s1, nr, int(lmin(64, V - v0)), vv);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    float acc[8][4] = {};
+    mma_rk(acc, sA2h, kLd, warp, sv, kLd, 64, lane);
+    mma_rk(acc, sA2l, kLd, warp, sv, kLd, 64, lane);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int i = 16 * warp + frow(lane, e);
+        const std::int64_t c = v0 + fcol(lane, j, e);
+        if (i < nr && c < V)
+          store_pair(w.xu + dn_ws_row(p, b, t0 + i, h) * V + c, acc[j][e], acc[j][e + 1], c + 1 < V, V % 2 == 0);
+      }
+    __syncthreads();  // sv is reloaded
+  }
+}
+
+// ---- 2. state -----------------------------------------------------------------------------------
+// smem: bf16 k[2][64][ldk] | Xwh[2][64][ldk] | Xwl[2][64][ldk] | Sh, Sl[Kc][kLd] | Dh, Dl[64][kLd] |
+//       f32 rkb[2][64] (rk beta per row)
+struct StLayout {
+  int Kc, ldk;
+  std::size_t k, xh, xl, Sh, Sl, Dh, Dl, rkb, bytes;
+  __host__ __device__ explicit StLayout(std::int64_t K) {
+    Kc = k_cols(K), ldk = Kc + 8;
+    const std::size_t kt = 2 * std::size_t(kT) * ldk;  // bytes of one (64, ldk) bf16 tile
+    k = 0, xh = k + 2 * kt, xl = xh + 2 * kt, Sh = xl + 2 * kt, Sl = Sh + 2 * std::size_t(Kc) * kLd;
+    Dh = Sl + 2 * std::size_t(Kc) * kLd, Dl = Dh + 2 * kT * kLd, rkb = Dl + 2 * kT * kLd;
+    bytes = rkb + 2 * 4 * kT;
+  }
+};
+
+__global__ void __launch_bounds__(kThreads, 1) deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w,
+                                                                     bool vk, bool vx) {
+  extern __shared__ float4 smem_raw[];
+  char* base = reinterpret_cast<char*>(smem_raw);
+  const StLayout lay(p.K);
+  const int Kc = lay.Kc, ldk = lay.ldk;
+  const std::size_t tile = std::size_t(kT) * ldk;  // elements of one (64, ldk) tile
+  bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // [2] (64 rows, Kc) k
+  bf16* sxh = reinterpret_cast<bf16*>(base + lay.xh);  // [2] (64 rows, Kc) Xw hi
+  bf16* sxl = reinterpret_cast<bf16*>(base + lay.xl);  // [2] (64 rows, Kc) Xw lo
+  bf16* sSh = reinterpret_cast<bf16*>(base + lay.Sh);  // (Kc, 64) S hi
+  bf16* sSl = reinterpret_cast<bf16*>(base + lay.Sl);  // (Kc, 64) S lo
+  bf16* sDh = reinterpret_cast<bf16*>(base + lay.Dh);  // (64, 64) diag(rk beta) X hi
+  bf16* sDl = reinterpret_cast<bf16*>(base + lay.Dl);
+  float* s_rkb = reinterpret_cast<float*>(base + lay.rkb);  // [2][64]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const std::int64_t nh = blockIdx.x, n = nh / p.H, h = nh % p.H;
+  const std::int64_t c0 = std::int64_t(blockIdx.y) * kT, K = p.K, V = p.V, rows = p.B * p.T * p.H;
+  const DnSeq sq = dn_seq(p, n);
+  const std::int64_t b = sq.b;
+  const int ngroups = Kc / 16;  // 16-row groups of S: warp w owns groups w and w + 4
+  const bf16* xwh = reinterpret_cast<const bf16*>(w.xw);
+  const bf16* xwl = xwh + rows * K;
+
+  float acc_s[2][8][4];  // S (fp32), rows 16 (w + 4 gg)..
+  state_load(acc_s, p.h0, n, h, c0, K, V, warp, lane);
+
+  // chunk t0's k, Xw (hi, lo) into buffer buf (cp.async where aligned), rk beta per row
+  auto issue = [&](int buf, std::int64_t t0) {
+    const int nr = int(lmin(kT, sq.eos - t0));
+    const std::int64_t row0 = dn_ws_row(p, b, t0, h);
+    load_tile(sk + buf * tile, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
+    load_tile(sxh + buf * tile, ldk, kT, Kc, xwh + row0 * K, p.H * K, nr, int(K), vx);
+    load_tile(sxl + buf * tile, ldk, kT, Kc, xwl + row0 * K, p.H * K, nr, int(K), vx);
+    if (tid < kT) {
+      if (tid < nr) cp_async4(s_rkb + buf * kT + tid, w.rk + row0 + tid * p.H);
+      else s_rkb[buf * kT + tid] = 0.f;
+    }
+    cp_async_commit();
+  };
+  const std::int64_t nch = (sq.eos - sq.bos + kT - 1) / kT;
+  if (nch > 0) issue(0, sq.bos);
+  for (std::int64_t ci = 0; ci < nch; ++ci) {
+    const int buf = int(ci & 1);
+    const std::int64_t t0 = sq.bos + ci * kT;
+    const int nr = int(lmin(kT, sq.eos - t0));
+    // a. S as hi + lo (B operand of Xw S)
+#pragma unroll
+    for (int gg = 0; gg < 2; ++gg) {
+      const int g = warp + 4 * gg;
+      if (g >= ngroups) continue;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) put_split(sSh, sSl, kLd, 16 * g + frow(lane, e), fcol(lane, j, e), acc_s[gg][j][e]);
+    }
+    // b. the next chunk's operands into the other buffer (its last readers finished before the
+    //    previous iteration's final barrier)
+    if (ci + 1 < nch) {
+      issue(buf ^ 1, t0 + kT);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    // S entering the chunk to the workspace as hi + lo (DnChunkBufs), copied from smem
+    store_state_split(w.S + ((sq.base + ci) * p.H + h) * K * V, sSh, sSl, K, V, c0);
+    // c. X = Xu - Xw S (this warp's 16 rows); to the workspace; diag(rk beta) X as hi + lo
+    {
+      float acc[8][4] = {};
+      const bf16* xh = sxh + buf * tile;
+      const bf16* xl = sxl + buf * tile;
+      mma_rk(acc, xh, ldk, warp, sSh, kLd, Kc, lane);
+      mma_rk(acc, xh, ldk, warp, sSl, kLd, Kc, lane);
+      mma_rk(acc, xl, ldk, warp, sSh, kLd, Kc, lane);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 of row i
+          const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
+          float2 x = make_float2(0.f, 0.f);
+          if (i < nr && c0 + c < V) {
+            const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * V + c0 + c;
+            const bool has1 = c0 + c + 1 < V, even = V % 2 == 0;
+            const float2 u = load_pair(w.xu + at, has1, even);
+            x = make_float2(u.x - acc[j][e], has1 ? u.y - acc[j][e + 1] : 0.f);
+            store_pair(w.X + at, x.x, x.y, has1, even);
+          }
+          const float r = s_rkb[buf * kT + i];
+          put_split(sDh, sDl, kLd, i, c, r * x.x);
+          put_split(sDh, sDl, kLd, i, c + 1, r * x.y);
+        }
+    }
+    __syncthreads();
+    // d. S += K^T (diag(rk beta) X)
+    state_update(acc_s, sk + buf * tile, ldk, sDh, sDl, ngroups, warp, lane);
+    __syncthreads();  // the next iteration rewrites S hi/lo, D and this buffer
+  }
+  if (p.ht.p) state_store(acc_s, p.ht, n, h, c0, K, V, warp, lane);
+}
+
+// ---- 3. output ----------------------------------------------------------------------------------
+// smem: bf16 q[64][ldk] | k[64][ldk] | Sh, Sl[Kc][kLd] | Vp[64][kLd] | f32 rq[64], rk beta[64]
+struct OutLayout {
+  int Kc, ldk;
+  std::size_t q, k, Sh, Sl, Vp, rq, rk, bytes;
+  __host__ __device__ explicit OutLayout(std::int64_t K) {
+    Kc = k_cols(K), ldk = Kc + 8;
+    q = 0, k = q + 2 * std::size_t(kT) * ldk, Sh = k + 2 * std::size_t(kT) * ldk;
+    Sl = Sh + 2 * std::size_t(Kc) * kLd, Vp = Sl + 2 * std::size_t(Kc) * kLd;
+    rq = Vp + 2 * kT * kLd, rk = rq + 4 * kT, bytes = rk + 4 * kT;
+  }
+};
+
+__global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetParams p, const DnChunkBufs w, bool vq,
+                                                                bool vk) {
+  extern __shared__ float4 smem_raw[];
+  char* base = reinterpret_cast<char*>(smem_raw);
+  const OutLayout lay(p.K);
+  const int Kc = lay.Kc, ldk = lay.ldk;
+  bf16* sq = reinterpret_cast<bf16*>(base + lay.q);    // (64 rows, Kc) q
+  bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // (64 rows, Kc) k
+  bf16* sSh = reinterpret_cast<bf16*>(base + lay.Sh);  // (Kc, 64) S hi
+  bf16* sSl = reinterpret_cast<bf16*>(base + lay.Sl);  // (Kc, 64) S lo
+  bf16* sVp = reinterpret_cast<bf16*>(base + lay.Vp);  // (64, 64) D' = diag(rk beta) X
+  float* s_rq = reinterpret_cast<float*>(base + lay.rq);
+  float* s_rk = reinterpret_cast<float*>(base + lay.rk);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const std::int64_t h = blockIdx.y, c0 = std::int64_t(blockIdx.z) * kT, K = p.K, V = p.V;
+  DnSeq sq_;
+  std::int64_t t0;
+  if (!dn_slot(p, blockIdx.x, sq_, t0)) return;
+  const std::int64_t b = sq_.b, slot = blockIdx.x;
+  const int nr = int(lmin(kT, sq_.eos - t0));
+
+  load_tile(sq, ldk, kT, Kc, bf_rows(p.q, b, t0, h), p.q.s1, nr, int(K), vq);
+  load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
+  // S entering the chunk: (K, V) hi then lo bf16 matrices of the workspace, this CTA's 64 columns
+  const bf16* Sg = reinterpret_cast<const bf16*>(w.S + (slot * p.H + h) * K * V) + c0;
+  const int ncv = int(lmin(64, V - c0));
+  load_tile(sSh, kLd, Kc, kT, Sg, V, int(K), ncv, V % 8 == 0);
+  load_tile(sSl, kLd, Kc, kT, Sg + K * V, V, int(K), ncv, V % 8 == 0);
+  cp_async_commit();
+  if (tid < kT) s_rk[tid] = tid < nr ? w.rk[dn_ws_row(p, b, t0 + tid, h)] : 0.f;  // rk beta
+  __syncthreads();
+  for (int e = tid; e < 64 * 32; e += kThreads) {  // D' = diag(rk beta) X as bf16, column pairs
+    const int i = e / 32, c = 2 * (e % 32);
+    float2 x = make_float2(0.f, 0.f);
+    if (i < nr && c0 + c < V) x = load_pair(w.X + dn_ws_row(p, b, t0 + i, h) * V + c0 + c, c0 + c + 1 < V, V % 2 == 0);
+    *reinterpret_cast<__nv_bfloat162*>(sVp + i * kLd + c) = __floats2bfloat162_rn(s_rk[i] * x.x, s_rk[i] * x.y);
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  if (tid < kT) {  // rq from the bf16 row (1 without L2)
+    float ss = 0.f;
+    for (int x = 0; x < Kc; ++x) {
+      const float qx = __bfloat162float(sq[tid * ldk + x]);
+      ss = fmaf(qx, qx, ss);
+    }
+    s_rq[tid] = p.l2 ? rsqrtf(ss + 1e-6f) : 1.f;
+  }
+  __syncthreads();
+  // o = scale diag(rq) (Q S + tril(Q K^T) diag(rk) D)
+  float o[8][4] = {};
+  chunk_output(o, sq, sk, ldk, Kc, sSh, sSl, sVp, nullptr, warp, lane);  // rk is in D'
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 16 * warp + frow(lane, e);
+      const std::int64_t c = c0 + fcol(lane, j, e);
+      if (i < nr && c < V) mlstm_st(p.o, dn_row(p.o, b, t0 + i, h) + c, p.scale * s_rq[i] * o[j][e]);
+    }
+}
+
+template <typename Kernel>
+void prepare(Kernel* kernel, std::size_t smem) {
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kThreads, smem);
+}
+
+}  // namespace
+
+bool deltanet_chunk_tc_applies(const DeltanetParams& p) {
+  return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 && p.K >= 1 &&
+         p.K <= kMaxK;
+}
+
+void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Stream stream) {
+  const std::int64_t seqs = p.N * p.H, vt = (p.V + kT - 1) / kT, slots = deltanet_slots(p);
+  if (seqs == 0) return;
+  if (seqs > 0x7fffffff || vt > 65535 || p.H > 65535 || slots > 0x7fffffff)
+    throw Error(cat("deltanet (tensor cores): grid too large (", seqs, " sequence-heads, ", slots, " chunks)"));
+  const auto st = reinterpret_cast<cudaStream_t>(stream);
+  if (slots > 0) {
+    const WyLayout lw(p.K);
+    prepare(&deltanet_wy_kernel, lw.bytes);
+    deltanet_wy_kernel<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lw.bytes, st>>>(p, w, rows16_seq(p.k),
+                                                                                          rows16_seq(p.v));
+    FW_CUDA_CHECK_LAUNCH("deltanet (wy)");
+  }
+  const StLayout ls(p.K);
+  prepare(&deltanet_state_kernel, ls.bytes);
+  deltanet_state_kernel<<<dim3(unsigned(seqs), unsigned(vt)), kThreads, ls.bytes, st>>>(p, w, rows16_seq(p.k),
+                                                                                        p.K % 8 == 0);
+  FW_CUDA_CHECK_LAUNCH("deltanet (state)");
+}
+
+void deltanet_chunk_tc_output(const DeltanetParams& p, const DnChunkBufs& w, Stream stream) {
+  const std::int64_t vt = (p.V + kT - 1) / kT, slots = deltanet_slots(p);
+  if (slots == 0 || p.N * p.H == 0) return;
+  const OutLayout lo(p.K);
+  prepare(&deltanet_out_kernel, lo.bytes);
+  deltanet_out_kernel<<<dim3(unsigned(slots), unsigned(p.H), unsigned(vt)), kThreads, lo.bytes,
+                        reinterpret_cast<cudaStream_t>(stream)>>>(p, w, rows16_seq(p.q), rows16_seq(p.k));
+  FW_CUDA_CHECK_LAUNCH("deltanet (output)");
+}
+
+}  // namespace fastweight::detail

@@ -1,0 +1,196 @@
+// deltanet_tc.cuh: what the DeltaNet tensor-core kernels (deltanet_fwd_tc.cu, deltanet_chunk_tc.cu)
+// share: warp-level mma.sync products over 64-column tiles, fragment coordinates, the bf16 hi + lo
+// split, the blocked inverse of a unit-lower 64 x 64 matrix, the alignment test of cp.async rows.
+#pragma once
+
+#include <cstdint>
+
+#include "common/mlstm_params.h"  // StridedView
+#include "cuda/common/mma.cuh"
+#include "cuda/mlstm/mlstm_common.cuh"  // mlstm_ld / mlstm_st
+#include "cuda/mlstm/mlstm_tc.cuh"
+
+namespace fastweight::detail::dtc {
+
+using namespace mtc;
+
+// acc (warp's 16 rows x 64 columns) += A (row major, rows 16 mrow.., K = Kp) B (k-major, 64 columns)
+__device__ __forceinline__ void mma_rk(float (&acc)[8][4], const bf16* A, int lda, int mrow, const bf16* Bk, int ldb,
+                                       int Kp, int lane) {
+  for (int ks = 0; ks < Kp / 16; ++ks) {
+    std::uint32_t a[4];
+    ldsm_x4(a, A + (16 * mrow + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      std::uint32_t bb[4];
+      ldsm_x4_t(bb, Bk + (ks * 16 + ld_row_b_kmajor(lane)) * ldb + 16 * jj + ld_col_b_kmajor(lane));
+      mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
+      mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
+    }
+  }
+}
+// acc (16 x 64) += A B^T with A row major (rows 16 mrow..) and B stored n-major (64 rows, K contiguous)
+__device__ __forceinline__ void mma_rn(float (&acc)[8][4], const bf16* A, int lda, int mrow, const bf16* Bn, int ldb,
+                                       int Kp, int lane) {
+  for (int ks = 0; ks < Kp / 16; ++ks) {
+    std::uint32_t a[4];
+    ldsm_x4(a, A + (16 * mrow + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      std::uint32_t bb[4];
+      ldsm_x4(bb, Bn + (16 * jj + ld_row_b_nmajor(lane)) * ldb + ks * 16 + ld_col_b_nmajor(lane));
+      mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
+      mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
+    }
+  }
+}
+// Fragment element (j, e) -> (row, column) within the warp's 16 x 64 tile
+__device__ __forceinline__ int frow(int lane, int e) { return (lane >> 2) + (e >> 1) * 8; }
+__device__ __forceinline__ int fcol(int lane, int j, int e) { return 8 * j + 2 * (lane & 3) + (e & 1); }
+
+// Stores x as bf16 hi + lo at (r, c) of two tiles
+__device__ __forceinline__ void put_split(bf16* hi, bf16* lo, int ld, int r, int c, float x) {
+  const bf16 h = __float2bfloat16_rn(x);
+  hi[r * ld + c] = h;
+  lo[r * ld + c] = __float2bfloat16_rn(x - __bfloat162float(h));
+}
+
+// The state slice S (Kc rows x 64 columns) in fp32 registers: warp w owns 16-row groups w and w + 4
+// (Kc <= 128), acc[gg][j][e] at row 16 (w + 4 gg) + frow, column fcol. Loaded from (N, H, K, V) view
+// st at (n, h, rows, columns c0..) (zero where absent or outside K, V); stored likewise.
+__device__ __forceinline__ void state_load(float (&acc)[2][8][4], const StridedView& st, std::int64_t n,
+                                           std::int64_t h, std::int64_t c0, std::int64_t K, std::int64_t V, int warp,
+                                           int lane) {
+#pragma unroll
+  for (int gg = 0; gg < 2; ++gg)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const std::int64_t r = 16 * (warp + 4 * gg) + frow(lane, e), c = c0 + fcol(lane, j, e);
+        acc[gg][j][e] = st.p && r < K && c < V ? mlstm_ld(st, n * st.s0 + h * st.s1 + r * st.s2 + c) : 0.f;
+      }
+}
+__device__ __forceinline__ void state_store(const float (&acc)[2][8][4], const StridedView& st, std::int64_t n,
+                                            std::int64_t h, std::int64_t c0, std::int64_t K, std::int64_t V, int warp,
+                                            int lane) {
+#pragma unroll
+  for (int gg = 0; gg < 2; ++gg)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const std::int64_t r = 16 * (warp + 4 * gg) + frow(lane, e), c = c0 + fcol(lane, j, e);
+        if (r < K && c < V) mlstm_st(st, n * st.s0 + h * st.s1 + r * st.s2 + c, acc[gg][j][e]);
+      }
+}
+
+// S += K^T U: A = K^T read k-major from the chunk's k tile (64 rows, stride ldk), B = U (64 x 64) as
+// bf16 hi + lo (stride kLd); ngroups = Kc / 16 row groups of S.
+__device__ __forceinline__ void state_update(float (&acc)[2][8][4], const bf16* sk, int ldk, const bf16* sUh,
+                                             const bf16* sUl, int ngroups, int warp, int lane) {
+#pragma unroll
+  for (int gg = 0; gg < 2; ++gg) {
+    const int g = warp + 4 * gg;
+    if (g >= ngroups) continue;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      std::uint32_t a[4];
+      ldsm_x4_t(a, sk + (ks * 16 + ld_row_a_kmajor(lane)) * ldk + 16 * g + ld_col_a_kmajor(lane));
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        std::uint32_t bh[4], bl[4];
+        ldsm_x4_t(bh, sUh + (ks * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
+        ldsm_x4_t(bl, sUl + (ks * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
+        mma_bf16_16816(acc[gg][2 * jj], a, bh[0], bh[1]);
+        mma_bf16_16816(acc[gg][2 * jj + 1], a, bh[2], bh[3]);
+        mma_bf16_16816(acc[gg][2 * jj], a, bl[0], bl[1]);
+        mma_bf16_16816(acc[gg][2 * jj + 1], a, bl[2], bl[3]);
+      }
+    }
+  }
+}
+
+// The chunk's output rows of this warp before scale and rq: o = Q S + tril(Q K^T) diag(rk) D with Q,
+// K the bf16 tiles (64 rows, Kc columns, stride ldk), S as hi + lo (Kc x 64), D bf16 (64 x 64);
+// s_rk null: rk already in D.
+__device__ __forceinline__ void chunk_output(float (&o)[8][4], const bf16* sq, const bf16* sk, int ldk, int Kc,
+                                             const bf16* sSh, const bf16* sSl, const bf16* sD, const float* s_rk,
+                                             int warp, int lane) {
+  float pk[8][4] = {};
+  mma_rk(o, sq, ldk, warp, sSh, kLd, Kc, lane);
+  mma_rk(o, sq, ldk, warp, sSl, kLd, Kc, lane);
+  mma_rn(pk, sq, ldk, warp, sk, ldk, Kc, lane);  // Q K^T
+  std::uint32_t pf[4][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    float x[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
+      x[e] = c <= i ? (s_rk ? s_rk[c] * pk[j][e] : pk[j][e]) : 0.f;
+    }
+    pf[j >> 1][(j & 1) * 2] = pack_bf16(x[0], x[1]);
+    pf[j >> 1][(j & 1) * 2 + 1] = pack_bf16(x[2], x[3]);
+  }
+#pragma unroll
+  for (int kp = 0; kp < 4; ++kp)
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      std::uint32_t bb[4];
+      ldsm_x4_t(bb, sD + (kp * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
+      mma_bf16_16816(o[2 * jj], pf[kp], bb[0], bb[1]);
+      mma_bf16_16816(o[2 * jj + 1], pf[kp], bb[2], bb[3]);
+    }
+}
+
+// T = (I + L)^-1 for a strictly lower L (64 x 64, fp32 smem, written and synced by the caller), in
+// fp32: the diagonal 16 x 16 blocks by forward substitution (warp w: block w, lanes 0-15 one column
+// each), then block rows 1..3, T_ij = -T_ii sum_{k=j}^{i-1} L_ik T_kj (warp j). Every thread of the
+// CTA (4 warps) calls it; T is complete and synced on return. scr: 4 x 16 x 16 scratch.
+__device__ __forceinline__ void unit_lower_inverse(const float (*sL)[65], float (*sT)[65], float (*scr)[16][17],
+                                                   int warp, int lane) {
+  {
+    const int bo = 16 * warp, col = lane & 15;
+    for (int r = 0; r < 16; ++r) {
+      float x = r == col ? 1.f : 0.f;
+      for (int c = 0; c < r; ++c) x = fmaf(-sL[bo + r][bo + c], sT[bo + c][bo + col], x);
+      if (lane < 16) sT[bo + r][bo + col] = x;
+      __syncwarp();
+    }
+    // blocks above the diagonal are zero
+    for (int e = lane; e < 16 * 64; e += 32) {
+      const int r = e / 64, c = e % 64;
+      if (c >= bo + 16) sT[bo + r][c] = 0.f;
+    }
+  }
+  __syncthreads();
+  for (int bi = 1; bi < 4; ++bi) {
+    const int bj = warp;
+    if (bj < bi) {
+      // scr = sum_{k=bj}^{bi-1} L_{bi,k} T_{k,bj} (16 x 16), 8 elements per lane
+      for (int e = lane; e < 256; e += 32) {
+        const int r = e / 16, c = e % 16;
+        float x = 0.f;
+        for (int kk = 16 * bj; kk < 16 * bi; ++kk) x = fmaf(sL[16 * bi + r][kk], sT[kk][16 * bj + c], x);
+        scr[warp][r][c] = x;
+      }
+      __syncwarp();
+      for (int e = lane; e < 256; e += 32) {
+        const int r = e / 16, c = e % 16;
+        float x = 0.f;
+        for (int kk = 0; kk < 16; ++kk) x = fmaf(sT[16 * bi + r][16 * bi + kk], scr[warp][kk][c], x);
+        sT[16 * bi + r][16 * bj + c] = -x;
+      }
+      __syncwarp();
+    }
+    __syncthreads();
+  }
+}
+
+// (B, T, H, D) rows 16-byte aligned at every (b, t, h): cp.async applies.
+inline bool rows16_seq(const StridedView& t) {
+  return reinterpret_cast<std::uintptr_t>(t.p) % 16 == 0 && t.s0 % 8 == 0 && t.s1 % 8 == 0 && t.s2 % 8 == 0;
+}
+
+}  // namespace fastweight::detail::dtc
