@@ -53,8 +53,9 @@ struct SmemState {
   float part[4][kC];        // partial sums of the substitution
 };
 
-__global__ void __launch_bounds__(kThreads) deltanet_bwd_state_kernel(const DeltanetBwdParams p, const DnBwdWs w,
-                                                                      float* __restrict__ ws) {
+// (kThreads, 1): one CTA per SM (168 KB of smem) lets ptxas keep every accumulator in registers.
+__global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_kernel(const DeltanetBwdParams p, const DnBwdWs w,
+                                                                         float* __restrict__ ws) {
   extern __shared__ float4 smem_raw[];
   SmemState& sm = *reinterpret_cast<SmemState*>(smem_raw);
   const int tid = threadIdx.x, tr = tid / 16, tc = tid % 16;
