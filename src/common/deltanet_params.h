@@ -46,6 +46,7 @@ inline std::int64_t deltanet_slots(const DeltanetParams& p) {
 //   X (rows, V): X = Xu - Xw S (D = diag(beta) X)
 struct DnChunkBufs {
   float *xw = nullptr, *xu = nullptr, *rk = nullptr, *S = nullptr, *X = nullptr;
+  float* T2 = nullptr;  // optional (slots, H, 64, 64): T2 itself, for the backward's state pass
 };
 
 // The forward's workspace with the tensor-core pipeline (offsets in floats, 64-float aligned).
@@ -66,9 +67,10 @@ struct DnFwdWs {
 //   X, Y (B*T*H, V): per row X = R - Lg D and Y = T^T dD (dR = diag(beta) Y)
 //   dbp (ceil(V/64), B*T*H): dbeta partial sums, one per 64-column tile of V
 //   dqh, dkh (B*T*H, K): dL/d of the L2-normalised q, k (only with the in-kernel L2 norm)
-//   xw, xu, rk: the tensor-core recompute's scratch (DnChunkBufs), when it applies
+//   xw, xu, rk, T2: the tensor-core recompute's scratch (DnChunkBufs), when it applies; then S and
+//   dS hold bf16 hi + lo matrices (as DnChunkBufs::S) instead of fp32
 struct DnBwdWs {
-  std::int64_t rows, vt, S, dS, X, Y, dbp, dqh, dkh, xw, xu, rk, total;
+  std::int64_t rows, vt, S, dS, X, Y, dbp, dqh, dkh, xw, xu, rk, T2, total;
   // tc: the recompute runs the tensor-core pipeline (its xw, xu, rk regions; see DnChunkBufs)
   DnBwdWs(const DeltanetParams& p, bool tc) {
     rows = p.B * p.T * p.H, vt = (p.V + kDeltanetChunk - 1) / kDeltanetChunk;
@@ -78,6 +80,7 @@ struct DnBwdWs {
     S = take(states), dS = take(states), X = take(rows * p.V), Y = take(rows * p.V), dbp = take(vt * rows);
     dqh = take(p.l2 ? rows * p.K : 0), dkh = take(p.l2 ? rows * p.K : 0);
     xw = take(tc ? rows * p.K : 0), xu = take(tc ? rows * p.V : 0), rk = take(tc ? rows : 0);
+    T2 = take(tc ? deltanet_slots(p) * p.H * 64 * 64 : 0);
     total = o;
   }
 };

@@ -206,9 +206,11 @@ struct SmemChunk {
   float rq[kC], rk[kC], beta[kC];
 };
 
-// s_split: the chunk states are bf16 hi + lo (the tensor-core recompute, DnChunkBufs), else fp32.
+// s_split / ds_split: the chunk states / their gradients are bf16 hi + lo (the tensor-core recompute /
+// state pass), else fp32.
 __global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_kernel(const DeltanetBwdParams p, const DnBwdWs w,
-                                                                      float* __restrict__ ws, bool s_split) {
+                                                                      float* __restrict__ ws, bool s_split,
+                                                                      bool ds_split) {
   extern __shared__ float4 smem_raw[];
   SmemChunk& sm = *reinterpret_cast<SmemChunk*>(smem_raw);
   const int tid = threadIdx.x, tr = tid / 16, tc = tid % 16;
@@ -240,7 +242,10 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_kernel(const Delt
                    : s_split ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(Sw)[at]) +
                                    __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(Sw)[K * V + at])
                              : Sw[at];
-      sm.dS[i][c] = sin ? dSw[at] : 0.f;
+      sm.dS[i][c] = !sin ? 0.f
+                    : ds_split ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(dSw)[at]) +
+                                     __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(dSw)[K * V + at])
+                               : dSw[at];
     }
     __syncthreads();
     for (int x = 0; x < kC; ++x)
@@ -362,24 +367,29 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p, void* workspace, Stream strea
   DeltanetParams f = p;
   f.o = {}, f.ht = {};
   if (tc) {
-    deltanet_chunk_tc_states(f, DnChunkBufs{ws + w.xw, ws + w.xu, ws + w.rk, ws + w.S, ws + w.X}, stream);
+    deltanet_chunk_tc_states(f, DnChunkBufs{ws + w.xw, ws + w.xu, ws + w.rk, ws + w.S, ws + w.X, ws + w.T2}, stream);
   } else {
     f.save_S = ws + w.S, f.save_X = ws + w.X;
     deltanet_fwd_v1_cuda(f, stream);
   }
   if (seqs == 0) return;
-  // 2. state pass
-  const std::size_t smem_s = sizeof(SmemState);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_state_kernel), kThreads, smem_s);
-  deltanet_bwd_state_kernel<<<dim3(unsigned(seqs), unsigned(vt)), kThreads, smem_s, st>>>(p, w, ws);
-  FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass)");
+  // 2. state pass (on tensor cores after the tensor-core recompute)
+  const bool state_tc = tc && deltanet_bwd_state_tc_applies(p);
+  if (state_tc) {
+    deltanet_bwd_state_tc(p, w, ws, stream);
+  } else {
+    const std::size_t smem_s = sizeof(SmemState);
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_state_kernel), kThreads, smem_s);
+    deltanet_bwd_state_kernel<<<dim3(unsigned(seqs), unsigned(vt)), kThreads, smem_s, st>>>(p, w, ws);
+    FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass)");
+  }
   // 3. chunk pass
   const std::int64_t slots = deltanet_slots(p);
   if ((p.dq.p || p.dk.p || p.dbeta.p) && slots > 0) {
     if (slots > 0x7fffffff) throw Error(cat("deltanet_bwd: grid too large (", slots, " chunks)"));
     const std::size_t smem_c = sizeof(SmemChunk);
     (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_chunk_kernel), kThreads, smem_c);
-    deltanet_bwd_chunk_kernel<<<dim3(unsigned(slots), unsigned(p.H), unsigned(kt)), kThreads, smem_c, st>>>(p, w, ws, tc);
+    deltanet_bwd_chunk_kernel<<<dim3(unsigned(slots), unsigned(p.H), unsigned(kt)), kThreads, smem_c, st>>>(p, w, ws, tc, state_tc);
     FW_CUDA_CHECK_LAUNCH("deltanet_bwd (chunk pass)");
   }
   // 4. L2-norm backward

@@ -25,49 +25,6 @@ using namespace dtc;
 constexpr int kThreads = kTcThreads;  // 4 warps; warp w owns tile rows 16w..16w+15
 constexpr int kMaxK = 128;
 
-// S (Kc x 64 tile, bf16 hi + lo in smem) -> the workspace's (K, V) hi then lo matrices at columns
-// c0..: 16-byte rows pieces where V % 8 == 0, else elements. All threads of the CTA.
-__device__ __forceinline__ void store_state_split(float* dst, const bf16* sSh, const bf16* sSl, std::int64_t K,
-                                                  std::int64_t V, std::int64_t c0) {
-  bf16* gh = reinterpret_cast<bf16*>(dst);
-  bf16* gl = gh + K * V;
-  const int nc = int(lmin(64, V - c0));
-  if (V % 8 == 0) {
-    for (int e = threadIdx.x; e < K * 8; e += kThreads) {
-      const int r = e / 8, c = (e % 8) * 8;
-      if (c >= nc) continue;
-      *reinterpret_cast<uint4*>(gh + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSh + r * kLd + c);
-      *reinterpret_cast<uint4*>(gl + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSl + r * kLd + c);
-    }
-  } else {
-    for (int e = threadIdx.x; e < K * 64; e += kThreads) {
-      const int r = e / 64, c = e % 64;
-      if (c < nc) gh[r * V + c0 + c] = sSh[r * kLd + c], gl[r * V + c0 + c] = sSl[r * kLd + c];
-    }
-  }
-}
-
-// Columns c, c + 1 of an fp32 row (c even): one 8-byte access when the row length is even (aligned).
-__device__ __forceinline__ void store_pair(float* at, float x0, float x1, bool has1, bool even) {
-  if (even) {
-    *reinterpret_cast<float2*>(at) = make_float2(x0, x1);
-  } else {
-    at[0] = x0;
-    if (has1) at[1] = x1;
-  }
-}
-__device__ __forceinline__ float2 load_pair(const float* at, bool has1, bool even) {
-  if (even) return *reinterpret_cast<const float2*>(at);
-  return make_float2(at[0], has1 ? at[1] : 0.f);
-}
-
-// K columns in smem: K rounded up to 64 (whole 64-column tiles for the products), stride + 8.
-__host__ __device__ inline int k_cols(std::int64_t K) { return int(round_up(K, 64)); }
-
-__device__ __forceinline__ const bf16* bf_rows(const StridedView& t, std::int64_t b, std::int64_t t0, std::int64_t h) {
-  return static_cast<const bf16*>(t.p) + dn_row(t, b, t0, h);
-}
-
 // ---- 1. wy --------------------------------------------------------------------------------------
 // smem: f32 L[64][65] | f32 T[64][65] | f32 scr[4][16][17] | f32 rk[64], beta[64] |
 //       bf16 k[64][ldk] | v[64][kLd] | A1h, A1l, A2h, A2l [64][kLd]
@@ -113,12 +70,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
   cp_async_wait<0>();
   __syncthreads();
   if (tid < kT) {  // the L2 factor from the bf16 row (as the single-kernel version)
-    float ss = 0.f;
-    for (int x = 0; x < Kc; ++x) {
-      const float kx = __bfloat162float(sk[tid * ldk + x]);
-      ss = fmaf(kx, kx, ss);
-    }
-    const float r = p.l2 ? rsqrtf(ss + 1e-6f) : 1.f;
+    const float r = row_l2_factor(sk, ldk, Kc, tid, p.l2);
     s_rk[tid] = r;
     if (tid < nr) w.rk[dn_ws_row(p, b, t0 + tid, h)] = r * s_beta[tid];  // rk beta: all the later kernels need
   }
@@ -136,6 +88,10 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
   }
   __syncthreads();
   unit_lower_inverse(sL, sT, scr, warp, lane);
+  if (w.T2) {  // for the backward's state pass
+    float* dst = w.T2 + (std::int64_t(blockIdx.x) * p.H + h) * 64 * 64;
+    for (int e = tid; e < 64 * 64; e += kThreads) dst[e] = sT[e / 64][e % 64];
+  }
   for (int e = tid; e < 64 * 64; e += kThreads) {  // A1 = T2 diag(rk), A2 = T2, as hi + lo
     const int i = e / 64, j = e % 64;
     put_split(sA1h, sA1l, kLd, i, j, sT[i][j] * s_rk[j]);
@@ -252,15 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_state_kernel(const Delta
     const std::int64_t t0 = sq.bos + ci * kT;
     const int nr = int(lmin(kT, sq.eos - t0));
     // a. S as hi + lo (B operand of Xw S)
-#pragma unroll
-    for (int gg = 0; gg < 2; ++gg) {
-      const int g = warp + 4 * gg;
-      if (g >= ngroups) continue;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) put_split(sSh, sSl, kLd, 16 * g + frow(lane, e), fcol(lane, j, e), acc_s[gg][j][e]);
-    }
+    state_split(acc_s, sSh, sSl, ngroups, warp, lane);
     // b. the next chunk's operands into the other buffer (its last readers finished before the
     //    previous iteration's final barrier)
     if (ci + 1 < nch) {
@@ -358,14 +306,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetPa
   }
   cp_async_wait<0>();
   __syncthreads();
-  if (tid < kT) {  // rq from the bf16 row (1 without L2)
-    float ss = 0.f;
-    for (int x = 0; x < Kc; ++x) {
-      const float qx = __bfloat162float(sq[tid * ldk + x]);
-      ss = fmaf(qx, qx, ss);
-    }
-    s_rq[tid] = p.l2 ? rsqrtf(ss + 1e-6f) : 1.f;
-  }
+  if (tid < kT) s_rq[tid] = row_l2_factor(sq, ldk, Kc, tid, p.l2);  // rq from the bf16 row
   __syncthreads();
   // o = scale diag(rq) (Q S + tril(Q K^T) diag(rk) D)
   float o[8][4] = {};

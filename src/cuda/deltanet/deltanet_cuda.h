@@ -32,5 +32,9 @@ void deltanet_fwd_v1_cuda(const DeltanetParams& p, Stream stream);
 // Workspace: deltanet_bwd_workspace_bytes(p) bytes (DnBwdWs), 256-byte aligned.
 std::size_t deltanet_bwd_workspace_bytes(const DeltanetBwdParams& p);
 void deltanet_bwd_cuda(const DeltanetBwdParams& p, void* workspace, Stream stream);
+// The state pass on tensor cores (deltanet_bwd_tc.cu): bf16 q, k, v, do, K <= 128, after the
+// tensor-core recompute (T2 in the workspace).
+bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p);
+void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream);
 
 }  // namespace fastweight::detail

@@ -88,26 +88,10 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_fwd_tc_kernel(const Delt
     cp_async_commit();
     if (tid < kT) s_beta[tid] = tid < nr ? mlstm_ld(p.beta, p.beta.s0 * b + p.beta.s1 * (t0 + tid) + h) : 0.f;
     // b. S as bf16 hi + lo (the B operand of K S and Q S)
-#pragma unroll
-    for (int gg = 0; gg < 2; ++gg) {
-      const int g = warp + 4 * gg;
-      if (g >= ngroups) continue;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) put_split(sSh, sSl, kLd, 16 * g + frow(lane, e), fcol(lane, j, e), acc_s[gg][j][e]);
-    }
+    state_split(acc_s, sSh, sSl, ngroups, warp, lane);
     cp_async_wait<0>();
     __syncthreads();
-    if (tid < kT) {  // L2 factors from the bf16 rows (1 without L2)
-      float sq2 = 0.f, sk2 = 0.f;
-      for (int x = 0; x < Kp; ++x) {
-        const float qx = __bfloat162float(sq[tid * ldk + x]), kx = __bfloat162float(sk[tid * ldk + x]);
-        sq2 = fmaf(qx, qx, sq2), sk2 = fmaf(kx, kx, sk2);
-      }
-      s_rq[tid] = p.l2 ? rsqrtf(sq2 + 1e-6f) : 1.f;
-      s_rk[tid] = p.l2 ? rsqrtf(sk2 + 1e-6f) : 1.f;
-    }
+    if (tid < kT) s_rq[tid] = row_l2_factor(sq, ldk, Kp, tid, p.l2), s_rk[tid] = row_l2_factor(sk, ldk, Kp, tid, p.l2);
     __syncthreads();
     // c. L (rows of this warp) and R = V - diag(rk) K S as hi + lo
     {

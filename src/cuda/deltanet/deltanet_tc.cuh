@@ -1,13 +1,15 @@
-// deltanet_tc.cuh: what the DeltaNet tensor-core kernels (deltanet_fwd_tc.cu, deltanet_chunk_tc.cu)
-// share: warp-level mma.sync products over 64-column tiles, fragment coordinates, the bf16 hi + lo
-// split, the blocked inverse of a unit-lower 64 x 64 matrix, the alignment test of cp.async rows.
+// deltanet_tc.cuh: what the DeltaNet tensor-core kernels (deltanet_fwd_tc.cu, deltanet_chunk_tc.cu,
+// deltanet_bwd_tc.cu) share: warp-level mma.sync products over 64-column tiles, fragment coordinates,
+// the bf16 hi + lo split, the state slice in registers (load, store, rank-64 update), the chunk
+// output, state tiles to and from the workspace, the blocked inverse of a unit-lower 64 x 64 matrix,
+// the alignment test of cp.async rows.
 #pragma once
 
 #include <cstdint>
 
 #include "common/mlstm_params.h"  // StridedView
 #include "cuda/common/mma.cuh"
-#include "cuda/mlstm/mlstm_common.cuh"  // mlstm_ld / mlstm_st
+#include "cuda/deltanet/deltanet_common.cuh"  // dn_row; mlstm_ld / mlstm_st
 #include "cuda/mlstm/mlstm_tc.cuh"
 
 namespace fastweight::detail::dtc {
@@ -85,6 +87,32 @@ __device__ __forceinline__ void state_store(const float (&acc)[2][8][4], const S
       }
 }
 
+// The state slice as bf16 hi + lo into smem (Kc x 64, stride kLd): the B operand of products with S.
+__device__ __forceinline__ void state_split(const float (&acc)[2][8][4], bf16* sSh, bf16* sSl, int ngroups, int warp,
+                                            int lane) {
+#pragma unroll
+  for (int gg = 0; gg < 2; ++gg) {
+    const int g = warp + 4 * gg;
+    if (g >= ngroups) continue;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) put_split(sSh, sSl, kLd, 16 * g + frow(lane, e), fcol(lane, j, e), acc[gg][j][e]);
+  }
+}
+
+// The L2 factor 1 / sqrt(|x|^2 + 1e-6) of row r of a bf16 tile (Kc columns, zero padded), as the
+// forward computes it from the rounded row (1 without the L2 norm).
+__device__ __forceinline__ float row_l2_factor(const bf16* s, int ld, int Kc, int r, bool l2) {
+  if (!l2) return 1.f;
+  float ss = 0.f;
+  for (int x = 0; x < Kc; ++x) {
+    const float v = __bfloat162float(s[r * ld + x]);
+    ss = fmaf(v, v, ss);
+  }
+  return rsqrtf(ss + 1e-6f);
+}
+
 // S += K^T U: A = K^T read k-major from the chunk's k tile (64 rows, stride ldk), B = U (64 x 64) as
 // bf16 hi + lo (stride kLd); ngroups = Kc / 16 row groups of S.
 __device__ __forceinline__ void state_update(float (&acc)[2][8][4], const bf16* sk, int ldk, const bf16* sUh,
@@ -142,6 +170,49 @@ __device__ __forceinline__ void chunk_output(float (&o)[8][4], const bf16* sq, c
       mma_bf16_16816(o[2 * jj], pf[kp], bb[0], bb[1]);
       mma_bf16_16816(o[2 * jj + 1], pf[kp], bb[2], bb[3]);
     }
+}
+
+// S (Kc x 64 tile, bf16 hi + lo in smem) -> the workspace's (K, V) hi then lo matrices at columns
+// c0..: 16-byte rows pieces where V % 8 == 0, else elements. All threads of the CTA.
+__device__ __forceinline__ void store_state_split(float* dst, const bf16* sSh, const bf16* sSl, std::int64_t K,
+                                                  std::int64_t V, std::int64_t c0) {
+  bf16* gh = reinterpret_cast<bf16*>(dst);
+  bf16* gl = gh + K * V;
+  const int nc = int(lmin(64, V - c0));
+  if (V % 8 == 0) {
+    for (int e = threadIdx.x; e < K * 8; e += kTcThreads) {
+      const int r = e / 8, c = (e % 8) * 8;
+      if (c >= nc) continue;
+      *reinterpret_cast<uint4*>(gh + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSh + r * kLd + c);
+      *reinterpret_cast<uint4*>(gl + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSl + r * kLd + c);
+    }
+  } else {
+    for (int e = threadIdx.x; e < K * 64; e += kTcThreads) {
+      const int r = e / 64, c = e % 64;
+      if (c < nc) gh[r * V + c0 + c] = sSh[r * kLd + c], gl[r * V + c0 + c] = sSl[r * kLd + c];
+    }
+  }
+}
+
+// Columns c, c + 1 of an fp32 row (c even): one 8-byte access when the row length is even (aligned).
+__device__ __forceinline__ void store_pair(float* at, float x0, float x1, bool has1, bool even) {
+  if (even) {
+    *reinterpret_cast<float2*>(at) = make_float2(x0, x1);
+  } else {
+    at[0] = x0;
+    if (has1) at[1] = x1;
+  }
+}
+__device__ __forceinline__ float2 load_pair(const float* at, bool has1, bool even) {
+  if (even) return *reinterpret_cast<const float2*>(at);
+  return make_float2(at[0], has1 ? at[1] : 0.f);
+}
+
+// K columns in smem: K rounded up to 64 (whole 64-column tiles for the products), stride + 8.
+__host__ __device__ inline int k_cols(std::int64_t K) { return int(round_up(K, 64)); }
+
+__device__ __forceinline__ const bf16* bf_rows(const StridedView& t, std::int64_t b, std::int64_t t0, std::int64_t h) {
+  return static_cast<const bf16*>(t.p) + dn_row(t, b, t0, h);
 }
 
 // T = (I + L)^-1 for a strictly lower L (64 x 64, fp32 smem, written and synced by the caller), in

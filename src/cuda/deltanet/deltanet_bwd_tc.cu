@@ -1,0 +1,200 @@
+// deltanet_bwd_tc.cu: the backward's state pass on tensor cores (bf16 q, k, v, do; K <= 128), after
+// the tensor-core recompute (deltanet_chunk_tc.cu) stored T2 = (I + Lg W)^-1 per chunk. One CTA
+// (4 warps) per (sequence, head, 64 columns of V), chunks in reverse, dS in fp32 registers. Per chunk
+// (deltanet_bwd.cu for the algebra; W = diag(beta), rq, rk the L2 factors, Lg = strict_lower(K^ K^T),
+// M = tril(Q^ K^T)), with dSe = dL/dS leaving the chunk:
+//   dD = s M^T dO + K^ dSe,   dR = W Y = T2^T W dD,   Y = dD - Lg^T dR   ((I + W Lg)^T Y = dD)
+//   dv = dR,   dbeta partial = Y . X (this V tile),   dS0 = dSe + s Q^T dO - K^T dR
+// Products on tensor cores; where a product feeds dS's chain (dSe, W dD, dR) its operands are bf16
+// hi + lo. Writes what the chunk pass reads (deltanet_bwd.cu): dSe per chunk as bf16 hi + lo, Y per
+// row, the dbeta partials; and dv, dinitial_state.
+#include "cuda/common/check.cuh"
+#include "cuda/deltanet/deltanet_common.cuh"
+#include "cuda/deltanet/deltanet_cuda.h"
+#include "cuda/deltanet/deltanet_tc.cuh"
+
+namespace fastweight::detail {
+namespace {
+
+using namespace dtc;
+constexpr int kThreads = kTcThreads;
+
+// smem: bf16 q, k [64][ldk] | dO [64][kLd] | (hi, lo pairs, [64][kLd] each) s M^T, T2^T, Lg^T (upper),
+//       W dD then -rk dR, dR, s rq dO | dSe hi, lo [Kc][kLd] | f32 rq, rk, beta [64]
+struct BsLayout {
+  int Kc, ldk;
+  std::size_t q, k, dO, MTh, MTl, Th, Tl, Lh, Ll, Bh, Bl, Rh, Rl, Uh, Ul, Sh, Sl, rq, rk, beta, bytes;
+  __host__ __device__ explicit BsLayout(std::int64_t K) {
+    Kc = k_cols(K), ldk = Kc + 8;
+    const std::size_t t64 = 2 * std::size_t(kT) * kLd;  // bytes of a (64, kLd) bf16 tile
+    q = 0, k = q + 2 * std::size_t(kT) * ldk, dO = k + 2 * std::size_t(kT) * ldk;
+    MTh = dO + t64, MTl = MTh + t64, Th = MTl + t64, Tl = Th + t64, Lh = Tl + t64, Ll = Lh + t64;
+    Bh = Ll + t64, Bl = Bh + t64, Rh = Bl + t64, Rl = Rh + t64, Uh = Rl + t64, Ul = Uh + t64;
+    Sh = Ul + t64, Sl = Sh + 2 * std::size_t(Kc) * kLd;
+    rq = Sl + 2 * std::size_t(Kc) * kLd, rk = rq + 4 * kT, beta = rk + 4 * kT, bytes = beta + 4 * kT;
+  }
+};
+
+__global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
+                                                                            float* __restrict__ ws, bool vq, bool vk,
+                                                                            bool vo) {
+  extern __shared__ float4 smem_raw[];
+  char* base = reinterpret_cast<char*>(smem_raw);
+  const BsLayout lay(p.K);
+  const int Kc = lay.Kc, ldk = lay.ldk;
+  auto tile = [&](std::size_t off) { return reinterpret_cast<bf16*>(base + off); };
+  bf16 *sq = tile(lay.q), *sk = tile(lay.k), *sdo = tile(lay.dO);  // (64 rows, Kc) q, k; (64, 64) dO
+  bf16 *sMTh = tile(lay.MTh), *sMTl = tile(lay.MTl);  // (64, 64) s M^T: [c][i] = s M_ic
+  bf16 *sTh = tile(lay.Th), *sTl = tile(lay.Tl);      // (64, 64) T2^T
+  bf16 *sLh = tile(lay.Lh), *sLl = tile(lay.Ll);      // (64, 64) Lg^T: [i][c] = Lg_ci (c > i)
+  bf16 *sBh = tile(lay.Bh), *sBl = tile(lay.Bl);      // (64, 64) W dD, then -diag(rk) dR
+  bf16 *sRh = tile(lay.Rh), *sRl = tile(lay.Rl);      // (64, 64) dR
+  bf16 *sUh = tile(lay.Uh), *sUl = tile(lay.Ul);      // (64, 64) s diag(rq) dO
+  bf16 *sSh = tile(lay.Sh), *sSl = tile(lay.Sl);      // (Kc, 64) dSe
+  float* s_rq = reinterpret_cast<float*>(base + lay.rq);
+  float* s_rk = reinterpret_cast<float*>(base + lay.rk);
+  float* s_beta = reinterpret_cast<float*>(base + lay.beta);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const std::int64_t nh = blockIdx.x, n = nh / p.H, h = nh % p.H;
+  const int vt = int(blockIdx.y);
+  const std::int64_t c0 = std::int64_t(vt) * kT, K = p.K, V = p.V;
+  const DnSeq sq_ = dn_seq(p, n);
+  const std::int64_t b = sq_.b;
+  const int ngroups = Kc / 16;
+  const bool even = V % 2 == 0;
+
+  float acc_s[2][8][4];  // dS (fp32), rows 16 (w + 4 gg)..
+  state_load(acc_s, p.dht, n, h, c0, K, V, warp, lane);
+  const std::int64_t nch = (sq_.eos - sq_.bos + kT - 1) / kT;
+  for (std::int64_t ci = nch - 1; ci >= 0; --ci) {
+    const std::int64_t t0 = sq_.bos + ci * kT, slot = sq_.base + ci;
+    const int nr = int(lmin(kT, sq_.eos - t0));
+    // a. the chunk's q, k, dO tile, beta; dSe as hi + lo; T2^T as hi + lo
+    load_tile(sq, ldk, kT, Kc, bf_rows(p.q, b, t0, h), p.q.s1, nr, int(K), vq);
+    load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
+    load_tile(sdo, kLd, kT, kT, bf_rows(p.do_, b, t0, h) + c0, p.do_.s1, nr, int(lmin(kT, V - c0)), vo);
+    cp_async_commit();
+    if (tid < kT) s_beta[tid] = tid < nr ? mlstm_ld(p.beta, p.beta.s0 * b + p.beta.s1 * (t0 + tid) + h) : 0.f;
+    state_split(acc_s, sSh, sSl, ngroups, warp, lane);
+    {
+      const float* T2w = ws + w.T2 + (slot * p.H + h) * 64 * 64;
+      for (int e = tid; e < 64 * 64; e += kThreads) put_split(sTh, sTl, kLd, e % 64, e / 64, T2w[e]);  // [a][j] = T2[j][a]
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    // dSe for the chunk pass (hi + lo, as the recompute's S)
+    store_state_split(ws + w.dS + (slot * p.H + h) * K * V, sSh, sSl, K, V, c0);
+    if (tid < kT) s_rq[tid] = row_l2_factor(sq, ldk, Kc, tid, p.l2), s_rk[tid] = row_l2_factor(sk, ldk, Kc, tid, p.l2);
+    __syncthreads();
+    // b. this warp's rows of K K^T and Q K^T -> Lg^T (upper) and s M^T (transposed); s diag(rq) dO
+    {
+      float g[8][4] = {}, m[8][4] = {};
+      mma_rn(g, sk, ldk, warp, sk, ldk, Kc, lane);
+      mma_rn(m, sq, ldk, warp, sk, ldk, Kc, lane);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
+          put_split(sLh, sLl, kLd, i, c, c > i ? s_rk[i] * s_rk[c] * g[j][e] : 0.f);
+          put_split(sMTh, sMTl, kLd, c, i, c <= i ? p.scale * s_rq[i] * s_rk[c] * m[j][e] : 0.f);
+        }
+    }
+    for (int e = tid; e < 64 * 64; e += kThreads) {
+      const int i = e / 64, c = e % 64;
+      put_split(sUh, sUl, kLd, i, c, p.scale * s_rq[i] * __bfloat162float(sdo[i * kLd + c]));
+    }
+    __syncthreads();
+    // c. dD = s M^T dO + diag(rk) K dSe (this warp's rows); W dD as hi + lo
+    float dd[8][4] = {};
+    {
+      float kd[8][4] = {};
+      mma_rk(dd, sMTh, kLd, warp, sdo, kLd, 64, lane);
+      mma_rk(dd, sMTl, kLd, warp, sdo, kLd, 64, lane);
+      mma_rk(kd, sk, ldk, warp, sSh, kLd, Kc, lane);
+      mma_rk(kd, sk, ldk, warp, sSl, kLd, Kc, lane);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
+          dd[j][e] = fmaf(s_rk[i], kd[j][e], dd[j][e]);
+          put_split(sBh, sBl, kLd, i, c, s_beta[i] * dd[j][e]);
+        }
+    }
+    __syncthreads();
+    // d. dR = T2^T (W dD), as hi + lo
+    float dr[8][4] = {};
+    mma_rk(dr, sTh, kLd, warp, sBh, kLd, 64, lane);
+    mma_rk(dr, sTh, kLd, warp, sBl, kLd, 64, lane);
+    mma_rk(dr, sTl, kLd, warp, sBh, kLd, 64, lane);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) put_split(sRh, sRl, kLd, 16 * warp + frow(lane, e), fcol(lane, j, e), dr[j][e]);
+    __syncthreads();  // dR complete; W dD no longer read
+    // e. Y = dD - Lg^T dR; Y, dv and the dbeta partial Y . X; -diag(rk) dR as hi + lo (for dS)
+    {
+      float ly[8][4] = {};
+      mma_rk(ly, sLh, kLd, warp, sRh, kLd, 64, lane);
+      mma_rk(ly, sLh, kLd, warp, sRl, kLd, 64, lane);
+      mma_rk(ly, sLl, kLd, warp, sRh, kLd, 64, lane);
+      float db[2] = {0.f, 0.f};  // rows 16w + lane/4 and + 8
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 of row i
+          const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
+          const std::int64_t col = c0 + c;
+          if (i < nr && col < V) {
+            const bool has1 = col + 1 < V;
+            const float y0 = dd[j][e] - ly[j][e], y1 = has1 ? dd[j][e + 1] - ly[j][e + 1] : 0.f;
+            const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * V + col;
+            const float2 x = load_pair(ws + w.X + at, has1, even);
+            db[e >> 1] = fmaf(y0, x.x, fmaf(y1, x.y, db[e >> 1]));
+            store_pair(ws + w.Y + at, y0, y1, has1, even);
+            if (p.dv.p) {
+              const std::int64_t odv = dn_row(p.dv, b, t0 + i, h) + col;
+              mlstm_st(p.dv, odv, dr[j][e]);
+              if (has1) mlstm_st(p.dv, odv + 1, dr[j][e + 1]);
+            }
+          }
+          put_split(sBh, sBl, kLd, i, c, -s_rk[i] * dr[j][e]);
+          put_split(sBh, sBl, kLd, i, c + 1, -s_rk[i] * dr[j][e + 1]);
+        }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        db[r] += __shfl_xor_sync(0xffffffffu, db[r], 1);
+        db[r] += __shfl_xor_sync(0xffffffffu, db[r], 2);
+        const int i = 16 * warp + (lane >> 2) + 8 * r;
+        if ((lane & 3) == 0 && i < nr) ws[w.dbp + vt * w.rows + dn_ws_row(p, b, t0 + i, h)] = db[r];
+      }
+    }
+    __syncthreads();
+    // f. dS += Q^T (s diag(rq) dO) - K^T (diag(rk) dR)
+    state_update(acc_s, sq, ldk, sUh, sUl, ngroups, warp, lane);
+    state_update(acc_s, sk, ldk, sBh, sBl, ngroups, warp, lane);
+    __syncthreads();  // the next chunk overwrites every tile
+  }
+  if (p.dh0.p) state_store(acc_s, p.dh0, n, h, c0, K, V, warp, lane);
+}
+
+}  // namespace
+
+bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
+  return deltanet_chunk_tc_applies(p) && p.do_.dtype == DType::bf16;
+}
+
+void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream) {
+  const std::int64_t seqs = p.N * p.H, vt = (p.V + kT - 1) / kT;
+  if (seqs == 0) return;
+  const BsLayout lay(p.K);
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_state_tc_kernel), kThreads, lay.bytes);
+  deltanet_bwd_state_tc_kernel<<<dim3(unsigned(seqs), unsigned(vt)), kThreads, lay.bytes,
+                                 reinterpret_cast<cudaStream_t>(stream)>>>(p, w, ws, rows16_seq(p.q), rows16_seq(p.k),
+                                                                           rows16_seq(p.do_));
+  FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass, tensor cores)");
+}
+
+}  // namespace fastweight::detail
