@@ -387,10 +387,15 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p, void* workspace, Stream strea
   const std::int64_t slots = deltanet_slots(p);
   if ((p.dq.p || p.dk.p || p.dbeta.p) && slots > 0) {
     if (slots > 0x7fffffff) throw Error(cat("deltanet_bwd: grid too large (", slots, " chunks)"));
-    const std::size_t smem_c = sizeof(SmemChunk);
-    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_chunk_kernel), kThreads, smem_c);
-    deltanet_bwd_chunk_kernel<<<dim3(unsigned(slots), unsigned(p.H), unsigned(kt)), kThreads, smem_c, st>>>(p, w, ws, tc, state_tc);
-    FW_CUDA_CHECK_LAUNCH("deltanet_bwd (chunk pass)");
+    if (state_tc) {
+      deltanet_bwd_chunk_tc(p, w, ws, stream);
+    } else {
+      const std::size_t smem_c = sizeof(SmemChunk);
+      (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_chunk_kernel), kThreads, smem_c);
+      deltanet_bwd_chunk_kernel<<<dim3(unsigned(slots), unsigned(p.H), unsigned(kt)), kThreads, smem_c, st>>>(
+          p, w, ws, tc, state_tc);
+      FW_CUDA_CHECK_LAUNCH("deltanet_bwd (chunk pass)");
+    }
   }
   // 4. L2-norm backward
   if (p.l2 && (p.dq.p || p.dk.p) && w.rows > 0) {

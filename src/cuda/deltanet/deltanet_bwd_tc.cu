@@ -180,6 +180,153 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(cons
   if (p.dh0.p) state_store(acc_s, p.dh0, n, h, c0, K, V, warp, lane);
 }
 
+// ---- the chunk pass on tensor cores --------------------------------------------------------------
+// One CTA (4 warps, warp w: chunk rows 16w..) per (chunk slot, head, 64 columns of K), as the
+// version 1 chunk kernel (deltanet_bwd.cu) computes it, with D = W X, dR = W Y:
+//   a1 = dO D^T, a2 = -dR D^T (64 x 64), dq0 = dO S0^T, dk0 = D dSe^T - dR S0^T (64 x 64 of K), over V;
+//   dq^ = s dq0 + (s tril(a1)) diag(rk) K,  dk^ = dk0 + (s tril(a1))^T diag(rq) Q + E diag(rk) K,
+//   E = dG + dG^T, dG = strict_lower(a2).
+// Operands from fp32 (D, dR, S0, dSe, the 64 x 64 factors) are bf16 hi + lo; q, k, dO are exact.
+// smem: bf16 [64][kLd] tiles: dO | D h, l | dR h, l | S0 h, l | dSe h, l (rows: K index) -- after the
+// V loop: q, k (this CTA's K columns) and the factors P1 = s tril(a1) diag(rk), P2 = (s tril(a1))^T
+// diag(rq), PE = E diag(rk) (h, l) | f32 dG[64][65] | f32 rq, rk, beta[64]
+struct BcLayout {
+  std::size_t t[9], dG, rq, rk, beta, bytes;
+  __host__ __device__ BcLayout() {
+    const std::size_t t64 = 2 * std::size_t(kT) * kLd;
+    for (int i = 0; i < 9; ++i) t[i] = i * t64;
+    dG = 9 * t64, rq = dG + 4 * 64 * 65, rk = rq + 4 * kT, beta = rk + 4 * kT, bytes = beta + 4 * kT;
+  }
+};
+
+__global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
+                                                                         float* __restrict__ ws, bool vq, bool vk,
+                                                                         bool vo) {
+  extern __shared__ float4 smem_raw[];
+  char* base = reinterpret_cast<char*>(smem_raw);
+  const BcLayout lay;
+  auto T = [&](int i) { return reinterpret_cast<bf16*>(base + lay.t[i]); };
+  bf16 *sdo = T(0), *sDh = T(1), *sDl = T(2), *sRh = T(3), *sRl = T(4), *sSh = T(5), *sSl = T(6), *sEh = T(7),
+       *sEl = T(8);  // sR holds -dR: its products land with the right sign
+  float(*sdG)[65] = reinterpret_cast<float(*)[65]>(base + lay.dG);
+  float* s_rq = reinterpret_cast<float*>(base + lay.rq);
+  float* s_rk = reinterpret_cast<float*>(base + lay.rk);
+  float* s_beta = reinterpret_cast<float*>(base + lay.beta);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const std::int64_t h = blockIdx.y, k0 = std::int64_t(blockIdx.z) * kT, K = p.K, V = p.V, slot = blockIdx.x;
+  DnSeq sq_;
+  std::int64_t t0;
+  if (!dn_slot(p, slot, sq_, t0)) return;
+  const std::int64_t b = sq_.b;
+  const int nr = int(lmin(kT, sq_.eos - t0)), nk = int(lmin(kT, K - k0));
+  const bool even = V % 2 == 0;
+  if (tid < kT) {  // L2 factors of the full rows (1 without L2), beta
+    float s2q = 0.f, s2k = 0.f;
+    if (tid < nr && p.l2) {
+      const std::int64_t oq = dn_row(p.q, b, t0 + tid, h), ok = dn_row(p.k, b, t0 + tid, h);
+      for (std::int64_t x = 0; x < K; ++x) {
+        const float qx = mlstm_ld(p.q, oq + x), kx = mlstm_ld(p.k, ok + x);
+        s2q = fmaf(qx, qx, s2q), s2k = fmaf(kx, kx, s2k);
+      }
+    }
+    s_rq[tid] = p.l2 ? rsqrtf(s2q + 1e-6f) : 1.f;
+    s_rk[tid] = p.l2 ? rsqrtf(s2k + 1e-6f) : 1.f;
+    s_beta[tid] = tid < nr ? mlstm_ld(p.beta, p.beta.s0 * b + p.beta.s1 * (t0 + tid) + h) : 0.f;
+  }
+  __syncthreads();
+  const bf16* Sg = reinterpret_cast<const bf16*>(ws + w.S + (slot * p.H + h) * K * V) + k0 * V;
+  const bf16* Eg = reinterpret_cast<const bf16*>(ws + w.dS + (slot * p.H + h) * K * V) + k0 * V;
+  float a1[8][4] = {}, a2[8][4] = {}, dq[8][4] = {}, dk[8][4] = {};  // a2 = -dR D^T
+  for (std::int64_t v0 = 0; v0 < V; v0 += kT) {
+    const int nv = int(lmin(kT, V - v0));
+    load_tile(sdo, kLd, kT, kT, bf_rows(p.do_, b, t0, h) + v0, p.do_.s1, nr, nv, vo);
+    load_tile(sSh, kLd, kT, kT, Sg + v0, V, nk, nv, V % 8 == 0);
+    load_tile(sSl, kLd, kT, kT, Sg + K * V + v0, V, nk, nv, V % 8 == 0);
+    load_tile(sEh, kLd, kT, kT, Eg + v0, V, nk, nv, V % 8 == 0);
+    load_tile(sEl, kLd, kT, kT, Eg + K * V + v0, V, nk, nv, V % 8 == 0);
+    cp_async_commit();
+    for (int e = tid; e < 64 * 32; e += kThreads) {  // D = W X, dR = W Y as hi + lo, column pairs
+      const int i = e / 32, c = 2 * (e % 32);
+      float2 x = make_float2(0.f, 0.f), y = x;
+      if (i < nr && v0 + c < nv + v0) {
+        const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * V + v0 + c;
+        x = load_pair(ws + w.X + at, c + 1 < nv, even), y = load_pair(ws + w.Y + at, c + 1 < nv, even);
+      }
+      const float bt = s_beta[i];
+      put_split(sDh, sDl, kLd, i, c, bt * x.x), put_split(sDh, sDl, kLd, i, c + 1, bt * x.y);
+      put_split(sRh, sRl, kLd, i, c, -bt * y.x), put_split(sRh, sRl, kLd, i, c + 1, -bt * y.y);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    mma_rn(a1, sdo, kLd, warp, sDh, kLd, 64, lane);
+    mma_rn(a1, sdo, kLd, warp, sDl, kLd, 64, lane);
+    mma_rn(a2, sRh, kLd, warp, sDh, kLd, 64, lane);
+    mma_rn(a2, sRh, kLd, warp, sDl, kLd, 64, lane);
+    mma_rn(a2, sRl, kLd, warp, sDh, kLd, 64, lane);
+    mma_rn(dq, sdo, kLd, warp, sSh, kLd, 64, lane);
+    mma_rn(dq, sdo, kLd, warp, sSl, kLd, 64, lane);
+    mma_rn(dk, sDh, kLd, warp, sEh, kLd, 64, lane);
+    mma_rn(dk, sDh, kLd, warp, sEl, kLd, 64, lane);
+    mma_rn(dk, sDl, kLd, warp, sEh, kLd, 64, lane);
+    mma_rn(dk, sRh, kLd, warp, sSh, kLd, 64, lane);
+    mma_rn(dk, sRh, kLd, warp, sSl, kLd, 64, lane);
+    mma_rn(dk, sRl, kLd, warp, sSh, kLd, 64, lane);
+    __syncthreads();  // the next tile overwrites every operand
+  }
+  // the 64 x 64 factors: P1 = s tril(a1) diag(rk) -> T[1, 2]; P2 = (s tril(a1))^T diag(rq) -> T[3, 4];
+  // dG = strict_lower(a2) (a2 = -dR D^T) -> sdG, then PE = (dG + dG^T) diag(rk) -> T[5, 6]; q, k tiles -> T[7], T[8]
+  bf16 *sP1h = T(1), *sP1l = T(2), *sP2h = T(3), *sP2l = T(4), *sPEh = T(5), *sPEl = T(6), *sq = T(7), *sk = T(8);
+  load_tile(sq, kLd, kT, kT, bf_rows(p.q, b, t0, h) + k0, p.q.s1, nr, nk, vq);
+  load_tile(sk, kLd, kT, kT, bf_rows(p.k, b, t0, h) + k0, p.k.s1, nr, nk, vk);
+  cp_async_commit();
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
+      const float m = c <= i ? p.scale * a1[j][e] : 0.f;
+      put_split(sP1h, sP1l, kLd, i, c, m * s_rk[c]);
+      put_split(sP2h, sP2l, kLd, c, i, m * s_rq[i]);
+      sdG[i][c] = c < i ? a2[j][e] : 0.f;  // dG = -strict_lower(dR D^T)
+      dq[j][e] *= p.scale;
+    }
+  __syncthreads();
+  for (int e = tid; e < 64 * 64; e += kThreads) {
+    const int i = e / 64, c = e % 64;
+    put_split(sPEh, sPEl, kLd, i, c, (sdG[i][c] + sdG[c][i]) * s_rk[c]);
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  mma_rk(dq, sP1h, kLd, warp, sk, kLd, 64, lane);
+  mma_rk(dq, sP1l, kLd, warp, sk, kLd, 64, lane);
+  mma_rk(dk, sP2h, kLd, warp, sq, kLd, 64, lane);
+  mma_rk(dk, sP2l, kLd, warp, sq, kLd, 64, lane);
+  mma_rk(dk, sPEh, kLd, warp, sk, kLd, 64, lane);
+  mma_rk(dk, sPEl, kLd, warp, sk, kLd, 64, lane);
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 16 * warp + frow(lane, e);
+      const std::int64_t c = k0 + fcol(lane, j, e);
+      if (i >= nr || c >= K) continue;
+      if (p.l2) {  // dq^, dk^ for the L2-norm pass
+        const std::int64_t row = dn_ws_row(p, b, t0 + i, h);
+        if (p.dq.p) ws[w.dqh + row * K + c] = dq[j][e];
+        if (p.dk.p) ws[w.dkh + row * K + c] = dk[j][e];
+      } else {
+        if (p.dq.p) mlstm_st(p.dq, dn_row(p.dq, b, t0 + i, h) + c, dq[j][e]);
+        if (p.dk.p) mlstm_st(p.dk, dn_row(p.dk, b, t0 + i, h) + c, dk[j][e]);
+      }
+    }
+  if (blockIdx.z == 0 && p.dbeta.p && tid < nr) {  // dbeta: the column tiles' partial sums, in order
+    const std::int64_t row = dn_ws_row(p, b, t0 + tid, h);
+    float db = 0.f;
+    for (std::int64_t v = 0; v < w.vt; ++v) db += ws[w.dbp + v * w.rows + row];
+    mlstm_st(p.dbeta, p.dbeta.s0 * b + p.dbeta.s1 * (t0 + tid) + h, db);
+  }
+}
+
 }  // namespace
 
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
@@ -195,6 +342,17 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
                                  reinterpret_cast<cudaStream_t>(stream)>>>(p, w, ws, rows16_seq(p.q), rows16_seq(p.k),
                                                                            rows16_seq(p.do_));
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass, tensor cores)");
+}
+
+void deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream) {
+  const std::int64_t slots = deltanet_slots(p), kt = (p.K + kT - 1) / kT;
+  if (slots == 0 || p.N * p.H == 0) return;
+  const BcLayout lay;
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_chunk_tc_kernel), kThreads, lay.bytes);
+  deltanet_bwd_chunk_tc_kernel<<<dim3(unsigned(slots), unsigned(p.H), unsigned(kt)), kThreads, lay.bytes,
+                                 reinterpret_cast<cudaStream_t>(stream)>>>(p, w, ws, rows16_seq(p.q), rows16_seq(p.k),
+                                                                           rows16_seq(p.do_));
+  FW_CUDA_CHECK_LAUNCH("deltanet_bwd (chunk pass, tensor cores)");
 }
 
 }  // namespace fastweight::detail

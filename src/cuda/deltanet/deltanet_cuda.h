@@ -36,5 +36,7 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p, void* workspace, Stream strea
 // tensor-core recompute (T2 in the workspace).
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p);
 void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream);
+// The chunk pass on tensor cores (deltanet_bwd_tc.cu), after the state pass on tensor cores.
+void deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream);
 
 }  // namespace fastweight::detail
