@@ -220,19 +220,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_tc_kernel(const D
   const std::int64_t b = sq_.b;
   const int nr = int(lmin(kT, sq_.eos - t0)), nk = int(lmin(kT, K - k0));
   const bool even = V % 2 == 0;
-  if (tid < kT) {  // L2 factors of the full rows (1 without L2), beta
-    float s2q = 0.f, s2k = 0.f;
-    if (tid < nr && p.l2) {
-      const std::int64_t oq = dn_row(p.q, b, t0 + tid, h), ok = dn_row(p.k, b, t0 + tid, h);
-      for (std::int64_t x = 0; x < K; ++x) {
-        const float qx = mlstm_ld(p.q, oq + x), kx = mlstm_ld(p.k, ok + x);
-        s2q = fmaf(qx, qx, s2q), s2k = fmaf(kx, kx, s2k);
-      }
-    }
-    s_rq[tid] = p.l2 ? rsqrtf(s2q + 1e-6f) : 1.f;
-    s_rk[tid] = p.l2 ? rsqrtf(s2k + 1e-6f) : 1.f;
-    s_beta[tid] = tid < nr ? mlstm_ld(p.beta, p.beta.s0 * b + p.beta.s1 * (t0 + tid) + h) : 0.f;
-  }
+  dn_row_factors(p, b, t0, nr, h, tid, s_rq, s_rk, s_beta);  // of the full rows
   __syncthreads();
   const bf16* Sg = reinterpret_cast<const bf16*>(ws + w.S + (slot * p.H + h) * K * V) + k0 * V;
   const bf16* Eg = reinterpret_cast<const bf16*>(ws + w.dS + (slot * p.H + h) * K * V) + k0 * V;

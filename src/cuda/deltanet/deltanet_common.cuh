@@ -52,22 +52,32 @@ __device__ __forceinline__ std::int64_t dn_row(const StridedView& t, std::int64_
   return b * t.s0 + tt * t.s1 + h * t.s2;
 }
 
-// Rows t0.. t0+nc of a chunk (64 rows; threads 0..63 one row each): the L2 factors of q and k
-// (x / sqrt(|x|^2 + 1e-6), FLA's convention; 1 without L2) and beta (0 past the end).
+// Rows t0.. t0+nc of a chunk (64 rows): the L2 factors of q and k (x / sqrt(|x|^2 + 1e-6), FLA's
+// convention; 1 without L2) and beta (0 past the end). A warp per row, lanes over the columns, so the
+// reads are coalesced (a thread per row reading along it touched one 32-byte sector per element).
+// Every thread of the CTA calls it (blockDim.x a multiple of 32); the caller syncs before use.
 __device__ __forceinline__ void dn_row_factors(const DeltanetParams& p, std::int64_t b, std::int64_t t0, int nc,
                                                std::int64_t h, int tid, float* rq, float* rk, float* beta) {
-  if (tid >= int(kDeltanetChunk)) return;
-  float sq = 0.f, sk = 0.f;
-  if (tid < nc && p.l2) {
-    const std::int64_t oq = dn_row(p.q, b, t0 + tid, h), ok = dn_row(p.k, b, t0 + tid, h);
-    for (std::int64_t x = 0; x < p.K; ++x) {
-      const float qx = mlstm_ld(p.q, oq + x), kx = mlstm_ld(p.k, ok + x);
-      sq = fmaf(qx, qx, sq), sk = fmaf(kx, kx, sk);
+  const int lane = tid & 31, nwarps = int(blockDim.x) / 32;
+  for (int r = tid / 32; r < int(kDeltanetChunk); r += nwarps) {
+    float sq = 0.f, sk = 0.f;
+    if (r < nc && p.l2) {
+      const std::int64_t oq = dn_row(p.q, b, t0 + r, h), ok = dn_row(p.k, b, t0 + r, h);
+      for (std::int64_t x = lane; x < p.K; x += 32) {
+        const float qx = mlstm_ld(p.q, oq + x), kx = mlstm_ld(p.k, ok + x);
+        sq = fmaf(qx, qx, sq), sk = fmaf(kx, kx, sk);
+      }
+      for (int o = 16; o > 0; o /= 2) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        sk += __shfl_xor_sync(0xffffffffu, sk, o);
+      }
+    }
+    if (lane == 0) {
+      rq[r] = p.l2 ? rsqrtf(sq + 1e-6f) : 1.f;
+      rk[r] = p.l2 ? rsqrtf(sk + 1e-6f) : 1.f;
+      beta[r] = r < nc ? mlstm_ld(p.beta, p.beta.s0 * b + p.beta.s1 * (t0 + r) + h) : 0.f;
     }
   }
-  rq[tid] = p.l2 ? rsqrtf(sq + 1e-6f) : 1.f;
-  rk[tid] = p.l2 ? rsqrtf(sk + 1e-6f) : 1.f;
-  beta[tid] = tid < nc ? mlstm_ld(p.beta, p.beta.s0 * b + p.beta.s1 * (t0 + tid) + h) : 0.f;
 }
 
 }  // namespace fastweight::detail
