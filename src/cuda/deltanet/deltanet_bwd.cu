@@ -13,8 +13,10 @@
 //   1. recompute: S0 of every chunk and X of every row (fp32): the tensor-core pipeline's wy and state
 //      kernels (bf16, K <= 128; deltanet_chunk_tc.cu), else the forward version 1 in its saving mode;
 //   2. state pass: one CTA per (sequence, head, 64 columns of V), chunks in reverse: dSe saved per
-//      chunk, Y and dv per row, dbeta partial sums per column tile; dinitial_state at the end;
-//   3. chunk pass: one CTA per (chunk, head, 64 columns of K), chunks in parallel: dq, dk, dbeta;
+//      chunk, Y and dv per row, dbeta partial sums per column tile; dinitial_state at the end
+//      (on tensor cores after the tensor-core recompute: deltanet_bwd_tc.cu);
+//   3. chunk pass: one CTA per (chunk, head, 64 columns of K), chunks in parallel: dq, dk, dbeta
+//      (likewise on tensor cores after the tensor-core state pass);
 //   4. with the in-kernel L2 norm: a warp per row of q or k maps dq^, dk^ to dq, dk.
 #include <algorithm>
 
