@@ -361,7 +361,7 @@ int main(int argc, char** argv) {
   };
   // device cpu: the float64 reference path on CPU tensors (wall clock); cuda: the CUDA kernels, timed as the norms
   table("mLSTM (cpu: the reference path; cuda: the CUDA kernels)", "(B,NH,S,DQK,DV)", mrows);
-  table("DeltaNet (cpu: the reference path; cuda: the CUDA forward, no CUDA backward yet)", "(B,T,H,K,V)", drows);
+  table("DeltaNet (cpu: the reference path; cuda: the CUDA forward and backward)", "(B,T,H,K,V)", drows);
   mrows.insert(mrows.end(), drows.begin(), drows.end());
   if (!o.csv.empty() && !mrows.empty()) {
     std::ofstream f(o.csv, std::ios::app);

@@ -1,6 +1,7 @@
 // mlstm_api.cpp: the public mLSTM entry points (fastweight/mlstm.h). Each validates every argument
 // before anything is written, then dispatches by device: CPU -> the float64 reference through
-// contiguous float64 copies (any dtype, any strides), CUDA -> not built yet (a clear Error).
+// contiguous float64 copies (any dtype, any strides), CUDA -> the kernels of src/cuda/mlstm (with a
+// caller workspace).
 #include <cmath>
 #include <cstdint>
 #include <utility>
