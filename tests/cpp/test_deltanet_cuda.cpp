@@ -145,6 +145,7 @@ std::vector<DnCase> cases() {
   // chunk tails, many chunks, varlen with empty sequences
   for (std::int64_t T : {1, 63, 1000}) v.push_back({DType::bf16, 1, T, 2, 100, 72, true, true, {}, DType::i64});
   v.push_back({DType::bf16, 2, 257, 3, 40, 24, false, false, {}, DType::i64});
+  v.push_back({DType::bf16, 1, 150, 2, 33, 47, true, true, {}, DType::i64});  // odd V: element paths
   v.push_back({DType::bf16, 1, 150, 2, 128, 128, true, true, {0, 0, 70, 70, 150}, DType::i32});
   return v;
 }
@@ -359,6 +360,9 @@ std::vector<DnBwdCase> bwd_cases() {
   }
   v.push_back({DType::f32, 1, 150, 2, 256, 64, false, true, true, none, DType::i64, kAllGrads, 0});  // the largest K
   v.push_back({DType::bf16, 1, 150, 2, 128, 256, true, true, true, none, DType::i64, kAllGrads, 0});
+  // odd V and K < 64, K % 8 != 0: element paths of the tensor-core kernels (pairs, scalar tiles)
+  for (DType dt : {DType::f32, DType::bf16})
+    v.push_back({dt, 1, 150, 2, 33, 47, true, true, true, none, DType::i64, kAllGrads, 0});
   // varlen with empty sequences (first and in the middle), chunk-crossing lengths
   v.push_back({DType::f32, 1, 150, 2, 64, 128, true, true, true, {0, 0, 70, 70, 150}, DType::i32, kAllGrads, 0});
   v.push_back({DType::bf16, 1, 150, 2, 100, 72, true, true, true, {0, 0, 70, 70, 150}, DType::i32, kAllGrads, 0});
