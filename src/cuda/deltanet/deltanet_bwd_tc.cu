@@ -20,10 +20,10 @@ using namespace dtc;
 constexpr int kThreads = kTcThreads;
 
 // smem: bf16 q, k [64][ldk] | dO [64][kLd] | (hi, lo pairs, [64][kLd] each) s M^T, T2^T, Lg^T (upper),
-//       W dD then -rk dR, dR, s rq dO | dSe hi, lo [Kc][kLd] | f32 rq, rk, beta [64]
+//       W dD then -rk dR, dR, s rq dO | dSe hi, lo [Kc][kLd] | f32 rq, rk, beta [64] | f32 dD[64][65]
 struct BsLayout {
   int Kc, ldk;
-  std::size_t q, k, dO, MTh, MTl, Th, Tl, Lh, Ll, Bh, Bl, Rh, Rl, Uh, Ul, Sh, Sl, rq, rk, beta, bytes;
+  std::size_t q, k, dO, MTh, MTl, Th, Tl, Lh, Ll, Bh, Bl, Rh, Rl, Uh, Ul, Sh, Sl, rq, rk, beta, dd, bytes;
   __host__ __device__ explicit BsLayout(std::int64_t K) {
     Kc = k_cols(K), ldk = Kc + 8;
     const std::size_t t64 = 2 * std::size_t(kT) * kLd;  // bytes of a (64, kLd) bf16 tile
@@ -31,7 +31,8 @@ struct BsLayout {
     MTh = dO + t64, MTl = MTh + t64, Th = MTl + t64, Tl = Th + t64, Lh = Tl + t64, Ll = Lh + t64;
     Bh = Ll + t64, Bl = Bh + t64, Rh = Bl + t64, Rl = Rh + t64, Uh = Rl + t64, Ul = Uh + t64;
     Sh = Ul + t64, Sl = Sh + 2 * std::size_t(Kc) * kLd;
-    rq = Sl + 2 * std::size_t(Kc) * kLd, rk = rq + 4 * kT, beta = rk + 4 * kT, bytes = beta + 4 * kT;
+    rq = Sl + 2 * std::size_t(Kc) * kLd, rk = rq + 4 * kT, beta = rk + 4 * kT, dd = beta + 4 * kT;
+    bytes = dd + 4 * 64 * 65;
   }
 };
 
@@ -54,6 +55,7 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(cons
   float* s_rq = reinterpret_cast<float*>(base + lay.rq);
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
   float* s_beta = reinterpret_cast<float*>(base + lay.beta);
+  float(*sdd)[65] = reinterpret_cast<float(*)[65]>(base + lay.dd);  // dD (fp32): kept out of registers
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const std::int64_t nh = blockIdx.x, n = nh / p.H, h = nh % p.H;
@@ -106,10 +108,9 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(cons
       put_split(sUh, sUl, kLd, i, c, p.scale * s_rq[i] * __bfloat162float(sdo[i * kLd + c]));
     }
     __syncthreads();
-    // c. dD = s M^T dO + diag(rk) K dSe (this warp's rows); W dD as hi + lo
-    float dd[8][4] = {};
+    // c. dD = s M^T dO + diag(rk) K dSe (this warp's rows) to smem (fp32); W dD as hi + lo
     {
-      float kd[8][4] = {};
+      float dd[8][4] = {}, kd[8][4] = {};
       mma_rk(dd, sMTh, kLd, warp, sdo, kLd, 64, lane);
       mma_rk(dd, sMTl, kLd, warp, sdo, kLd, 64, lane);
       mma_rk(kd, sk, ldk, warp, sSh, kLd, Kc, lane);
@@ -120,19 +121,22 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(cons
         for (int e = 0; e < 4; ++e) {
           const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
           dd[j][e] = fmaf(s_rk[i], kd[j][e], dd[j][e]);
+          sdd[i][c] = dd[j][e];
           put_split(sBh, sBl, kLd, i, c, s_beta[i] * dd[j][e]);
         }
     }
     __syncthreads();
-    // d. dR = T2^T (W dD), as hi + lo
-    float dr[8][4] = {};
-    mma_rk(dr, sTh, kLd, warp, sBh, kLd, 64, lane);
-    mma_rk(dr, sTh, kLd, warp, sBl, kLd, 64, lane);
-    mma_rk(dr, sTl, kLd, warp, sBh, kLd, 64, lane);
+    // d. dR = T2^T (W dD), as hi + lo (step e reads its own elements back: hi + lo is dR to ~2^-17)
+    {
+      float dr[8][4] = {};
+      mma_rk(dr, sTh, kLd, warp, sBh, kLd, 64, lane);
+      mma_rk(dr, sTh, kLd, warp, sBl, kLd, 64, lane);
+      mma_rk(dr, sTl, kLd, warp, sBh, kLd, 64, lane);
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) put_split(sRh, sRl, kLd, 16 * warp + frow(lane, e), fcol(lane, j, e), dr[j][e]);
+        for (int e = 0; e < 4; ++e) put_split(sRh, sRl, kLd, 16 * warp + frow(lane, e), fcol(lane, j, e), dr[j][e]);
+    }
     __syncthreads();  // dR complete; W dD no longer read
     // e. Y = dD - Lg^T dR; Y, dv and the dbeta partial Y . X; -diag(rk) dR as hi + lo (for dS)
     {
@@ -147,21 +151,23 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(cons
         for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 of row i
           const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
           const std::int64_t col = c0 + c;
+          const float dr0 = __bfloat162float(sRh[i * kLd + c]) + __bfloat162float(sRl[i * kLd + c]);
+          const float dr1 = __bfloat162float(sRh[i * kLd + c + 1]) + __bfloat162float(sRl[i * kLd + c + 1]);
           if (i < nr && col < V) {
             const bool has1 = col + 1 < V;
-            const float y0 = dd[j][e] - ly[j][e], y1 = has1 ? dd[j][e + 1] - ly[j][e + 1] : 0.f;
+            const float y0 = sdd[i][c] - ly[j][e], y1 = has1 ? sdd[i][c + 1] - ly[j][e + 1] : 0.f;
             const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * V + col;
             const float2 x = load_pair(ws + w.X + at, has1, even);
             db[e >> 1] = fmaf(y0, x.x, fmaf(y1, x.y, db[e >> 1]));
             store_pair(ws + w.Y + at, y0, y1, has1, even);
             if (p.dv.p) {
               const std::int64_t odv = dn_row(p.dv, b, t0 + i, h) + col;
-              mlstm_st(p.dv, odv, dr[j][e]);
-              if (has1) mlstm_st(p.dv, odv + 1, dr[j][e + 1]);
+              mlstm_st(p.dv, odv, dr0);
+              if (has1) mlstm_st(p.dv, odv + 1, dr1);
             }
           }
-          put_split(sBh, sBl, kLd, i, c, -s_rk[i] * dr[j][e]);
-          put_split(sBh, sBl, kLd, i, c + 1, -s_rk[i] * dr[j][e + 1]);
+          put_split(sBh, sBl, kLd, i, c, -s_rk[i] * dr0);
+          put_split(sBh, sBl, kLd, i, c + 1, -s_rk[i] * dr1);
         }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
