@@ -299,26 +299,13 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_kernel(const Delt
   for (int i = 0; i < 4; ++i) {
     const int r = 4 * tr + i;
     if (r >= nc) continue;
-    const std::int64_t row = dn_ws_row(p, b, t0 + r, h);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const std::int64_t c = k0 + 4 * tc + j;
-      if (c >= K) continue;
-      if (p.l2) {  // dq^, dk^ for the L2-norm pass
-        if (p.dq.p) ws[w.dqh + row * K + c] = dq[i][j];
-        if (p.dk.p) ws[w.dkh + row * K + c] = dk[i][j];
-      } else {
-        if (p.dq.p) mlstm_st(p.dq, dn_row(p.dq, b, t0 + r, h) + c, dq[i][j]);
-        if (p.dk.p) mlstm_st(p.dk, dn_row(p.dk, b, t0 + r, h) + c, dk[i][j]);
-      }
+      if (c < K) dn_store_dqk(p, w, ws, b, t0 + r, h, c, dq[i][j], dk[i][j]);
     }
   }
-  if (blockIdx.z == 0 && p.dbeta.p && tid < nc) {  // dbeta: the column tiles' partial sums, in order
-    const std::int64_t row = dn_ws_row(p, b, t0 + tid, h);
-    float db = 0.f;
-    for (std::int64_t v = 0; v < w.vt; ++v) db += ws[w.dbp + v * w.rows + row];
-    mlstm_st(p.dbeta, p.dbeta.s0 * b + p.dbeta.s1 * (t0 + tid) + h, db);
-  }
+  if (blockIdx.z == 0) dn_store_dbeta(p, w, ws, b, t0, nc, h, tid);
 }
 
 // ---- 4. L2-norm backward: dx = r (dx^ - x^ (x^ . dx^)), x^ = r x, r = (|x|^2 + 1e-6)^-1/2 ----------

@@ -324,22 +324,9 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_tc_kernel(const D
     for (int e = 0; e < 4; ++e) {
       const int i = 16 * warp + frow(lane, e);
       const std::int64_t c = k0 + fcol(lane, j, e);
-      if (i >= nr || c >= K) continue;
-      if (p.l2) {  // dq^, dk^ for the L2-norm pass
-        const std::int64_t row = dn_ws_row(p, b, t0 + i, h);
-        if (p.dq.p) ws[w.dqh + row * K + c] = dq[j][e];
-        if (p.dk.p) ws[w.dkh + row * K + c] = dk[j][e];
-      } else {
-        if (p.dq.p) mlstm_st(p.dq, dn_row(p.dq, b, t0 + i, h) + c, dq[j][e]);
-        if (p.dk.p) mlstm_st(p.dk, dn_row(p.dk, b, t0 + i, h) + c, dk[j][e]);
-      }
+      if (i < nr && c < K) dn_store_dqk(p, w, ws, b, t0 + i, h, c, dq[j][e], dk[j][e]);
     }
-  if (blockIdx.z == 0 && p.dbeta.p && tid < nr) {  // dbeta: the column tiles' partial sums, in order
-    const std::int64_t row = dn_ws_row(p, b, t0 + tid, h);
-    float db = 0.f;
-    for (std::int64_t v = 0; v < w.vt; ++v) db += ws[w.dbp + v * w.rows + row];
-    mlstm_st(p.dbeta, p.dbeta.s0 * b + p.dbeta.s1 * (t0 + tid) + h, db);
-  }
+  if (blockIdx.z == 0) dn_store_dbeta(p, w, ws, b, t0, nr, h, tid);
 }
 
 }  // namespace

@@ -80,4 +80,28 @@ __device__ __forceinline__ void dn_row_factors(const DeltanetParams& p, std::int
   }
 }
 
+// The chunk pass's outputs, shared by its two versions (deltanet_bwd.cu, deltanet_bwd_tc.cu).
+// dq^, dk^ at row t, column c of K: with the in-kernel L2 norm to the workspace for the L2-norm pass,
+// else straight to dq, dk (each only when asked for).
+__device__ __forceinline__ void dn_store_dqk(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, std::int64_t b,
+                                             std::int64_t t, std::int64_t h, std::int64_t c, float dq, float dk) {
+  if (p.l2) {
+    const std::int64_t row = dn_ws_row(p, b, t, h);
+    if (p.dq.p) ws[w.dqh + row * p.K + c] = dq;
+    if (p.dk.p) ws[w.dkh + row * p.K + c] = dk;
+  } else {
+    if (p.dq.p) mlstm_st(p.dq, dn_row(p.dq, b, t, h) + c, dq);
+    if (p.dk.p) mlstm_st(p.dk, dn_row(p.dk, b, t, h) + c, dk);
+  }
+}
+// dbeta of the chunk's rows t0..t0+nr: the V tiles' partial sums, in order (thread tid: row tid).
+__device__ __forceinline__ void dn_store_dbeta(const DeltanetBwdParams& p, const DnBwdWs& w, const float* ws,
+                                               std::int64_t b, std::int64_t t0, int nr, std::int64_t h, int tid) {
+  if (!p.dbeta.p || tid >= nr) return;
+  const std::int64_t row = dn_ws_row(p, b, t0 + tid, h);
+  float db = 0.f;
+  for (std::int64_t v = 0; v < w.vt; ++v) db += ws[w.dbp + v * w.rows + row];
+  mlstm_st(p.dbeta, p.dbeta.s0 * b + p.dbeta.s1 * (t0 + tid) + h, db);
+}
+
 }  // namespace fastweight::detail

@@ -87,23 +87,6 @@ __device__ void k3_load(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem
   cp_async_wait<0>();
 }
 
-// acc (16 rows of the warp x 64 columns) += A (rows 16w.., K = Kp, row major in smem, stride lda)
-// times B^T where B is stored n-major (row n, K contiguous; stride ldb): C = A B^T.
-__device__ __forceinline__ void mma_abt(float (&acc)[8][4], const bf16* A, int lda, const bf16* Bn, int ldb, int Kp,
-                                        int warp, int lane) {
-  for (int ks = 0; ks < Kp / 16; ++ks) {
-    std::uint32_t a[4];
-    ldsm_x4(a, A + (16 * warp + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      std::uint32_t bb[4];
-      ldsm_x4(bb, Bn + (16 * jj + ld_row_b_nmajor(lane)) * ldb + ks * 16 + ld_col_b_nmajor(lane));
-      mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
-      mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
-    }
-  }
-}
-
 // acc (16 x N, N = 16 * nj2 * ... up to 128 columns) += A B where A is given as fragments of the 4
 // k-steps (64 rows of B: the chunk's steps) and B is stored k-major (row k, N contiguous; stride ldb).
 __device__ __forceinline__ void mma_fragb(float (&acc)[16][4], const std::uint32_t (&af)[4][4], const bf16* Bk, int ldb,
@@ -202,8 +185,8 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
   float zA = 0.f, zB = 0.f;
   {
     float sacc[8][4] = {}, wacc[8][4] = {};
-    mma_abt(sacc, sm.q, ldq, sm.k, ldq, Dq, warp, lane);   // q k^T
-    mma_abt(wacc, sm.dh, ldv, sm.v, ldv, Dv, warp, lane);  // dh v^T
+    mma_rn(sacc, sm.q, ldq, warp, sm.k, ldq, Dq, lane);   // q k^T
+    mma_rn(wacc, sm.dh, ldv, warp, sm.v, ldv, Dv, lane);  // dh v^T
     const double MA = s_M[tA < n ? tA : 0], MB = s_M[tB < n ? tB : 0];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -270,8 +253,8 @@ __global__ void __launch_bounds__(kThreads, 2) k3kv_tc(const MlstmBwdParams B, c
   float zA = 0.f, zB = 0.f;
   {
     float sacc[8][4] = {}, wacc[8][4] = {};
-    mma_abt(sacc, sm.k, ldq, sm.q, ldq, Dq, warp, lane);   // k q^T
-    mma_abt(wacc, sm.v, ldv, sm.dh, ldv, Dv, warp, lane);  // v dh^T
+    mma_rn(sacc, sm.k, ldq, warp, sm.q, ldq, Dq, lane);   // k q^T
+    mma_rn(wacc, sm.v, ldv, warp, sm.dh, ldv, Dv, lane);  // v dh^T
     const double aA = s_a[sA < n ? sA : 0], aB = s_a[sB < n ? sB : 0];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -361,8 +344,8 @@ __global__ void __launch_bounds__(kThreads, 1) k1_tc(const MlstmBwdParams B, con
   float rsA = 0.f, rsB = 0.f, saA = 0.f, saB = 0.f;  // sum_s P, sum_s P (dh . v_s): this lane's part
   {
     float sacc[8][4] = {}, wacc[8][4] = {};
-    mma_abt(sacc, sm.q, ldq, sm.k, ldq, Dq, warp, lane);   // q k^T
-    mma_abt(wacc, sm.dh, ldv, sm.v, ldv, Dv, warp, lane);  // dh v^T
+    mma_rn(sacc, sm.q, ldq, warp, sm.k, ldq, Dq, lane);   // q k^T
+    mma_rn(wacc, sm.dh, ldv, warp, sm.v, ldv, Dv, lane);  // dh v^T
     const double MA = s_M[tA < n ? tA : 0], MB = s_M[tB < n ? tB : 0];
 #pragma unroll
     for (int j = 0; j < 8; ++j)

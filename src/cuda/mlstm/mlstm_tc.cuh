@@ -1,5 +1,7 @@
-// mlstm_tc.cuh: what the mLSTM tensor-core kernels (mlstm_fwd_tc.cu, mlstm_bwd_tc.cu) share: tile
-// constants and the bf16 tile loader (cp.async where rows are 16-byte aligned, else element loads).
+// mlstm_tc.cuh: what the tensor-core kernels (mlstm_fwd_tc.cu, mlstm_bwd_tc.cu, and the DeltaNet ones
+// through deltanet_tc.cuh) share: tile constants, the bf16 tile loader (cp.async where rows are
+// 16-byte aligned, else element loads), warp-level products over 64-column tiles and fragment
+// coordinates.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -42,6 +44,40 @@ __device__ __forceinline__ void load_tile(bf16* sm, int ld, int R, int C, const 
   }
 }
 
+
+// acc (warp's 16 rows x 64 columns) += A (row major, rows 16 mrow.., K = Kp) B (k-major, 64 columns)
+__device__ __forceinline__ void mma_rk(float (&acc)[8][4], const bf16* A, int lda, int mrow, const bf16* Bk, int ldb,
+                                       int Kp, int lane) {
+  for (int ks = 0; ks < Kp / 16; ++ks) {
+    std::uint32_t a[4];
+    ldsm_x4(a, A + (16 * mrow + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      std::uint32_t bb[4];
+      ldsm_x4_t(bb, Bk + (ks * 16 + ld_row_b_kmajor(lane)) * ldb + 16 * jj + ld_col_b_kmajor(lane));
+      mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
+      mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
+    }
+  }
+}
+// acc (16 x 64) += A B^T with A row major (rows 16 mrow..) and B stored n-major (64 rows, K contiguous)
+__device__ __forceinline__ void mma_rn(float (&acc)[8][4], const bf16* A, int lda, int mrow, const bf16* Bn, int ldb,
+                                       int Kp, int lane) {
+  for (int ks = 0; ks < Kp / 16; ++ks) {
+    std::uint32_t a[4];
+    ldsm_x4(a, A + (16 * mrow + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      std::uint32_t bb[4];
+      ldsm_x4(bb, Bn + (16 * jj + ld_row_b_nmajor(lane)) * ldb + ks * 16 + ld_col_b_nmajor(lane));
+      mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
+      mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
+    }
+  }
+}
+// Fragment element (j, e) -> (row, column) within the warp's 16 x 64 tile
+__device__ __forceinline__ int frow(int lane, int e) { return (lane >> 2) + (e >> 1) * 8; }
+__device__ __forceinline__ int fcol(int lane, int j, int e) { return 8 * j + 2 * (lane & 3) + (e & 1); }
 
 // Scales the bf16 pairs of an A fragment by (w0, w1) (registers 0, 1) and (w8, w9) (registers 2, 3)
 // and splits the products into hi + lo bf16 fragments.
