@@ -193,9 +193,9 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(cons
 //   dq^ = s dq0 + (s tril(a1)) diag(rk) K,  dk^ = dk0 + (s tril(a1))^T diag(rq) Q + E diag(rk) K,
 //   E = dG + dG^T, dG = strict_lower(a2).
 // Operands from fp32 (D, dR, S0, dSe, the 64 x 64 factors) are bf16 hi + lo; q, k, dO are exact.
-// smem: bf16 [64][kLd] tiles: dO | D h, l | -dR h, l | S0 h, l | dSe h, l (rows: K index) -- between
-// the two V passes: P1 = tril(a1) diag(rk), P2 = (s tril(a1))^T diag(rq), PE = E diag(rk) (h, l) in
-// tiles 1-6, q, k (this CTA's K columns) in 7, 8 | f32 dG[64][65] | f32 rq, rk, beta[64]
+// smem: bf16 [64][kLd] tiles: dO | D h, l | dR h, l | S0 h, l | dSe h, l (rows: K index) -- after the
+// V loop: q, k (this CTA's K columns) and the factors P1 = s tril(a1) diag(rk), P2 = (s tril(a1))^T
+// diag(rq), PE = E diag(rk) (h, l) | f32 dG[64][65] | f32 rq, rk, beta[64]
 struct BcLayout {
   std::size_t t[9], dG, rq, rk, beta, bytes;
   __host__ __device__ BcLayout() {
@@ -230,23 +230,19 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_tc_kernel(const D
   __syncthreads();
   const bf16* Sg = reinterpret_cast<const bf16*>(ws + w.S + (slot * p.H + h) * K * V) + k0 * V;
   const bf16* Eg = reinterpret_cast<const bf16*>(ws + w.dS + (slot * p.H + h) * K * V) + k0 * V;
-  // Two passes over V keep the live accumulators at 64 per thread (one pass holding a1, a2, dq, dk
-  // spilled 724 B): phase 1 a1, a2; phase 2 dq, dk (the 64 x 64 factors first, then the V products).
-  // One V tile: dO; D = W X and -dR = -W Y as hi + lo; with_states: S0 and dSe rows of this K tile.
-  auto load_v = [&](std::int64_t v0, bool with_states) {
+  float a1[8][4] = {}, a2[8][4] = {}, dq[8][4] = {}, dk[8][4] = {};  // a2 = -dR D^T
+  for (std::int64_t v0 = 0; v0 < V; v0 += kT) {
     const int nv = int(lmin(kT, V - v0));
     load_tile(sdo, kLd, kT, kT, bf_rows(p.do_, b, t0, h) + v0, p.do_.s1, nr, nv, vo);
-    if (with_states) {
-      load_tile(sSh, kLd, kT, kT, Sg + v0, V, nk, nv, V % 8 == 0);
-      load_tile(sSl, kLd, kT, kT, Sg + K * V + v0, V, nk, nv, V % 8 == 0);
-      load_tile(sEh, kLd, kT, kT, Eg + v0, V, nk, nv, V % 8 == 0);
-      load_tile(sEl, kLd, kT, kT, Eg + K * V + v0, V, nk, nv, V % 8 == 0);
-    }
+    load_tile(sSh, kLd, kT, kT, Sg + v0, V, nk, nv, V % 8 == 0);
+    load_tile(sSl, kLd, kT, kT, Sg + K * V + v0, V, nk, nv, V % 8 == 0);
+    load_tile(sEh, kLd, kT, kT, Eg + v0, V, nk, nv, V % 8 == 0);
+    load_tile(sEl, kLd, kT, kT, Eg + K * V + v0, V, nk, nv, V % 8 == 0);
     cp_async_commit();
-    for (int e = tid; e < 64 * 32; e += kThreads) {  // column pairs
+    for (int e = tid; e < 64 * 32; e += kThreads) {  // D = W X, dR = W Y as hi + lo, column pairs
       const int i = e / 32, c = 2 * (e % 32);
       float2 x = make_float2(0.f, 0.f), y = x;
-      if (i < nr && c < nv) {
+      if (i < nr && v0 + c < nv + v0) {
         const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * V + v0 + c;
         x = load_pair(ws + w.X + at, c + 1 < nv, even), y = load_pair(ws + w.Y + at, c + 1 < nv, even);
       }
@@ -256,54 +252,11 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_tc_kernel(const D
     }
     cp_async_wait<0>();
     __syncthreads();
-  };
-  // phase 1: a1 = dO D^T, a2 = -dR D^T
-  float dq[8][4] = {}, dk[8][4] = {};
-  {
-    float a1[8][4] = {}, a2[8][4] = {};
-    for (std::int64_t v0 = 0; v0 < V; v0 += kT) {
-      load_v(v0, false);
-      mma_rn(a1, sdo, kLd, warp, sDh, kLd, 64, lane);
-      mma_rn(a1, sdo, kLd, warp, sDl, kLd, 64, lane);
-      mma_rn(a2, sRh, kLd, warp, sDh, kLd, 64, lane);
-      mma_rn(a2, sRh, kLd, warp, sDl, kLd, 64, lane);
-      mma_rn(a2, sRl, kLd, warp, sDh, kLd, 64, lane);
-      __syncthreads();  // the next tile overwrites every operand
-    }
-    // the 64 x 64 factors: P1 = tril(a1) diag(rk) (dq is scaled by s at the end) -> T[1, 2];
-    // P2 = (s tril(a1))^T diag(rq) -> T[3, 4]; dG = strict_lower(a2) -> sdG, PE = (dG + dG^T) diag(rk)
-    // -> T[5, 6]; q, k tiles (this CTA's K columns) -> T[7], T[8]
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
-        const float m = c <= i ? a1[j][e] : 0.f;
-        put_split(T(1), T(2), kLd, i, c, m * s_rk[c]);
-        put_split(T(3), T(4), kLd, c, i, p.scale * m * s_rq[i]);
-        sdG[i][c] = c < i ? a2[j][e] : 0.f;
-      }
-  }
-  load_tile(T(7), kLd, kT, kT, bf_rows(p.q, b, t0, h) + k0, p.q.s1, nr, nk, vq);
-  load_tile(T(8), kLd, kT, kT, bf_rows(p.k, b, t0, h) + k0, p.k.s1, nr, nk, vk);
-  cp_async_commit();
-  __syncthreads();
-  for (int e = tid; e < 64 * 64; e += kThreads) {
-    const int i = e / 64, c = e % 64;
-    put_split(T(5), T(6), kLd, i, c, (sdG[i][c] + sdG[c][i]) * s_rk[c]);
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-  // phase 2: dq/s = tril(a1) diag(rk) K + dO S0^T;  dk = P2 Q + PE K + D dSe^T - dR S0^T
-  mma_rk(dq, T(1), kLd, warp, T(8), kLd, 64, lane);
-  mma_rk(dq, T(2), kLd, warp, T(8), kLd, 64, lane);
-  mma_rk(dk, T(3), kLd, warp, T(7), kLd, 64, lane);
-  mma_rk(dk, T(4), kLd, warp, T(7), kLd, 64, lane);
-  mma_rk(dk, T(5), kLd, warp, T(8), kLd, 64, lane);
-  mma_rk(dk, T(6), kLd, warp, T(8), kLd, 64, lane);
-  __syncthreads();  // the V tiles overwrite the factors
-  for (std::int64_t v0 = 0; v0 < V; v0 += kT) {
-    load_v(v0, true);
+    mma_rn(a1, sdo, kLd, warp, sDh, kLd, 64, lane);
+    mma_rn(a1, sdo, kLd, warp, sDl, kLd, 64, lane);
+    mma_rn(a2, sRh, kLd, warp, sDh, kLd, 64, lane);
+    mma_rn(a2, sRh, kLd, warp, sDl, kLd, 64, lane);
+    mma_rn(a2, sRl, kLd, warp, sDh, kLd, 64, lane);
     mma_rn(dq, sdo, kLd, warp, sSh, kLd, 64, lane);
     mma_rn(dq, sdo, kLd, warp, sSl, kLd, 64, lane);
     mma_rn(dk, sDh, kLd, warp, sEh, kLd, 64, lane);
@@ -312,12 +265,38 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_tc_kernel(const D
     mma_rn(dk, sRh, kLd, warp, sSh, kLd, 64, lane);
     mma_rn(dk, sRh, kLd, warp, sSl, kLd, 64, lane);
     mma_rn(dk, sRl, kLd, warp, sSh, kLd, 64, lane);
-    __syncthreads();
+    __syncthreads();  // the next tile overwrites every operand
   }
+  // the 64 x 64 factors: P1 = s tril(a1) diag(rk) -> T[1, 2]; P2 = (s tril(a1))^T diag(rq) -> T[3, 4];
+  // dG = strict_lower(a2) (a2 = -dR D^T) -> sdG, then PE = (dG + dG^T) diag(rk) -> T[5, 6]; q, k tiles -> T[7], T[8]
+  bf16 *sP1h = T(1), *sP1l = T(2), *sP2h = T(3), *sP2l = T(4), *sPEh = T(5), *sPEl = T(6), *sq = T(7), *sk = T(8);
+  load_tile(sq, kLd, kT, kT, bf_rows(p.q, b, t0, h) + k0, p.q.s1, nr, nk, vq);
+  load_tile(sk, kLd, kT, kT, bf_rows(p.k, b, t0, h) + k0, p.k.s1, nr, nk, vk);
+  cp_async_commit();
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dq[j][e] *= p.scale;
+    for (int e = 0; e < 4; ++e) {
+      const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
+      const float m = c <= i ? p.scale * a1[j][e] : 0.f;
+      put_split(sP1h, sP1l, kLd, i, c, m * s_rk[c]);
+      put_split(sP2h, sP2l, kLd, c, i, m * s_rq[i]);
+      sdG[i][c] = c < i ? a2[j][e] : 0.f;  // dG = -strict_lower(dR D^T)
+      dq[j][e] *= p.scale;
+    }
+  __syncthreads();
+  for (int e = tid; e < 64 * 64; e += kThreads) {
+    const int i = e / 64, c = e % 64;
+    put_split(sPEh, sPEl, kLd, i, c, (sdG[i][c] + sdG[c][i]) * s_rk[c]);
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  mma_rk(dq, sP1h, kLd, warp, sk, kLd, 64, lane);
+  mma_rk(dq, sP1l, kLd, warp, sk, kLd, 64, lane);
+  mma_rk(dk, sP2h, kLd, warp, sq, kLd, 64, lane);
+  mma_rk(dk, sP2l, kLd, warp, sq, kLd, 64, lane);
+  mma_rk(dk, sPEh, kLd, warp, sk, kLd, 64, lane);
+  mma_rk(dk, sPEl, kLd, warp, sk, kLd, 64, lane);
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
