@@ -7,6 +7,7 @@
 //   fastweight_bench --op=mlstm              only the mLSTM rows (bench_mlstm.cpp: every public
 //                                            mLSTM op on CPU tensors; with a GPU also mlstm_fwd and
 //                                            mlstm_bwd on CUDA tensors)
+//   fastweight_bench --op=norms              only the LayerNorm-family rows of the main suite
 //   fastweight_bench --op=deltanet           only the DeltaNet rows (bench_deltanet.cpp), likewise
 //                                            (on CUDA: deltanet_fwd, fixed length and varlen)
 //
@@ -56,7 +57,8 @@ struct Options {
       "usage: fastweight_bench [--op=NAME --dtype=bf16|f16|f32 --rows=M --n=N] [--reps=R] [--quick]\n"
       "                        [--cpu] [--csv=FILE]\n"
       "ops: layernorm_fwd layernorm_bwd rmsnorm_fwd rmsnorm_bwd headnorm_fwd headnorm_bwd\n"
-      "     adalayernorm_fwd adalayernorm_bwd   (headnorm: rows = B*S*NH with NH = 16; adaLN: B = 4)\n");
+      "     adalayernorm_fwd adalayernorm_bwd   (headnorm: rows = B*S*NH with NH = 16; adaLN: B = 4)\n"
+      "     norms (the family's suite only), mlstm, deltanet\n");
   std::exit(code);
 }
 
@@ -265,7 +267,7 @@ int main(int argc, char** argv) {
   std::vector<Job> jobs;
   if (!o.op.empty() && (o.op.rfind("mlstm", 0) == 0 || o.op.rfind("deltanet", 0) == 0)) {
     // mLSTM / DeltaNet ops only (below)
-  } else if (!o.op.empty()) {
+  } else if (!o.op.empty() && o.op != "norms") {
     const auto us = o.op.rfind('_');
     if (us == std::string::npos) usage(2);
     jobs.push_back({o.op.substr(0, us), o.op.substr(us + 1) == "bwd", o.dtype, o.rows, o.n});

@@ -1,6 +1,7 @@
 // test_norm_cuda.cpp: every CUDA norm op against the float64 CPU reference, on the GPU.
 //  - fresh random inputs; IO dtypes fp32/fp16/bf16; N in {1, 7, 100, 1000, 4097, 8192, 16384,
 //    65536, 262144} (both the register-cached and the streaming engines, vector and scalar paths);
+//    and with enough rows (N in {2048, 3000, 8192, 16384}) that the persistent backward loops;
 //  - rows cut from a larger buffer (padded row stride, start shifted by one element: unaligned);
 //  - outputs poisoned with NaN before the run: every element of every output must be written;
 //  - relative Frobenius error of y, mean, rstd, dx, dweight, dbias within the dtype's bound;
@@ -98,10 +99,8 @@ bool same_view_bits(const HostTensor& a, const HostTensor& b) {
 using CaseParam = std::tuple<Op, DType, std::int64_t, Layout, Params>;
 struct NormCuda : ::testing::TestWithParam<CaseParam> {};
 
-TEST_P(NormCuda, MatchesReferenceWritesEverythingAndIsDeterministic) {
-  FW_REQUIRE_GPU();
-  const auto [op, dt, n, layout, params] = GetParam();
-  const std::int64_t rows = std::max<std::int64_t>(4, std::min<std::int64_t>(512, (std::int64_t(1) << 20) / n));
+// One case: fwd + bwd of (op, dtype, rows x n) twice on the device against the float64 reference.
+void check_case(Op op, DType dt, std::int64_t n, std::int64_t rows, Layout layout, Params params) {
   const Problem pb = make_problem(op, rows, n);
   const bool rms = op == Op::rmsnorm;
   const bool has_w = params != Params::none || op == Op::adalayernorm, has_b = has_w && pb.has_b;
@@ -129,8 +128,8 @@ TEST_P(NormCuda, MatchesReferenceWritesEverythingAndIsDeterministic) {
 
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  Outputs o1 = run_device(pb, x, w, b, dy, has_w, has_b, layout, eps, offset, stream);
-  Outputs o2 = run_device(pb, x, w, b, dy, has_w, has_b, layout, eps, offset, stream);
+  const Outputs o1 = run_device(pb, x, w, b, dy, has_w, has_b, layout, eps, offset, stream);
+  const Outputs o2 = run_device(pb, x, w, b, dy, has_w, has_b, layout, eps, offset, stream);
   cudaStreamDestroy(stream);
 
   const double tol = tolerance(dt);
@@ -161,6 +160,33 @@ TEST_P(NormCuda, MatchesReferenceWritesEverythingAndIsDeterministic) {
   if (has_w) EXPECT_TRUE(same_view_bits(o1.dw, o2.dw)) << what << " dweight differs between two runs";
   if (has_b) EXPECT_TRUE(same_view_bits(o1.db, o2.db)) << what << " dbias differs between two runs";
 }
+
+TEST_P(NormCuda, MatchesReferenceWritesEverythingAndIsDeterministic) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n, layout, params] = GetParam();
+  check_case(op, dt, n, std::max<std::int64_t>(4, std::min<std::int64_t>(512, (std::int64_t(1) << 20) / n)), layout, params);
+}
+
+// Enough rows that the persistent backward CTAs loop several times (about 3 waves of row groups
+// on a 132-SM H100): the cp.async ring's stage rotation and the double-buffered row sums only run
+// from the second row of a row group on. Aligned rows with 1 to 8 row groups per CTA.
+using RowsParam = std::tuple<Op, DType, std::int64_t>;
+struct NormCudaManyRows : ::testing::TestWithParam<RowsParam> {};
+std::string rows_case_name(const ::testing::TestParamInfo<RowsParam>& info) {
+  const auto [op, dt, n] = info.param;
+  return std::string(op_name(op)) + "_" + dtype_name(dt) + "_N" + std::to_string(n);
+}
+TEST_P(NormCudaManyRows, PersistentLoopsMatchReference) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t rows = n <= 2048 ? 3000 : n <= 4096 ? 1700 : n <= 8192 ? 800 : 400;
+  check_case(op, dt, n, rows, Layout::contiguous, Params::io);
+}
+INSTANTIATE_TEST_SUITE_P(Waves, NormCudaManyRows,
+                         ::testing::Combine(::testing::Values(Op::layernorm, Op::rmsnorm, Op::headnorm),
+                                            ::testing::Values(DType::f32, DType::bf16),
+                                            ::testing::Values<std::int64_t>(2048, 3000, 8192, 16384)),
+                         rows_case_name);
 
 std::string case_name(const ::testing::TestParamInfo<CaseParam>& info) {
   const auto [op, dt, n, layout, params] = info.param;

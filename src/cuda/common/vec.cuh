@@ -39,9 +39,19 @@ __device__ __forceinline__ void store_vec(T* row, int col, int n, bool aligned,
   if (aligned) {
     if (col < n) {
       uint4 raw;
-      T* e = reinterpret_cast<T*>(&raw);
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {  // one cvt per pair (the same rounding)
+        __nv_bfloat162* e2 = reinterpret_cast<__nv_bfloat162*>(&raw);
 #pragma unroll
-      for (int i = 0; i < E; ++i) e[i] = Num<T>::from_f(v[i]);
+        for (int i = 0; i < E / 2; ++i) e2[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+      } else if constexpr (std::is_same_v<T, __half>) {
+        __half2* e2 = reinterpret_cast<__half2*>(&raw);
+#pragma unroll
+        for (int i = 0; i < E / 2; ++i) e2[i] = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+      } else {
+        T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < E; ++i) e[i] = Num<T>::from_f(v[i]);
+      }
       *reinterpret_cast<uint4*>(row + col) = raw;
     }
   } else {

@@ -1,12 +1,15 @@
 // rownorm_launch.cuh: launch planning for the LayerNorm-family kernels (rownorm_kernel.cuh), one
 // template per IO dtype, instantiated in rownorm_<dtype>.cu so that build options can drop dtypes.
 //
-// Plan: N <= kCachedMaxN{Fwd,Bwd} -> cached engines with tpr = next_pow2(ceil(N / elems_per_thread))
-// threads per row and max(tpr, 256) threads per CTA. Forward, short rows: one row group per CTA
-// (P = row groups per parameter group); longer rows and the backward: persistent, P (CTAs per parameter group) about one wave of
-// resident CTAs spread over the groups, so the weight-gradient partials stay small (P * G * N
-// floats) and every CTA sees many rows. Longer rows: the forward streams rows (512 threads per
-// row, persistent) and the backward runs rowsum + coltile (P per column tile, likewise one wave).
+// Plan, forward: N <= kCachedMaxNFwd -> cached engines with tpr = next_pow2(ceil(N / elements per
+// thread)) threads per row and max(tpr, 256) threads per CTA; short rows: one row group per CTA (P =
+// row groups in all), longer rows: persistent, P per parameter group about one wave of resident
+// CTAs; beyond that the streaming kernel (512 threads per row, persistent).
+// Backward: persistent CTAs, P per parameter group about one wave of resident CTAs spread over the
+// groups, so the weight-gradient partials stay small (P * G * N floats) and every CTA sees many rows:
+// aligned rows with kRingMinTpr <= ring tpr and N <= kRingMaxN -> the ring kernel (512 threads, one
+// CTA per SM); other rows with N <= kCachedMaxNBwd -> the 2-vector cached kernel (max(tpr, 256)
+// threads); longer rows -> rowsum + coltile (P per column tile, likewise one wave).
 //
 // Backward workspace (bytes, each part 256-aligned): dW partials (P*G*N fp32) | dB partials (same)
 // | row sums (rows float2, long rows only).
@@ -25,6 +28,7 @@ namespace fastweight::detail {
 struct RowPlan {
   bool cached = true;
   bool persistent = true;  // forward, cached: persistent CTAs (else one row group per CTA)
+  bool ring = false;       // backward, cached: the cp.async ring kernel (aligned rows)
   int threads = 256;
   std::size_t smem = 0;
   RowLaunch L;
@@ -61,7 +65,7 @@ const void* fwd_cached_kernel(bool aligned, bool big) {
   return reinterpret_cast<const void*>(k);
 }
 
-// The cached backward kernel for (dtype, alignment, CTA size).
+// The 2-vector cached backward kernel for (dtype, alignment, CTA size).
 template <typename T>
 const void* cached_bwd_kernel(bool aligned, bool big) {
   using K = void (*)(const RowNormParams, const RowLaunch, float*, float*);
@@ -74,18 +78,19 @@ template <typename T>
 RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   constexpr int E = kVecElems<T>;
   RowPlan plan;
-  const std::int64_t ept = std::int64_t(bwd ? kBwdVecs : kFwdVecs) * E;  // elements per thread per row
-  const std::int64_t cached_max = bwd ? kCachedMaxNBwd<T> : kCachedMaxNFwd<T>;
   const std::int64_t J = p.rows_per_group;
   plan.L.aligned = p.n % E == 0 && rows_aligned(p.x, p.x_rows, sizeof(T)) &&
                    (bwd ? rows_aligned(p.dy, p.dy_rows, sizeof(T)) && rows_aligned(p.dx, p.dx_rows, sizeof(T))
                         : rows_aligned(p.y, p.y_rows, sizeof(T)));
   const bool al = plan.L.aligned;
-  if (p.n <= cached_max) {
+  const int ring_tpr = next_pow2((p.n + kRingVecs * E - 1) / (kRingVecs * E));
+  const bool ring = bwd && al && ring_tpr >= kRingMinTpr && p.n <= kRingMaxN<T>;
+  const std::int64_t cached_max = bwd ? kCachedMaxNBwd<T> : kCachedMaxNFwd<T>;
+  if (p.n <= cached_max || ring) {
     plan.cached = true;
-    plan.L.tpr = next_pow2((p.n + ept - 1) / ept);
-    plan.threads = std::max(plan.L.tpr, kSmallCta);
     if (!bwd) {
+      plan.L.tpr = next_pow2((p.n + kFwdVecs * E - 1) / (kFwdVecs * E));
+      plan.threads = std::max(plan.L.tpr, kSmallCta);
       const int tpr_row = next_pow2((p.n + kRowFwdVecs * E - 1) / (kRowFwdVecs * E));
       if (tpr_row <= kRowFwdMaxTpr) {  // short rows: one row group per CTA
         plan.persistent = false;
@@ -101,6 +106,18 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       plan.L.P = ctas_per_unit(fwd_cached_kernel<T>(al, plan.threads > kSmallCta), plan.threads, 0, p.groups, (J + R - 1) / R);
       return plan;
     }
+    if (ring) {  // the ring kernel: 512 threads, 4 vectors per thread, R row groups
+      plan.ring = true;
+      plan.L.tpr = ring_tpr;
+      plan.threads = kRingThreads;
+      plan.smem = ring_smem_bytes(p.n, E);
+      const int R = plan.threads / plan.L.tpr;
+      plan.L.P = ctas_per_unit(reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T>), plan.threads, plan.smem,
+                               p.groups, (J + R - 1) / R);
+      return plan;
+    }
+    plan.L.tpr = next_pow2((p.n + kBwdVecs * E - 1) / (kBwdVecs * E));
+    plan.threads = std::max(plan.L.tpr, kSmallCta);
     const int R = plan.threads / plan.L.tpr;
     // scale (N, padded to whole vectors), reduction scratch, and with several rows per CTA the
     // fixed-order combine of the partials; aligned rows: the cp.async stages (x, dy, mean/rstd)
@@ -108,8 +125,8 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     const std::size_t n_pad = std::size_t((p.n + E - 1) / E * E);
     plan.smem = sizeof(float) * (red + n_pad + (R > 1 ? std::size_t(R) * p.n : 0));
     if (al) plan.smem += std::size_t(kStages) * plan.threads * (2 * kBwdVecs * sizeof(uint4) + 2 * sizeof(float));
-    const void* kernel = cached_bwd_kernel<T>(al, plan.threads > kSmallCta);
-    plan.L.P = ctas_per_unit(kernel, plan.threads, plan.smem, p.groups, (J + R - 1) / R);
+    plan.L.P = ctas_per_unit(cached_bwd_kernel<T>(al, plan.threads > kSmallCta), plan.threads, plan.smem, p.groups,
+                             (J + R - 1) / R);
     return plan;
   }
   plan.cached = false;
@@ -211,7 +228,8 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
       if (blocks > 0x7fffffff) throw Error(cat("rownorm_bwd: grid of ", blocks, " CTAs is too large"));
       const unsigned grid = unsigned(blocks);
       const bool big = plan.threads > kSmallCta;
-      if (al && big) rownorm_bwd_cached_kernel<T, kBwdVecs, true, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
+      if (plan.ring) rownorm_bwd_ring_kernel<T><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
+      else if (al && big) rownorm_bwd_cached_kernel<T, kBwdVecs, true, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al) rownorm_bwd_cached_kernel<T, kBwdVecs, true, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (big) rownorm_bwd_cached_kernel<T, kBwdVecs, false, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else rownorm_bwd_cached_kernel<T, kBwdVecs, false, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
@@ -230,7 +248,7 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
   }
   const std::int64_t P = p.rows > 0 ? plan.L.P : 0;  // no rows: the gradients are zeros
   const std::int64_t cols = p.groups * p.n;
-  const dim3 fblock(32, 8);
+  const dim3 fblock(32, kFinSlices);
   const unsigned fgrid = unsigned((cols + 31) / 32);
   const bool f32 = p.param == DType::f32;
   WgradJob job;
