@@ -2,14 +2,16 @@
 // form of the reference, on the GPU (label gpu; skipped, and reported so, without one).
 // Forward: called through the lowering of src/api/deltanet_lower.h with arguments built here, and
 // through the public entry point deltanet_fwd (DeltanetCudaApi: strided views, fp16, an explicit
-// scale). Checks: o and the final state for fp32 / bf16, T in {1, 63, 100, 1000}, K, V in
+// scale). Checks: o and the final state for fp32 / bf16, T in {1, 63, 100, 1000, 4097}, K, V in
 // {64, 100, 128, 256} (K != V), L2 norm on / off, initial state, varlen (int32 and int64 offsets,
-// empty sequences), outputs poisoned before the run, bitwise determinism.
+// empty sequences, 2000 sequences of random lengths), outputs poisoned before the run, bitwise
+// determinism.
 // Backward (DeltanetCudaBwd): the public deltanet_bwd with a cudaMalloc'ed workspace of
 // deltanet_bwd_workspace_size bytes (poisoned, so nothing may rely on its contents), on a stream of
 // its own: dq, dk, dv, dbeta and dinitial_state each against the loop form's backward (relative
 // Frobenius error 1e-4 fp32, 2e-2 bf16), outputs poisoned with NaN bytes before every call, bitwise
-// determinism, strided views whose padding must stay untouched, a call asking only some gradients.
+// determinism, strided views whose padding must stay untouched, a call asking only some gradients;
+// fp16, T = 4097 and 2000 packed sequences too.
 // Decoding step (DeltanetCudaStep): the public deltanet_step against the loop form over one
 // position, out of place (state left as it was) and in place (new_state == state), L2 on / off.
 #include <gtest/gtest.h>
@@ -131,8 +133,24 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
   if (ws) FW_TEST_CUDA(cudaFree(ws));
 }
 
+// N random lengths in [0, max_len] (about a tenth of them empty), fixed seed: offsets of a packed batch
+// with thousands of sequences.
+std::vector<std::int64_t> many_offsets(int N, int max_len, unsigned seed) {
+  std::mt19937_64 g(seed);
+  std::vector<std::int64_t> off{0};
+  for (int n = 0; n < N; ++n) off.push_back(off.back() + (g() % 10 == 0 ? 0 : std::int64_t(g() % max_len) + 1));
+  return off;
+}
+
 std::vector<DnCase> cases() {
   std::vector<DnCase> v;
+  // T = 4097 (64 chunks and a one-row tail); 2000 packed sequences of random lengths
+  v.push_back({DType::bf16, 1, 4097, 2, 64, 64, true, true, {}, DType::i64});
+  v.push_back({DType::f32, 1, 4097, 1, 64, 64, false, true, {}, DType::i64});
+  for (DType dt : {DType::f32, DType::bf16}) {
+    const std::vector<std::int64_t> off = many_offsets(2000, 9, 5);
+    v.push_back({dt, 1, off.back(), 1, 32, 32, true, true, off, DType::i32});
+  }
   for (DType dt : {DType::f32, DType::bf16}) {
     v.push_back({dt, 2, 100, 3, 64, 64, false, true, {}, DType::i64});
     v.push_back({dt, 1, 300, 2, 128, 256, true, true, {}, DType::i64});
@@ -367,6 +385,13 @@ std::vector<DnBwdCase> bwd_cases() {
   v.push_back({DType::f32, 1, 150, 2, 64, 128, true, true, true, {0, 0, 70, 70, 150}, DType::i32, kAllGrads, 0});
   v.push_back({DType::bf16, 1, 150, 2, 100, 72, true, true, true, {0, 0, 70, 70, 150}, DType::i32, kAllGrads, 0});
   v.push_back({DType::f32, 1, 150, 2, 64, 128, false, true, false, {0, 33, 33, 150}, DType::i64, kAllGrads, 0});
+  // T = 4097; float16 (version 1 kernels); 2000 packed sequences of random lengths (empty ones too)
+  v.push_back({DType::bf16, 1, 4097, 1, 64, 64, true, true, true, none, DType::i64, kAllGrads, 0});
+  v.push_back({DType::f16, 1, 300, 2, 64, 64, true, true, true, none, DType::i64, kAllGrads, 0});
+  for (DType dt : {DType::f32, DType::bf16}) {
+    const std::vector<std::int64_t> off = many_offsets(2000, 9, 6);
+    v.push_back({dt, 1, off.back(), 1, 32, 32, true, true, true, off, DType::i64, kAllGrads, 0});
+  }
   // only some gradients asked for (no initial state, no dfinal_state)
   v.push_back({DType::f32, 2, 130, 2, 64, 64, false, false, false, none, DType::i64, kDv | kDbeta, 0});
   v.push_back({DType::bf16, 1, 100, 2, 100, 72, true, true, true, none, DType::i64, kDq | kDh0, 0});
