@@ -8,12 +8,18 @@ using namespace nb::literals;
 namespace {
 using namespace fwbind;
 
+// q, k, v, i, f of any sequence argument struct.
+template <typename Args>
+void set_qkvif(Args& a, const char* op, const In& q, const In& k, const In& v, const In& i, const In& f) {
+  a.q = to_ref(q, op, "q"), a.k = to_ref(k, op, "k"), a.v = to_ref(v, op, "v");
+  a.i = to_ref(i, op, "i"), a.f = to_ref(f, op, "f");
+}
+
 // The sequence inputs shared by the forward and backward argument structs.
 template <typename Args>
 void set_sequence_inputs(Args& a, const char* op, const In& q, const In& k, const In& v, const In& i, const In& f,
                          const OptIn& c_initial, const OptIn& n_initial, const OptIn& m_initial) {
-  a.q = to_ref(q, op, "q"), a.k = to_ref(k, op, "k"), a.v = to_ref(v, op, "v");
-  a.i = to_ref(i, op, "i"), a.f = to_ref(f, op, "f");
+  set_qkvif(a, op, q, k, v, i, f);
   a.c_initial = to_ref(c_initial, op, "c_initial"), a.n_initial = to_ref(n_initial, op, "n_initial");
   a.m_initial = to_ref(m_initial, op, "m_initial");
 }
@@ -109,6 +115,31 @@ void mlstm_step(const In& q, const In& k, const In& v, const In& i, const In& f,
   fastweight::mlstm_step(a, to_stream(stream));
 }
 
+void parallel_fwd(const In& q, const In& k, const In& v, const In& i, const In& f, const Out& h, const OptOut& n,
+                  const OptOut& m, double eps, std::uintptr_t stream) {
+  const char* op = "mlstm_parallel_fwd";
+  fastweight::MlstmParallelFwdArgs a;
+  set_qkvif(a, op, q, k, v, i, f);
+  a.h = to_ref(h, op, "h"), a.n = to_ref(n, op, "n"), a.m = to_ref(m, op, "m");
+  a.eps = eps;
+  nb::gil_scoped_release release;
+  fastweight::mlstm_parallel_fwd(a, to_stream(stream));
+}
+
+void parallel_bwd(const In& q, const In& k, const In& v, const In& i, const In& f, const OptIn& n, const OptIn& m,
+                  const In& dh, const OptOut& dq, const OptOut& dk, const OptOut& dv, const OptOut& di,
+                  const OptOut& df, double eps, std::uintptr_t stream) {
+  const char* op = "mlstm_parallel_bwd";
+  fastweight::MlstmParallelBwdArgs a;
+  set_qkvif(a, op, q, k, v, i, f);
+  a.n = to_ref(n, op, "n"), a.m = to_ref(m, op, "m"), a.dh = to_ref(dh, op, "dh");
+  a.dq = to_ref(dq, op, "dq"), a.dk = to_ref(dk, op, "dk"), a.dv = to_ref(dv, op, "dv");
+  a.di = to_ref(di, op, "di"), a.df = to_ref(df, op, "df");
+  a.eps = eps;
+  nb::gil_scoped_release release;
+  fastweight::mlstm_parallel_bwd(a, to_stream(stream));
+}
+
 void decay_fwd(const In& i, const In& f, const Out& D, std::uintptr_t stream) {
   const char* op = "mlstm_decay_matrix_fwd";
   fastweight::MlstmDecayMatrixFwdArgs a{to_ref(i, op, "i"), to_ref(f, op, "f"), to_ref(D, op, "D")};
@@ -163,6 +194,12 @@ void bind_mlstm(nb::module_& m) {
   m.def("mlstm_step", &mlstm_step, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "c"_a, "n"_a, "m"_a, "h"_a, "c_new"_a,
         "n_new"_a, "m_new"_a, "eps"_a = 1e-6, "stream"_a = 0,
         "One decoding step; c_new/n_new/m_new may be c/n/m (in place).");
+  m.def("mlstm_parallel_fwd", &parallel_fwd, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "h"_a, "n"_a.none() = none,
+        "m"_a.none() = none, "eps"_a = 1e-6, "stream"_a = 0,
+        "The parallel form (seed 000): h, and per position the normaliser n and stabiliser m.");
+  m.def("mlstm_parallel_bwd", &parallel_bwd, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "n"_a.none() = none,
+        "m"_a.none() = none, "dh"_a, "dq"_a.none() = none, "dk"_a.none() = none, "dv"_a.none() = none,
+        "di"_a.none() = none, "df"_a.none() = none, "eps"_a = 1e-6, "stream"_a = 0);
   m.def("mlstm_decay_matrix_fwd", &decay_fwd, "i"_a, "f"_a, "D"_a, "stream"_a = 0,
         "D[t, s] = F_t - F_s + i_s (s <= t), -inf above the diagonal.");
   m.def("mlstm_decay_matrix_bwd_workspace_size", &decay_bwd_workspace_size, "f"_a, "dD"_a, "di"_a.none() = none,

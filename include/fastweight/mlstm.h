@@ -16,7 +16,8 @@
 // free. Optional tensors are absent TensorRefs; the three states come all together or not at all.
 // Every argument is validated before anything is written: bad input throws ArgumentError naming
 // the op and the argument. CPU tensors run the float64 reference (src/reference/mlstm_ref.h); CUDA
-// tensors run the kernels of src/cuda/mlstm (forward, backward, step, decay matrix).
+// tensors run the kernels of src/cuda/mlstm (forward, backward, step, decay matrix; the parallel form
+// has no CUDA kernel yet).
 #pragma once
 
 #include <cstddef>
@@ -58,6 +59,27 @@ struct MlstmStepArgs {
   double eps = 1e-6;
 };
 
+// The parallel form of seed 000 (no initial states): h (B, NH, S, DV), equal to mlstm_fwd's h when
+// eps = 0 (with eps > 0 the two forms' stabilisers differ, and so does eps's weight), and per position
+// the normaliser n and stabiliser m (B, NH, S) of the parallel form: m_t = max_{s <= t} D[t, s] (D: the decay matrix below), b_t = sum_s C[t, s],
+// n_t = max(|b_t|, exp(-m_t)), h_t = sum_s C[t, s] v_s / (n_t + eps), C = (q k^T / sqrt(DQK)) exp(D - m).
+// n and m are optional outputs, float32 (float64 on the CPU); the backward may take them back (as
+// FlashAttention's log-sum-exp) or recompute them. CPU tensors only so far: CUDA tensors raise an
+// ArgumentError (no CUDA kernel of the parallel form yet; mlstm_fwd computes the same h on CUDA).
+struct MlstmParallelFwdArgs {
+  TensorRef q, k, v, i, f;
+  TensorRef h;     // output
+  TensorRef n, m;  // optional outputs (B, NH, S)
+  double eps = 1e-6;
+};
+struct MlstmParallelBwdArgs {
+  TensorRef q, k, v, i, f;
+  TensorRef n, m;              // optional: the forward's n and m (the CPU path recomputes them)
+  TensorRef dh;                // (B, NH, S, DV)
+  TensorRef dq, dk, dv, di, df;  // outputs, each optional
+  double eps = 1e-6;
+};
+
 // The log-space decay matrix of seed 001: D[t, s] = F_t - F_s + i_s for s <= t, -inf above the
 // diagonal, F_t = lf_1 + ... + lf_t. i, f (B, NH, S); D (B, NH, S, S) float32 or i's dtype.
 struct MlstmDecayMatrixFwdArgs {
@@ -80,6 +102,8 @@ std::size_t mlstm_bwd_workspace_size(const MlstmBwdArgs& args);
 void mlstm_bwd(const MlstmBwdArgs& args, void* workspace, std::size_t workspace_bytes, Stream stream = nullptr);
 void mlstm_bwd(const MlstmBwdArgs& args, Stream stream = nullptr);
 void mlstm_step(const MlstmStepArgs& args, Stream stream = nullptr);
+void mlstm_parallel_fwd(const MlstmParallelFwdArgs& args, Stream stream = nullptr);
+void mlstm_parallel_bwd(const MlstmParallelBwdArgs& args, Stream stream = nullptr);
 void mlstm_decay_matrix_fwd(const MlstmDecayMatrixFwdArgs& args, Stream stream = nullptr);
 std::size_t mlstm_decay_matrix_bwd_workspace_size(const MlstmDecayMatrixBwdArgs& args);
 void mlstm_decay_matrix_bwd(const MlstmDecayMatrixBwdArgs& args, void* workspace, std::size_t workspace_bytes,

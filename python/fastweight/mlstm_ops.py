@@ -8,6 +8,7 @@ preactivations; states c (B, NH, DQK, DV), n (B, NH, DQK), m (B, NH, 1), float32
           return_last_states=False, eps=1e-6, chunk_size=64) -> h | (h, (c, n, m))
     mlstm_headnorm(q, k, v, i, f, weight=None, bias=None, ..., norm_eps=1e-6, weight_offset=0.0)
     mlstm_step(q, k, v, i, f, c, n, m, eps=1e-6, inplace=False) -> (h, (c, n, m))
+    mlstm_parallel(q, k, v, i, f, eps=1e-6) -> (h, n, m)   (CPU tensors only so far)
     mlstm_decay_matrix(i, f) -> D (B, NH, S, S)
 
 Everything is differentiable (q, k, v, i, f and the initial states; the last states too), and the
@@ -26,7 +27,7 @@ from torch import Tensor
 from . import _C
 from .ops import _last_contig, _prep_gate, _spec, _stream, head_norm
 
-__all__ = ["mlstm", "mlstm_headnorm", "mlstm_step", "mlstm_decay_matrix"]
+__all__ = ["mlstm", "mlstm_headnorm", "mlstm_step", "mlstm_parallel", "mlstm_decay_matrix"]
 
 _F32 = torch.float32
 
@@ -216,6 +217,70 @@ def mlstm_step(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, c: Tensor,
         return h, (c, n, m)
     h, c2, n2, m2 = _mlstm_step(q, k, v, i, f, _last_contig(c), _last_contig(n), _last_contig(m), float(eps))
     return h, (c2, n2, m2)
+
+
+# ---- parallel form ------------------------------------------------------------------------------------
+def _stats_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else _F32
+
+
+@torch.library.custom_op("fastweight::mlstm_parallel_fwd", mutates_args=())
+def _parallel_fwd(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    h = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    n, m = q.new_empty(q.shape[:3], dtype=_stats_dtype(q)), q.new_empty(q.shape[:3], dtype=_stats_dtype(q))
+    _C.mlstm_parallel_fwd(_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(h), _spec(n), _spec(m), eps,
+                          _stream(q))
+    return h, n, m
+
+
+@_parallel_fwd.register_fake
+def _(q, k, v, i, f, eps):
+    return q.new_empty(v.shape), q.new_empty(q.shape[:3], dtype=_stats_dtype(q)), \
+        q.new_empty(q.shape[:3], dtype=_stats_dtype(q))
+
+
+@torch.library.custom_op("fastweight::mlstm_parallel_bwd", mutates_args=())
+def _parallel_bwd(dh: Tensor, q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, n: Tensor, m: Tensor,
+                  eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    di, df = torch.empty_like(i), torch.empty_like(f)
+    _C.mlstm_parallel_bwd(_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(n), _spec(m), _spec(dh), _spec(dq),
+                          _spec(dk), _spec(dv), _spec(di), _spec(df), eps, _stream(q))
+    return dq, dk, dv, di, df
+
+
+@_parallel_bwd.register_fake
+def _(dh, q, k, v, i, f, n, m, eps):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(i), torch.empty_like(f)
+
+
+def _parallel_setup(ctx, inputs, output):
+    q, k, v, i, f, eps = inputs
+    _, n, m = output
+    ctx.save_for_backward(q, k, v, i, f, n, m)
+    ctx.eps = eps
+    ctx.mark_non_differentiable(n, m)  # statistics, as FlashAttention's log-sum-exp: no gradient flows
+
+
+def _parallel_backward(ctx, dh, dn, dm):
+    q, k, v, i, f, n, m = ctx.saved_tensors
+    if dh is None:
+        dh = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
+    dq, dk, dv, di, df = _parallel_bwd(_last_contig(dh), q, k, v, i, f, n, m, ctx.eps)
+    return dq, dk, dv, di, df, None
+
+
+_parallel_fwd.register_autograd(_parallel_backward, setup_context=_parallel_setup)
+
+
+def mlstm_parallel(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: float = 1e-6):
+    """Seed 000's parallel form (no initial states): returns (h, n, m), h (B, NH, S, DV) in q's dtype (the
+    h of ``mlstm`` when eps = 0; with eps > 0 the forms' stabilisers, and so eps's weight, differ), n and m (B, NH, S) the per-position normaliser and stabiliser in
+    float32 (float64 for float64 q). h is differentiable in q, k, v, i, f (exact gradient); n and m are
+    statistics and carry no gradient. CPU tensors only so far (a CUDA kernel of this form is issue 3's
+    open work): CUDA tensors raise ValueError; ``mlstm`` computes the same h on CUDA."""
+    return _parallel_fwd(_last_contig(q), _last_contig(k), _last_contig(v), _prep_gate(i, q), _prep_gate(f, q),
+                         float(eps))
 
 
 # ---- decay matrix ------------------------------------------------------------------------------------

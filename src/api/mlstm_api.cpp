@@ -308,6 +308,58 @@ void mlstm_step(const MlstmStepArgs& a, Stream stream) {
   detail::scatter_f64(cs, a.c_new), detail::scatter_f64(ns, a.n_new), detail::scatter_f64(ms, a.m_new);
 }
 
+// ---- parallel form -----------------------------------------------------------------------------------
+namespace {
+// No CUDA kernel of the parallel form yet: CUDA tensors get an error naming q, after the other checks.
+void parallel_cpu_only(const char* op, const TensorRef& q) {
+  FW_CHECK_ARG(q.device == DeviceType::cpu, op, "q",
+               "the parallel form runs on CPU tensors only so far (no CUDA kernel yet); mlstm_fwd computes the "
+               "same h on CUDA tensors");
+}
+}  // namespace
+
+void mlstm_parallel_fwd(const MlstmParallelFwdArgs& a, Stream) {
+  const char* op = "mlstm_parallel_fwd";
+  const detail::MlstmShape sh = sequence_shape(op, a.q, a.v);
+  const MlstmChecker c{op, a.q, "q"};
+  check_sequence_inputs(c, sh, a.q, a.k, a.v, a.i, a.f);
+  c.io("h", a.h, {sh.B, sh.NH, sh.S, sh.DV});
+  if (a.n.defined()) c.state("n", a.n, {sh.B, sh.NH, sh.S});
+  if (a.m.defined()) c.state("m", a.m, {sh.B, sh.NH, sh.S});
+  c.eps(a.eps);
+  parallel_cpu_only(op, a.q);
+  const SeqInputs x = gather_inputs(a.q, a.k, a.v, a.i, a.f, {}, {}, {});
+  const auto out = detail::out_buffer;
+  Vec h(std::size_t(a.h.numel())), n = out(a.n), m = out(a.m);
+  detail::mlstm_parallel_fwd(sh, x.in(), a.eps, h.data(), ptr_or_null(n), ptr_or_null(m));
+  detail::scatter_f64(h, a.h), detail::scatter_f64(n, a.n), detail::scatter_f64(m, a.m);
+}
+
+void mlstm_parallel_bwd(const MlstmParallelBwdArgs& a, Stream) {
+  const char* op = "mlstm_parallel_bwd";
+  const detail::MlstmShape sh = sequence_shape(op, a.q, a.v);
+  const MlstmChecker c{op, a.q, "q"};
+  check_sequence_inputs(c, sh, a.q, a.k, a.v, a.i, a.f);
+  if (a.n.defined()) c.state("n", a.n, {sh.B, sh.NH, sh.S});
+  if (a.m.defined()) c.state("m", a.m, {sh.B, sh.NH, sh.S});
+  c.io("dh", a.dh, {sh.B, sh.NH, sh.S, sh.DV});
+  if (a.dq.defined()) c.io("dq", a.dq, {sh.B, sh.NH, sh.S, sh.DQK});
+  if (a.dk.defined()) c.io("dk", a.dk, {sh.B, sh.NH, sh.S, sh.DQK});
+  if (a.dv.defined()) c.io("dv", a.dv, {sh.B, sh.NH, sh.S, sh.DV});
+  if (a.di.defined()) c.gate("di", a.di, {sh.B, sh.NH, sh.S});
+  if (a.df.defined()) c.gate("df", a.df, {sh.B, sh.NH, sh.S});
+  c.eps(a.eps);
+  parallel_cpu_only(op, a.q);
+  const SeqInputs x = gather_inputs(a.q, a.k, a.v, a.i, a.f, {}, {}, {});
+  const Vec dh = detail::gather_f64(a.dh);
+  const auto out = detail::out_buffer;
+  Vec dq = out(a.dq), dk = out(a.dk), dv = out(a.dv), di = out(a.di), df = out(a.df);
+  detail::mlstm_parallel_bwd(sh, x.in(), a.eps, dh.data(),
+                             {ptr_or_null(dq), ptr_or_null(dk), ptr_or_null(dv), ptr_or_null(di), ptr_or_null(df)});
+  detail::scatter_f64(dq, a.dq), detail::scatter_f64(dk, a.dk), detail::scatter_f64(dv, a.dv);
+  detail::scatter_f64(di, a.di), detail::scatter_f64(df, a.df);
+}
+
 // ---- decay matrix -----------------------------------------------------------------------------------
 void mlstm_decay_matrix_fwd(const MlstmDecayMatrixFwdArgs& a, Stream stream) {
   const char* op = "mlstm_decay_matrix_fwd";

@@ -1,9 +1,11 @@
 // test_mlstm_api.cpp: the public mLSTM entry points (fastweight/mlstm.h) on the CPU: results equal
 // the float64 reference for every IO dtype and for strided views (rows cut from larger buffers),
-// every output element is written, the step works in place, and every bad input gets an
-// ArgumentError naming the op and the argument before anything is written.
+// every output element is written, the step works in place, the parallel form (seed 000) equals its
+// reference, and every bad input gets an ArgumentError naming the op and the argument before
+// anything is written.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -225,6 +227,81 @@ TEST(MlstmApi, CudaTensorsWithoutWorkspaceOrKernelAreRefusedBeforeAnything) {
     EXPECT_TRUE(msg.find("workspace") != std::string::npos || msg.find("CUDA") != std::string::npos) << msg;
   }
   EXPECT_TRUE(s.untouched());
+}
+
+// ---- parallel form -----------------------------------------------------------------------------------
+TEST(MlstmApi, ParallelForwardAndBackwardMatchReference) {
+  for (DType dt : {DType::f64, DType::f32, DType::bf16})
+    for (std::int64_t pad : {0, 3}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + (pad ? " strided" : " contiguous"));
+      Seq s(dt, {2, 3, 29, 8, 5}, pad, pad ? DType::f32 : dt);
+      const DType st = dt == DType::f64 ? DType::f64 : DType::f32;
+      HostTensor n = make_host(st, {2, 3, 29}, pad), m = make_host(st, {2, 3, 29}, pad);
+      fill_bytes(n, 0xff), fill_bytes(m, 0xff);  // NaN: every element must be written
+      MlstmParallelFwdArgs a;
+      a.q = s.q.ref(), a.k = s.k.ref(), a.v = s.v.ref(), a.i = s.i.ref(), a.f = s.f.ref();
+      a.h = s.h.ref(), a.n = n.ref(), a.m = m.ref();
+      mlstm_parallel_fwd(a);
+      HostTensor q = to_f64(s.q), k = to_f64(s.k), v = to_f64(s.v), i = to_f64(s.i), f = to_f64(s.f);
+      HostTensor rh = make_host(DType::f64, s.h.shape), rn = make_host(DType::f64, n.shape),
+                 rm = make_host(DType::f64, m.shape);
+      auto p = [](HostTensor& t) { return static_cast<double*>(t.base()); };
+      fastweight::detail::mlstm_parallel_fwd(s.sh, {p(q), p(k), p(v), p(i), p(f)}, 1e-6, p(rh), p(rn), p(rm));
+      const double tol = dt == DType::f64 ? 1e-12 : tolerance(dt);
+      EXPECT_LT(rel_err(s.h, rh), tol);
+      EXPECT_LT(rel_err(n, rn), dt == DType::f64 ? 1e-12 : 1e-6);
+      EXPECT_LT(rel_err(m, rm), dt == DType::f64 ? 1e-12 : 1e-6);
+      // backward: every gradient against the reference's on the same (rounded) inputs
+      HostTensor dh = make_host(dt, s.h.shape, pad), dq = make_host(dt, s.q.shape, pad),
+                 dk = make_host(dt, s.k.shape), dv = make_host(dt, s.v.shape), di = make_host(s.i.dtype, s.i.shape),
+                 df = make_host(s.f.dtype, s.f.shape, pad);
+      std::mt19937_64 rng(11);
+      fill_random(dh, rng);
+      for (HostTensor* t : {&dq, &dk, &dv, &di, &df}) fill_bytes(*t, 0xff);
+      MlstmParallelBwdArgs b;
+      b.q = a.q, b.k = a.k, b.v = a.v, b.i = a.i, b.f = a.f, b.n = n.ref(), b.m = m.ref(), b.dh = dh.ref();
+      b.dq = dq.ref(), b.dk = dk.ref(), b.dv = dv.ref(), b.di = di.ref(), b.df = df.ref();
+      mlstm_parallel_bwd(b);
+      HostTensor dhc = to_f64(dh), rq = make_host(DType::f64, q.shape), rk = make_host(DType::f64, k.shape),
+                 rv = make_host(DType::f64, v.shape), ri = make_host(DType::f64, i.shape),
+                 rf = make_host(DType::f64, f.shape);
+      fastweight::detail::mlstm_parallel_bwd(s.sh, {p(q), p(k), p(v), p(i), p(f)}, 1e-6, p(dhc),
+                                             {p(rq), p(rk), p(rv), p(ri), p(rf)});
+      EXPECT_LT(rel_err(dq, rq), tol);
+      EXPECT_LT(rel_err(dk, rk), tol);
+      EXPECT_LT(rel_err(dv, rv), tol);
+      const double gtol = s.i.dtype == DType::f64 ? 1e-12 : std::max(tol, 1e-6);  // di, df in the gates' dtype
+      EXPECT_LT(rel_err(di, ri), gtol);
+      EXPECT_LT(rel_err(df, rf), gtol);
+    }
+}
+
+TEST(MlstmApi, ParallelRejectsBadInputAndCudaTensorsBeforeWriting) {
+  Seq s(DType::f32, {1, 2, 8, 4, 4}, 0, DType::f32);
+  HostTensor n = make_host(DType::f32, {1, 2, 8}), m_bad = make_host(DType::f32, {1, 2, 7}),
+             n_f16 = make_host(DType::f16, {1, 2, 8}), f_bad = make_host(DType::f32, {1, 3, 8});
+  fill_bytes(n, 0xab);
+  auto args = [&] {
+    MlstmParallelFwdArgs a;
+    a.q = s.q.ref(), a.k = s.k.ref(), a.v = s.v.ref(), a.i = s.i.ref(), a.f = s.f.ref(), a.h = s.h.ref(), a.n = n.ref();
+    return a;
+  };
+  auto run = [&](auto mutate) { auto a = args(); mutate(a); mlstm_parallel_fwd(a); };
+  const char* op = "mlstm_parallel_fwd";
+  expect_rejected(s, [&] { run([&](MlstmParallelFwdArgs& a) { a.f = f_bad.ref(); }); }, {op, "f", "(1, 2, 8)"});
+  expect_rejected(s, [&] { run([&](MlstmParallelFwdArgs& a) { a.m = m_bad.ref(); }); }, {op, "m", "(1, 2, 8)"});
+  expect_rejected(s, [&] { run([&](MlstmParallelFwdArgs& a) { a.n = n_f16.ref(); }); }, {op, "n", "float32"});
+  expect_rejected(s, [&] { run([&](MlstmParallelFwdArgs& a) { a.eps = -1.0; }); }, {op, "eps"});
+  expect_rejected(s, [&] {
+    run([&](MlstmParallelFwdArgs& a) {
+      for (TensorRef* t : {&a.q, &a.k, &a.v, &a.i, &a.f, &a.h, &a.n}) t->device = DeviceType::cuda;  // never read
+    });
+  }, {op, "q", "CPU tensors only"});
+  for (unsigned char c : n.bytes) ASSERT_EQ(c, 0xab) << "n was written before the error";
+  HostTensor dh = make_host(DType::f32, {1, 2, 8, 4}), dq = make_host(DType::f32, {1, 2, 8, 3});
+  MlstmParallelBwdArgs b;
+  b.q = s.q.ref(), b.k = s.k.ref(), b.v = s.v.ref(), b.i = s.i.ref(), b.f = s.f.ref(), b.dh = dh.ref(), b.dq = dq.ref();
+  expect_argument_error([&] { mlstm_parallel_bwd(b); }, {"mlstm_parallel_bwd", "dq", "(1, 2, 8, 4)"});
 }
 
 }  // namespace

@@ -238,6 +238,69 @@ def test_decay_matrix():
     assert torch.autograd.gradcheck(lambda i, f: fastweight.mlstm_decay_matrix(i, f).masked_fill(~mask, 0.0), (i, f))
 
 
+# ---- parallel form (seed 000) ---------------------------------------------------------------------
+def ref_parallel(q, k, v, i, f, eps=1e-6):
+    """Seed 000's parallel form in float64 torch: h, and the normaliser n and stabiliser m per position."""
+    q, k, v, i, f = (t.double() for t in (q, k, v, i, f))
+    S, DQK = q.shape[2], q.shape[3]
+    F = torch.cumsum(torch.nn.functional.logsigmoid(f), -1)
+    D = F[..., :, None] - F[..., None, :] + i[..., None, :]
+    D = D.masked_fill(~torch.ones(S, S, dtype=torch.bool).tril(), float("-inf"))
+    m = D.max(-1).values
+    C = (q @ k.transpose(-1, -2)) / math.sqrt(DQK) * torch.exp(D - m[..., None])
+    n = torch.maximum(C.sum(-1).abs(), torch.exp(-m))
+    return (C @ v) / (n + eps)[..., None], n, m
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S", [1, 37])
+def test_parallel_matches_reference_and_chunkwise(dtype, S):
+    args = make(S=S, dtype=dtype)
+    h, n, m = fastweight.mlstm_parallel(*args)
+    rh, rn, rm = ref_parallel(*args)
+    assert h.dtype == dtype and n.dtype == m.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert rel_err(h, rh) < TOL[dtype] and rel_err(n, rn) < TOL[torch.float32] and rel_err(m, rm) < TOL[torch.float32]
+    # the chunkwise form gives the same h with eps = 0 (with eps > 0 the stabilisers, and so eps's weight, differ)
+    h0 = fastweight.mlstm_parallel(*args, eps=0.0)[0]
+    assert rel_err(h0, fastweight.mlstm(*args, eps=0.0, chunk_size=16)) < TOL[dtype]
+
+
+def test_parallel_strong_gates_stay_finite():
+    h, n, m = fastweight.mlstm_parallel(*make(S=50, dtype=torch.float32, strong=True))
+    assert torch.isfinite(h).all() and torch.isfinite(n).all() and torch.isfinite(m).all()
+
+
+def test_parallel_gradients():
+    args = [t.requires_grad_() for t in make(B=1, NH=2, S=13, DQK=4, DV=3)]
+    assert torch.autograd.gradcheck(lambda *a: fastweight.mlstm_parallel(*a)[0], args)
+    # against float64 autograd of the independent formula; n and m carry no gradient
+    h, n, m = fastweight.mlstm_parallel(*args)
+    assert not n.requires_grad and not m.requires_grad
+    dh = torch.randn_like(h)
+    got = torch.autograd.grad(h, args, dh)
+    want = torch.autograd.grad(ref_parallel(*args)[0], args, dh)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-10
+
+
+def test_parallel_opcheck_and_bad_input():
+    args = [t.requires_grad_() for t in make(B=1, NH=2, S=9, DQK=4, DV=3)]
+    torch.library.opcheck(torch.ops.fastweight.mlstm_parallel_fwd.default, (*args, 1e-6))
+    q, k, v, i, f = make(S=8)
+    with pytest.raises(ValueError, match=r"mlstm_parallel_fwd: f: expected shape \(2, 3, 8\)"):
+        fastweight.mlstm_parallel(q, k, v, i, f[:, :, :7])
+    with pytest.raises(ValueError, match="mlstm_parallel_fwd: eps: expected a finite value"):
+        fastweight.mlstm_parallel(q, k, v, i, f, eps=float("nan"))
+
+
+@gpu
+@requires_cuda
+def test_parallel_cuda_is_refused_clearly():
+    q, k, v, i, f = (t.cuda() for t in make(S=8, dtype=torch.float32))
+    with pytest.raises(ValueError, match="mlstm_parallel_fwd: q: the parallel form runs on CPU tensors only"):
+        fastweight.mlstm_parallel(q, k, v, i, f)
+
+
 # ---- torch.compile, custom-op checks ----------------------------------------------------------------
 def test_opcheck():
     q, k, v, i, f, c0, n0, m0 = make(B=1, NH=2, S=9, DQK=4, DV=3, states=True)
