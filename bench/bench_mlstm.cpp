@@ -208,6 +208,37 @@ int run_mlstm_bench(const FamilyBench& fb, std::vector<BenchRow>& rows) {
     std::printf("mlstm_step: error: %s\n", ex.what());
     ++failures;
   }
+  // parallel form (seed 000), fp32: h, n, m, then every gradient
+  try {
+    std::mt19937_64 rng(6);
+    HostBuf q(DType::f32, {B, NH, S, DQK}, &rng), k(DType::f32, {B, NH, S, DQK}, &rng), v(DType::f32, {B, NH, S, DV}, &rng);
+    HostBuf i(DType::f32, {B, NH, S}, &rng, -3, 3), f(DType::f32, {B, NH, S}, &rng, 0, 5);
+    HostBuf h(DType::f32, {B, NH, S, DV}), n(DType::f32, {B, NH, S}), m(DType::f32, {B, NH, S});
+    HostBuf dh(DType::f32, {B, NH, S, DV}, &rng), dq(DType::f32, {B, NH, S, DQK}), dk(DType::f32, {B, NH, S, DQK});
+    HostBuf dv(DType::f32, {B, NH, S, DV}), di(DType::f32, {B, NH, S}), df(DType::f32, {B, NH, S});
+    MlstmParallelFwdArgs a;
+    a.q = q.ref(), a.k = k.ref(), a.v = v.ref(), a.i = i.ref(), a.f = f.ref(), a.h = h.ref(), a.n = n.ref(), a.m = m.ref();
+    MlstmParallelBwdArgs b;
+    b.q = a.q, b.k = a.k, b.v = a.v, b.i = a.i, b.f = a.f, b.n = a.n, b.m = a.m, b.dh = dh.ref();
+    b.dq = dq.ref(), b.dk = dk.ref(), b.dv = dv.ref(), b.di = di.ref(), b.df = df.ref();
+    const double ms_f = time_ms([&] { mlstm_parallel_fwd(a); });
+    const double ms_b = time_ms([&] { mlstm_parallel_bwd(b); });
+    const detail::MlstmInputs in{q.val.data(), k.val.data(), v.val.data(), i.val.data(), f.val.data()};
+    Vec rh(h.val.size()), rn(n.val.size()), rm(m.val.size());
+    Vec rq(dq.val.size()), rk(dk.val.size()), rv(dv.val.size()), ri(di.val.size()), rf(df.val.size());
+    detail::mlstm_parallel_fwd(sh, in, 1e-6, rh.data(), rn.data(), rm.data());
+    detail::mlstm_parallel_bwd(sh, in, 1e-6, dh.val.data(), {rq.data(), rk.data(), rv.data(), ri.data(), rf.data()});
+    Err ef, eb;
+    ef.add(h.read(), rh), ef.add(n.read(), rn), ef.add(m.read(), rm);
+    eb.add(dq.read(), rq), eb.add(dk.read(), rk), eb.add(dv.read(), rv), eb.add(di.read(), ri), eb.add(df.read(), rf);
+    if (!(ef.value() <= 1e-5)) ++failures;
+    if (!(eb.value() <= 1e-5)) ++failures;
+    rows.push_back({"mlstm_parallel_fwd", "float32", shp, ef.value(), ms_f, "cpu"});
+    rows.push_back({"mlstm_parallel_bwd", "float32", shp, eb.value(), ms_b, "cpu"});
+  } catch (const std::exception& ex) {
+    std::printf("mlstm_parallel: error: %s\n", ex.what());
+    ++failures;
+  }
   try {
     std::mt19937_64 rng(5);
     HostBuf i(DType::f32, {B, NH, S}, &rng), f(DType::f32, {B, NH, S}, &rng, -5, 5), D(DType::f32, {B, NH, S, S});
