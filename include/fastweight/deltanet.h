@@ -14,9 +14,10 @@
 // FlashAttention's variable-length batches) B must be 1 and sequence n is positions
 // [cu_seqlens[n], cu_seqlens[n+1]) of the packed T axis: N = len(cu_seqlens) - 1, offsets
 // non-decreasing from 0 to T (empty sequences allowed: their final state is their initial state).
-// The offsets are checked on CPU tensors. On a CUDA device they are trusted, not read by the host
-// (that would synchronise the stream and break CUDA-graph capture), as in FlashAttention's varlen
-// kernels: invalid device offsets are undefined behaviour.
+// The offsets are checked on CPU tensors. On a CUDA device they are not read by the host (that would
+// synchronise the stream and break CUDA-graph capture): the kernels clamp them into [0, T], so
+// invalid device offsets give wrong results but never touch memory outside the tensors and the
+// workspace. Python's delta_rule checks device offsets on the host in eager mode.
 //
 // Dtypes: q, k, v, o and dq, dk, dv, do_ share one IO dtype (float32, float16, bfloat16; also
 // float64 on the CPU); beta and dbeta have that dtype or float32; states and their gradients are

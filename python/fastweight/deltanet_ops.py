@@ -19,7 +19,8 @@ Everything is differentiable: q, k, v, beta, initial_state, with the final state
 into account (exact gradients). Custom ops with fake kernels: ``torch.compile(fullgraph=True)``
 works. CPU tensors run the float64 reference behind the C++ API. CUDA tensors run the CUDA kernels
 (chunks of 64, fp32 accumulation and states; K <= 256, ValueError beyond; cu_seqlens on q's device,
-its offsets trusted there: reading them back would synchronise). The forward and the backward take
+checked on the host in eager mode at the cost of one synchronisation, as FLA's varlen path; trusted,
+and clamped by the kernels, while a CUDA graph is captured or torch.compile traces). The forward and the backward take
 their workspaces (``_C.deltanet_fwd_workspace_size`` / ``_C.deltanet_bwd_workspace_size`` bytes) from
 torch's caching allocator, so training on CUDA works and stays CUDA-graph safe; ``delta_rule_step``
 needs none.
@@ -110,6 +111,37 @@ _deltanet_fwd.register_autograd(_deltanet_backward, setup_context=_deltanet_setu
 
 
 # ---- functional API ---------------------------------------------------------------------------------
+def _check_device_offsets(cu_seqlens: Optional[Tensor], q: Tensor) -> None:
+    """CUDA offsets are checked here, on the host, in eager mode: one synchronisation per call (FLA's
+    varlen path synchronises too). The kernels cannot raise, so they only clamp offsets (memory stays
+    safe, results do not); the C++ layer checks CPU offsets itself. Skipped while a CUDA graph is
+    captured or torch.compile traces: there the offsets are trusted. Malformed tensors (dtype, shape,
+    batch) are left to the C++ checks, which name them."""
+    if cu_seqlens is None or not cu_seqlens.is_cuda or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        return
+    if cu_seqlens.dtype not in (torch.int32, torch.int64) or q.dim() != 4 or q.shape[0] != 1:
+        return
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return
+    c = cu_seqlens.to(torch.int64)
+    T, N = q.shape[1], c.numel() - 1
+    bad = (c[0] != 0) | (c[-1] != T)
+    if N > 0:
+        bad = bad | (c[1:] < c[:-1]).any()
+    if not bool(bad):
+        return
+    off = c.tolist()
+    where = "fastweight.delta_rule: cu_seqlens: "
+    if off[0] != 0:
+        raise ValueError(where + f"expected offsets starting at 0, got cu_seqlens[0] = {off[0]}")
+    for n in range(N):
+        if off[n + 1] < off[n]:
+            raise ValueError(where + f"expected non-decreasing offsets, got cu_seqlens[{n + 1}] = {off[n + 1]} "
+                             f"< cu_seqlens[{n}] = {off[n]}")
+    raise ValueError(where + f"expected the last offset cu_seqlens[{N}] to be T = {T} (the packed length of q), "
+                     f"got {off[N]}")
+
+
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, scale: Optional[float] = None,
                initial_state: Optional[Tensor] = None, output_final_state: bool = False,
                use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Optional[Tensor] = None):
@@ -119,6 +151,7 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, scale: Optional[fl
     if cu_seqlens is not None and not isinstance(cu_seqlens, Tensor):  # as FLA: offsets are a tensor
         raise TypeError("fastweight.delta_rule: cu_seqlens must be a torch.Tensor of N+1 int32/int64 offsets "
                         f"on q's device (FLA's convention), got {type(cu_seqlens).__name__}")
+    _check_device_offsets(cu_seqlens, q)
     h0 = initial_state
     if h0 is not None:
         h0 = _last_contig(h0 if h0.dtype == _state_dtype(q) else h0.to(_state_dtype(q)))

@@ -367,6 +367,59 @@ TEST_P(DeltanetCudaBwd, PublicBackwardMatchesReferenceWritesEverythingAndIsDeter
   EXPECT_EQ(checked, std::popcount(c.grads));
 }
 
+// Device offsets are trusted (reading them would need a synchronisation), so the kernels clamp them:
+// out-of-range, decreasing or short offsets give wrong sequences but must never touch memory outside
+// the tensors or the workspace. Checked here by the launches completing cleanly and by the views'
+// padding staying untouched; gpu-check runs this test under compute-sanitizer memcheck ("varlen").
+TEST(DeltanetCudaBadOffsets, Clamped_varlen_MemorySafe) {
+  FW_REQUIRE_GPU();
+  const std::vector<std::vector<std::int64_t>> bad = {{0, 400, -7, 90, 150}, {0, 150, 20}, {5, 3, 140}, {0, 10, 60}};
+  const std::int64_t T = 150, H = 2, K = 64, V = 64;
+  for (DType dt : {DType::bf16, DType::f32})
+    for (const auto& off : bad) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " offsets of size " + std::to_string(off.size()));
+      const std::int64_t N = std::int64_t(off.size()) - 1;
+      auto host = [&](DType t, std::vector<std::int64_t> shape) { return make_host(t, std::move(shape), 3, 1); };
+      HostTensor q = host(dt, {1, T, H, K}), k = host(dt, {1, T, H, K}), v = host(dt, {1, T, H, V}),
+                 beta = host(dt, {1, T, H}), o = host(dt, {1, T, H, V}), h0 = host(DType::f32, {N, H, K, V}),
+                 ht = host(DType::f32, {N, H, K, V}), dout = host(dt, {1, T, H, V}), dq = host(dt, {1, T, H, K}),
+                 dk = host(dt, {1, T, H, K}), dv = host(dt, {1, T, H, V}), db = host(dt, {1, T, H}),
+                 dh0 = host(DType::f32, {N, H, K, V});
+      std::mt19937_64 rng(7);
+      fill_inputs(rng, true, K, q, k, v, beta, h0);
+      fill_random(dout, rng, -1.0, 1.0);
+      HostTensor* outs[] = {&o, &ht, &dq, &dk, &dv, &db, &dh0};
+      for (HostTensor* t : outs) fill_bytes(*t, 0xff);
+      HostTensor cu = make_host(DType::i32, {std::int64_t(off.size())});
+      for (std::size_t i = 0; i < off.size(); ++i) cu.set(std::int64_t(i), double(off[i]));
+      DeviceMirror gq(q), gk(k), gv(v), gb(beta), go(o), gh0(h0), ght(ht), gcu(cu), gdo(dout), gdq(dq), gdk(dk),
+          gdv(dv), gdb(db), gdh0(dh0);
+      DeltanetFwdArgs a;
+      a.q = gq.ref(q), a.k = gk.ref(k), a.v = gv.ref(v), a.beta = gb.ref(beta), a.o = go.ref(o);
+      a.initial_state = gh0.ref(h0), a.final_state = ght.ref(ht), a.cu_seqlens = gcu.ref(cu);
+      a.use_qk_l2norm_in_kernel = true;
+      const std::size_t fneed = deltanet_fwd_workspace_size(a);
+      DeltanetBwdArgs b;
+      b.q = a.q, b.k = a.k, b.v = a.v, b.beta = a.beta, b.do_ = gdo.ref(dout), b.initial_state = a.initial_state;
+      b.cu_seqlens = a.cu_seqlens, b.use_qk_l2norm_in_kernel = true;
+      b.dq = gdq.ref(dq), b.dk = gdk.ref(dk), b.dv = gdv.ref(dv), b.dbeta = gdb.ref(db), b.dinitial_state = gdh0.ref(dh0);
+      const std::size_t bneed = deltanet_bwd_workspace_size(b);
+      void* ws = nullptr;
+      FW_TEST_CUDA(cudaMalloc(&ws, std::max<std::size_t>({fneed, bneed, 1})));
+      deltanet_fwd(a);                             // the on-chip kernel
+      deltanet_fwd(a, ws, fneed, Stream{});        // the pipeline (tensor cores for bf16)
+      deltanet_bwd(b, ws, bneed, Stream{});
+      FW_TEST_CUDA(cudaDeviceSynchronize());
+      FW_TEST_CUDA(cudaGetLastError());
+      FW_TEST_CUDA(cudaFree(ws));
+      DeviceMirror* gouts[] = {&go, &ght, &gdq, &gdk, &gdv, &gdb, &gdh0};
+      for (int e = 0; e < 7; ++e) {
+        gouts[e]->download(*outs[e]);
+        EXPECT_TRUE(padding_untouched(*outs[e], 0xff)) << "output " << e << " written outside its view";
+      }
+    }
+}
+
 std::vector<DnBwdCase> bwd_cases() {
   std::vector<DnBwdCase> v;
   const std::vector<std::int64_t> none;

@@ -407,6 +407,21 @@ def test_cuda_varlen_matches_reference(cu_dtype):
 
 
 @gpu
+@gpu
+@requires_cuda
+def test_cuda_bad_offsets_are_refused_before_any_launch():
+    # device offsets are checked on the host in eager mode, with the CPU path's messages
+    q, k, v, beta, _ = _cuda(*make(B=1, T=8, H=2, K=4, V=3, dtype=torch.float32, seed=_fresh_seed()))
+    for cu, msg in (([1, 8], "starting at 0"), ([0, 5, 3, 8], "non-decreasing"), ([0, 7], "T = 8"),
+                    ([0, 9], "T = 8"), ([0, -2, 8], "non-decreasing")):
+        for dt in (torch.int32, torch.int64):
+            with pytest.raises(ValueError, match=f"cu_seqlens: .*{msg}"):
+                fastweight.delta_rule(q, k, v, beta, cu_seqlens=torch.tensor(cu, dtype=dt, device="cuda"))
+    o, _ = fastweight.delta_rule(q, k, v, beta, cu_seqlens=torch.tensor([0, 3, 8], device="cuda"))  # valid: runs
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all()
+
+
 @requires_cuda
 def test_cuda_strided_inputs_and_sequence_split():
     seed = _fresh_seed()

@@ -11,14 +11,20 @@ namespace fastweight::detail {
 struct DnSeq {
   std::int64_t b, bos, eos, base;
 };
+// Device offsets are not read by the host (that would need a synchronisation), so they are trusted but
+// clamped: an offset outside [0, T] or a decreasing one gives wrong sequences, never an access outside
+// the tensors or the workspace (every row index stays in [0, T), every state slot below
+// deltanet_slots: base(n) + chunks(n) <= T / 64 + N). Python checks them on the host when eager.
 __device__ __forceinline__ std::int64_t dn_cu(const DeltanetParams& p, std::int64_t n) {
-  return p.cu_i64 ? static_cast<const std::int64_t*>(p.cu_seqlens)[n] : static_cast<const std::int32_t*>(p.cu_seqlens)[n];
+  const std::int64_t v =
+      p.cu_i64 ? static_cast<const std::int64_t*>(p.cu_seqlens)[n] : static_cast<const std::int32_t*>(p.cu_seqlens)[n];
+  return v < 0 ? 0 : v > p.T ? p.T : v;
 }
 __device__ __forceinline__ DnSeq dn_seq(const DeltanetParams& p, std::int64_t n) {
   constexpr std::int64_t c = kDeltanetChunk;
   if (!p.cu_seqlens) return {n, 0, p.T, n * ((p.T + c - 1) / c)};
-  const std::int64_t bos = dn_cu(p, n);
-  return {0, bos, dn_cu(p, n + 1), bos / c + n};
+  const std::int64_t bos = dn_cu(p, n), eos = dn_cu(p, n + 1);
+  return {0, bos, eos < bos ? bos : eos, bos / c + n};
 }
 
 // Chunk slot `slot`: its sequence and first row t0; false for a slot past its sequence's end.
@@ -38,7 +44,7 @@ __device__ __forceinline__ bool dn_slot(const DeltanetParams& p, std::int64_t sl
   }
   sq = dn_seq(p, n);
   t0 = sq.bos + (slot - sq.base) * c;
-  return t0 < sq.eos;
+  return slot >= sq.base && t0 < sq.eos;  // slot < base: only for invalid (decreasing) offsets
 }
 
 // Row (b, t, h) of the (B*T*H, .) workspace regions.
