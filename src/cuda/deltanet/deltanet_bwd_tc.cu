@@ -187,8 +187,11 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(cons
 }
 
 // ---- the chunk pass on tensor cores --------------------------------------------------------------
-// One CTA (4 warps, warp w: chunk rows 16w..) per (chunk slot, head, 64 columns of K), as the
-// version 1 chunk kernel (deltanet_bwd.cu) computes it, with D = W X, dR = W Y:
+// One CTA per (chunk slot, head, 64 columns of K), as the version 1 chunk kernel (deltanet_bwd.cu)
+// computes it, with D = W X, dR = W Y. 8 warps: warp w owns rows 16 (w % 4).. and columns 32 (w / 4)..
+// of every 64 x 64 result, so 64 accumulators per thread instead of 128 and two CTAs (16 warps) per
+// SM (measured with 4 warps of 16 x 64: 8 warps per SM, 255 registers, latency-bound at 4.17 ms for
+// (4,4096,16,128); splitting the V loop in two instead was slower, 4.59 ms).
 //   a1 = dO D^T, a2 = -dR D^T (64 x 64), dq0 = dO S0^T, dk0 = D dSe^T - dR S0^T (64 x 64 of K), over V;
 //   dq^ = s dq0 + (s tril(a1)) diag(rk) K,  dk^ = dk0 + (s tril(a1))^T diag(rq) Q + E diag(rk) K,
 //   E = dG + dG^T, dG = strict_lower(a2).
@@ -205,7 +208,8 @@ struct BcLayout {
   }
 };
 
-__global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
+constexpr int kBcThreads = 256;
+__global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                          float* __restrict__ ws, bool vq, bool vk,
                                                                          bool vo) {
   extern __shared__ float4 smem_raw[];
@@ -219,6 +223,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_tc_kernel(const D
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
   float* s_beta = reinterpret_cast<float*>(base + lay.beta);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int mw = warp & 3, half = warp >> 2;  // rows 16 mw.., columns 32 half.. of each 64 x 64 result
   const std::int64_t h = blockIdx.y, k0 = std::int64_t(blockIdx.z) * kT, K = p.K, V = p.V, slot = blockIdx.x;
   DnSeq sq_;
   std::int64_t t0;
@@ -230,16 +235,17 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_tc_kernel(const D
   __syncthreads();
   const bf16* Sg = reinterpret_cast<const bf16*>(ws + w.S + (slot * p.H + h) * K * V) + k0 * V;
   const bf16* Eg = reinterpret_cast<const bf16*>(ws + w.dS + (slot * p.H + h) * K * V) + k0 * V;
-  float a1[8][4] = {}, a2[8][4] = {}, dq[8][4] = {}, dk[8][4] = {};  // a2 = -dR D^T
+  float a1[4][4] = {}, a2[4][4] = {}, dq[4][4] = {}, dk[4][4] = {};  // a2 = -dR D^T; (16 x 32) each
   for (std::int64_t v0 = 0; v0 < V; v0 += kT) {
     const int nv = int(lmin(kT, V - v0));
-    load_tile(sdo, kLd, kT, kT, bf_rows(p.do_, b, t0, h) + v0, p.do_.s1, nr, nv, vo);
-    load_tile(sSh, kLd, kT, kT, Sg + v0, V, nk, nv, V % 8 == 0);
-    load_tile(sSl, kLd, kT, kT, Sg + K * V + v0, V, nk, nv, V % 8 == 0);
-    load_tile(sEh, kLd, kT, kT, Eg + v0, V, nk, nv, V % 8 == 0);
-    load_tile(sEl, kLd, kT, kT, Eg + K * V + v0, V, nk, nv, V % 8 == 0);
+    load_tile(sdo, kLd, kT, kT, bf_rows(p.do_, b, t0, h) + v0, p.do_.s1, nr, nv, vo, kBcThreads);
+    load_tile(sSh, kLd, kT, kT, Sg + v0, V, nk, nv, V % 8 == 0, kBcThreads);
+    load_tile(sSl, kLd, kT, kT, Sg + K * V + v0, V, nk, nv, V % 8 == 0, kBcThreads);
+    load_tile(sEh, kLd, kT, kT, Eg + v0, V, nk, nv, V % 8 == 0, kBcThreads);
+    load_tile(sEl, kLd, kT, kT, Eg + K * V + v0, V, nk, nv, V % 8 == 0, kBcThreads);
     cp_async_commit();
-    for (int e = tid; e < 64 * 32; e += kThreads) {  // D = W X, dR = W Y as hi + lo, column pairs
+#pragma unroll 2
+    for (int e = tid; e < 64 * 32; e += kBcThreads) {  // D = W X, dR = W Y as hi + lo, column pairs
       const int i = e / 32, c = 2 * (e % 32);
       float2 x = make_float2(0.f, 0.f), y = x;
       if (i < nr && v0 + c < nv + v0) {
@@ -252,32 +258,34 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_tc_kernel(const D
     }
     cp_async_wait<0>();
     __syncthreads();
-    mma_rn(a1, sdo, kLd, warp, sDh, kLd, 64, lane);
-    mma_rn(a1, sdo, kLd, warp, sDl, kLd, 64, lane);
-    mma_rn(a2, sRh, kLd, warp, sDh, kLd, 64, lane);
-    mma_rn(a2, sRh, kLd, warp, sDl, kLd, 64, lane);
-    mma_rn(a2, sRl, kLd, warp, sDh, kLd, 64, lane);
-    mma_rn(dq, sdo, kLd, warp, sSh, kLd, 64, lane);
-    mma_rn(dq, sdo, kLd, warp, sSl, kLd, 64, lane);
-    mma_rn(dk, sDh, kLd, warp, sEh, kLd, 64, lane);
-    mma_rn(dk, sDh, kLd, warp, sEl, kLd, 64, lane);
-    mma_rn(dk, sDl, kLd, warp, sEh, kLd, 64, lane);
-    mma_rn(dk, sRh, kLd, warp, sSh, kLd, 64, lane);
-    mma_rn(dk, sRh, kLd, warp, sSl, kLd, 64, lane);
-    mma_rn(dk, sRl, kLd, warp, sSh, kLd, 64, lane);
+    // B operands n-major: this warp's 32 output columns are rows 32 half.. of the B tile
+    const int bo = 32 * half * kLd;
+    mma_rn(a1, sdo, kLd, mw, sDh + bo, kLd, 64, lane);
+    mma_rn(a1, sdo, kLd, mw, sDl + bo, kLd, 64, lane);
+    mma_rn(a2, sRh, kLd, mw, sDh + bo, kLd, 64, lane);
+    mma_rn(a2, sRh, kLd, mw, sDl + bo, kLd, 64, lane);
+    mma_rn(a2, sRl, kLd, mw, sDh + bo, kLd, 64, lane);
+    mma_rn(dq, sdo, kLd, mw, sSh + bo, kLd, 64, lane);
+    mma_rn(dq, sdo, kLd, mw, sSl + bo, kLd, 64, lane);
+    mma_rn(dk, sDh, kLd, mw, sEh + bo, kLd, 64, lane);
+    mma_rn(dk, sDh, kLd, mw, sEl + bo, kLd, 64, lane);
+    mma_rn(dk, sDl, kLd, mw, sEh + bo, kLd, 64, lane);
+    mma_rn(dk, sRh, kLd, mw, sSh + bo, kLd, 64, lane);
+    mma_rn(dk, sRh, kLd, mw, sSl + bo, kLd, 64, lane);
+    mma_rn(dk, sRl, kLd, mw, sSh + bo, kLd, 64, lane);
     __syncthreads();  // the next tile overwrites every operand
   }
   // the 64 x 64 factors: P1 = s tril(a1) diag(rk) -> T[1, 2]; P2 = (s tril(a1))^T diag(rq) -> T[3, 4];
   // dG = strict_lower(a2) (a2 = -dR D^T) -> sdG, then PE = (dG + dG^T) diag(rk) -> T[5, 6]; q, k tiles -> T[7], T[8]
   bf16 *sP1h = T(1), *sP1l = T(2), *sP2h = T(3), *sP2l = T(4), *sPEh = T(5), *sPEl = T(6), *sq = T(7), *sk = T(8);
-  load_tile(sq, kLd, kT, kT, bf_rows(p.q, b, t0, h) + k0, p.q.s1, nr, nk, vq);
-  load_tile(sk, kLd, kT, kT, bf_rows(p.k, b, t0, h) + k0, p.k.s1, nr, nk, vk);
+  load_tile(sq, kLd, kT, kT, bf_rows(p.q, b, t0, h) + k0, p.q.s1, nr, nk, vq, kBcThreads);
+  load_tile(sk, kLd, kT, kT, bf_rows(p.k, b, t0, h) + k0, p.k.s1, nr, nk, vk, kBcThreads);
   cp_async_commit();
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
+      const int i = 16 * mw + frow(lane, e), c = 32 * half + fcol(lane, j, e);
       const float m = c <= i ? p.scale * a1[j][e] : 0.f;
       put_split(sP1h, sP1l, kLd, i, c, m * s_rk[c]);
       put_split(sP2h, sP2l, kLd, c, i, m * s_rq[i]);
@@ -285,24 +293,25 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_chunk_tc_kernel(const D
       dq[j][e] *= p.scale;
     }
   __syncthreads();
-  for (int e = tid; e < 64 * 64; e += kThreads) {
+  for (int e = tid; e < 64 * 64; e += kBcThreads) {
     const int i = e / 64, c = e % 64;
     put_split(sPEh, sPEl, kLd, i, c, (sdG[i][c] + sdG[c][i]) * s_rk[c]);
   }
   cp_async_wait<0>();
   __syncthreads();
-  mma_rk(dq, sP1h, kLd, warp, sk, kLd, 64, lane);
-  mma_rk(dq, sP1l, kLd, warp, sk, kLd, 64, lane);
-  mma_rk(dk, sP2h, kLd, warp, sq, kLd, 64, lane);
-  mma_rk(dk, sP2l, kLd, warp, sq, kLd, 64, lane);
-  mma_rk(dk, sPEh, kLd, warp, sk, kLd, 64, lane);
-  mma_rk(dk, sPEl, kLd, warp, sk, kLd, 64, lane);
+  // B operands k-major: this warp's 32 output columns are columns 32 half.. of q, k
+  mma_rk(dq, sP1h, kLd, mw, sk + 32 * half, kLd, 64, lane);
+  mma_rk(dq, sP1l, kLd, mw, sk + 32 * half, kLd, 64, lane);
+  mma_rk(dk, sP2h, kLd, mw, sq + 32 * half, kLd, 64, lane);
+  mma_rk(dk, sP2l, kLd, mw, sq + 32 * half, kLd, 64, lane);
+  mma_rk(dk, sPEh, kLd, mw, sk + 32 * half, kLd, 64, lane);
+  mma_rk(dk, sPEl, kLd, mw, sk + 32 * half, kLd, 64, lane);
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int i = 16 * warp + frow(lane, e);
-      const std::int64_t c = k0 + fcol(lane, j, e);
+      const int i = 16 * mw + frow(lane, e);
+      const std::int64_t c = k0 + 32 * half + fcol(lane, j, e);
       if (i < nr && c < K) dn_store_dqk(p, w, ws, b, t0 + i, h, c, dq[j][e], dk[j][e]);
     }
   if (blockIdx.z == 0) dn_store_dbeta(p, w, ws, b, t0, nr, h, tid);
@@ -329,8 +338,8 @@ void deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   const std::int64_t slots = deltanet_slots(p), kt = (p.K + kT - 1) / kT;
   if (slots == 0 || p.N * p.H == 0) return;
   const BcLayout lay;
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_chunk_tc_kernel), kThreads, lay.bytes);
-  deltanet_bwd_chunk_tc_kernel<<<dim3(unsigned(slots), unsigned(p.H), unsigned(kt)), kThreads, lay.bytes,
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_chunk_tc_kernel), kBcThreads, lay.bytes);
+  deltanet_bwd_chunk_tc_kernel<<<dim3(unsigned(slots), unsigned(p.H), unsigned(kt)), kBcThreads, lay.bytes,
                                  reinterpret_cast<cudaStream_t>(stream)>>>(p, w, ws, rows16_seq(p.q), rows16_seq(p.k),
                                                                            rows16_seq(p.do_));
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (chunk pass, tensor cores)");

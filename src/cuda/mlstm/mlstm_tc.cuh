@@ -27,17 +27,18 @@ __device__ __forceinline__ int bytes16(int nr_ok, int left) {  // bytes of a 16-
 // Rows [0, nr) x columns [0, nc) of a bf16 matrix (row i at src + i * rs) into an R x C smem tile
 // (stride ld; C a multiple of 8), zeros elsewhere. vec: src 16-byte aligned and rs % 8 == 0 ->
 // cp.async (the caller commits and waits); else synchronous element loads.
+// nthreads: the CTA's threads (kTcThreads unless the kernel says otherwise).
 __device__ __forceinline__ void load_tile(bf16* sm, int ld, int R, int C, const bf16* src, std::int64_t rs, int nr,
-                                          int nc, bool vec) {
+                                          int nc, bool vec, int nthreads = kTcThreads) {
   if (vec) {
     const int CH = C / 8;  // 16-byte chunks per row
-    for (int e = threadIdx.x; e < R * CH; e += kTcThreads) {
+    for (int e = threadIdx.x; e < R * CH; e += nthreads) {
       const int r = e / CH, col = (e % CH) * 8;
       const int bytes = bytes16(r < nr, nc - col);
       cp_async16(sm + r * ld + col, bytes ? src + r * rs + col : src, bytes);
     }
   } else {
-    for (int e = threadIdx.x; e < R * C; e += kTcThreads) {
+    for (int e = threadIdx.x; e < R * C; e += nthreads) {
       const int r = e / C, col = e % C;
       sm[r * ld + col] = r < nr && col < nc ? src[r * rs + col] : __float2bfloat16_rn(0.f);
     }
@@ -45,34 +46,55 @@ __device__ __forceinline__ void load_tile(bf16* sm, int ld, int R, int C, const 
 }
 
 
-// acc (warp's 16 rows x 64 columns) += A (row major, rows 16 mrow.., K = Kp) B (k-major, 64 columns)
-__device__ __forceinline__ void mma_rk(float (&acc)[8][4], const bf16* A, int lda, int mrow, const bf16* Bk, int ldb,
+// acc (warp's 16 rows x 8 J columns: 64 for J = 8, 32 for J = 4) += A (row major, rows 16 mrow.., K = Kp)
+// B (k-major; its first J * 8 columns)
+template <int J>
+__device__ __forceinline__ void mma_rk(float (&acc)[J][4], const bf16* A, int lda, int mrow, const bf16* Bk, int ldb,
                                        int Kp, int lane) {
-  for (int ks = 0; ks < Kp / 16; ++ks) {
+  // J = 8 (4-warp kernels): the ks loop as the compiler unrolls it; J = 4 (8-warp kernels, 128
+  // registers): not unrolled, so that fragments are not hoisted across steps into spills.
+  auto step = [&](int ks) {
     std::uint32_t a[4];
     ldsm_x4(a, A + (16 * mrow + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
+    for (int jj = 0; jj < J / 2; ++jj) {
       std::uint32_t bb[4];
       ldsm_x4_t(bb, Bk + (ks * 16 + ld_row_b_kmajor(lane)) * ldb + 16 * jj + ld_col_b_kmajor(lane));
       mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
       mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
     }
+  };
+  if constexpr (J == 8) {
+    for (int ks = 0; ks < Kp / 16; ++ks) step(ks);
+  } else {
+#pragma unroll 1
+    for (int ks = 0; ks < Kp / 16; ++ks) step(ks);
   }
 }
-// acc (16 x 64) += A B^T with A row major (rows 16 mrow..) and B stored n-major (64 rows, K contiguous)
-__device__ __forceinline__ void mma_rn(float (&acc)[8][4], const bf16* A, int lda, int mrow, const bf16* Bn, int ldb,
+
+// acc (16 x 8 J) += A B^T with A row major (rows 16 mrow..) and B stored n-major (its first 8 J rows,
+// K contiguous)
+template <int J>
+__device__ __forceinline__ void mma_rn(float (&acc)[J][4], const bf16* A, int lda, int mrow, const bf16* Bn, int ldb,
                                        int Kp, int lane) {
-  for (int ks = 0; ks < Kp / 16; ++ks) {
+  // J = 8 (4-warp kernels): the ks loop as the compiler unrolls it; J = 4 (8-warp kernels, 128
+  // registers): not unrolled, so that fragments are not hoisted across steps into spills.
+  auto step = [&](int ks) {
     std::uint32_t a[4];
     ldsm_x4(a, A + (16 * mrow + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
+    for (int jj = 0; jj < J / 2; ++jj) {
       std::uint32_t bb[4];
       ldsm_x4(bb, Bn + (16 * jj + ld_row_b_nmajor(lane)) * ldb + ks * 16 + ld_col_b_nmajor(lane));
       mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
       mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
     }
+  };
+  if constexpr (J == 8) {
+    for (int ks = 0; ks < Kp / 16; ++ks) step(ks);
+  } else {
+#pragma unroll 1
+    for (int ks = 0; ks < Kp / 16; ++ks) step(ks);
   }
 }
 // Fragment element (j, e) -> (row, column) within the warp's 16 x 64 tile
