@@ -147,16 +147,19 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
 
 // ---- 2. state -----------------------------------------------------------------------------------
 // smem: bf16 k[2][64][ldk] | Xwh[2][64][ldk] | Xwl[2][64][ldk] | Sh, Sl[Kc][kLd] | Dh, Dl[64][kLd] |
-//       f32 rkb[2][64] (rk beta per row)
+//       f32 rkb[2][64] (rk beta per row) | f32 Xu[2][64][kLdU] (this CTA's 64 columns, prefetched
+//       with the chunk's other operands: read synchronously it exposed a global-load latency per chunk)
+constexpr int kLdU = kT + 4;  // fp32 row stride of the Xu tiles: 272 B, 16-byte aligned rows
 struct StLayout {
   int Kc, ldk;
-  std::size_t k, xh, xl, Sh, Sl, Dh, Dl, rkb, bytes;
+  std::size_t k, xh, xl, Sh, Sl, Dh, Dl, rkb, xu, bytes;
   __host__ __device__ explicit StLayout(std::int64_t K) {
     Kc = k_cols(K), ldk = Kc + 8;
     const std::size_t kt = 2 * std::size_t(kT) * ldk;  // bytes of one (64, ldk) bf16 tile
     k = 0, xh = k + 2 * kt, xl = xh + 2 * kt, Sh = xl + 2 * kt, Sl = Sh + 2 * std::size_t(Kc) * kLd;
     Dh = Sl + 2 * std::size_t(Kc) * kLd, Dl = Dh + 2 * kT * kLd, rkb = Dl + 2 * kT * kLd;
-    bytes = rkb + 2 * 4 * kT;
+    xu = rkb + 2 * 4 * kT;
+    bytes = xu + 2 * 4 * std::size_t(kT) * kLdU;
   }
 };
 
@@ -175,6 +178,7 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_state_kernel(const Delta
   bf16* sDh = reinterpret_cast<bf16*>(base + lay.Dh);  // (64, 64) diag(rk beta) X hi
   bf16* sDl = reinterpret_cast<bf16*>(base + lay.Dl);
   float* s_rkb = reinterpret_cast<float*>(base + lay.rkb);  // [2][64]
+  float* s_xu = reinterpret_cast<float*>(base + lay.xu);    // [2][64][kLdU]
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const std::int64_t nh = blockIdx.x, n = nh / p.H, h = nh % p.H;
@@ -184,6 +188,7 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_state_kernel(const Delta
   const int ngroups = Kc / 16;  // 16-row groups of S: warp w owns groups w and w + 4
   const bf16* xwh = reinterpret_cast<const bf16*>(w.xw);
   const bf16* xwl = xwh + rows * K;
+  const bool vxu = V % 4 == 0;  // Xu rows 16-byte aligned (the workspace regions are): prefetched
 
   float acc_s[2][8][4];  // S (fp32), rows 16 (w + 4 gg)..
   state_load(acc_s, p.h0, n, h, c0, K, V, warp, lane);
@@ -199,6 +204,14 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_state_kernel(const Delta
       if (tid < nr) cp_async4(s_rkb + buf * kT + tid, w.rk + row0 + tid * p.H);
       else s_rkb[buf * kT + tid] = 0.f;
     }
+    if (vxu)  // Xu rows t0.. (stride H V floats), columns c0..c0+63: zero past nr rows and V columns
+      for (int e = tid; e < kT * (kT / 4); e += kThreads) {
+        const int i = e / (kT / 4), c = (e % (kT / 4)) * 4;
+        const std::int64_t left = V - c0 - c;
+        const int bytes = i < nr ? 4 * int(left < 0 ? 0 : left > 4 ? 4 : left) : 0;
+        const float* src = w.xu + (row0 + std::int64_t(i) * p.H) * V + c0 + c;
+        cp_async16(s_xu + (buf * kT + i) * kLdU + c, bytes ? src : w.xu, bytes);
+      }
     cp_async_commit();
   };
   const std::int64_t nch = (sq.eos - sq.bos + kT - 1) / kT;
@@ -237,7 +250,8 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_state_kernel(const Delta
           if (i < nr && c0 + c < V) {
             const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * V + c0 + c;
             const bool has1 = c0 + c + 1 < V, even = V % 2 == 0;
-            const float2 u = load_pair(w.xu + at, has1, even);
+            const float2 u = vxu ? *reinterpret_cast<const float2*>(s_xu + (buf * kT + i) * kLdU + c)
+                                 : load_pair(w.xu + at, has1, even);
             x = make_float2(u.x - acc[j][e], has1 ? u.y - acc[j][e + 1] : 0.f);
             store_pair(w.X + at, x.x, x.y, has1, even);
           }
