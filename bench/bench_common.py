@@ -153,3 +153,20 @@ def run_case(rows: list, row: dict, body) -> None:
         row["na"] = short(e)
     rows.append(row)
     log(row)
+
+
+def profile_second_run(name: str, prepare, run) -> None:
+    """For ncu --profile-from-start off: run(prepare()) twice (the first is the warm-up: Triton compiles,
+    autotunes), the second between cudaProfilerStart/Stop, with fresh inputs from prepare() each time
+    (made outside the profiled region)."""
+    import torch
+    for it in range(2):
+        args = prepare()
+        torch.cuda.synchronize()
+        if it == 1:
+            torch.cuda.cudart().cudaProfilerStart()
+        run(args)
+        torch.cuda.synchronize()
+        if it == 1:
+            torch.cuda.cudart().cudaProfilerStop()
+    print(f"{name}: done", flush=True)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import import_fastweight  # noqa: E402
+from bench_common import import_fastweight, profile_second_run  # noqa: E402
 
 
 def main():
@@ -32,18 +32,14 @@ def main():
     h0 = torch.randn(B, H, D, D, generator=g).to("cuda", torch.float32) * 0.1
     for name in a.providers.split(","):
         call = make_call(name, fw)
-        for it in range(2):
-            args = [t.detach().clone().requires_grad_(not a.no_backward) for t in (q, k, v, beta, h0)]
-            torch.cuda.synchronize()
-            if it == 1:
-                torch.cuda.cudart().cudaProfilerStart()
+
+        def run(args, call=call):
             o, ht = call(*args[:4], args[4], None)
             if not a.no_backward:
                 torch.autograd.backward([o, ht], [torch.ones_like(o), torch.ones_like(ht)])
-            torch.cuda.synchronize()
-            if it == 1:
-                torch.cuda.cudart().cudaProfilerStop()
-        print(f"{name}: done", flush=True)
+
+        profile_second_run(name, lambda: [t.detach().clone().requires_grad_(not a.no_backward)
+                                          for t in (q, k, v, beta, h0)], run)
     return 0
 
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import import_fastweight  # noqa: E402
+from bench_common import import_fastweight, profile_second_run  # noqa: E402
 
 
 def main():
@@ -32,18 +32,14 @@ def main():
     f = mk(B, NH, S) + 3.0
     for name in a.providers.split(","):
         call = make_call(name, fw, a.chunk)
-        for it in range(2):
-            args = [t.detach().clone().requires_grad_(not a.no_backward) for t in (q, k, v, i, f)]
-            torch.cuda.synchronize()
-            if it == 1:
-                torch.cuda.cudart().cudaProfilerStart()
+
+        def run(args, call=call):
             h = call(*args)
             if not a.no_backward:
                 h.backward(torch.ones_like(h))
-            torch.cuda.synchronize()
-            if it == 1:
-                torch.cuda.cudart().cudaProfilerStop()
-        print(f"{name}: done", flush=True)
+
+        profile_second_run(name, lambda: [t.detach().clone().requires_grad_(not a.no_backward)
+                                          for t in (q, k, v, i, f)], run)
     return 0
 
 
