@@ -290,17 +290,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_tc_out_kernel(const MlstmParam
   const int tlA = 16 * warp + gq, tlB = tlA + 8;  // this thread's two block rows
   float acc[8][4] = {};  // (16 rows of the warp, 64 DV columns) numerator
   // Inter-chunk part: q C_k on tensor cores, q . n_k in fp32.
-  for (int ks = 0; ks < DQKp / 16; ++ks) {
-    std::uint32_t a[4];
-    ldsm_x4(a, sq + (16 * warp + ld_row_a_rowmajor(lane)) * ldq + ks * 16 + ld_col_a_rowmajor(lane));
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      std::uint32_t bv[4];
-      ldsm_x4_t(bv, sc + (ks * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
-      mma_bf16_16816(acc[2 * jj], a, bv[0], bv[1]);
-      mma_bf16_16816(acc[2 * jj + 1], a, bv[2], bv[3]);
-    }
-  }
+  mma_rk(acc, sq, ldq, warp, sc, kLd, DQKp, lane);
   float qn;  // lanes 2r, 2r+1: row r of the warp, even / odd columns
   {
     const bf16* qr = sq + (16 * warp + (lane >> 1)) * ldq;
