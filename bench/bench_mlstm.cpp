@@ -5,7 +5,8 @@
 // (2,16,8192,128,128), bf16 (shared/BENCHMARKS.md): verified at B = 1, NH = 2, S = 2048 and the same
 // DQK, DV (the float64 recurrent form costs O(B NH S DQK DV) on one host core, and its backward
 // keeps every state), timed at the full shape like the norms (CUDA graph, L2 flushed, median
-// of --reps). The row names both shapes.
+// of --reps). The row names both shapes. The parallel form likewise (bf16, verified at (1,2,512,128,128)
+// against the float64 parallel form, timed at (2,8,2048,128,128)).
 #include "bench_ops.h"
 #include "bench_util.h"
 
@@ -129,6 +130,89 @@ int gpu_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
   }
   return failures;
 }
+
+// The parallel form (mlstm_parallel.cu) on the GPU: bf16 IO, fp32 gates; verified against the float64
+// parallel form at (1, 2, 512, 128, 128), timed at (2, 8, 2048, 128, 128).
+struct GpuParallel {
+  std::mt19937_64 rng;
+  HostBuf q, k, v, i, f, h, n, m, b, dh, dq, dk, dv, di, df;
+  DevBuf gq, gk, gv, gi, gf, gh, gn, gm, gb, gdh, gdq, gdk, gdv, gdi, gdf;
+  detail::MlstmShape sh;
+  GpuParallel(std::int64_t B, std::int64_t NH, std::int64_t S, std::int64_t DQK, std::int64_t DV)
+      : rng(7), q(DType::bf16, {B, NH, S, DQK}, &rng), k(DType::bf16, {B, NH, S, DQK}, &rng),
+        v(DType::bf16, {B, NH, S, DV}, &rng), i(DType::f32, {B, NH, S}, &rng, -3, 3),
+        f(DType::f32, {B, NH, S}, &rng, 0, 5), h(DType::bf16, {B, NH, S, DV}), n(DType::f32, {B, NH, S}),
+        m(DType::f32, {B, NH, S}), b(DType::f32, {B, NH, S}), dh(DType::bf16, {B, NH, S, DV}, &rng),
+        dq(DType::bf16, {B, NH, S, DQK}), dk(DType::bf16, {B, NH, S, DQK}), dv(DType::bf16, {B, NH, S, DV}),
+        di(DType::f32, {B, NH, S}), df(DType::f32, {B, NH, S}), gq(q), gk(k), gv(v), gi(i), gf(f), gh(h), gn(n), gm(m),
+        gb(b), gdh(dh), gdq(dq), gdk(dk), gdv(dv), gdi(di), gdf(df), sh{B, NH, S, DQK, DV} {}
+  MlstmParallelFwdArgs fwd_args() const {
+    MlstmParallelFwdArgs a;
+    a.q = gq.ref(), a.k = gk.ref(), a.v = gv.ref(), a.i = gi.ref(), a.f = gf.ref();
+    a.h = gh.ref(), a.n = gn.ref(), a.m = gm.ref(), a.b = gb.ref();
+    return a;
+  }
+  MlstmParallelBwdArgs bwd_args() const {
+    MlstmParallelBwdArgs a;
+    a.q = gq.ref(), a.k = gk.ref(), a.v = gv.ref(), a.i = gi.ref(), a.f = gf.ref();
+    a.h = gh.ref(), a.m = gm.ref(), a.b = gb.ref(), a.dh = gdh.ref();
+    a.dq = gdq.ref(), a.dk = gdk.ref(), a.dv = gdv.ref(), a.di = gdi.ref(), a.df = gdf.ref();
+    return a;
+  }
+  // errors of (h, n, m) and of every gradient against the float64 parallel form
+  std::pair<double, double> verify() {
+    const MlstmParallelFwdArgs a = fwd_args();
+    DevScratch wf(mlstm_parallel_fwd_workspace_size(a));
+    mlstm_parallel_fwd(a, wf.p, wf.bytes, nullptr);
+    const MlstmParallelBwdArgs g = bwd_args();
+    DevScratch wb(mlstm_parallel_bwd_workspace_size(g));
+    mlstm_parallel_bwd(g, wb.p, wb.bytes, nullptr);
+    cuda_or_throw(cudaDeviceSynchronize(), "mlstm_parallel");
+    const detail::MlstmInputs in{q.val.data(), k.val.data(), v.val.data(), i.val.data(), f.val.data()};
+    Vec rh(h.val.size()), rn(n.val.size()), rm(m.val.size());
+    Vec rq(dq.val.size()), rk(dk.val.size()), rv(dv.val.size()), ri(di.val.size()), rf(df.val.size());
+    detail::mlstm_parallel_fwd(sh, in, 1e-6, rh.data(), rn.data(), rm.data());
+    detail::mlstm_parallel_bwd(sh, in, 1e-6, dh.val.data(), {rq.data(), rk.data(), rv.data(), ri.data(), rf.data()});
+    Err eh, en, em, eb;
+    eh.add(gh.read(), rh), en.add(gn.read(), rn), em.add(gm.read(), rm);
+    eb.add(gdq.read(), rq), eb.add(gdk.read(), rk), eb.add(gdv.read(), rv), eb.add(gdi.read(), ri),
+        eb.add(gdf.read(), rf);
+    return {std::max({eh.value(), en.value(), em.value()}), eb.value()};
+  }
+};
+
+int gpu_parallel_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
+  const std::int64_t B = 2, NH = 8, S = 2048, DQK = 128, DV = 128, vS = 512;
+  const std::string shp = shape_str(B, NH, S, DQK, DV) + "; verified at " + shape_str(1, 2, vS, DQK, DV);
+  std::pair<double, double> err{INFINITY, INFINITY};
+  try {
+    GpuParallel check(1, 2, vS, DQK, DV);
+    err = check.verify();
+  } catch (const std::exception& ex) {
+    std::printf("mlstm_parallel (cuda) verification: error: %s\n", ex.what());
+  }
+  int failures = 0, timed = 0;
+  try {
+    GpuParallel run(B, NH, S, DQK, DV);
+    const MlstmParallelFwdArgs a = run.fwd_args();
+    DevScratch wf(mlstm_parallel_fwd_workspace_size(a));
+    const double ms_f = fb.timer->time_ms([&](Stream st) { mlstm_parallel_fwd(a, wf.p, wf.bytes, st); }, fb.reps);
+    if (!(err.first <= 1e-2)) ++failures;
+    rows.push_back({"mlstm_parallel_fwd", "bfloat16", shp, err.first, ms_f, "cuda"});
+    ++timed;
+    mlstm_parallel_fwd(a, wf.p, wf.bytes, nullptr);  // the backward's h, m, b
+    const MlstmParallelBwdArgs g = run.bwd_args();
+    DevScratch wb(mlstm_parallel_bwd_workspace_size(g));
+    const double ms_b = fb.timer->time_ms([&](Stream st) { mlstm_parallel_bwd(g, wb.p, wb.bytes, st); }, fb.reps);
+    if (!(err.second <= 2e-2)) ++failures;
+    rows.push_back({"mlstm_parallel_bwd", "bfloat16", shp, err.second, ms_b, "cuda"});
+    ++timed;
+  } catch (const std::exception& ex) {
+    std::printf("mlstm_parallel (cuda) timing: error: %s\n", ex.what());
+    failures += 2 - timed;
+  }
+  return failures;
+}
 #endif
 
 }  // namespace
@@ -219,7 +303,7 @@ int run_mlstm_bench(const FamilyBench& fb, std::vector<BenchRow>& rows) {
     MlstmParallelFwdArgs a;
     a.q = q.ref(), a.k = k.ref(), a.v = v.ref(), a.i = i.ref(), a.f = f.ref(), a.h = h.ref(), a.n = n.ref(), a.m = m.ref();
     MlstmParallelBwdArgs b;
-    b.q = a.q, b.k = a.k, b.v = a.v, b.i = a.i, b.f = a.f, b.n = a.n, b.m = a.m, b.dh = dh.ref();
+    b.q = a.q, b.k = a.k, b.v = a.v, b.i = a.i, b.f = a.f, b.h = a.h, b.n = a.n, b.m = a.m, b.dh = dh.ref();
     b.dq = dq.ref(), b.dk = dk.ref(), b.dv = dv.ref(), b.di = di.ref(), b.df = df.ref();
     const double ms_f = time_ms([&] { mlstm_parallel_fwd(a); });
     const double ms_b = time_ms([&] { mlstm_parallel_bwd(b); });
@@ -264,7 +348,7 @@ int run_mlstm_bench(const FamilyBench& fb, std::vector<BenchRow>& rows) {
     ++failures;
   }
 #if FW_WITH_CUDA
-  if (fb.timer) failures += gpu_rows(fb, rows);
+  if (fb.timer) failures += gpu_rows(fb, rows) + gpu_parallel_rows(fb, rows);
 #endif
   return failures;
 }

@@ -115,29 +115,64 @@ void mlstm_step(const In& q, const In& k, const In& v, const In& i, const In& f,
   fastweight::mlstm_step(a, to_stream(stream));
 }
 
-void parallel_fwd(const In& q, const In& k, const In& v, const In& i, const In& f, const Out& h, const OptOut& n,
-                  const OptOut& m, double eps, std::uintptr_t stream) {
+fastweight::MlstmParallelFwdArgs parallel_fwd_args(const In& q, const In& k, const In& v, const In& i, const In& f,
+                                                   const Out& h, const OptOut& n, const OptOut& m, const OptOut& b,
+                                                   double eps) {
   const char* op = "mlstm_parallel_fwd";
   fastweight::MlstmParallelFwdArgs a;
   set_qkvif(a, op, q, k, v, i, f);
-  a.h = to_ref(h, op, "h"), a.n = to_ref(n, op, "n"), a.m = to_ref(m, op, "m");
+  a.h = to_ref(h, op, "h"), a.n = to_ref(n, op, "n"), a.m = to_ref(m, op, "m"), a.b = to_ref(b, op, "b");
   a.eps = eps;
-  nb::gil_scoped_release release;
-  fastweight::mlstm_parallel_fwd(a, to_stream(stream));
+  return a;
 }
 
-void parallel_bwd(const In& q, const In& k, const In& v, const In& i, const In& f, const OptIn& n, const OptIn& m,
-                  const In& dh, const OptOut& dq, const OptOut& dk, const OptOut& dv, const OptOut& di,
-                  const OptOut& df, double eps, std::uintptr_t stream) {
+std::size_t parallel_fwd_workspace_size(const In& q, const In& k, const In& v, const In& i, const In& f, const Out& h,
+                                        const OptOut& n, const OptOut& m, const OptOut& b, double eps) {
+  const auto a = parallel_fwd_args(q, k, v, i, f, h, n, m, b, eps);
+  nb::gil_scoped_release release;
+  return fastweight::mlstm_parallel_fwd_workspace_size(a);
+}
+
+void parallel_fwd(const In& q, const In& k, const In& v, const In& i, const In& f, const Out& h, const OptOut& n,
+                  const OptOut& m, const OptOut& b, double eps, const OptWorkspace& workspace, std::uintptr_t stream) {
+  const auto a = parallel_fwd_args(q, k, v, i, f, h, n, m, b, eps);
+  const Workspace ws = to_workspace(workspace, a.q, "mlstm_parallel_fwd");
+  nb::gil_scoped_release release;
+  fastweight::mlstm_parallel_fwd(a, ws.data, ws.bytes, to_stream(stream));
+}
+
+fastweight::MlstmParallelBwdArgs parallel_bwd_args(const In& q, const In& k, const In& v, const In& i, const In& f,
+                                                   const OptIn& h, const OptIn& n, const OptIn& m, const OptIn& b,
+                                                   const In& dh, const OptOut& dq, const OptOut& dk, const OptOut& dv,
+                                                   const OptOut& di, const OptOut& df, double eps) {
   const char* op = "mlstm_parallel_bwd";
   fastweight::MlstmParallelBwdArgs a;
   set_qkvif(a, op, q, k, v, i, f);
-  a.n = to_ref(n, op, "n"), a.m = to_ref(m, op, "m"), a.dh = to_ref(dh, op, "dh");
+  a.h = to_ref(h, op, "h"), a.n = to_ref(n, op, "n"), a.m = to_ref(m, op, "m"), a.b = to_ref(b, op, "b");
+  a.dh = to_ref(dh, op, "dh");
   a.dq = to_ref(dq, op, "dq"), a.dk = to_ref(dk, op, "dk"), a.dv = to_ref(dv, op, "dv");
   a.di = to_ref(di, op, "di"), a.df = to_ref(df, op, "df");
   a.eps = eps;
+  return a;
+}
+
+std::size_t parallel_bwd_workspace_size(const In& q, const In& k, const In& v, const In& i, const In& f,
+                                        const OptIn& h, const OptIn& n, const OptIn& m, const OptIn& b, const In& dh,
+                                        const OptOut& dq, const OptOut& dk, const OptOut& dv, const OptOut& di,
+                                        const OptOut& df, double eps) {
+  const auto a = parallel_bwd_args(q, k, v, i, f, h, n, m, b, dh, dq, dk, dv, di, df, eps);
   nb::gil_scoped_release release;
-  fastweight::mlstm_parallel_bwd(a, to_stream(stream));
+  return fastweight::mlstm_parallel_bwd_workspace_size(a);
+}
+
+void parallel_bwd(const In& q, const In& k, const In& v, const In& i, const In& f, const OptIn& h, const OptIn& n,
+                  const OptIn& m, const OptIn& b, const In& dh, const OptOut& dq, const OptOut& dk, const OptOut& dv,
+                  const OptOut& di, const OptOut& df, double eps, const OptWorkspace& workspace,
+                  std::uintptr_t stream) {
+  const auto a = parallel_bwd_args(q, k, v, i, f, h, n, m, b, dh, dq, dk, dv, di, df, eps);
+  const Workspace ws = to_workspace(workspace, a.q, "mlstm_parallel_bwd");
+  nb::gil_scoped_release release;
+  fastweight::mlstm_parallel_bwd(a, ws.data, ws.bytes, to_stream(stream));
 }
 
 void decay_fwd(const In& i, const In& f, const Out& D, std::uintptr_t stream) {
@@ -194,12 +229,21 @@ void bind_mlstm(nb::module_& m) {
   m.def("mlstm_step", &mlstm_step, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "c"_a, "n"_a, "m"_a, "h"_a, "c_new"_a,
         "n_new"_a, "m_new"_a, "eps"_a = 1e-6, "stream"_a = 0,
         "One decoding step; c_new/n_new/m_new may be c/n/m (in place).");
+  m.def("mlstm_parallel_fwd_workspace_size", &parallel_fwd_workspace_size, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "h"_a,
+        "n"_a.none() = none, "m"_a.none() = none, "b"_a.none() = none, "eps"_a = 1e-6,
+        "Bytes of workspace mlstm_parallel_fwd needs for these arguments (0 on the CPU).");
   m.def("mlstm_parallel_fwd", &parallel_fwd, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "h"_a, "n"_a.none() = none,
-        "m"_a.none() = none, "eps"_a = 1e-6, "stream"_a = 0,
-        "The parallel form (seed 000): h, and per position the normaliser n and stabiliser m.");
-  m.def("mlstm_parallel_bwd", &parallel_bwd, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "n"_a.none() = none,
-        "m"_a.none() = none, "dh"_a, "dq"_a.none() = none, "dk"_a.none() = none, "dv"_a.none() = none,
-        "di"_a.none() = none, "df"_a.none() = none, "eps"_a = 1e-6, "stream"_a = 0);
+        "m"_a.none() = none, "b"_a.none() = none, "eps"_a = 1e-6, "workspace"_a.none() = none, "stream"_a = 0,
+        "The parallel form (seed 000): h, and per position the normaliser n, stabiliser m and signed row sum b.");
+  m.def("mlstm_parallel_bwd_workspace_size", &parallel_bwd_workspace_size, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a,
+        "h"_a.none() = none, "n"_a.none() = none, "m"_a.none() = none, "b"_a.none() = none, "dh"_a,
+        "dq"_a.none() = none, "dk"_a.none() = none, "dv"_a.none() = none, "di"_a.none() = none, "df"_a.none() = none,
+        "eps"_a = 1e-6, "Bytes of workspace mlstm_parallel_bwd needs for these arguments (0 on the CPU).");
+  m.def("mlstm_parallel_bwd", &parallel_bwd, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "h"_a.none() = none,
+        "n"_a.none() = none, "m"_a.none() = none, "b"_a.none() = none, "dh"_a, "dq"_a.none() = none,
+        "dk"_a.none() = none, "dv"_a.none() = none, "di"_a.none() = none, "df"_a.none() = none, "eps"_a = 1e-6,
+        "workspace"_a.none() = none, "stream"_a = 0,
+        "Parallel-form backward: the exact gradient; CUDA needs the forward's h, m and b.");
   m.def("mlstm_decay_matrix_fwd", &decay_fwd, "i"_a, "f"_a, "D"_a, "stream"_a = 0,
         "D[t, s] = F_t - F_s + i_s (s <= t), -inf above the diagonal.");
   m.def("mlstm_decay_matrix_bwd_workspace_size", &decay_bwd_workspace_size, "f"_a, "dD"_a, "di"_a.none() = none,

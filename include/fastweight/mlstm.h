@@ -16,8 +16,7 @@
 // free. Optional tensors are absent TensorRefs; the three states come all together or not at all.
 // Every argument is validated before anything is written: bad input throws ArgumentError naming
 // the op and the argument. CPU tensors run the float64 reference (src/reference/mlstm_ref.h); CUDA
-// tensors run the kernels of src/cuda/mlstm (forward, backward, step, decay matrix; the parallel form
-// has no CUDA kernel yet).
+// tensors run the kernels of src/cuda/mlstm (forward, backward, step, parallel form, decay matrix).
 #pragma once
 
 #include <cstddef>
@@ -63,19 +62,22 @@ struct MlstmStepArgs {
 // eps = 0 (with eps > 0 the two forms' stabilisers differ, and so does eps's weight), and per position
 // the normaliser n and stabiliser m (B, NH, S) of the parallel form: m_t = max_{s <= t} D[t, s] (D: the decay matrix below), b_t = sum_s C[t, s],
 // n_t = max(|b_t|, exp(-m_t)), h_t = sum_s C[t, s] v_s / (n_t + eps), C = (q k^T / sqrt(DQK)) exp(D - m).
-// n and m are optional outputs, float32 (float64 on the CPU); the backward may take them back (as
-// FlashAttention's log-sum-exp) or recompute them. CPU tensors only so far: CUDA tensors raise an
-// ArgumentError (no CUDA kernel of the parallel form yet; mlstm_fwd computes the same h on CUDA).
+// n, m and b (the signed row sum b_t, so n_t = max(|b_t|, exp(-m_t))) are optional outputs, float32
+// (float64 on the CPU). The backward takes the forward's h, m and b back, as FlashAttention takes its
+// output and log-sum-exp: the CUDA backward needs them (it recomputes C tile by tile but not the row
+// sums, whose sign the exact normaliser gradient needs); the CPU backward recomputes everything and
+// ignores them. CUDA kernels: src/cuda/mlstm/mlstm_parallel.cu (tiled, never an S x S matrix in
+// global memory; fp32 compute for every IO dtype), with a caller workspace.
 struct MlstmParallelFwdArgs {
   TensorRef q, k, v, i, f;
-  TensorRef h;     // output
-  TensorRef n, m;  // optional outputs (B, NH, S)
+  TensorRef h;        // output
+  TensorRef n, m, b;  // optional outputs (B, NH, S)
   double eps = 1e-6;
 };
 struct MlstmParallelBwdArgs {
   TensorRef q, k, v, i, f;
-  TensorRef n, m;              // optional: the forward's n and m (the CPU path recomputes them)
-  TensorRef dh;                // (B, NH, S, DV)
+  TensorRef h, n, m, b;          // the forward's outputs: CUDA needs h, m, b (n is implied); optional on the CPU
+  TensorRef dh;                  // (B, NH, S, DV)
   TensorRef dq, dk, dv, di, df;  // outputs, each optional
   double eps = 1e-6;
 };
@@ -102,7 +104,13 @@ std::size_t mlstm_bwd_workspace_size(const MlstmBwdArgs& args);
 void mlstm_bwd(const MlstmBwdArgs& args, void* workspace, std::size_t workspace_bytes, Stream stream = nullptr);
 void mlstm_bwd(const MlstmBwdArgs& args, Stream stream = nullptr);
 void mlstm_step(const MlstmStepArgs& args, Stream stream = nullptr);
+std::size_t mlstm_parallel_fwd_workspace_size(const MlstmParallelFwdArgs& args);
+void mlstm_parallel_fwd(const MlstmParallelFwdArgs& args, void* workspace, std::size_t workspace_bytes,
+                        Stream stream = nullptr);
 void mlstm_parallel_fwd(const MlstmParallelFwdArgs& args, Stream stream = nullptr);
+std::size_t mlstm_parallel_bwd_workspace_size(const MlstmParallelBwdArgs& args);
+void mlstm_parallel_bwd(const MlstmParallelBwdArgs& args, void* workspace, std::size_t workspace_bytes,
+                        Stream stream = nullptr);
 void mlstm_parallel_bwd(const MlstmParallelBwdArgs& args, Stream stream = nullptr);
 void mlstm_decay_matrix_fwd(const MlstmDecayMatrixFwdArgs& args, Stream stream = nullptr);
 std::size_t mlstm_decay_matrix_bwd_workspace_size(const MlstmDecayMatrixBwdArgs& args);

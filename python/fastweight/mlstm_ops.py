@@ -8,7 +8,7 @@ preactivations; states c (B, NH, DQK, DV), n (B, NH, DQK), m (B, NH, 1), float32
           return_last_states=False, eps=1e-6, chunk_size=64) -> h | (h, (c, n, m))
     mlstm_headnorm(q, k, v, i, f, weight=None, bias=None, ..., norm_eps=1e-6, weight_offset=0.0)
     mlstm_step(q, k, v, i, f, c, n, m, eps=1e-6, inplace=False) -> (h, (c, n, m))
-    mlstm_parallel(q, k, v, i, f, eps=1e-6) -> (h, n, m)   (CPU tensors only so far)
+    mlstm_parallel(q, k, v, i, f, eps=1e-6) -> (h, n, m)   (tiled CUDA kernels, fp32 compute)
     mlstm_decay_matrix(i, f) -> D (B, NH, S, S)
 
 Everything is differentiable (q, k, v, i, f and the initial states; the last states too), and the
@@ -225,48 +225,52 @@ def _stats_dtype(q: Tensor) -> torch.dtype:
 
 
 @torch.library.custom_op("fastweight::mlstm_parallel_fwd", mutates_args=())
-def _parallel_fwd(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def _parallel_fwd(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor,
+                  eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """h, n, m and b (the signed row sum the backward needs: n = max(|b|, exp(-m)))."""
     h = torch.empty(v.shape, dtype=q.dtype, device=q.device)
-    n, m = q.new_empty(q.shape[:3], dtype=_stats_dtype(q)), q.new_empty(q.shape[:3], dtype=_stats_dtype(q))
-    _C.mlstm_parallel_fwd(_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(h), _spec(n), _spec(m), eps,
-                          _stream(q))
-    return h, n, m
+    n, m, b = (q.new_empty(q.shape[:3], dtype=_stats_dtype(q)) for _ in range(3))
+    args = (_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(h), _spec(n), _spec(m), _spec(b), eps)
+    ws = _workspace(q, _C.mlstm_parallel_fwd_workspace_size(*args))
+    _C.mlstm_parallel_fwd(*args, _ws_spec(ws), _stream(q))
+    return h, n, m, b
 
 
 @_parallel_fwd.register_fake
 def _(q, k, v, i, f, eps):
-    return q.new_empty(v.shape), q.new_empty(q.shape[:3], dtype=_stats_dtype(q)), \
-        q.new_empty(q.shape[:3], dtype=_stats_dtype(q))
+    return (q.new_empty(v.shape),) + tuple(q.new_empty(q.shape[:3], dtype=_stats_dtype(q)) for _ in range(3))
 
 
 @torch.library.custom_op("fastweight::mlstm_parallel_bwd", mutates_args=())
-def _parallel_bwd(dh: Tensor, q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, n: Tensor, m: Tensor,
-                  eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _parallel_bwd(dh: Tensor, q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, h: Tensor, m: Tensor,
+                  b: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     di, df = torch.empty_like(i), torch.empty_like(f)
-    _C.mlstm_parallel_bwd(_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(n), _spec(m), _spec(dh), _spec(dq),
-                          _spec(dk), _spec(dv), _spec(di), _spec(df), eps, _stream(q))
+    args = (_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(h), None, _spec(m), _spec(b), _spec(dh),
+            _spec(dq), _spec(dk), _spec(dv), _spec(di), _spec(df), eps)
+    ws = _workspace(q, _C.mlstm_parallel_bwd_workspace_size(*args))
+    _C.mlstm_parallel_bwd(*args, _ws_spec(ws), _stream(q))
     return dq, dk, dv, di, df
 
 
 @_parallel_bwd.register_fake
-def _(dh, q, k, v, i, f, n, m, eps):
+def _(dh, q, k, v, i, f, h, m, b, eps):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(i), torch.empty_like(f)
 
 
 def _parallel_setup(ctx, inputs, output):
     q, k, v, i, f, eps = inputs
-    _, n, m = output
-    ctx.save_for_backward(q, k, v, i, f, n, m)
+    h, n, m, b = output
+    ctx.save_for_backward(q, k, v, i, f, h, m, b)
     ctx.eps = eps
-    ctx.mark_non_differentiable(n, m)  # statistics, as FlashAttention's log-sum-exp: no gradient flows
+    ctx.mark_non_differentiable(n, m, b)  # statistics, as FlashAttention's log-sum-exp: no gradient flows
 
 
-def _parallel_backward(ctx, dh, dn, dm):
-    q, k, v, i, f, n, m = ctx.saved_tensors
+def _parallel_backward(ctx, dh, dn, dm, db):
+    q, k, v, i, f, h, m, b = ctx.saved_tensors
     if dh is None:
         dh = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
-    dq, dk, dv, di, df = _parallel_bwd(_last_contig(dh), q, k, v, i, f, n, m, ctx.eps)
+    dq, dk, dv, di, df = _parallel_bwd(_last_contig(dh), q, k, v, i, f, h, m, b, ctx.eps)
     return dq, dk, dv, di, df, None
 
 
@@ -275,12 +279,13 @@ _parallel_fwd.register_autograd(_parallel_backward, setup_context=_parallel_setu
 
 def mlstm_parallel(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: float = 1e-6):
     """Seed 000's parallel form (no initial states): returns (h, n, m), h (B, NH, S, DV) in q's dtype (the
-    h of ``mlstm`` when eps = 0; with eps > 0 the forms' stabilisers, and so eps's weight, differ), n and m (B, NH, S) the per-position normaliser and stabiliser in
-    float32 (float64 for float64 q). h is differentiable in q, k, v, i, f (exact gradient); n and m are
-    statistics and carry no gradient. CPU tensors only so far (a CUDA kernel of this form is issue 3's
-    open work): CUDA tensors raise ValueError; ``mlstm`` computes the same h on CUDA."""
-    return _parallel_fwd(_last_contig(q), _last_contig(k), _last_contig(v), _prep_gate(i, q), _prep_gate(f, q),
-                         float(eps))
+    h of ``mlstm`` when eps = 0; with eps > 0 the forms' stabilisers, and so eps's weight, differ), n and m
+    (B, NH, S) the per-position normaliser and stabiliser in float32 (float64 for float64 q). h is
+    differentiable in q, k, v, i, f (exact gradient); n and m are statistics and carry no gradient. On
+    CUDA the kernels are tiled (FlashAttention-style: no S x S matrix in memory) with fp32 compute."""
+    h, n, m, _ = _parallel_fwd(_last_contig(q), _last_contig(k), _last_contig(v), _prep_gate(i, q),
+                               _prep_gate(f, q), float(eps))
+    return h, n, m
 
 
 # ---- decay matrix ------------------------------------------------------------------------------------

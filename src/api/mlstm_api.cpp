@@ -310,15 +310,7 @@ void mlstm_step(const MlstmStepArgs& a, Stream stream) {
 
 // ---- parallel form -----------------------------------------------------------------------------------
 namespace {
-// No CUDA kernel of the parallel form yet: CUDA tensors get an error naming q, after the other checks.
-void parallel_cpu_only(const char* op, const TensorRef& q) {
-  FW_CHECK_ARG(q.device == DeviceType::cpu, op, "q",
-               "the parallel form runs on CPU tensors only so far (no CUDA kernel yet); mlstm_fwd computes the "
-               "same h on CUDA tensors");
-}
-}  // namespace
-
-void mlstm_parallel_fwd(const MlstmParallelFwdArgs& a, Stream) {
+detail::MlstmShape validate_parallel_fwd(const MlstmParallelFwdArgs& a) {
   const char* op = "mlstm_parallel_fwd";
   const detail::MlstmShape sh = sequence_shape(op, a.q, a.v);
   const MlstmChecker c{op, a.q, "q"};
@@ -326,22 +318,25 @@ void mlstm_parallel_fwd(const MlstmParallelFwdArgs& a, Stream) {
   c.io("h", a.h, {sh.B, sh.NH, sh.S, sh.DV});
   if (a.n.defined()) c.state("n", a.n, {sh.B, sh.NH, sh.S});
   if (a.m.defined()) c.state("m", a.m, {sh.B, sh.NH, sh.S});
+  if (a.b.defined()) c.state("b", a.b, {sh.B, sh.NH, sh.S});
   c.eps(a.eps);
-  parallel_cpu_only(op, a.q);
-  const SeqInputs x = gather_inputs(a.q, a.k, a.v, a.i, a.f, {}, {}, {});
-  const auto out = detail::out_buffer;
-  Vec h(std::size_t(a.h.numel())), n = out(a.n), m = out(a.m);
-  detail::mlstm_parallel_fwd(sh, x.in(), a.eps, h.data(), ptr_or_null(n), ptr_or_null(m));
-  detail::scatter_f64(h, a.h), detail::scatter_f64(n, a.n), detail::scatter_f64(m, a.m);
+  return sh;
 }
 
-void mlstm_parallel_bwd(const MlstmParallelBwdArgs& a, Stream) {
+detail::MlstmShape validate_parallel_bwd(const MlstmParallelBwdArgs& a) {
   const char* op = "mlstm_parallel_bwd";
   const detail::MlstmShape sh = sequence_shape(op, a.q, a.v);
   const MlstmChecker c{op, a.q, "q"};
   check_sequence_inputs(c, sh, a.q, a.k, a.v, a.i, a.f);
+  if (a.q.device == DeviceType::cuda) {  // the tiled backward takes the forward's row terms back
+    for (const auto& [name, t] : {std::pair<const char*, const TensorRef&>{"h", a.h}, {"m", a.m}, {"b", a.b}})
+      FW_CHECK_ARG(t.defined(), op, name,
+                   "is required for CUDA tensors: pass the forward's h, m and b (mlstm_parallel_fwd's outputs)");
+  }
+  if (a.h.defined()) c.io("h", a.h, {sh.B, sh.NH, sh.S, sh.DV});
   if (a.n.defined()) c.state("n", a.n, {sh.B, sh.NH, sh.S});
   if (a.m.defined()) c.state("m", a.m, {sh.B, sh.NH, sh.S});
+  if (a.b.defined()) c.state("b", a.b, {sh.B, sh.NH, sh.S});
   c.io("dh", a.dh, {sh.B, sh.NH, sh.S, sh.DV});
   if (a.dq.defined()) c.io("dq", a.dq, {sh.B, sh.NH, sh.S, sh.DQK});
   if (a.dk.defined()) c.io("dk", a.dk, {sh.B, sh.NH, sh.S, sh.DQK});
@@ -349,7 +344,87 @@ void mlstm_parallel_bwd(const MlstmParallelBwdArgs& a, Stream) {
   if (a.di.defined()) c.gate("di", a.di, {sh.B, sh.NH, sh.S});
   if (a.df.defined()) c.gate("df", a.df, {sh.B, sh.NH, sh.S});
   c.eps(a.eps);
-  parallel_cpu_only(op, a.q);
+  return sh;
+}
+
+#if FW_WITH_CUDA
+detail::MlstmParallelParams lower_parallel(const TensorRef& q, const TensorRef& k, const TensorRef& v,
+                                           const TensorRef& i, const TensorRef& f, const TensorRef& h, double eps) {
+  MlstmFwdArgs fa;
+  fa.q = q, fa.k = k, fa.v = v, fa.i = i, fa.f = f, fa.h = h, fa.eps = eps;
+  detail::MlstmParallelParams P;
+  P.f = detail::lower_mlstm_fwd(fa);
+  return P;
+}
+detail::MlstmParallelParams lower_parallel_fwd(const MlstmParallelFwdArgs& a) {
+  detail::MlstmParallelParams P = lower_parallel(a.q, a.k, a.v, a.i, a.f, a.h, a.eps);
+  P.n = detail::view_of(a.n, 2), P.m = detail::view_of(a.m, 2), P.b = detail::view_of(a.b, 2);
+  return P;
+}
+detail::MlstmParallelParams lower_parallel_bwd(const MlstmParallelBwdArgs& a) {
+  detail::MlstmParallelParams P = lower_parallel(a.q, a.k, a.v, a.i, a.f, a.h, a.eps);
+  P.n = detail::view_of(a.n, 2), P.m = detail::view_of(a.m, 2), P.b = detail::view_of(a.b, 2);
+  P.dh = detail::view_of(a.dh, 3);
+  P.dq = detail::view_of(a.dq, 3), P.dk = detail::view_of(a.dk, 3), P.dv = detail::view_of(a.dv, 3);
+  P.di = detail::view_of(a.di, 2), P.df = detail::view_of(a.df, 2);
+  return P;
+}
+#endif
+}  // namespace
+
+std::size_t mlstm_parallel_fwd_workspace_size(const MlstmParallelFwdArgs& a) {
+  validate_parallel_fwd(a);
+#if FW_WITH_CUDA
+  if (a.q.device == DeviceType::cuda) return detail::mlstm_parallel_workspace_bytes(lower_parallel_fwd(a).f, false);
+#endif
+  return 0;
+}
+
+void mlstm_parallel_fwd(const MlstmParallelFwdArgs& a, void* workspace, std::size_t workspace_bytes, Stream stream) {
+  const char* op = "mlstm_parallel_fwd";
+  const detail::MlstmShape sh = validate_parallel_fwd(a);
+  if (a.q.device == DeviceType::cuda) {
+#if FW_WITH_CUDA
+    const detail::MlstmParallelParams P = lower_parallel_fwd(a);
+    check_workspace(op, workspace, workspace_bytes, detail::mlstm_parallel_workspace_bytes(P.f, false));
+    detail::DeviceGuard guard(a.q.device_index);
+    detail::mlstm_parallel_fwd_cuda(P, workspace, workspace_bytes, stream);
+    return;
+#else
+    no_cuda_build(op);
+#endif
+  }
+  const SeqInputs x = gather_inputs(a.q, a.k, a.v, a.i, a.f, {}, {}, {});
+  const auto out = detail::out_buffer;
+  Vec h(std::size_t(a.h.numel())), n = out(a.n), m = out(a.m), b = out(a.b);
+  detail::mlstm_parallel_fwd(sh, x.in(), a.eps, h.data(), ptr_or_null(n), ptr_or_null(m), ptr_or_null(b));
+  detail::scatter_f64(h, a.h), detail::scatter_f64(n, a.n), detail::scatter_f64(m, a.m), detail::scatter_f64(b, a.b);
+}
+
+void mlstm_parallel_fwd(const MlstmParallelFwdArgs& a, Stream stream) { mlstm_parallel_fwd(a, nullptr, 0, stream); }
+
+std::size_t mlstm_parallel_bwd_workspace_size(const MlstmParallelBwdArgs& a) {
+  validate_parallel_bwd(a);
+#if FW_WITH_CUDA
+  if (a.q.device == DeviceType::cuda) return detail::mlstm_parallel_workspace_bytes(lower_parallel_bwd(a).f, true);
+#endif
+  return 0;
+}
+
+void mlstm_parallel_bwd(const MlstmParallelBwdArgs& a, void* workspace, std::size_t workspace_bytes, Stream stream) {
+  const char* op = "mlstm_parallel_bwd";
+  const detail::MlstmShape sh = validate_parallel_bwd(a);
+  if (a.q.device == DeviceType::cuda) {
+#if FW_WITH_CUDA
+    const detail::MlstmParallelParams P = lower_parallel_bwd(a);
+    check_workspace(op, workspace, workspace_bytes, detail::mlstm_parallel_workspace_bytes(P.f, true));
+    detail::DeviceGuard guard(a.q.device_index);
+    detail::mlstm_parallel_bwd_cuda(P, workspace, workspace_bytes, stream);
+    return;
+#else
+    no_cuda_build(op);
+#endif
+  }
   const SeqInputs x = gather_inputs(a.q, a.k, a.v, a.i, a.f, {}, {}, {});
   const Vec dh = detail::gather_f64(a.dh);
   const auto out = detail::out_buffer;
@@ -359,6 +434,8 @@ void mlstm_parallel_bwd(const MlstmParallelBwdArgs& a, Stream) {
   detail::scatter_f64(dq, a.dq), detail::scatter_f64(dk, a.dk), detail::scatter_f64(dv, a.dv);
   detail::scatter_f64(di, a.di), detail::scatter_f64(df, a.df);
 }
+
+void mlstm_parallel_bwd(const MlstmParallelBwdArgs& a, Stream stream) { mlstm_parallel_bwd(a, nullptr, 0, stream); }
 
 // ---- decay matrix -----------------------------------------------------------------------------------
 void mlstm_decay_matrix_fwd(const MlstmDecayMatrixFwdArgs& a, Stream stream) {

@@ -46,6 +46,15 @@ struct MlstmBwdParams {
   StridedView dq, dk, dv, di, df, dc0, dn0, dm0;
 };
 
+// The parallel form (seed 000, no initial states). f: q, k, v, i, f, eps and h (the forward's output,
+// the backward's saved input; L unused). n, m, b (B, NH, S) fp32: the forward writes those present;
+// the backward reads m and b (b: the signed row sum, n = max(|b|, exp(-m))).
+struct MlstmParallelParams {
+  MlstmParams f;
+  StridedView n, m, b;
+  StridedView dh, dq, dk, dv, di, df;  // backward only; the gradients are each optional
+};
+
 // Workspace of the chunkwise forward: the states entering every chunk and the final one, fp32,
 // contiguous: c (B*NH, NC+1, DQK, DV) | n (B*NH, NC+1, DQK) | m (B*NH, NC+1), each 256-byte aligned.
 struct MlstmFwdWorkspace {

@@ -199,7 +199,7 @@ void mlstm_decay_matrix_bwd(const MlstmShape& sh, const double* f, const double*
 
 // ---- 2. parallel form ----------------------------------------------------------------------------
 void mlstm_parallel_fwd(const MlstmShape& sh, const MlstmInputs& in, double eps, double* h, double* n,
-                        double* m) {
+                        double* m, double* b) {
   ParallelHead ph;
   for (std::int64_t bh = 0; bh < sh.heads(); ++bh) {
     const HeadPtrs p = head_ptrs(sh, in, bh);
@@ -207,6 +207,7 @@ void mlstm_parallel_fwd(const MlstmShape& sh, const MlstmInputs& in, double eps,
     std::copy(ph.h.begin(), ph.h.end(), h + bh * sh.S * sh.DV);
     if (n) std::copy(ph.n.begin(), ph.n.end(), n + bh * sh.S);
     if (m) std::copy(ph.m.begin(), ph.m.end(), m + bh * sh.S);
+    if (b) std::copy(ph.b.begin(), ph.b.end(), b + bh * sh.S);
   }
 }
 

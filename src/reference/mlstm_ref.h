@@ -58,9 +58,10 @@ void mlstm_decay_matrix_fwd(const MlstmShape& sh, const double* i, const double*
 // f is needed for d logsigmoid(f)/df. di, df (B,NH,S); either may be null.
 void mlstm_decay_matrix_bwd(const MlstmShape& sh, const double* f, const double* dD, double* di, double* df);
 
-// 2. Parallel form (no initial state). h (B,NH,S,DV); n, m (B,NH,S) optional (nullptr).
+// 2. Parallel form (no initial state). h (B,NH,S,DV); n, m and b (the signed row sum, n =
+//    max(|b|, exp(-m))) (B,NH,S) optional (nullptr).
 void mlstm_parallel_fwd(const MlstmShape& sh, const MlstmInputs& in, double eps, double* h, double* n,
-                        double* m);
+                        double* m, double* b = nullptr);
 // The exact gradient of mlstm_parallel_fwd for loss L with dL/dh = dh (recomputes the forward).
 void mlstm_parallel_bwd(const MlstmShape& sh, const MlstmInputs& in, double eps, const double* dh,
                         const MlstmGrads& g);

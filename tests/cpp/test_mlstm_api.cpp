@@ -236,21 +236,27 @@ TEST(MlstmApi, ParallelForwardAndBackwardMatchReference) {
       SCOPED_TRACE(std::string(dtype_name(dt)) + (pad ? " strided" : " contiguous"));
       Seq s(dt, {2, 3, 29, 8, 5}, pad, pad ? DType::f32 : dt);
       const DType st = dt == DType::f64 ? DType::f64 : DType::f32;
-      HostTensor n = make_host(st, {2, 3, 29}, pad), m = make_host(st, {2, 3, 29}, pad);
-      fill_bytes(n, 0xff), fill_bytes(m, 0xff);  // NaN: every element must be written
+      HostTensor n = make_host(st, {2, 3, 29}, pad), m = make_host(st, {2, 3, 29}, pad),
+                 bs = make_host(st, {2, 3, 29});
+      fill_bytes(n, 0xff), fill_bytes(m, 0xff), fill_bytes(bs, 0xff);  // NaN: every element must be written
       MlstmParallelFwdArgs a;
       a.q = s.q.ref(), a.k = s.k.ref(), a.v = s.v.ref(), a.i = s.i.ref(), a.f = s.f.ref();
-      a.h = s.h.ref(), a.n = n.ref(), a.m = m.ref();
+      a.h = s.h.ref(), a.n = n.ref(), a.m = m.ref(), a.b = bs.ref();
       mlstm_parallel_fwd(a);
       HostTensor q = to_f64(s.q), k = to_f64(s.k), v = to_f64(s.v), i = to_f64(s.i), f = to_f64(s.f);
       HostTensor rh = make_host(DType::f64, s.h.shape), rn = make_host(DType::f64, n.shape),
-                 rm = make_host(DType::f64, m.shape);
+                 rm = make_host(DType::f64, m.shape), rb = make_host(DType::f64, bs.shape);
       auto p = [](HostTensor& t) { return static_cast<double*>(t.base()); };
-      fastweight::detail::mlstm_parallel_fwd(s.sh, {p(q), p(k), p(v), p(i), p(f)}, 1e-6, p(rh), p(rn), p(rm));
+      fastweight::detail::mlstm_parallel_fwd(s.sh, {p(q), p(k), p(v), p(i), p(f)}, 1e-6, p(rh), p(rn), p(rm), p(rb));
       const double tol = dt == DType::f64 ? 1e-12 : tolerance(dt);
       EXPECT_LT(rel_err(s.h, rh), tol);
       EXPECT_LT(rel_err(n, rn), dt == DType::f64 ? 1e-12 : 1e-6);
       EXPECT_LT(rel_err(m, rm), dt == DType::f64 ? 1e-12 : 1e-6);
+      EXPECT_LT(rel_err(bs, rb), dt == DType::f64 ? 1e-12 : 1e-6);
+      for (std::size_t e = 0; e < n.offsets().size(); ++e) {  // n = max(|b|, exp(-m)), b signed
+        const double be = p(rb)[e], me = p(rm)[e];
+        EXPECT_NEAR(p(rn)[e], std::max(std::abs(be), std::exp(-me)), 1e-12 * (1 + std::abs(be)));
+      }
       // backward: every gradient against the reference's on the same (rounded) inputs
       HostTensor dh = make_host(dt, s.h.shape, pad), dq = make_host(dt, s.q.shape, pad),
                  dk = make_host(dt, s.k.shape), dv = make_host(dt, s.v.shape), di = make_host(s.i.dtype, s.i.shape),
@@ -292,16 +298,33 @@ TEST(MlstmApi, ParallelRejectsBadInputAndCudaTensorsBeforeWriting) {
   expect_rejected(s, [&] { run([&](MlstmParallelFwdArgs& a) { a.m = m_bad.ref(); }); }, {op, "m", "(1, 2, 8)"});
   expect_rejected(s, [&] { run([&](MlstmParallelFwdArgs& a) { a.n = n_f16.ref(); }); }, {op, "n", "float32"});
   expect_rejected(s, [&] { run([&](MlstmParallelFwdArgs& a) { a.eps = -1.0; }); }, {op, "eps"});
-  expect_rejected(s, [&] {
-    run([&](MlstmParallelFwdArgs& a) {
-      for (TensorRef* t : {&a.q, &a.k, &a.v, &a.i, &a.f, &a.h, &a.n}) t->device = DeviceType::cuda;  // never read
-    });
-  }, {op, "q", "CPU tensors only"});
+  expect_rejected(s, [&] { run([&](MlstmParallelFwdArgs& a) { a.b = n_f16.ref(); }); }, {op, "b", "float32"});
+  // CUDA tensors (never read here): the tiled kernels need their workspace (a CPU-only build refuses)
+  auto cuda_args = [&] {
+    MlstmParallelFwdArgs a = args();
+    for (TensorRef* t : {&a.q, &a.k, &a.v, &a.i, &a.f, &a.h, &a.n}) t->device = DeviceType::cuda;
+    return a;
+  };
+  try {
+    mlstm_parallel_fwd(cuda_args());
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_TRUE(msg.find("workspace") != std::string::npos || msg.find("CUDA") != std::string::npos) << msg;
+  }
   for (unsigned char c : n.bytes) ASSERT_EQ(c, 0xab) << "n was written before the error";
   HostTensor dh = make_host(DType::f32, {1, 2, 8, 4}), dq = make_host(DType::f32, {1, 2, 8, 3});
   MlstmParallelBwdArgs b;
   b.q = s.q.ref(), b.k = s.k.ref(), b.v = s.v.ref(), b.i = s.i.ref(), b.f = s.f.ref(), b.dh = dh.ref(), b.dq = dq.ref();
   expect_argument_error([&] { mlstm_parallel_bwd(b); }, {"mlstm_parallel_bwd", "dq", "(1, 2, 8, 4)"});
+  // the CUDA backward takes the forward's h, m, b back: each missing one is named
+  const MlstmParallelFwdArgs ca = cuda_args();
+  MlstmParallelBwdArgs cb;
+  cb.q = ca.q, cb.k = ca.k, cb.v = ca.v, cb.i = ca.i, cb.f = ca.f, cb.dh = dh.ref(DeviceType::cuda);
+  expect_argument_error([&] { mlstm_parallel_bwd(cb); }, {"mlstm_parallel_bwd", "h", "forward's h, m and b"});
+  cb.h = ca.h;
+  cb.m = n.ref(DeviceType::cuda);
+  expect_argument_error([&] { mlstm_parallel_bwd(cb); }, {"mlstm_parallel_bwd", "b", "required"});
 }
 
 }  // namespace

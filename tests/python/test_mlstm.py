@@ -295,10 +295,40 @@ def test_parallel_opcheck_and_bad_input():
 
 @gpu
 @requires_cuda
-def test_parallel_cuda_is_refused_clearly():
-    q, k, v, i, f = (t.cuda() for t in make(S=8, dtype=torch.float32))
-    with pytest.raises(ValueError, match="mlstm_parallel_fwd: q: the parallel form runs on CPU tensors only"):
-        fastweight.mlstm_parallel(q, k, v, i, f)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("S,DQK,DV", [(1, 8, 5), (63, 64, 64), (200, 48, 80)])
+def test_parallel_cuda_matches_reference_with_gradients(dtype, S, DQK, DV):
+    """The tiled CUDA kernels (mlstm_parallel.cu) against the float64 formula: h, n, m and every gradient."""
+    cpu = [t.requires_grad_() for t in make(B=2, NH=2, S=S, DQK=DQK, DV=DV, seed=S)]
+    dev = [t.detach().to("cuda", dtype).requires_grad_() for t in cpu]
+    h, n, m = fastweight.mlstm_parallel(*dev)
+    rounded = [t.detach().to(dtype).double().requires_grad_() for t in cpu]  # the reference sees the same inputs
+    rh, rn, rm = ref_parallel(*rounded)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert h.dtype == dtype and n.dtype == m.dtype == torch.float32
+    assert rel_err(h, rh) < tol and rel_err(n, rn) < 1e-3 and rel_err(m, rm) < 1e-5
+    dh = torch.randn(h.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = torch.autograd.grad(h, dev, dh.to("cuda", dtype))
+    want = torch.autograd.grad(rh, rounded, dh.to(dtype).double())
+    for name, g, w in zip("qkvif", got, want):
+        assert g.dtype == dtype and rel_err(g, w) < tol, name
+    # deterministic: the same bits twice
+    again = torch.autograd.grad(fastweight.mlstm_parallel(*dev)[0], dev, dh.to("cuda", dtype))
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@gpu
+@requires_cuda
+def test_parallel_cuda_strong_gates_and_strided_views():
+    q, k, v, i, f = make(B=1, NH=2, S=150, DQK=16, DV=12, strong=True)
+    wide = torch.randn(1, 2, 150, 40, dtype=torch.float64)
+    wide[..., 3:19] = q
+    qd = wide.to("cuda", torch.float32)[..., 3:19]  # q as a strided view: rows of 40, last dim contiguous
+    assert not qd.is_contiguous()
+    h, n, m = fastweight.mlstm_parallel(qd, *(t.to("cuda", torch.float32) for t in (k, v, i, f)))
+    assert torch.isfinite(h).all() and torch.isfinite(n).all() and torch.isfinite(m).all()
+    rh, rn, rm = ref_parallel(q, k, v, i, f)
+    assert rel_err(h, rh) < 1e-4 and rel_err(m, rm) < 1e-5
 
 
 # ---- torch.compile, custom-op checks ----------------------------------------------------------------

@@ -35,6 +35,14 @@ void mlstm_bwd_cuda(const MlstmBwdParams& b, void* workspace, std::size_t worksp
 // may be the same memory (in place).
 void mlstm_step_cuda(const MlstmParams& p, Stream stream);
 
+// Parallel form (mlstm_parallel.cu): forward h (and n, m, b where P has them); backward the
+// gradients P asks for, from the saved h, m, b. Workspace: mlstm_parallel_workspace_bytes(P.f, bwd).
+std::size_t mlstm_parallel_workspace_bytes(const MlstmParams& p, bool bwd);
+void mlstm_parallel_fwd_cuda(const MlstmParallelParams& P, void* workspace, std::size_t workspace_bytes,
+                             Stream stream);
+void mlstm_parallel_bwd_cuda(const MlstmParallelParams& P, void* workspace, std::size_t workspace_bytes,
+                             Stream stream);
+
 // Decay matrix: D[b, h, t, s] (B, NH, S, S) at D.p + b*s0 + h*s1 + t*s2 + s.
 void mlstm_decay_fwd_cuda(const MlstmParams& p, const StridedView& D, Stream stream);
 // Backward: di, df (B, NH, S) from dD; workspace: mlstm_decay_bwd_workspace_bytes(p).

@@ -1,0 +1,559 @@
+// mlstm_parallel.cu: the parallel mLSTM (seed 000; MATH.md §2) on CUDA, FlashAttention-style: the
+// S x S matrices (decay, scores, their gradients) exist only as 64 x 64 tiles in shared memory, never
+// in global memory. fp32 compute for every IO dtype (fp32 in true fp32: no tensor cores); any strides
+// with contiguous rows; any S, DQK, DV (tails are zero-filled in the tiles).
+//
+// Notation (float64 where it is a difference of cumulative gates, |g| reaching 20 S):
+//   g_t = lf_0 + ... + lf_t,  a_t = i_t - g_t,  A_t = max_{s <= t} a_s (and its first arg-max s*_t)
+//   so D[t,s] - m_t = a_s - A_t <= 0, m_t = g_t + A_t, e_ts = exp(a_s - A_t)
+//   C_ts = scale (q_t . k_s) e_ts (s <= t),  b_t = sum_s C_ts,  n_t = max(|b_t|, exp(-m_t))
+//   h_t = sum_s C_ts v_s / (n_t + eps)
+// Kernels:
+//   gates  per head, serial over 256-step pieces: g, a, A, s* to the workspace.
+//   fwd    per (head, 64-row block, 64-column DV tile), over the key blocks up to the diagonal:
+//          C in smem, num += C v, b += C 1; h = num / (n + eps); n, m, b from DV tile 0.
+//   The exact backward (gradient conventions: src/reference/mlstm_ref.cpp), from the saved h, m, b:
+//   rows   per row t: d = dh_t . h_t, inv = 1 / (n_t + eps), dn = -d inv, db = dn w_b sign(b)
+//          (w_b: which branch of the max n is, halves on a tie), dmd = -dn (1 - w_b) exp(-m), and
+//          dm = dmd - d - db b (the gradient reaching m_t = max_s D[t,s]; sum_s dC_ts C_ts = d + db b).
+//   dkdv   per (head, 64-key block, output slab: a DV tile of dv or a DQK tile of dk), over the query
+//          blocks from the diagonal on, with dC_ts = (dh_t . v_s) inv_t + db_t:
+//          dv_s += C_ts inv_t dh_t,  dk_s += scale dC_ts e_ts q_t,  csum_s = sum_t dC_ts C_ts.
+//   dq     per (head, 64-row block, DQK tile): dq_t += scale dC_ts e_ts k_s.
+//   post   per head: di_s = csum_s + sum of dm_t over the rows t with s*_t = s (a run of rows: s* only
+//          moves forward), d lf_j = sum_{t >= j} (dmd_t - di_t) for j >= 1 (d lf_0 = 0: lf_0 cancels in
+//          every D), df = d lf sigmoid(-f).  (sum_s dD_ts = dmd_t, whence the suffix-sum form.)
+// Deterministic: fixed loop and reduction orders, no atomics. No allocation, no host sync: graph safe.
+#include <climits>
+
+#include "cuda/common/check.cuh"
+#include "cuda/mlstm/mlstm_common.cuh"
+#include "cuda/mlstm/mlstm_cuda.h"
+
+namespace fastweight::detail {
+namespace {
+
+constexpr int kT = 64;         // tile edge: rows, steps, DQK / DV columns
+constexpr int kThreads = 256;  // thread (tr, tc) = (tid / 16, tid % 16) owns tile rows 4tr..4tr+3, columns 4tc..4tc+3
+constexpr int kPiece = 256;    // steps per piece of the per-head scans (= their threads)
+
+__host__ __device__ constexpr std::int64_t imin(std::int64_t x, std::int64_t y) { return x < y ? x : y; }
+
+// Workspace parts, each 256-byte aligned; n = B * NH * S positions.
+//   fwd and bwd: g, a, A (f64 n each), s* (i32 n)
+//   bwd also:    inv, db, dm, dmd, csum (f32 n each); the post kernel reuses g for the prefix sums of
+//                dm and a for di (both free by then)
+struct ParWs {
+  std::int64_t g = 0, a = 0, A = 0, arg = 0, inv = 0, db = 0, dm = 0, dmd = 0, csum = 0, total = 0;
+  ParWs(const MlstmParams& p, bool bwd) {
+    const std::int64_t n = p.B * p.NH * p.S;
+    std::int64_t o = 0;
+    auto take = [&](std::int64_t bytes) {
+      const std::int64_t at = o;
+      o += (bytes + 255) / 256 * 256;
+      return at;
+    };
+    g = take(8 * n), a = take(8 * n), A = take(8 * n), arg = take(4 * n);
+    if (bwd) inv = take(4 * n), db = take(4 * n), dm = take(4 * n), dmd = take(4 * n), csum = take(4 * n);
+    total = o;
+  }
+};
+
+// ---- per-head scans ---------------------------------------------------------------------------------
+// Inclusive prefix sum of x over the block's kPiece threads (Hillis-Steele: fixed order); buf[kPiece - 1]
+// holds the total until the next call. Every thread calls it.
+__device__ double block_scan_sum(double x, double* buf) {
+  const int tid = threadIdx.x;
+  __syncthreads();  // earlier readers of buf are done
+  buf[tid] = x;
+  __syncthreads();
+  for (int d = 1; d < kPiece; d <<= 1) {
+    const double add = tid >= d ? buf[tid - d] : 0.0;
+    __syncthreads();
+    buf[tid] += add;
+    __syncthreads();
+  }
+  return buf[tid];
+}
+
+// Inclusive prefix max of (x, arg) with the first arg-max on ties (the earlier range wins).
+__device__ void block_scan_max(double& x, int& arg, double* vbuf, int* abuf) {
+  const int tid = threadIdx.x;
+  __syncthreads();
+  vbuf[tid] = x, abuf[tid] = arg;
+  __syncthreads();
+  for (int d = 1; d < kPiece; d <<= 1) {
+    double ov = -INFINITY;
+    int oa = 0;
+    const bool has = tid >= d;
+    if (has) ov = vbuf[tid - d], oa = abuf[tid - d];
+    __syncthreads();
+    if (has && ov >= vbuf[tid]) vbuf[tid] = ov, abuf[tid] = oa;
+    __syncthreads();
+  }
+  x = vbuf[tid], arg = abuf[tid];
+}
+
+__device__ __forceinline__ double sigmoid_neg(double x) {  // sigmoid(-x) = d logsigmoid(x) / dx
+  if (x >= 0) {
+    const double e = exp(-x);
+    return e / (1.0 + e);
+  }
+  return 1.0 / (1.0 + exp(x));
+}
+
+// One CTA per head: g, a, A and s* of every step.
+__global__ void __launch_bounds__(kPiece) mlstm_par_gates_kernel(const MlstmParams p, double* __restrict__ wg,
+                                                                 double* __restrict__ wa, double* __restrict__ wA,
+                                                                 int* __restrict__ warg) {
+  __shared__ double sv[kPiece];
+  __shared__ int sa[kPiece];
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, go = bh * p.S;
+  const int tid = threadIdx.x;
+  double G = 0.0, Am = -INFINITY;  // carries: g and max a (first arg-max Aarg) before the piece
+  int Aarg = 0;
+  for (std::int64_t t0 = 0; t0 < p.S; t0 += kPiece) {
+    const std::int64_t t = t0 + tid;
+    const bool in = t < p.S;
+    const double lf = in ? mlstm_logsigmoid(double(mlstm_ld(p.f, b * p.f.s0 + hd * p.f.s1 + t))) : 0.0;
+    const double g = G + block_scan_sum(lf, sv);
+    const double Gnext = G + sv[kPiece - 1];
+    const double a = in ? double(mlstm_ld(p.i, b * p.i.s0 + hd * p.i.s1 + t)) - g : -INFINITY;
+    double A = a;
+    int arg = int(t);
+    block_scan_max(A, arg, sv, sa);
+    const double Aend = sv[kPiece - 1];
+    const int argend = sa[kPiece - 1];
+    if (!(A > Am)) A = Am, arg = Aarg;  // the carry is earlier: it wins ties
+    if (in) wg[go + t] = g, wa[go + t] = a, wA[go + t] = A, warg[go + t] = arg;
+    if (Aend > Am) Am = Aend, Aarg = argend;
+    G = Gnext;
+  }
+}
+
+// ---- tiles ----------------------------------------------------------------------------------------------
+struct ParSmem {
+  float r[kT][kT + 1];  // (64 tile rows, 64 columns) slab of the row operand (q; k or v for dkdv; q or dh for dq)
+  float x[kT][kT + 1];  // (64 tile columns, 64 columns) slab of the column operand, then the output operand
+  float c[kT][kT + 1];  // (64 x 64) coefficients of the output product, 0 where masked
+  double a[kT];         // (64 steps s) a_s
+  double A[kT];         // (64 rows t) A_t
+  float inv[kT], db[kT];  // (64 rows t) 1 / (n_t + eps), db_t
+};
+
+// acc[i][j] (tile rows 4tr+i, tile columns 4tc+j) += sum over the 64-wide slabs of R (rows) . X (columns):
+// rows [r0, r0 + nr) of R, rows [x0, x0 + nx) of X, both D columns; fills sm.r, sm.x.
+__device__ __forceinline__ void tile_dot(float (&acc)[4][4], ParSmem& sm, const StridedView& R, std::int64_t ro,
+                                         std::int64_t r0, int nr, const StridedView& X, std::int64_t xo,
+                                         std::int64_t x0, int nx, std::int64_t D) {
+  const int tid = threadIdx.x, tr = tid / 16, tc = tid % 16;
+  for (std::int64_t rt = 0; rt < D; rt += kT) {
+    __syncthreads();  // earlier readers of r, x are done
+    for (int e = tid; e < kT * kT; e += kThreads) {
+      const int r = e / kT, col = e % kT;
+      const bool cin = rt + col < D;
+      sm.r[r][col] = r < nr && cin ? mlstm_ld(R, ro + (r0 + r) * R.s2 + rt + col) : 0.f;
+      sm.x[r][col] = r < nx && cin ? mlstm_ld(X, xo + (x0 + r) * X.s2 + rt + col) : 0.f;
+    }
+    __syncthreads();
+    for (int k = 0; k < kT; ++k) {
+      float rv[4], xv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) rv[i] = sm.r[4 * tr + i][k];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) xv[j] = sm.x[4 * tc + j][k];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(rv[i], xv[j], acc[i][j]);
+    }
+  }
+  __syncthreads();
+}
+
+// acc[i][j] += sum_k sm.c[4tr+i][k] * X[x0 + k][c0 + 4tc + j] (X rows [x0, x0 + nx), columns < D).
+__device__ __forceinline__ void tile_apply(float (&acc)[4][4], ParSmem& sm, const StridedView& X, std::int64_t xo,
+                                           std::int64_t x0, int nx, std::int64_t c0, std::int64_t D) {
+  const int tid = threadIdx.x, tr = tid / 16, tc = tid % 16;
+  for (int e = tid; e < kT * kT; e += kThreads) {
+    const int r = e / kT, col = e % kT;
+    sm.x[r][col] = r < nx && c0 + col < D ? mlstm_ld(X, xo + (x0 + r) * X.s2 + c0 + col) : 0.f;
+  }
+  __syncthreads();
+  for (int k = 0; k < kT; ++k) {
+    float cv[4], xv[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cv[i] = sm.c[4 * tr + i][k];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) xv[j] = sm.x[k][4 * tc + j];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(cv[i], xv[j], acc[i][j]);
+  }
+}
+
+// Loads A, inv, db of the rows [t0, t0 + nt) (threads 0..63; visible after the next barrier).
+__device__ __forceinline__ void load_row_terms(ParSmem& sm, std::int64_t go, std::int64_t t0, int nt,
+                                               const double* wA, const float* winv, const float* wdb) {
+  const int tid = threadIdx.x;
+  if (tid < kT) {
+    const bool in = tid < nt;
+    sm.A[tid] = in ? wA[go + t0 + tid] : 0.0;
+    sm.inv[tid] = in ? winv[go + t0 + tid] : 0.f;
+    sm.db[tid] = in ? wdb[go + t0 + tid] : 0.f;
+  }
+}
+
+// ---- forward ------------------------------------------------------------------------------------------
+// Grid (heads, row blocks (longest first), DV tiles).
+__global__ void __launch_bounds__(kThreads) mlstm_par_fwd_kernel(const MlstmParallelParams P,
+                                                                 const double* __restrict__ wg,
+                                                                 const double* __restrict__ wa,
+                                                                 const double* __restrict__ wA) {
+  extern __shared__ float4 smem_raw[];
+  ParSmem& sm = *reinterpret_cast<ParSmem*>(smem_raw);
+  const MlstmParams& p = P.f;
+  const int tid = threadIdx.x, tr = tid / 16, tc = tid % 16;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
+  const std::int64_t S = p.S, DQK = p.DQK, DV = p.DV, go = bh * S;
+  const int rb = int(gridDim.y - 1 - blockIdx.y);
+  const std::int64_t row0 = std::int64_t(rb) * kT, c0 = std::int64_t(blockIdx.z) * kT;
+  const int nrow = int(imin(kT, S - row0));
+  const float scale = rsqrtf(float(DQK));
+  const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, vo = b * p.v.s0 + hd * p.v.s1;
+  if (tid < kT) sm.A[tid] = tid < nrow ? wA[go + row0 + tid] : 0.0;
+
+  float num[4][4] = {}, rs[4] = {};  // rows 4tr+i: numerator (DV columns c0+4tc+j), b over this thread's columns
+  for (int sb = 0; sb <= rb; ++sb) {
+    const std::int64_t s0 = std::int64_t(sb) * kT;
+    const int ns = int(imin(kT, S - s0));
+    __syncthreads();  // the previous block's readers of a, c are done
+    if (tid < kT) sm.a[tid] = tid < ns ? wa[go + s0 + tid] : 0.0;
+    float sc[4][4] = {};  // (rows, steps): q_t . k_s
+    tile_dot(sc, sm, p.q, qo, row0, nrow, p.k, ko, s0, ns, DQK);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int tl = 4 * tr + i, sl = 4 * tc + j;
+        const bool on = tl < nrow && sl < ns && s0 + sl <= row0 + tl;
+        const float C = on ? scale * sc[i][j] * expf(float(sm.a[sl] - sm.A[tl])) : 0.f;
+        rs[i] += C;
+        sm.c[tl][sl] = C;
+      }
+    tile_apply(num, sm, p.v, vo, s0, ns, c0, DV);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)  // b: the 16 threads of a row are lanes of one half-warp (fixed xor tree)
+#pragma unroll
+    for (int o = 8; o; o >>= 1) rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], o);
+
+  const std::int64_t ho = b * p.h.s0 + hd * p.h.s1;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int tl = 4 * tr + i;
+    if (tl >= nrow) continue;
+    const std::int64_t t = row0 + tl;
+    const float mf = float(wg[go + t] + sm.A[tl]);  // m_t = g_t + A_t
+    const float em = expf(-mf), n = fmaxf(fabsf(rs[i]), em), inv = 1.f / (n + p.eps);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const std::int64_t c = c0 + 4 * tc + j;
+      if (c < DV) mlstm_st(p.h, ho + t * p.h.s2 + c, num[i][j] * inv);
+    }
+    if (blockIdx.z == 0 && tc == 0) {
+      if (P.n.p) mlstm_st(P.n, b * P.n.s0 + hd * P.n.s1 + t, n);
+      if (P.m.p) mlstm_st(P.m, b * P.m.s0 + hd * P.m.s1 + t, mf);
+      if (P.b.p) mlstm_st(P.b, b * P.b.s0 + hd * P.b.s1 + t, rs[i]);
+    }
+  }
+}
+
+// ---- backward -----------------------------------------------------------------------------------------
+// Grid (heads, ceil(S / 8)); one warp per row.
+__global__ void __launch_bounds__(kThreads) mlstm_par_rows_kernel(const MlstmParallelParams P, float* __restrict__ winv,
+                                                                  float* __restrict__ wdb, float* __restrict__ wdm,
+                                                                  float* __restrict__ wdmd) {
+  const MlstmParams& p = P.f;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
+  const std::int64_t t = std::int64_t(blockIdx.y) * (kThreads / 32) + warp;
+  if (t >= p.S) return;  // warp-uniform
+  const std::int64_t oh = b * p.h.s0 + hd * p.h.s1 + t * p.h.s2, od = b * P.dh.s0 + hd * P.dh.s1 + t * P.dh.s2;
+  float d = 0.f;
+  for (std::int64_t c = lane; c < p.DV; c += 32) d = fmaf(mlstm_ld(P.dh, od + c), mlstm_ld(p.h, oh + c), d);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);  // fixed tree: same bits on every lane
+  if (lane != 0) return;
+  const float m = mlstm_ld(P.m, b * P.m.s0 + hd * P.m.s1 + t), bb = mlstm_ld(P.b, b * P.b.s0 + hd * P.b.s1 + t);
+  const float em = expf(-m), ab = fabsf(bb), inv = 1.f / (fmaxf(ab, em) + p.eps);  // the forward's n, from b, m
+  const float dn = -d * inv;
+  const float wb = ab > em ? 1.f : (ab < em ? 0.f : 0.5f);  // torch.maximum splits a tie in halves
+  const float sg = bb > 0.f ? 1.f : (bb < 0.f ? -1.f : 0.f);
+  const float db = dn * wb * sg, dmd = -dn * (1.f - wb) * em;
+  const std::int64_t o = bh * p.S + t;
+  winv[o] = inv, wdb[o] = db, wdmd[o] = dmd, wdm[o] = dmd - d - db * bb;
+}
+
+// Grid (heads, key blocks, DV tiles + DQK tiles): slab o < vt computes dv's DV tile o, else dk's DQK
+// tile o - vt; slab 0 also writes csum.
+__global__ void __launch_bounds__(kThreads) mlstm_par_dkdv_kernel(const MlstmParallelParams P,
+                                                                  const double* __restrict__ wa,
+                                                                  const double* __restrict__ wA,
+                                                                  const float* __restrict__ winv,
+                                                                  const float* __restrict__ wdb,
+                                                                  float* __restrict__ wcsum) {
+  extern __shared__ float4 smem_raw[];
+  ParSmem& sm = *reinterpret_cast<ParSmem*>(smem_raw);
+  const MlstmParams& p = P.f;
+  const int tid = threadIdx.x, tr = tid / 16, tc = tid % 16;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
+  const std::int64_t S = p.S, DQK = p.DQK, DV = p.DV, go = bh * S;
+  const int kb = int(blockIdx.y), nqb = int(gridDim.y);
+  const std::int64_t s0 = std::int64_t(kb) * kT, vt = (DV + kT - 1) / kT;
+  const bool dv_slab = blockIdx.z < vt;
+  const std::int64_t c0 = (dv_slab ? std::int64_t(blockIdx.z) : std::int64_t(blockIdx.z) - vt) * kT;
+  const int nk = int(imin(kT, S - s0));
+  const float scale = rsqrtf(float(DQK));
+  const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, vo = b * p.v.s0 + hd * p.v.s1,
+                     dho = b * P.dh.s0 + hd * P.dh.s1;
+  if (tid < kT) sm.a[tid] = tid < nk ? wa[go + s0 + tid] : 0.0;
+
+  float acc[4][4] = {}, cs[4] = {};  // keys 4tr+i: the output slab (columns 4tc+j) and csum parts
+  for (int qb = kb; qb < nqb; ++qb) {
+    const std::int64_t t0 = std::int64_t(qb) * kT;
+    const int nt = int(imin(kT, S - t0));
+    __syncthreads();  // the previous block's readers of A, inv, db, c, x are done
+    load_row_terms(sm, go, t0, nt, wA, winv, wdb);
+    float sc[4][4] = {}, dp[4][4] = {};  // (keys, queries): k_s . q_t and v_s . dh_t
+    tile_dot(sc, sm, p.k, ko, s0, nk, p.q, qo, t0, nt, DQK);
+    tile_dot(dp, sm, p.v, vo, s0, nk, P.dh, dho, t0, nt, DV);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int sl = 4 * tr + i, tl = 4 * tc + j;
+        const bool on = sl < nk && tl < nt && s0 + sl <= t0 + tl;
+        float coef = 0.f;
+        if (on) {
+          const float e = expf(float(sm.a[sl] - sm.A[tl]));
+          const float C = scale * sc[i][j] * e, dC = fmaf(dp[i][j], sm.inv[tl], sm.db[tl]);
+          cs[i] = fmaf(dC, C, cs[i]);
+          coef = dv_slab ? C * sm.inv[tl] : scale * dC * e;
+        }
+        sm.c[sl][tl] = coef;
+      }
+    tile_apply(acc, sm, dv_slab ? P.dh : p.q, dv_slab ? dho : qo, t0, nt, c0, dv_slab ? DV : DQK);
+  }
+
+  const StridedView& out = dv_slab ? P.dv : P.dk;
+  const std::int64_t D = dv_slab ? DV : DQK;
+  if (out.p) {
+    const std::int64_t oo = b * out.s0 + hd * out.s1;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int sl = 4 * tr + i;
+      if (sl >= nk) continue;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const std::int64_t c = c0 + 4 * tc + j;
+        if (c < D) mlstm_st(out, oo + (s0 + sl) * out.s2 + c, acc[i][j]);
+      }
+    }
+  }
+  if (blockIdx.z == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // the 16 threads of a key row are lanes of one half-warp: fixed xor tree
+      float v = cs[i];
+#pragma unroll
+      for (int o = 8; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (tc == 0 && 4 * tr + i < nk) wcsum[go + s0 + 4 * tr + i] = v;
+    }
+  }
+}
+
+// Grid (heads, row blocks (longest first), DQK tiles).
+__global__ void __launch_bounds__(kThreads) mlstm_par_dq_kernel(const MlstmParallelParams P,
+                                                                const double* __restrict__ wa,
+                                                                const double* __restrict__ wA,
+                                                                const float* __restrict__ winv,
+                                                                const float* __restrict__ wdb) {
+  extern __shared__ float4 smem_raw[];
+  ParSmem& sm = *reinterpret_cast<ParSmem*>(smem_raw);
+  const MlstmParams& p = P.f;
+  const int tid = threadIdx.x, tr = tid / 16, tc = tid % 16;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
+  const std::int64_t S = p.S, DQK = p.DQK, DV = p.DV, go = bh * S;
+  const int rb = int(gridDim.y - 1 - blockIdx.y);
+  const std::int64_t t0 = std::int64_t(rb) * kT, c0 = std::int64_t(blockIdx.z) * kT;
+  const int nt = int(imin(kT, S - t0));
+  const float scale = rsqrtf(float(DQK));
+  const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, vo = b * p.v.s0 + hd * p.v.s1,
+                     dho = b * P.dh.s0 + hd * P.dh.s1;
+  load_row_terms(sm, go, t0, nt, wA, winv, wdb);
+
+  float acc[4][4] = {};  // rows 4tr+i, DQK columns c0+4tc+j
+  for (int sb = 0; sb <= rb; ++sb) {
+    const std::int64_t s0 = std::int64_t(sb) * kT;
+    const int ns = int(imin(kT, S - s0));
+    __syncthreads();  // the previous block's readers of a, c, x are done
+    if (tid < kT) sm.a[tid] = tid < ns ? wa[go + s0 + tid] : 0.0;
+    float sc[4][4] = {}, dp[4][4] = {};  // (rows, steps): q_t . k_s and dh_t . v_s
+    tile_dot(sc, sm, p.q, qo, t0, nt, p.k, ko, s0, ns, DQK);
+    tile_dot(dp, sm, P.dh, dho, t0, nt, p.v, vo, s0, ns, DV);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int tl = 4 * tr + i, sl = 4 * tc + j;
+        const bool on = tl < nt && sl < ns && s0 + sl <= t0 + tl;
+        float coef = 0.f;
+        if (on) {
+          const float e = expf(float(sm.a[sl] - sm.A[tl]));
+          coef = scale * fmaf(dp[i][j], sm.inv[tl], sm.db[tl]) * e;
+        }
+        sm.c[tl][sl] = coef;
+      }
+    tile_apply(acc, sm, p.k, ko, s0, ns, c0, DQK);
+  }
+  const std::int64_t oo = b * P.dq.s0 + hd * P.dq.s1;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int tl = 4 * tr + i;
+    if (tl >= nt) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const std::int64_t c = c0 + 4 * tc + j;
+      if (c < DQK) mlstm_st(P.dq, oo + (t0 + tl) * P.dq.s2 + c, acc[i][j]);
+    }
+  }
+}
+
+// One CTA per head: di and df (see the file comment). wP, wdi: the workspace's g and a parts, reused.
+__global__ void __launch_bounds__(kPiece) mlstm_par_post_kernel(const MlstmParallelParams P,
+                                                                const int* __restrict__ warg,
+                                                                const float* __restrict__ wdm,
+                                                                const float* __restrict__ wdmd,
+                                                                const float* __restrict__ wcsum,
+                                                                double* __restrict__ wP, double* __restrict__ wdi) {
+  __shared__ double sv[kPiece];
+  const MlstmParams& p = P.f;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, S = p.S, go = bh * S;
+  const int tid = threadIdx.x;
+  // prefix sums of dm
+  double G = 0.0;
+  for (std::int64_t t0 = 0; t0 < S; t0 += kPiece) {
+    const std::int64_t t = t0 + tid;
+    const double x = t < S ? double(wdm[go + t]) : 0.0;
+    const double incl = block_scan_sum(x, sv);
+    if (t < S) wP[go + t] = G + incl;
+    G += sv[kPiece - 1];
+  }
+  for (std::int64_t s = tid; s < S; s += kPiece) wdi[go + s] = double(wcsum[go + s]);
+  __syncthreads();  // wP and wdi are complete (global writes of this CTA, ordered by the barrier)
+  // the last row of each run with arg-max s adds the run's dm to di_s (one writer per s)
+  for (std::int64_t t = tid; t < S; t += kPiece) {
+    const int s = warg[go + t];
+    if (t + 1 < S && warg[go + t + 1] == s) continue;
+    wdi[go + s] += wP[go + t] - (s > 0 ? wP[go + s - 1] : 0.0);
+  }
+  __syncthreads();
+  // d lf_j = sum_{t >= j} (dmd_t - di_t), pieces from the end; thread tid takes t = t0 + 255 - tid
+  double Gs = 0.0;
+  const std::int64_t last = (S - 1) / kPiece * kPiece;
+  for (std::int64_t t0 = last; t0 >= 0; t0 -= kPiece) {
+    const std::int64_t t = t0 + (kPiece - 1 - tid);
+    const bool in = t < S;
+    const double di = in ? wdi[go + t] : 0.0;
+    const double x = in ? double(wdmd[go + t]) - di : 0.0;
+    const double suffix = Gs + block_scan_sum(x, sv);
+    Gs += sv[kPiece - 1];
+    if (!in) continue;
+    if (P.di.p) mlstm_st(P.di, b * P.di.s0 + hd * P.di.s1 + t, float(di));
+    if (P.df.p) {
+      const double f = double(mlstm_ld(p.f, b * p.f.s0 + hd * p.f.s1 + t));
+      mlstm_st(P.df, b * P.df.s0 + hd * P.df.s1 + t, t == 0 ? 0.f : float(suffix * sigmoid_neg(f)));
+    }
+  }
+}
+
+void check_grid(const char* op, const MlstmParams& p) {
+  const std::int64_t heads = p.B * p.NH, blocks = (p.S + kT - 1) / kT;
+  const std::int64_t tiles = (p.DQK + kT - 1) / kT + (p.DV + kT - 1) / kT;
+  if (heads > 0x7fffffff || blocks > 65535 || tiles > 65535 || p.S > INT_MAX || (p.S + 7) / 8 > 65535)
+    throw Error(cat(op, ": problem too large for the parallel form's grid (heads ", heads, ", S ", p.S, ")"));
+}
+
+}  // namespace
+
+std::size_t mlstm_parallel_workspace_bytes(const MlstmParams& p, bool bwd) {
+  return std::size_t(ParWs(p, bwd).total);
+}
+
+void mlstm_parallel_fwd_cuda(const MlstmParallelParams& P, void* workspace, std::size_t workspace_bytes,
+                             Stream stream) {
+  const char* op = "mlstm_parallel_fwd";
+  const MlstmParams& p = P.f;
+  const ParWs w(p, false);
+  if (p.B * p.NH == 0 || p.S == 0 || p.DV == 0) return;  // nothing to write (DQK = 0 is refused earlier)
+  if (workspace_bytes < std::size_t(w.total))
+    throw ArgumentError(cat(op, ": workspace: ", workspace_bytes, " bytes, need ", w.total));
+  check_grid(op, p);
+  char* ws = static_cast<char*>(workspace);
+  double *wg = reinterpret_cast<double*>(ws + w.g), *wa = reinterpret_cast<double*>(ws + w.a),
+         *wA = reinterpret_cast<double*>(ws + w.A);
+  int* warg = reinterpret_cast<int*>(ws + w.arg);
+  const unsigned heads = unsigned(p.B * p.NH), blocks = unsigned((p.S + kT - 1) / kT),
+                 vt = unsigned((p.DV + kT - 1) / kT);
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  mlstm_par_gates_kernel<<<heads, kPiece, 0, s>>>(p, wg, wa, wA, warg);
+  FW_CUDA_CHECK_LAUNCH(op);
+  const std::size_t smem = sizeof(ParSmem);
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_fwd_kernel), kThreads, smem);
+  mlstm_par_fwd_kernel<<<dim3(heads, blocks, vt), kThreads, smem, s>>>(P, wg, wa, wA);
+  FW_CUDA_CHECK_LAUNCH(op);
+}
+
+void mlstm_parallel_bwd_cuda(const MlstmParallelParams& P, void* workspace, std::size_t workspace_bytes,
+                             Stream stream) {
+  const char* op = "mlstm_parallel_bwd";
+  const MlstmParams& p = P.f;
+  const ParWs w(p, true);
+  if (p.B * p.NH == 0 || p.S == 0) return;
+  if (workspace_bytes < std::size_t(w.total))
+    throw ArgumentError(cat(op, ": workspace: ", workspace_bytes, " bytes, need ", w.total));
+  check_grid(op, p);
+  char* ws = static_cast<char*>(workspace);
+  double *wg = reinterpret_cast<double*>(ws + w.g), *wa = reinterpret_cast<double*>(ws + w.a),
+         *wA = reinterpret_cast<double*>(ws + w.A);
+  int* warg = reinterpret_cast<int*>(ws + w.arg);
+  float *winv = reinterpret_cast<float*>(ws + w.inv), *wdb = reinterpret_cast<float*>(ws + w.db),
+        *wdm = reinterpret_cast<float*>(ws + w.dm), *wdmd = reinterpret_cast<float*>(ws + w.dmd),
+        *wcsum = reinterpret_cast<float*>(ws + w.csum);
+  const unsigned heads = unsigned(p.B * p.NH), blocks = unsigned((p.S + kT - 1) / kT);
+  const unsigned kt = unsigned((p.DQK + kT - 1) / kT), vt = unsigned((p.DV + kT - 1) / kT);
+  const bool gates_grad = P.di.p || P.df.p;
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  mlstm_par_gates_kernel<<<heads, kPiece, 0, s>>>(p, wg, wa, wA, warg);
+  FW_CUDA_CHECK_LAUNCH(op);
+  mlstm_par_rows_kernel<<<dim3(heads, unsigned((p.S + 7) / 8)), kThreads, 0, s>>>(P, winv, wdb, wdm, wdmd);
+  FW_CUDA_CHECK_LAUNCH(op);
+  const std::size_t smem = sizeof(ParSmem);
+  if (P.dk.p || P.dv.p || gates_grad) {
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_dkdv_kernel), kThreads, smem);
+    mlstm_par_dkdv_kernel<<<dim3(heads, blocks, vt + kt), kThreads, smem, s>>>(P, wa, wA, winv, wdb, wcsum);
+    FW_CUDA_CHECK_LAUNCH(op);
+  }
+  if (P.dq.p) {
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_dq_kernel), kThreads, smem);
+    mlstm_par_dq_kernel<<<dim3(heads, blocks, kt), kThreads, smem, s>>>(P, wa, wA, winv, wdb);
+    FW_CUDA_CHECK_LAUNCH(op);
+  }
+  if (gates_grad) {
+    mlstm_par_post_kernel<<<heads, kPiece, 0, s>>>(P, warg, wdm, wdmd, wcsum, wg, wa);
+    FW_CUDA_CHECK_LAUNCH(op);
+  }
+}
+
+}  // namespace fastweight::detail
