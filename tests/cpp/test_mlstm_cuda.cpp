@@ -8,7 +8,8 @@
 // tensor-core forward, mlstm_fwd_tc.cu; fp32 / fp16: mlstm_fwd.cu); the step
 // (out of place and in place), the decay matrix forward and backward, and the chunkwise backward
 // (every gradient, initial states' included, against the exact float64 one); the parallel form
-// (mlstm_parallel.cu) through its public entry points: h, n, m, b and every gradient.
+// (mlstm_parallel.cu) through its public entry points: h, n, m, b and every gradient (bf16 with
+// DQK <= 256: the tensor-core forward, cp.async and element loads).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -452,7 +453,8 @@ std::vector<ParCase> par_cases() {
       {DType::f32, 1, 2, 100, 64, 64, true, false},  {DType::f32, 1, 1, 1000, 100, 36, false, false},
       {DType::f32, 1, 2, 300, 32, 32, false, true},  {DType::bf16, 2, 2, 200, 64, 128, false, false},
       {DType::bf16, 1, 1, 129, 128, 64, true, true}, {DType::f16, 1, 2, 257, 48, 80, false, false},
-      {DType::f32, 1, 1, 4097, 16, 16, false, false},
+      {DType::f32, 1, 1, 4097, 16, 16, false, false}, {DType::bf16, 1, 1, 1000, 100, 36, false, false},
+      {DType::bf16, 1, 1, 70, 320, 24, false, false},  // DQK > 256: the bf16 SIMT path
   };
 }
 INSTANTIATE_TEST_SUITE_P(Cases, MlstmCudaParallel, ::testing::ValuesIn(par_cases()),

@@ -12,6 +12,10 @@
 //   gates  per head, serial over 256-step pieces: g, a, A, s* to the workspace.
 //   fwd    per (head, 64-row block, 64-column DV tile), over the key blocks up to the diagonal:
 //          C in smem, num += C v, b += C 1; h = num / (n + eps); n, m, b from DV tile 0.
+//   fwd_tc the same for bf16 q, k, v, h (DQK <= 256) on tensor cores (mma.sync m16n8k16, fp32
+//          accumulators): 4 warps of 16 rows, C kept in registers between q k^T and C v
+//          (FlashAttention-2's fragment reuse), k, v and a_s of the next key block landing by
+//          cp.async while this one is multiplied.
 //   The exact backward (gradient conventions: src/reference/mlstm_ref.cpp), from the saved h, m, b:
 //   rows   per row t: d = dh_t . h_t, inv = 1 / (n_t + eps), dn = -d inv, db = dn w_b sign(b)
 //          (w_b: which branch of the max n is, halves on a tie), dmd = -dn (1 - w_b) exp(-m), and
@@ -27,8 +31,10 @@
 #include <climits>
 
 #include "cuda/common/check.cuh"
+#include "cuda/common/mma.cuh"
 #include "cuda/mlstm/mlstm_common.cuh"
 #include "cuda/mlstm/mlstm_cuda.h"
+#include "cuda/mlstm/mlstm_tc.cuh"
 
 namespace fastweight::detail {
 namespace {
@@ -270,6 +276,149 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_fwd_kernel(const MlstmPara
   }
 }
 
+// ---- forward on tensor cores ---------------------------------------------------------------------------
+struct TcFlags {
+  bool q, k, v, h2;  // q/k/v: 16-byte rows (cp.async); h2: bf16 pairs may be stored as 32-bit words
+};
+
+// Dynamic smem, DQKp = DQK rounded up to 16, ldq = DQKp + 8 (bf16; ldmatrix conflict-free):
+//   f64 a[2][64] | f64 A[64] | bf16 q[64][ldq] | k[2][64][ldq] | v[2][64][kLd]
+struct TcLayout {
+  int DQKp, ldq;
+  std::size_t a, A, q, k, v, bytes;
+  __host__ __device__ explicit TcLayout(std::int64_t DQK) {
+    DQKp = int(mtc::round_up(DQK, 16)), ldq = DQKp + 8;
+    a = 0, A = a + 8 * 2 * kT, q = A + 8 * kT;
+    k = q + 2 * std::size_t(kT) * ldq;
+    v = k + 2 * 2 * std::size_t(kT) * ldq;
+    bytes = v + 2 * 2 * std::size_t(kT) * mtc::kLd;
+  }
+};
+
+// Grid (heads, row blocks (longest first), DV tiles); 128 threads, warp w owns block rows 16w..16w+15.
+__global__ void __launch_bounds__(mtc::kTcThreads) mlstm_par_fwd_tc_kernel(const MlstmParallelParams P,
+                                                                            const TcFlags fl,
+                                                                            const double* __restrict__ wg,
+                                                                            const double* __restrict__ wa,
+                                                                            const double* __restrict__ wA) {
+  using mtc::bf16;
+  using mtc::kLd;
+  extern __shared__ float4 smem_raw[];
+  char* base = reinterpret_cast<char*>(smem_raw);
+  const MlstmParams& p = P.f;
+  const TcLayout lay(p.DQK);
+  double* s_a = reinterpret_cast<double*>(base + lay.a);  // (2 stages, 64 steps) a_s
+  double* s_A = reinterpret_cast<double*>(base + lay.A);  // (64 block rows) A_t
+  bf16* sq = reinterpret_cast<bf16*>(base + lay.q);       // (64 rows t, DQKp) q
+  bf16* sk = reinterpret_cast<bf16*>(base + lay.k);       // (2 stages, 64 steps s, DQKp) k
+  bf16* sv = reinterpret_cast<bf16*>(base + lay.v);       // (2 stages, 64 steps s, 64 DV columns) v
+  const int ldq = lay.ldq, DQKp = lay.DQKp;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
+  const std::int64_t S = p.S, DQK = p.DQK, DV = p.DV, go = bh * S;
+  const int rb = int(gridDim.y - 1 - blockIdx.y);
+  const std::int64_t row0 = std::int64_t(rb) * kT;
+  const int c0 = int(blockIdx.z) * kT;
+  const int nrow = int(imin(kT, S - row0)), nc = int(imin(kT, DV - c0));
+
+  const bf16* qb = static_cast<const bf16*>(p.q.p) + b * p.q.s0 + hd * p.q.s1;
+  const bf16* kb = static_cast<const bf16*>(p.k.p) + b * p.k.s0 + hd * p.k.s1;
+  const bf16* vb = static_cast<const bf16*>(p.v.p) + b * p.v.s0 + hd * p.v.s1 + c0;
+  mtc::load_tile(sq, ldq, kT, DQKp, qb + row0 * p.q.s2, p.q.s2, nrow, int(DQK), fl.q);
+  auto issue = [&](int sb) {  // key block sb into stage sb % 2 (one commit group with anything pending)
+    const int st = sb & 1;
+    const std::int64_t s0 = std::int64_t(sb) * kT;
+    const int ns = int(imin(kT, S - s0));
+    mtc::load_tile(sk + st * kT * ldq, ldq, kT, DQKp, kb + s0 * p.k.s2, p.k.s2, ns, int(DQK), fl.k);
+    mtc::load_tile(sv + st * kT * kLd, kLd, kT, kT, vb + s0 * p.v.s2, p.v.s2, ns, nc, fl.v);
+    if (tid < kT) {
+      if (tid < ns) cp_async8(s_a + st * kT + tid, wa + go + s0 + tid);
+      else s_a[st * kT + tid] = 0.0;
+    }
+    cp_async_commit();
+  };
+  issue(0);
+  if (tid < kT) s_A[tid] = tid < nrow ? wA[go + row0 + tid] : 0.0;
+
+  const float scale = rsqrtf(float(DQK));
+  const int tlA = 16 * warp + gq, tlB = tlA + 8;  // this thread's two block rows
+  float acc[8][4] = {};  // (16 rows of the warp, 64 DV columns) numerator
+  float rsA = 0.f, rsB = 0.f;
+  for (int sb = 0; sb <= rb; ++sb) {
+    cp_async_wait<0>();
+    __syncthreads();  // stage sb landed for all; everyone is done with stage (sb + 1) % 2
+    if (sb < rb) issue(sb + 1);
+    const int st = sb & 1;
+    const std::int64_t s0 = std::int64_t(sb) * kT;
+    const bf16* kt = sk + st * kT * ldq;
+    const bf16* vt = sv + st * kT * kLd;
+    const double* at = s_a + st * kT;
+    float sacc[8][4] = {};  // (16 rows, 64 steps) q k^T
+    mtc::mma_rn(sacc, sq, ldq, warp, kt, ldq, DQKp, lane);
+    // C = scale (q k^T) exp(a_s - A_t) on s <= t; to bf16 A fragments (register reuse)
+    std::uint32_t pa[4][4];
+    const double AA = s_A[tlA], AB = s_A[tlB];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float pv[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tl = e < 2 ? tlA : tlB, sl = 8 * j + 2 * t4 + (e & 1);
+        const bool on = tl < nrow && s0 + sl <= row0 + tl;  // s <= t < S
+        pv[e] = on ? scale * sacc[j][e] * __expf(float(at[sl] - (e < 2 ? AA : AB))) : 0.f;
+      }
+      rsA += pv[0] + pv[1], rsB += pv[2] + pv[3];
+      pa[j >> 1][(j & 1) * 2] = pack_bf16(pv[0], pv[1]);
+      pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16(pv[2], pv[3]);
+    }
+#pragma unroll
+    for (int kp = 0; kp < 4; ++kp)
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        std::uint32_t bv[4];
+        ldsm_x4_t(bv, vt + (kp * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
+        mma_bf16_16816(acc[2 * jj], pa[kp], bv[0], bv[1]);
+        mma_bf16_16816(acc[2 * jj + 1], pa[kp], bv[2], bv[3]);
+      }
+  }
+  // the four lanes of a row hold its sum b in parts (fixed xor tree: every lane the same bits)
+  rsA += __shfl_xor_sync(0xffffffffu, rsA, 1), rsB += __shfl_xor_sync(0xffffffffu, rsB, 1);
+  rsA += __shfl_xor_sync(0xffffffffu, rsA, 2), rsB += __shfl_xor_sync(0xffffffffu, rsB, 2);
+
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int tl = hr ? tlB : tlA;
+    if (tl >= nrow) continue;
+    const std::int64_t t = row0 + tl;
+    const float bt = hr ? rsB : rsA;
+    const float mf = float(wg[go + t] + s_A[tl]);  // m_t = g_t + A_t
+    const float em = expf(-mf), n = fmaxf(fabsf(bt), em), inv = 1.f / (n + p.eps);
+    bf16* hrow = static_cast<bf16*>(p.h.p) + b * p.h.s0 + hd * p.h.s1 + t * p.h.s2;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int c = c0 + 8 * j + 2 * t4;
+      const float x0 = acc[j][2 * hr] * inv, x1 = acc[j][2 * hr + 1] * inv;
+      if (fl.h2 && c + 1 < DV) {
+        *reinterpret_cast<std::uint32_t*>(hrow + c) = pack_bf16(x0, x1);
+      } else {
+        if (c < DV) hrow[c] = __float2bfloat16_rn(x0);
+        if (c + 1 < DV) hrow[c + 1] = __float2bfloat16_rn(x1);
+      }
+    }
+    if (blockIdx.z == 0 && t4 == 0) {
+      if (P.n.p) mlstm_st(P.n, b * P.n.s0 + hd * P.n.s1 + t, n);
+      if (P.m.p) mlstm_st(P.m, b * P.m.s0 + hd * P.m.s1 + t, mf);
+      if (P.b.p) mlstm_st(P.b, b * P.b.s0 + hd * P.b.s1 + t, bt);
+    }
+  }
+}
+
+bool par_fwd_tc_applies(const MlstmParams& p) {
+  return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 &&
+         p.h.dtype == DType::bf16 && p.DQK <= 256;
+}
+
 // ---- backward -----------------------------------------------------------------------------------------
 // Grid (heads, ceil(S / 8)); one warp per row.
 __global__ void __launch_bounds__(kThreads) mlstm_par_rows_kernel(const MlstmParallelParams P, float* __restrict__ winv,
@@ -509,9 +658,18 @@ void mlstm_parallel_fwd_cuda(const MlstmParallelParams& P, void* workspace, std:
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   mlstm_par_gates_kernel<<<heads, kPiece, 0, s>>>(p, wg, wa, wA, warg);
   FW_CUDA_CHECK_LAUNCH(op);
-  const std::size_t smem = sizeof(ParSmem);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_fwd_kernel), kThreads, smem);
-  mlstm_par_fwd_kernel<<<dim3(heads, blocks, vt), kThreads, smem, s>>>(P, wg, wa, wA);
+  if (par_fwd_tc_applies(p)) {  // bf16: tensor cores
+    const TcFlags fl{mtc::rows16(p.q), mtc::rows16(p.k), mtc::rows16(p.v),
+                     reinterpret_cast<std::uintptr_t>(p.h.p) % 4 == 0 && p.h.s0 % 2 == 0 && p.h.s1 % 2 == 0 &&
+                         p.h.s2 % 2 == 0};
+    const TcLayout lay(p.DQK);
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_fwd_tc_kernel), mtc::kTcThreads, lay.bytes);
+    mlstm_par_fwd_tc_kernel<<<dim3(heads, blocks, vt), mtc::kTcThreads, lay.bytes, s>>>(P, fl, wg, wa, wA);
+  } else {
+    const std::size_t smem = sizeof(ParSmem);
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_fwd_kernel), kThreads, smem);
+    mlstm_par_fwd_kernel<<<dim3(heads, blocks, vt), kThreads, smem, s>>>(P, wg, wa, wA);
+  }
   FW_CUDA_CHECK_LAUNCH(op);
 }
 
