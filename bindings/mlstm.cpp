@@ -115,27 +115,45 @@ void mlstm_step(const In& q, const In& k, const In& v, const In& i, const In& f,
   fastweight::mlstm_step(a, to_stream(stream));
 }
 
+// The head norm's arguments shared by the parallel form's forward and backward.
+struct NormIn {
+  OptIn weight, bias;
+  double eps, offset;
+};
+
 fastweight::MlstmParallelFwdArgs parallel_fwd_args(const In& q, const In& k, const In& v, const In& i, const In& f,
                                                    const Out& h, const OptOut& n, const OptOut& m, const OptOut& b,
-                                                   double eps) {
+                                                   double eps, const OptOut& out, const NormIn& nrm,
+                                                   const OptOut& mean, const OptOut& rstd) {
   const char* op = "mlstm_parallel_fwd";
   fastweight::MlstmParallelFwdArgs a;
   set_qkvif(a, op, q, k, v, i, f);
   a.h = to_ref(h, op, "h"), a.n = to_ref(n, op, "n"), a.m = to_ref(m, op, "m"), a.b = to_ref(b, op, "b");
   a.eps = eps;
+  a.out = to_ref(out, op, "out"), a.norm_weight = to_ref(nrm.weight, op, "norm_weight");
+  a.norm_bias = to_ref(nrm.bias, op, "norm_bias");
+  a.norm_mean = to_ref(mean, op, "norm_mean"), a.norm_rstd = to_ref(rstd, op, "norm_rstd");
+  a.norm_eps = nrm.eps, a.weight_offset = nrm.offset;
   return a;
 }
 
 std::size_t parallel_fwd_workspace_size(const In& q, const In& k, const In& v, const In& i, const In& f, const Out& h,
-                                        const OptOut& n, const OptOut& m, const OptOut& b, double eps) {
-  const auto a = parallel_fwd_args(q, k, v, i, f, h, n, m, b, eps);
+                                        const OptOut& n, const OptOut& m, const OptOut& b, double eps,
+                                        const OptOut& out, const OptIn& norm_weight, const OptIn& norm_bias,
+                                        const OptOut& norm_mean, const OptOut& norm_rstd, double norm_eps,
+                                        double weight_offset) {
+  const auto a = parallel_fwd_args(q, k, v, i, f, h, n, m, b, eps, out, {norm_weight, norm_bias, norm_eps, weight_offset},
+                                   norm_mean, norm_rstd);
   nb::gil_scoped_release release;
   return fastweight::mlstm_parallel_fwd_workspace_size(a);
 }
 
 void parallel_fwd(const In& q, const In& k, const In& v, const In& i, const In& f, const Out& h, const OptOut& n,
-                  const OptOut& m, const OptOut& b, double eps, const OptWorkspace& workspace, std::uintptr_t stream) {
-  const auto a = parallel_fwd_args(q, k, v, i, f, h, n, m, b, eps);
+                  const OptOut& m, const OptOut& b, double eps, const OptOut& out, const OptIn& norm_weight,
+                  const OptIn& norm_bias, const OptOut& norm_mean, const OptOut& norm_rstd, double norm_eps,
+                  double weight_offset, const OptWorkspace& workspace, std::uintptr_t stream) {
+  const auto a = parallel_fwd_args(q, k, v, i, f, h, n, m, b, eps, out, {norm_weight, norm_bias, norm_eps, weight_offset},
+                                   norm_mean, norm_rstd);
   const Workspace ws = to_workspace(workspace, a.q, "mlstm_parallel_fwd");
   nb::gil_scoped_release release;
   fastweight::mlstm_parallel_fwd(a, ws.data, ws.bytes, to_stream(stream));
@@ -143,8 +161,10 @@ void parallel_fwd(const In& q, const In& k, const In& v, const In& i, const In& 
 
 fastweight::MlstmParallelBwdArgs parallel_bwd_args(const In& q, const In& k, const In& v, const In& i, const In& f,
                                                    const OptIn& h, const OptIn& n, const OptIn& m, const OptIn& b,
-                                                   const In& dh, const OptOut& dq, const OptOut& dk, const OptOut& dv,
-                                                   const OptOut& di, const OptOut& df, double eps) {
+                                                   const OptIn& dh, const OptOut& dq, const OptOut& dk,
+                                                   const OptOut& dv, const OptOut& di, const OptOut& df, double eps,
+                                                   const OptIn& dout, const NormIn& nrm, const OptOut& dweight,
+                                                   const OptOut& dbias) {
   const char* op = "mlstm_parallel_bwd";
   fastweight::MlstmParallelBwdArgs a;
   set_qkvif(a, op, q, k, v, i, f);
@@ -153,23 +173,32 @@ fastweight::MlstmParallelBwdArgs parallel_bwd_args(const In& q, const In& k, con
   a.dq = to_ref(dq, op, "dq"), a.dk = to_ref(dk, op, "dk"), a.dv = to_ref(dv, op, "dv");
   a.di = to_ref(di, op, "di"), a.df = to_ref(df, op, "df");
   a.eps = eps;
+  a.dout = to_ref(dout, op, "dout"), a.norm_weight = to_ref(nrm.weight, op, "norm_weight");
+  a.norm_bias = to_ref(nrm.bias, op, "norm_bias");
+  a.dnorm_weight = to_ref(dweight, op, "dnorm_weight"), a.dnorm_bias = to_ref(dbias, op, "dnorm_bias");
+  a.norm_eps = nrm.eps, a.weight_offset = nrm.offset;
   return a;
 }
 
 std::size_t parallel_bwd_workspace_size(const In& q, const In& k, const In& v, const In& i, const In& f,
-                                        const OptIn& h, const OptIn& n, const OptIn& m, const OptIn& b, const In& dh,
+                                        const OptIn& h, const OptIn& n, const OptIn& m, const OptIn& b, const OptIn& dh,
                                         const OptOut& dq, const OptOut& dk, const OptOut& dv, const OptOut& di,
-                                        const OptOut& df, double eps) {
-  const auto a = parallel_bwd_args(q, k, v, i, f, h, n, m, b, dh, dq, dk, dv, di, df, eps);
+                                        const OptOut& df, double eps, const OptIn& dout, const OptIn& norm_weight,
+                                        const OptIn& norm_bias, const OptOut& dnorm_weight, const OptOut& dnorm_bias,
+                                        double norm_eps, double weight_offset) {
+  const auto a = parallel_bwd_args(q, k, v, i, f, h, n, m, b, dh, dq, dk, dv, di, df, eps, dout,
+                                   {norm_weight, norm_bias, norm_eps, weight_offset}, dnorm_weight, dnorm_bias);
   nb::gil_scoped_release release;
   return fastweight::mlstm_parallel_bwd_workspace_size(a);
 }
 
 void parallel_bwd(const In& q, const In& k, const In& v, const In& i, const In& f, const OptIn& h, const OptIn& n,
-                  const OptIn& m, const OptIn& b, const In& dh, const OptOut& dq, const OptOut& dk, const OptOut& dv,
-                  const OptOut& di, const OptOut& df, double eps, const OptWorkspace& workspace,
-                  std::uintptr_t stream) {
-  const auto a = parallel_bwd_args(q, k, v, i, f, h, n, m, b, dh, dq, dk, dv, di, df, eps);
+                  const OptIn& m, const OptIn& b, const OptIn& dh, const OptOut& dq, const OptOut& dk, const OptOut& dv,
+                  const OptOut& di, const OptOut& df, double eps, const OptIn& dout, const OptIn& norm_weight,
+                  const OptIn& norm_bias, const OptOut& dnorm_weight, const OptOut& dnorm_bias, double norm_eps,
+                  double weight_offset, const OptWorkspace& workspace, std::uintptr_t stream) {
+  const auto a = parallel_bwd_args(q, k, v, i, f, h, n, m, b, dh, dq, dk, dv, di, df, eps, dout,
+                                   {norm_weight, norm_bias, norm_eps, weight_offset}, dnorm_weight, dnorm_bias);
   const Workspace ws = to_workspace(workspace, a.q, "mlstm_parallel_bwd");
   nb::gil_scoped_release release;
   fastweight::mlstm_parallel_bwd(a, ws.data, ws.bytes, to_stream(stream));
@@ -230,20 +259,31 @@ void bind_mlstm(nb::module_& m) {
         "n_new"_a, "m_new"_a, "eps"_a = 1e-6, "stream"_a = 0,
         "One decoding step; c_new/n_new/m_new may be c/n/m (in place).");
   m.def("mlstm_parallel_fwd_workspace_size", &parallel_fwd_workspace_size, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "h"_a,
-        "n"_a.none() = none, "m"_a.none() = none, "b"_a.none() = none, "eps"_a = 1e-6,
+        "n"_a.none() = none, "m"_a.none() = none, "b"_a.none() = none, "eps"_a = 1e-6, "out"_a.none() = none,
+        "norm_weight"_a.none() = none, "norm_bias"_a.none() = none, "norm_mean"_a.none() = none,
+        "norm_rstd"_a.none() = none, "norm_eps"_a = 1e-6, "weight_offset"_a = 0.0,
         "Bytes of workspace mlstm_parallel_fwd needs for these arguments (0 on the CPU).");
   m.def("mlstm_parallel_fwd", &parallel_fwd, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "h"_a, "n"_a.none() = none,
-        "m"_a.none() = none, "b"_a.none() = none, "eps"_a = 1e-6, "workspace"_a.none() = none, "stream"_a = 0,
-        "The parallel form (seed 000): h, and per position the normaliser n, stabiliser m and signed row sum b.");
+        "m"_a.none() = none, "b"_a.none() = none, "eps"_a = 1e-6, "out"_a.none() = none,
+        "norm_weight"_a.none() = none, "norm_bias"_a.none() = none, "norm_mean"_a.none() = none,
+        "norm_rstd"_a.none() = none, "norm_eps"_a = 1e-6, "weight_offset"_a = 0.0, "workspace"_a.none() = none,
+        "stream"_a = 0,
+        "The parallel form (seed 000): h, and per position the normaliser n, stabiliser m and signed row sum b; "
+        "with out, also the head norm of h.");
   m.def("mlstm_parallel_bwd_workspace_size", &parallel_bwd_workspace_size, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a,
-        "h"_a.none() = none, "n"_a.none() = none, "m"_a.none() = none, "b"_a.none() = none, "dh"_a,
+        "h"_a.none() = none, "n"_a.none() = none, "m"_a.none() = none, "b"_a.none() = none, "dh"_a.none() = none,
         "dq"_a.none() = none, "dk"_a.none() = none, "dv"_a.none() = none, "di"_a.none() = none, "df"_a.none() = none,
-        "eps"_a = 1e-6, "Bytes of workspace mlstm_parallel_bwd needs for these arguments (0 on the CPU).");
+        "eps"_a = 1e-6, "dout"_a.none() = none, "norm_weight"_a.none() = none, "norm_bias"_a.none() = none,
+        "dnorm_weight"_a.none() = none, "dnorm_bias"_a.none() = none, "norm_eps"_a = 1e-6, "weight_offset"_a = 0.0,
+        "Bytes of workspace mlstm_parallel_bwd needs for these arguments (0 on the CPU).");
   m.def("mlstm_parallel_bwd", &parallel_bwd, "q"_a, "k"_a, "v"_a, "i"_a, "f"_a, "h"_a.none() = none,
-        "n"_a.none() = none, "m"_a.none() = none, "b"_a.none() = none, "dh"_a, "dq"_a.none() = none,
+        "n"_a.none() = none, "m"_a.none() = none, "b"_a.none() = none, "dh"_a.none() = none, "dq"_a.none() = none,
         "dk"_a.none() = none, "dv"_a.none() = none, "di"_a.none() = none, "df"_a.none() = none, "eps"_a = 1e-6,
+        "dout"_a.none() = none, "norm_weight"_a.none() = none, "norm_bias"_a.none() = none,
+        "dnorm_weight"_a.none() = none, "dnorm_bias"_a.none() = none, "norm_eps"_a = 1e-6, "weight_offset"_a = 0.0,
         "workspace"_a.none() = none, "stream"_a = 0,
-        "Parallel-form backward: the exact gradient; CUDA needs the forward's h, m and b.");
+        "Parallel-form backward: the exact gradient (from dh, or from dout through the head norm); CUDA needs the "
+        "forward's h, m and b.");
   m.def("mlstm_decay_matrix_fwd", &decay_fwd, "i"_a, "f"_a, "D"_a, "stream"_a = 0,
         "D[t, s] = F_t - F_s + i_s (s <= t), -inf above the diagonal.");
   m.def("mlstm_decay_matrix_bwd_workspace_size", &decay_bwd_workspace_size, "f"_a, "dD"_a, "di"_a.none() = none,

@@ -68,18 +68,31 @@ struct MlstmStepArgs {
 // sums, whose sign the exact normaliser gradient needs); the CPU backward recomputes everything and
 // ignores them. CUDA kernels: src/cuda/mlstm/mlstm_parallel.cu (tiled, never an S x S matrix in
 // global memory; fp32 compute for every IO dtype), with a caller workspace.
+//
+// Head norm (seed 000's fusion), optional: with `out` given, the forward also writes out = headnorm(h),
+// each (b, head, t) row of DV normalised on its own (MATH.md §1): mean, population variance, rstd =
+// 1 / sqrt(var + norm_eps), out = (h - mean) rstd (weight_offset + norm_weight[head]) + norm_bias[head]
+// (norm_weight, norm_bias (NH, DV) optional, IO dtype or float32; norm_mean, norm_rstd (B, NH, S)
+// optional float32 outputs). The backward then takes dout instead of dh (exactly one of the two) and
+// the same norm arguments, and may write dnorm_weight, dnorm_bias (NH, DV) (deterministic sums over
+// b and t). On CUDA the norm's backward runs inside the backward's per-row pass; the forward's norm
+// is a per-row pass right after the tile kernel (it needs whole DV rows, which the tiles split).
 struct MlstmParallelFwdArgs {
   TensorRef q, k, v, i, f;
   TensorRef h;        // output
   TensorRef n, m, b;  // optional outputs (B, NH, S)
   double eps = 1e-6;
+  TensorRef out, norm_weight, norm_bias, norm_mean, norm_rstd;  // head norm (out given: on)
+  double norm_eps = 1e-6, weight_offset = 0.0;
 };
 struct MlstmParallelBwdArgs {
   TensorRef q, k, v, i, f;
   TensorRef h, n, m, b;          // the forward's outputs: CUDA needs h, m, b (n is implied); optional on the CPU
-  TensorRef dh;                  // (B, NH, S, DV)
+  TensorRef dh;                  // (B, NH, S, DV); or dout with the head norm
   TensorRef dq, dk, dv, di, df;  // outputs, each optional
   double eps = 1e-6;
+  TensorRef dout, norm_weight, norm_bias, dnorm_weight, dnorm_bias;  // head norm (dout given: on)
+  double norm_eps = 1e-6, weight_offset = 0.0;
 };
 
 // The log-space decay matrix of seed 001: D[t, s] = F_t - F_s + i_s for s <= t, -inf above the

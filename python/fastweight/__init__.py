@@ -9,7 +9,7 @@ Functional API (differentiable for torch tensors; NumPy arrays run the CPU refer
     fastweight.adaptive_layer_norm(x, scale, shift, eps=1e-5)
 
 mLSTM (torch only; see ``fastweight.mlstm_ops``): ``mlstm``, ``mlstm_headnorm``, ``mlstm_step``, ``mlstm_parallel``,
-``mlstm_decay_matrix``; drop-in names of NX-AI's mlstm_kernels in ``fastweight.compat.mlstm_kernels``.
+``mlstm_parallel_headnorm``, ``mlstm_decay_matrix``; drop-in names of NX-AI's mlstm_kernels in ``fastweight.compat.mlstm_kernels``.
 
 DeltaNet (torch only; see ``fastweight.deltanet_ops``): ``delta_rule``, ``delta_rule_step``; drop-in names of
 flash-linear-attention (``chunk_delta_rule``, ``fused_recurrent_delta_rule``) in ``fastweight.compat.fla``.
@@ -37,11 +37,13 @@ except ImportError:  # pragma: no cover - exercised by numpy-only installs
 if _torch is not None:
     from . import deltanet_ops, mlstm_ops, nn, ops
     from .deltanet_ops import delta_rule, delta_rule_step
-    from .mlstm_ops import mlstm, mlstm_decay_matrix, mlstm_headnorm, mlstm_parallel, mlstm_step
+    from .mlstm_ops import (mlstm, mlstm_decay_matrix, mlstm_headnorm, mlstm_parallel, mlstm_parallel_headnorm,
+                            mlstm_step)
 
 __all__ = [
     "layer_norm", "rms_norm", "head_norm", "adaptive_layer_norm",
-    "mlstm", "mlstm_headnorm", "mlstm_step", "mlstm_parallel", "mlstm_decay_matrix", "delta_rule", "delta_rule_step",
+    "mlstm", "mlstm_headnorm", "mlstm_step", "mlstm_parallel", "mlstm_parallel_headnorm", "mlstm_decay_matrix",
+    "delta_rule", "delta_rule_step",
     "cuda_available", "build_info", "__version__",
 ]
 

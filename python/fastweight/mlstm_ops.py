@@ -8,7 +8,8 @@ preactivations; states c (B, NH, DQK, DV), n (B, NH, DQK), m (B, NH, 1), float32
           return_last_states=False, eps=1e-6, chunk_size=64) -> h | (h, (c, n, m))
     mlstm_headnorm(q, k, v, i, f, weight=None, bias=None, ..., norm_eps=1e-6, weight_offset=0.0)
     mlstm_step(q, k, v, i, f, c, n, m, eps=1e-6, inplace=False) -> (h, (c, n, m))
-    mlstm_parallel(q, k, v, i, f, eps=1e-6) -> (h, n, m)   (tiled CUDA kernels, fp32 compute)
+    mlstm_parallel(q, k, v, i, f, eps=1e-6) -> (h, n, m)   (tiled CUDA kernels)
+    mlstm_parallel_headnorm(q, k, v, i, f, weight=None, bias=None, eps=1e-6, norm_eps=1e-6, weight_offset=0.0)
     mlstm_decay_matrix(i, f) -> D (B, NH, S, S)
 
 Everything is differentiable (q, k, v, i, f and the initial states; the last states too), and the
@@ -27,7 +28,7 @@ from torch import Tensor
 from . import _C
 from .ops import _last_contig, _prep_gate, _spec, _stream, head_norm
 
-__all__ = ["mlstm", "mlstm_headnorm", "mlstm_step", "mlstm_parallel", "mlstm_decay_matrix"]
+__all__ = ["mlstm", "mlstm_headnorm", "mlstm_step", "mlstm_parallel", "mlstm_parallel_headnorm", "mlstm_decay_matrix"]
 
 _F32 = torch.float32
 
@@ -232,7 +233,7 @@ def _parallel_fwd(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor,
     n, m, b = (q.new_empty(q.shape[:3], dtype=_stats_dtype(q)) for _ in range(3))
     args = (_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(h), _spec(n), _spec(m), _spec(b), eps)
     ws = _workspace(q, _C.mlstm_parallel_fwd_workspace_size(*args))
-    _C.mlstm_parallel_fwd(*args, _ws_spec(ws), _stream(q))
+    _C.mlstm_parallel_fwd(*args, workspace=_ws_spec(ws), stream=_stream(q))
     return h, n, m, b
 
 
@@ -249,7 +250,7 @@ def _parallel_bwd(dh: Tensor, q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Ten
     args = (_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(h), None, _spec(m), _spec(b), _spec(dh),
             _spec(dq), _spec(dk), _spec(dv), _spec(di), _spec(df), eps)
     ws = _workspace(q, _C.mlstm_parallel_bwd_workspace_size(*args))
-    _C.mlstm_parallel_bwd(*args, _ws_spec(ws), _stream(q))
+    _C.mlstm_parallel_bwd(*args, workspace=_ws_spec(ws), stream=_stream(q))
     return dq, dk, dv, di, df
 
 
@@ -286,6 +287,82 @@ def mlstm_parallel(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: f
     h, n, m, _ = _parallel_fwd(_last_contig(q), _last_contig(k), _last_contig(v), _prep_gate(i, q),
                                _prep_gate(f, q), float(eps))
     return h, n, m
+
+
+# ---- parallel form with the head norm (seed 000's fusion) -----------------------------------------------
+@torch.library.custom_op("fastweight::mlstm_parallel_headnorm_fwd", mutates_args=())
+def _par_hn_fwd(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, weight: Optional[Tensor],
+                bias: Optional[Tensor], eps: float, norm_eps: float,
+                weight_offset: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """out, and what the backward takes back: the pre-norm h, m and b."""
+    out, h = torch.empty(v.shape, dtype=q.dtype, device=q.device), torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    m, b = (q.new_empty(q.shape[:3], dtype=_stats_dtype(q)) for _ in range(2))
+    args = (_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(h), None, _spec(m), _spec(b), eps, _spec(out),
+            _spec(weight), _spec(bias), None, None, norm_eps, weight_offset)
+    ws = _workspace(q, _C.mlstm_parallel_fwd_workspace_size(*args))
+    _C.mlstm_parallel_fwd(*args, workspace=_ws_spec(ws), stream=_stream(q))
+    return out, h, m, b
+
+
+@_par_hn_fwd.register_fake
+def _(q, k, v, i, f, weight, bias, eps, norm_eps, weight_offset):
+    return (q.new_empty(v.shape), q.new_empty(v.shape)) + tuple(
+        q.new_empty(q.shape[:3], dtype=_stats_dtype(q)) for _ in range(2))
+
+
+@torch.library.custom_op("fastweight::mlstm_parallel_headnorm_bwd", mutates_args=())
+def _par_hn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, weight: Optional[Tensor],
+                bias: Optional[Tensor], h: Tensor, m: Tensor, b: Tensor, eps: float, norm_eps: float,
+                weight_offset: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    di, df = torch.empty_like(i), torch.empty_like(f)
+    dw = torch.empty_like(weight) if weight is not None else None
+    db = torch.empty_like(bias) if bias is not None else None
+    args = (_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(h), None, _spec(m), _spec(b), None, _spec(dq),
+            _spec(dk), _spec(dv), _spec(di), _spec(df), eps, _spec(dout), _spec(weight), _spec(bias), _spec(dw),
+            _spec(db), norm_eps, weight_offset)
+    ws = _workspace(q, _C.mlstm_parallel_bwd_workspace_size(*args))
+    _C.mlstm_parallel_bwd(*args, workspace=_ws_spec(ws), stream=_stream(q))
+    return dq, dk, dv, di, df, dw if dw is not None else _empty(q), db if db is not None else _empty(q)
+
+
+@_par_hn_bwd.register_fake
+def _(dout, q, k, v, i, f, weight, bias, h, m, b, eps, norm_eps, weight_offset):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(i), torch.empty_like(f),
+            torch.empty_like(weight) if weight is not None else q.new_empty(0),
+            torch.empty_like(bias) if bias is not None else q.new_empty(0))
+
+
+def _par_hn_setup(ctx, inputs, output):
+    q, k, v, i, f, weight, bias, eps, norm_eps, weight_offset = inputs
+    _, h, m, b = output
+    ctx.save_for_backward(q, k, v, i, f, weight, bias, h, m, b)
+    ctx.args = (eps, norm_eps, weight_offset)
+    ctx.mark_non_differentiable(h, m, b)  # what the backward takes back; the user sees out only
+
+
+def _par_hn_backward(ctx, dout, dh, dm, db):
+    q, k, v, i, f, weight, bias, h, m, b = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
+    dq, dk, dv, di, df, dw, dbias = _par_hn_bwd(_last_contig(dout), q, k, v, i, f, weight, bias, h, m, b, *ctx.args)
+    return dq, dk, dv, di, df, _opt(dw), _opt(dbias), None, None, None
+
+
+_par_hn_fwd.register_autograd(_par_hn_backward, setup_context=_par_hn_setup)
+
+
+def mlstm_parallel_headnorm(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, weight: Optional[Tensor] = None,
+                            bias: Optional[Tensor] = None, eps: float = 1e-6, norm_eps: float = 1e-6,
+                            weight_offset: float = 0.0) -> Tensor:
+    """Seed 000's parallel form with its head norm fused: out (B, NH, S, DV) = headnorm(h), each (b, head, t)
+    row of h normalised over DV (weight / bias (NH, DV), scale weight_offset + weight; xLSTM's
+    MultiHeadLayerNorm is weight_offset = 1). Exact gradients for q, k, v, i, f, weight and bias (the
+    normaliser's path kept). On CUDA the norm's backward runs inside the backward's per-row pass."""
+    out, _, _, _ = _par_hn_fwd(_last_contig(q), _last_contig(k), _last_contig(v), _prep_gate(i, q), _prep_gate(f, q),
+                               _last_contig(weight), _last_contig(bias), float(eps), float(norm_eps),
+                               float(weight_offset))
+    return out
 
 
 # ---- decay matrix ------------------------------------------------------------------------------------

@@ -310,6 +310,24 @@ void mlstm_step(const MlstmStepArgs& a, Stream stream) {
 
 // ---- parallel form -----------------------------------------------------------------------------------
 namespace {
+// The head norm's weight / bias (NH, DV): IO dtype or float32; their gradients in the same dtype.
+void check_norm_params(const MlstmChecker& c, const detail::MlstmShape& sh, const TensorRef& w, const TensorRef& b,
+                       double norm_eps, double weight_offset) {
+  if (w.defined()) c.gate("norm_weight", w, {sh.NH, sh.DV});
+  if (b.defined()) c.gate("norm_bias", b, {sh.NH, sh.DV});
+  FW_CHECK_ARG(std::isfinite(norm_eps) && norm_eps >= 0.0, c.op, "norm_eps", "expected a finite value >= 0, got ",
+               norm_eps);
+  FW_CHECK_ARG(std::isfinite(weight_offset), c.op, "weight_offset", "expected a finite value, got ", weight_offset);
+}
+void check_norm_grad(const MlstmChecker& c, const detail::MlstmShape& sh, const char* name, const TensorRef& g,
+                     const char* pname, const TensorRef& p) {
+  if (!g.defined()) return;
+  FW_CHECK_ARG(p.defined(), c.op, name, "needs ", pname, " (the parameter it is the gradient of)");
+  c.gate(name, g, {sh.NH, sh.DV});
+  FW_CHECK_ARG(g.dtype == p.dtype, c.op, name, "expected dtype ", dtype_name(p.dtype), " (that of ", pname, "), got ",
+               dtype_name(g.dtype));
+}
+
 detail::MlstmShape validate_parallel_fwd(const MlstmParallelFwdArgs& a) {
   const char* op = "mlstm_parallel_fwd";
   const detail::MlstmShape sh = sequence_shape(op, a.q, a.v);
@@ -320,6 +338,16 @@ detail::MlstmShape validate_parallel_fwd(const MlstmParallelFwdArgs& a) {
   if (a.m.defined()) c.state("m", a.m, {sh.B, sh.NH, sh.S});
   if (a.b.defined()) c.state("b", a.b, {sh.B, sh.NH, sh.S});
   c.eps(a.eps);
+  if (!a.out.defined()) {
+    for (const auto& [name, t] : {std::pair<const char*, const TensorRef&>{"norm_weight", a.norm_weight},
+                                  {"norm_bias", a.norm_bias}, {"norm_mean", a.norm_mean}, {"norm_rstd", a.norm_rstd}})
+      FW_CHECK_ARG(!t.defined(), op, name, "is given but out is not (the head norm writes out)");
+    return sh;
+  }
+  c.io("out", a.out, {sh.B, sh.NH, sh.S, sh.DV});
+  check_norm_params(c, sh, a.norm_weight, a.norm_bias, a.norm_eps, a.weight_offset);
+  if (a.norm_mean.defined()) c.state("norm_mean", a.norm_mean, {sh.B, sh.NH, sh.S});
+  if (a.norm_rstd.defined()) c.state("norm_rstd", a.norm_rstd, {sh.B, sh.NH, sh.S});
   return sh;
 }
 
@@ -337,7 +365,21 @@ detail::MlstmShape validate_parallel_bwd(const MlstmParallelBwdArgs& a) {
   if (a.n.defined()) c.state("n", a.n, {sh.B, sh.NH, sh.S});
   if (a.m.defined()) c.state("m", a.m, {sh.B, sh.NH, sh.S});
   if (a.b.defined()) c.state("b", a.b, {sh.B, sh.NH, sh.S});
-  c.io("dh", a.dh, {sh.B, sh.NH, sh.S, sh.DV});
+  FW_CHECK_ARG(a.dh.defined() != a.dout.defined(), op, "dh",
+               a.dh.defined() ? "and dout are both given: pass dh without the head norm, dout with it"
+                              : "is required (or dout, with the head norm)");
+  if (a.dh.defined()) {
+    for (const auto& [name, t] :
+         {std::pair<const char*, const TensorRef&>{"norm_weight", a.norm_weight}, {"norm_bias", a.norm_bias},
+          {"dnorm_weight", a.dnorm_weight}, {"dnorm_bias", a.dnorm_bias}})
+      FW_CHECK_ARG(!t.defined(), op, name, "is given with dh (the head norm's backward takes dout)");
+    c.io("dh", a.dh, {sh.B, sh.NH, sh.S, sh.DV});
+  } else {
+    c.io("dout", a.dout, {sh.B, sh.NH, sh.S, sh.DV});
+    check_norm_params(c, sh, a.norm_weight, a.norm_bias, a.norm_eps, a.weight_offset);
+    check_norm_grad(c, sh, "dnorm_weight", a.dnorm_weight, "norm_weight", a.norm_weight);
+    check_norm_grad(c, sh, "dnorm_bias", a.dnorm_bias, "norm_bias", a.norm_bias);
+  }
   if (a.dq.defined()) c.io("dq", a.dq, {sh.B, sh.NH, sh.S, sh.DQK});
   if (a.dk.defined()) c.io("dk", a.dk, {sh.B, sh.NH, sh.S, sh.DQK});
   if (a.dv.defined()) c.io("dv", a.dv, {sh.B, sh.NH, sh.S, sh.DV});
@@ -359,6 +401,9 @@ detail::MlstmParallelParams lower_parallel(const TensorRef& q, const TensorRef& 
 detail::MlstmParallelParams lower_parallel_fwd(const MlstmParallelFwdArgs& a) {
   detail::MlstmParallelParams P = lower_parallel(a.q, a.k, a.v, a.i, a.f, a.h, a.eps);
   P.n = detail::view_of(a.n, 2), P.m = detail::view_of(a.m, 2), P.b = detail::view_of(a.b, 2);
+  P.out = detail::view_of(a.out, 3), P.nw = detail::view_of(a.norm_weight, 1), P.nb = detail::view_of(a.norm_bias, 1);
+  P.nmean = detail::view_of(a.norm_mean, 2), P.nrstd = detail::view_of(a.norm_rstd, 2);
+  P.norm_eps = float(a.norm_eps), P.weight_offset = float(a.weight_offset);
   return P;
 }
 detail::MlstmParallelParams lower_parallel_bwd(const MlstmParallelBwdArgs& a) {
@@ -367,15 +412,26 @@ detail::MlstmParallelParams lower_parallel_bwd(const MlstmParallelBwdArgs& a) {
   P.dh = detail::view_of(a.dh, 3);
   P.dq = detail::view_of(a.dq, 3), P.dk = detail::view_of(a.dk, 3), P.dv = detail::view_of(a.dv, 3);
   P.di = detail::view_of(a.di, 2), P.df = detail::view_of(a.df, 2);
+  P.dout = detail::view_of(a.dout, 3), P.nw = detail::view_of(a.norm_weight, 1), P.nb = detail::view_of(a.norm_bias, 1);
+  P.dnw = detail::view_of(a.dnorm_weight, 1), P.dnb = detail::view_of(a.dnorm_bias, 1);
+  P.norm_eps = float(a.norm_eps), P.weight_offset = float(a.weight_offset);
   return P;
 }
 #endif
+
+// float64 copies of the head norm's parameters, for the reference.
+struct NormInputs {
+  Vec w, b;
+  detail::MlstmHeadNorm norm(double eps, double offset) const {
+    return {w.empty() ? nullptr : w.data(), b.empty() ? nullptr : b.data(), eps, offset};
+  }
+};
 }  // namespace
 
 std::size_t mlstm_parallel_fwd_workspace_size(const MlstmParallelFwdArgs& a) {
   validate_parallel_fwd(a);
 #if FW_WITH_CUDA
-  if (a.q.device == DeviceType::cuda) return detail::mlstm_parallel_workspace_bytes(lower_parallel_fwd(a).f, false);
+  if (a.q.device == DeviceType::cuda) return detail::mlstm_parallel_workspace_bytes(lower_parallel_fwd(a), false);
 #endif
   return 0;
 }
@@ -386,7 +442,7 @@ void mlstm_parallel_fwd(const MlstmParallelFwdArgs& a, void* workspace, std::siz
   if (a.q.device == DeviceType::cuda) {
 #if FW_WITH_CUDA
     const detail::MlstmParallelParams P = lower_parallel_fwd(a);
-    check_workspace(op, workspace, workspace_bytes, detail::mlstm_parallel_workspace_bytes(P.f, false));
+    check_workspace(op, workspace, workspace_bytes, detail::mlstm_parallel_workspace_bytes(P, false));
     detail::DeviceGuard guard(a.q.device_index);
     detail::mlstm_parallel_fwd_cuda(P, workspace, workspace_bytes, stream);
     return;
@@ -398,6 +454,13 @@ void mlstm_parallel_fwd(const MlstmParallelFwdArgs& a, void* workspace, std::siz
   const auto out = detail::out_buffer;
   Vec h(std::size_t(a.h.numel())), n = out(a.n), m = out(a.m), b = out(a.b);
   detail::mlstm_parallel_fwd(sh, x.in(), a.eps, h.data(), ptr_or_null(n), ptr_or_null(m), ptr_or_null(b));
+  if (a.out.defined()) {  // the head norm of h (float64 here; the GPU reads h back in the IO dtype)
+    const NormInputs ni{detail::gather_f64(a.norm_weight), detail::gather_f64(a.norm_bias)};
+    Vec o(std::size_t(a.out.numel())), mu = out(a.norm_mean), rs = out(a.norm_rstd);
+    detail::mlstm_headnorm_rows_fwd(sh, h.data(), ni.norm(a.norm_eps, a.weight_offset), o.data(), ptr_or_null(mu),
+                                    ptr_or_null(rs));
+    detail::scatter_f64(o, a.out), detail::scatter_f64(mu, a.norm_mean), detail::scatter_f64(rs, a.norm_rstd);
+  }
   detail::scatter_f64(h, a.h), detail::scatter_f64(n, a.n), detail::scatter_f64(m, a.m), detail::scatter_f64(b, a.b);
 }
 
@@ -406,7 +469,7 @@ void mlstm_parallel_fwd(const MlstmParallelFwdArgs& a, Stream stream) { mlstm_pa
 std::size_t mlstm_parallel_bwd_workspace_size(const MlstmParallelBwdArgs& a) {
   validate_parallel_bwd(a);
 #if FW_WITH_CUDA
-  if (a.q.device == DeviceType::cuda) return detail::mlstm_parallel_workspace_bytes(lower_parallel_bwd(a).f, true);
+  if (a.q.device == DeviceType::cuda) return detail::mlstm_parallel_workspace_bytes(lower_parallel_bwd(a), true);
 #endif
   return 0;
 }
@@ -417,7 +480,7 @@ void mlstm_parallel_bwd(const MlstmParallelBwdArgs& a, void* workspace, std::siz
   if (a.q.device == DeviceType::cuda) {
 #if FW_WITH_CUDA
     const detail::MlstmParallelParams P = lower_parallel_bwd(a);
-    check_workspace(op, workspace, workspace_bytes, detail::mlstm_parallel_workspace_bytes(P.f, true));
+    check_workspace(op, workspace, workspace_bytes, detail::mlstm_parallel_workspace_bytes(P, true));
     detail::DeviceGuard guard(a.q.device_index);
     detail::mlstm_parallel_bwd_cuda(P, workspace, workspace_bytes, stream);
     return;
@@ -426,11 +489,20 @@ void mlstm_parallel_bwd(const MlstmParallelBwdArgs& a, void* workspace, std::siz
 #endif
   }
   const SeqInputs x = gather_inputs(a.q, a.k, a.v, a.i, a.f, {}, {}, {});
-  const Vec dh = detail::gather_f64(a.dh);
   const auto out = detail::out_buffer;
   Vec dq = out(a.dq), dk = out(a.dk), dv = out(a.dv), di = out(a.di), df = out(a.df);
-  detail::mlstm_parallel_bwd(sh, x.in(), a.eps, dh.data(),
-                             {ptr_or_null(dq), ptr_or_null(dk), ptr_or_null(dv), ptr_or_null(di), ptr_or_null(df)});
+  const detail::MlstmGrads g{ptr_or_null(dq), ptr_or_null(dk), ptr_or_null(dv), ptr_or_null(di), ptr_or_null(df)};
+  if (a.dout.defined()) {  // the exact gradient through the head norm (the reference recomputes h)
+    const Vec dout = detail::gather_f64(a.dout);
+    const NormInputs ni{detail::gather_f64(a.norm_weight), detail::gather_f64(a.norm_bias)};
+    Vec dw = out(a.dnorm_weight), dbias = out(a.dnorm_bias);
+    detail::mlstm_parallel_headnorm_bwd(sh, x.in(), a.eps, ni.norm(a.norm_eps, a.weight_offset), dout.data(), g,
+                                        {ptr_or_null(dw), ptr_or_null(dbias)});
+    detail::scatter_f64(dw, a.dnorm_weight), detail::scatter_f64(dbias, a.dnorm_bias);
+  } else {
+    const Vec dh = detail::gather_f64(a.dh);
+    detail::mlstm_parallel_bwd(sh, x.in(), a.eps, dh.data(), g);
+  }
   detail::scatter_f64(dq, a.dq), detail::scatter_f64(dk, a.dk), detail::scatter_f64(dv, a.dv);
   detail::scatter_f64(di, a.di), detail::scatter_f64(df, a.df);
 }

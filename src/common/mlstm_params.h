@@ -49,10 +49,14 @@ struct MlstmBwdParams {
 // The parallel form (seed 000, no initial states). f: q, k, v, i, f, eps and h (the forward's output,
 // the backward's saved input; L unused). n, m, b (B, NH, S) fp32: the forward writes those present;
 // the backward reads m and b (b: the signed row sum, n = max(|b|, exp(-m))).
+// Head norm (out.p or dout.p set: on): norm weight / bias and their gradients (NH, DV), element (h, c)
+// at p + h*s0 + c, each optional; mean / rstd (B, NH, S) optional forward outputs.
 struct MlstmParallelParams {
   MlstmParams f;
   StridedView n, m, b;
   StridedView dh, dq, dk, dv, di, df;  // backward only; the gradients are each optional
+  StridedView out, nw, nb, nmean, nrstd, dout, dnw, dnb;
+  float norm_eps = 1e-6f, weight_offset = 0.f;
 };
 
 // Workspace of the chunkwise forward: the states entering every chunk and the final one, fp32,

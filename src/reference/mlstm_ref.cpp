@@ -718,18 +718,15 @@ double norm_scale(const MlstmHeadNorm& norm, std::int64_t idx) {
 
 }  // namespace
 
-void mlstm_headnorm_fwd(const MlstmShape& sh, const MlstmInputs& in, double eps, std::int64_t L,
-                        const MlstmConstState& init, const MlstmHeadNorm& norm, double* out, double* mean,
-                        double* rstd, const MlstmState& last) {
+void mlstm_headnorm_rows_fwd(const MlstmShape& sh, const double* h, const MlstmHeadNorm& norm, double* out,
+                             double* mean, double* rstd) {
   const std::int64_t S = sh.S, DV = sh.DV;
-  std::vector<double> h(sh.heads() * S * DV);  // (B,NH,S,DV)
-  mlstm_chunkwise_fwd(sh, in, eps, L, init, h.data(), last);
   for (std::int64_t bh = 0; bh < sh.heads(); ++bh) {
     const std::int64_t nh = bh % sh.NH;
     for (std::int64_t t = 0; t < S; ++t) {
       const std::int64_t r = bh * S + t;
       double mu, rs;
-      row_stats(h.data() + r * DV, DV, norm.eps, mu, rs);
+      row_stats(h + r * DV, DV, norm.eps, mu, rs);
       for (std::int64_t j = 0; j < DV; ++j) {
         double y = (h[r * DV + j] - mu) * rs * norm_scale(norm, nh * DV + j);
         if (norm.bias) y += norm.bias[nh * DV + j];
@@ -741,21 +738,20 @@ void mlstm_headnorm_fwd(const MlstmShape& sh, const MlstmInputs& in, double eps,
   }
 }
 
-void mlstm_headnorm_bwd(const MlstmShape& sh, const MlstmInputs& in, double eps, std::int64_t L,
-                        const MlstmConstState& init, const MlstmHeadNorm& norm, const double* dout,
-                        const MlstmConstState& dlast, const MlstmGrads& g, const MlstmState& dinit,
-                        const MlstmHeadNormGrads& gn) {
+namespace {
+// dh (B,NH,S,DV) from dout through the head norm of h, and the weight / bias gradients (summed in
+// (b, t) order).
+void headnorm_rows_bwd(const MlstmShape& sh, const double* h, const MlstmHeadNorm& norm, const double* dout,
+                       double* dh, const MlstmHeadNormGrads& gn) {
   const std::int64_t S = sh.S, NH = sh.NH, DV = sh.DV;
-  std::vector<double> h(sh.heads() * S * DV), dh(h.size());  // (B,NH,S,DV)
-  std::vector<double> xhat(DV), gv(DV);                       // (DV): one row
-  std::vector<double> dw(NH * DV, 0.0), db(NH * DV, 0.0);     // (NH,DV), summed in (b, t) order
-  mlstm_chunkwise_fwd(sh, in, eps, L, init, h.data(), {});
+  std::vector<double> xhat(DV), gv(DV);                    // (DV): one row
+  std::vector<double> dw(NH * DV, 0.0), db(NH * DV, 0.0);  // (NH,DV)
   for (std::int64_t bh = 0; bh < sh.heads(); ++bh) {
     const std::int64_t nh = bh % NH;
     for (std::int64_t t = 0; t < S; ++t) {
       const std::int64_t r = bh * S + t;
       double mu, rs;
-      row_stats(h.data() + r * DV, DV, norm.eps, mu, rs);
+      row_stats(h + r * DV, DV, norm.eps, mu, rs);
       double sum_g = 0.0, sum_gx = 0.0;
       for (std::int64_t j = 0; j < DV; ++j) {
         const double dy = dout[r * DV + j];
@@ -772,7 +768,42 @@ void mlstm_headnorm_bwd(const MlstmShape& sh, const MlstmInputs& in, double eps,
   }
   if (gn.dweight) std::copy(dw.begin(), dw.end(), gn.dweight);
   if (gn.dbias) std::copy(db.begin(), db.end(), gn.dbias);
+}
+
+}  // namespace
+
+void mlstm_headnorm_fwd(const MlstmShape& sh, const MlstmInputs& in, double eps, std::int64_t L,
+                        const MlstmConstState& init, const MlstmHeadNorm& norm, double* out, double* mean,
+                        double* rstd, const MlstmState& last) {
+  std::vector<double> h(sh.heads() * sh.S * sh.DV);  // (B,NH,S,DV)
+  mlstm_chunkwise_fwd(sh, in, eps, L, init, h.data(), last);
+  mlstm_headnorm_rows_fwd(sh, h.data(), norm, out, mean, rstd);
+}
+
+void mlstm_headnorm_bwd(const MlstmShape& sh, const MlstmInputs& in, double eps, std::int64_t L,
+                        const MlstmConstState& init, const MlstmHeadNorm& norm, const double* dout,
+                        const MlstmConstState& dlast, const MlstmGrads& g, const MlstmState& dinit,
+                        const MlstmHeadNormGrads& gn) {
+  std::vector<double> h(sh.heads() * sh.S * sh.DV), dh(h.size());  // (B,NH,S,DV)
+  mlstm_chunkwise_fwd(sh, in, eps, L, init, h.data(), {});
+  headnorm_rows_bwd(sh, h.data(), norm, dout, dh.data(), gn);
   mlstm_chunkwise_bwd(sh, in, eps, L, init, dh.data(), dlast, g, dinit);
+}
+
+void mlstm_parallel_headnorm_fwd(const MlstmShape& sh, const MlstmInputs& in, double eps, const MlstmHeadNorm& norm,
+                                 double* out, double* mean, double* rstd, double* h) {
+  std::vector<double> hv(sh.heads() * sh.S * sh.DV);  // (B,NH,S,DV)
+  mlstm_parallel_fwd(sh, in, eps, hv.data(), nullptr, nullptr);
+  mlstm_headnorm_rows_fwd(sh, hv.data(), norm, out, mean, rstd);
+  if (h) std::copy(hv.begin(), hv.end(), h);
+}
+
+void mlstm_parallel_headnorm_bwd(const MlstmShape& sh, const MlstmInputs& in, double eps, const MlstmHeadNorm& norm,
+                                 const double* dout, const MlstmGrads& g, const MlstmHeadNormGrads& gn) {
+  std::vector<double> h(sh.heads() * sh.S * sh.DV), dh(h.size());  // (B,NH,S,DV)
+  mlstm_parallel_fwd(sh, in, eps, h.data(), nullptr, nullptr);
+  headnorm_rows_bwd(sh, h.data(), norm, dout, dh.data(), gn);
+  mlstm_parallel_bwd(sh, in, eps, dh.data(), g);
 }
 
 }  // namespace fastweight::detail

@@ -123,4 +123,14 @@ void mlstm_headnorm_bwd(const MlstmShape& sh, const MlstmInputs& in, double eps,
                         const MlstmConstState& dlast, const MlstmGrads& g, const MlstmState& dinit,
                         const MlstmHeadNormGrads& gn);
 
+// The head norm alone: out (B,NH,S,DV) and optional mean, rstd (B,NH,S) of h (B,NH,S,DV), row by row.
+void mlstm_headnorm_rows_fwd(const MlstmShape& sh, const double* h, const MlstmHeadNorm& norm, double* out,
+                             double* mean, double* rstd);
+// The parallel form with the head norm: out = headnorm(h), h from mlstm_parallel_fwd; optional mean,
+// rstd (B,NH,S) and the pre-norm h (B,NH,S,DV). The backward is exact (normaliser path kept).
+void mlstm_parallel_headnorm_fwd(const MlstmShape& sh, const MlstmInputs& in, double eps, const MlstmHeadNorm& norm,
+                                 double* out, double* mean, double* rstd, double* h = nullptr);
+void mlstm_parallel_headnorm_bwd(const MlstmShape& sh, const MlstmInputs& in, double eps, const MlstmHeadNorm& norm,
+                                 const double* dout, const MlstmGrads& g, const MlstmHeadNormGrads& gn);
+
 }  // namespace fastweight::detail

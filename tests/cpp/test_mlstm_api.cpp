@@ -282,6 +282,102 @@ TEST(MlstmApi, ParallelForwardAndBackwardMatchReference) {
     }
 }
 
+// The parallel form with the head norm: out, mean, rstd and every gradient (weight and bias included)
+// against the reference composition, in float64 and float32, contiguous and strided.
+TEST(MlstmApi, ParallelHeadNormMatchesReference) {
+  for (DType dt : {DType::f64, DType::f32})
+    for (std::int64_t pad : {0, 3}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + (pad ? " strided" : " contiguous"));
+      Seq s(dt, {2, 3, 17, 8, 6}, pad, dt);
+      const DType st = dt == DType::f64 ? DType::f64 : DType::f32;
+      HostTensor out = make_host(dt, s.h.shape, pad), w = make_host(dt, {3, 6}, pad), b = make_host(DType::f32, {3, 6}),
+                 mean = make_host(st, {2, 3, 17}), rstd = make_host(st, {2, 3, 17});
+      std::mt19937_64 rng(13);
+      fill_random(w, rng, -0.5, 0.5);
+      fill_random(b, rng);
+      for (HostTensor* t : {&out, &mean, &rstd}) fill_bytes(*t, 0xff);
+      MlstmParallelFwdArgs a;
+      a.q = s.q.ref(), a.k = s.k.ref(), a.v = s.v.ref(), a.i = s.i.ref(), a.f = s.f.ref(), a.h = s.h.ref();
+      a.out = out.ref(), a.norm_weight = w.ref(), a.norm_bias = b.ref(), a.norm_mean = mean.ref(), a.norm_rstd = rstd.ref();
+      a.norm_eps = 1e-5, a.weight_offset = 1.0;
+      mlstm_parallel_fwd(a);
+      HostTensor q = to_f64(s.q), k = to_f64(s.k), v = to_f64(s.v), i = to_f64(s.i), f = to_f64(s.f);
+      HostTensor w64 = to_f64(w), b64 = to_f64(b), rout = make_host(DType::f64, out.shape),
+                 rmean = make_host(DType::f64, mean.shape), rrstd = make_host(DType::f64, rstd.shape);
+      auto p = [](HostTensor& t) { return static_cast<double*>(t.base()); };
+      const fastweight::detail::MlstmHeadNorm norm{p(w64), p(b64), 1e-5, 1.0};
+      const fastweight::detail::MlstmInputs in{p(q), p(k), p(v), p(i), p(f)};
+      fastweight::detail::mlstm_parallel_headnorm_fwd(s.sh, in, 1e-6, norm, p(rout), p(rmean), p(rrstd));
+      const double tol = dt == DType::f64 ? 1e-12 : 1e-5;
+      EXPECT_LT(rel_err(out, rout), tol);
+      EXPECT_LT(rel_err(mean, rmean), tol);
+      EXPECT_LT(rel_err(rstd, rrstd), tol);
+      HostTensor dout = make_host(dt, s.h.shape, pad), dq = make_host(dt, s.q.shape), dk = make_host(dt, s.k.shape),
+                 dv = make_host(dt, s.v.shape, pad), di = make_host(dt, s.i.shape), df = make_host(dt, s.f.shape),
+                 dw = make_host(dt, {3, 6}), db = make_host(DType::f32, {3, 6}, pad);
+      fill_random(dout, rng);
+      for (HostTensor* t : {&dq, &dk, &dv, &di, &df, &dw, &db}) fill_bytes(*t, 0xff);
+      MlstmParallelBwdArgs g;
+      g.q = a.q, g.k = a.k, g.v = a.v, g.i = a.i, g.f = a.f, g.dout = dout.ref();
+      g.norm_weight = w.ref(), g.norm_bias = b.ref(), g.norm_eps = 1e-5, g.weight_offset = 1.0;
+      g.dq = dq.ref(), g.dk = dk.ref(), g.dv = dv.ref(), g.di = di.ref(), g.df = df.ref();
+      g.dnorm_weight = dw.ref(), g.dnorm_bias = db.ref();
+      mlstm_parallel_bwd(g);
+      HostTensor dout64 = to_f64(dout), rq = make_host(DType::f64, q.shape), rk = make_host(DType::f64, k.shape),
+                 rv = make_host(DType::f64, v.shape), ri = make_host(DType::f64, i.shape),
+                 rf = make_host(DType::f64, f.shape), rw = make_host(DType::f64, {3, 6}), rb = make_host(DType::f64, {3, 6});
+      fastweight::detail::mlstm_parallel_headnorm_bwd(s.sh, in, 1e-6, norm, p(dout64),
+                                                      {p(rq), p(rk), p(rv), p(ri), p(rf)}, {p(rw), p(rb)});
+      const double gtol = dt == DType::f64 ? 1e-12 : 1e-5;
+      EXPECT_LT(rel_err(dq, rq), gtol);
+      EXPECT_LT(rel_err(dk, rk), gtol);
+      EXPECT_LT(rel_err(dv, rv), gtol);
+      EXPECT_LT(rel_err(di, ri), gtol);
+      EXPECT_LT(rel_err(df, rf), gtol);
+      EXPECT_LT(rel_err(dw, rw), gtol);
+      EXPECT_LT(rel_err(db, rb), 1e-6);  // float32 bias
+    }
+}
+
+TEST(MlstmApi, ParallelHeadNormRejectsInconsistentArguments) {
+  Seq s(DType::f32, {1, 2, 8, 4, 4}, 0, DType::f32);
+  HostTensor out = make_host(DType::f32, {1, 2, 8, 4}), w = make_host(DType::f32, {2, 4}),
+             w_bad = make_host(DType::f32, {2, 3}), dw16 = make_host(DType::f16, {2, 4}), dh = make_host(DType::f32, {1, 2, 8, 4});
+  fill_bytes(out, 0xab);
+  MlstmParallelFwdArgs a;
+  a.q = s.q.ref(), a.k = s.k.ref(), a.v = s.v.ref(), a.i = s.i.ref(), a.f = s.f.ref(), a.h = s.h.ref();
+  const char* op = "mlstm_parallel_fwd";
+  {
+    auto x = a;
+    x.norm_weight = w.ref();  // without out
+    expect_rejected(s, [&] { mlstm_parallel_fwd(x); }, {op, "norm_weight", "out is not"});
+  }
+  {
+    auto x = a;
+    x.out = out.ref(), x.norm_weight = w_bad.ref();
+    expect_rejected(s, [&] { mlstm_parallel_fwd(x); }, {op, "norm_weight", "(2, 4)"});
+  }
+  {
+    auto x = a;
+    x.out = out.ref(), x.weight_offset = INFINITY;
+    expect_rejected(s, [&] { mlstm_parallel_fwd(x); }, {op, "weight_offset"});
+  }
+  for (unsigned char c : out.bytes) ASSERT_EQ(c, 0xab) << "out was written before the error";
+  MlstmParallelBwdArgs g;
+  g.q = a.q, g.k = a.k, g.v = a.v, g.i = a.i, g.f = a.f;
+  const char* bop = "mlstm_parallel_bwd";
+  expect_argument_error([&] { mlstm_parallel_bwd(g); }, {bop, "dh", "required"});
+  g.dh = dh.ref(), g.dout = dh.ref();
+  expect_argument_error([&] { mlstm_parallel_bwd(g); }, {bop, "dh", "both given"});
+  g.dh = TensorRef{};
+  g.dnorm_weight = w.ref();
+  expect_argument_error([&] { mlstm_parallel_bwd(g); }, {bop, "dnorm_weight", "needs norm_weight"});
+  g.norm_weight = w.ref(), g.dnorm_weight = dw16.ref();
+  expect_argument_error([&] { mlstm_parallel_bwd(g); }, {bop, "dnorm_weight"});
+  g.dout = TensorRef{}, g.dh = dh.ref(), g.dnorm_weight = TensorRef{};
+  expect_argument_error([&] { mlstm_parallel_bwd(g); }, {bop, "norm_weight", "with dh"});
+}
+
 TEST(MlstmApi, ParallelRejectsBadInputAndCudaTensorsBeforeWriting) {
   Seq s(DType::f32, {1, 2, 8, 4, 4}, 0, DType::f32);
   HostTensor n = make_host(DType::f32, {1, 2, 8}), m_bad = make_host(DType::f32, {1, 2, 7}),

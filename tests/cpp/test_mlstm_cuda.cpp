@@ -9,7 +9,8 @@
 // (out of place and in place), the decay matrix forward and backward, and the chunkwise backward
 // (every gradient, initial states' included, against the exact float64 one); the parallel form
 // (mlstm_parallel.cu) through its public entry points: h, n, m, b and every gradient (bf16 with
-// DQK <= 256: the tensor-core forward, cp.async and element loads).
+// DQK <= 256: the tensor-core forward, cp.async and element loads), and with the head norm (out,
+// mean, rstd, every gradient, dweight and dbias).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -458,6 +459,89 @@ std::vector<ParCase> par_cases() {
   };
 }
 INSTANTIATE_TEST_SUITE_P(Cases, MlstmCudaParallel, ::testing::ValuesIn(par_cases()),
+                         [](const auto& info) { return name_of(info.param); });
+
+// The head norm: out, mean, rstd and every gradient (dweight, dbias included); bias only in some cases.
+class MlstmCudaParallelHeadNorm : public ::testing::TestWithParam<ParCase> {};
+
+TEST_P(MlstmCudaParallelHeadNorm, OutAndEveryGradientMatchReference) {
+  FW_REQUIRE_GPU();
+  const ParCase c = GetParam();
+  const std::int64_t pad = c.strided ? 3 : 0, B = c.B, NH = c.NH, S = c.S;
+  const MlstmShape sh{B, NH, S, c.DQK, c.DV};
+  const bool with_bias = !c.strong;
+  HostTensor q = make_host(c.dt, {B, NH, S, c.DQK}, pad), k = make_host(c.dt, {B, NH, S, c.DQK}),
+             v = make_host(c.dt, {B, NH, S, c.DV}, pad), i = make_host(DType::f32, {B, NH, S}),
+             f = make_host(DType::f32, {B, NH, S}), h = make_host(c.dt, {B, NH, S, c.DV}),
+             m = make_host(DType::f32, {B, NH, S}), bs = make_host(DType::f32, {B, NH, S}),
+             out = make_host(c.dt, {B, NH, S, c.DV}, pad), w = make_host(DType::f32, {NH, c.DV}),
+             nb = make_host(c.dt, {NH, c.DV}, pad), mean = make_host(DType::f32, {B, NH, S}),
+             rstd = make_host(DType::f32, {B, NH, S}), dout = make_host(c.dt, {B, NH, S, c.DV}, pad),
+             dq = make_host(c.dt, {B, NH, S, c.DQK}), dk = make_host(c.dt, {B, NH, S, c.DQK}, pad),
+             dv = make_host(c.dt, {B, NH, S, c.DV}), di = make_host(DType::f32, {B, NH, S}),
+             df = make_host(DType::f32, {B, NH, S}), dw = make_host(DType::f32, {NH, c.DV}),
+             dnb = make_host(c.dt, {NH, c.DV});
+  std::mt19937_64 rng(31 + S);
+  for (HostTensor* t : {&q, &k, &v, &dout, &nb}) fill_random(*t, rng, -1.0, 1.0);
+  fill_random(w, rng, -0.5, 0.5);
+  fill_random(i, rng, c.strong ? 19.5 : -3.0, c.strong ? 20.5 : 3.0);
+  fill_random(f, rng, c.strong ? -20.5 : -2.0, c.strong ? -19.5 : 5.0);
+  for (HostTensor* t : {&h, &m, &bs, &out, &mean, &rstd, &dq, &dk, &dv, &di, &df, &dw, &dnb}) fill_bytes(*t, 0xff);
+  DeviceMirror gq(q), gk(k), gv(v), gi(i), gf(f), gh(h), gm(m), gb(bs), gout(out), gw(w), gnb(nb), gmean(mean),
+      grstd(rstd), gdout(dout), gdq(dq), gdk(dk), gdv(dv), gdi(di), gdf(df), gdw(dw), gdnb(dnb);
+  MlstmParallelFwdArgs a;
+  a.q = gq.ref(q), a.k = gk.ref(k), a.v = gv.ref(v), a.i = gi.ref(i), a.f = gf.ref(f);
+  a.h = gh.ref(h), a.m = gm.ref(m), a.b = gb.ref(bs), a.out = gout.ref(out), a.norm_weight = gw.ref(w);
+  if (with_bias) a.norm_bias = gnb.ref(nb);
+  a.norm_mean = gmean.ref(mean), a.norm_rstd = grstd.ref(rstd), a.norm_eps = 1e-5, a.weight_offset = 1.0;
+  const std::size_t fwb = mlstm_parallel_fwd_workspace_size(a);
+  void* ws = nullptr;
+  FW_TEST_CUDA(cudaMalloc(&ws, std::max<std::size_t>(fwb, 1)));
+  expect_deterministic([&] { mlstm_parallel_fwd(a, ws, fwb); }, {{&gout, &out}, {&gmean, &mean}, {&grstd, &rstd}});
+  cudaFree(ws);
+  MlstmParallelBwdArgs g;
+  g.q = a.q, g.k = a.k, g.v = a.v, g.i = a.i, g.f = a.f, g.h = a.h, g.m = a.m, g.b = a.b, g.dout = gdout.ref(dout);
+  g.norm_weight = a.norm_weight, g.norm_bias = a.norm_bias, g.norm_eps = 1e-5, g.weight_offset = 1.0;
+  g.dq = gdq.ref(dq), g.dk = gdk.ref(dk), g.dv = gdv.ref(dv), g.di = gdi.ref(di), g.df = gdf.ref(df);
+  g.dnorm_weight = gdw.ref(dw);
+  if (with_bias) g.dnorm_bias = gdnb.ref(dnb);
+  const std::size_t bwb = mlstm_parallel_bwd_workspace_size(g);
+  FW_TEST_CUDA(cudaMalloc(&ws, std::max<std::size_t>(bwb, 1)));
+  expect_deterministic([&] { mlstm_parallel_bwd(g, ws, bwb); },
+                       {{&gdq, &dq}, {&gdk, &dk}, {&gdv, &dv}, {&gdi, &di}, {&gdf, &df}, {&gdw, &dw}, {&gdnb, &dnb}});
+  cudaFree(ws);
+
+  HostTensor rq = to_f64(q), rk = to_f64(k), rv = to_f64(v), ri = to_f64(i), rf = to_f64(f), rw = to_f64(w),
+             rnb = to_f64(nb), rdout = to_f64(dout);
+  HostTensor rout = make_host(DType::f64, out.shape), rmean = make_host(DType::f64, mean.shape),
+             rrstd = make_host(DType::f64, rstd.shape), gq64 = make_host(DType::f64, q.shape),
+             gk64 = make_host(DType::f64, k.shape), gv64 = make_host(DType::f64, v.shape),
+             gi64 = make_host(DType::f64, i.shape), gf64 = make_host(DType::f64, f.shape),
+             gw64 = make_host(DType::f64, w.shape), gb64 = make_host(DType::f64, nb.shape);
+  const fastweight::detail::MlstmInputs in{p64(rq), p64(rk), p64(rv), p64(ri), p64(rf)};
+  const fastweight::detail::MlstmHeadNorm norm{p64(rw), with_bias ? p64(rnb) : nullptr, 1e-5, 1.0};
+  fastweight::detail::mlstm_parallel_headnorm_fwd(sh, in, 1e-6, norm, p64(rout), p64(rmean), p64(rrstd));
+  fastweight::detail::mlstm_parallel_headnorm_bwd(sh, in, 1e-6, norm, p64(rdout),
+                                                  {p64(gq64), p64(gk64), p64(gv64), p64(gi64), p64(gf64)},
+                                                  {p64(gw64), with_bias ? p64(gb64) : nullptr});
+  const double tol = c.dt == DType::f32 ? 1e-4 : 2e-2;
+  EXPECT_LT(rel_err(out, rout), tol) << "out";
+  EXPECT_LT(rel_err(mean, rmean), tol) << "mean";
+  EXPECT_LT(rel_err(rstd, rrstd), tol) << "rstd";
+  EXPECT_LT(rel_err(dq, gq64), tol) << "dq";
+  EXPECT_LT(rel_err(dk, gk64), tol) << "dk";
+  EXPECT_LT(rel_err(dv, gv64), tol) << "dv";
+  EXPECT_LT(rel_err(di, gi64), tol) << "di";
+  EXPECT_LT(rel_err(df, gf64), tol) << "df";
+  EXPECT_LT(rel_err(dw, gw64), tol) << "dnorm_weight";
+  if (with_bias) EXPECT_LT(rel_err(dnb, gb64), tol) << "dnorm_bias";
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, MlstmCudaParallelHeadNorm,
+                         ::testing::Values(ParCase{DType::f32, 2, 2, 100, 32, 40, true, false},
+                                           ParCase{DType::bf16, 1, 2, 200, 64, 128, false, false},
+                                           ParCase{DType::f16, 2, 1, 63, 48, 80, true, true},
+                                           ParCase{DType::f32, 1, 1, 1, 8, 5, false, false}),
                          [](const auto& info) { return name_of(info.param); });
 
 }  // namespace

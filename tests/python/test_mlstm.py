@@ -293,6 +293,73 @@ def test_parallel_opcheck_and_bad_input():
         fastweight.mlstm_parallel(q, k, v, i, f, eps=float("nan"))
 
 
+def ref_headnorm(h, weight, bias, eps=1e-6, offset=0.0):
+    """Each (b, head, t) row of h (B, NH, S, DV) normalised over DV, in float64."""
+    mu = h.mean(-1, keepdim=True)
+    xhat = (h - mu) / torch.sqrt(h.var(-1, unbiased=False, keepdim=True) + eps)
+    if weight is not None:
+        xhat = xhat * (offset + weight.double()[None, :, None, :])
+    return xhat + bias.double()[None, :, None, :] if bias is not None else xhat
+
+
+def test_parallel_headnorm_matches_composition_with_gradients():
+    q, k, v, i, f = (t.requires_grad_() for t in make(B=2, NH=3, S=13, DQK=4, DV=6))
+    g = torch.Generator().manual_seed(3)
+    w = (0.5 * torch.randn(3, 6, generator=g, dtype=torch.float64)).requires_grad_()
+    b = torch.randn(3, 6, generator=g, dtype=torch.float64).requires_grad_()
+    args = (q, k, v, i, f)
+    out = fastweight.mlstm_parallel_headnorm(*args, w, b, norm_eps=1e-5, weight_offset=1.0)
+    want = ref_headnorm(ref_parallel(*args)[0], w, b, 1e-5, 1.0)
+    assert out.shape == v.shape and rel_err(out, want) < 1e-10
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (*args, w, b), dout)
+    exp = torch.autograd.grad(want, (*args, w, b), dout)
+    for name, x, y in zip(["q", "k", "v", "i", "f", "weight", "bias"], got, exp):
+        assert rel_err(x, y) < 1e-9, name
+    small = [t.detach()[:1, :2, :7].clone().requires_grad_() for t in args[:2]] + \
+        [args[2].detach()[:1, :2, :7, :3].clone().requires_grad_()] + \
+        [t.detach()[:1, :2, :7].clone().requires_grad_() for t in args[3:]]
+    assert torch.autograd.gradcheck(
+        lambda *a: fastweight.mlstm_parallel_headnorm(*a[:5], a[5], a[6], weight_offset=1.0),
+        (*small, w.detach()[:2, :3].clone().requires_grad_(), b.detach()[:2, :3].clone().requires_grad_()))
+    # without weight and bias: the plain normalisation
+    plain = fastweight.mlstm_parallel_headnorm(*args)
+    assert rel_err(plain, ref_headnorm(ref_parallel(*args)[0], None, None)) < 1e-10
+
+
+def test_parallel_headnorm_opcheck_and_bad_input():
+    q, k, v, i, f = (t.requires_grad_() for t in make(B=1, NH=2, S=9, DQK=4, DV=3))
+    w = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(torch.ops.fastweight.mlstm_parallel_headnorm_fwd.default,
+                          (q, k, v, i, f, w, None, 1e-6, 1e-6, 1.0))
+    with pytest.raises(ValueError, match=r"mlstm_parallel_fwd: norm_weight: expected shape \(2, 3\)"):
+        fastweight.mlstm_parallel_headnorm(q, k, v, i, f, w[:, :2])
+    with pytest.raises(ValueError, match="mlstm_parallel_fwd: norm_eps: expected a finite value"):
+        fastweight.mlstm_parallel_headnorm(q, k, v, i, f, norm_eps=-1.0)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parallel_headnorm_cuda_matches_reference_with_gradients(dtype):
+    cpu = [t.requires_grad_() for t in make(B=2, NH=2, S=70, DQK=32, DV=40, seed=5)]
+    g = torch.Generator().manual_seed(4)
+    w = (0.3 * torch.randn(2, 40, generator=g, dtype=torch.float64)).requires_grad_()
+    b = torch.randn(2, 40, generator=g, dtype=torch.float64).requires_grad_()
+    dev = [t.detach().to("cuda", dtype).requires_grad_() for t in cpu]
+    wd, bd = w.detach().cuda().float().requires_grad_(), b.detach().cuda().float().requires_grad_()
+    out = fastweight.mlstm_parallel_headnorm(*dev, wd, bd, weight_offset=1.0)
+    rounded = [t.detach().to(dtype).double().requires_grad_() for t in cpu]
+    want = ref_headnorm(ref_parallel(*rounded)[0], w.float().double(), b.float().double(), 1e-6, 1.0)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype and rel_err(out, want) < tol
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (*dev, wd, bd), dout.to("cuda", dtype))
+    exp = torch.autograd.grad(want, (*rounded, w, b), dout.to(dtype).double())
+    for name, x, y in zip(["q", "k", "v", "i", "f", "weight", "bias"], got, exp):
+        assert rel_err(x, y) < tol, name
+
+
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -36,8 +36,9 @@ void mlstm_bwd_cuda(const MlstmBwdParams& b, void* workspace, std::size_t worksp
 void mlstm_step_cuda(const MlstmParams& p, Stream stream);
 
 // Parallel form (mlstm_parallel.cu): forward h (and n, m, b where P has them); backward the
-// gradients P asks for, from the saved h, m, b. Workspace: mlstm_parallel_workspace_bytes(P.f, bwd).
-std::size_t mlstm_parallel_workspace_bytes(const MlstmParams& p, bool bwd);
+// gradients P asks for, from the saved h, m, b; the head norm when P.out (forward) / P.dout (backward)
+// is set. Workspace: mlstm_parallel_workspace_bytes(P, bwd).
+std::size_t mlstm_parallel_workspace_bytes(const MlstmParallelParams& P, bool bwd);
 void mlstm_parallel_fwd_cuda(const MlstmParallelParams& P, void* workspace, std::size_t workspace_bytes,
                              Stream stream);
 void mlstm_parallel_bwd_cuda(const MlstmParallelParams& P, void* workspace, std::size_t workspace_bytes,

@@ -27,6 +27,11 @@
 //   post   per head: di_s = csum_s + sum of dm_t over the rows t with s*_t = s (a run of rows: s* only
 //          moves forward), d lf_j = sum_{t >= j} (dmd_t - di_t) for j >= 1 (d lf_0 = 0: lf_0 cancels in
 //          every D), df = d lf sigmoid(-f).  (sum_s dD_ts = dmd_t, whence the suffix-sum form.)
+// Head norm (seed 000), optional: out = headnorm(h) per (b, head, t) row of DV. Forward: a per-row
+// pass (one warp per row) right after the tile kernel, which splits DV over CTAs. Backward: the rows
+// pass takes dout, recomputes the row's statistics from the saved h and forms dh = rstd (g - mean(g)
+// - xhat mean(g xhat)), g = dout (weight_offset + weight), into the workspace (fp32), which dkdv and
+// dq then read as their dh; dweight / dbias are column sums over (b, t) (fixed order).
 // Deterministic: fixed loop and reduction orders, no atomics. No allocation, no host sync: graph safe.
 #include <climits>
 
@@ -49,9 +54,11 @@ __host__ __device__ constexpr std::int64_t imin(std::int64_t x, std::int64_t y) 
 //   fwd and bwd: g, a, A (f64 n each), s* (i32 n)
 //   bwd also:    inv, db, dm, dmd, csum (f32 n each); the post kernel reuses g for the prefix sums of
 //                dm and a for di (both free by then)
+//   bwd with the head norm also: dh (f32 n * DV), mean, rstd (f32 n each)
 struct ParWs {
-  std::int64_t g = 0, a = 0, A = 0, arg = 0, inv = 0, db = 0, dm = 0, dmd = 0, csum = 0, total = 0;
-  ParWs(const MlstmParams& p, bool bwd) {
+  std::int64_t g = 0, a = 0, A = 0, arg = 0, inv = 0, db = 0, dm = 0, dmd = 0, csum = 0;
+  std::int64_t dh = 0, mean = 0, rstd = 0, total = 0;
+  ParWs(const MlstmParams& p, bool bwd, bool norm) {
     const std::int64_t n = p.B * p.NH * p.S;
     std::int64_t o = 0;
     auto take = [&](std::int64_t bytes) {
@@ -61,6 +68,7 @@ struct ParWs {
     };
     g = take(8 * n), a = take(8 * n), A = take(8 * n), arg = take(4 * n);
     if (bwd) inv = take(4 * n), db = take(4 * n), dm = take(4 * n), dmd = take(4 * n), csum = take(4 * n);
+    if (bwd && norm) dh = take(4 * n * p.DV), mean = take(4 * n), rstd = take(4 * n);
     total = o;
   }
 };
@@ -420,20 +428,119 @@ bool par_fwd_tc_applies(const MlstmParams& p) {
 }
 
 // ---- backward -----------------------------------------------------------------------------------------
-// Grid (heads, ceil(S / 8)); one warp per row.
-__global__ void __launch_bounds__(kThreads) mlstm_par_rows_kernel(const MlstmParallelParams P, float* __restrict__ winv,
-                                                                  float* __restrict__ wdb, float* __restrict__ wdm,
-                                                                  float* __restrict__ wdmd) {
+// ---- head norm -----------------------------------------------------------------------------------------
+// Row statistics of x (DV values at xo of view X) over the warp: two passes (mean, then the population
+// variance about it), fixed xor trees, every lane gets the same bits.
+__device__ __forceinline__ void warp_row_stats(const StridedView& X, std::int64_t xo, std::int64_t DV, float eps,
+                                               float& mean, float& rstd) {
+  const int lane = threadIdx.x & 31;
+  float s = 0.f;
+  for (std::int64_t c = lane; c < DV; c += 32) s += mlstm_ld(X, xo + c);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  mean = s / float(DV);
+  float v = 0.f;
+  for (std::int64_t c = lane; c < DV; c += 32) {
+    const float d = mlstm_ld(X, xo + c) - mean;
+    v = fmaf(d, d, v);
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  rstd = 1.f / sqrtf(v / float(DV) + eps);
+}
+
+__device__ __forceinline__ float norm_scale(const MlstmParallelParams& P, std::int64_t hd, std::int64_t c) {
+  return P.nw.p ? P.weight_offset + mlstm_ld(P.nw, hd * P.nw.s0 + c) : 1.f;
+}
+
+// Grid (heads, ceil(S / 8)); one warp per row: out = (h - mean) rstd scale + bias.
+__global__ void __launch_bounds__(kThreads) mlstm_par_norm_fwd_kernel(const MlstmParallelParams P) {
   const MlstmParams& p = P.f;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
   const std::int64_t t = std::int64_t(blockIdx.y) * (kThreads / 32) + warp;
   if (t >= p.S) return;  // warp-uniform
-  const std::int64_t oh = b * p.h.s0 + hd * p.h.s1 + t * p.h.s2, od = b * P.dh.s0 + hd * P.dh.s1 + t * P.dh.s2;
+  const std::int64_t oh = b * p.h.s0 + hd * p.h.s1 + t * p.h.s2, oo = b * P.out.s0 + hd * P.out.s1 + t * P.out.s2;
+  float mean, rstd;
+  warp_row_stats(p.h, oh, p.DV, P.norm_eps, mean, rstd);
+  for (std::int64_t c = lane; c < p.DV; c += 32) {
+    float y = (mlstm_ld(p.h, oh + c) - mean) * rstd * norm_scale(P, hd, c);
+    if (P.nb.p) y += mlstm_ld(P.nb, hd * P.nb.s0 + c);
+    mlstm_st(P.out, oo + c, y);
+  }
+  if (lane == 0) {
+    if (P.nmean.p) mlstm_st(P.nmean, b * P.nmean.s0 + hd * P.nmean.s1 + t, mean);
+    if (P.nrstd.p) mlstm_st(P.nrstd, b * P.nrstd.s0 + hd * P.nrstd.s1 + t, rstd);
+  }
+}
+
+// Grid (NH, ceil(DV / 32)); lane = column, warp w sums the rows w, w + 8, ... of the head's B * S rows
+// in order, then warp 0 adds the 8 partials in order: dweight = sum dout xhat, dbias = sum dout.
+__global__ void __launch_bounds__(kThreads) mlstm_par_norm_dw_kernel(const MlstmParallelParams P,
+                                                                     const float* __restrict__ wmean,
+                                                                     const float* __restrict__ wrstd) {
+  __shared__ float sw[kThreads / 32][32], sb[kThreads / 32][32];
+  const MlstmParams& p = P.f;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const std::int64_t hd = blockIdx.x, c = std::int64_t(blockIdx.y) * 32 + lane, rows = p.B * p.S;
+  float dw = 0.f, db = 0.f;
+  if (c < p.DV)
+    for (std::int64_t r = warp; r < rows; r += kThreads / 32) {
+      const std::int64_t b = r / p.S, t = r % p.S, row = (b * p.NH + hd) * p.S + t;
+      const float dy = mlstm_ld(P.dout, b * P.dout.s0 + hd * P.dout.s1 + t * P.dout.s2 + c);
+      const float xhat = (mlstm_ld(p.h, b * p.h.s0 + hd * p.h.s1 + t * p.h.s2 + c) - wmean[row]) * wrstd[row];
+      dw = fmaf(dy, xhat, dw);
+      db += dy;
+    }
+  sw[warp][lane] = dw, sb[warp][lane] = db;
+  __syncthreads();
+  if (warp != 0 || c >= p.DV) return;
+  for (int w = 1; w < kThreads / 32; ++w) dw += sw[w][lane], db += sb[w][lane];
+  if (P.dnw.p) mlstm_st(P.dnw, hd * P.dnw.s0 + c, dw);
+  if (P.dnb.p) mlstm_st(P.dnb, hd * P.dnb.s0 + c, db);
+}
+
+// ---- backward rows ---------------------------------------------------------------------------------------
+// Grid (heads, ceil(S / 8)); one warp per row. NORM: dh from dout through the head norm, into wdh
+// (row-major fp32 (B * NH * S, DV)), with the row's mean / rstd into wmean / wrstd.
+template <bool NORM>
+__global__ void __launch_bounds__(kThreads) mlstm_par_rows_kernel(const MlstmParallelParams P, float* __restrict__ winv,
+                                                                  float* __restrict__ wdb, float* __restrict__ wdm,
+                                                                  float* __restrict__ wdmd, float* __restrict__ wdh,
+                                                                  float* __restrict__ wmean, float* __restrict__ wrstd) {
+  const MlstmParams& p = P.f;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
+  const std::int64_t t = std::int64_t(blockIdx.y) * (kThreads / 32) + warp;
+  if (t >= p.S) return;  // warp-uniform
+  const std::int64_t oh = b * p.h.s0 + hd * p.h.s1 + t * p.h.s2, o = bh * p.S + t;
   float d = 0.f;
-  for (std::int64_t c = lane; c < p.DV; c += 32) d = fmaf(mlstm_ld(P.dh, od + c), mlstm_ld(p.h, oh + c), d);
+  if constexpr (NORM) {
+    float mean, rstd;
+    warp_row_stats(p.h, oh, p.DV, P.norm_eps, mean, rstd);
+    const std::int64_t od = b * P.dout.s0 + hd * P.dout.s1 + t * P.dout.s2;
+    float sg = 0.f, sgx = 0.f;
+    for (std::int64_t c = lane; c < p.DV; c += 32) {
+      const float xhat = (mlstm_ld(p.h, oh + c) - mean) * rstd, g = mlstm_ld(P.dout, od + c) * norm_scale(P, hd, c);
+      sg += g;
+      sgx = fmaf(g, xhat, sgx);
+    }
 #pragma unroll
-  for (int o = 16; o; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);  // fixed tree: same bits on every lane
+    for (int k = 16; k; k >>= 1) sg += __shfl_xor_sync(0xffffffffu, sg, k), sgx += __shfl_xor_sync(0xffffffffu, sgx, k);
+    const float mg = sg / float(p.DV), mgx = sgx / float(p.DV);
+    for (std::int64_t c = lane; c < p.DV; c += 32) {
+      const float x = mlstm_ld(p.h, oh + c), xhat = (x - mean) * rstd;
+      const float dh = rstd * (mlstm_ld(P.dout, od + c) * norm_scale(P, hd, c) - mg - xhat * mgx);
+      wdh[o * p.DV + c] = dh;
+      d = fmaf(dh, x, d);
+    }
+    if (lane == 0) wmean[o] = mean, wrstd[o] = rstd;
+  } else {
+    const std::int64_t od = b * P.dh.s0 + hd * P.dh.s1 + t * P.dh.s2;
+    for (std::int64_t c = lane; c < p.DV; c += 32) d = fmaf(mlstm_ld(P.dh, od + c), mlstm_ld(p.h, oh + c), d);
+  }
+#pragma unroll
+  for (int k = 16; k; k >>= 1) d += __shfl_xor_sync(0xffffffffu, d, k);  // fixed tree: same bits on every lane
   if (lane != 0) return;
   const float m = mlstm_ld(P.m, b * P.m.s0 + hd * P.m.s1 + t), bb = mlstm_ld(P.b, b * P.b.s0 + hd * P.b.s1 + t);
   const float em = expf(-m), ab = fabsf(bb), inv = 1.f / (fmaxf(ab, em) + p.eps);  // the forward's n, from b, m
@@ -441,7 +548,6 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_rows_kernel(const MlstmPar
   const float wb = ab > em ? 1.f : (ab < em ? 0.f : 0.5f);  // torch.maximum splits a tie in halves
   const float sg = bb > 0.f ? 1.f : (bb < 0.f ? -1.f : 0.f);
   const float db = dn * wb * sg, dmd = -dn * (1.f - wb) * em;
-  const std::int64_t o = bh * p.S + t;
   winv[o] = inv, wdb[o] = db, wdmd[o] = dmd, wdm[o] = dmd - d - db * bb;
 }
 
@@ -627,6 +733,17 @@ __global__ void __launch_bounds__(kPiece) mlstm_par_post_kernel(const MlstmParal
   }
 }
 
+// dweight / dbias when there are no rows (B * S = 0): zeros (the sums are empty).
+void zero_norm_grads(const MlstmParallelParams& P, Stream stream) {
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  for (const StridedView* g : {&P.dnw, &P.dnb}) {
+    if (!g->p || !P.dout.p || P.f.NH == 0) continue;
+    const std::size_t width = std::size_t(P.f.DV) * dtype_size(g->dtype);
+    const std::size_t pitch = P.f.NH > 1 ? std::size_t(g->s0) * dtype_size(g->dtype) : width;
+    FW_CUDA_CHECK("mlstm_parallel_bwd", cudaMemset2DAsync(g->p, pitch, 0, width, std::size_t(P.f.NH), s));
+  }
+}
+
 void check_grid(const char* op, const MlstmParams& p) {
   const std::int64_t heads = p.B * p.NH, blocks = (p.S + kT - 1) / kT;
   const std::int64_t tiles = (p.DQK + kT - 1) / kT + (p.DV + kT - 1) / kT;
@@ -636,15 +753,15 @@ void check_grid(const char* op, const MlstmParams& p) {
 
 }  // namespace
 
-std::size_t mlstm_parallel_workspace_bytes(const MlstmParams& p, bool bwd) {
-  return std::size_t(ParWs(p, bwd).total);
+std::size_t mlstm_parallel_workspace_bytes(const MlstmParallelParams& P, bool bwd) {
+  return std::size_t(ParWs(P.f, bwd, P.dout.p != nullptr).total);
 }
 
 void mlstm_parallel_fwd_cuda(const MlstmParallelParams& P, void* workspace, std::size_t workspace_bytes,
                              Stream stream) {
   const char* op = "mlstm_parallel_fwd";
   const MlstmParams& p = P.f;
-  const ParWs w(p, false);
+  const ParWs w(p, false, false);
   if (p.B * p.NH == 0 || p.S == 0 || p.DV == 0) return;  // nothing to write (DQK = 0 is refused earlier)
   if (workspace_bytes < std::size_t(w.total))
     throw ArgumentError(cat(op, ": workspace: ", workspace_bytes, " bytes, need ", w.total));
@@ -671,14 +788,22 @@ void mlstm_parallel_fwd_cuda(const MlstmParallelParams& P, void* workspace, std:
     mlstm_par_fwd_kernel<<<dim3(heads, blocks, vt), kThreads, smem, s>>>(P, wg, wa, wA);
   }
   FW_CUDA_CHECK_LAUNCH(op);
+  if (P.out.p) {
+    mlstm_par_norm_fwd_kernel<<<dim3(heads, unsigned((p.S + 7) / 8)), kThreads, 0, s>>>(P);
+    FW_CUDA_CHECK_LAUNCH(op);
+  }
 }
 
 void mlstm_parallel_bwd_cuda(const MlstmParallelParams& P, void* workspace, std::size_t workspace_bytes,
                              Stream stream) {
   const char* op = "mlstm_parallel_bwd";
   const MlstmParams& p = P.f;
-  const ParWs w(p, true);
-  if (p.B * p.NH == 0 || p.S == 0) return;
+  const bool norm = P.dout.p != nullptr;
+  const ParWs w(p, true, norm);
+  if (p.B * p.NH == 0 || p.S == 0) {
+    zero_norm_grads(P, stream);  // sums over no rows
+    return;
+  }
   if (workspace_bytes < std::size_t(w.total))
     throw ArgumentError(cat(op, ": workspace: ", workspace_bytes, " bytes, need ", w.total));
   check_grid(op, p);
@@ -695,17 +820,31 @@ void mlstm_parallel_bwd_cuda(const MlstmParallelParams& P, void* workspace, std:
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   mlstm_par_gates_kernel<<<heads, kPiece, 0, s>>>(p, wg, wa, wA, warg);
   FW_CUDA_CHECK_LAUNCH(op);
-  mlstm_par_rows_kernel<<<dim3(heads, unsigned((p.S + 7) / 8)), kThreads, 0, s>>>(P, winv, wdb, wdm, wdmd);
-  FW_CUDA_CHECK_LAUNCH(op);
+  float *wdh = reinterpret_cast<float*>(ws + w.dh), *wmean = reinterpret_cast<float*>(ws + w.mean),
+        *wrstd = reinterpret_cast<float*>(ws + w.rstd);
+  const dim3 rows_grid(heads, unsigned((p.S + 7) / 8));
+  MlstmParallelParams Q = P;  // with the head norm, the tile kernels read dh from the workspace
+  if (norm) {
+    mlstm_par_rows_kernel<true><<<rows_grid, kThreads, 0, s>>>(P, winv, wdb, wdm, wdmd, wdh, wmean, wrstd);
+    FW_CUDA_CHECK_LAUNCH(op);
+    Q.dh = StridedView{wdh, DType::f32, p.NH * p.S * p.DV, p.S * p.DV, p.DV};
+    if (P.dnw.p || P.dnb.p) {
+      mlstm_par_norm_dw_kernel<<<dim3(unsigned(p.NH), unsigned((p.DV + 31) / 32)), kThreads, 0, s>>>(P, wmean, wrstd);
+      FW_CUDA_CHECK_LAUNCH(op);
+    }
+  } else {
+    mlstm_par_rows_kernel<false><<<rows_grid, kThreads, 0, s>>>(P, winv, wdb, wdm, wdmd, nullptr, nullptr, nullptr);
+    FW_CUDA_CHECK_LAUNCH(op);
+  }
   const std::size_t smem = sizeof(ParSmem);
   if (P.dk.p || P.dv.p || gates_grad) {
     (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_dkdv_kernel), kThreads, smem);
-    mlstm_par_dkdv_kernel<<<dim3(heads, blocks, vt + kt), kThreads, smem, s>>>(P, wa, wA, winv, wdb, wcsum);
+    mlstm_par_dkdv_kernel<<<dim3(heads, blocks, vt + kt), kThreads, smem, s>>>(Q, wa, wA, winv, wdb, wcsum);
     FW_CUDA_CHECK_LAUNCH(op);
   }
   if (P.dq.p) {
     (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_dq_kernel), kThreads, smem);
-    mlstm_par_dq_kernel<<<dim3(heads, blocks, kt), kThreads, smem, s>>>(P, wa, wA, winv, wdb);
+    mlstm_par_dq_kernel<<<dim3(heads, blocks, kt), kThreads, smem, s>>>(Q, wa, wA, winv, wdb);
     FW_CUDA_CHECK_LAUNCH(op);
   }
   if (gates_grad) {
