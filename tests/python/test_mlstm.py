@@ -443,6 +443,43 @@ def test_shim_against_mlstm_kernels_native_cpu():
     assert rel_err(ours, theirs) < 1e-4
 
 
+def test_shim_parallel_kernels():
+    q, k, v, i, f, c0, n0, m0 = make(S=21, dtype=torch.float32, states=True)
+    want = fastweight.mlstm_parallel(q, k, v, i, f)[0]
+    for name in ("parallel--triton_limit_headdim", "parallel--native_autograd", "parallel--native_custbw"):
+        kern = mk.get_mlstm_kernel(name)
+        assert name in mk.get_available_mlstm_kernels()
+        assert torch.equal(kern(q, k, v, i, f, chunk_size=64, autocast_kernel_dtype=torch.float32), want)
+        with pytest.raises(ValueError, match="no initial states"):
+            kern(q, k, v, i, f, c_initial=c0, n_initial=n0, m_initial=m0)
+        with pytest.raises(ValueError, match="no last states"):
+            kern(q, k, v, i, f, return_last_states=True)
+
+
+def test_shim_parallel_against_mlstm_kernels_native_cpu():
+    """mlstm_kernels' own native parallel kernel, where the package is installed (same seed-000 formula)."""
+    par = pytest.importorskip("mlstm_kernels.torch.parallel")
+    q, k, v, i, f = make(S=40, dtype=torch.float32)
+    theirs = par.mlstm_parallel__native_autograd(q, k, v, i, f)
+    assert rel_err(mk.mlstm_parallel__native_autograd(q, k, v, i, f), theirs) < 1e-4
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("name", ["chunkwise--triton_limit_chunk", "parallel--triton_limit_headdim"])
+def test_shim_against_mlstm_kernels_triton_on_gpu(name):
+    """mlstm_kernels' own Triton kernels on the GPU, where the package and its kernels run."""
+    mkt = pytest.importorskip("mlstm_kernels.torch")
+    q, k, v, i, f = make(B=1, NH=2, S=256, DQK=64, DV=64, dtype=torch.float32, device="cuda")
+    try:
+        theirs = mkt.get_mlstm_kernel(name)(q, k, v, i, f, chunk_size=64, autocast_kernel_dtype=torch.float32)
+    except Exception as e:  # a peer kernel that does not run with this Triton is the peer's failure, not ours
+        pytest.skip(f"mlstm_kernels {name} does not run here: {type(e).__name__}: {e}")
+    ours = mk.get_mlstm_kernel("chunkwise--triton_xl_chunk" if name.startswith("chunkwise") else name)(
+        q, k, v, i, f, chunk_size=64)
+    assert rel_err(ours, theirs.float()) < 2e-2  # their kernels run tf32 / bf16 matmuls
+
+
 # ---- errors -----------------------------------------------------------------------------------------
 def test_bad_input_names_the_argument():
     q, k, v, i, f = make(S=8)

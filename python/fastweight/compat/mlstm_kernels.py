@@ -6,6 +6,10 @@ Swap one import::
     # from mlstm_kernels.torch.recurrent.triton_step import mlstm_recurrent_step__triton
     from fastweight.compat.mlstm_kernels import mlstm_chunkwise__xl_chunk, mlstm_recurrent_step__triton
 
+The parallel kernels (``mlstm_parallel__limit_headdim``, ``mlstm_parallel__native_autograd``,
+``mlstm_parallel__native_custbw``) are seed 000's parallel form (``fastweight.mlstm_parallel``); like
+mlstm_kernels' they take no initial states and return no last states.
+
 or use the registry functions (``get_mlstm_kernel("chunkwise--triton_xl_chunk")``,
 ``get_mlstm_step_kernel("triton")``), as xLSTM's backend module does. Signatures and return values
 are mlstm_kernels': q, k (B, NH, S, DHQK), v (B, NH, S, DHHV), i, f (B, NH, S); c_initial
@@ -22,10 +26,11 @@ from collections.abc import Callable
 
 import torch
 
-from ..mlstm_ops import mlstm, mlstm_step
+from ..mlstm_ops import mlstm, mlstm_parallel, mlstm_step
 
 __all__ = [
-    "mlstm_chunkwise__xl_chunk", "mlstm_recurrent_step__triton", "get_mlstm_kernel", "get_mlstm_step_kernel",
+    "mlstm_chunkwise__xl_chunk", "mlstm_parallel__limit_headdim", "mlstm_parallel__native_autograd",
+    "mlstm_parallel__native_custbw", "mlstm_recurrent_step__triton", "get_mlstm_kernel", "get_mlstm_step_kernel",
     "get_available_mlstm_kernels", "get_available_mlstm_step_kernels",
 ]
 
@@ -46,6 +51,36 @@ def mlstm_chunkwise__xl_chunk(
 ):
     """mlstm_kernels' chunkwise xl_chunk kernel: h, or (h, (c_last, n_last, m_last))."""
     return mlstm(q, k, v, i, f, c_initial, n_initial, m_initial, return_last_states, eps, chunk_size)
+
+
+def _parallel_kernel(name: str) -> Callable:
+    def kernel(
+        q: torch.Tensor,  # (B, NH, S, DHQK)
+        k: torch.Tensor,  # (B, NH, S, DHQK)
+        v: torch.Tensor,  # (B, NH, S, DHHV)
+        i: torch.Tensor,  # (B, NH, S)
+        f: torch.Tensor,  # (B, NH, S)
+        c_initial: torch.Tensor | None = None,
+        n_initial: torch.Tensor | None = None,
+        m_initial: torch.Tensor | None = None,
+        return_last_states: bool = False,
+        eps: float = 1e-6,
+        **tuning,  # chunk_size, autocast_kernel_dtype, block sizes, ...: accepted and ignored
+    ) -> torch.Tensor:
+        if c_initial is not None or n_initial is not None or m_initial is not None:
+            raise ValueError(f"{name}: the parallel form takes no initial states (use mlstm_chunkwise__xl_chunk)")
+        if return_last_states:
+            raise ValueError(f"{name}: the parallel form returns no last states (use mlstm_chunkwise__xl_chunk)")
+        return mlstm_parallel(q, k, v, i, f, eps)[0]
+
+    kernel.__name__ = kernel.__qualname__ = name
+    kernel.__doc__ = f"mlstm_kernels' {name}: h (B, NH, S, DHHV) of seed 000's parallel form."
+    return kernel
+
+
+mlstm_parallel__limit_headdim = _parallel_kernel("mlstm_parallel__limit_headdim")
+mlstm_parallel__native_autograd = _parallel_kernel("mlstm_parallel__native_autograd")
+mlstm_parallel__native_custbw = _parallel_kernel("mlstm_parallel__native_custbw")
 
 
 def mlstm_recurrent_step__triton(
@@ -71,6 +106,9 @@ def mlstm_recurrent_step__triton(
 
 _SEQUENCE_KERNELS: dict[str, Callable] = {
     "chunkwise--triton_xl_chunk": mlstm_chunkwise__xl_chunk,
+    "parallel--triton_limit_headdim": mlstm_parallel__limit_headdim,
+    "parallel--native_autograd": mlstm_parallel__native_autograd,
+    "parallel--native_custbw": mlstm_parallel__native_custbw,
 }
 _STEP_KERNELS: dict[str, Callable] = {
     "triton": mlstm_recurrent_step__triton,
@@ -88,7 +126,7 @@ def get_available_mlstm_kernels() -> list[str]:
 
 
 def get_mlstm_kernel(name: str) -> Callable:
-    """As ``mlstm_kernels.torch.get_mlstm_kernel``; fastweight serves "chunkwise--triton_xl_chunk"."""
+    """As ``mlstm_kernels.torch.get_mlstm_kernel``; fastweight serves the names of get_available_mlstm_kernels()."""
     return _lookup("get_mlstm_kernel", _SEQUENCE_KERNELS, name)
 
 
