@@ -323,6 +323,44 @@ int run_mlstm_bench(const FamilyBench& fb, std::vector<BenchRow>& rows) {
     std::printf("mlstm_parallel: error: %s\n", ex.what());
     ++failures;
   }
+  // parallel form with the head norm (weight_offset 1, weight and bias), fp32: out, then every gradient
+  try {
+    std::mt19937_64 rng(8);
+    HostBuf q(DType::f32, {B, NH, S, DQK}, &rng), k(DType::f32, {B, NH, S, DQK}, &rng), v(DType::f32, {B, NH, S, DV}, &rng);
+    HostBuf i(DType::f32, {B, NH, S}, &rng, -3, 3), f(DType::f32, {B, NH, S}, &rng, 0, 5);
+    HostBuf w(DType::f32, {NH, DV}, &rng, -0.5, 0.5), bias(DType::f32, {NH, DV}, &rng);
+    HostBuf h(DType::f32, {B, NH, S, DV}), out(DType::f32, {B, NH, S, DV}), dout(DType::f32, {B, NH, S, DV}, &rng);
+    HostBuf dq(DType::f32, {B, NH, S, DQK}), dk(DType::f32, {B, NH, S, DQK}), dv(DType::f32, {B, NH, S, DV});
+    HostBuf di(DType::f32, {B, NH, S}), df(DType::f32, {B, NH, S}), dw(DType::f32, {NH, DV}), db(DType::f32, {NH, DV});
+    MlstmParallelFwdArgs a;
+    a.q = q.ref(), a.k = k.ref(), a.v = v.ref(), a.i = i.ref(), a.f = f.ref(), a.h = h.ref(), a.out = out.ref();
+    a.norm_weight = w.ref(), a.norm_bias = bias.ref(), a.weight_offset = 1.0;
+    MlstmParallelBwdArgs b;
+    b.q = a.q, b.k = a.k, b.v = a.v, b.i = a.i, b.f = a.f, b.dout = dout.ref();
+    b.norm_weight = a.norm_weight, b.norm_bias = a.norm_bias, b.weight_offset = 1.0;
+    b.dq = dq.ref(), b.dk = dk.ref(), b.dv = dv.ref(), b.di = di.ref(), b.df = df.ref();
+    b.dnorm_weight = dw.ref(), b.dnorm_bias = db.ref();
+    const double ms_f = time_ms([&] { mlstm_parallel_fwd(a); });
+    const double ms_b = time_ms([&] { mlstm_parallel_bwd(b); });
+    const detail::MlstmInputs in{q.val.data(), k.val.data(), v.val.data(), i.val.data(), f.val.data()};
+    const detail::MlstmHeadNorm norm{w.val.data(), bias.val.data(), 1e-6, 1.0};
+    Vec ro(out.val.size()), rq(dq.val.size()), rk(dk.val.size()), rv(dv.val.size()), ri(di.val.size()),
+        rf(df.val.size()), rw(dw.val.size()), rb(db.val.size());
+    detail::mlstm_parallel_headnorm_fwd(sh, in, 1e-6, norm, ro.data(), nullptr, nullptr);
+    detail::mlstm_parallel_headnorm_bwd(sh, in, 1e-6, norm, dout.val.data(),
+                                        {rq.data(), rk.data(), rv.data(), ri.data(), rf.data()}, {rw.data(), rb.data()});
+    Err ef, eb;
+    ef.add(out.read(), ro);
+    eb.add(dq.read(), rq), eb.add(dk.read(), rk), eb.add(dv.read(), rv), eb.add(di.read(), ri), eb.add(df.read(), rf),
+        eb.add(dw.read(), rw), eb.add(db.read(), rb);
+    if (!(ef.value() <= 1e-5)) ++failures;
+    if (!(eb.value() <= 1e-5)) ++failures;
+    rows.push_back({"mlstm_parallel_headnorm_fwd", "float32", shp, ef.value(), ms_f, "cpu"});
+    rows.push_back({"mlstm_parallel_headnorm_bwd", "float32", shp, eb.value(), ms_b, "cpu"});
+  } catch (const std::exception& ex) {
+    std::printf("mlstm_parallel_headnorm: error: %s\n", ex.what());
+    ++failures;
+  }
   try {
     std::mt19937_64 rng(5);
     HostBuf i(DType::f32, {B, NH, S}, &rng), f(DType::f32, {B, NH, S}, &rng, -5, 5), D(DType::f32, {B, NH, S, S});
