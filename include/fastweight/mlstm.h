@@ -63,10 +63,10 @@ struct MlstmStepArgs {
 // the normaliser n and stabiliser m (B, NH, S) of the parallel form: m_t = max_{s <= t} D[t, s] (D: the decay matrix below), b_t = sum_s C[t, s],
 // n_t = max(|b_t|, exp(-m_t)), h_t = sum_s C[t, s] v_s / (n_t + eps), C = (q k^T / sqrt(DQK)) exp(D - m).
 // n, m and b (the signed row sum b_t, so n_t = max(|b_t|, exp(-m_t))) are optional outputs, float32
-// (float64 on the CPU). The backward takes the forward's h, m and b back, as FlashAttention takes its
-// output and log-sum-exp: the CUDA backward needs them (it recomputes C tile by tile but not the row
-// sums, whose sign the exact normaliser gradient needs); the CPU backward recomputes everything and
-// ignores them. CUDA kernels: src/cuda/mlstm/mlstm_parallel.cu (tiled, never an S x S matrix in
+// (float64 on the CPU). The backward takes the forward's m and b back, as FlashAttention takes its
+// log-sum-exp: the CUDA backward needs them (it recomputes C tile by tile, but the exact normaliser
+// gradient needs the sign and branch of b before the tiles), and h with the head norm; the CPU
+// backward recomputes everything and ignores them. CUDA kernels: src/cuda/mlstm/mlstm_parallel.cu (tiled, never an S x S matrix in
 // global memory; fp32 compute for every IO dtype), with a caller workspace.
 //
 // Head norm (seed 000's fusion), optional: with `out` given, the forward also writes out = headnorm(h),
@@ -87,7 +87,7 @@ struct MlstmParallelFwdArgs {
 };
 struct MlstmParallelBwdArgs {
   TensorRef q, k, v, i, f;
-  TensorRef h, n, m, b;          // the forward's outputs: CUDA needs h, m, b (n is implied); optional on the CPU
+  TensorRef h, n, m, b;          // the forward's outputs: CUDA needs m, b (and h with the head norm); n is implied
   TensorRef dh;                  // (B, NH, S, DV); or dout with the head norm
   TensorRef dq, dk, dv, di, df;  // outputs, each optional
   double eps = 1e-6;

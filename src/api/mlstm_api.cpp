@@ -357,9 +357,11 @@ detail::MlstmShape validate_parallel_bwd(const MlstmParallelBwdArgs& a) {
   const MlstmChecker c{op, a.q, "q"};
   check_sequence_inputs(c, sh, a.q, a.k, a.v, a.i, a.f);
   if (a.q.device == DeviceType::cuda) {  // the tiled backward takes the forward's row terms back
-    for (const auto& [name, t] : {std::pair<const char*, const TensorRef&>{"h", a.h}, {"m", a.m}, {"b", a.b}})
+    for (const auto& [name, t] : {std::pair<const char*, const TensorRef&>{"m", a.m}, {"b", a.b}})
       FW_CHECK_ARG(t.defined(), op, name,
-                   "is required for CUDA tensors: pass the forward's h, m and b (mlstm_parallel_fwd's outputs)");
+                   "is required for CUDA tensors: pass the forward's m and b (mlstm_parallel_fwd's outputs)");
+    FW_CHECK_ARG(a.h.defined() || !a.dout.defined(), op, "h",
+                 "is required with the head norm on CUDA tensors: pass the forward's h (the norm's input)");
   }
   if (a.h.defined()) c.io("h", a.h, {sh.B, sh.NH, sh.S, sh.DV});
   if (a.n.defined()) c.state("n", a.n, {sh.B, sh.NH, sh.S});

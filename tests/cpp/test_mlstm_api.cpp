@@ -413,14 +413,15 @@ TEST(MlstmApi, ParallelRejectsBadInputAndCudaTensorsBeforeWriting) {
   MlstmParallelBwdArgs b;
   b.q = s.q.ref(), b.k = s.k.ref(), b.v = s.v.ref(), b.i = s.i.ref(), b.f = s.f.ref(), b.dh = dh.ref(), b.dq = dq.ref();
   expect_argument_error([&] { mlstm_parallel_bwd(b); }, {"mlstm_parallel_bwd", "dq", "(1, 2, 8, 4)"});
-  // the CUDA backward takes the forward's h, m, b back: each missing one is named
+  // the CUDA backward takes the forward's m, b (and h with the head norm) back: a missing one is named
   const MlstmParallelFwdArgs ca = cuda_args();
   MlstmParallelBwdArgs cb;
   cb.q = ca.q, cb.k = ca.k, cb.v = ca.v, cb.i = ca.i, cb.f = ca.f, cb.dh = dh.ref(DeviceType::cuda);
-  expect_argument_error([&] { mlstm_parallel_bwd(cb); }, {"mlstm_parallel_bwd", "h", "forward's h, m and b"});
-  cb.h = ca.h;
+  expect_argument_error([&] { mlstm_parallel_bwd(cb); }, {"mlstm_parallel_bwd", "m", "forward's m and b"});
   cb.m = n.ref(DeviceType::cuda);
   expect_argument_error([&] { mlstm_parallel_bwd(cb); }, {"mlstm_parallel_bwd", "b", "required"});
+  cb.b = n.ref(DeviceType::cuda), cb.dh = TensorRef{}, cb.dout = dh.ref(DeviceType::cuda);
+  expect_argument_error([&] { mlstm_parallel_bwd(cb); }, {"mlstm_parallel_bwd", "h", "head norm"});
 }
 
 }  // namespace

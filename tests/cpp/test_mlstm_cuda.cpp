@@ -432,8 +432,10 @@ TEST_P(MlstmCudaParallel, ForwardAndEveryGradientMatchReferenceAndAreDeterminist
   EXPECT_LT(rel_err(n, rn), 1e-4) << "n";
   EXPECT_LT(rel_err(m, rm), 1e-5) << "m";
   EXPECT_LT(rel_err(bs, rb), 1e-4) << "b";
-  EXPECT_LT(rel_err(dq, gq64), tol) << "dq";
-  EXPECT_LT(rel_err(dk, gk64), tol) << "dk";
+  // Strong gates: dC_tt = inv (dh . v_t) + db_t is a difference of terms ~ |b| / eps apart in the
+  // rows where q . k_t ~ 0 (ill-conditioned 1 / den, as in the chunkwise suite): dq, dk to 5 tol.
+  EXPECT_LT(rel_err(dq, gq64), c.strong ? 5 * tol : tol) << "dq";
+  EXPECT_LT(rel_err(dk, gk64), c.strong ? 5 * tol : tol) << "dk";
   EXPECT_LT(rel_err(dv, gv64), tol) << "dv";
   EXPECT_LT(rel_err(di, gi64), tol) << "di";
   EXPECT_LT(rel_err(df, gf64), tol) << "df";
@@ -528,8 +530,8 @@ TEST_P(MlstmCudaParallelHeadNorm, OutAndEveryGradientMatchReference) {
   EXPECT_LT(rel_err(out, rout), tol) << "out";
   EXPECT_LT(rel_err(mean, rmean), tol) << "mean";
   EXPECT_LT(rel_err(rstd, rrstd), tol) << "rstd";
-  EXPECT_LT(rel_err(dq, gq64), tol) << "dq";
-  EXPECT_LT(rel_err(dk, gk64), tol) << "dk";
+  EXPECT_LT(rel_err(dq, gq64), c.strong ? 5 * tol : tol) << "dq";  // strong gates: as in MlstmCudaParallel
+  EXPECT_LT(rel_err(dk, gk64), c.strong ? 5 * tol : tol) << "dk";
   EXPECT_LT(rel_err(dv, gv64), tol) << "dv";
   EXPECT_LT(rel_err(di, gi64), tol) << "di";
   EXPECT_LT(rel_err(df, gf64), tol) << "df";

@@ -16,22 +16,28 @@
 //          accumulators): 4 warps of 16 rows, C kept in registers between q k^T and C v
 //          (FlashAttention-2's fragment reuse), k, v and a_s of the next key block landing by
 //          cp.async while this one is multiplied.
-//   The exact backward (gradient conventions: src/reference/mlstm_ref.cpp), from the saved h, m, b:
-//   rows   per row t: d = dh_t . h_t, inv = 1 / (n_t + eps), dn = -d inv, db = dn w_b sign(b)
-//          (w_b: which branch of the max n is, halves on a tie), dmd = -dn (1 - w_b) exp(-m), and
-//          dm = dmd - d - db b (the gradient reaching m_t = max_s D[t,s]; sum_s dC_ts C_ts = d + db b).
+//   The exact backward (gradient conventions: src/reference/mlstm_ref.cpp), from the saved m, b, with
+//   inv = 1 / (n_t + eps), dp_ts = dh_t . v_s, dC_ts = dp_ts inv_t + db_t (docs/design/mlstm_parallel.md):
+//   dq     per (head, 64-row block, DQK tile), first: the row terms from sums over the recomputed
+//          tiles (never the saved h, whose IO rounding swamps the normaliser's gradient):
+//          d = dh_t . h_t = inv sum_s dp_ts C_ts, dn = -d inv, db = dn w_b sign(b) (w_b: the active
+//          branch of n's max, halves on a tie), dmd = -dn (1 - w_b) exp(-m) formed as
+//          (1 - w_b) d / (1 + eps exp(m)) (finite for every m), r_t = sum_{s != s*_t} dC_ts C_ts;
+//          dq_t = scale (inv sum_s dp e k + db sum_s e k) (db is known after the sweep).
 //   dkdv   per (head, 64-key block, output slab: a DV tile of dv or a DQK tile of dk), over the query
-//          blocks from the diagonal on, with dC_ts = (dh_t . v_s) inv_t + db_t:
-//          dv_s += C_ts inv_t dh_t,  dk_s += scale dC_ts e_ts q_t,  csum_s = sum_t dC_ts C_ts.
-//   dq     per (head, 64-row block, DQK tile): dq_t += scale dC_ts e_ts k_s.
-//   post   per head: di_s = csum_s + sum of dm_t over the rows t with s*_t = s (a run of rows: s* only
-//          moves forward), d lf_j = sum_{t >= j} (dmd_t - di_t) for j >= 1 (d lf_0 = 0: lf_0 cancels in
-//          every D), df = d lf sigmoid(-f).  (sum_s dD_ts = dmd_t, whence the suffix-sum form.)
+//          blocks from the diagonal on: dv_s += C_ts inv_t dh_t,  dk_s += scale dC_ts e_ts q_t,
+//          csum_s = sum_{t: s*_t != s} dC_ts C_ts.
+//   post   per head: dD[t, s] = dC_ts C_ts off the arg-max and, as every row of dD sums to dmd_t,
+//          dD[t, s*_t] = dmd_t - r_t on it (never the difference of two O(1) halves: with strong
+//          gates each row is one dominant term and the gate gradients are tiny). di_s = csum_s + the
+//          sum of (dmd_t - r_t) over the rows t with s*_t = s (a run of rows: s* only moves forward),
+//          d lf_j = sum_{t >= j} (dmd_t - di_t) for j >= 1 (d lf_0 = 0: lf_0 cancels in every D),
+//          df = d lf sigmoid(-f).
 // Head norm (seed 000), optional: out = headnorm(h) per (b, head, t) row of DV. Forward: a per-row
-// pass (one warp per row) right after the tile kernel, which splits DV over CTAs. Backward: the rows
+// pass (one warp per row) right after the tile kernel, which splits DV over CTAs. Backward: a per-row
 // pass takes dout, recomputes the row's statistics from the saved h and forms dh = rstd (g - mean(g)
-// - xhat mean(g xhat)), g = dout (weight_offset + weight), into the workspace (fp32), which dkdv and
-// dq then read as their dh; dweight / dbias are column sums over (b, t) (fixed order).
+// - xhat mean(g xhat)), g = dout (weight_offset + weight), into the workspace (fp32), which dq and
+// dkdv then read as their dh; dweight / dbias are column sums over (b, t) (fixed order).
 // Deterministic: fixed loop and reduction orders, no atomics. No allocation, no host sync: graph safe.
 #include <climits>
 
@@ -52,11 +58,11 @@ __host__ __device__ constexpr std::int64_t imin(std::int64_t x, std::int64_t y) 
 
 // Workspace parts, each 256-byte aligned; n = B * NH * S positions.
 //   fwd and bwd: g, a, A (f64 n each), s* (i32 n)
-//   bwd also:    inv, db, dm, dmd, csum (f32 n each); the post kernel reuses g for the prefix sums of
-//                dm and a for di (both free by then)
+//   bwd also:    inv, db, r, dmd, csum (f32 n each); the post kernel reuses g for the prefix sums of
+//                dmd - r and a for di (both free by then)
 //   bwd with the head norm also: dh (f32 n * DV), mean, rstd (f32 n each)
 struct ParWs {
-  std::int64_t g = 0, a = 0, A = 0, arg = 0, inv = 0, db = 0, dm = 0, dmd = 0, csum = 0;
+  std::int64_t g = 0, a = 0, A = 0, arg = 0, inv = 0, db = 0, r = 0, dmd = 0, csum = 0;
   std::int64_t dh = 0, mean = 0, rstd = 0, total = 0;
   ParWs(const MlstmParams& p, bool bwd, bool norm) {
     const std::int64_t n = p.B * p.NH * p.S;
@@ -67,7 +73,7 @@ struct ParWs {
       return at;
     };
     g = take(8 * n), a = take(8 * n), A = take(8 * n), arg = take(4 * n);
-    if (bwd) inv = take(4 * n), db = take(4 * n), dm = take(4 * n), dmd = take(4 * n), csum = take(4 * n);
+    if (bwd) inv = take(4 * n), db = take(4 * n), r = take(4 * n), dmd = take(4 * n), csum = take(4 * n);
     if (bwd && norm) dh = take(4 * n * p.DV), mean = take(4 * n), rstd = take(4 * n);
     total = o;
   }
@@ -153,6 +159,7 @@ struct ParSmem {
   double a[kT];         // (64 steps s) a_s
   double A[kT];         // (64 rows t) A_t
   float inv[kT], db[kT];  // (64 rows t) 1 / (n_t + eps), db_t
+  int arg[kT];            // (64 rows t) s*_t, the first arg-max of D[t, :]
 };
 
 // acc[i][j] (tile rows 4tr+i, tile columns 4tc+j) += sum over the 64-wide slabs of R (rows) . X (columns):
@@ -185,9 +192,12 @@ __device__ __forceinline__ void tile_dot(float (&acc)[4][4], ParSmem& sm, const 
   __syncthreads();
 }
 
-// acc[i][j] += sum_k sm.c[4tr+i][k] * X[x0 + k][c0 + 4tc + j] (X rows [x0, x0 + nx), columns < D).
+// acc[i][j] += sum_k sm.c[4tr+i][k] * X[x0 + k][c0 + 4tc + j] (X rows [x0, x0 + nx), columns < D);
+// TWO: also acc2 += sm.r X (a second coefficient tile in sm.r, the same X).
+template <bool TWO = false>
 __device__ __forceinline__ void tile_apply(float (&acc)[4][4], ParSmem& sm, const StridedView& X, std::int64_t xo,
-                                           std::int64_t x0, int nx, std::int64_t c0, std::int64_t D) {
+                                           std::int64_t x0, int nx, std::int64_t c0, std::int64_t D,
+                                           float (*acc2)[4] = nullptr) {
   const int tid = threadIdx.x, tr = tid / 16, tc = tid % 16;
   for (int e = tid; e < kT * kT; e += kThreads) {
     const int r = e / kT, col = e % kT;
@@ -204,18 +214,34 @@ __device__ __forceinline__ void tile_apply(float (&acc)[4][4], ParSmem& sm, cons
     for (int i = 0; i < 4; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(cv[i], xv[j], acc[i][j]);
+    if constexpr (TWO) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) cv[i] = sm.r[4 * tr + i][k];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc2[i][j] = fmaf(cv[i], xv[j], acc2[i][j]);
+    }
   }
 }
 
-// Loads A, inv, db of the rows [t0, t0 + nt) (threads 0..63; visible after the next barrier).
+// The backward's per-row terms (workspace parts), for the tile kernels.
+struct RowTerms {
+  const double* A;
+  const float *inv, *db;
+  const int* arg;
+};
+
+// Loads A, inv, db, s* of the rows [t0, t0 + nt) (threads 0..63; visible after the next barrier).
 __device__ __forceinline__ void load_row_terms(ParSmem& sm, std::int64_t go, std::int64_t t0, int nt,
-                                               const double* wA, const float* winv, const float* wdb) {
+                                               const RowTerms& rt) {
   const int tid = threadIdx.x;
   if (tid < kT) {
     const bool in = tid < nt;
-    sm.A[tid] = in ? wA[go + t0 + tid] : 0.0;
-    sm.inv[tid] = in ? winv[go + t0 + tid] : 0.f;
-    sm.db[tid] = in ? wdb[go + t0 + tid] : 0.f;
+    sm.A[tid] = in ? rt.A[go + t0 + tid] : 0.0;
+    sm.inv[tid] = in ? rt.inv[go + t0 + tid] : 0.f;
+    sm.db[tid] = in ? rt.db[go + t0 + tid] : 0.f;
+    sm.arg[tid] = in ? rt.arg[go + t0 + tid] : -1;
   }
 }
 
@@ -500,64 +526,42 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_norm_dw_kernel(const Mlstm
   if (P.dnb.p) mlstm_st(P.dnb, hd * P.dnb.s0 + c, db);
 }
 
-// ---- backward rows ---------------------------------------------------------------------------------------
-// Grid (heads, ceil(S / 8)); one warp per row. NORM: dh from dout through the head norm, into wdh
-// (row-major fp32 (B * NH * S, DV)), with the row's mean / rstd into wmean / wrstd.
-template <bool NORM>
-__global__ void __launch_bounds__(kThreads) mlstm_par_rows_kernel(const MlstmParallelParams P, float* __restrict__ winv,
-                                                                  float* __restrict__ wdb, float* __restrict__ wdm,
-                                                                  float* __restrict__ wdmd, float* __restrict__ wdh,
-                                                                  float* __restrict__ wmean, float* __restrict__ wrstd) {
+// ---- backward ------------------------------------------------------------------------------------------
+// Head norm only. Grid (heads, ceil(S / 8)); one warp per row: dh from dout through the head norm, into
+// wdh (row-major fp32 (B * NH * S, DV)), with the row's mean / rstd into wmean / wrstd.
+__global__ void __launch_bounds__(kThreads) mlstm_par_norm_bwd_kernel(const MlstmParallelParams P,
+                                                                      float* __restrict__ wdh,
+                                                                      float* __restrict__ wmean,
+                                                                      float* __restrict__ wrstd) {
   const MlstmParams& p = P.f;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
   const std::int64_t t = std::int64_t(blockIdx.y) * (kThreads / 32) + warp;
   if (t >= p.S) return;  // warp-uniform
   const std::int64_t oh = b * p.h.s0 + hd * p.h.s1 + t * p.h.s2, o = bh * p.S + t;
-  float d = 0.f;
-  if constexpr (NORM) {
-    float mean, rstd;
-    warp_row_stats(p.h, oh, p.DV, P.norm_eps, mean, rstd);
-    const std::int64_t od = b * P.dout.s0 + hd * P.dout.s1 + t * P.dout.s2;
-    float sg = 0.f, sgx = 0.f;
-    for (std::int64_t c = lane; c < p.DV; c += 32) {
-      const float xhat = (mlstm_ld(p.h, oh + c) - mean) * rstd, g = mlstm_ld(P.dout, od + c) * norm_scale(P, hd, c);
-      sg += g;
-      sgx = fmaf(g, xhat, sgx);
-    }
-#pragma unroll
-    for (int k = 16; k; k >>= 1) sg += __shfl_xor_sync(0xffffffffu, sg, k), sgx += __shfl_xor_sync(0xffffffffu, sgx, k);
-    const float mg = sg / float(p.DV), mgx = sgx / float(p.DV);
-    for (std::int64_t c = lane; c < p.DV; c += 32) {
-      const float x = mlstm_ld(p.h, oh + c), xhat = (x - mean) * rstd;
-      const float dh = rstd * (mlstm_ld(P.dout, od + c) * norm_scale(P, hd, c) - mg - xhat * mgx);
-      wdh[o * p.DV + c] = dh;
-      d = fmaf(dh, x, d);
-    }
-    if (lane == 0) wmean[o] = mean, wrstd[o] = rstd;
-  } else {
-    const std::int64_t od = b * P.dh.s0 + hd * P.dh.s1 + t * P.dh.s2;
-    for (std::int64_t c = lane; c < p.DV; c += 32) d = fmaf(mlstm_ld(P.dh, od + c), mlstm_ld(p.h, oh + c), d);
+  float mean, rstd;
+  warp_row_stats(p.h, oh, p.DV, P.norm_eps, mean, rstd);
+  const std::int64_t od = b * P.dout.s0 + hd * P.dout.s1 + t * P.dout.s2;
+  float sg = 0.f, sgx = 0.f;
+  for (std::int64_t c = lane; c < p.DV; c += 32) {
+    const float xhat = (mlstm_ld(p.h, oh + c) - mean) * rstd, g = mlstm_ld(P.dout, od + c) * norm_scale(P, hd, c);
+    sg += g;
+    sgx = fmaf(g, xhat, sgx);
   }
 #pragma unroll
-  for (int k = 16; k; k >>= 1) d += __shfl_xor_sync(0xffffffffu, d, k);  // fixed tree: same bits on every lane
-  if (lane != 0) return;
-  const float m = mlstm_ld(P.m, b * P.m.s0 + hd * P.m.s1 + t), bb = mlstm_ld(P.b, b * P.b.s0 + hd * P.b.s1 + t);
-  const float em = expf(-m), ab = fabsf(bb), inv = 1.f / (fmaxf(ab, em) + p.eps);  // the forward's n, from b, m
-  const float dn = -d * inv;
-  const float wb = ab > em ? 1.f : (ab < em ? 0.f : 0.5f);  // torch.maximum splits a tie in halves
-  const float sg = bb > 0.f ? 1.f : (bb < 0.f ? -1.f : 0.f);
-  const float db = dn * wb * sg, dmd = -dn * (1.f - wb) * em;
-  winv[o] = inv, wdb[o] = db, wdmd[o] = dmd, wdm[o] = dmd - d - db * bb;
+  for (int k = 16; k; k >>= 1) sg += __shfl_xor_sync(0xffffffffu, sg, k), sgx += __shfl_xor_sync(0xffffffffu, sgx, k);
+  const float mg = sg / float(p.DV), mgx = sgx / float(p.DV);
+  for (std::int64_t c = lane; c < p.DV; c += 32) {
+    const float xhat = (mlstm_ld(p.h, oh + c) - mean) * rstd;
+    wdh[o * p.DV + c] = rstd * (mlstm_ld(P.dout, od + c) * norm_scale(P, hd, c) - mg - xhat * mgx);
+  }
+  if (lane == 0) wmean[o] = mean, wrstd[o] = rstd;
 }
 
 // Grid (heads, key blocks, DV tiles + DQK tiles): slab o < vt computes dv's DV tile o, else dk's DQK
-// tile o - vt; slab 0 also writes csum.
+// tile o - vt; slab 0 also writes csum (the arg-max entries left out).
 __global__ void __launch_bounds__(kThreads) mlstm_par_dkdv_kernel(const MlstmParallelParams P,
-                                                                  const double* __restrict__ wa,
-                                                                  const double* __restrict__ wA,
-                                                                  const float* __restrict__ winv,
-                                                                  const float* __restrict__ wdb,
+                                                                  const double* __restrict__ wa, const RowTerms rt,
                                                                   float* __restrict__ wcsum) {
   extern __shared__ float4 smem_raw[];
   ParSmem& sm = *reinterpret_cast<ParSmem*>(smem_raw);
@@ -579,8 +583,8 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_dkdv_kernel(const MlstmPar
   for (int qb = kb; qb < nqb; ++qb) {
     const std::int64_t t0 = std::int64_t(qb) * kT;
     const int nt = int(imin(kT, S - t0));
-    __syncthreads();  // the previous block's readers of A, inv, db, c, x are done
-    load_row_terms(sm, go, t0, nt, wA, winv, wdb);
+    __syncthreads();  // the previous block's readers of A, inv, db, arg, c, x are done
+    load_row_terms(sm, go, t0, nt, rt);
     float sc[4][4] = {}, dp[4][4] = {};  // (keys, queries): k_s . q_t and v_s . dh_t
     tile_dot(sc, sm, p.k, ko, s0, nk, p.q, qo, t0, nt, DQK);
     tile_dot(dp, sm, p.v, vo, s0, nk, P.dh, dho, t0, nt, DV);
@@ -594,7 +598,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_dkdv_kernel(const MlstmPar
         if (on) {
           const float e = expf(float(sm.a[sl] - sm.A[tl]));
           const float C = scale * sc[i][j] * e, dC = fmaf(dp[i][j], sm.inv[tl], sm.db[tl]);
-          cs[i] = fmaf(dC, C, cs[i]);
+          if (sm.arg[tl] != s0 + sl) cs[i] = fmaf(dC, C, cs[i]);  // the arg-max entry: post (dmd - r)
           coef = dv_slab ? C * sm.inv[tl] : scale * dC * e;
         }
         sm.c[sl][tl] = coef;
@@ -628,12 +632,19 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_dkdv_kernel(const MlstmPar
   }
 }
 
-// Grid (heads, row blocks (longest first), DQK tiles).
+// Grid (heads, row blocks (longest first), DQK tiles); launched with one DQK tile when dq is not asked
+// for. Besides dq, the row terms, from sums over the recomputed tiles (fp32, never the saved h, whose
+// IO-dtype rounding would swamp the normaliser's gradient where one term dominates a row):
+//   d = dh_t . h_t = inv sum_s (dh_t . v_s) C_ts,  dn = -d inv,  db = dn w_b sign(b),
+//   dmd = (1 - w_b) d / (1 + eps exp(m)),  r = sum_{s != s*} dC_ts C_ts = inv sum' dp C + db sum' C,
+//   dq = scale (inv sum_s dp_ts e_ts k_s + db sum_s e_ts k_s)   (two accumulators: db is known last).
+// DQK tile 0 writes inv, db, dmd, r for dkdv and post.
 __global__ void __launch_bounds__(kThreads) mlstm_par_dq_kernel(const MlstmParallelParams P,
                                                                 const double* __restrict__ wa,
                                                                 const double* __restrict__ wA,
-                                                                const float* __restrict__ winv,
-                                                                const float* __restrict__ wdb) {
+                                                                const int* __restrict__ warg, float* __restrict__ winv,
+                                                                float* __restrict__ wdb, float* __restrict__ wdmd,
+                                                                float* __restrict__ wr) {
   extern __shared__ float4 smem_raw[];
   ParSmem& sm = *reinterpret_cast<ParSmem*>(smem_raw);
   const MlstmParams& p = P.f;
@@ -646,13 +657,18 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_dq_kernel(const MlstmParal
   const float scale = rsqrtf(float(DQK));
   const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, vo = b * p.v.s0 + hd * p.v.s1,
                      dho = b * P.dh.s0 + hd * P.dh.s1;
-  load_row_terms(sm, go, t0, nt, wA, winv, wdb);
+  if (tid < kT) {
+    sm.A[tid] = tid < nt ? wA[go + t0 + tid] : 0.0;
+    sm.arg[tid] = tid < nt ? warg[go + t0 + tid] : -1;
+  }
 
-  float acc[4][4] = {};  // rows 4tr+i, DQK columns c0+4tc+j
+  // rows 4tr+i: acc (scale dp e k) and acc2 (scale e k) over DQK columns c0+4tc+j; sums over this
+  // thread's steps of dp C (all), dp C and C (off the arg-max)
+  float acc[4][4] = {}, acc2[4][4] = {}, sdc[4] = {}, rdp[4] = {}, rcs[4] = {};
   for (int sb = 0; sb <= rb; ++sb) {
     const std::int64_t s0 = std::int64_t(sb) * kT;
     const int ns = int(imin(kT, S - s0));
-    __syncthreads();  // the previous block's readers of a, c, x are done
+    __syncthreads();  // the previous block's readers of a, c, r, x are done
     if (tid < kT) sm.a[tid] = tid < ns ? wa[go + s0 + tid] : 0.0;
     float sc[4][4] = {}, dp[4][4] = {};  // (rows, steps): q_t . k_s and dh_t . v_s
     tile_dot(sc, sm, p.q, qo, t0, nt, p.k, ko, s0, ns, DQK);
@@ -663,24 +679,48 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_dq_kernel(const MlstmParal
       for (int j = 0; j < 4; ++j) {
         const int tl = 4 * tr + i, sl = 4 * tc + j;
         const bool on = tl < nt && sl < ns && s0 + sl <= t0 + tl;
-        float coef = 0.f;
+        float c1 = 0.f, c2 = 0.f;
         if (on) {
-          const float e = expf(float(sm.a[sl] - sm.A[tl]));
-          coef = scale * fmaf(dp[i][j], sm.inv[tl], sm.db[tl]) * e;
+          const float e = expf(float(sm.a[sl] - sm.A[tl])), C = scale * sc[i][j] * e, x = dp[i][j] * C;
+          sdc[i] += x;
+          if (sm.arg[tl] != s0 + sl) rdp[i] += x, rcs[i] += C;
+          c1 = scale * dp[i][j] * e, c2 = scale * e;
         }
-        sm.c[tl][sl] = coef;
+        sm.c[tl][sl] = c1, sm.r[tl][sl] = c2;
       }
-    tile_apply(acc, sm, p.k, ko, s0, ns, c0, DQK);
+    tile_apply<true>(acc, sm, p.k, ko, s0, ns, c0, DQK, acc2);
   }
-  const std::int64_t oo = b * P.dq.s0 + hd * P.dq.s1;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)  // the 16 threads of a row are lanes of one half-warp: fixed xor trees
+#pragma unroll
+    for (int o = 8; o; o >>= 1) {
+      sdc[i] += __shfl_xor_sync(0xffffffffu, sdc[i], o);
+      rdp[i] += __shfl_xor_sync(0xffffffffu, rdp[i], o);
+      rcs[i] += __shfl_xor_sync(0xffffffffu, rcs[i], o);
+    }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int tl = 4 * tr + i;
     if (tl >= nt) continue;
+    const std::int64_t t = t0 + tl;
+    const float m = mlstm_ld(P.m, b * P.m.s0 + hd * P.m.s1 + t), bb = mlstm_ld(P.b, b * P.b.s0 + hd * P.b.s1 + t);
+    const float em = expf(-m), ab = fabsf(bb), inv = 1.f / (fmaxf(ab, em) + p.eps);  // the forward's n, from b, m
+    const float d = inv * sdc[i], dn = -d * inv;
+    const float wb = ab > em ? 1.f : (ab < em ? 0.f : 0.5f);  // torch.maximum splits a tie in halves
+    const float sg = bb > 0.f ? 1.f : (bb < 0.f ? -1.f : 0.f);
+    const float db = dn * wb * sg;
+    if (blockIdx.z == 0 && tc == 0) {
+      // dmd = -dn (1 - w_b) exp(-m); where w_b < 1, n = exp(-m) and exp(-m) inv = 1 / (1 + eps exp(m)):
+      // no inf * 0 when exp(-m) overflows (m < -88)
+      winv[go + t] = inv, wdb[go + t] = db, wdmd[go + t] = (1.f - wb) * d / (1.f + p.eps * expf(m));
+      wr[go + t] = fmaf(inv, rdp[i], db * rcs[i]);
+    }
+    if (!P.dq.p) continue;
+    const std::int64_t row = b * P.dq.s0 + hd * P.dq.s1 + t * P.dq.s2;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const std::int64_t c = c0 + 4 * tc + j;
-      if (c < DQK) mlstm_st(P.dq, oo + (t0 + tl) * P.dq.s2 + c, acc[i][j]);
+      if (c < DQK) mlstm_st(P.dq, row + c, fmaf(inv, acc[i][j], db * acc2[i][j]));
     }
   }
 }
@@ -688,7 +728,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_dq_kernel(const MlstmParal
 // One CTA per head: di and df (see the file comment). wP, wdi: the workspace's g and a parts, reused.
 __global__ void __launch_bounds__(kPiece) mlstm_par_post_kernel(const MlstmParallelParams P,
                                                                 const int* __restrict__ warg,
-                                                                const float* __restrict__ wdm,
+                                                                const float* __restrict__ wr,
                                                                 const float* __restrict__ wdmd,
                                                                 const float* __restrict__ wcsum,
                                                                 double* __restrict__ wP, double* __restrict__ wdi) {
@@ -696,18 +736,18 @@ __global__ void __launch_bounds__(kPiece) mlstm_par_post_kernel(const MlstmParal
   const MlstmParams& p = P.f;
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, S = p.S, go = bh * S;
   const int tid = threadIdx.x;
-  // prefix sums of dm
+  // prefix sums of the arg-max entries dD[t, s*_t] = dmd_t - r_t
   double G = 0.0;
   for (std::int64_t t0 = 0; t0 < S; t0 += kPiece) {
     const std::int64_t t = t0 + tid;
-    const double x = t < S ? double(wdm[go + t]) : 0.0;
+    const double x = t < S ? double(wdmd[go + t]) - double(wr[go + t]) : 0.0;
     const double incl = block_scan_sum(x, sv);
     if (t < S) wP[go + t] = G + incl;
     G += sv[kPiece - 1];
   }
   for (std::int64_t s = tid; s < S; s += kPiece) wdi[go + s] = double(wcsum[go + s]);
   __syncthreads();  // wP and wdi are complete (global writes of this CTA, ordered by the barrier)
-  // the last row of each run with arg-max s adds the run's dm to di_s (one writer per s)
+  // the last row of each run with arg-max s adds the run's arg-max entries to di_s (one writer per s)
   for (std::int64_t t = tid; t < S; t += kPiece) {
     const int s = warg[go + t];
     if (t + 1 < S && warg[go + t + 1] == s) continue;
@@ -812,7 +852,7 @@ void mlstm_parallel_bwd_cuda(const MlstmParallelParams& P, void* workspace, std:
          *wA = reinterpret_cast<double*>(ws + w.A);
   int* warg = reinterpret_cast<int*>(ws + w.arg);
   float *winv = reinterpret_cast<float*>(ws + w.inv), *wdb = reinterpret_cast<float*>(ws + w.db),
-        *wdm = reinterpret_cast<float*>(ws + w.dm), *wdmd = reinterpret_cast<float*>(ws + w.dmd),
+        *wr = reinterpret_cast<float*>(ws + w.r), *wdmd = reinterpret_cast<float*>(ws + w.dmd),
         *wcsum = reinterpret_cast<float*>(ws + w.csum);
   const unsigned heads = unsigned(p.B * p.NH), blocks = unsigned((p.S + kT - 1) / kT);
   const unsigned kt = unsigned((p.DQK + kT - 1) / kT), vt = unsigned((p.DV + kT - 1) / kT);
@@ -822,33 +862,32 @@ void mlstm_parallel_bwd_cuda(const MlstmParallelParams& P, void* workspace, std:
   FW_CUDA_CHECK_LAUNCH(op);
   float *wdh = reinterpret_cast<float*>(ws + w.dh), *wmean = reinterpret_cast<float*>(ws + w.mean),
         *wrstd = reinterpret_cast<float*>(ws + w.rstd);
-  const dim3 rows_grid(heads, unsigned((p.S + 7) / 8));
   MlstmParallelParams Q = P;  // with the head norm, the tile kernels read dh from the workspace
   if (norm) {
-    mlstm_par_rows_kernel<true><<<rows_grid, kThreads, 0, s>>>(P, winv, wdb, wdm, wdmd, wdh, wmean, wrstd);
+    mlstm_par_norm_bwd_kernel<<<dim3(heads, unsigned((p.S + 7) / 8)), kThreads, 0, s>>>(P, wdh, wmean, wrstd);
     FW_CUDA_CHECK_LAUNCH(op);
     Q.dh = StridedView{wdh, DType::f32, p.NH * p.S * p.DV, p.S * p.DV, p.DV};
     if (P.dnw.p || P.dnb.p) {
       mlstm_par_norm_dw_kernel<<<dim3(unsigned(p.NH), unsigned((p.DV + 31) / 32)), kThreads, 0, s>>>(P, wmean, wrstd);
       FW_CUDA_CHECK_LAUNCH(op);
     }
-  } else {
-    mlstm_par_rows_kernel<false><<<rows_grid, kThreads, 0, s>>>(P, winv, wdb, wdm, wdmd, nullptr, nullptr, nullptr);
-    FW_CUDA_CHECK_LAUNCH(op);
   }
   const std::size_t smem = sizeof(ParSmem);
-  if (P.dk.p || P.dv.p || gates_grad) {
+  const bool kv_grad = P.dk.p || P.dv.p || gates_grad;
+  if (!P.dq.p && !kv_grad) return;
+  // dq first: it also forms the row terms (inv, db, dmd, r) that dkdv and post read
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_dq_kernel), kThreads, smem);
+  mlstm_par_dq_kernel<<<dim3(heads, blocks, P.dq.p ? kt : 1u), kThreads, smem, s>>>(Q, wa, wA, warg, winv, wdb, wdmd,
+                                                                                    wr);
+  FW_CUDA_CHECK_LAUNCH(op);
+  if (kv_grad) {
     (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_dkdv_kernel), kThreads, smem);
-    mlstm_par_dkdv_kernel<<<dim3(heads, blocks, vt + kt), kThreads, smem, s>>>(Q, wa, wA, winv, wdb, wcsum);
-    FW_CUDA_CHECK_LAUNCH(op);
-  }
-  if (P.dq.p) {
-    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_dq_kernel), kThreads, smem);
-    mlstm_par_dq_kernel<<<dim3(heads, blocks, kt), kThreads, smem, s>>>(Q, wa, wA, winv, wdb);
+    mlstm_par_dkdv_kernel<<<dim3(heads, blocks, vt + kt), kThreads, smem, s>>>(Q, wa, RowTerms{wA, winv, wdb, warg},
+                                                                              wcsum);
     FW_CUDA_CHECK_LAUNCH(op);
   }
   if (gates_grad) {
-    mlstm_par_post_kernel<<<heads, kPiece, 0, s>>>(P, warg, wdm, wdmd, wcsum, wg, wa);
+    mlstm_par_post_kernel<<<heads, kPiece, 0, s>>>(P, warg, wr, wdmd, wcsum, wg, wa);
     FW_CUDA_CHECK_LAUNCH(op);
   }
 }
