@@ -39,6 +39,7 @@
 // - xhat mean(g xhat)), g = dout (weight_offset + weight), into the workspace (fp32), which dq and
 // dkdv then read as their dh; dweight / dbias are column sums over (b, t) (fixed order).
 // Deterministic: fixed loop and reduction orders, no atomics. No allocation, no host sync: graph safe.
+#include <cfloat>
 #include <climits>
 
 #include "cuda/common/check.cuh"
@@ -113,6 +114,10 @@ __device__ void block_scan_max(double& x, int& arg, double* vbuf, int* abuf) {
   }
   x = vbuf[tid], arg = abuf[tid];
 }
+
+// 1 / (n + eps), finite also for eps = 0 and n underflowing to 0 (the reference's n is then tiny but
+// positive, and h = 0 * (1 / n) must stay 0, not NaN).
+__device__ __forceinline__ float norm_inv(float n, float eps) { return 1.f / fmaxf(n + eps, FLT_MIN); }
 
 __device__ __forceinline__ double sigmoid_neg(double x) {  // sigmoid(-x) = d logsigmoid(x) / dx
   if (x >= 0) {
@@ -296,7 +301,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_fwd_kernel(const MlstmPara
     if (tl >= nrow) continue;
     const std::int64_t t = row0 + tl;
     const float mf = float(wg[go + t] + sm.A[tl]);  // m_t = g_t + A_t
-    const float em = expf(-mf), n = fmaxf(fabsf(rs[i]), em), inv = 1.f / (n + p.eps);
+    const float em = expf(-mf), n = fmaxf(fabsf(rs[i]), em), inv = norm_inv(n, p.eps);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const std::int64_t c = c0 + 4 * tc + j;
@@ -427,7 +432,7 @@ __global__ void __launch_bounds__(mtc::kTcThreads) mlstm_par_fwd_tc_kernel(const
     const std::int64_t t = row0 + tl;
     const float bt = hr ? rsB : rsA;
     const float mf = float(wg[go + t] + s_A[tl]);  // m_t = g_t + A_t
-    const float em = expf(-mf), n = fmaxf(fabsf(bt), em), inv = 1.f / (n + p.eps);
+    const float em = expf(-mf), n = fmaxf(fabsf(bt), em), inv = norm_inv(n, p.eps);
     bf16* hrow = static_cast<bf16*>(p.h.p) + b * p.h.s0 + hd * p.h.s1 + t * p.h.s2;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -704,7 +709,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_dq_kernel(const MlstmParal
     if (tl >= nt) continue;
     const std::int64_t t = t0 + tl;
     const float m = mlstm_ld(P.m, b * P.m.s0 + hd * P.m.s1 + t), bb = mlstm_ld(P.b, b * P.b.s0 + hd * P.b.s1 + t);
-    const float em = expf(-m), ab = fabsf(bb), inv = 1.f / (fmaxf(ab, em) + p.eps);  // the forward's n, from b, m
+    const float em = expf(-m), ab = fabsf(bb), inv = norm_inv(fmaxf(ab, em), p.eps);  // the forward's n, from b, m
     const float d = inv * sdc[i], dn = -d * inv;
     const float wb = ab > em ? 1.f : (ab < em ? 0.f : 0.5f);  // torch.maximum splits a tie in halves
     const float sg = bb > 0.f ? 1.f : (bb < 0.f ? -1.f : 0.f);
@@ -712,7 +717,8 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_dq_kernel(const MlstmParal
     if (blockIdx.z == 0 && tc == 0) {
       // dmd = -dn (1 - w_b) exp(-m); where w_b < 1, n = exp(-m) and exp(-m) inv = 1 / (1 + eps exp(m)):
       // no inf * 0 when exp(-m) overflows (m < -88)
-      winv[go + t] = inv, wdb[go + t] = db, wdmd[go + t] = (1.f - wb) * d / (1.f + p.eps * expf(m));
+      const float eem = p.eps > 0.f ? p.eps * expf(m) : 0.f;  // eps = 0: no 0 * inf for m > 88
+      winv[go + t] = inv, wdb[go + t] = db, wdmd[go + t] = (1.f - wb) * d / (1.f + eem);
       wr[go + t] = fmaf(inv, rdp[i], db * rcs[i]);
     }
     if (!P.dq.p) continue;
@@ -777,7 +783,7 @@ __global__ void __launch_bounds__(kPiece) mlstm_par_post_kernel(const MlstmParal
 void zero_norm_grads(const MlstmParallelParams& P, Stream stream) {
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   for (const StridedView* g : {&P.dnw, &P.dnb}) {
-    if (!g->p || !P.dout.p || P.f.NH == 0) continue;
+    if (!g->p || P.f.NH == 0) continue;  // not keyed on dout.p: an empty dout may have a null pointer
     const std::size_t width = std::size_t(P.f.DV) * dtype_size(g->dtype);
     const std::size_t pitch = P.f.NH > 1 ? std::size_t(g->s0) * dtype_size(g->dtype) : width;
     FW_CUDA_CHECK("mlstm_parallel_bwd", cudaMemset2DAsync(g->p, pitch, 0, width, std::size_t(P.f.NH), s));
@@ -787,7 +793,8 @@ void zero_norm_grads(const MlstmParallelParams& P, Stream stream) {
 void check_grid(const char* op, const MlstmParams& p) {
   const std::int64_t heads = p.B * p.NH, blocks = (p.S + kT - 1) / kT;
   const std::int64_t tiles = (p.DQK + kT - 1) / kT + (p.DV + kT - 1) / kT;
-  if (heads > 0x7fffffff || blocks > 65535 || tiles > 65535 || p.S > INT_MAX || (p.S + 7) / 8 > 65535)
+  if (heads > 0x7fffffff || blocks > 65535 || tiles > 65535 || p.S > INT_MAX || (p.S + 7) / 8 > 65535 ||
+      (p.DV + 31) / 32 > 65535)
     throw Error(cat(op, ": problem too large for the parallel form's grid (heads ", heads, ", S ", p.S, ")"));
 }
 
