@@ -114,7 +114,11 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
         return plan;
       }
       const int R = plan.threads / plan.L.tpr;
-      plan.L.P = ctas_per_unit(fwd_cached_kernel<T>(al, plan.threads > kSmallCta), plan.threads, 0, p.groups, (J + R - 1) / R);
+      // scale and bias staged in shared memory (at most 2 x 16384 floats, 128 KB: one CTA of kMaxTpr
+      // per SM; 64 KB at most for the 256-thread CTAs, three per SM)
+      plan.smem = 2 * std::size_t((p.n + E - 1) / E * E) * sizeof(float);
+      plan.L.P = ctas_per_unit(fwd_cached_kernel<T>(al, plan.threads > kSmallCta), plan.threads, plan.smem, p.groups,
+                               (J + R - 1) / R);
       return plan;
     }
     if (ring) {  // the ring kernel: 512 threads, 4 vectors per thread, R row groups
@@ -196,10 +200,11 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
     }
   } else if (plan.cached) {
     const bool big = plan.threads > kSmallCta;
-    if (plan.L.aligned && big) rownorm_fwd_cached_kernel<T, kFwdVecs, true, true><<<grid, plan.threads, 0, stream>>>(p, plan.L);
-    else if (plan.L.aligned) rownorm_fwd_cached_kernel<T, kFwdVecs, true, false><<<grid, plan.threads, 0, stream>>>(p, plan.L);
-    else if (big) rownorm_fwd_cached_kernel<T, kFwdVecs, false, true><<<grid, plan.threads, 0, stream>>>(p, plan.L);
-    else rownorm_fwd_cached_kernel<T, kFwdVecs, false, false><<<grid, plan.threads, 0, stream>>>(p, plan.L);
+    const std::size_t sm = plan.smem;
+    if (plan.L.aligned && big) rownorm_fwd_cached_kernel<T, kFwdVecs, true, true><<<grid, plan.threads, sm, stream>>>(p, plan.L);
+    else if (plan.L.aligned) rownorm_fwd_cached_kernel<T, kFwdVecs, true, false><<<grid, plan.threads, sm, stream>>>(p, plan.L);
+    else if (big) rownorm_fwd_cached_kernel<T, kFwdVecs, false, true><<<grid, plan.threads, sm, stream>>>(p, plan.L);
+    else rownorm_fwd_cached_kernel<T, kFwdVecs, false, false><<<grid, plan.threads, sm, stream>>>(p, plan.L);
   } else if (plan.L.aligned) {
     rownorm_fwd_stream_kernel<T, true><<<grid, plan.threads, 0, stream>>>(p, plan.L);
   } else {
