@@ -92,35 +92,6 @@ __device__ __forceinline__ float2 row_sum2(float2 v, int tpr, float* s_red) {
 // ---- forward, cached ----------------------------------------------------------------------------
 // Parameters are read per vector through L1 (every CTA reads the same N values, so they stay
 // cached) in fp32 or the IO dtype.
-// The group's scale (weight_offset + w, or 1) and, with s_bias, its bias (or 0) as fp32 in shared
-// memory, once per CTA; 0 in the padding up to n_pad. Every thread of the CTA calls it (it syncs).
-template <typename T>
-__device__ __forceinline__ void stage_params(const RowNormParams& p, std::int64_t g, int n_pad, float* s_scale,
-                                             float* s_bias = nullptr) {
-  const bool f32 = p.param == DType::f32;
-  const int n = int(p.n);
-  for (int c = threadIdx.x; c < n_pad; c += blockDim.x) {
-    s_scale[c] = c >= n ? 0.f : p.w ? p.weight_offset + load_param<T>(p.w, g * p.w_group_stride + c, f32) : 1.f;
-    if (s_bias) s_bias[c] = c >= n || !p.b ? 0.f : load_param<T>(p.b, g * p.b_group_stride + c, f32);
-  }
-  __syncthreads();
-}
-template <typename T>
-__device__ __forceinline__ void stage_scale(const RowNormParams& p, std::int64_t g, int n_pad, float* s_scale) {
-  stage_params<T>(p, g, n_pad, s_scale);
-}
-
-// E fp32 values at `col` (a multiple of E) from shared memory, as float4 vectors.
-template <int E>
-__device__ __forceinline__ void scale_vec(const float* s_scale, int col, float (&sc)[E]) {
-  const float4* s4 = reinterpret_cast<const float4*>(s_scale + col);
-#pragma unroll
-  for (int i = 0; i < E / 4; ++i) {
-    const float4 t = s4[i];
-    sc[4 * i] = t.x; sc[4 * i + 1] = t.y; sc[4 * i + 2] = t.z; sc[4 * i + 3] = t.w;
-  }
-}
-
 template <typename T, bool ALIGNED>
 __device__ __forceinline__ void load_params_vec(const RowNormParams& p, std::int64_t g, int col, int n,
                                                 float (&sc)[kVecElems<T>], float (&bi)[kVecElems<T>]) {
@@ -218,10 +189,13 @@ __global__ void __launch_bounds__(kSmallCta, VPT <= 2 ? 4 : VPT <= 4 ? 3 : 2) ro
 
 // Persistent variant for longer rows: P CTAs per group walk their rows; raw vectors in registers,
 // converted per element per pass (fp32 copies of 4 vectors would not fit the register bound).
-// The group's scale and bias are staged once per CTA as fp32 in dynamic shared memory ((N_pad)
-// scale | (N_pad) bias; 1 and 0 without them), so each row's output pass reads 2 x E floats per
-// vector from shared memory instead of loading, converting and offsetting the parameters again
-// (one code path: a runtime choice between the two spilled registers at 80 per thread).
+// The group's scale and bias are staged once per CTA as fp32 in dynamic shared memory (1 and 0
+// without them), so each row's output pass reads 2 x E floats per vector from shared memory instead
+// of loading, converting and offsetting the parameters again (one code path: a runtime choice
+// between the two spilled registers at 80 per thread). Layout, float4 units, nvec = N_pad / E vectors:
+// scale quarter i of vector v at [i * nvec + v], bias at [N_pad / 4 + i * nvec + v], so a warp's
+// 16-byte reads of one quarter are consecutive (no bank conflicts for E = 8). Staged by vector loads
+// after the first row's x loads are issued, so those overlap the staging.
 #define FW_CACHED_BOUNDS(BIG) __launch_bounds__((BIG) ? kMaxTpr : kSmallCta, (BIG) ? 1 : 3)
 template <typename T, int VPT, bool ALIGNED, bool BIG>
 __global__ void FW_CACHED_BOUNDS(BIG) rownorm_fwd_cached_kernel(const RowNormParams p, const RowLaunch L) {
@@ -232,9 +206,8 @@ __global__ void FW_CACHED_BOUNDS(BIG) rownorm_fwd_cached_kernel(const RowNormPar
   const int R = blockDim.x / L.tpr, rg = threadIdx.x / L.tpr, lane = threadIdx.x % L.tpr;
   const std::int64_t J = p.rows_per_group, jstep = std::int64_t(L.P) * R;
   const float inv_n = 1.f / float(n);
-  extern __shared__ float4 fwd_stage[];  // (n_pad) fp32 scale | (n_pad) fp32 bias
-  const int n_pad = (n + E - 1) / E * E, bias4 = n_pad / 4;
-  stage_params<T>(p, g, n_pad, reinterpret_cast<float*>(fwd_stage), reinterpret_cast<float*>(fwd_stage + bias4));
+  extern __shared__ float4 fwd_stage[];  // (E/4, nvec) float4 scale | (E/4, nvec) float4 bias (see above)
+  const int nvec = (n + E - 1) / E, bias4 = nvec * (E / 4);
 
   auto load_row = [&](std::int64_t j, uint4 (&v)[VPT]) {
     const bool ok = j < J;
@@ -244,6 +217,17 @@ __global__ void FW_CACHED_BOUNDS(BIG) rownorm_fwd_cached_kernel(const RowNormPar
   };
   uint4 xv[VPT], xnext[VPT];  // (VPT) raw vectors each: this thread's columns (k * tpr + lane) * E + [0, E)
   load_row(pi * R + rg, xv);
+#pragma unroll 4
+  for (int v = threadIdx.x; v < nvec; v += blockDim.x) {  // the parameters, a vector per load
+    float sc[E], bi[E];
+    load_params_vec<T, ALIGNED>(p, g, v * E, n, sc, bi);
+#pragma unroll
+    for (int i = 0; i < E / 4; ++i) {
+      fwd_stage[i * nvec + v] = make_float4(sc[4 * i], sc[4 * i + 1], sc[4 * i + 2], sc[4 * i + 3]);
+      fwd_stage[bias4 + i * nvec + v] = make_float4(bi[4 * i], bi[4 * i + 1], bi[4 * i + 2], bi[4 * i + 3]);
+    }
+  }
+  __syncthreads();
   for (std::int64_t j0 = pi * R; j0 < J; j0 += jstep) {
     const std::int64_t j = j0 + rg;
     load_row(j + jstep, xnext);  // in flight while this row is reduced and written
@@ -280,7 +264,7 @@ __global__ void FW_CACHED_BOUNDS(BIG) rownorm_fwd_cached_kernel(const RowNormPar
         float sc[E], bi[E], out[E];
 #pragma unroll
         for (int i = 0; i < E / 4; ++i) {  // 32-bit shared addressing off the array itself
-          const float4 a = fwd_stage[col / 4 + i], c = fwd_stage[bias4 + col / 4 + i];
+          const float4 a = fwd_stage[i * nvec + col / E], c = fwd_stage[bias4 + i * nvec + col / E];
           sc[4 * i] = a.x, sc[4 * i + 1] = a.y, sc[4 * i + 2] = a.z, sc[4 * i + 3] = a.w;
           bi[4 * i] = c.x, bi[4 * i + 1] = c.y, bi[4 * i + 2] = c.z, bi[4 * i + 3] = c.w;
         }
@@ -333,6 +317,15 @@ __device__ __forceinline__ void write_partials(float* ws, const float (&acc)[VPT
   }
 }
 
+// The group's scale (weight_offset + w, or 1) as fp32 in shared memory, once per CTA; 0 in the padding.
+template <typename T>
+__device__ __forceinline__ void stage_scale(const RowNormParams& p, std::int64_t g, int n_pad, float* s_scale) {
+  const bool f32 = p.param == DType::f32;
+  const int n = int(p.n);
+  for (int c = threadIdx.x; c < n_pad; c += blockDim.x)
+    s_scale[c] = c >= n ? 0.f : p.w ? p.weight_offset + load_param<T>(p.w, g * p.w_group_stride + c, f32) : 1.f;
+  __syncthreads();
+}
 
 // Aligned rows ("ring"): 512 threads, one CTA per SM, R = 512 / tpr row groups that run independently
 // (a named barrier per row group), each streaming its rows through its own cp.async ring of
@@ -358,6 +351,16 @@ inline std::size_t ring_smem_bytes(std::int64_t n, int elems) {
          2 * (kRingThreads / 32) * sizeof(float2);
 }
 
+// E fp32 scale values at `col` (a multiple of E) from shared memory, as float4 vectors.
+template <int E>
+__device__ __forceinline__ void scale_vec(const float* s_scale, int col, float (&sc)[E]) {
+  const float4* s4 = reinterpret_cast<const float4*>(s_scale + col);
+#pragma unroll
+  for (int i = 0; i < E / 4; ++i) {
+    const float4 t = s4[i];
+    sc[4 * i] = t.x; sc[4 * i + 1] = t.y; sc[4 * i + 2] = t.z; sc[4 * i + 3] = t.w;
+  }
+}
 
 // bar.sync on barrier `id` (1..15) for `count` threads: only this row group waits.
 __device__ __forceinline__ void group_barrier(int id, int count) {
