@@ -96,7 +96,8 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       const int tpr_row = next_pow2((p.n + kRowFwdVecs * E - 1) / (kRowFwdVecs * E));
       // WIP experiment (session 5, not yet run): rows of 65-256 vectors get a warp each (3, 4, 6 or 8
       // vectors per lane: warp-only reductions, no barrier) instead of 64-128 threads of 2 vectors;
-      // FW_EXP_WARP_ROWS=0 keeps the old shape for an A/B run.
+      // FW_EXP_WARP_ROWS=0 keeps the old shape for an A/B run: set it before the process starts (read
+      // once per dtype, at the first forward plan; changing it later in the process has no effect).
       static const bool warp_rows = [] { const char* e = std::getenv("FW_EXP_WARP_ROWS"); return !(e && e[0] == '0'); }();
       const std::int64_t nvec = (p.n + E - 1) / E;
       if (warp_rows && al && tpr_row > 32 && nvec <= 32 * 8) {  // aligned only: the element path spills
