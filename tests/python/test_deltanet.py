@@ -407,7 +407,6 @@ def test_cuda_varlen_matches_reference(cu_dtype):
 
 
 @gpu
-@gpu
 @requires_cuda
 def test_cuda_bad_offsets_are_refused_before_any_launch():
     # device offsets are checked on the host in eager mode, with the CPU path's messages
@@ -422,6 +421,7 @@ def test_cuda_bad_offsets_are_refused_before_any_launch():
     assert torch.isfinite(o).all()
 
 
+@gpu
 @requires_cuda
 def test_cuda_strided_inputs_and_sequence_split():
     seed = _fresh_seed()
