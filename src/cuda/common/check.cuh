@@ -26,4 +26,6 @@ int sm_count();
 // Resident CTAs per SM of `kernel` at this launch shape on the current device; also raises the
 // kernel's dynamic shared-memory limit to `smem` when needed. Cached (thread-safe).
 int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem);
+// The most dynamic + static shared memory a block may opt in to on the current device (cached).
+std::size_t smem_per_block_optin();
 }  // namespace fastweight::detail

@@ -52,6 +52,18 @@ int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem) {
   return occ;
 }
 
+std::size_t smem_per_block_optin() {
+  static std::mutex mu;
+  static std::map<int, std::size_t> cache;
+  int dev = 0;
+  FW_CUDA_CHECK("fastweight", cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = cache.find(dev); it != cache.end()) return it->second;
+  int v = 0;
+  FW_CUDA_CHECK("fastweight", cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  return cache[dev] = std::size_t(v);
+}
+
 bool cuda_runtime_available() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {

@@ -153,18 +153,20 @@ constexpr int kLdU = kT + 4;  // fp32 row stride of the Xu tiles: 272 B, 16-byte
 struct StLayout {
   int Kc, ldk;
   std::size_t k, xh, xl, Sh, Sl, Dh, Dl, rkb, xu, bytes;
-  __host__ __device__ explicit StLayout(std::int64_t K) {
+  // with_xu = false: no Xu tiles (read from global instead), for devices whose shared memory per
+  // block cannot hold them (sm_80: 163 KB; 195 KB are needed at K = 128)
+  __host__ __device__ explicit StLayout(std::int64_t K, bool with_xu = true) {
     Kc = k_cols(K), ldk = Kc + 8;
     const std::size_t kt = 2 * std::size_t(kT) * ldk;  // bytes of one (64, ldk) bf16 tile
     k = 0, xh = k + 2 * kt, xl = xh + 2 * kt, Sh = xl + 2 * kt, Sl = Sh + 2 * std::size_t(Kc) * kLd;
     Dh = Sl + 2 * std::size_t(Kc) * kLd, Dl = Dh + 2 * kT * kLd, rkb = Dl + 2 * kT * kLd;
     xu = rkb + 2 * 4 * kT;
-    bytes = xu + 2 * 4 * std::size_t(kT) * kLdU;
+    bytes = xu + (with_xu ? 2 * 4 * std::size_t(kT) * kLdU : 0);
   }
 };
 
 __global__ void __launch_bounds__(kThreads, 1) deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w,
-                                                                     bool vk, bool vx) {
+                                                                     bool vk, bool vx, bool pxu) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const StLayout lay(p.K);
@@ -188,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_state_kernel(const Delta
   const int ngroups = Kc / 16;  // 16-row groups of S: warp w owns groups w and w + 4
   const bf16* xwh = reinterpret_cast<const bf16*>(w.xw);
   const bf16* xwl = xwh + rows * K;
-  const bool vxu = V % 4 == 0;  // Xu rows 16-byte aligned (the workspace regions are): prefetched
+  const bool vxu = pxu && V % 4 == 0;  // prefetched: room for the tiles, Xu rows 16-byte aligned
 
   float acc_s[2][8][4];  // S (fp32), rows 16 (w + 4 gg)..
   state_load(acc_s, p.h0, n, h, c0, K, V, warp, lane);
@@ -360,10 +362,11 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
                                                                                           rows16_seq(p.v));
     FW_CUDA_CHECK_LAUNCH("deltanet (wy)");
   }
-  const StLayout ls(p.K);
+  const bool pxu = StLayout(p.K, true).bytes <= smem_per_block_optin();  // Hopper: yes; sm_80 at K > 64: no
+  const StLayout ls(p.K, pxu);
   prepare(&deltanet_state_kernel, ls.bytes);
   deltanet_state_kernel<<<dim3(unsigned(seqs), unsigned(vt)), kThreads, ls.bytes, st>>>(p, w, rows16_seq(p.k),
-                                                                                        p.K % 8 == 0);
+                                                                                        p.K % 8 == 0, pxu);
   FW_CUDA_CHECK_LAUNCH("deltanet (state)");
 }
 
