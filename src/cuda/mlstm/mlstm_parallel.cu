@@ -273,7 +273,8 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_fwd_kernel(const MlstmPara
   for (int sb = 0; sb <= rb; ++sb) {
     const std::int64_t s0 = std::int64_t(sb) * kT;
     const int ns = int(imin(kT, S - s0));
-    __syncthreads();  // the previous block's readers of a, c are done
+    // no barrier here: the previous block read these row/step terms before tile_apply's barrier, and
+    // tile_dot starts with one before it overwrites the tiles
     if (tid < kT) sm.a[tid] = tid < ns ? wa[go + s0 + tid] : 0.0;
     float sc[4][4] = {};  // (rows, steps): q_t . k_s
     tile_dot(sc, sm, p.q, qo, row0, nrow, p.k, ko, s0, ns, DQK);
@@ -588,7 +589,8 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_dkdv_kernel(const MlstmPar
   for (int qb = kb; qb < nqb; ++qb) {
     const std::int64_t t0 = std::int64_t(qb) * kT;
     const int nt = int(imin(kT, S - t0));
-    __syncthreads();  // the previous block's readers of A, inv, db, arg, c, x are done
+    // no barrier here: the previous block read these row/step terms before tile_apply's barrier, and
+    // tile_dot starts with one before it overwrites the tiles
     load_row_terms(sm, go, t0, nt, rt);
     float sc[4][4] = {}, dp[4][4] = {};  // (keys, queries): k_s . q_t and v_s . dh_t
     tile_dot(sc, sm, p.k, ko, s0, nk, p.q, qo, t0, nt, DQK);
@@ -673,7 +675,8 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_dq_kernel(const MlstmParal
   for (int sb = 0; sb <= rb; ++sb) {
     const std::int64_t s0 = std::int64_t(sb) * kT;
     const int ns = int(imin(kT, S - s0));
-    __syncthreads();  // the previous block's readers of a, c, r, x are done
+    // no barrier here: the previous block read these row/step terms before tile_apply's barrier, and
+    // tile_dot starts with one before it overwrites the tiles
     if (tid < kT) sm.a[tid] = tid < ns ? wa[go + s0 + tid] : 0.0;
     float sc[4][4] = {}, dp[4][4] = {};  // (rows, steps): q_t . k_s and dh_t . v_s
     tile_dot(sc, sm, p.q, qo, t0, nt, p.k, ko, s0, ns, DQK);
