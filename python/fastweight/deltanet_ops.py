@@ -117,7 +117,8 @@ def _check_device_offsets(cu_seqlens: Optional[Tensor], q: Tensor) -> None:
     safe, results do not); the C++ layer checks CPU offsets itself. Skipped while a CUDA graph is
     captured or torch.compile traces: there the offsets are trusted. Malformed tensors (dtype, shape,
     batch) are left to the C++ checks, which name them."""
-    if cu_seqlens is None or not cu_seqlens.is_cuda or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+    # fewer than 2 offsets (no sequence): the library refuses that by shape alone, with its own message
+    if cu_seqlens is None or not cu_seqlens.is_cuda or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         return
     if cu_seqlens.dtype not in (torch.int32, torch.int64) or q.dim() != 4 or q.shape[0] != 1:
         return

@@ -530,8 +530,17 @@ TEST_P(MlstmCudaParallelHeadNorm, OutAndEveryGradientMatchReference) {
   EXPECT_LT(rel_err(out, rout), tol) << "out";
   EXPECT_LT(rel_err(mean, rmean), tol) << "mean";
   EXPECT_LT(rel_err(rstd, rrstd), tol) << "rstd";
-  EXPECT_LT(rel_err(dq, gq64), c.strong ? 5 * tol : tol) << "dq";  // strong gates: as in MlstmCudaParallel
-  EXPECT_LT(rel_err(dk, gk64), c.strong ? 5 * tol : tol) << "dk";
+  // dh leaves the norm orthogonal to xhat and to 1. Where each row of C is one dominant term (S = 1,
+  // strong gates) h is invariant to the scale of q and k, so dq and dk are a double cancellation: about
+  // 1e-5 of dv's size, and torch's fp32 autograd of the composition misses them by 200% against its
+  // float64 autograd (docs/design/mlstm_parallel.md). There their error is measured against the size of
+  // the whole gradient (||dv||), which a wrong term (O(1)) still exceeds.
+  const bool cancels = c.S == 1 || c.strong;
+  const auto grad_err = [&](const HostTensor& x, const HostTensor& r) {
+    return cancels ? err_over(x, r, std::max(l2_norm(r), l2_norm(gv64))) : rel_err(x, r);
+  };
+  EXPECT_LT(grad_err(dq, gq64), c.strong ? 5 * tol : tol) << "dq";  // strong gates: as in MlstmCudaParallel
+  EXPECT_LT(grad_err(dk, gk64), c.strong ? 5 * tol : tol) << "dk";
   EXPECT_LT(rel_err(dv, gv64), tol) << "dv";
   EXPECT_LT(rel_err(di, gi64), tol) << "di";
   EXPECT_LT(rel_err(df, gf64), tol) << "df";

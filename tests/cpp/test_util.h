@@ -120,6 +120,24 @@ inline double rel_err(const HostTensor& a, const HostTensor& b) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// ||a - b|| / scale: the error against a size chosen by the caller (where ||b|| itself is a cancellation).
+inline double err_over(const HostTensor& a, const HostTensor& b, double scale) {
+  const auto va = a.values(), vb = b.values();
+  EXPECT_EQ(va.size(), vb.size());
+  double num = 0.0;
+  for (std::size_t i = 0; i < va.size(); ++i) {
+    if (!std::isfinite(va[i]) || !std::isfinite(vb[i])) return INFINITY;
+    num += (va[i] - vb[i]) * (va[i] - vb[i]);
+  }
+  return std::sqrt(num) / scale;
+}
+
+inline double l2_norm(const HostTensor& a) {
+  double s = 0.0;
+  for (double x : a.values()) s += x * x;
+  return std::sqrt(s);
+}
+
 inline double tolerance(DType t) {
   switch (t) {
     case DType::f32: return 1e-5;
