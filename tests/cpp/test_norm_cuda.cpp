@@ -188,20 +188,6 @@ INSTANTIATE_TEST_SUITE_P(Waves, NormCudaManyRows,
                                             ::testing::Values<std::int64_t>(2048, 3000, 8192, 16384)),
                          rows_case_name);
 
-// The forward's warp-per-row shapes (aligned rows of 65-256 vectors: 3, 4, 6 or 8 vectors per lane)
-// at every VPT, with a row count that leaves a partial last CTA (8 rows per CTA).
-TEST(NormCudaWarpRows, EveryVectorsPerLaneAndATailMatchReference) {
-  FW_REQUIRE_GPU();
-  const std::pair<DType, std::int64_t> cases[] = {
-      {DType::bf16, 520}, {DType::bf16, 768}, {DType::bf16, 1000}, {DType::bf16, 1032}, {DType::bf16, 1536},
-      {DType::bf16, 2048}, {DType::f32, 260}, {DType::f32, 500}, {DType::f32, 644}, {DType::f32, 1024}};
-  for (const auto& [dt, n] : cases)
-    for (Op op : {Op::layernorm, Op::rmsnorm, Op::headnorm}) {
-      SCOPED_TRACE(std::string(op_name(op)) + " " + dtype_name(dt) + " N=" + std::to_string(n));
-      check_case(op, dt, n, 1001, Layout::contiguous, Params::io);
-    }
-}
-
 std::string case_name(const ::testing::TestParamInfo<CaseParam>& info) {
   const auto [op, dt, n, layout, params] = info.param;
   std::string s = std::string(op_name(op)) + "_" + dtype_name(dt) + "_N" + std::to_string(n);

@@ -121,7 +121,7 @@ __device__ __forceinline__ void load_params_vec(const RowNormParams& p, std::int
 }
 
 template <typename T, int VPT, bool ALIGNED>
-__global__ void __launch_bounds__(kSmallCta, VPT <= 2 ? 4 : VPT <= 4 ? 3 : 2) rownorm_fwd_row_kernel(const RowNormParams p, const RowLaunch L) {
+__global__ void __launch_bounds__(kSmallCta, 4) rownorm_fwd_row_kernel(const RowNormParams p, const RowLaunch L) {
   constexpr int E = kVecElems<T>;
   __shared__ float s_red[kSmallCta / 32];
   const int n = int(p.n);

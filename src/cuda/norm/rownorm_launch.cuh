@@ -18,7 +18,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>  // FW_EXP_WARP_ROWS (WIP experiment switch)
 #include <cstdint>
 
 #include "cuda/common/check.cuh"
@@ -30,7 +29,6 @@ struct RowPlan {
   bool cached = true;
   bool persistent = true;  // forward, cached: persistent CTAs (else one row group per CTA)
   bool ring = false;       // backward, cached: the cp.async ring kernel (aligned rows)
-  int row_vecs = kRowFwdVecs;  // forward, one row group per CTA: vectors per thread (WIP: 3-8 with tpr 32)
   int threads = 256;
   std::size_t smem = 0;
   RowLaunch L;
@@ -94,19 +92,9 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       plan.L.tpr = next_pow2((p.n + kFwdVecs * E - 1) / (kFwdVecs * E));
       plan.threads = std::max(plan.L.tpr, kSmallCta);
       const int tpr_row = next_pow2((p.n + kRowFwdVecs * E - 1) / (kRowFwdVecs * E));
-      // WIP experiment (session 5, not yet run): rows of 65-256 vectors get a warp each (3, 4, 6 or 8
-      // vectors per lane: warp-only reductions, no barrier) instead of 64-128 threads of 2 vectors;
-      // FW_EXP_WARP_ROWS=0 keeps the old shape for an A/B run: set it before the process starts (read
-      // once per dtype, at the first forward plan; changing it later in the process has no effect).
-      static const bool warp_rows = [] { const char* e = std::getenv("FW_EXP_WARP_ROWS"); return !(e && e[0] == '0'); }();
-      const std::int64_t nvec = (p.n + E - 1) / E;
-      if (warp_rows && al && tpr_row > 32 && nvec <= 32 * 8) {  // aligned only: the element path spills
-        const std::int64_t v = (nvec + 31) / 32;
-        plan.row_vecs = v <= 3 ? 3 : v <= 4 ? 4 : v <= 6 ? 6 : 8;
-      }
       if (tpr_row <= kRowFwdMaxTpr) {  // short rows: one row group per CTA
         plan.persistent = false;
-        plan.L.tpr = plan.row_vecs == kRowFwdVecs ? tpr_row : 32;
+        plan.L.tpr = tpr_row;
         plan.threads = kSmallCta;
         const int R = plan.threads / plan.L.tpr;  // rows in memory order over all groups (see the kernel)
         const std::int64_t blocks = std::max<std::int64_t>(1, (p.rows + R - 1) / R);
@@ -190,15 +178,8 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   if (blocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", blocks, " CTAs is too large"));
   const unsigned grid = unsigned(blocks);
   if (plan.cached && !plan.persistent) {
-    switch (plan.row_vecs) {  // 3-8 vectors: aligned rows only (see the plan)
-      case 3: rownorm_fwd_row_kernel<T, 3, true><<<grid, plan.threads, 0, stream>>>(p, plan.L); break;
-      case 4: rownorm_fwd_row_kernel<T, 4, true><<<grid, plan.threads, 0, stream>>>(p, plan.L); break;
-      case 6: rownorm_fwd_row_kernel<T, 6, true><<<grid, plan.threads, 0, stream>>>(p, plan.L); break;
-      case 8: rownorm_fwd_row_kernel<T, 8, true><<<grid, plan.threads, 0, stream>>>(p, plan.L); break;
-      default:
-        if (plan.L.aligned) rownorm_fwd_row_kernel<T, kRowFwdVecs, true><<<grid, plan.threads, 0, stream>>>(p, plan.L);
-        else rownorm_fwd_row_kernel<T, kRowFwdVecs, false><<<grid, plan.threads, 0, stream>>>(p, plan.L);
-    }
+    if (plan.L.aligned) rownorm_fwd_row_kernel<T, kRowFwdVecs, true><<<grid, plan.threads, 0, stream>>>(p, plan.L);
+    else rownorm_fwd_row_kernel<T, kRowFwdVecs, false><<<grid, plan.threads, 0, stream>>>(p, plan.L);
   } else if (plan.cached) {
     const bool big = plan.threads > kSmallCta;
     const std::size_t sm = plan.smem;
