@@ -458,6 +458,9 @@ std::vector<ParCase> par_cases() {
       {DType::bf16, 1, 1, 129, 128, 64, true, true}, {DType::f16, 1, 2, 257, 48, 80, false, false},
       {DType::f32, 1, 1, 4097, 16, 16, false, false}, {DType::bf16, 1, 1, 1000, 100, 36, false, false},
       {DType::bf16, 1, 1, 70, 320, 24, false, false},  // DQK > 256: the bf16 SIMT path
+      // the tensor-core backward's edges: DQK = DV = 256 (the largest tiles), DV not a multiple of 64
+      // with strided rows (element loads), a lone row past the last full block
+      {DType::bf16, 1, 2, 130, 256, 256, false, false}, {DType::bf16, 2, 1, 65, 32, 200, true, false},
   };
 }
 INSTANTIATE_TEST_SUITE_P(Cases, MlstmCudaParallel, ::testing::ValuesIn(par_cases()),

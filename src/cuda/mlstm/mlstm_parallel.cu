@@ -534,9 +534,10 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_norm_dw_kernel(const Mlstm
 
 // ---- backward ------------------------------------------------------------------------------------------
 // Head norm only. Grid (heads, ceil(S / 8)); one warp per row: dh from dout through the head norm, into
-// wdh (row-major fp32 (B * NH * S, DV)), with the row's mean / rstd into wmean / wrstd.
+// wdh (row-major (B * NH * S, DV): fp32, bf16 for the tensor-core backward; element o * DV + c from
+// wdh.p), with the row's mean / rstd into wmean / wrstd.
 __global__ void __launch_bounds__(kThreads) mlstm_par_norm_bwd_kernel(const MlstmParallelParams P,
-                                                                      float* __restrict__ wdh,
+                                                                      const StridedView wdh,
                                                                       float* __restrict__ wmean,
                                                                       float* __restrict__ wrstd) {
   const MlstmParams& p = P.f;
@@ -559,7 +560,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_norm_bwd_kernel(const Mlst
   const float mg = sg / float(p.DV), mgx = sgx / float(p.DV);
   for (std::int64_t c = lane; c < p.DV; c += 32) {
     const float xhat = (mlstm_ld(p.h, oh + c) - mean) * rstd;
-    wdh[o * p.DV + c] = rstd * (mlstm_ld(P.dout, od + c) * norm_scale(P, hd, c) - mg - xhat * mgx);
+    mlstm_st(wdh, o * p.DV + c, rstd * (mlstm_ld(P.dout, od + c) * norm_scale(P, hd, c) - mg - xhat * mgx));
   }
   if (lane == 0) wmean[o] = mean, wrstd[o] = rstd;
 }
@@ -734,6 +735,342 @@ __global__ void __launch_bounds__(kThreads) mlstm_par_dq_kernel(const MlstmParal
   }
 }
 
+// ---- backward on tensor cores ------------------------------------------------------------------------
+// bf16 q, k, v and dh (DQK, DV <= 256, the tiles inside the opt-in shared memory), mma.sync m16n8k16
+// with fp32 accumulators; three kernels in place of dq and dkdv (gates and post are shared):
+//   rows_tc  per (head, 64-row block): S = q k^T, dP = dh v^T over the key blocks -> the row terms
+//            inv, db, dmd, r, as the SIMT dq kernel forms them.
+//   dq_tc    per (head, 64-row block, 64-column DQK slab): dP again, dS = scale (dP inv + db) e in
+//            fp32 with db already known (where the two halves cancel, they cancel before any bf16
+//            rounding), packed into bf16 A fragments in registers: dq slab += dS k.
+//   dkdv_tc  per (head, 64-key block, slab z: dv's and dk's 64 columns from 64 z): S^T = k q^T and
+//            dP^T = v dh^T over the query blocks from the diagonal on; dv += (C inv) dh, dk += dS q,
+//            csum (slab 0).
+// Warp w owns block rows 16w..16w+15 (queries in rows_tc / dq_tc, keys in dkdv_tc); the streamed
+// operands land by cp.async in a 2-stage ring while the previous block is multiplied.
+// Dynamic smem, DQKp / DVp = DQK / DV rounded up to 64 (the slabs read whole 64-column tiles),
+// ldq = DQKp + 8, ldv = DVp + 8 (bf16; ldmatrix conflict-free):
+//   f64 sA[2][64] | f32 sinv[2][64] | f32 sdb[2][64] | i32 sarg[2][64] |
+//   bf16 F1[64][ldq] | F2[64][ldv] | T1[2][64][ldq] | T2[2][64][ldv]
+// rows_tc, dq_tc: F1 = q, F2 = dh (the block's rows), T1 = k, T2 = v (the key blocks), sA = a_s.
+// dkdv_tc: F1 = k, F2 = v (the block's keys), T1 = q, T2 = dh (the query blocks), sA = A_t and sinv,
+// sdb, sarg the query blocks' row terms.
+struct TcBwdLayout {
+  int DQKp, DVp, ldq, ldv;
+  std::size_t sA, sinv, sdb, sarg, f1, f2, t1, t2, bytes;
+  __host__ __device__ TcBwdLayout(std::int64_t DQK, std::int64_t DV) {
+    DQKp = int(mtc::round_up(DQK, kT)), DVp = int(mtc::round_up(DV, kT));
+    ldq = DQKp + 8, ldv = DVp + 8;
+    sA = 0, sinv = sA + 8 * 2 * kT, sdb = sinv + 4 * 2 * kT, sarg = sdb + 4 * 2 * kT;
+    f1 = sarg + 4 * 2 * kT;
+    f2 = f1 + 2 * std::size_t(kT) * ldq;
+    t1 = f2 + 2 * std::size_t(kT) * ldv;
+    t2 = t1 + 2 * 2 * std::size_t(kT) * ldq;
+    bytes = t2 + 2 * 2 * std::size_t(kT) * ldv;
+  }
+};
+
+struct TcBwdFlags {
+  bool q, k, v, dh;  // 16-byte rows: cp.async
+};
+
+// P (16 rows x 64 columns, fragment layout of an fp32 accumulator) -> bf16 A fragments over its four
+// 16-column k-steps (FlashAttention-2's register reuse).
+__device__ __forceinline__ void pack_a_frags(std::uint32_t (&pa)[4][4], int j, const float (&pv)[4]) {
+  pa[j >> 1][(j & 1) * 2] = pack_bf16(pv[0], pv[1]);
+  pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16(pv[2], pv[3]);
+}
+
+// acc (16 rows x 64 columns) += pa (16 x 64 k) times the k-major tile Y (64 k rows; columns c0..c0+63)
+__device__ __forceinline__ void mma_frags_k(float (&acc)[8][4], const std::uint32_t (&pa)[4][4],
+                                            const mtc::bf16* Y, int ld, int c0, int lane) {
+#pragma unroll
+  for (int kp = 0; kp < 4; ++kp)
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      std::uint32_t bv[4];
+      ldsm_x4_t(bv, Y + (kp * 16 + ld_row_b_kmajor(lane)) * ld + c0 + 16 * jj + ld_col_b_kmajor(lane));
+      mma_bf16_16816(acc[2 * jj], pa[kp], bv[0], bv[1]);
+      mma_bf16_16816(acc[2 * jj + 1], pa[kp], bv[2], bv[3]);
+    }
+}
+
+// Stores the warp's 16 x 64 accumulator (rows r0 + {gq, gq + 8} of the view's (b, hd) matrix, columns
+// c0..) where row < nrow_ok and column < D.
+__device__ __forceinline__ void store_frags(const StridedView& out, std::int64_t oo, std::int64_t r0, int rA, int rB,
+                                            int nrow_ok, int c0, std::int64_t D, const float (&acc)[8][4], int t4) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int rl = hr ? rB : rA;
+    if (rl >= nrow_ok) continue;
+    const std::int64_t ro = oo + (r0 + rl) * out.s2;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const std::int64_t c = c0 + 8 * j + 2 * t4;
+      if (c < D) mlstm_st(out, ro + c, acc[j][2 * hr]);
+      if (c + 1 < D) mlstm_st(out, ro + c + 1, acc[j][2 * hr + 1]);
+    }
+  }
+}
+
+// Grid (heads, row blocks (longest first), DQ ? DQK slabs : 1). DQ = false: rows_tc (writes inv, db,
+// dmd, r); DQ = true: dq_tc (reads inv, db).
+template <bool DQ>
+__global__ void __launch_bounds__(mtc::kTcThreads) mlstm_par_rows_tc_kernel(
+    const MlstmParallelParams P, const TcBwdFlags fl, const double* __restrict__ wa, const double* __restrict__ wA,
+    const int* __restrict__ warg, float* __restrict__ winv, float* __restrict__ wdb, float* __restrict__ wdmd,
+    float* __restrict__ wr) {
+  using mtc::bf16;
+  extern __shared__ float4 smem_raw[];
+  char* base = reinterpret_cast<char*>(smem_raw);
+  const MlstmParams& p = P.f;
+  const TcBwdLayout lay(p.DQK, p.DV);
+  double* s_a = reinterpret_cast<double*>(base + lay.sA);  // (2 stages, 64 steps) a_s
+  bf16* sq = reinterpret_cast<bf16*>(base + lay.f1);        // (64 rows t, DQKp) q (rows_tc only)
+  bf16* sdh = reinterpret_cast<bf16*>(base + lay.f2);       // (64 rows t, DVp) dh
+  bf16* sk = reinterpret_cast<bf16*>(base + lay.t1);        // (2 stages, 64 steps s, DQKp) k
+  bf16* sv = reinterpret_cast<bf16*>(base + lay.t2);        // (2 stages, 64 steps s, DVp) v
+  const int ldq = lay.ldq, ldv = lay.ldv;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
+  const std::int64_t S = p.S, DQK = p.DQK, DV = p.DV, go = bh * S;
+  const int rb = int(gridDim.y - 1 - blockIdx.y);
+  const std::int64_t row0 = std::int64_t(rb) * kT;
+  const int nrow = int(imin(kT, S - row0)), c0 = int(blockIdx.z) * kT;
+
+  const bf16* qb = static_cast<const bf16*>(p.q.p) + b * p.q.s0 + hd * p.q.s1;
+  const bf16* kb = static_cast<const bf16*>(p.k.p) + b * p.k.s0 + hd * p.k.s1;
+  const bf16* vb = static_cast<const bf16*>(p.v.p) + b * p.v.s0 + hd * p.v.s1;
+  const bf16* dhb = static_cast<const bf16*>(P.dh.p) + b * P.dh.s0 + hd * P.dh.s1;
+  if (!DQ) mtc::load_tile(sq, ldq, kT, lay.DQKp, qb + row0 * p.q.s2, p.q.s2, nrow, int(DQK), fl.q);
+  mtc::load_tile(sdh, ldv, kT, lay.DVp, dhb + row0 * P.dh.s2, P.dh.s2, nrow, int(DV), fl.dh);
+  auto issue = [&](int sb) {  // key block sb into stage sb % 2 (one commit group with anything pending)
+    const int st = sb & 1;
+    const std::int64_t s0 = std::int64_t(sb) * kT;
+    const int ns = int(imin(kT, S - s0));
+    mtc::load_tile(sk + st * kT * ldq, ldq, kT, lay.DQKp, kb + s0 * p.k.s2, p.k.s2, ns, int(DQK), fl.k);
+    mtc::load_tile(sv + st * kT * ldv, ldv, kT, lay.DVp, vb + s0 * p.v.s2, p.v.s2, ns, int(DV), fl.v);
+    if (tid < kT) {
+      if (tid < ns) cp_async8(s_a + st * kT + tid, wa + go + s0 + tid);
+      else s_a[st * kT + tid] = 0.0;
+    }
+    cp_async_commit();
+  };
+  issue(0);
+
+  const float scale = rsqrtf(float(DQK));
+  const int tlA = 16 * warp + gq, tlB = tlA + 8;  // this thread's two block rows
+  const bool inA = tlA < nrow, inB = tlB < nrow;
+  const double AA = inA ? wA[go + row0 + tlA] : 0.0, AB = inB ? wA[go + row0 + tlB] : 0.0;
+  const int argA = inA ? warg[go + row0 + tlA] : -1, argB = inB ? warg[go + row0 + tlB] : -1;
+  float invA = 0.f, invB = 0.f, dbA = 0.f, dbB = 0.f;
+  if (DQ) {
+    if (inA) invA = winv[go + row0 + tlA], dbA = wdb[go + row0 + tlA];
+    if (inB) invB = winv[go + row0 + tlB], dbB = wdb[go + row0 + tlB];
+  }
+  float acc[8][4] = {};                                      // dq_tc: (16 rows, 64 slab columns) dq
+  float sdcA = 0.f, sdcB = 0.f, rdpA = 0.f, rdpB = 0.f, rcsA = 0.f, rcsB = 0.f;  // rows_tc: row sums
+  for (int sb = 0; sb <= rb; ++sb) {
+    cp_async_wait<0>();
+    __syncthreads();  // stage sb landed for all; everyone is done with stage (sb + 1) % 2
+    if (sb < rb) issue(sb + 1);
+    const int st = sb & 1;
+    const std::int64_t s0 = std::int64_t(sb) * kT;
+    const bf16* kt = sk + st * kT * ldq;
+    const bf16* vt = sv + st * kT * ldv;
+    const double* at = s_a + st * kT;
+    float pacc[8][4] = {};  // (16 rows, 64 steps) dh v^T
+    mtc::mma_rn(pacc, sdh, ldv, warp, vt, ldv, lay.DVp, lane);
+    if constexpr (DQ) {
+      std::uint32_t pa[4][4];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float pv[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const bool rA = e < 2;
+          const int tl = rA ? tlA : tlB, sl = 8 * j + 2 * t4 + (e & 1);
+          const bool on = tl < nrow && s0 + sl <= row0 + tl;
+          pv[e] = on ? scale * fmaf(pacc[j][e], rA ? invA : invB, rA ? dbA : dbB) *
+                           __expf(float(at[sl] - (rA ? AA : AB)))
+                     : 0.f;
+        }
+        pack_a_frags(pa, j, pv);
+      }
+      mma_frags_k(acc, pa, kt, ldq, c0, lane);
+    } else {
+      float sacc[8][4] = {};  // (16 rows, 64 steps) q k^T
+      mtc::mma_rn(sacc, sq, ldq, warp, kt, ldq, lay.DQKp, lane);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const bool rA = e < 2;
+          const int tl = rA ? tlA : tlB, sl = 8 * j + 2 * t4 + (e & 1);
+          if (!(tl < nrow && s0 + sl <= row0 + tl)) continue;
+          const float ee = __expf(float(at[sl] - (rA ? AA : AB)));
+          const float C = scale * sacc[j][e] * ee, x = pacc[j][e] * C;
+          const bool off = (rA ? argA : argB) != s0 + sl;
+          if (rA) {
+            sdcA += x;
+            if (off) rdpA += x, rcsA += C;
+          } else {
+            sdcB += x;
+            if (off) rdpB += x, rcsB += C;
+          }
+        }
+    }
+  }
+  if constexpr (DQ) {
+    if (P.dq.p)
+      store_frags(P.dq, b * P.dq.s0 + hd * P.dq.s1, row0, tlA, tlB, nrow, c0, DQK, acc, t4);
+  } else {
+    // the four lanes of a row hold its sums in parts (fixed xor trees: every lane the same bits)
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+      sdcA += __shfl_xor_sync(0xffffffffu, sdcA, o), sdcB += __shfl_xor_sync(0xffffffffu, sdcB, o);
+      rdpA += __shfl_xor_sync(0xffffffffu, rdpA, o), rdpB += __shfl_xor_sync(0xffffffffu, rdpB, o);
+      rcsA += __shfl_xor_sync(0xffffffffu, rcsA, o), rcsB += __shfl_xor_sync(0xffffffffu, rcsB, o);
+    }
+    if (t4 != 0) return;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int tl = hr ? tlB : tlA;
+      if (tl >= nrow) continue;
+      const std::int64_t t = row0 + tl;
+      const float m = mlstm_ld(P.m, b * P.m.s0 + hd * P.m.s1 + t), bb = mlstm_ld(P.b, b * P.b.s0 + hd * P.b.s1 + t);
+      const float em = expf(-m), ab = fabsf(bb), inv = norm_inv(fmaxf(ab, em), p.eps);  // the forward's n
+      const float d = inv * (hr ? sdcB : sdcA), dn = -d * inv;
+      const float wb = ab > em ? 1.f : (ab < em ? 0.f : 0.5f);  // torch.maximum splits a tie in halves
+      const float sg = bb > 0.f ? 1.f : (bb < 0.f ? -1.f : 0.f);
+      const float db = dn * wb * sg;
+      const float eem = p.eps > 0.f ? p.eps * expf(m) : 0.f;  // as the SIMT dq kernel: finite for every m
+      winv[go + t] = inv, wdb[go + t] = db, wdmd[go + t] = (1.f - wb) * d / (1.f + eem);
+      wr[go + t] = fmaf(inv, hr ? rdpB : rdpA, db * (hr ? rcsB : rcsA));
+    }
+  }
+}
+
+// Grid (heads, key blocks (longest first: block 0 meets every query block), slabs max(DQKp, DVp) / 64).
+__global__ void __launch_bounds__(mtc::kTcThreads) mlstm_par_dkdv_tc_kernel(const MlstmParallelParams P,
+                                                                             const TcBwdFlags fl,
+                                                                             const double* __restrict__ wa,
+                                                                             const RowTerms rt,
+                                                                             float* __restrict__ wcsum) {
+  using mtc::bf16;
+  extern __shared__ float4 smem_raw[];
+  char* base = reinterpret_cast<char*>(smem_raw);
+  const MlstmParams& p = P.f;
+  const TcBwdLayout lay(p.DQK, p.DV);
+  double* s_A = reinterpret_cast<double*>(base + lay.sA);  // (2 stages, 64 queries) A_t
+  float* s_inv = reinterpret_cast<float*>(base + lay.sinv);  // (2 stages, 64 queries) inv_t
+  float* s_db = reinterpret_cast<float*>(base + lay.sdb);    // (2 stages, 64 queries) db_t
+  int* s_arg = reinterpret_cast<int*>(base + lay.sarg);      // (2 stages, 64 queries) s*_t
+  bf16* sk = reinterpret_cast<bf16*>(base + lay.f1);         // (64 keys s, DQKp) k
+  bf16* sv = reinterpret_cast<bf16*>(base + lay.f2);         // (64 keys s, DVp) v
+  bf16* sq = reinterpret_cast<bf16*>(base + lay.t1);         // (2 stages, 64 queries t, DQKp) q
+  bf16* sdh = reinterpret_cast<bf16*>(base + lay.t2);        // (2 stages, 64 queries t, DVp) dh
+  const int ldq = lay.ldq, ldv = lay.ldv;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
+  const std::int64_t S = p.S, DQK = p.DQK, DV = p.DV, go = bh * S;
+  const int kbk = int(blockIdx.y), nqb = int(gridDim.y), c0 = int(blockIdx.z) * kT;
+  const std::int64_t s0 = std::int64_t(kbk) * kT;
+  const int nk = int(imin(kT, S - s0));
+  const bool want_dv = P.dv.p && c0 < DV, want_dk = P.dk.p && c0 < DQK;
+
+  const bf16* qb = static_cast<const bf16*>(p.q.p) + b * p.q.s0 + hd * p.q.s1;
+  const bf16* kb = static_cast<const bf16*>(p.k.p) + b * p.k.s0 + hd * p.k.s1;
+  const bf16* vb = static_cast<const bf16*>(p.v.p) + b * p.v.s0 + hd * p.v.s1;
+  const bf16* dhb = static_cast<const bf16*>(P.dh.p) + b * P.dh.s0 + hd * P.dh.s1;
+  mtc::load_tile(sk, ldq, kT, lay.DQKp, kb + s0 * p.k.s2, p.k.s2, nk, int(DQK), fl.k);
+  mtc::load_tile(sv, ldv, kT, lay.DVp, vb + s0 * p.v.s2, p.v.s2, nk, int(DV), fl.v);
+  auto issue = [&](int qb_) {  // query block qb_ into stage (qb_ - kbk) % 2
+    const int st = (qb_ - kbk) & 1;
+    const std::int64_t t0 = std::int64_t(qb_) * kT;
+    const int nt = int(imin(kT, S - t0));
+    mtc::load_tile(sq + st * kT * ldq, ldq, kT, lay.DQKp, qb + t0 * p.q.s2, p.q.s2, nt, int(DQK), fl.q);
+    mtc::load_tile(sdh + st * kT * ldv, ldv, kT, lay.DVp, dhb + t0 * P.dh.s2, P.dh.s2, nt, int(DV), fl.dh);
+    if (tid < kT) {
+      const int o = st * kT + tid;
+      if (tid < nt) {
+        cp_async8(s_A + o, rt.A + go + t0 + tid);
+        cp_async4(s_inv + o, rt.inv + go + t0 + tid);
+        cp_async4(s_db + o, rt.db + go + t0 + tid);
+        cp_async4(s_arg + o, rt.arg + go + t0 + tid);
+      } else {
+        s_A[o] = 0.0, s_inv[o] = 0.f, s_db[o] = 0.f, s_arg[o] = -1;
+      }
+    }
+    cp_async_commit();
+  };
+  issue(kbk);
+
+  const float scale = rsqrtf(float(DQK));
+  const int slA = 16 * warp + gq, slB = slA + 8;  // this thread's two keys
+  const double aA = slA < nk ? wa[go + s0 + slA] : 0.0, aB = slB < nk ? wa[go + s0 + slB] : 0.0;
+  float accv[8][4] = {}, acck[8][4] = {};  // (16 keys, 64 slab columns) dv and dk
+  float csA = 0.f, csB = 0.f;              // csum parts of the two keys
+  for (int qbi = kbk; qbi < nqb; ++qbi) {
+    cp_async_wait<0>();
+    __syncthreads();  // stage landed for all; everyone is done with the other stage
+    if (qbi + 1 < nqb) issue(qbi + 1);
+    const int st = (qbi - kbk) & 1;
+    const std::int64_t t0 = std::int64_t(qbi) * kT;
+    const bf16* qt = sq + st * kT * ldq;
+    const bf16* dht = sdh + st * kT * ldv;
+    const double* At = s_A + st * kT;
+    const float* invt = s_inv + st * kT;
+    const float* dbt = s_db + st * kT;
+    const int* argt = s_arg + st * kT;
+    float sacc[8][4] = {}, pacc[8][4] = {};  // (16 keys, 64 queries): k q^T and v dh^T
+    mtc::mma_rn(sacc, sk, ldq, warp, qt, ldq, lay.DQKp, lane);
+    mtc::mma_rn(pacc, sv, ldv, warp, dht, ldv, lay.DVp, lane);
+    std::uint32_t pvf[4][4], pkf[4][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float cv[4], ck[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool rA = e < 2;
+        const int sl = rA ? slA : slB, tl = 8 * j + 2 * t4 + (e & 1);
+        // tl < nt: rows past S have inv = db = 0 and A = 0, but a_s - 0 may overflow exp; mask them
+        const bool on = sl < nk && t0 + tl < S && s0 + sl <= t0 + tl;
+        cv[e] = 0.f, ck[e] = 0.f;
+        if (on) {
+          const float ee = __expf(float((rA ? aA : aB) - At[tl]));
+          const float C = scale * sacc[j][e] * ee, dC = fmaf(pacc[j][e], invt[tl], dbt[tl]);
+          if (argt[tl] != s0 + sl) (rA ? csA : csB) += dC * C;  // the arg-max entry: post (dmd - r)
+          cv[e] = C * invt[tl], ck[e] = scale * dC * ee;
+        }
+      }
+      pack_a_frags(pvf, j, cv);
+      pack_a_frags(pkf, j, ck);
+    }
+    if (want_dv) mma_frags_k(accv, pvf, dht, ldv, c0, lane);
+    if (want_dk) mma_frags_k(acck, pkf, qt, ldq, c0, lane);
+  }
+  if (want_dv) store_frags(P.dv, b * P.dv.s0 + hd * P.dv.s1, s0, slA, slB, nk, c0, DV, accv, t4);
+  if (want_dk) store_frags(P.dk, b * P.dk.s0 + hd * P.dk.s1, s0, slA, slB, nk, c0, DQK, acck, t4);
+  if (blockIdx.z == 0) {
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1)
+      csA += __shfl_xor_sync(0xffffffffu, csA, o), csB += __shfl_xor_sync(0xffffffffu, csB, o);
+    if (t4 == 0) {
+      if (slA < nk) wcsum[go + s0 + slA] = csA;
+      if (slB < nk) wcsum[go + s0 + slB] = csB;
+    }
+  }
+}
+
+bool par_bwd_tc_applies(const MlstmParams& p, DType dh_dtype) {
+  return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 &&
+         dh_dtype == DType::bf16 && p.DQK <= 256 && p.DV <= 256 &&
+         TcBwdLayout(p.DQK, p.DV).bytes <= smem_per_block_optin();
+}
+
 // One CTA per head: di and df (see the file comment). wP, wdi: the workspace's g and a parts, reused.
 __global__ void __launch_bounds__(kPiece) mlstm_par_post_kernel(const MlstmParallelParams P,
                                                                 const int* __restrict__ warg,
@@ -870,13 +1207,14 @@ void mlstm_parallel_bwd_cuda(const MlstmParallelParams& P, void* workspace, std:
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   mlstm_par_gates_kernel<<<heads, kPiece, 0, s>>>(p, wg, wa, wA, warg);
   FW_CUDA_CHECK_LAUNCH(op);
-  float *wdh = reinterpret_cast<float*>(ws + w.dh), *wmean = reinterpret_cast<float*>(ws + w.mean),
-        *wrstd = reinterpret_cast<float*>(ws + w.rstd);
+  float *wmean = reinterpret_cast<float*>(ws + w.mean), *wrstd = reinterpret_cast<float*>(ws + w.rstd);
+  // bf16 operands: the tensor-core kernels (with the head norm, dh is written in bf16 for them)
+  const bool tc = par_bwd_tc_applies(p, norm ? DType::bf16 : P.dh.dtype);
   MlstmParallelParams Q = P;  // with the head norm, the tile kernels read dh from the workspace
   if (norm) {
-    mlstm_par_norm_bwd_kernel<<<dim3(heads, unsigned((p.S + 7) / 8)), kThreads, 0, s>>>(P, wdh, wmean, wrstd);
+    Q.dh = StridedView{ws + w.dh, tc ? DType::bf16 : DType::f32, p.NH * p.S * p.DV, p.S * p.DV, p.DV};
+    mlstm_par_norm_bwd_kernel<<<dim3(heads, unsigned((p.S + 7) / 8)), kThreads, 0, s>>>(P, Q.dh, wmean, wrstd);
     FW_CUDA_CHECK_LAUNCH(op);
-    Q.dh = StridedView{wdh, DType::f32, p.NH * p.S * p.DV, p.S * p.DV, p.DV};
     if (P.dnw.p || P.dnb.p) {
       mlstm_par_norm_dw_kernel<<<dim3(unsigned(p.NH), unsigned((p.DV + 31) / 32)), kThreads, 0, s>>>(P, wmean, wrstd);
       FW_CUDA_CHECK_LAUNCH(op);
@@ -885,16 +1223,39 @@ void mlstm_parallel_bwd_cuda(const MlstmParallelParams& P, void* workspace, std:
   const std::size_t smem = sizeof(ParSmem);
   const bool kv_grad = P.dk.p || P.dv.p || gates_grad;
   if (!P.dq.p && !kv_grad) return;
-  // dq first: it also forms the row terms (inv, db, dmd, r) that dkdv and post read
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_dq_kernel), kThreads, smem);
-  mlstm_par_dq_kernel<<<dim3(heads, blocks, P.dq.p ? kt : 1u), kThreads, smem, s>>>(Q, wa, wA, warg, winv, wdb, wdmd,
-                                                                                    wr);
-  FW_CUDA_CHECK_LAUNCH(op);
-  if (kv_grad) {
-    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_dkdv_kernel), kThreads, smem);
-    mlstm_par_dkdv_kernel<<<dim3(heads, blocks, vt + kt), kThreads, smem, s>>>(Q, wa, RowTerms{wA, winv, wdb, warg},
-                                                                              wcsum);
+  if (tc) {
+    const TcBwdFlags fl{mtc::rows16(p.q), mtc::rows16(p.k), mtc::rows16(p.v), mtc::rows16(Q.dh)};
+    const TcBwdLayout lay(p.DQK, p.DV);
+    const int thr = mtc::kTcThreads;
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_rows_tc_kernel<false>), thr, lay.bytes);
+    mlstm_par_rows_tc_kernel<false><<<dim3(heads, blocks, 1), thr, lay.bytes, s>>>(Q, fl, wa, wA, warg, winv, wdb,
+                                                                                    wdmd, wr);
     FW_CUDA_CHECK_LAUNCH(op);
+    if (P.dq.p) {
+      (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_rows_tc_kernel<true>), thr, lay.bytes);
+      mlstm_par_rows_tc_kernel<true><<<dim3(heads, blocks, unsigned(lay.DQKp / kT)), thr, lay.bytes, s>>>(
+          Q, fl, wa, wA, warg, winv, wdb, wdmd, wr);
+      FW_CUDA_CHECK_LAUNCH(op);
+    }
+    if (kv_grad) {
+      (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_dkdv_tc_kernel), thr, lay.bytes);
+      const unsigned slabs = unsigned(std::max(lay.DQKp, lay.DVp) / kT);
+      mlstm_par_dkdv_tc_kernel<<<dim3(heads, blocks, slabs), thr, lay.bytes, s>>>(
+          Q, fl, wa, RowTerms{wA, winv, wdb, warg}, wcsum);
+      FW_CUDA_CHECK_LAUNCH(op);
+    }
+  } else {
+    // dq first: it also forms the row terms (inv, db, dmd, r) that dkdv and post read
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_dq_kernel), kThreads, smem);
+    mlstm_par_dq_kernel<<<dim3(heads, blocks, P.dq.p ? kt : 1u), kThreads, smem, s>>>(Q, wa, wA, warg, winv, wdb, wdmd,
+                                                                                      wr);
+    FW_CUDA_CHECK_LAUNCH(op);
+    if (kv_grad) {
+      (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_par_dkdv_kernel), kThreads, smem);
+      mlstm_par_dkdv_kernel<<<dim3(heads, blocks, vt + kt), kThreads, smem, s>>>(Q, wa, RowTerms{wA, winv, wdb, warg},
+                                                                                wcsum);
+      FW_CUDA_CHECK_LAUNCH(op);
+    }
   }
   if (gates_grad) {
     mlstm_par_post_kernel<<<heads, kPiece, 0, s>>>(P, warg, wr, wdmd, wcsum, wg, wa);
