@@ -5,9 +5,12 @@ shared/BENCHMARKS.md).
 
     python bench/bench_mlstm.py [--quick] [--out DIR] [--providers fastweight,limit_chunk,...]
     python bench/bench_mlstm.py --dry-cpu      # tiny shapes on the CPU: checks the script's logic
+    python bench/bench_mlstm.py --parallel     # the parallel form: fw_parallel, parallel, sdpa at
+                                               # its shapes (S <= 4096; the S x S work grows as S^2)
 
 Providers (a failing one shows as n/a with its reason, the run goes on):
   fastweight      fastweight.mlstm (chunk 64; --chunk to change)
+  fw_parallel     fastweight.mlstm_parallel (seed 000's parallel form, tiled; h of its (h, n, m))
   xl_chunk        mlstm_kernels chunkwise--triton_xl_chunk (TFLA; does not compile under Triton 3.6
                   on Hopper, BENCHMARKS.md)
   limit_chunk     mlstm_kernels chunkwise--triton_limit_chunk
@@ -34,6 +37,9 @@ SHAPES = [(2, 16, 8192, 128, 128), (1, 8, 8192, 256, 512), (8, 16, 8192, 128, 25
 QUICK = [(2, 16, 8192, 128, 128), (2, 16, 1000, 128, 128)]
 DRY = [(1, 2, 64, 16, 16), (1, 2, 37, 16, 8)]
 PROVIDERS = ["fastweight", "xl_chunk", "limit_chunk", "parallel", "native", "sdpa"]
+PAR_SHAPES = [(2, 8, 2048, 64, 64), (2, 8, 2048, 128, 128), (1, 8, 4096, 128, 128), (4, 16, 1024, 256, 256)]
+PAR_QUICK = [(2, 8, 2048, 128, 128)]
+PAR_PROVIDERS = ["fw_parallel", "parallel", "sdpa"]
 
 
 def make_call(name, fw, chunk):
@@ -41,6 +47,8 @@ def make_call(name, fw, chunk):
     import torch
     if name == "fastweight":
         return lambda q, k, v, i, f: fw.mlstm(q, k, v, i, f, chunk_size=chunk)
+    if name == "fw_parallel":
+        return lambda q, k, v, i, f: fw.mlstm_parallel(q, k, v, i, f)[0]
     if name == "sdpa":
         return lambda q, k, v, i, f: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     from mlstm_kernels.torch import get_mlstm_kernel
@@ -53,7 +61,12 @@ def make_call(name, fw, chunk):
 
 
 def main():
-    c = Ctx(__doc__, SHAPES, QUICK, DRY, PROVIDERS)
+    par = "--parallel" in sys.argv[1:]
+    argv = [a for a in sys.argv[1:] if a != "--parallel"]
+    if par:
+        c = Ctx(__doc__, PAR_SHAPES, PAR_QUICK, DRY, PAR_PROVIDERS, argv)
+    else:
+        c = Ctx(__doc__, SHAPES, QUICK, DRY, PROVIDERS, argv)
     torch = c.torch
     for (B, NH, S, DQK, DV) in c.shapes:
         _, mk = c.maker()
@@ -65,7 +78,7 @@ def main():
                 call = make_call(name, c.fw, c.a.chunk)
                 with torch.no_grad():
                     h = call(q, k, v, i, f)
-                if name == "fastweight":
+                if name in ("fastweight", "fw_parallel"):
                     ref["h"] = h.float()
                 elif "h" in ref and name != "sdpa":
                     row["err"] = float((h.float() - ref["h"]).norm() / ref["h"].norm())
@@ -74,7 +87,7 @@ def main():
                 measure(row, torch, c.cuda, c.a.reps, lambda: call(q, k, v, i, f),
                         lambda: torch.autograd.backward(call(*args), dh))
             run_case(c.rows, c.row(f"{B},{NH},{S},{DQK},{DV}", name), body)
-    report(c.rows, c.a.out, "bench_mlstm", c.dev, "shape (B,NH,S,DQK,DV)", "h err vs fastweight")
+    report(c.rows, c.a.out, "bench_mlstm_parallel" if par else "bench_mlstm", c.dev, "shape (B,NH,S,DQK,DV)", "h err vs fastweight")
     return 0
 
 
