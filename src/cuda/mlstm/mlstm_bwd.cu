@@ -713,21 +713,126 @@ __global__ void __launch_bounds__(kThreads) k4_gates(const MlstmBwdParams B, flo
   if (tid == 0 && B.dm0.p) mlstm_st(B.dm0, b * B.dm0.s0 + hd * B.dm0.s1, float(dm0 + s_tot));
 }
 
+// ---- DV above the tensor-core kernels' 128: the backward per DV slab ---------------------------------
+// The backward is linear in the output cotangents (dh, dc_last, dn_last, dm_last), and the slab
+// problem (q, k, v[..., slab], i, f) has the full problem's den, m and n (none depends on v) and
+// h[..., slab] as its output. So the full backward is the sum over slabs of the slab problems'
+// backwards, slab j taking dh[..., slab j] and dc_last[..., slab j] (and slab 0 alone dn_last,
+// dm_last): dv, dc0 are written per slab in place; dq, dk, di, df, dn0, dm0 are summed in fp32 in the
+// workspace in slab order (deterministic), then stored once. Exact, not an approximation.
+constexpr std::int64_t kSlabDV = 128;
+
+MlstmBwdParams slab_problem(const MlstmBwdParams& B, std::int64_t j) {
+  MlstmBwdParams s = B;
+  const std::int64_t c0 = j * kSlabDV;
+  s.f.DV = std::min(kSlabDV, B.f.DV - c0);
+  auto shift = [&](StridedView& t) {  // columns c0.. of a view whose last dim is DV (contiguous)
+    if (t.p) t.p = static_cast<char*>(t.p) + c0 * std::int64_t(dtype_size(t.dtype));
+  };
+  shift(s.f.v), shift(s.f.h), shift(s.f.c0), shift(s.dh), shift(s.dc_last), shift(s.dv), shift(s.dc0);
+  if (j > 0) s.dn_last = s.dm_last = StridedView{};
+  return s;
+}
+
+bool split_applies(const MlstmBwdParams& B) {
+  return B.f.DV > kSlabDV && mlstm_bwd_k3_tc_applies(slab_problem(B, 0));
+}
+
+// fp32 sums after the core workspace of one slab: acc then tmp, each dq, dk (B NH S DQK), di, df
+// (B NH S), dn0 (B NH DQK), dm0 (B NH); offsets in floats.
+struct SplitWs {
+  std::int64_t part[6], len[6], acc, tmp, total;
+  explicit SplitWs(const MlstmBwdParams& B) {
+    const MlstmParams& p = B.f;
+    const std::int64_t core = BwdWs(slab_problem(B, 0).f).total, hs = p.B * p.NH;
+    const std::int64_t n[6] = {hs * p.S * p.DQK, hs * p.S * p.DQK, hs * p.S, hs * p.S, hs * p.DQK, hs};
+    std::int64_t o = 0;
+    for (int e = 0; e < 6; ++e) part[e] = o, len[e] = n[e], o += (n[e] + 63) / 64 * 64;
+    acc = core, tmp = core + o, total = core + 2 * o;
+  }
+};
+
+__global__ void split_add_kernel(float* __restrict__ acc, const float* __restrict__ tmp, std::int64_t n) {
+  for (std::int64_t e = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; e < n; e += std::int64_t(gridDim.x) * blockDim.x)
+    acc[e] += tmp[e];
+}
+
+// acc (B, NH, R, D) contiguous -> out element (b, h, r, c) at b s0 + h s1 + r s2 + c
+__global__ void split_store_kernel(const float* __restrict__ acc, const StridedView out, std::int64_t NH,
+                                   std::int64_t R, std::int64_t D, std::int64_t n) {
+  for (std::int64_t e = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; e < n;
+       e += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t c = e % D, r = (e / D) % R, h = (e / (D * R)) % NH, b = e / (D * R * NH);
+    mlstm_st(out, b * out.s0 + h * out.s1 + r * out.s2 + c, acc[e]);
+  }
+}
+
+unsigned grid_for(std::int64_t n) { return unsigned(std::min<std::int64_t>((n + 255) / 256, 4096)); }
+
+void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream);
+
+void bwd_split(const MlstmBwdParams& B, float* ws, Stream stream) {
+  const MlstmParams& p = B.f;
+  const SplitWs W(B);
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  StridedView* outs[6] = {nullptr};
+  MlstmBwdParams proto = B;
+  StridedView* targets[6] = {&proto.dq, &proto.dk, &proto.di, &proto.df, &proto.dn0, &proto.dm0};
+  const std::int64_t dims[6][2] = {{p.S, p.DQK}, {p.S, p.DQK}, {1, p.S}, {1, p.S}, {1, p.DQK}, {1, 1}};
+  const std::int64_t nsl = (p.DV + kSlabDV - 1) / kSlabDV;
+  for (std::int64_t j = 0; j < nsl; ++j) {
+    MlstmBwdParams sj = slab_problem(B, j);
+    StridedView* mine[6] = {&sj.dq, &sj.dk, &sj.di, &sj.df, &sj.dn0, &sj.dm0};
+    for (int e = 0; e < 6; ++e) {
+      if (!targets[e]->p) continue;
+      outs[e] = targets[e];
+      // the contiguous fp32 (B, NH, R, D) part as a view: s0 = NH R D, s1 = R D, s2 = D (R = 1: unused)
+      const std::int64_t R = dims[e][0], D = dims[e][1];
+      *mine[e] = StridedView{ws + (j == 0 ? W.acc : W.tmp) + W.part[e], DType::f32, p.NH * R * D, R * D, D};
+    }
+    bwd_core(sj, ws, stream);
+    if (j == 0) continue;
+    for (int e = 0; e < 6; ++e) {
+      if (!outs[e] || W.len[e] == 0) continue;
+      split_add_kernel<<<grid_for(W.len[e]), 256, 0, s>>>(ws + W.acc + W.part[e], ws + W.tmp + W.part[e], W.len[e]);
+      FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+    }
+  }
+  for (int e = 0; e < 6; ++e) {
+    if (!outs[e] || W.len[e] == 0) continue;
+    split_store_kernel<<<grid_for(W.len[e]), 256, 0, s>>>(ws + W.acc + W.part[e], *outs[e], p.NH, dims[e][0],
+                                                           dims[e][1], W.len[e]);
+    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  }
+}
+
 }  // namespace
 
-std::size_t mlstm_bwd_workspace_bytes(const MlstmBwdParams& b) { return std::size_t(BwdWs(b.f).total) * 4; }
+std::size_t mlstm_bwd_workspace_bytes(const MlstmBwdParams& b) {
+  return std::size_t(split_applies(b) ? SplitWs(b).total : BwdWs(b.f).total) * 4;
+}
 
 void mlstm_bwd_cuda(const MlstmBwdParams& B, void* workspace, std::size_t workspace_bytes, Stream stream) {
+  const MlstmParams& p = B.f;
+  if (p.B * p.NH == 0) return;
+  const std::size_t need = mlstm_bwd_workspace_bytes(B);
+  if (workspace_bytes < need) throw ArgumentError(cat("mlstm_bwd: workspace: ", workspace_bytes, " bytes, need ", need));
+  if (split_applies(B))
+    bwd_split(B, static_cast<float*>(workspace), stream);
+  else
+    bwd_core(B, static_cast<float*>(workspace), stream);
+}
+
+namespace {
+// The backward of one problem (DV <= 128 where the tensor-core kernels run) into workspace ws.
+void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream) {
   const MlstmParams& p = B.f;
   const BwdWs L(p);
   const std::int64_t heads = p.B * p.NH;
   if (heads == 0) return;
-  if (workspace_bytes < std::size_t(L.total) * 4)
-    throw ArgumentError(cat("mlstm_bwd: workspace: ", workspace_bytes, " bytes, need ", L.total * 4));
   const std::int64_t kt = (p.DQK + kT - 1) / kT, vt = (p.DV + kT - 1) / kT;
   if (heads > 0x7fffffff || L.NC > 65535 || L.rbs * kt > 65535 || kt > 65535 || vt > 65535)
     throw Error(cat("mlstm_bwd: grid too large (heads ", heads, ", chunks ", L.NC, ")"));
-  float* ws = static_cast<float*>(workspace);
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   MlstmParams pf = p;
   pf.c_last = pf.n_last = pf.m_last = StridedView{};
@@ -763,5 +868,6 @@ void mlstm_bwd_cuda(const MlstmBwdParams& B, void* workspace, std::size_t worksp
   k4_gates<<<H, kThreads, 0, s>>>(B, ws, L);
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
 }
+}  // namespace
 
 }  // namespace fastweight::detail
