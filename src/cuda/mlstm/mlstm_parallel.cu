@@ -1,7 +1,8 @@
 // mlstm_parallel.cu: the parallel mLSTM (seed 000; MATH.md §2) on CUDA, FlashAttention-style: the
 // S x S matrices (decay, scores, their gradients) exist only as 64 x 64 tiles in shared memory, never
-// in global memory. fp32 compute for every IO dtype (fp32 in true fp32: no tensor cores); any strides
-// with contiguous rows; any S, DQK, DV (tails are zero-filled in the tiles).
+// in global memory. fp32 compute for every IO dtype (fp32 in true fp32: no tensor cores; bf16 with
+// DQK, DV <= 256 on tensor cores, fp32 accumulators: fwd_tc and the backward's rows_tc, dq_tc,
+// dkdv_tc); any strides with contiguous rows; any S, DQK, DV (tails are zero-filled in the tiles).
 //
 // Notation (float64 where it is a difference of cumulative gates, |g| reaching 20 S):
 //   g_t = lf_0 + ... + lf_t,  a_t = i_t - g_t,  A_t = max_{s <= t} a_s (and its first arg-max s*_t)
