@@ -44,6 +44,12 @@ struct K3Layout {
   }
 };
 
+// K1's own order, 2 CTAs per SM: q | dh | k | v | st | nv, with st_lo written over k | v once q k^T
+// is done with them (Dq ldv <= 64 (ldq + ldv) for Dq, Dv <= 128). Bytes:
+__host__ __device__ inline std::size_t k1_smem_bytes(const K3Layout& l) {
+  return 2 * (2 * std::size_t(kT) * (l.ldq + l.ldv) + std::size_t(l.Dq) * l.ldv) + 4 * std::size_t(l.Dq);
+}
+
 struct K3Smem {
   bf16 *q, *k, *dh, *v, *st, *lo;
   float *nv, *inv, *db;
@@ -325,17 +331,26 @@ __global__ void __launch_bounds__(kThreads, 2) k3kv_tc(const MlstmBwdParams B, c
 // normaliser's argument), si_t = scale e_t dh_t . (q_t C_k) and sa_t = sum_s P_ts (dh_t . v_s) (dh
 // against the inter and intra numerators), then as k1_rows: 1/den, db, corr = eps dden, eY. P, dh v^T
 // and q C_k (C_k as bf16 hi + lo) are products on tensor cores; every sum over them is fp32.
-__global__ void __launch_bounds__(kThreads, 1) k1_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
+__global__ void __launch_bounds__(kThreads, 2) k1_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
   const MlstmParams& p = B.f;
   __shared__ double s_g[kT], s_a[kT], s_M[kT];
   extern __shared__ float4 smem_raw[];
-  const K3Smem sm(reinterpret_cast<char*>(smem_raw), p.DQK, p.DV, true);
+  char* base = reinterpret_cast<char*>(smem_raw);
+  K3Smem sm(base, p.DQK, p.DV, false);  // K1's order (k1_smem_bytes): the pointers set here
+  {
+    const std::size_t ldq = sm.lay.ldq, ldv = sm.lay.ldv, tq = 2 * kT * ldq, tv = 2 * kT * ldv;
+    sm.q = reinterpret_cast<bf16*>(base), sm.dh = reinterpret_cast<bf16*>(base + tq);
+    sm.k = reinterpret_cast<bf16*>(base + tq + tv), sm.v = reinterpret_cast<bf16*>(base + 2 * tq + tv);
+    sm.st = reinterpret_cast<bf16*>(base + 2 * tq + 2 * tv);
+    sm.nv = reinterpret_cast<float*>(base + 2 * tq + 2 * tv + 2 * std::size_t(sm.lay.Dq) * ldv);
+    sm.lo = nullptr, sm.inv = sm.db = nullptr;  // lo: over k | v after q k^T, dh v^T (below)
+  }
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
   const int n = int(lmin(kT, p.S - t0));
   const double mk = double(ws[L.m + bh * L.ns + kc]);
-  k3_load(B, fl, sm, b, hd, t0, n, ws + L.c + (bh * L.ns + kc) * p.DQK * p.DV, ws + L.n + (bh * L.ns + kc) * p.DQK,
-          nullptr, nullptr);
+  const float* stf = ws + L.c + (bh * L.ns + kc) * p.DQK * p.DV;
+  k3_load(B, fl, sm, b, hd, t0, n, stf, ws + L.n + (bh * L.ns + kc) * p.DQK, nullptr, nullptr);
   mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);  // synchronises: the loads are visible
   const float scale = rsqrtf(float(p.DQK));
   const int Dq = sm.lay.Dq, Dv = sm.lay.Dv, ldq = sm.lay.ldq, ldv = sm.lay.ldv;
@@ -358,6 +373,18 @@ __global__ void __launch_bounds__(kThreads, 1) k1_tc(const MlstmBwdParams B, con
         (e < 2 ? saA : saB) += P * wacc[j][e];
       }
   }
+  __syncthreads();  // every warp is done with k and v: C_k's low part goes over them
+  {
+    bf16* lo = sm.k;
+    const int DQK = int(p.DQK), DV = int(p.DV);
+    for (int e = tid; e < Dq * Dv; e += kThreads) {
+      const int r = e / Dv, c = e % Dv;
+      const float x = r < DQK && c < DV ? stf[r * DV + c] : 0.f;
+      lo[r * ldv + c] = __float2bfloat16_rn(x - __bfloat162float(sm.st[r * ldv + c]));
+    }
+    sm.lo = lo;
+  }
+  __syncthreads();
   float siA = 0.f, siB = 0.f;  // dh_t . (q_t C_k): this lane's part
   {
     float acc[16][4] = {};
@@ -631,9 +658,9 @@ void mlstm_bwd_k1_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream 
   const MlstmParams& p = B.f;
   if (L.NC == 0 || L.heads == 0) return;
   const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
-  const K3Layout lay(p.DQK, p.DV, true);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k1_tc), kThreads, lay.bytes);
-  k1_tc<<<dim3(unsigned(L.heads), unsigned(L.NC)), kThreads, lay.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
+  const std::size_t bytes = k1_smem_bytes(K3Layout(p.DQK, p.DV, false));
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k1_tc), kThreads, bytes);
+  k1_tc<<<dim3(unsigned(L.heads), unsigned(L.NC)), kThreads, bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
       B, fl, ws, L);
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
 }
