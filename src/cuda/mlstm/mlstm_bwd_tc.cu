@@ -438,13 +438,16 @@ __global__ void __launch_bounds__(kThreads, 2) k1_tc(const MlstmBwdParams B, con
 }
 
 // ---- K2 on tensor cores: the reverse scan of the state gradients -----------------------------------
-// Grid (heads, DQK tiles, DV tiles) as k2_scan; warp w owns dC rows r0 + 16w.., all 64 columns, in
-// fp32 accumulators (the exact chain), walking the chunks backwards:
+// Grid (heads, DQK tiles, DV tiles) as k2_scan; 8 warps: warp w owns dC rows r0 + 16 (w % 4).. and
+// columns c0 + 32 (w / 4).. in fp32 accumulators (the exact chain), walking the chunks backwards:
 //   dC_k = d_k dC_{k+1} + sum_t (e_t scale / den_t) q_t dh_t^T,  dn_k = d_k dn_{k+1} + sum_t (e_t scale db_t) q_t
 // with d_k = exp(m_k - M_{n-1}), e_t = exp(m_k - M_t), M_t = max(m_k, A_t) (A_t: the gate pass of
 // K0). The per-step factors scale the A fragments of q^T in registers, split into bf16 hi + lo (as
-// the forward's states kernel); dn is one more n-tile with B = ones. Writes dC_{k+1}, dn_{k+1} and
-// <C_k, dC_{k+1}> + <n_k, dn_{k+1}> partials exactly as k2_scan, and dc0 / dn0.
+// the forward's states kernel); dn is one more n-tile with B = ones (the column-half-0 warps). Writes
+// dC_{k+1}, dn_{k+1} and <C_k, dC_{k+1}> + <n_k, dn_{k+1}> partials exactly as k2_scan, and dc0 / dn0.
+// 8 warps, not 4: the chain is issue-bound at one warp per scheduler (ncu: 3.7 cycles per issue, 73%
+// of cycles with no eligible warp), so two warps per scheduler each with half the columns.
+constexpr int kScanThreads = 256;
 struct ScanSmem {
   bf16 q[2][kT][kLd];   // (2 stages) (64 steps, 64 DQK columns) q
   bf16 dh[2][kT][kLd];  // (2 stages) (64 steps, 64 DV columns) dh
@@ -452,26 +455,44 @@ struct ScanSmem {
   double Aend[2];       // (2 stages) A_{n-1} of the tile's chunk
   float mk[2];          // (2 stages) m_k of the tile's chunk (the workspace's fp32 value, as K1 / K3)
   float inv[2][kT], db[2][kT];
-  float red[kThreads / 32];
+  float red[kScanThreads / 32];
 };
 
-// Fixed-order block sum over the 4 warps; every thread gets the same bits.
-__device__ __forceinline__ float block_sum4(float v, float* red) {
+// Fixed-order block sum over the 8 warps; every thread gets the same bits.
+__device__ __forceinline__ float block_sum8(float v, float* red) {
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   __syncthreads();
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
-  return (red[0] + red[1]) + (red[2] + red[3]);
+  return ((red[0] + red[1]) + (red[2] + red[3])) + ((red[4] + red[5]) + (red[6] + red[7]));
 }
 
-__global__ void __launch_bounds__(kThreads, 1) k2_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
+// acc (16 rows x 32 columns) += (hi + lo) B over k-step ks, B the (64 steps, 64 columns) k-major tile
+// from column cb
+__device__ __forceinline__ void mma_split_kstep32(float (&acc)[4][4], const std::uint32_t (&hi)[4],
+                                                  const std::uint32_t (&lo)[4], const bf16 (*Bt)[kLd], int ks, int cb,
+                                                  int lane) {
+#pragma unroll
+  for (int jj = 0; jj < 2; ++jj) {
+    std::uint32_t bv[4];
+    ldsm_x4_t(bv, &Bt[ks * 16 + ld_row_b_kmajor(lane)][cb + 16 * jj + ld_col_b_kmajor(lane)]);
+    mma_bf16_16816(acc[2 * jj], hi, bv[0], bv[1]);
+    mma_bf16_16816(acc[2 * jj + 1], hi, bv[2], bv[3]);
+    mma_bf16_16816(acc[2 * jj], lo, bv[0], bv[1]);
+    mma_bf16_16816(acc[2 * jj + 1], lo, bv[2], bv[3]);
+  }
+}
+
+__global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B, const K3Flags fl, float* ws,
+                                                         const BwdWs L) {
   const MlstmParams& p = B.f;
   extern __shared__ float4 smem_raw[];
   ScanSmem& sm = *reinterpret_cast<ScanSmem*>(smem_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
+  const int rg = warp & 3, cg = warp >> 2;  // row group (16 rows), column half (32 columns)
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
-  const int r0 = blockIdx.y * kT, c0 = blockIdx.z * kT;
-  const bool with_n = blockIdx.z == 0;
+  const int r0 = blockIdx.y * kT, c0 = blockIdx.z * kT, cw = c0 + 32 * cg;  // cw: this warp's first column
+  const bool with_n = blockIdx.z == 0 && cg == 0;
   const std::int64_t tile = std::int64_t(blockIdx.y) * gridDim.z + blockIdx.z;
   const std::int64_t NC = L.NC, ns = L.ns, DQK = p.DQK, DV = p.DV, S = p.S, Lc = p.L;
   const int nr = int(lmin(kT, DQK - r0)), nc = int(lmin(kT, DV - c0));
@@ -480,20 +501,20 @@ __global__ void __launch_bounds__(kThreads, 1) k2_tc(const MlstmBwdParams B, con
   const double* wA = reinterpret_cast<const double*>(ws + L.gates) + 2 * L.heads * S + bh * S;
   const float scale = rsqrtf(float(DQK));
 
-  float acc[8][4], accn[4];  // dC rows r0 + 16 warp + gq (+8), columns c0 + 8j + 2 t4 (+1); dn of the rows
+  float acc[4][4], accn[4];  // dC rows r0 + 16 rg + gq (+8), columns cw + 8j + 2 t4 (+1); dn of the rows
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const std::int64_t r = r0 + 16 * warp + gq + (e >> 1) * 8, c = c0 + 8 * j + 2 * t4 + (e & 1);
+      const std::int64_t r = r0 + 16 * rg + gq + (e >> 1) * 8, c = cw + 8 * j + 2 * t4 + (e & 1);
       acc[j][e] = B.dc_last.p && r < DQK && c < DV
                       ? mlstm_ld(B.dc_last, b * B.dc_last.s0 + hd * B.dc_last.s1 + r * B.dc_last.s2 + c)
                       : 0.f;
     }
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const std::int64_t r = r0 + 16 * warp + gq + (e >> 1) * 8;
-    accn[e] = B.dn_last.p && r < DQK ? mlstm_ld(B.dn_last, b * B.dn_last.s0 + hd * B.dn_last.s1 + r) : 0.f;
+    const std::int64_t r = r0 + 16 * rg + gq + (e >> 1) * 8;
+    accn[e] = with_n && B.dn_last.p && r < DQK ? mlstm_ld(B.dn_last, b * B.dn_last.s0 + hd * B.dn_last.s1 + r) : 0.f;
   }
   const std::uint32_t ones = pack_bf16(1.f, 1.f);
 
@@ -504,18 +525,18 @@ __global__ void __launch_bounds__(kThreads, 1) k2_tc(const MlstmBwdParams B, con
     float part = 0.f;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      const std::int64_t r = r0 + 16 * warp + gq + hr * 8;
+      const std::int64_t r = r0 + 16 * rg + gq + hr * 8;
       if (r >= DQK) continue;
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const std::int64_t c = c0 + 8 * j + 2 * t4 + e;
+          const std::int64_t c = cw + 8 * j + 2 * t4 + e;
           if (c < DV) part = fmaf(Ck[r * DV + c], acc[j][2 * hr + e], part);
         }
       if (with_n && t4 == 0) part = fmaf(nk[r], accn[2 * hr], part);
     }
-    return block_sum4(part, sm.red);
+    return block_sum8(part, sm.red);
   };
   {
     const float R = inner(NC);  // the last state: <c_last, dc_last> + <n_last, dn_last>
@@ -525,8 +546,8 @@ __global__ void __launch_bounds__(kThreads, 1) k2_tc(const MlstmBwdParams B, con
   auto issue = [&](std::int64_t kc, int sb, int st) {  // q, dh rows and step scalars of chunk kc, steps sb*64..
     const std::int64_t t = kc * Lc + sb * kT, tend = lmin(S, (kc + 1) * Lc);
     const int nb = int(lmin(kT, tend - t));
-    load_tile(&sm.q[st][0][0], kLd, kT, kT, qb + t * p.q.s2, p.q.s2, nb, nr, fl.q);
-    load_tile(&sm.dh[st][0][0], kLd, kT, kT, hb + t * B.dh.s2, B.dh.s2, nb, nc, fl.dh);
+    load_tile(&sm.q[st][0][0], kLd, kT, kT, qb + t * p.q.s2, p.q.s2, nb, nr, fl.q, kScanThreads);
+    load_tile(&sm.dh[st][0][0], kLd, kT, kT, hb + t * B.dh.s2, B.dh.s2, nb, nc, fl.dh, kScanThreads);
     if (tid < nb) {
       cp_async8(&sm.A[st][tid], wA + t + tid);
       cp_async4(&sm.inv[st][tid], ws + L.inv_den + bh * S + t + tid);
@@ -543,12 +564,12 @@ __global__ void __launch_bounds__(kThreads, 1) k2_tc(const MlstmBwdParams B, con
     // keep dC_{kc+1}, dn_{kc+1} for K3, and their inner product with the state entering chunk kc
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      const std::int64_t r = r0 + 16 * warp + gq + hr * 8;
+      const std::int64_t r = r0 + 16 * rg + gq + hr * 8;
       if (r >= DQK) continue;
       float* wd = ws + L.dc + ((bh * ns + kc + 1) * DQK + r) * DV;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const std::int64_t c = c0 + 8 * j + 2 * t4;
+      for (int j = 0; j < 4; ++j) {
+        const std::int64_t c = cw + 8 * j + 2 * t4;
         if (c < DV) wd[c] = acc[j][2 * hr];
         if (c + 1 < DV) wd[c + 1] = acc[j][2 * hr + 1];
       }
@@ -566,7 +587,7 @@ __global__ void __launch_bounds__(kThreads, 1) k2_tc(const MlstmBwdParams B, con
         mk = double(sm.mk[st]);
         const float decay = float(exp(mk - fmax(mk, sm.Aend[st])));
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
 #pragma unroll
@@ -585,9 +606,9 @@ __global__ void __launch_bounds__(kThreads, 1) k2_tc(const MlstmBwdParams B, con
           fn[u] = sidx < nb ? e * sm.db[st][sidx] : 0.f;
         }
         std::uint32_t a[4], ah[4], al[4];
-        ldsm_x4_t(a, &sm.q[st][ks * 16 + ld_row_a_kmajor(lane)][16 * warp + ld_col_a_kmajor(lane)]);
+        ldsm_x4_t(a, &sm.q[st][ks * 16 + ld_row_a_kmajor(lane)][16 * rg + ld_col_a_kmajor(lane)]);
         scale_split(a, fc[0], fc[1], fc[2], fc[3], ah, al);
-        mma_split_kstep(acc, ah, al, sm.dh[st], ks, lane);
+        mma_split_kstep32(acc, ah, al, sm.dh[st], ks, 32 * cg, lane);
         if (with_n) {
           scale_split(a, fn[0], fn[1], fn[2], fn[3], ah, al);
           mma_bf16_16816(accn, ah, ones, ones);
@@ -600,14 +621,14 @@ __global__ void __launch_bounds__(kThreads, 1) k2_tc(const MlstmBwdParams B, con
   // dC_0, dn_0: the initial states' gradients
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
-    const std::int64_t r = r0 + 16 * warp + gq + hr * 8;
+    const std::int64_t r = r0 + 16 * rg + gq + hr * 8;
     if (r >= DQK) continue;
     if (B.dc0.p)
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const std::int64_t c = c0 + 8 * j + 2 * t4 + e;
+          const std::int64_t c = cw + 8 * j + 2 * t4 + e;
           if (c < DV) mlstm_st(B.dc0, b * B.dc0.s0 + hd * B.dc0.s1 + r * B.dc0.s2 + c, acc[j][2 * hr + e]);
         }
     if (B.dn0.p && with_n && t4 == 0) mlstm_st(B.dn0, b * B.dn0.s0 + hd * B.dn0.s1 + r, accn[2 * hr]);
@@ -648,8 +669,9 @@ void mlstm_bwd_k2_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream 
   if (L.heads == 0) return;
   const K3Flags fl{rows16(p.q), false, false, rows16(B.dh)};
   const std::size_t smem = sizeof(ScanSmem);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k2_tc), kThreads, smem);
-  k2_tc<<<dim3(unsigned(L.heads), unsigned(kt), unsigned(vt)), kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k2_tc), kScanThreads, smem);
+  k2_tc<<<dim3(unsigned(L.heads), unsigned(kt), unsigned(vt)), kScanThreads, smem,
+          reinterpret_cast<cudaStream_t>(stream)>>>(
       B, fl, ws, L);
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
 }
