@@ -21,6 +21,7 @@
 #include <algorithm>
 
 #include "cuda/common/check.cuh"
+#include "cuda/common/mma.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
 #include "cuda/deltanet/deltanet_cuda.h"
 
@@ -337,6 +338,60 @@ __global__ void __launch_bounds__(32 * kL2Warps) deltanet_bwd_l2_kernel(const De
   for (std::int64_t c = lane; c < K; c += 32) mlstm_st(out, oo + c, r * (gx[c] - mlstm_ld(x, ox + c) * rdot));
 }
 
+// The same for bf16 q, k, dq, dk with K <= 128, K % 4 == 0 and 8-byte aligned rows (the common case):
+// one warp per row for q and k together, lane l holds columns 4l..4l+3 of both in registers (one
+// 8-byte load of x, one 16-byte load of dx^, one 8-byte store): one pass, no reload, twice the bytes
+// in flight per warp. The element-wise kernel above took 0.64 ms at (4,4096,16,128): ~3x its bytes.
+__global__ void __launch_bounds__(32 * kL2Warps) deltanet_bwd_l2_vec_kernel(const DeltanetBwdParams p, const DnBwdWs w,
+                                                                            const float* __restrict__ ws) {
+  const std::int64_t row = std::int64_t(blockIdx.x) * kL2Warps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32, c = 4 * lane;
+  if (row >= w.rows) return;
+  const std::int64_t h = row % p.H, bt = row / p.H, t = bt % p.T, b = bt / p.T, K = p.K;
+  const bool in = c < K;
+  float x[2][4] = {}, g[2][4] = {};  // (q, k) x columns c..c+3
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const StridedView& xv = u ? p.k : p.q;
+    if (!in || !(u ? p.dk.p : p.dq.p)) continue;
+    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(xv.p) + dn_row(xv, b, t, h) + c);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+    x[u][0] = lo.x, x[u][1] = lo.y, x[u][2] = hi.x, x[u][3] = hi.y;
+    const float4 gg = *reinterpret_cast<const float4*>(ws + (u ? w.dkh : w.dqh) + row * K + c);
+    g[u][0] = gg.x, g[u][1] = gg.y, g[u][2] = gg.z, g[u][3] = gg.w;
+  }
+  float ss[2], dot[2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    ss[u] = fmaf(x[u][3], x[u][3], fmaf(x[u][2], x[u][2], fmaf(x[u][1], x[u][1], x[u][0] * x[u][0])));
+    dot[u] = fmaf(x[u][3], g[u][3], fmaf(x[u][2], g[u][2], fmaf(x[u][1], g[u][1], x[u][0] * g[u][0])));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2)
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      ss[u] += __shfl_xor_sync(0xffffffffu, ss[u], o);
+      dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
+    }
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const StridedView& out = u ? p.dk : p.dq;
+    if (!in || !out.p) continue;
+    const float r = rsqrtf(ss[u] + 1e-6f), rdot = r * r * dot[u];
+    uint2 o;
+    o.x = pack_bf16(r * (g[u][0] - x[u][0] * rdot), r * (g[u][1] - x[u][1] * rdot));
+    o.y = pack_bf16(r * (g[u][2] - x[u][2] * rdot), r * (g[u][3] - x[u][3] * rdot));
+    *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(out.p) + dn_row(out, b, t, h) + c) = o;
+  }
+}
+
+// 8-byte rows of bf16 at every (b, t, h): base 8-byte aligned, every stride a multiple of 4 elements
+bool rows8_bf16(const StridedView& v) {
+  return !v.p || (v.dtype == DType::bf16 && reinterpret_cast<std::uintptr_t>(v.p) % 8 == 0 && v.s0 % 4 == 0 &&
+                  v.s1 % 4 == 0 && v.s2 % 4 == 0);
+}
+
 }  // namespace
 
 std::size_t deltanet_bwd_workspace_bytes(const DeltanetBwdParams& p) {
@@ -388,9 +443,15 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p, void* workspace, Stream strea
   }
   // 4. L2-norm backward
   if (p.l2 && (p.dq.p || p.dk.p) && w.rows > 0) {
-    const std::int64_t blocks = (2 * w.rows + kL2Warps - 1) / kL2Warps;
+    const bool vec = p.K <= 128 && p.K % 4 == 0 && rows8_bf16(p.q) && rows8_bf16(p.k) && rows8_bf16(p.dq) &&
+                     rows8_bf16(p.dk) && reinterpret_cast<std::uintptr_t>(ws + w.dqh) % 16 == 0 &&
+                     reinterpret_cast<std::uintptr_t>(ws + w.dkh) % 16 == 0;
+    const std::int64_t blocks = ((vec ? 1 : 2) * w.rows + kL2Warps - 1) / kL2Warps;
     if (blocks > 0x7fffffff) throw Error(cat("deltanet_bwd: grid too large (", w.rows, " rows)"));
-    deltanet_bwd_l2_kernel<<<unsigned(blocks), 32 * kL2Warps, 0, st>>>(p, w, ws);
+    if (vec)
+      deltanet_bwd_l2_vec_kernel<<<unsigned(blocks), 32 * kL2Warps, 0, st>>>(p, w, ws);
+    else
+      deltanet_bwd_l2_kernel<<<unsigned(blocks), 32 * kL2Warps, 0, st>>>(p, w, ws);
     FW_CUDA_CHECK_LAUNCH("deltanet_bwd (L2 norm)");
   }
 }
