@@ -10,6 +10,7 @@
 // Skipped (not passed) where no GPU is present.
 #include <tuple>
 
+#include "cuda/common/check.cuh"
 #include "norm_cases.h"
 
 namespace fwtest {
@@ -211,6 +212,18 @@ INSTANTIATE_TEST_SUITE_P(ParamVariants, NormCuda,
                                             ::testing::Values(Layout::contiguous),
                                             ::testing::Values(Params::f32, Params::none)),
                          case_name);
+
+// sm_80 opts in to 166912 bytes of shared memory per block: with that cap the backward's ring kernel
+// (203 KB at bf16 N = 16384, 171 KB at fp32 N = 8192) gives way to the general path, as on an A100.
+TEST(NormCudaSmemCap, Sm80SharedMemoryPathsMatchReference) {
+  FW_REQUIRE_GPU();
+  struct Restore {
+    std::size_t prev;
+    ~Restore() { fastweight::detail::cap_smem_per_block_optin(prev); }
+  } restore{fastweight::detail::cap_smem_per_block_optin(166912)};
+  check_case(Op::layernorm, DType::bf16, 16384, 64, Layout::contiguous, Params::io);
+  check_case(Op::rmsnorm, DType::f32, 8192, 64, Layout::contiguous, Params::f32);
+}
 
 TEST(NormCudaEdge, EmptyBatchZeroesWeightGradients) {
   FW_REQUIRE_GPU();

@@ -28,4 +28,7 @@ int sm_count();
 int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem);
 // The most dynamic + static shared memory a block may opt in to on the current device (cached).
 std::size_t smem_per_block_optin();
+// Tests only: caps what smem_per_block_optin() reports (0: no cap), so a Hopper run takes the paths
+// a device with less shared memory takes (sm_80: 166912 bytes); returns the previous cap.
+std::size_t cap_smem_per_block_optin(std::size_t bytes);
 }  // namespace fastweight::detail

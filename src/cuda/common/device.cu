@@ -1,4 +1,6 @@
 // device.cu: device guard and cached device properties.
+#include <algorithm>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -52,17 +54,31 @@ int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem) {
   return occ;
 }
 
+namespace {
+std::atomic<std::size_t> g_smem_optin_cap{0};  // 0: none (tests only: cap_smem_per_block_optin)
+}
+
 std::size_t smem_per_block_optin() {
   static std::mutex mu;
   static std::map<int, std::size_t> cache;
   int dev = 0;
   FW_CUDA_CHECK("fastweight", cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> lock(mu);
-  if (auto it = cache.find(dev); it != cache.end()) return it->second;
-  int v = 0;
-  FW_CUDA_CHECK("fastweight", cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  return cache[dev] = std::size_t(v);
+  std::size_t v = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (auto it = cache.find(dev); it != cache.end()) {
+      v = it->second;
+    } else {
+      int a = 0;
+      FW_CUDA_CHECK("fastweight", cudaDeviceGetAttribute(&a, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+      v = cache[dev] = std::size_t(a);
+    }
+  }
+  const std::size_t cap = g_smem_optin_cap.load();
+  return cap ? std::min(v, cap) : v;
 }
+
+std::size_t cap_smem_per_block_optin(std::size_t bytes) { return g_smem_optin_cap.exchange(bytes); }
 
 bool cuda_runtime_available() {
   int n = 0;

@@ -320,7 +320,9 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
 }  // namespace
 
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
-  return deltanet_chunk_tc_applies(p) && p.do_.dtype == DType::bf16;
+  // sm_80 opts in to 163 KB of shared memory per block, the K = 128 layout needs 209 KB: there the
+  // state pass runs on CUDA cores (the fp32 path's kernel) instead of failing at launch
+  return deltanet_chunk_tc_applies(p) && p.do_.dtype == DType::bf16 && BsLayout(p.K).bytes <= smem_per_block_optin();
 }
 
 void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream) {

@@ -84,7 +84,9 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
                         : rows_aligned(p.y, p.y_rows, sizeof(T)));
   const bool al = plan.L.aligned;
   const int ring_tpr = next_pow2((p.n + kRingVecs * E - 1) / (kRingVecs * E));
-  const bool ring = bwd && al && ring_tpr >= kRingMinTpr && p.n <= kRingMaxN<T>;
+  // the ring's smem (up to 203 KB: bf16 N = 16384) must fit the device's opt-in limit (sm_80: 163 KB)
+  const bool ring = bwd && al && ring_tpr >= kRingMinTpr && p.n <= kRingMaxN<T> &&
+                    ring_smem_bytes(p.n, E) <= smem_per_block_optin();
   const std::int64_t cached_max = bwd ? kCachedMaxNBwd<T> : kCachedMaxNFwd<T>;
   if (p.n <= cached_max || ring) {
     plan.cached = true;
