@@ -124,18 +124,9 @@ __device__ __forceinline__ void chunk_output(float (&o)[8][4], const bf16* sq, c
       const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
       x[e] = c <= i ? (s_rk ? s_rk[c] * pk[j][e] : pk[j][e]) : 0.f;
     }
-    pf[j >> 1][(j & 1) * 2] = pack_bf16(x[0], x[1]);
-    pf[j >> 1][(j & 1) * 2 + 1] = pack_bf16(x[2], x[3]);
+    mtc::pack_a_frags(pf, j, x);
   }
-#pragma unroll
-  for (int kp = 0; kp < 4; ++kp)
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      std::uint32_t bb[4];
-      ldsm_x4_t(bb, sD + (kp * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
-      mma_bf16_16816(o[2 * jj], pf[kp], bb[0], bb[1]);
-      mma_bf16_16816(o[2 * jj + 1], pf[kp], bb[2], bb[3]);
-    }
+  mtc::mma_frags_k(o, pf, sD, kLd, 0, lane);
 }
 
 // S (Kc x 64 tile, bf16 hi + lo in smem) -> the workspace's (K, V) hi then lo matrices at columns

@@ -144,11 +144,6 @@ __device__ __forceinline__ void mma_abt_wide(float (&acc)[16][4], const bf16* A,
   }
 }
 
-__device__ __forceinline__ void pack_frag(std::uint32_t (&af)[4][4], int j, const float (&x)[4]) {
-  af[j >> 1][(j & 1) * 2] = pack_bf16(x[0], x[1]);
-  af[j >> 1][(j & 1) * 2 + 1] = pack_bf16(x[2], x[3]);
-}
-
 // Writes the warp's (16 rows x N columns) accumulator rows rA, rB (rows of the chunk) of a
 // (B, NH, S, N) output, times mul; rows >= n and columns >= N are not written.
 __device__ __forceinline__ void store_rows(const StridedView& out, const float (&acc)[16][4], std::int64_t b,
@@ -206,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
         y[e] = D * X;
         (e < 2 ? zA : zB) += scale * sacc[j][e] * y[e];  // P X
       }
-      pack_frag(yf, j, y);
+      pack_a_frags(yf, j, y);
     }
   }
   float dq[16][4] = {};  // (16 rows, DQK columns)
@@ -276,8 +271,8 @@ __global__ void __launch_bounds__(kThreads, 2) k3kv_tc(const MlstmBwdParams B, c
         y[e] = scale * D * X;
         pp[e] = P * sm.inv[t];
       }
-      pack_frag(yf, j, y);
-      pack_frag(pf, j, pp);
+      pack_a_frags(yf, j, y);
+      pack_a_frags(pf, j, pp);
     }
   }
   // dk = w_s (v dC^T + dn) + scale Y^T q; u_s = k_s . (dC v_s + dn)

@@ -339,18 +339,9 @@ __global__ void __launch_bounds__(kThreads) mlstm_tc_out_kernel(const MlstmParam
         pv[e] = on ? scale * sacc[j][e] * __expf(float(s_a[on ? s : 0] - (e < 2 ? MA : MB))) : 0.f;
       }
       rsA += pv[0] + pv[1], rsB += pv[2] + pv[3];
-      pa[j >> 1][(j & 1) * 2] = pack_bf16(pv[0], pv[1]);
-      pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16(pv[2], pv[3]);
+      pack_a_frags(pa, j, pv);
     }
-#pragma unroll
-    for (int kp = 0; kp < 4; ++kp)
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
-        std::uint32_t bv[4];
-        ldsm_x4_t(bv, sv + (kp * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
-        mma_bf16_16816(acc[2 * jj], pa[kp], bv[0], bv[1]);
-        mma_bf16_16816(acc[2 * jj + 1], pa[kp], bv[2], bv[3]);
-      }
+    mma_frags_k(acc, pa, sv, kLd, 0, lane);
     __syncthreads();  // sk / sv are free for the next block
   }
   // the four lanes of a row hold its row sum in parts (fixed xor tree: every lane the same bits)

@@ -410,18 +410,9 @@ __global__ void __launch_bounds__(mtc::kTcThreads) mlstm_par_fwd_tc_kernel(const
         pv[e] = on ? scale * sacc[j][e] * __expf(float(at[sl] - (e < 2 ? AA : AB))) : 0.f;
       }
       rsA += pv[0] + pv[1], rsB += pv[2] + pv[3];
-      pa[j >> 1][(j & 1) * 2] = pack_bf16(pv[0], pv[1]);
-      pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16(pv[2], pv[3]);
+      mtc::pack_a_frags(pa, j, pv);
     }
-#pragma unroll
-    for (int kp = 0; kp < 4; ++kp)
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
-        std::uint32_t bv[4];
-        ldsm_x4_t(bv, vt + (kp * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
-        mma_bf16_16816(acc[2 * jj], pa[kp], bv[0], bv[1]);
-        mma_bf16_16816(acc[2 * jj + 1], pa[kp], bv[2], bv[3]);
-      }
+    mtc::mma_frags_k(acc, pa, vt, kLd, 0, lane);
   }
   // the four lanes of a row hold its sum b in parts (fixed xor tree: every lane the same bits)
   rsA += __shfl_xor_sync(0xffffffffu, rsA, 1), rsB += __shfl_xor_sync(0xffffffffu, rsB, 1);
@@ -775,27 +766,6 @@ struct TcBwdFlags {
   bool q, k, v, dh;  // 16-byte rows: cp.async
 };
 
-// P (16 rows x 64 columns, fragment layout of an fp32 accumulator) -> bf16 A fragments over its four
-// 16-column k-steps (FlashAttention-2's register reuse).
-__device__ __forceinline__ void pack_a_frags(std::uint32_t (&pa)[4][4], int j, const float (&pv)[4]) {
-  pa[j >> 1][(j & 1) * 2] = pack_bf16(pv[0], pv[1]);
-  pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16(pv[2], pv[3]);
-}
-
-// acc (16 rows x 64 columns) += pa (16 x 64 k) times the k-major tile Y (64 k rows; columns c0..c0+63)
-__device__ __forceinline__ void mma_frags_k(float (&acc)[8][4], const std::uint32_t (&pa)[4][4],
-                                            const mtc::bf16* Y, int ld, int c0, int lane) {
-#pragma unroll
-  for (int kp = 0; kp < 4; ++kp)
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      std::uint32_t bv[4];
-      ldsm_x4_t(bv, Y + (kp * 16 + ld_row_b_kmajor(lane)) * ld + c0 + 16 * jj + ld_col_b_kmajor(lane));
-      mma_bf16_16816(acc[2 * jj], pa[kp], bv[0], bv[1]);
-      mma_bf16_16816(acc[2 * jj + 1], pa[kp], bv[2], bv[3]);
-    }
-}
-
 // Stores the warp's 16 x 64 accumulator (rows r0 + {gq, gq + 8} of the view's (b, hd) matrix, columns
 // c0..) where row < nrow_ok and column < D.
 __device__ __forceinline__ void store_frags(const StridedView& out, std::int64_t oo, std::int64_t r0, int rA, int rB,
@@ -897,9 +867,9 @@ __global__ void __launch_bounds__(mtc::kTcThreads) mlstm_par_rows_tc_kernel(
                            __expf(float(at[sl] - (rA ? AA : AB)))
                      : 0.f;
         }
-        pack_a_frags(pa, j, pv);
+        mtc::pack_a_frags(pa, j, pv);
       }
-      mma_frags_k(acc, pa, kt, ldq, c0, lane);
+      mtc::mma_frags_k(acc, pa, kt, ldq, c0, lane);
     } else {
       float sacc[8][4] = {};  // (16 rows, 64 steps) q k^T
       mtc::mma_rn(sacc, sq, ldq, warp, kt, ldq, lay.DQKp, lane);
@@ -1047,11 +1017,11 @@ __global__ void __launch_bounds__(mtc::kTcThreads) mlstm_par_dkdv_tc_kernel(cons
           cv[e] = C * invt[tl], ck[e] = scale * dC * ee;
         }
       }
-      pack_a_frags(pvf, j, cv);
-      pack_a_frags(pkf, j, ck);
+      mtc::pack_a_frags(pvf, j, cv);
+      mtc::pack_a_frags(pkf, j, ck);
     }
-    if (want_dv) mma_frags_k(accv, pvf, dht, ldv, c0, lane);
-    if (want_dk) mma_frags_k(acck, pkf, qt, ldq, c0, lane);
+    if (want_dv) mtc::mma_frags_k(accv, pvf, dht, ldv, c0, lane);
+    if (want_dk) mtc::mma_frags_k(acck, pkf, qt, ldq, c0, lane);
   }
   if (want_dv) store_frags(P.dv, b * P.dv.s0 + hd * P.dv.s1, s0, slA, slB, nk, c0, DV, accv, t4);
   if (want_dk) store_frags(P.dk, b * P.dk.s0 + hd * P.dk.s1, s0, slA, slB, nk, c0, DQK, acck, t4);

@@ -97,6 +97,29 @@ __device__ __forceinline__ void mma_rn(float (&acc)[J][4], const bf16* A, int ld
     for (int ks = 0; ks < Kp / 16; ++ks) step(ks);
   }
 }
+// An fp32 accumulator's column tile j (16 rows x 8 columns: the lane's values pv[0..3]) into bf16 A
+// fragments pa over the 16 x 64 tile's four k-steps (FlashAttention-2's register reuse: a product's
+// result feeds the next product as its A operand without a trip through shared memory).
+__device__ __forceinline__ void pack_a_frags(std::uint32_t (&pa)[4][4], int j, const float (&pv)[4]) {
+  pa[j >> 1][(j & 1) * 2] = pack_bf16(pv[0], pv[1]);
+  pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16(pv[2], pv[3]);
+}
+
+// acc (16 rows x 64 columns) += pa (16 x 64, A fragments) times the k-major tile Y (64 k rows;
+// columns c0..c0+63, row stride ld)
+__device__ __forceinline__ void mma_frags_k(float (&acc)[8][4], const std::uint32_t (&pa)[4][4], const bf16* Y, int ld,
+                                            int c0, int lane) {
+#pragma unroll
+  for (int kp = 0; kp < 4; ++kp)
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      std::uint32_t bv[4];
+      ldsm_x4_t(bv, Y + (kp * 16 + ld_row_b_kmajor(lane)) * ld + c0 + 16 * jj + ld_col_b_kmajor(lane));
+      mma_bf16_16816(acc[2 * jj], pa[kp], bv[0], bv[1]);
+      mma_bf16_16816(acc[2 * jj + 1], pa[kp], bv[2], bv[3]);
+    }
+}
+
 // Fragment element (j, e) -> (row, column) within the warp's 16 x 64 tile
 __device__ __forceinline__ int frow(int lane, int e) { return (lane >> 2) + (e >> 1) * 8; }
 __device__ __forceinline__ int fcol(int lane, int j, int e) { return 8 * j + 2 * (lane & 3) + (e & 1); }
