@@ -107,20 +107,8 @@ inline HostTensor to_f64(const HostTensor& t) {
   return o;
 }
 
-// ||a - b|| / ||b|| over the two views (same shape); NaN anywhere gives +inf.
-inline double rel_err(const HostTensor& a, const HostTensor& b) {
-  const auto va = a.values(), vb = b.values();
-  EXPECT_EQ(va.size(), vb.size());
-  double num = 0.0, den = 0.0;
-  for (std::size_t i = 0; i < va.size(); ++i) {
-    if (!std::isfinite(va[i]) || !std::isfinite(vb[i])) return INFINITY;
-    num += (va[i] - vb[i]) * (va[i] - vb[i]);
-    den += vb[i] * vb[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
-// ||a - b|| / scale: the error against a size chosen by the caller (where ||b|| itself is a cancellation).
+// ||a - b|| / scale: the error against a size chosen by the caller (where ||b|| itself is a cancellation);
+// NaN anywhere gives +inf.
 inline double err_over(const HostTensor& a, const HostTensor& b, double scale) {
   const auto va = a.values(), vb = b.values();
   EXPECT_EQ(va.size(), vb.size());
@@ -136,6 +124,12 @@ inline double l2_norm(const HostTensor& a) {
   double s = 0.0;
   for (double x : a.values()) s += x * x;
   return std::sqrt(s);
+}
+
+// ||a - b|| / ||b|| over the two views (same shape; ||a - b|| where b = 0); NaN anywhere gives +inf.
+inline double rel_err(const HostTensor& a, const HostTensor& b) {
+  const double den = l2_norm(b);
+  return err_over(a, b, den > 0 ? den : 1.0);
 }
 
 inline double tolerance(DType t) {
