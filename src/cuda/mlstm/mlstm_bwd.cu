@@ -11,6 +11,8 @@
 //               dg (s role) and the chunk's dG partial (role 0)
 //   K4 gates    per head in float64: suffix sums of dg within chunks + dG, the correction scan
 //               through m_t = max(lf_t + m_{t-1}, i_t) (segmented, parallel), then di, df, dm0
+// The tensor-core path (mlstm_bwd_tc.cu) has no K1: its K3q forms the row statistics from the
+// products it makes anyway, K2 leaves dn to a small scan after K3q (dn needs db).
 // Notation per chunk k (t, s rows of the chunk, local cumulative log forget g, a_s = i_s - g_s,
 // M_t = max(m_k, a_0..a_t)): e_t = exp(m_k - M_t), D_ts = exp(a_s - M_t) (s <= t),
 // w_s = exp(a_s - M_L), d_k = exp(m_k - M_L); dnum_t = dh_t / den_t, X_ts = v_s . dnum_t + db_t,
@@ -606,62 +608,107 @@ __global__ void __launch_bounds__(kThreads) k3_dkdv(const MlstmBwdParams B, floa
   }
 }
 
-// ---- K4: gate gradients and the correction through m (per head, float64) ---------------------------
-// 1. chunk by chunk, the whole CTA: dlf_u = dG + sum_{t >= u in the chunk} (dg_q + dg_kv)_t by a
-//    block suffix scan, and the routing of each m_t = max(lf_t + m_{t-1}, i_t) in the chunk frame
-//    (lf wins iff M_{u-1} > a_u, M_{-1} = m_k; ties split in halves as torch.maximum) as gamma_t in
-//    {1, 0, 1/2}, to the workspace (the m chain m_{k+1} = g_{n-1} + M_{n-1} in float64, as K0's).
-// 2. the reverse scan of the correction, d_in(t) = x_t + gamma_{t+1} d_in(t+1) (x_t = c_t, plus the
-//    last state's terms at t = S - 1), in contiguous segments per thread: each thread composes its
-//    segment's affine map, thread 0 chains the maps right to left (fixed order), each thread re-walks
-//    its segment adding d to dlf (lf wins) or di (i wins).
+// ---- K4: gate gradients and the correction through m (float64) --------------------------------------
+// 1. per chunk (k4_ends, k4_mchain, k4_chunks; every chunk in parallel but the scalar m chain):
+//    dlf_u = dG + sum_{t >= u in the chunk} (dg_q + dg_kv)_t by a block suffix scan, and the routing
+//    of each m_t = max(lf_t + m_{t-1}, i_t) in the chunk frame (lf wins iff M_{u-1} > a_u,
+//    M_{-1} = m_k; ties split in halves as torch.maximum) as gamma_t in {1, 0, 1/2}, to the
+//    workspace. The m chain m_{k+1} = g_{n-1} + max(m_k, max_t a_t) in float64, as K0's: k4_ends
+//    forms each chunk's (g_{n-1}, max_t a_t), k4_mchain walks the chunks (one thread per head).
+// 2. (k4_gates, per head) the reverse scan of the correction, d_in(t) = x_t + gamma_{t+1} d_in(t+1)
+//    (x_t = c_t, plus the last state's terms at t = S - 1), in contiguous segments per thread: each
+//    thread composes its segment's affine map, thread 0 chains the maps right to left (fixed order),
+//    each thread re-walks its segment adding d to dlf (lf wins) or di (i wins).
 // 3. df = dlf sigmoid(-f), di, dm0.
-// (Version 1 ran all of this in thread 0 from global memory: 11 ms of a 34 ms backward on the H100.)
-__global__ void __launch_bounds__(kThreads) k4_gates(const MlstmBwdParams B, float* ws, BwdWs L) {
+// (Version 1 ran all of this in thread 0 from global memory: 11 ms of a 34 ms backward on the H100;
+// step 1 chunk after chunk in one CTA per head took 0.56 ms at (2,16,8192,128,128).)
+__device__ __forceinline__ double* k4_ends_of(float* ws, const BwdWs& L) {  // (heads, NC) x 2
+  return reinterpret_cast<double*>(ws + L.k4);
+}
+__device__ __forceinline__ double* k4_m_of(float* ws, const BwdWs& L) {  // (heads, NC): m_k
+  return reinterpret_cast<double*>(ws + L.k4) + 2 * L.heads * L.NC;
+}
+__device__ __forceinline__ double* k4_dm0_of(float* ws, const BwdWs& L) {  // (heads): chunk 0's dm0 terms
+  return reinterpret_cast<double*>(ws + L.k4) + 3 * L.heads * L.NC;
+}
+
+__global__ void __launch_bounds__(kThreads) k4_ends(const MlstmBwdParams B, float* ws, BwdWs L) {
   const MlstmParams& p = B.f;
   __shared__ double s_g[kMaxL], s_a[kMaxL], s_M[kMaxL];
-  __shared__ double s_x[kMaxL];                                  // suffix scan of one chunk
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * p.L;
+  const int n = int(p.S - t0 < p.L ? p.S - t0 : p.L);
+  mlstm_chunk_gates(p, b, hd, t0, n, -INFINITY, s_g, s_a, s_M);  // s_M: the prefix max of a alone
+  if (threadIdx.x == 0) {
+    double* e = k4_ends_of(ws, L) + 2 * (bh * L.NC + kc);
+    e[0] = s_g[n - 1], e[1] = s_M[n - 1];
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) k4_mchain(const MlstmBwdParams B, float* ws, BwdWs L) {
+  const MlstmParams& p = B.f;
+  const std::int64_t bh = std::int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (bh >= L.heads) return;
+  const std::int64_t b = bh / p.NH, hd = bh % p.NH;
+  const double* __restrict__ e = k4_ends_of(ws, L) + 2 * bh * L.NC;
+  double* __restrict__ m = k4_m_of(ws, L) + bh * L.NC;
+  double mk = p.m0.p ? double(mlstm_ld(p.m0, b * p.m0.s0 + hd * p.m0.s1)) : 0.0;
+#pragma unroll 8
+  for (std::int64_t kc = 0; kc < L.NC; ++kc) {
+    m[kc] = mk;
+    mk = e[2 * kc] + fmax(e[2 * kc + 1], mk);  // = s_g[n-1] + s_M[n-1] of the chunk entered with mk
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) k4_chunks(const MlstmBwdParams B, float* ws, BwdWs L) {
+  const MlstmParams& p = B.f;
+  __shared__ double s_g[kMaxL], s_a[kMaxL], s_M[kMaxL];
+  __shared__ double s_x[kMaxL];  // suffix scan of the chunk
+  __shared__ double s_tot;
+  const int tid = threadIdx.x;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, S = p.S, kc = blockIdx.y, t0 = kc * p.L;
+  const int n = int(S - t0 < p.L ? S - t0 : p.L);
+  float* dlf = ws + L.dgq + bh * S;  // reused in place: dg_q -> dlf
+  const float* dgkv = ws + L.dgkv + bh * S;
+  float* gam = ws + L.gam + bh * S;  // (S) gamma_t
+  const double mk = k4_m_of(ws, L)[bh * L.NC + kc];
+  mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);
+  if (tid == 0) {
+    double R = 0.0, G = 0.0;
+    for (std::int64_t tl = 0; tl < L.tiles; ++tl) R += ws[L.R + (bh * L.ns + kc) * L.tiles + tl];
+    for (std::int64_t sb = 0; sb * kT < n; ++sb) G += ws[L.G + (bh * L.NC + kc) * L.rbs + sb];
+    const double dk = exp(mk - s_M[n - 1]);
+    s_tot = G + dk * R;  // the decay of the entering state, exp(G + m_k - m_{k+1})
+    if (kc == 0) {
+      double dm0 = dk * R;
+      for (int t = 0; t < n; ++t) dm0 += ws[L.ey + bh * S + t];  // e_t = exp(g_t + m_0 - m_t)
+      k4_dm0_of(ws, L)[bh] = dm0;
+    }
+  }
+  if (tid < n) {
+    s_x[tid] = double(dlf[t0 + tid]) + double(dgkv[t0 + tid]);
+    const double prev = tid == 0 ? mk : s_M[tid - 1], a = s_a[tid];
+    gam[t0 + tid] = prev > a ? 1.f : prev < a ? 0.f : 0.5f;
+  }
+  __syncthreads();
+  for (int d = 1; d < n; d <<= 1) {  // inclusive suffix sum (Hillis-Steele; fixed order)
+    const double add = tid + d < n ? s_x[tid + d] : 0.0;
+    __syncthreads();
+    if (tid < n) s_x[tid] += add;
+    __syncthreads();
+  }
+  if (tid < n) dlf[t0 + tid] = float(s_tot + s_x[tid]);
+}
+
+__global__ void __launch_bounds__(kThreads) k4_gates(const MlstmBwdParams B, float* ws, BwdWs L) {
+  const MlstmParams& p = B.f;
   __shared__ double s_fa[kThreads], s_fb[kThreads], s_d[kThreads];  // segment maps a + b D, incoming D
   __shared__ double s_tot;
   const int tid = threadIdx.x;
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, S = p.S;
-  float* dlf = ws + L.dgq + bh * S;   // reused in place: dg_q -> dlf
-  float* di = ws + L.dikv + bh * S;   // di_kv -> di
-  const float* dgkv = ws + L.dgkv + bh * S;
-  float* gam = ws + L.gam + bh * S;  // (S) gamma_t
-  const double m0 = p.m0.p ? double(mlstm_ld(p.m0, b * p.m0.s0 + hd * p.m0.s1)) : 0.0;
-  double dm0 = 0.0, mk = m0;
-  for (std::int64_t kc = 0; kc < L.NC; ++kc) {
-    const std::int64_t t0 = kc * p.L;
-    const int n = int(S - t0 < p.L ? S - t0 : p.L);
-    mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);
-    if (tid == 0) {
-      double R = 0.0, G = 0.0;
-      for (std::int64_t tl = 0; tl < L.tiles; ++tl) R += ws[L.R + (bh * L.ns + kc) * L.tiles + tl];
-      for (std::int64_t sb = 0; sb * kT < n; ++sb) G += ws[L.G + (bh * L.NC + kc) * L.rbs + sb];
-      const double dk = exp(mk - s_M[n - 1]);
-      s_tot = G + dk * R;  // the decay of the entering state, exp(G + m_k - m_{k+1})
-      if (kc == 0) {
-        dm0 += dk * R;
-        for (int t = 0; t < n; ++t) dm0 += ws[L.ey + bh * S + t];  // e_t = exp(g_t + m_0 - m_t)
-      }
-    }
-    if (tid < n) {
-      s_x[tid] = double(dlf[t0 + tid]) + double(dgkv[t0 + tid]);
-      const double prev = tid == 0 ? mk : s_M[tid - 1], a = s_a[tid];
-      gam[t0 + tid] = prev > a ? 1.f : prev < a ? 0.f : 0.5f;
-    }
-    __syncthreads();
-    for (int d = 1; d < n; d <<= 1) {  // inclusive suffix sum (Hillis-Steele; fixed order)
-      const double add = tid + d < n ? s_x[tid + d] : 0.0;
-      __syncthreads();
-      if (tid < n) s_x[tid] += add;
-      __syncthreads();
-    }
-    if (tid < n) dlf[t0 + tid] = float(s_tot + s_x[tid]);
-    mk = s_g[n - 1] + s_M[n - 1];
-    __syncthreads();  // s_* are rewritten by the next chunk
-  }
+  float* dlf = ws + L.dgq + bh * S;  // dlf after k4_chunks
+  float* di = ws + L.dikv + bh * S;  // di_kv -> di
+  const float* gam = ws + L.gam + bh * S;
+  const double dm0 = L.NC > 0 ? k4_dm0_of(ws, L)[bh] : 0.0;
   // 2. the correction scan
   double Rl = 0.0;
   for (std::int64_t tl = 0; tl < L.tiles; ++tl) Rl += ws[L.R + (bh * L.ns + L.NC) * L.tiles + tl];
@@ -845,24 +892,35 @@ void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream) {
                         reinterpret_cast<const void*>(&k3_dkdv)})
     (void)resident_ctas_per_sm(k, kThreads, smem);  // raises the dynamic shared-memory limit
   const unsigned H = unsigned(heads), NC = unsigned(L.NC), RB = unsigned(L.rbs);
-  if (NC > 0 && mlstm_bwd_k3_tc_applies(B)) {
-    mlstm_bwd_k1_tc(B, ws, L, stream);  // bf16, chunk 64, head dims <= 128: tensor cores
+  // bf16, chunk 64, head dims <= 128: tensor cores, K1's row statistics inside K3's q-role
+  const bool tc = NC > 0 && mlstm_bwd_k3_tc_applies(B) && mlstm_bwd_k2_tc_applies(B);
+  if (tc) {
+    mlstm_bwd_k3q_tc(B, ws, L, stream);
   } else if (NC > 0) {
     k1_rows<<<dim3(H, NC, RB), kThreads, smem, s>>>(B, ws, ws, L);
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
   }
   if (mlstm_bwd_k2_tc_applies(B)) {
-    mlstm_bwd_k2_tc(B, ws, L, stream);
+    mlstm_bwd_k2_tc(B, ws, L, !tc, stream);
   } else {
     k2_scan<<<dim3(H, unsigned(kt), unsigned(vt)), kThreads, 0, s>>>(B, ws, L);
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
   }
-  if (NC > 0 && mlstm_bwd_k3_tc_applies(B)) {
-    mlstm_bwd_k3_tc(B, ws, L, stream);  // bf16, chunk 64, head dims <= 128: tensor cores
+  if (tc) {
+    mlstm_bwd_dn_scan(B, ws, L, stream);
+    mlstm_bwd_k3kv_tc(B, ws, L, stream);
   } else if (NC > 0) {
     k3_dq<<<dim3(H, NC, RB * unsigned(kt)), kThreads, smem, s>>>(B, ws, L);
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
     k3_dkdv<<<dim3(H, NC, RB * 2), kThreads, smem, s>>>(B, ws, L);
+    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  }
+  if (NC > 0) {
+    k4_ends<<<dim3(H, NC), kThreads, 0, s>>>(B, ws, L);
+    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+    k4_mchain<<<unsigned((heads + kThreads - 1) / kThreads), kThreads, 0, s>>>(B, ws, L);
+    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+    k4_chunks<<<dim3(H, NC), kThreads, 0, s>>>(B, ws, L);
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
   }
   k4_gates<<<H, kThreads, 0, s>>>(B, ws, L);

@@ -1,15 +1,18 @@
-// mlstm_bwd_tc.cu: K3 of the chunkwise mLSTM backward (mlstm_bwd.cu, docs/design/mlstm_backward.md)
-// on tensor cores, for bf16 q, k, v, dh, chunk 64, DQK and DV <= 128. Two kernels, one CTA of 4 warps
-// per (head, chunk), each warp 16 rows, products by mma.sync m16n8k16 (bf16 -> fp32):
-//   q-role  (rows t): S = q k^T, WD = dh v^T; X = WD / den_t + db_t, Y = D X (s <= t);
-//           dq = scale (e_t (dh C_k^T / den_t + db_t n_k) + Y k);  dg_t = sum_s P X + eY_t
+// mlstm_bwd_tc.cu: the chunkwise mLSTM backward (mlstm_bwd.cu, docs/design/mlstm_backward.md) on
+// tensor cores, for bf16 q, k, v, dh, chunk 64, DQK and DV <= 128: K3 (two kernels, one CTA of 4
+// warps per (head, chunk), each warp 16 rows), K2 and dn_scan. Products by mma.sync m16n8k16
+// (bf16 -> fp32). Order: K0, K3 q-role, K2 (dC only), dn_scan, K3 kv-role, K4.
+//   q-role  (rows t): S = q k^T, WD = dh v^T, dh C_k^T; the row statistics (den, db, corr, eY: K1 of
+//           the CUDA-core path) from them; X = WD / den_t + db_t, Y = D X (s <= t);
+//           dq = scale (e_t (dh C_k^T / den_t + db_t n_k) + Y k);  dg_t = sum_s P X + eY_t;
+//           p_k = sum_t scale e_t db_t q_t (dn's chunk term)
 //   kv-role (rows s): S^T = k q^T, WD^T = v dh^T; the same X, D, P transposed;
 //           dk = scale Y^T q + w_s (v dC_{k+1}^T + dn_{k+1});  dv = P^T dnum + w_s k dC_{k+1};
 //           da_s = sum_t P X + w_s k_s . (dC_{k+1} v_s + dn_{k+1}), G partial = sum_s w_s (...)
 // P and Y stay in registers between the products (FlashAttention-2's fragment reuse). The chunk
-// states C_k and dC_{k+1} (fp32 in the workspace, from K0 / K2) are rounded to bf16 in shared memory;
-// every other scaling (1/den, e_t, w_s, scale) is applied in fp32 to the accumulators or to P, Y.
-// Reads and writes the workspace exactly as k3_dq / k3_dkdv do. Deterministic (fixed-order sums).
+// states C_k and dC_{k+1} (fp32 in the workspace, from K0 / K2) are rounded to bf16 in shared memory
+// (hi, plus the lo part where they feed gate gradients); every other scaling (1/den, e_t, w_s,
+// scale) is applied in fp32 to the accumulators or to P, Y. Deterministic (fixed-order sums).
 #include "cuda/common/check.cuh"
 #include "cuda/mlstm/mlstm_bwd_ws.h"
 #include "cuda/mlstm/mlstm_common.cuh"
@@ -43,12 +46,6 @@ struct K3Layout {
     inv = nv + 4 * std::size_t(Dq), db = inv + 4 * kT, bytes = db + 4 * kT;
   }
 };
-
-// K1's own order, 2 CTAs per SM: q | dh | k | v | st | nv, with st_lo written over k | v once q k^T
-// is done with them (Dq ldv <= 64 (ldq + ldv) for Dq, Dv <= 128). Bytes:
-__host__ __device__ inline std::size_t k1_smem_bytes(const K3Layout& l) {
-  return 2 * (2 * std::size_t(kT) * (l.ldq + l.ldv) + std::size_t(l.Dq) * l.ldv) + 4 * std::size_t(l.Dq);
-}
 
 struct K3Smem {
   bf16 *q, *k, *dh, *v, *st, *lo;
@@ -127,19 +124,20 @@ __device__ __forceinline__ void mma_ab(float (&acc)[16][4], const bf16* A, int l
 }
 
 // acc (16 x N) += A B^T with A row major (stride lda, K = Kp) and B stored n-major (row n = output
-// column, K contiguous; stride ldb): N up to 128 output columns.
+// column, K contiguous; stride ldb): N up to 128 output columns, into acc's n-tiles J0.. (N <= 128 - 8 J0).
+template <int J0 = 0>
 __device__ __forceinline__ void mma_abt_wide(float (&acc)[16][4], const bf16* A, int lda, const bf16* Bn, int ldb,
                                              int Kp, int N, int warp, int lane) {
   for (int ks = 0; ks < Kp / 16; ++ks) {
     std::uint32_t a[4];
     ldsm_x4(a, A + (16 * warp + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
 #pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
+    for (int jj = 0; jj < (16 - J0) / 2; ++jj) {
       if (16 * jj >= N) break;
       std::uint32_t bb[4];
       ldsm_x4(bb, Bn + (16 * jj + ld_row_b_nmajor(lane)) * ldb + ks * 16 + ld_col_b_nmajor(lane));
-      mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
-      mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
+      mma_bf16_16816(acc[J0 + 2 * jj], a, bb[0], bb[1]);
+      mma_bf16_16816(acc[J0 + 2 * jj + 1], a, bb[2], bb[3]);
     }
   }
 }
@@ -165,7 +163,15 @@ __device__ __forceinline__ void store_rows(const StridedView& out, const float (
   }
 }
 
-// ---- q role -------------------------------------------------------------------------------------------
+// ---- q role, with the row statistics (K1 of the CUDA-core path) -------------------------------------
+// Per (head, chunk), warp w rows t = 16w + gq (+8). Besides dq and dg_q it forms the rows' statistics
+// from the same products: b_t = sum_s P_ts + scale e_t (q_t . n_k) (the normaliser's argument),
+// sa_t = sum_s P_ts (dh_t . v_s) and si_t = scale e_t q_t . (C_k dh_t) (dh against the intra and inter
+// numerators; C_k dh_t is row t of dh C_k^T, dq's inter product, with C_k as bf16 hi + lo: si feeds
+// the gate gradients, where one bf16 rounding of the state was 4% off under strong gates), then as
+// k1_rows: 1/den, db, corr = eps dden, eY (written for K2, K3 kv and K4). Also the chunk's dn partial
+// p_k = sum_t scale e_t db_t q_t (fixed row order) for dn_scan. C_k's low part goes over v, dead once
+// dh v^T is formed, 64 rows of C_k at a time.
 __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
   const MlstmParams& p = B.f;
   __shared__ double s_g[kT], s_a[kT], s_M[kT];
@@ -175,56 +181,137 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
   const int n = int(lmin(kT, p.S - t0));
   const double mk = double(ws[L.m + bh * L.ns + kc]);
-  k3_load(B, fl, sm, b, hd, t0, n, ws + L.c + (bh * L.ns + kc) * p.DQK * p.DV, ws + L.n + (bh * L.ns + kc) * p.DQK,
-          ws + L.inv_den + bh * p.S + t0, ws + L.db + bh * p.S + t0);
+  const float* stf = ws + L.c + (bh * L.ns + kc) * p.DQK * p.DV;  // C_k, fp32 (DQK, DV)
+  k3_load(B, fl, sm, b, hd, t0, n, stf, ws + L.n + (bh * L.ns + kc) * p.DQK, nullptr, nullptr);
   mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);  // synchronises: the loads are visible
   const float scale = rsqrtf(float(p.DQK));
-  const int Dq = sm.lay.Dq, Dv = sm.lay.Dv, ldq = sm.lay.ldq, ldv = sm.lay.ldv;
+  const int DQK = int(p.DQK), DV = int(p.DV), Dq = sm.lay.Dq, Dv = sm.lay.Dv, ldq = sm.lay.ldq, ldv = sm.lay.ldv;
   const int tA = 16 * warp + gq, tB = tA + 8;  // this thread's two rows
+  const double MA = s_M[tA < n ? tA : 0], MB = s_M[tB < n ? tB : 0];
+
+  float sacc[8][4] = {}, wacc[8][4] = {};
+  mma_rn(sacc, sm.q, ldq, warp, sm.k, ldq, Dq, lane);   // q k^T: (t, s)
+  mma_rn(wacc, sm.dh, ldv, warp, sm.v, ldv, Dv, lane);  // dh v^T: (t, s)
+  float dq[16][4] = {};                                 // (16 rows, DQK columns)
+  mma_abt_wide(dq, sm.dh, ldv, sm.st, ldv, Dv, Dq, warp, lane);  // dh C_k^T, the hi part
+  // + dh lo^T, lo = C_k - bf16(C_k): rows 64h.. of C_k in v's place, (64, Dv) bf16
+  auto lo_rows = [&](int h) {
+    const int nr = min(64, Dq - 64 * h);
+    __syncthreads();  // every warp is done with v (or with the previous half)
+    for (int e = tid; e < nr * Dv; e += kThreads) {
+      const int r = 64 * h + e / Dv, c = e % Dv;
+      const float x = r < DQK && c < DV ? stf[r * DV + c] : 0.f;
+      sm.v[(r - 64 * h) * ldv + c] = __float2bfloat16_rn(x - __bfloat162float(sm.st[r * ldv + c]));
+    }
+    __syncthreads();
+    return nr;
+  };
+  mma_abt_wide<0>(dq, sm.dh, ldv, sm.v, ldv, Dv, lo_rows(0), warp, lane);
+  if (Dq > 64) mma_abt_wide<8>(dq, sm.dh, ldv, sm.v, ldv, Dv, lo_rows(1), warp, lane);
+
+  // this lane's parts of sum_s P, sum_s P (dh . v_s) and q_t . (C_k dh_t)
+  float rsA = 0.f, rsB = 0.f, saA = 0.f, saB = 0.f, siA = 0.f, siB = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int t = e < 2 ? tA : tB, s = 8 * j + 2 * t4 + (e & 1);
+      const bool on = t < n && s <= t;
+      const float P = on ? scale * sacc[j][e] * __expf(float(s_a[s] - (e < 2 ? MA : MB))) : 0.f;
+      (e < 2 ? rsA : rsB) += P;
+      (e < 2 ? saA : saB) += P * wacc[j][e];
+    }
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    if (8 * j >= Dq) break;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int t = e < 2 ? tA : tB, c = 8 * j + 2 * t4 + (e & 1);
+      (e < 2 ? siA : siB) += dq[j][e] * __bfloat162float(sm.q[t * ldq + c]);
+    }
+  }
+  float qn;  // lanes 2r, 2r+1: q . n_k of row r of the warp (even / odd columns)
+  {
+    const bf16* qr = sm.q + (16 * warp + (lane >> 1)) * ldq;
+    float x = 0.f;
+    for (int c = lane & 1; c < Dq; c += 2) x = fmaf(__bfloat162float(qr[c]), sm.nv[c], x);
+    qn = x + __shfl_xor_sync(0xffffffffu, x, 1);
+  }
+  const float qnA = __shfl_sync(0xffffffffu, qn, 2 * gq), qnB = __shfl_sync(0xffffffffu, qn, 2 * (gq + 8));
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    rsA += __shfl_xor_sync(0xffffffffu, rsA, off), rsB += __shfl_xor_sync(0xffffffffu, rsB, off);
+    saA += __shfl_xor_sync(0xffffffffu, saA, off), saB += __shfl_xor_sync(0xffffffffu, saB, off);
+    siA += __shfl_xor_sync(0xffffffffu, siA, off), siB += __shfl_xor_sync(0xffffffffu, siB, off);
+  }
+  // the rows' statistics (every lane of a row's quad computes the same values)
+  float inv[2] = {0.f, 0.f}, dbr[2] = {0.f, 0.f}, ey[2] = {0.f, 0.f};
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int t = hr ? tB : tA;
+    if (t >= n) continue;
+    const float et = float(exp(mk - s_M[t]));
+    const float qnt = hr ? qnB : qnA;
+    const float bsum = (hr ? rsB : rsA) + scale * et * qnt;
+    const float si = (hr ? siB : siA) * scale * et, sa = hr ? saB : saA;
+    const double mt = s_g[t] + s_M[t];
+    const float em = float(exp(-mt)), ab = fabsf(bsum);
+    const float den = fmaxf(ab, em) + p.eps;
+    const float dden = -((si + sa) / den) / den;  // -(dh_t . h_t) / den
+    const float sg = bsum > 0.f ? 1.f : bsum < 0.f ? -1.f : 0.f;
+    inv[hr] = 1.f / den;
+    dbr[hr] = ab > em ? dden * sg : ab < em ? 0.f : 0.5f * dden * sg;  // torch.maximum splits ties
+    ey[hr] = si / den + scale * et * qnt * dbr[hr];
+    if (t4 == 0) {
+      const std::int64_t ri = bh * p.S + t0 + t;
+      ws[L.inv_den + ri] = inv[hr];
+      ws[L.db + ri] = dbr[hr];
+      ws[L.corr + ri] = p.eps * dden;
+      ws[L.ey + ri] = ey[hr];
+    }
+  }
 
   std::uint32_t yf[4][4];  // Y = D X as A fragments (k = s)
   float zA = 0.f, zB = 0.f;
-  {
-    float sacc[8][4] = {}, wacc[8][4] = {};
-    mma_rn(sacc, sm.q, ldq, warp, sm.k, ldq, Dq, lane);   // q k^T
-    mma_rn(wacc, sm.dh, ldv, warp, sm.v, ldv, Dv, lane);  // dh v^T
-    const double MA = s_M[tA < n ? tA : 0], MB = s_M[tB < n ? tB : 0];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float y[4];
+  for (int j = 0; j < 8; ++j) {
+    float y[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = e < 2 ? tA : tB, s = 8 * j + 2 * t4 + (e & 1);
-        const bool on = t < n && s <= t;
-        const float D = on ? __expf(float(s_a[s] - (e < 2 ? MA : MB))) : 0.f;
-        const float X = wacc[j][e] * sm.inv[t] + sm.db[t];
-        y[e] = D * X;
-        (e < 2 ? zA : zB) += scale * sacc[j][e] * y[e];  // P X
-      }
-      pack_a_frags(yf, j, y);
+    for (int e = 0; e < 4; ++e) {
+      const int t = e < 2 ? tA : tB, s = 8 * j + 2 * t4 + (e & 1);
+      const bool on = t < n && s <= t;
+      const float D = on ? __expf(float(s_a[s] - (e < 2 ? MA : MB))) : 0.f;
+      const float X = wacc[j][e] * inv[e >> 1] + dbr[e >> 1];
+      y[e] = D * X;
+      (e < 2 ? zA : zB) += scale * sacc[j][e] * y[e];  // P X
     }
+    pack_a_frags(yf, j, y);
   }
-  float dq[16][4] = {};  // (16 rows, DQK columns)
-  mma_abt_wide(dq, sm.dh, ldv, sm.st, ldv, Dv, Dq, warp, lane);  // dh C_k^T
-  {
-    const float eA = tA < n ? __expf(float(mk - s_M[tA])) : 0.f, eB = tB < n ? __expf(float(mk - s_M[tB])) : 0.f;
-    const float iA = sm.inv[tA], iB = sm.inv[tB], dA = sm.db[tA], dB = sm.db[tB];
+  const float eA = tA < n ? __expf(float(mk - s_M[tA])) : 0.f, eB = tB < n ? __expf(float(mk - s_M[tB])) : 0.f;
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
+  for (int j = 0; j < 16; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float nr = 8 * j < Dq ? sm.nv[8 * j + 2 * t4 + (e & 1)] : 0.f;  // n-tiles past Dq stay 0
-        dq[j][e] = e < 2 ? eA * (dq[j][e] * iA + dA * nr) : eB * (dq[j][e] * iB + dB * nr);
-      }
-  }
+    for (int e = 0; e < 4; ++e) {
+      const float nr = 8 * j < Dq ? sm.nv[8 * j + 2 * t4 + (e & 1)] : 0.f;  // n-tiles past Dq stay 0
+      dq[j][e] = e < 2 ? eA * (dq[j][e] * inv[0] + dbr[0] * nr) : eB * (dq[j][e] * inv[1] + dbr[1] * nr);
+    }
   mma_fragb(dq, yf, sm.k, ldq, Dq, lane);  // + Y k
   store_rows(B.dq, dq, b, hd, t0, tA, tB, n, p.DQK, scale);
   zA += __shfl_xor_sync(0xffffffffu, zA, 1), zB += __shfl_xor_sync(0xffffffffu, zB, 1);
   zA += __shfl_xor_sync(0xffffffffu, zA, 2), zB += __shfl_xor_sync(0xffffffffu, zB, 2);
   if (t4 == 0) {
     const std::int64_t o = bh * p.S + t0;
-    if (tA < n) ws[L.dgq + o + tA] = zA + ws[L.ey + o + tA];
-    if (tB < n) ws[L.dgq + o + tB] = zB + ws[L.ey + o + tB];
+    if (tA < n) ws[L.dgq + o + tA] = zA + ey[0];
+    if (tB < n) ws[L.dgq + o + tB] = zB + ey[1];
+    sm.db[tA] = scale * eA * dbr[0], sm.db[tB] = scale * eB * dbr[1];  // 0 past n
+  }
+  __syncthreads();
+  // p_k = sum_t (scale e_t db_t) q_t, rows in order
+  float* pk = ws + L.pn + (bh * L.NC + kc) * p.DQK;
+  for (int c = tid; c < DQK; c += kThreads) {
+    float x = 0.f;
+    for (int t = 0; t < n; ++t) x = fmaf(sm.db[t], __bfloat162float(sm.q[t * ldq + c]), x);
+    pk[c] = x;
   }
 }
 
@@ -321,117 +408,6 @@ __global__ void __launch_bounds__(kThreads, 2) k3kv_tc(const MlstmBwdParams B, c
   if (tid == 0) ws[L.G + (bh * L.NC + kc) * L.rbs] = (s_red[0] + s_red[1]) + (s_red[2] + s_red[3]);
 }
 
-// ---- K1 on tensor cores: the row statistics ----------------------------------------------------------
-// Per (head, chunk), warp w rows t = 16w + gq (+8). b_t = scale e_t (q . n_k) + sum_s P_ts (the
-// normaliser's argument), si_t = scale e_t dh_t . (q_t C_k) and sa_t = sum_s P_ts (dh_t . v_s) (dh
-// against the inter and intra numerators), then as k1_rows: 1/den, db, corr = eps dden, eY. P, dh v^T
-// and q C_k (C_k as bf16 hi + lo) are products on tensor cores; every sum over them is fp32.
-__global__ void __launch_bounds__(kThreads, 2) k1_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
-  const MlstmParams& p = B.f;
-  __shared__ double s_g[kT], s_a[kT], s_M[kT];
-  extern __shared__ float4 smem_raw[];
-  char* base = reinterpret_cast<char*>(smem_raw);
-  K3Smem sm(base, p.DQK, p.DV, false);  // K1's order (k1_smem_bytes): the pointers set here
-  {
-    const std::size_t ldq = sm.lay.ldq, ldv = sm.lay.ldv, tq = 2 * kT * ldq, tv = 2 * kT * ldv;
-    sm.q = reinterpret_cast<bf16*>(base), sm.dh = reinterpret_cast<bf16*>(base + tq);
-    sm.k = reinterpret_cast<bf16*>(base + tq + tv), sm.v = reinterpret_cast<bf16*>(base + 2 * tq + tv);
-    sm.st = reinterpret_cast<bf16*>(base + 2 * tq + 2 * tv);
-    sm.nv = reinterpret_cast<float*>(base + 2 * tq + 2 * tv + 2 * std::size_t(sm.lay.Dq) * ldv);
-    sm.lo = nullptr, sm.inv = sm.db = nullptr;  // lo: over k | v after q k^T, dh v^T (below)
-  }
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
-  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
-  const int n = int(lmin(kT, p.S - t0));
-  const double mk = double(ws[L.m + bh * L.ns + kc]);
-  const float* stf = ws + L.c + (bh * L.ns + kc) * p.DQK * p.DV;
-  k3_load(B, fl, sm, b, hd, t0, n, stf, ws + L.n + (bh * L.ns + kc) * p.DQK, nullptr, nullptr);
-  mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);  // synchronises: the loads are visible
-  const float scale = rsqrtf(float(p.DQK));
-  const int Dq = sm.lay.Dq, Dv = sm.lay.Dv, ldq = sm.lay.ldq, ldv = sm.lay.ldv;
-  const int tA = 16 * warp + gq, tB = tA + 8;
-
-  float rsA = 0.f, rsB = 0.f, saA = 0.f, saB = 0.f;  // sum_s P, sum_s P (dh . v_s): this lane's part
-  {
-    float sacc[8][4] = {}, wacc[8][4] = {};
-    mma_rn(sacc, sm.q, ldq, warp, sm.k, ldq, Dq, lane);   // q k^T
-    mma_rn(wacc, sm.dh, ldv, warp, sm.v, ldv, Dv, lane);  // dh v^T
-    const double MA = s_M[tA < n ? tA : 0], MB = s_M[tB < n ? tB : 0];
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = e < 2 ? tA : tB, s = 8 * j + 2 * t4 + (e & 1);
-        const bool on = t < n && s <= t;
-        const float P = on ? scale * sacc[j][e] * __expf(float(s_a[s] - (e < 2 ? MA : MB))) : 0.f;
-        (e < 2 ? rsA : rsB) += P;
-        (e < 2 ? saA : saB) += P * wacc[j][e];
-      }
-  }
-  __syncthreads();  // every warp is done with k and v: C_k's low part goes over them
-  {
-    bf16* lo = sm.k;
-    const int DQK = int(p.DQK), DV = int(p.DV);
-    for (int e = tid; e < Dq * Dv; e += kThreads) {
-      const int r = e / Dv, c = e % Dv;
-      const float x = r < DQK && c < DV ? stf[r * DV + c] : 0.f;
-      lo[r * ldv + c] = __float2bfloat16_rn(x - __bfloat162float(sm.st[r * ldv + c]));
-    }
-    sm.lo = lo;
-  }
-  __syncthreads();
-  float siA = 0.f, siB = 0.f;  // dh_t . (q_t C_k): this lane's part
-  {
-    float acc[16][4] = {};
-    mma_ab(acc, sm.q, ldq, sm.st, ldv, Dq, Dv, warp, lane);  // q C_k: (t, c)
-    mma_ab(acc, sm.q, ldq, sm.lo, ldv, Dq, Dv, warp, lane);
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      if (8 * j >= Dv) break;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = e < 2 ? tA : tB, c = 8 * j + 2 * t4 + (e & 1);
-        (e < 2 ? siA : siB) += acc[j][e] * __bfloat162float(sm.dh[t * ldv + c]);
-      }
-    }
-  }
-  float qn;  // lanes 2r, 2r+1: q . n_k of row r of the warp (even / odd columns)
-  {
-    const bf16* qr = sm.q + (16 * warp + (lane >> 1)) * ldq;
-    float x = 0.f;
-    for (int c = lane & 1; c < Dq; c += 2) x = fmaf(__bfloat162float(qr[c]), sm.nv[c], x);
-    qn = x + __shfl_xor_sync(0xffffffffu, x, 1);
-  }
-  const float qnA = __shfl_sync(0xffffffffu, qn, 2 * gq), qnB = __shfl_sync(0xffffffffu, qn, 2 * (gq + 8));
-#pragma unroll
-  for (int off = 1; off <= 2; off <<= 1) {
-    rsA += __shfl_xor_sync(0xffffffffu, rsA, off), rsB += __shfl_xor_sync(0xffffffffu, rsB, off);
-    saA += __shfl_xor_sync(0xffffffffu, saA, off), saB += __shfl_xor_sync(0xffffffffu, saB, off);
-    siA += __shfl_xor_sync(0xffffffffu, siA, off), siB += __shfl_xor_sync(0xffffffffu, siB, off);
-  }
-  if (t4 != 0) return;
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int t = hr ? tB : tA;
-    if (t >= n) continue;
-    const float et = float(exp(mk - s_M[t]));
-    const float qnt = hr ? qnB : qnA;
-    const float bsum = (hr ? rsB : rsA) + scale * et * qnt;
-    const float si = (hr ? siB : siA) * scale * et, sa = hr ? saB : saA;
-    const double mt = s_g[t] + s_M[t];
-    const float em = float(exp(-mt)), ab = fabsf(bsum);
-    const float den = fmaxf(ab, em) + p.eps;
-    const float dden = -((si + sa) / den) / den;  // -(dh_t . h_t) / den
-    const float sg = bsum > 0.f ? 1.f : bsum < 0.f ? -1.f : 0.f;
-    const float db = ab > em ? dden * sg : ab < em ? 0.f : 0.5f * dden * sg;  // torch.maximum splits ties
-    const std::int64_t ri = bh * p.S + t0 + t;
-    ws[L.inv_den + ri] = 1.f / den;
-    ws[L.db + ri] = db;
-    ws[L.corr + ri] = p.eps * dden;
-    ws[L.ey + ri] = si / den + scale * et * qnt * db;
-  }
-}
-
 // ---- K2 on tensor cores: the reverse scan of the state gradients -----------------------------------
 // Grid (heads, DQK tiles, DV tiles) as k2_scan; 8 warps: warp w owns dC rows r0 + 16 (w % 4).. and
 // columns c0 + 32 (w / 4).. in fp32 accumulators (the exact chain), walking the chunks backwards:
@@ -479,7 +455,7 @@ __device__ __forceinline__ void mma_split_kstep32(float (&acc)[4][4], const std:
 }
 
 __global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B, const K3Flags fl, float* ws,
-                                                         const BwdWs L) {
+                                                         const BwdWs L, const bool dn_here) {
   const MlstmParams& p = B.f;
   extern __shared__ float4 smem_raw[];
   ScanSmem& sm = *reinterpret_cast<ScanSmem*>(smem_raw);
@@ -487,7 +463,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B,
   const int rg = warp & 3, cg = warp >> 2;  // row group (16 rows), column half (32 columns)
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
   const int r0 = blockIdx.y * kT, c0 = blockIdx.z * kT, cw = c0 + 32 * cg;  // cw: this warp's first column
-  const bool with_n = blockIdx.z == 0 && cg == 0;
+  const bool with_n = dn_here && blockIdx.z == 0 && cg == 0;  // else dn_scan carries dn
   const std::int64_t tile = std::int64_t(blockIdx.y) * gridDim.z + blockIdx.z;
   const std::int64_t NC = L.NC, ns = L.ns, DQK = p.DQK, DV = p.DV, S = p.S, Lc = p.L;
   const int nr = int(lmin(kT, DQK - r0)), nc = int(lmin(kT, DV - c0));
@@ -630,6 +606,54 @@ __global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B,
   }
 }
 
+// ---- dn scan (after K3 q-role and K2, where K3 q-role forms the row statistics) -----------------------
+// dn_k = d_k dn_{k+1} + p_k, d_k = exp(m_k - M_{n-1}) (K2's decay), p_k from k3q_tc; grid: heads, thread
+// r owns dn[r]. Writes dn_{k+1} (k = 0..NC-1; slot NC = dn_last) for K3 kv-role and dn_0, then adds
+// the n part of R, <n_k, dn_{k+1}> and <n_NC, dn_last>, to the tile-0 entry K2 wrote (fixed order).
+constexpr int kDnThreads = 256;  // >= DQK; 8 warps for the R part
+constexpr int kDnBlock = 16;     // chunks whose p_k and d_k are loaded ahead of the chain
+__global__ void __launch_bounds__(kDnThreads) dn_scan(const MlstmBwdParams B, float* ws, const BwdWs L) {
+  const MlstmParams& p = B.f;
+  const int r = threadIdx.x, warp = r >> 5, lane = r & 31;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, NC = L.NC, ns = L.ns, DQK = p.DQK;
+  const std::int64_t S = p.S, Lc = p.L;
+  const double* wA = reinterpret_cast<const double*>(ws + L.gates) + 2 * L.heads * S + bh * S;
+  float* dn = ws + L.dn + bh * ns * DQK;
+  const float* pn = ws + L.pn + bh * NC * DQK;
+  const bool on = r < DQK;
+  float x = on && B.dn_last.p ? mlstm_ld(B.dn_last, b * B.dn_last.s0 + hd * B.dn_last.s1 + r) : 0.f;
+  if (on) dn[NC * DQK + r] = x;
+  for (std::int64_t k1 = NC - 1; k1 >= 0; k1 -= kDnBlock) {  // chunks k1, k1 - 1, .. (down to 0)
+    float pk[kDnBlock], dk[kDnBlock];
+#pragma unroll
+    for (int u = 0; u < kDnBlock; ++u) {
+      const std::int64_t kc = k1 - u;
+      pk[u] = 0.f, dk[u] = 1.f;
+      if (kc < 0) continue;
+      const double mk = double(ws[L.m + bh * ns + kc]), Aend = wA[lmin(S, (kc + 1) * Lc) - 1];
+      dk[u] = float(exp(mk - fmax(mk, Aend)));
+      if (on) pk[u] = pn[kc * DQK + r];
+    }
+#pragma unroll
+    for (int u = 0; u < kDnBlock; ++u) {
+      const std::int64_t kc = k1 - u;
+      if (kc < 0) break;
+      x = x * dk[u] + pk[u];
+      if (kc > 0 && on) dn[kc * DQK + r] = x;
+    }
+  }
+  if (B.dn0.p && on) mlstm_st(B.dn0, b * B.dn0.s0 + hd * B.dn0.s1 + r, x);
+  __syncthreads();  // this block's dn writes are visible to it
+  for (std::int64_t k = warp; k <= NC; k += kDnThreads / 32) {
+    const float* nk = ws + L.n + (bh * ns + k) * DQK;
+    const float* dk = dn + lmin(k + 1, NC) * DQK;
+    float part = 0.f;
+    for (std::int64_t c = lane; c < DQK; c += 32) part = fmaf(nk[c], dk[c], part);
+    for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+    if (lane == 0) ws[L.R + (bh * ns + k) * L.tiles] += part;
+  }
+}
+
 }  // namespace
 
 bool mlstm_bwd_k3_tc_applies(const MlstmBwdParams& b) {
@@ -638,18 +662,31 @@ bool mlstm_bwd_k3_tc_applies(const MlstmBwdParams& b) {
          b.dh.dtype == DType::bf16 && p.L == kT && p.DQK >= 1 && p.DQK <= kMaxD && p.DV >= 1 && p.DV <= kMaxD;
 }
 
-void mlstm_bwd_k3_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
+void mlstm_bwd_k3q_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
   const MlstmParams& p = B.f;
   if (L.NC == 0 || L.heads == 0) return;
   const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
-  const K3Layout lq(p.DQK, p.DV, false), lkv(p.DQK, p.DV, true);
-  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  const dim3 grid(unsigned(L.heads), unsigned(L.NC));
+  const K3Layout lq(p.DQK, p.DV, false);
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k3q_tc), kThreads, lq.bytes);
-  k3q_tc<<<grid, kThreads, lq.bytes, s>>>(B, fl, ws, L);
+  k3q_tc<<<dim3(unsigned(L.heads), unsigned(L.NC)), kThreads, lq.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
+      B, fl, ws, L);
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+}
+
+void mlstm_bwd_dn_scan(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
+  if (L.heads == 0) return;
+  dn_scan<<<unsigned(L.heads), kDnThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(B, ws, L);
+  FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+}
+
+void mlstm_bwd_k3kv_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
+  const MlstmParams& p = B.f;
+  if (L.NC == 0 || L.heads == 0) return;
+  const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
+  const K3Layout lkv(p.DQK, p.DV, true);
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k3kv_tc), kThreads, lkv.bytes);
-  k3kv_tc<<<grid, kThreads, lkv.bytes, s>>>(B, fl, ws, L);
+  k3kv_tc<<<dim3(unsigned(L.heads), unsigned(L.NC)), kThreads, lkv.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
+      B, fl, ws, L);
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
 }
 
@@ -658,7 +695,7 @@ bool mlstm_bwd_k2_tc_applies(const MlstmBwdParams& b) {
   return mlstm_states_tc_applies(p) && b.dh.dtype == DType::bf16;  // the gate pass of K0 (tensor cores) ran
 }
 
-void mlstm_bwd_k2_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
+void mlstm_bwd_k2_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, bool with_dn, Stream stream) {
   const MlstmParams& p = B.f;
   const std::int64_t kt = (p.DQK + kT - 1) / kT, vt = (p.DV + kT - 1) / kT;
   if (L.heads == 0) return;
@@ -667,18 +704,7 @@ void mlstm_bwd_k2_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream 
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k2_tc), kScanThreads, smem);
   k2_tc<<<dim3(unsigned(L.heads), unsigned(kt), unsigned(vt)), kScanThreads, smem,
           reinterpret_cast<cudaStream_t>(stream)>>>(
-      B, fl, ws, L);
-  FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
-}
-
-void mlstm_bwd_k1_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
-  const MlstmParams& p = B.f;
-  if (L.NC == 0 || L.heads == 0) return;
-  const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
-  const std::size_t bytes = k1_smem_bytes(K3Layout(p.DQK, p.DV, false));
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k1_tc), kThreads, bytes);
-  k1_tc<<<dim3(unsigned(L.heads), unsigned(L.NC)), kThreads, bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
-      B, fl, ws, L);
+      B, fl, ws, L, with_dn);
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
 }
 

@@ -11,7 +11,7 @@ namespace fastweight::detail {
 
 struct BwdWs {  // offsets in floats into the workspace
   std::int64_t heads, NC, ns, tiles, rbs;
-  std::int64_t c, n, m, dc, dn, inv_den, db, corr, ey, dgq, dgkv, dikv, R, G, gam, gates, total;
+  std::int64_t c, n, m, dc, dn, inv_den, db, corr, ey, dgq, dgkv, dikv, R, G, gam, gates, pn, k4, total;
   explicit BwdWs(const MlstmParams& p) {
     heads = p.B * p.NH, NC = p.chunks(), ns = NC + 1;
     tiles = ((p.DQK + 63) / 64) * ((p.DV + 63) / 64);  // 64 x 64 tiles of C
@@ -26,20 +26,24 @@ struct BwdWs {  // offsets in floats into the workspace
     R = take(heads * ns * tiles), G = take(heads * std::max<std::int64_t>(NC, 1) * rbs);
     gam = take(heads * p.S);  // K4: routing gamma_t of each max (1 lf, 0 i, 1/2 tie)
     gates = take(6 * heads * p.S);  // K0 on tensor cores: g, a, A in float64 (2 floats each)
+    pn = take(heads * NC * p.DQK);
+    k4 = take(2 * (3 * heads * NC + heads));  // K4 in float64: chunk ends (g, max a), m_k, chunk 0's dm0  // tensor-core path: p_k = sum_t scale e_t db_t q_t per chunk (K3 q-role)
     total = o;
   }
 };
 
 
-// K3 (dq, dk, dv and the gate partials) on tensor cores where it applies (mlstm_bwd_tc.cu): bf16 q, k,
-// v, dh, chunk 64, DQK and DV <= 128. Reads and writes the workspace exactly as k3_dq / k3_dkdv.
+// The tensor-core path (mlstm_bwd_tc.cu): bf16 q, k, v, dh, chunk 64, DQK and DV <= 128. K3's q-role
+// also forms the row statistics (K1 of the CUDA-core path) and the chunks' dn partials, so the order
+// is K0, K3 q-role, K2 without dn, dn_scan, K3 kv-role, K4. Reads and writes the workspace as k3_dq,
+// k1_rows / k3_dkdv do, plus pn.
 bool mlstm_bwd_k3_tc_applies(const MlstmBwdParams& b);
-void mlstm_bwd_k3_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, Stream stream);
-// K1 (row statistics) on tensor cores, where K3's tensor-core path applies (same conditions).
-void mlstm_bwd_k1_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, Stream stream);
-// K2 (the reverse scan of dC, dn) on tensor cores: bf16 q, k, v, dh, after K0 on tensor cores (it
-// reads K0's gate pass from the workspace). Writes what k2_scan writes.
+void mlstm_bwd_k3q_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, Stream stream);
+void mlstm_bwd_dn_scan(const MlstmBwdParams& b, float* ws, const BwdWs& L, Stream stream);
+void mlstm_bwd_k3kv_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, Stream stream);
+// K2 (the reverse scan of dC, and of dn when with_dn) on tensor cores: bf16 q, k, v, dh, after K0 on
+// tensor cores (it reads K0's gate pass from the workspace). Writes what k2_scan writes (less dn).
 bool mlstm_bwd_k2_tc_applies(const MlstmBwdParams& b);
-void mlstm_bwd_k2_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, Stream stream);
+void mlstm_bwd_k2_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, bool with_dn, Stream stream);
 
 }  // namespace fastweight::detail
