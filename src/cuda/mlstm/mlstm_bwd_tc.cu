@@ -60,6 +60,50 @@ struct K3Smem {
   }
 };
 
+// hi and / or lo (either may be null): (Rp rows, Cp columns) bf16 at row stride ld from rows r0.. of
+// the fp32 row-major (R, C) matrix src: hi = bf16(x), lo = bf16(x - hi); zero past R and C. Where
+// C % 4 == 0 and src is 16-byte aligned (the workspace's states whenever DV % 4 == 0): 16-byte loads,
+// NB of them in flight per thread (one element at a time these loads took ~10 us of a ~50 us CTA),
+// 8-byte stores; else one element at a time.
+template <int NB>
+__device__ void state_bf16(bf16* hi, bf16* lo, int ld, int Rp, int Cp, const float* src, int r0, int R, int C,
+                           int nthreads) {
+  if (C % 4 == 0 && (reinterpret_cast<std::uintptr_t>(src) & 15) == 0) {
+    const int G = Cp / 4, total = Rp * G;  // Cp % 16 == 0
+    for (int e0 = threadIdx.x; e0 < total; e0 += NB * nthreads) {
+      float4 x[NB];
+#pragma unroll
+      for (int u = 0; u < NB; ++u) {
+        const int e = e0 + u * nthreads, r = e / G, c = 4 * (e % G);
+        x[u] = e < total && r0 + r < R && c < C
+                   ? __ldg(reinterpret_cast<const float4*>(src + std::int64_t(r0 + r) * C + c))
+                   : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < NB; ++u) {
+        const int e = e0 + u * nthreads, r = e / G, c = 4 * (e % G);
+        if (e >= total) break;
+        const float v[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+        float h[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) h[i] = __bfloat162float(__float2bfloat16_rn(v[i]));
+        if (hi) *reinterpret_cast<uint2*>(hi + r * ld + c) = make_uint2(pack_bf16(h[0], h[1]), pack_bf16(h[2], h[3]));
+        if (lo)
+          *reinterpret_cast<uint2*>(lo + r * ld + c) =
+              make_uint2(pack_bf16(v[0] - h[0], v[1] - h[1]), pack_bf16(v[2] - h[2], v[3] - h[3]));
+      }
+    }
+    return;
+  }
+  for (int e = threadIdx.x; e < Rp * Cp; e += nthreads) {
+    const int r = e / Cp, c = e % Cp;
+    const float x = r0 + r < R && c < C ? src[std::int64_t(r0 + r) * C + c] : 0.f;
+    const bf16 h = __float2bfloat16_rn(x);
+    if (hi) hi[r * ld + c] = h;
+    if (lo) lo[r * ld + c] = __float2bfloat16_rn(x - __bfloat162float(h));
+  }
+}
+
 // The common loads of both roles: q, k, dh, v rows of the chunk; a state matrix (fp32, (DQK, DV)
 // contiguous) as bf16 and its vector (DQK); 1/den and db of the chunk's rows.
 __device__ void k3_load(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem& sm, std::int64_t b, std::int64_t hd,
@@ -75,13 +119,7 @@ __device__ void k3_load(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem
   load_tile(sm.dh, ldv, kT, Dv, rows(B.dh), B.dh.s2, n, DV, fl.dh);
   load_tile(sm.v, ldv, kT, Dv, rows(p.v), p.v.s2, n, DV, fl.v);
   cp_async_commit();
-  for (int e = threadIdx.x; e < Dq * Dv; e += kThreads) {
-    const int r = e / Dv, c = e % Dv;
-    const float x = r < DQK && c < DV ? stf[r * DV + c] : 0.f;
-    const bf16 hi = __float2bfloat16_rn(x);
-    sm.st[r * ldv + c] = hi;
-    if (sm.lo) sm.lo[r * ldv + c] = __float2bfloat16_rn(x - __bfloat162float(hi));
-  }
+  state_bf16<8>(sm.st, sm.lo, ldv, Dq, Dv, stf, 0, DQK, DV, kThreads);
   for (int r = threadIdx.x; r < Dq; r += kThreads) sm.nv[r] = r < DQK ? nvf[r] : 0.f;
   if (threadIdx.x < kT && inv_den) {  // K1 computes them (nullptr there)
     sm.inv[threadIdx.x] = threadIdx.x < n ? inv_den[threadIdx.x] : 0.f;
@@ -198,11 +236,7 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
   auto lo_rows = [&](int h) {
     const int nr = min(64, Dq - 64 * h);
     __syncthreads();  // every warp is done with v (or with the previous half)
-    for (int e = tid; e < nr * Dv; e += kThreads) {
-      const int r = 64 * h + e / Dv, c = e % Dv;
-      const float x = r < DQK && c < DV ? stf[r * DV + c] : 0.f;
-      sm.v[(r - 64 * h) * ldv + c] = __float2bfloat16_rn(x - __bfloat162float(sm.st[r * ldv + c]));
-    }
+    state_bf16<4>(nullptr, sm.v, ldv, nr, Dv, stf, 64 * h, DQK, DV, kThreads);
     __syncthreads();
     return nr;
   };
