@@ -1,7 +1,7 @@
 // mlstm_bwd_tc.cu: the chunkwise mLSTM backward (mlstm_bwd.cu, docs/design/mlstm_backward.md) on
-// tensor cores, for bf16 q, k, v, dh, chunk 64, DQK and DV <= 128: K3 (two kernels, one CTA of 4
-// warps per (head, chunk), each warp 16 rows), K2 and dn_scan. Products by mma.sync m16n8k16
-// (bf16 -> fp32). Order: K0, K3 q-role, K2 (dC only), dn_scan, K3 kv-role, K4.
+// tensor cores, for bf16 q, k, v, dh, chunk 64, DQK and DV <= 128: K3 (two kernels, one CTA per
+// (head, chunk): q-role 4 warps of 16 rows, kv-role 8 warps of 16 rows x a 64-column half), K2 and
+// dn_scan. Products by mma.sync m16n8k16 (bf16 -> fp32). Order: K0, K3 q-role, K2 (dC only), dn_scan, K3 kv-role, K4.
 //   q-role  (rows t): S = q k^T, WD = dh v^T, dh C_k^T; the row statistics (den, db, corr, eY: K1 of
 //           the CUDA-core path) from them; X = WD / den_t + db_t, Y = D X (s <= t);
 //           dq = scale (e_t (dh C_k^T / den_t + db_t n_k) + Y k);  dg_t = sum_s P X + eY_t;
@@ -108,19 +108,19 @@ __device__ void state_bf16(bf16* hi, bf16* lo, int ld, int Rp, int Cp, const flo
 // contiguous) as bf16 and its vector (DQK); 1/den and db of the chunk's rows.
 __device__ void k3_load(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem& sm, std::int64_t b, std::int64_t hd,
                         std::int64_t t0, int n, const float* stf, const float* nvf, const float* inv_den,
-                        const float* dbv) {
+                        const float* dbv, int nthreads = kThreads) {
   const MlstmParams& p = B.f;
   const int DQK = int(p.DQK), DV = int(p.DV), ldq = sm.lay.ldq, ldv = sm.lay.ldv, Dq = sm.lay.Dq, Dv = sm.lay.Dv;
   auto rows = [&](const StridedView& t) {
     return static_cast<const bf16*>(t.p) + b * t.s0 + hd * t.s1 + t0 * t.s2;
   };
-  load_tile(sm.q, ldq, kT, Dq, rows(p.q), p.q.s2, n, DQK, fl.q);
-  load_tile(sm.k, ldq, kT, Dq, rows(p.k), p.k.s2, n, DQK, fl.k);
-  load_tile(sm.dh, ldv, kT, Dv, rows(B.dh), B.dh.s2, n, DV, fl.dh);
-  load_tile(sm.v, ldv, kT, Dv, rows(p.v), p.v.s2, n, DV, fl.v);
+  load_tile(sm.q, ldq, kT, Dq, rows(p.q), p.q.s2, n, DQK, fl.q, nthreads);
+  load_tile(sm.k, ldq, kT, Dq, rows(p.k), p.k.s2, n, DQK, fl.k, nthreads);
+  load_tile(sm.dh, ldv, kT, Dv, rows(B.dh), B.dh.s2, n, DV, fl.dh, nthreads);
+  load_tile(sm.v, ldv, kT, Dv, rows(p.v), p.v.s2, n, DV, fl.v, nthreads);
   cp_async_commit();
-  state_bf16<8>(sm.st, sm.lo, ldv, Dq, Dv, stf, 0, DQK, DV, kThreads);
-  for (int r = threadIdx.x; r < Dq; r += kThreads) sm.nv[r] = r < DQK ? nvf[r] : 0.f;
+  state_bf16<8>(sm.st, sm.lo, ldv, Dq, Dv, stf, 0, DQK, DV, nthreads);
+  for (int r = threadIdx.x; r < Dq; r += nthreads) sm.nv[r] = r < DQK ? nvf[r] : 0.f;
   if (threadIdx.x < kT && inv_den) {  // K1 computes them (nullptr there)
     sm.inv[threadIdx.x] = threadIdx.x < n ? inv_den[threadIdx.x] : 0.f;
     sm.db[threadIdx.x] = threadIdx.x < n ? dbv[threadIdx.x] : 0.f;
@@ -144,23 +144,6 @@ __device__ __forceinline__ void mma_fragb(float (&acc)[16][4], const std::uint32
     }
 }
 
-// acc (16 x N) += A (rows 16w.., K = Kp, row major, stride lda) times B stored k-major (stride ldb).
-__device__ __forceinline__ void mma_ab(float (&acc)[16][4], const bf16* A, int lda, const bf16* Bk, int ldb, int Kp,
-                                       int N, int warp, int lane) {
-  for (int ks = 0; ks < Kp / 16; ++ks) {
-    std::uint32_t a[4];
-    ldsm_x4(a, A + (16 * warp + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      if (16 * jj >= N) break;
-      std::uint32_t bb[4];
-      ldsm_x4_t(bb, Bk + (ks * 16 + ld_row_b_kmajor(lane)) * ldb + 16 * jj + ld_col_b_kmajor(lane));
-      mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
-      mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
-    }
-  }
-}
-
 // acc (16 x N) += A B^T with A row major (stride lda, K = Kp) and B stored n-major (row n = output
 // column, K contiguous; stride ldb): N up to 128 output columns, into acc's n-tiles J0.. (N <= 128 - 8 J0).
 template <int J0 = 0>
@@ -179,6 +162,57 @@ __device__ __forceinline__ void mma_abt_wide(float (&acc)[16][4], const bf16* A,
     }
   }
 }
+
+// 64-column variants for the 8-warp kv-role (two warps per 16 rows, each a 64-column half):
+// acc (16 x N, N <= 64) += A (rows 16 mrow.., K = Kp, row major) B (k-major, stride ldb)
+__device__ __forceinline__ void mma_ab8(float (&acc)[8][4], const bf16* A, int lda, const bf16* Bk, int ldb, int Kp,
+                                        int N, int mrow, int lane) {
+  for (int ks = 0; ks < Kp / 16; ++ks) {
+    std::uint32_t a[4];
+    ldsm_x4(a, A + (16 * mrow + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      if (16 * jj >= N) break;
+      std::uint32_t bb[4];
+      ldsm_x4_t(bb, Bk + (ks * 16 + ld_row_b_kmajor(lane)) * ldb + 16 * jj + ld_col_b_kmajor(lane));
+      mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
+      mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
+    }
+  }
+}
+
+// acc (16 x N, N <= 64) += A B^T, A row major (rows 16 mrow.., K = Kp), B n-major (row n, K contiguous)
+__device__ __forceinline__ void mma_abt8(float (&acc)[8][4], const bf16* A, int lda, const bf16* Bn, int ldb, int Kp,
+                                         int N, int mrow, int lane) {
+  for (int ks = 0; ks < Kp / 16; ++ks) {
+    std::uint32_t a[4];
+    ldsm_x4(a, A + (16 * mrow + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      if (16 * jj >= N) break;
+      std::uint32_t bb[4];
+      ldsm_x4(bb, Bn + (16 * jj + ld_row_b_nmajor(lane)) * ldb + ks * 16 + ld_col_b_nmajor(lane));
+      mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
+      mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
+    }
+  }
+}
+
+// acc (16 x N, N <= 64) += A B, A as fragments of 4 k-steps (64 rows of B), B k-major (stride ldb)
+__device__ __forceinline__ void mma_fragb8(float (&acc)[8][4], const std::uint32_t (&af)[4][4], const bf16* Bk, int ldb,
+                                           int N, int lane) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      if (16 * jj >= N) break;
+      std::uint32_t bb[4];
+      ldsm_x4_t(bb, Bk + (ks * 16 + ld_row_b_kmajor(lane)) * ldb + 16 * jj + ld_col_b_kmajor(lane));
+      mma_bf16_16816(acc[2 * jj], af[ks], bb[0], bb[1]);
+      mma_bf16_16816(acc[2 * jj + 1], af[ks], bb[2], bb[3]);
+    }
+}
+
 
 // Writes the warp's (16 rows x N columns) accumulator rows rA, rB (rows of the chunk) of a
 // (B, NH, S, N) output, times mul; rows >= n and columns >= N are not written.
@@ -349,25 +383,54 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
   }
 }
 
+// Rows rA, rB (< n) of a (B, NH, S, N) output from a 16 x 64 accumulator at columns c0.. (< N).
+__device__ __forceinline__ void store_rows8(const StridedView& out, const float (&acc)[8][4], std::int64_t b,
+                                            std::int64_t hd, std::int64_t t0, int rA, int rB, int n, int c0,
+                                            std::int64_t N) {
+  const int t4 = threadIdx.x & 3;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = hr ? rB : rA;
+    if (r >= n || !out.p) continue;
+    const std::int64_t row = b * out.s0 + hd * out.s1 + (t0 + r) * out.s2;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = c0 + 8 * j + 2 * t4 + e;
+        if (c < N) mlstm_st(out, row + c, acc[j][2 * hr + e]);
+      }
+  }
+}
+
 // ---- kv role ------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kThreads, 2) k3kv_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
+// 8 warps: warp w owns steps s = 16 (w % 4).. and the 64-column half h = w / 4 of dk and of dv. Both
+// warps of a row group form S^T, WD^T and the fragments (a sixth of the work, duplicated) so the
+// output products split without exchanging fragments; u_s is summed over the halves in smem. One CTA
+// per SM (140 KB): with 4 warps the kernel ran at one warp per scheduler (6.25% occupancy).
+constexpr int kKvThreads = 256;
+__global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B, const K3Flags fl, float* ws,
+                                                         const BwdWs L) {
   const MlstmParams& p = B.f;
   __shared__ double s_g[kT], s_a[kT], s_M[kT];
-  __shared__ float s_red[kThreads / 32];
+  __shared__ float s_red[kKvThreads / 32];
+  __shared__ float s_u[2][kT];  // u_s of the two column halves
   extern __shared__ float4 smem_raw[];
   // dC_{k+1} as bf16 hi + lo: u_s and da_s are sums of large terms that cancel under strong gates
   // (i = +20, f = -20), where one bf16 rounding of dC put (di, df) 4% off (H100 run 9)
   const K3Smem sm(reinterpret_cast<char*>(smem_raw), p.DQK, p.DV, true);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
+  const int rg = warp & 3, cg = warp >> 2;  // row group (16 steps), column half
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
   const int n = int(lmin(kT, p.S - t0));
   const double mk = double(ws[L.m + bh * L.ns + kc]);
   k3_load(B, fl, sm, b, hd, t0, n, ws + L.dc + (bh * L.ns + kc + 1) * p.DQK * p.DV,
-          ws + L.dn + (bh * L.ns + kc + 1) * p.DQK, ws + L.inv_den + bh * p.S + t0, ws + L.db + bh * p.S + t0);
+          ws + L.dn + (bh * L.ns + kc + 1) * p.DQK, ws + L.inv_den + bh * p.S + t0, ws + L.db + bh * p.S + t0,
+          kKvThreads);
   mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);
   const float scale = rsqrtf(float(p.DQK));
   const int Dq = sm.lay.Dq, Dv = sm.lay.Dv, ldq = sm.lay.ldq, ldv = sm.lay.ldv;
-  const int sA = 16 * warp + gq, sB = sA + 8;  // this thread's two rows (steps s)
+  const int sA = 16 * rg + gq, sB = sA + 8;  // this thread's two rows (steps s)
   const double ML = s_M[n - 1];
   const float wA = sA < n ? __expf(float(s_a[sA] - ML)) : 0.f, wB = sB < n ? __expf(float(s_a[sB] - ML)) : 0.f;
 
@@ -375,8 +438,8 @@ __global__ void __launch_bounds__(kThreads, 2) k3kv_tc(const MlstmBwdParams B, c
   float zA = 0.f, zB = 0.f;
   {
     float sacc[8][4] = {}, wacc[8][4] = {};
-    mma_rn(sacc, sm.k, ldq, warp, sm.q, ldq, Dq, lane);   // k q^T
-    mma_rn(wacc, sm.v, ldv, warp, sm.dh, ldv, Dv, lane);  // v dh^T
+    mma_rn(sacc, sm.k, ldq, rg, sm.q, ldq, Dq, lane);   // k q^T
+    mma_rn(wacc, sm.v, ldv, rg, sm.dh, ldv, Dv, lane);  // v dh^T
     const double aA = s_a[sA < n ? sA : 0], aB = s_a[sB < n ? sB : 0];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -396,45 +459,51 @@ __global__ void __launch_bounds__(kThreads, 2) k3kv_tc(const MlstmBwdParams B, c
       pack_a_frags(pf, j, pp);
     }
   }
-  // dk = w_s (v dC^T + dn) + scale Y^T q; u_s = k_s . (dC v_s + dn)
+  // dk columns r0.. = w_s (v dC^T + dn) + scale Y^T q; u_s part = k_s . (dC v_s + dn) over them
   float uA = 0.f, uB = 0.f;
-  {
-    float acc[16][4] = {};
-    mma_abt_wide(acc, sm.v, ldv, sm.st, ldv, Dv, Dq, warp, lane);  // v dC^T: (s, r)
-    mma_abt_wide(acc, sm.v, ldv, sm.lo, ldv, Dv, Dq, warp, lane);
+  const int r0 = 64 * cg, nq = Dq - r0 < 64 ? Dq - r0 : 64;  // nq <= 0: no dk columns in this half
+  if (nq > 0) {
+    float acc[8][4] = {};
+    mma_abt8(acc, sm.v, ldv, sm.st + r0 * ldv, ldv, Dv, nq, rg, lane);  // v dC^T: (s, r)
+    mma_abt8(acc, sm.v, ldv, sm.lo + r0 * ldv, ldv, Dv, nq, rg, lane);
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        if (8 * j >= Dq) break;  // n-tiles past Dq: no columns (and no n) there
-        const int r = 8 * j + 2 * t4 + (e & 1), s = e < 2 ? sA : sB;
+        if (8 * j >= nq) break;  // n-tiles past Dq: no columns (and no n) there
+        const int r = r0 + 8 * j + 2 * t4 + (e & 1), s = e < 2 ? sA : sB;
         const float x = acc[j][e] + sm.nv[r];
         (e < 2 ? uA : uB) += __bfloat162float(sm.k[s * ldq + r]) * x;
         acc[j][e] = (e < 2 ? wA : wB) * x;
       }
-    mma_fragb(acc, yf, sm.q, ldq, Dq, lane);
-    store_rows(B.dk, acc, b, hd, t0, sA, sB, n, p.DQK, 1.f);
+    mma_fragb8(acc, yf, sm.q + r0, ldq, nq, lane);
+    store_rows8(B.dk, acc, b, hd, t0, sA, sB, n, r0, p.DQK);
   }
-  // dv = w_s k dC + P^T dnum
-  {
-    float acc[16][4] = {};
-    mma_ab(acc, sm.k, ldq, sm.st, ldv, Dq, Dv, warp, lane);  // k dC: (s, c)
-    mma_ab(acc, sm.k, ldq, sm.lo, ldv, Dq, Dv, warp, lane);
+  // dv columns c0.. = w_s k dC + P^T dnum
+  const int c0 = 64 * cg, nv = Dv - c0 < 64 ? Dv - c0 : 64;
+  if (nv > 0) {
+    float acc[8][4] = {};
+    mma_ab8(acc, sm.k, ldq, sm.st + c0, ldv, Dq, nv, rg, lane);  // k dC: (s, c)
+    mma_ab8(acc, sm.k, ldq, sm.lo + c0, ldv, Dq, nv, rg, lane);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) acc[j][0] *= wA, acc[j][1] *= wA, acc[j][2] *= wB, acc[j][3] *= wB;
-    mma_fragb(acc, pf, sm.dh, ldv, Dv, lane);
-    store_rows(B.dv, acc, b, hd, t0, sA, sB, n, p.DV, 1.f);
+    for (int j = 0; j < 8; ++j) acc[j][0] *= wA, acc[j][1] *= wA, acc[j][2] *= wB, acc[j][3] *= wB;
+    mma_fragb8(acc, pf, sm.dh + c0, ldv, nv, lane);
+    store_rows8(B.dv, acc, b, hd, t0, sA, sB, n, c0, p.DV);
   }
-  // the s-role scalars: da_s = d/di_s = -d/dg_s, and the chunk's dG partial sum_s w_s u_s
+  // the s-role scalars: da_s = d/di_s = -d/dg_s, and the chunk's dG partial sum_s w_s u_s (u_s: the
+  // two halves' parts, added in order)
   uA += __shfl_xor_sync(0xffffffffu, uA, 1), uB += __shfl_xor_sync(0xffffffffu, uB, 1);
   uA += __shfl_xor_sync(0xffffffffu, uA, 2), uB += __shfl_xor_sync(0xffffffffu, uB, 2);
   zA += __shfl_xor_sync(0xffffffffu, zA, 1), zB += __shfl_xor_sync(0xffffffffu, zB, 1);
   zA += __shfl_xor_sync(0xffffffffu, zA, 2), zB += __shfl_xor_sync(0xffffffffu, zB, 2);
+  if (t4 == 0) s_u[cg][sA] = uA, s_u[cg][sB] = uB;
+  __syncthreads();
   float gpart = 0.f;
-  if (t4 == 0) {
+  if (cg == 0 && t4 == 0) {
     const std::int64_t o = bh * p.S + t0;
-    if (sA < n) ws[L.dikv + o + sA] = zA + wA * uA, ws[L.dgkv + o + sA] = -(zA + wA * uA), gpart += wA * uA;
-    if (sB < n) ws[L.dikv + o + sB] = zB + wB * uB, ws[L.dgkv + o + sB] = -(zB + wB * uB), gpart += wB * uB;
+    const float ua = s_u[0][sA] + s_u[1][sA], ub = s_u[0][sB] + s_u[1][sB];
+    if (sA < n) ws[L.dikv + o + sA] = zA + wA * ua, ws[L.dgkv + o + sA] = -(zA + wA * ua), gpart += wA * ua;
+    if (sB < n) ws[L.dikv + o + sB] = zB + wB * ub, ws[L.dgkv + o + sB] = -(zB + wB * ub), gpart += wB * ub;
   }
   for (int off = 16; off > 0; off >>= 1) gpart += __shfl_xor_sync(0xffffffffu, gpart, off);
   if (lane == 0) s_red[warp] = gpart;
@@ -718,8 +787,8 @@ void mlstm_bwd_k3kv_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Strea
   if (L.NC == 0 || L.heads == 0) return;
   const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
   const K3Layout lkv(p.DQK, p.DV, true);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k3kv_tc), kThreads, lkv.bytes);
-  k3kv_tc<<<dim3(unsigned(L.heads), unsigned(L.NC)), kThreads, lkv.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k3kv_tc), kKvThreads, lkv.bytes);
+  k3kv_tc<<<dim3(unsigned(L.heads), unsigned(L.NC)), kKvThreads, lkv.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
       B, fl, ws, L);
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
 }
