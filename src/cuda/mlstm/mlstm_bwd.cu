@@ -901,7 +901,7 @@ void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream) {
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
   }
   if (mlstm_bwd_k2_tc_applies(B)) {
-    mlstm_bwd_k2_tc(B, ws, L, !tc, stream);
+    mlstm_bwd_k2_tc(B, ws, L, tc, stream);
   } else {
     k2_scan<<<dim3(H, unsigned(kt), unsigned(vt)), kThreads, 0, s>>>(B, ws, L);
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");

@@ -104,11 +104,12 @@ __device__ void state_bf16(bf16* hi, bf16* lo, int ld, int Rp, int Cp, const flo
   }
 }
 
-// The common loads of both roles: q, k, dh, v rows of the chunk; a state matrix (fp32, (DQK, DV)
-// contiguous) as bf16 and its vector (DQK); 1/den and db of the chunk's rows.
+// The common loads of both roles: q, k, dh, v rows of the chunk; a state matrix (DQK, DV) as bf16 in
+// shared memory, from fp32 (stf) or, where sthl is given, from K2's bf16 hi (DQK, DV) then lo (DQK, DV)
+// by cp.async; its vector (DQK); 1/den and db of the chunk's rows.
 __device__ void k3_load(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem& sm, std::int64_t b, std::int64_t hd,
                         std::int64_t t0, int n, const float* stf, const float* nvf, const float* inv_den,
-                        const float* dbv, int nthreads = kThreads) {
+                        const float* dbv, int nthreads = kThreads, const bf16* sthl = nullptr) {
   const MlstmParams& p = B.f;
   const int DQK = int(p.DQK), DV = int(p.DV), ldq = sm.lay.ldq, ldv = sm.lay.ldv, Dq = sm.lay.Dq, Dv = sm.lay.Dv;
   auto rows = [&](const StridedView& t) {
@@ -118,8 +119,12 @@ __device__ void k3_load(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem
   load_tile(sm.k, ldq, kT, Dq, rows(p.k), p.k.s2, n, DQK, fl.k, nthreads);
   load_tile(sm.dh, ldv, kT, Dv, rows(B.dh), B.dh.s2, n, DV, fl.dh, nthreads);
   load_tile(sm.v, ldv, kT, Dv, rows(p.v), p.v.s2, n, DV, fl.v, nthreads);
+  if (sthl) {  // 16-byte rows where DV % 8 == 0 (the workspace slot is then 16-byte aligned too)
+    load_tile(sm.st, ldv, Dq, Dv, sthl, DV, DQK, DV, DV % 8 == 0, nthreads);
+    load_tile(sm.lo, ldv, Dq, Dv, sthl + std::int64_t(DQK) * DV, DV, DQK, DV, DV % 8 == 0, nthreads);
+  }
   cp_async_commit();
-  state_bf16<8>(sm.st, sm.lo, ldv, Dq, Dv, stf, 0, DQK, DV, nthreads);
+  if (!sthl) state_bf16<8>(sm.st, sm.lo, ldv, Dq, Dv, stf, 0, DQK, DV, nthreads);
   for (int r = threadIdx.x; r < Dq; r += nthreads) sm.nv[r] = r < DQK ? nvf[r] : 0.f;
   if (threadIdx.x < kT && inv_den) {  // K1 computes them (nullptr there)
     sm.inv[threadIdx.x] = threadIdx.x < n ? inv_den[threadIdx.x] : 0.f;
@@ -424,9 +429,9 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
   const int n = int(lmin(kT, p.S - t0));
   const double mk = double(ws[L.m + bh * L.ns + kc]);
-  k3_load(B, fl, sm, b, hd, t0, n, ws + L.dc + (bh * L.ns + kc + 1) * p.DQK * p.DV,
-          ws + L.dn + (bh * L.ns + kc + 1) * p.DQK, ws + L.inv_den + bh * p.S + t0, ws + L.db + bh * p.S + t0,
-          kKvThreads);
+  k3_load(B, fl, sm, b, hd, t0, n, nullptr, ws + L.dn + (bh * L.ns + kc + 1) * p.DQK, ws + L.inv_den + bh * p.S + t0,
+          ws + L.db + bh * p.S + t0, kKvThreads,
+          reinterpret_cast<const bf16*>(ws + L.dc + (bh * L.ns + kc + 1) * p.DQK * p.DV));  // K2's hi / lo
   mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);
   const float scale = rsqrtf(float(p.DQK));
   const int Dq = sm.lay.Dq, Dv = sm.lay.Dv, ldq = sm.lay.ldq, ldv = sm.lay.ldv;
@@ -558,7 +563,7 @@ __device__ __forceinline__ void mma_split_kstep32(float (&acc)[4][4], const std:
 }
 
 __global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B, const K3Flags fl, float* ws,
-                                                         const BwdWs L, const bool dn_here) {
+                                                         const BwdWs L, const bool for_tc_k3) {
   const MlstmParams& p = B.f;
   extern __shared__ float4 smem_raw[];
   ScanSmem& sm = *reinterpret_cast<ScanSmem*>(smem_raw);
@@ -566,7 +571,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B,
   const int rg = warp & 3, cg = warp >> 2;  // row group (16 rows), column half (32 columns)
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
   const int r0 = blockIdx.y * kT, c0 = blockIdx.z * kT, cw = c0 + 32 * cg;  // cw: this warp's first column
-  const bool with_n = dn_here && blockIdx.z == 0 && cg == 0;  // else dn_scan carries dn
+  const bool with_n = !for_tc_k3 && blockIdx.z == 0 && cg == 0;  // else dn_scan carries dn
   const std::int64_t tile = std::int64_t(blockIdx.y) * gridDim.z + blockIdx.z;
   const std::int64_t NC = L.NC, ns = L.ns, DQK = p.DQK, DV = p.DV, S = p.S, Lc = p.L;
   const int nr = int(lmin(kT, DQK - r0)), nc = int(lmin(kT, DV - c0));
@@ -593,9 +598,27 @@ __global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B,
   const std::uint32_t ones = pack_bf16(1.f, 1.f);
 
   // <C_k, dC> + <n_k, dn> over this tile (n in the first column of tiles), fixed order
-  auto inner = [&](std::int64_t k) {
+  // <C_k, dC> + <n_k, dn> over this tile (n in the first column of tiles), fixed order. C_k, n_k at
+  // this thread's accumulator positions are loaded a chunk ahead (load_c): waiting on them took ~37%
+  // of the kernel's stall samples when they were loaded where they are used.
+  float cpf[2][4][2], npf[2];
+  auto load_c = [&](std::int64_t k) {
     const float* Ck = ws + L.c + (bh * ns + k) * DQK * DV;
     const float* nk = ws + L.n + (bh * ns + k) * DQK;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const std::int64_t r = r0 + 16 * rg + gq + hr * 8;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const std::int64_t c = cw + 8 * j + 2 * t4 + e;
+          cpf[hr][j][e] = r < DQK && c < DV ? __ldg(Ck + r * DV + c) : 0.f;
+        }
+      npf[hr] = with_n && t4 == 0 && r < DQK ? __ldg(nk + r) : 0.f;
+    }
+  };
+  auto inner = [&]() {
     float part = 0.f;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -606,16 +629,18 @@ __global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B,
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const std::int64_t c = cw + 8 * j + 2 * t4 + e;
-          if (c < DV) part = fmaf(Ck[r * DV + c], acc[j][2 * hr + e], part);
+          if (c < DV) part = fmaf(cpf[hr][j][e], acc[j][2 * hr + e], part);
         }
-      if (with_n && t4 == 0) part = fmaf(nk[r], accn[2 * hr], part);
+      if (with_n && t4 == 0) part = fmaf(npf[hr], accn[2 * hr], part);
     }
     return block_sum8(part, sm.red);
   };
+  load_c(NC);
   {
-    const float R = inner(NC);  // the last state: <c_last, dc_last> + <n_last, dn_last>
+    const float R = inner();  // the last state: <c_last, dc_last> + <n_last, dn_last>
     if (tid == 0) ws[L.R + (bh * ns + NC) * L.tiles + tile] = R;
   }
+  if (NC > 0) load_c(NC - 1);
 
   auto issue = [&](std::int64_t kc, int sb, int st) {  // q, dh rows and step scalars of chunk kc, steps sb*64..
     const std::int64_t t = kc * Lc + sb * kT, tend = lmin(S, (kc + 1) * Lc);
@@ -640,17 +665,38 @@ __global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B,
     for (int hr = 0; hr < 2; ++hr) {
       const std::int64_t r = r0 + 16 * rg + gq + hr * 8;
       if (r >= DQK) continue;
-      float* wd = ws + L.dc + ((bh * ns + kc + 1) * DQK + r) * DV;
+      if (for_tc_k3) {  // bf16 hi (DQK, DV) then lo (DQK, DV) in the slot, as K3 kv-role loads them
+        bf16* wh = reinterpret_cast<bf16*>(ws + L.dc + (bh * ns + kc + 1) * DQK * DV) + r * DV;
+        bf16* wl = wh + DQK * DV;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const std::int64_t c = cw + 8 * j + 2 * t4;
-        if (c < DV) wd[c] = acc[j][2 * hr];
-        if (c + 1 < DV) wd[c + 1] = acc[j][2 * hr + 1];
+        for (int j = 0; j < 4; ++j) {
+          const std::int64_t c = cw + 8 * j + 2 * t4;
+          const float x0 = acc[j][2 * hr], x1 = acc[j][2 * hr + 1];
+          const bf16 h0 = __float2bfloat16_rn(x0), h1 = __float2bfloat16_rn(x1);
+          const bf16 l0 = __float2bfloat16_rn(x0 - __bfloat162float(h0));
+          const bf16 l1 = __float2bfloat16_rn(x1 - __bfloat162float(h1));
+          if (DV % 2 == 0 && c + 1 < DV) {  // c even: 4-byte aligned pairs
+            *reinterpret_cast<__nv_bfloat162*>(wh + c) = __halves2bfloat162(h0, h1);
+            *reinterpret_cast<__nv_bfloat162*>(wl + c) = __halves2bfloat162(l0, l1);
+          } else {
+            if (c < DV) wh[c] = h0, wl[c] = l0;
+            if (c + 1 < DV) wh[c + 1] = h1, wl[c + 1] = l1;
+          }
+        }
+      } else {
+        float* wd = ws + L.dc + ((bh * ns + kc + 1) * DQK + r) * DV;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const std::int64_t c = cw + 8 * j + 2 * t4;
+          if (c < DV) wd[c] = acc[j][2 * hr];
+          if (c + 1 < DV) wd[c + 1] = acc[j][2 * hr + 1];
+        }
       }
       if (with_n && t4 == 0) ws[L.dn + (bh * ns + kc + 1) * DQK + r] = accn[2 * hr];
     }
-    const float R = inner(kc);
+    const float R = inner();
     if (tid == 0) ws[L.R + (bh * ns + kc) * L.tiles + tile] = R;
+    if (kc > 0) load_c(kc - 1);  // used next iteration: in flight during this chunk's products
     double mk = 0.0;
     for (int sb = 0; sb < nsb; ++sb) {
       cp_async_wait<0>();
@@ -798,7 +844,7 @@ bool mlstm_bwd_k2_tc_applies(const MlstmBwdParams& b) {
   return mlstm_states_tc_applies(p) && b.dh.dtype == DType::bf16;  // the gate pass of K0 (tensor cores) ran
 }
 
-void mlstm_bwd_k2_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, bool with_dn, Stream stream) {
+void mlstm_bwd_k2_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, bool for_tc_k3, Stream stream) {
   const MlstmParams& p = B.f;
   const std::int64_t kt = (p.DQK + kT - 1) / kT, vt = (p.DV + kT - 1) / kT;
   if (L.heads == 0) return;
@@ -807,7 +853,7 @@ void mlstm_bwd_k2_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, bool wi
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k2_tc), kScanThreads, smem);
   k2_tc<<<dim3(unsigned(L.heads), unsigned(kt), unsigned(vt)), kScanThreads, smem,
           reinterpret_cast<cudaStream_t>(stream)>>>(
-      B, fl, ws, L, with_dn);
+      B, fl, ws, L, for_tc_k3);
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
 }
 

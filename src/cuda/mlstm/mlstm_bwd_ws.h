@@ -41,9 +41,10 @@ bool mlstm_bwd_k3_tc_applies(const MlstmBwdParams& b);
 void mlstm_bwd_k3q_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, Stream stream);
 void mlstm_bwd_dn_scan(const MlstmBwdParams& b, float* ws, const BwdWs& L, Stream stream);
 void mlstm_bwd_k3kv_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, Stream stream);
-// K2 (the reverse scan of dC, and of dn when with_dn) on tensor cores: bf16 q, k, v, dh, after K0 on
-// tensor cores (it reads K0's gate pass from the workspace). Writes what k2_scan writes (less dn).
+// K2 (the reverse scan of dC and dn) on tensor cores: bf16 q, k, v, dh, after K0 on tensor cores (it
+// reads K0's gate pass from the workspace). Writes what k2_scan writes; for_tc_k3 (the tensor-core K3
+// follows): without dn (dn_scan's), and dC as bf16 hi then lo in each fp32 slot (K3 kv-role's input).
 bool mlstm_bwd_k2_tc_applies(const MlstmBwdParams& b);
-void mlstm_bwd_k2_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, bool with_dn, Stream stream);
+void mlstm_bwd_k2_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, bool for_tc_k3, Stream stream);
 
 }  // namespace fastweight::detail
