@@ -883,8 +883,10 @@ void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream) {
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   MlstmParams pf = p;
   pf.c_last = pf.n_last = pf.m_last = StridedView{};
-  if (mlstm_states_tc_applies(pf))  // K0
-    mlstm_states_tc_f32(pf, ws + L.c, ws + L.n, ws + L.m, reinterpret_cast<double*>(ws + L.gates), stream);
+  // bf16, chunk 64, head dims <= 128: tensor cores, K1's row statistics inside K3's q-role
+  const bool tc = L.NC > 0 && mlstm_bwd_k3_tc_applies(B) && mlstm_bwd_k2_tc_applies(B);
+  if (mlstm_states_tc_applies(pf))  // K0 (C as bf16 hi / lo for the tensor-core K3 q-role)
+    mlstm_states_tc_f32(pf, ws + L.c, ws + L.n, ws + L.m, reinterpret_cast<double*>(ws + L.gates), stream, tc);
   else
     mlstm_states_cuda(pf, ws + L.c, ws + L.n, ws + L.m, stream);
   const std::size_t smem = sizeof(Tiles);
@@ -892,8 +894,6 @@ void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream) {
                         reinterpret_cast<const void*>(&k3_dkdv)})
     (void)resident_ctas_per_sm(k, kThreads, smem);  // raises the dynamic shared-memory limit
   const unsigned H = unsigned(heads), NC = unsigned(L.NC), RB = unsigned(L.rbs);
-  // bf16, chunk 64, head dims <= 128: tensor cores, K1's row statistics inside K3's q-role
-  const bool tc = NC > 0 && mlstm_bwd_k3_tc_applies(B) && mlstm_bwd_k2_tc_applies(B);
   if (tc) {
     mlstm_bwd_k3q_tc(B, ws, L, stream);
   } else if (NC > 0) {

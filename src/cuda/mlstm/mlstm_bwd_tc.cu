@@ -10,9 +10,9 @@
 //           dk = scale Y^T q + w_s (v dC_{k+1}^T + dn_{k+1});  dv = P^T dnum + w_s k dC_{k+1};
 //           da_s = sum_t P X + w_s k_s . (dC_{k+1} v_s + dn_{k+1}), G partial = sum_s w_s (...)
 // P and Y stay in registers between the products (FlashAttention-2's fragment reuse). The chunk
-// states C_k and dC_{k+1} (fp32 in the workspace, from K0 / K2) are rounded to bf16 in shared memory
-// (hi, plus the lo part where they feed gate gradients); every other scaling (1/den, e_t, w_s,
-// scale) is applied in fp32 to the accumulators or to P, Y. Deterministic (fixed-order sums).
+// states C_k and dC_{k+1} come from K0 / K2 as bf16 hi and lo = bf16(x - hi) (~16 bits; the lo part
+// where they feed gate gradients); every other scaling (1/den, e_t, w_s, scale) is applied in fp32 to
+// the accumulators or to P, Y. Deterministic (fixed-order sums).
 #include "cuda/common/check.cuh"
 #include "cuda/mlstm/mlstm_bwd_ws.h"
 #include "cuda/mlstm/mlstm_common.cuh"
@@ -60,56 +60,13 @@ struct K3Smem {
   }
 };
 
-// hi and / or lo (either may be null): (Rp rows, Cp columns) bf16 at row stride ld from rows r0.. of
-// the fp32 row-major (R, C) matrix src: hi = bf16(x), lo = bf16(x - hi); zero past R and C. Where
-// C % 4 == 0 and src is 16-byte aligned (the workspace's states whenever DV % 4 == 0): 16-byte loads,
-// NB of them in flight per thread (one element at a time these loads took ~10 us of a ~50 us CTA),
-// 8-byte stores; else one element at a time.
-template <int NB>
-__device__ void state_bf16(bf16* hi, bf16* lo, int ld, int Rp, int Cp, const float* src, int r0, int R, int C,
-                           int nthreads) {
-  if (C % 4 == 0 && (reinterpret_cast<std::uintptr_t>(src) & 15) == 0) {
-    const int G = Cp / 4, total = Rp * G;  // Cp % 16 == 0
-    for (int e0 = threadIdx.x; e0 < total; e0 += NB * nthreads) {
-      float4 x[NB];
-#pragma unroll
-      for (int u = 0; u < NB; ++u) {
-        const int e = e0 + u * nthreads, r = e / G, c = 4 * (e % G);
-        x[u] = e < total && r0 + r < R && c < C
-                   ? __ldg(reinterpret_cast<const float4*>(src + std::int64_t(r0 + r) * C + c))
-                   : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int u = 0; u < NB; ++u) {
-        const int e = e0 + u * nthreads, r = e / G, c = 4 * (e % G);
-        if (e >= total) break;
-        const float v[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
-        float h[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) h[i] = __bfloat162float(__float2bfloat16_rn(v[i]));
-        if (hi) *reinterpret_cast<uint2*>(hi + r * ld + c) = make_uint2(pack_bf16(h[0], h[1]), pack_bf16(h[2], h[3]));
-        if (lo)
-          *reinterpret_cast<uint2*>(lo + r * ld + c) =
-              make_uint2(pack_bf16(v[0] - h[0], v[1] - h[1]), pack_bf16(v[2] - h[2], v[3] - h[3]));
-      }
-    }
-    return;
-  }
-  for (int e = threadIdx.x; e < Rp * Cp; e += nthreads) {
-    const int r = e / Cp, c = e % Cp;
-    const float x = r0 + r < R && c < C ? src[std::int64_t(r0 + r) * C + c] : 0.f;
-    const bf16 h = __float2bfloat16_rn(x);
-    if (hi) hi[r * ld + c] = h;
-    if (lo) lo[r * ld + c] = __float2bfloat16_rn(x - __bfloat162float(h));
-  }
-}
-
-// The common loads of both roles: q, k, dh, v rows of the chunk; a state matrix (DQK, DV) as bf16 in
-// shared memory, from fp32 (stf) or, where sthl is given, from K2's bf16 hi (DQK, DV) then lo (DQK, DV)
-// by cp.async; its vector (DQK); 1/den and db of the chunk's rows.
+// The common loads of both roles, all by cp.async: q, k, dh, v rows of the chunk; a state matrix
+// (DQK, DV) from the workspace slot sthl, bf16 hi then lo (K0's C_k, K2's dC_{k+1}; written so by them
+// on this path: converting fp32 states here took ~10 us of a ~50 us CTA), hi into st and, where the
+// layout has it, lo; its vector (DQK); 1/den and db of the chunk's rows.
 __device__ void k3_load(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem& sm, std::int64_t b, std::int64_t hd,
-                        std::int64_t t0, int n, const float* stf, const float* nvf, const float* inv_den,
-                        const float* dbv, int nthreads = kThreads, const bf16* sthl = nullptr) {
+                        std::int64_t t0, int n, const bf16* sthl, const float* nvf, const float* inv_den,
+                        const float* dbv, int nthreads = kThreads) {
   const MlstmParams& p = B.f;
   const int DQK = int(p.DQK), DV = int(p.DV), ldq = sm.lay.ldq, ldv = sm.lay.ldv, Dq = sm.lay.Dq, Dv = sm.lay.Dv;
   auto rows = [&](const StridedView& t) {
@@ -119,12 +76,10 @@ __device__ void k3_load(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem
   load_tile(sm.k, ldq, kT, Dq, rows(p.k), p.k.s2, n, DQK, fl.k, nthreads);
   load_tile(sm.dh, ldv, kT, Dv, rows(B.dh), B.dh.s2, n, DV, fl.dh, nthreads);
   load_tile(sm.v, ldv, kT, Dv, rows(p.v), p.v.s2, n, DV, fl.v, nthreads);
-  if (sthl) {  // 16-byte rows where DV % 8 == 0 (the workspace slot is then 16-byte aligned too)
-    load_tile(sm.st, ldv, Dq, Dv, sthl, DV, DQK, DV, DV % 8 == 0, nthreads);
-    load_tile(sm.lo, ldv, Dq, Dv, sthl + std::int64_t(DQK) * DV, DV, DQK, DV, DV % 8 == 0, nthreads);
-  }
+  // 16-byte rows where DV % 8 == 0 (the workspace slot is then 16-byte aligned too)
+  load_tile(sm.st, ldv, Dq, Dv, sthl, DV, DQK, DV, DV % 8 == 0, nthreads);
+  if (sm.lo) load_tile(sm.lo, ldv, Dq, Dv, sthl + std::int64_t(DQK) * DV, DV, DQK, DV, DV % 8 == 0, nthreads);
   cp_async_commit();
-  if (!sthl) state_bf16<8>(sm.st, sm.lo, ldv, Dq, Dv, stf, 0, DQK, DV, nthreads);
   for (int r = threadIdx.x; r < Dq; r += nthreads) sm.nv[r] = r < DQK ? nvf[r] : 0.f;
   if (threadIdx.x < kT && inv_den) {  // K1 computes them (nullptr there)
     sm.inv[threadIdx.x] = threadIdx.x < n ? inv_den[threadIdx.x] : 0.f;
@@ -258,8 +213,8 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
   const int n = int(lmin(kT, p.S - t0));
   const double mk = double(ws[L.m + bh * L.ns + kc]);
-  const float* stf = ws + L.c + (bh * L.ns + kc) * p.DQK * p.DV;  // C_k, fp32 (DQK, DV)
-  k3_load(B, fl, sm, b, hd, t0, n, stf, ws + L.n + (bh * L.ns + kc) * p.DQK, nullptr, nullptr);
+  const bf16* sthl = reinterpret_cast<const bf16*>(ws + L.c + (bh * L.ns + kc) * p.DQK * p.DV);  // K0's hi, lo
+  k3_load(B, fl, sm, b, hd, t0, n, sthl, ws + L.n + (bh * L.ns + kc) * p.DQK, nullptr, nullptr);
   mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);  // synchronises: the loads are visible
   const float scale = rsqrtf(float(p.DQK));
   const int DQK = int(p.DQK), DV = int(p.DV), Dq = sm.lay.Dq, Dv = sm.lay.Dv, ldq = sm.lay.ldq, ldv = sm.lay.ldv;
@@ -271,13 +226,14 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
   mma_rn(wacc, sm.dh, ldv, warp, sm.v, ldv, Dv, lane);  // dh v^T: (t, s)
   float dq[16][4] = {};                                 // (16 rows, DQK columns)
   mma_abt_wide(dq, sm.dh, ldv, sm.st, ldv, Dv, Dq, warp, lane);  // dh C_k^T, the hi part
-  // + dh lo^T, lo = C_k - bf16(C_k): rows 64h.. of C_k in v's place, (64, Dv) bf16
+  // + dh lo^T, lo = C_k - bf16(C_k) (K0's): rows 64h.. of it in v's place, (64, Dv) bf16
   auto lo_rows = [&](int h) {
-    const int nr = min(64, Dq - 64 * h);
     __syncthreads();  // every warp is done with v (or with the previous half)
-    state_bf16<4>(nullptr, sm.v, ldv, nr, Dv, stf, 64 * h, DQK, DV, kThreads);
+    load_tile(sm.v, ldv, kT, Dv, sthl + std::int64_t(DQK + 64 * h) * DV, DV, max(0, DQK - 64 * h), DV, DV % 8 == 0);
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();
-    return nr;
+    return min(64, Dq - 64 * h);
   };
   mma_abt_wide<0>(dq, sm.dh, ldv, sm.v, ldv, Dv, lo_rows(0), warp, lane);
   if (Dq > 64) mma_abt_wide<8>(dq, sm.dh, ldv, sm.v, ldv, Dv, lo_rows(1), warp, lane);
@@ -429,9 +385,9 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
   const int n = int(lmin(kT, p.S - t0));
   const double mk = double(ws[L.m + bh * L.ns + kc]);
-  k3_load(B, fl, sm, b, hd, t0, n, nullptr, ws + L.dn + (bh * L.ns + kc + 1) * p.DQK, ws + L.inv_den + bh * p.S + t0,
-          ws + L.db + bh * p.S + t0, kKvThreads,
-          reinterpret_cast<const bf16*>(ws + L.dc + (bh * L.ns + kc + 1) * p.DQK * p.DV));  // K2's hi / lo
+  k3_load(B, fl, sm, b, hd, t0, n, reinterpret_cast<const bf16*>(ws + L.dc + (bh * L.ns + kc + 1) * p.DQK * p.DV),
+          ws + L.dn + (bh * L.ns + kc + 1) * p.DQK, ws + L.inv_den + bh * p.S + t0, ws + L.db + bh * p.S + t0,
+          kKvThreads);  // K2's hi / lo
   mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);
   const float scale = rsqrtf(float(p.DQK));
   const int Dq = sm.lay.Dq, Dv = sm.lay.Dv, ldq = sm.lay.ldq, ldv = sm.lay.ldv;
@@ -535,6 +491,8 @@ struct ScanSmem {
   float mk[2];          // (2 stages) m_k of the tile's chunk (the workspace's fp32 value, as K1 / K3)
   float inv[2][kT], db[2][kT];
   float red[kScanThreads / 32];
+  alignas(16) bf16 ch[2][kT][kLd];  // (2 stages) C_k hi, this tile's (64 DQK rows, 64 DV columns): the tensor-core path
+  bf16 cl[2][kT][kLd];  // (2 stages) C_k lo
 };
 
 // Fixed-order block sum over the 8 warps; every thread gets the same bits.
@@ -598,9 +556,10 @@ __global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B,
   const std::uint32_t ones = pack_bf16(1.f, 1.f);
 
   // <C_k, dC> + <n_k, dn> over this tile (n in the first column of tiles), fixed order
-  // <C_k, dC> + <n_k, dn> over this tile (n in the first column of tiles), fixed order. C_k, n_k at
-  // this thread's accumulator positions are loaded a chunk ahead (load_c): waiting on them took ~37%
-  // of the kernel's stall samples when they were loaded where they are used.
+  // <C_k, dC> + <n_k, dn> over this tile (n in the first column of tiles), fixed order. C_k is read a
+  // chunk ahead of its use (waiting on it took ~37% of the kernel's stall samples when it was loaded
+  // where it is used): fp32 C_k, n_k into registers (load_c), or on the tensor-core path K0's bf16
+  // hi / lo tile into shared memory with the chunk's q, dh (issue), coalesced.
   float cpf[2][4][2], npf[2];
   auto load_c = [&](std::int64_t k) {
     const float* Ck = ws + L.c + (bh * ns + k) * DQK * DV;
@@ -618,7 +577,12 @@ __global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B,
       npf[hr] = with_n && t4 == 0 && r < DQK ? __ldg(nk + r) : 0.f;
     }
   };
-  auto inner = [&]() {
+  auto issue_c = [&](std::int64_t k, int st) {  // K0's hi (DQK, DV) then lo in the slot: this tile of each
+    const bf16* Ch = reinterpret_cast<const bf16*>(ws + L.c + (bh * ns + k) * DQK * DV) + r0 * DV + c0;
+    load_tile(&sm.ch[st][0][0], kLd, kT, kT, Ch, DV, nr, nc, DV % 8 == 0, kScanThreads);
+    load_tile(&sm.cl[st][0][0], kLd, kT, kT, Ch + DQK * DV, DV, nr, nc, DV % 8 == 0, kScanThreads);
+  };
+  auto inner = [&](int cst) {  // cst: the stage holding C_k (tensor-core path), else -1 (registers)
     float part = 0.f;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -628,25 +592,35 @@ __global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B,
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const std::int64_t c = cw + 8 * j + 2 * t4 + e;
-          if (c < DV) part = fmaf(cpf[hr][j][e], acc[j][2 * hr + e], part);
+          const int cl = 32 * cg + 8 * j + 2 * t4 + e, rl = 16 * rg + gq + hr * 8;
+          const float cv = cst < 0 ? cpf[hr][j][e]
+                                   : __bfloat162float(sm.ch[cst][rl][cl]) + __bfloat162float(sm.cl[cst][rl][cl]);
+          if (c0 + cl < DV) part = fmaf(cv, acc[j][2 * hr + e], part);
         }
       if (with_n && t4 == 0) part = fmaf(npf[hr], accn[2 * hr], part);
     }
     return block_sum8(part, sm.red);
   };
-  load_c(NC);
-  {
-    const float R = inner();  // the last state: <c_last, dc_last> + <n_last, dn_last>
-    if (tid == 0) ws[L.R + (bh * ns + NC) * L.tiles + tile] = R;
+  float R;  // the last state: <c_last, dc_last> + <n_last, dn_last>
+  if (for_tc_k3) {
+    issue_c(NC, 1);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    R = inner(1);
+  } else {
+    load_c(NC);
+    R = inner(-1);
+    if (NC > 0) load_c(NC - 1);
   }
-  if (NC > 0) load_c(NC - 1);
+  if (tid == 0) ws[L.R + (bh * ns + NC) * L.tiles + tile] = R;
 
   auto issue = [&](std::int64_t kc, int sb, int st) {  // q, dh rows and step scalars of chunk kc, steps sb*64..
     const std::int64_t t = kc * Lc + sb * kT, tend = lmin(S, (kc + 1) * Lc);
     const int nb = int(lmin(kT, tend - t));
     load_tile(&sm.q[st][0][0], kLd, kT, kT, qb + t * p.q.s2, p.q.s2, nb, nr, fl.q, kScanThreads);
     load_tile(&sm.dh[st][0][0], kLd, kT, kT, hb + t * B.dh.s2, B.dh.s2, nb, nc, fl.dh, kScanThreads);
+    if (for_tc_k3 && sb == 0) issue_c(kc, st);
     if (tid < nb) {
       cp_async8(&sm.A[st][tid], wA + t + tid);
       cp_async4(&sm.inv[st][tid], ws + L.inv_den + bh * S + t + tid);
@@ -694,13 +668,19 @@ __global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B,
       }
       if (with_n && t4 == 0) ws[L.dn + (bh * ns + kc + 1) * DQK + r] = accn[2 * hr];
     }
-    const float R = inner();
-    if (tid == 0) ws[L.R + (bh * ns + kc) * L.tiles + tile] = R;
-    if (kc > 0) load_c(kc - 1);  // used next iteration: in flight during this chunk's products
+    if (!for_tc_k3) {
+      const float Rk = inner(-1);
+      if (tid == 0) ws[L.R + (bh * ns + kc) * L.tiles + tile] = Rk;
+      if (kc > 0) load_c(kc - 1);  // used next iteration: in flight during this chunk's products
+    }
     double mk = 0.0;
     for (int sb = 0; sb < nsb; ++sb) {
       cp_async_wait<0>();
       __syncthreads();  // this tile is visible; every warp is done with the other stage
+      if (for_tc_k3 && sb == 0) {  // acc is still dC_{kc+1} here
+        const float Rk = inner(st);
+        if (tid == 0) ws[L.R + (bh * ns + kc) * L.tiles + tile] = Rk;
+      }
       if (sb + 1 < nsb) issue(kc, sb + 1, st ^ 1);
       else if (kc > 0) issue(kc - 1, 0, st ^ 1);
       if (sb == 0) {  // decay of dC_{k+1} into chunk k: exp(m_k - M_{n-1}) <= 1

@@ -21,9 +21,11 @@ void mlstm_fwd_tc_cuda(const MlstmParams& p, void* workspace, std::size_t worksp
 // workspace parts c, n, m of MlstmFwdWorkspace(p); also p's c_last/n_last/m_last when set.
 void mlstm_states_cuda(const MlstmParams& p, float* ws_c, float* ws_n, float* ws_m, Stream stream);
 // The same on tensor cores (mlstm_fwd_tc.cu) for bf16 q, k, v: C, n, m as above (fp32); `gates` is
-// scratch of 3 * B * NH * S doubles. Final states are not written.
+// scratch of 3 * B * NH * S doubles. Final states are not written. hilo: each C slot holds bf16 hi
+// (DQK, DV) then lo = bf16(C - hi) (DQK, DV) instead of fp32 (the tensor-core backward's K3 q-role).
 bool mlstm_states_tc_applies(const MlstmParams& p);
-void mlstm_states_tc_f32(const MlstmParams& p, float* ws_c, float* ws_n, float* ws_m, double* gates, Stream stream);
+void mlstm_states_tc_f32(const MlstmParams& p, float* ws_c, float* ws_n, float* ws_m, double* gates, Stream stream,
+                         bool hilo = false);
 
 // Chunkwise backward: the exact gradient (docs/design/mlstm_backward.md). Workspace:
 // mlstm_bwd_workspace_bytes(b).

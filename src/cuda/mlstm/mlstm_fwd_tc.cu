@@ -75,15 +75,17 @@ struct StatesSmem {
   double end[2][2];    // (2 stages) the chunk's A_{n-1}, g_{n-1}
 };
 
-// F32: the states go out as the backward's workspace wants them (C fp32 (DQK, DV) rows, m fp32);
-// else as the output kernel reads them (C bf16 (DQK, DVp) rows, m float64).
-template <bool F32>
+// Mode 0: the states go out as the output kernel reads them (C bf16 (DQK, DVp) rows, m float64);
+// 1: as the backward's workspace wants them (C fp32 (DQK, DV) rows, m fp32); 2: as 1, but each C
+// slot holds bf16 hi (DQK, DV) then lo = bf16(C - hi) (DQK, DV), for the tensor-core K3 q-role.
+template <int Mode>
 __global__ void __launch_bounds__(kThreads, 1) mlstm_tc_states_kernel(const MlstmParams p, const TcFlags fl,
                                                                       void* __restrict__ ws_cv, float* __restrict__ ws_n,
                                                                       void* __restrict__ ws_mv,
                                                                       const double* __restrict__ wg,
                                                                       const double* __restrict__ wa,
                                                                       const double* __restrict__ wA) {
+  constexpr bool F32 = Mode != 0;
   extern __shared__ float4 smem_raw[];
   StatesSmem& sm = *reinterpret_cast<StatesSmem*>(smem_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
@@ -137,7 +139,21 @@ __global__ void __launch_bounds__(kThreads, 1) mlstm_tc_states_kernel(const Mlst
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const std::int64_t c = c0 + 8 * j + 2 * t4;
-        if constexpr (F32) {
+        if constexpr (Mode == 2) {
+          bf16* wh = reinterpret_cast<bf16*>(static_cast<float*>(ws_cv) + (bh * ns + kc) * DQK * DV) + r * DV;
+          bf16* wl = wh + DQK * DV;
+          const float x0 = acc[j][2 * hr], x1 = acc[j][2 * hr + 1];
+          const bf16 h0 = __float2bfloat16_rn(x0), h1 = __float2bfloat16_rn(x1);
+          const bf16 l0 = __float2bfloat16_rn(x0 - __bfloat162float(h0));
+          const bf16 l1 = __float2bfloat16_rn(x1 - __bfloat162float(h1));
+          if (DV % 2 == 0 && c + 1 < DV) {  // c even: 4-byte aligned pairs
+            *reinterpret_cast<__nv_bfloat162*>(wh + c) = __halves2bfloat162(h0, h1);
+            *reinterpret_cast<__nv_bfloat162*>(wl + c) = __halves2bfloat162(l0, l1);
+          } else {
+            if (c < DV) wh[c] = h0, wl[c] = l0;
+            if (c + 1 < DV) wh[c + 1] = h1, wl[c + 1] = l1;
+          }
+        } else if constexpr (F32) {
           float* wc = static_cast<float*>(ws_cv) + ((bh * ns + kc) * DQK + r) * DV;
           if (c < DV) wc[c] = acc[j][2 * hr];
           if (c + 1 < DV) wc[c + 1] = acc[j][2 * hr + 1];
@@ -404,8 +420,8 @@ void mlstm_fwd_tc_cuda(const MlstmParams& p, void* workspace, std::size_t worksp
     FW_CUDA_CHECK_LAUNCH("mlstm_fwd");
   }
   const std::size_t ssm = sizeof(StatesSmem);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_tc_states_kernel<false>), kThreads, ssm);
-  mlstm_tc_states_kernel<false><<<dim3(unsigned(heads), unsigned(kt), unsigned(vt)), kThreads, ssm, s>>>(
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_tc_states_kernel<0>), kThreads, ssm);
+  mlstm_tc_states_kernel<0><<<dim3(unsigned(heads), unsigned(kt), unsigned(vt)), kThreads, ssm, s>>>(
       p, fl, ws_c, ws_n, ws_m, wg, wa, wA);
   FW_CUDA_CHECK_LAUNCH("mlstm_fwd");
   if (NC == 0) return;
@@ -420,7 +436,8 @@ bool mlstm_states_tc_applies(const MlstmParams& p) {
   return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 && p.L >= 1 && p.L <= kMaxL;
 }
 
-void mlstm_states_tc_f32(const MlstmParams& p, float* ws_c, float* ws_n, float* ws_m, double* gates, Stream stream) {
+void mlstm_states_tc_f32(const MlstmParams& p, float* ws_c, float* ws_n, float* ws_m, double* gates, Stream stream,
+                         bool hilo) {
   const std::int64_t heads = p.B * p.NH, NC = p.chunks();
   const std::int64_t kt = (p.DQK + kT - 1) / kT, vt = (p.DV + kT - 1) / kT;
   if (heads == 0) return;
@@ -434,9 +451,9 @@ void mlstm_states_tc_f32(const MlstmParams& p, float* ws_c, float* ws_n, float* 
     FW_CUDA_CHECK_LAUNCH("mlstm");
   }
   const std::size_t ssm = sizeof(StatesSmem);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_tc_states_kernel<true>), kThreads, ssm);
-  mlstm_tc_states_kernel<true><<<dim3(unsigned(heads), unsigned(kt), unsigned(vt)), kThreads, ssm, s>>>(
-      p, fl, ws_c, ws_n, ws_m, wg, wa, wA);
+  const auto kernel = hilo ? &mlstm_tc_states_kernel<2> : &mlstm_tc_states_kernel<1>;
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kThreads, ssm);
+  kernel<<<dim3(unsigned(heads), unsigned(kt), unsigned(vt)), kThreads, ssm, s>>>(p, fl, ws_c, ws_n, ws_m, wg, wa, wA);
   FW_CUDA_CHECK_LAUNCH("mlstm");
 }
 
