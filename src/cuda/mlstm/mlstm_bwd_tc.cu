@@ -644,18 +644,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B,
         bf16* wl = wh + DQK * DV;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const std::int64_t c = cw + 8 * j + 2 * t4;
-          const float x0 = acc[j][2 * hr], x1 = acc[j][2 * hr + 1];
-          const bf16 h0 = __float2bfloat16_rn(x0), h1 = __float2bfloat16_rn(x1);
-          const bf16 l0 = __float2bfloat16_rn(x0 - __bfloat162float(h0));
-          const bf16 l1 = __float2bfloat16_rn(x1 - __bfloat162float(h1));
-          if (DV % 2 == 0 && c + 1 < DV) {  // c even: 4-byte aligned pairs
-            *reinterpret_cast<__nv_bfloat162*>(wh + c) = __halves2bfloat162(h0, h1);
-            *reinterpret_cast<__nv_bfloat162*>(wl + c) = __halves2bfloat162(l0, l1);
-          } else {
-            if (c < DV) wh[c] = h0, wl[c] = l0;
-            if (c + 1 < DV) wh[c + 1] = h1, wl[c + 1] = l1;
-          }
+          store_hilo_pair(wh, wl, cw + 8 * j + 2 * t4, DV, acc[j][2 * hr], acc[j][2 * hr + 1]);
         }
       } else {
         float* wd = ws + L.dc + ((bh * ns + kc + 1) * DQK + r) * DV;

@@ -142,17 +142,7 @@ __global__ void __launch_bounds__(kThreads, 1) mlstm_tc_states_kernel(const Mlst
         if constexpr (Mode == 2) {
           bf16* wh = reinterpret_cast<bf16*>(static_cast<float*>(ws_cv) + (bh * ns + kc) * DQK * DV) + r * DV;
           bf16* wl = wh + DQK * DV;
-          const float x0 = acc[j][2 * hr], x1 = acc[j][2 * hr + 1];
-          const bf16 h0 = __float2bfloat16_rn(x0), h1 = __float2bfloat16_rn(x1);
-          const bf16 l0 = __float2bfloat16_rn(x0 - __bfloat162float(h0));
-          const bf16 l1 = __float2bfloat16_rn(x1 - __bfloat162float(h1));
-          if (DV % 2 == 0 && c + 1 < DV) {  // c even: 4-byte aligned pairs
-            *reinterpret_cast<__nv_bfloat162*>(wh + c) = __halves2bfloat162(h0, h1);
-            *reinterpret_cast<__nv_bfloat162*>(wl + c) = __halves2bfloat162(l0, l1);
-          } else {
-            if (c < DV) wh[c] = h0, wl[c] = l0;
-            if (c + 1 < DV) wh[c + 1] = h1, wl[c + 1] = l1;
-          }
+          store_hilo_pair(wh, wl, c, DV, acc[j][2 * hr], acc[j][2 * hr + 1]);
         } else if constexpr (F32) {
           float* wc = static_cast<float*>(ws_cv) + ((bh * ns + kc) * DQK + r) * DV;
           if (c < DV) wc[c] = acc[j][2 * hr];

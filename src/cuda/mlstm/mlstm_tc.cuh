@@ -159,4 +159,20 @@ inline bool rows16(const StridedView& t) {
   return reinterpret_cast<std::uintptr_t>(t.p) % 16 == 0 && t.s0 % 8 == 0 && t.s1 % 8 == 0 && t.s2 % 8 == 0;
 }
 
+// The hi / lo split of an fp32 state pair (columns c, c + 1 of a row of width W): hi = bf16(x) to
+// wh, lo = bf16(x - hi) to wl (the tensor-core backward's state format); 4-byte stores where W is even.
+__device__ __forceinline__ void store_hilo_pair(bf16* wh, bf16* wl, std::int64_t c, std::int64_t W, float x0,
+                                                float x1) {
+  const bf16 h0 = __float2bfloat16_rn(x0), h1 = __float2bfloat16_rn(x1);
+  const bf16 l0 = __float2bfloat16_rn(x0 - __bfloat162float(h0));
+  const bf16 l1 = __float2bfloat16_rn(x1 - __bfloat162float(h1));
+  if (W % 2 == 0 && c + 1 < W) {  // c even: 4-byte aligned pairs
+    *reinterpret_cast<__nv_bfloat162*>(wh + c) = __halves2bfloat162(h0, h1);
+    *reinterpret_cast<__nv_bfloat162*>(wl + c) = __halves2bfloat162(l0, l1);
+  } else {
+    if (c < W) wh[c] = h0, wl[c] = l0;
+    if (c + 1 < W) wh[c + 1] = h1, wl[c + 1] = l1;
+  }
+}
+
 }  // namespace fastweight::detail::mtc
