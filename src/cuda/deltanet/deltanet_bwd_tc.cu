@@ -20,10 +20,12 @@ using namespace dtc;
 constexpr int kThreads = kTcThreads;
 
 // smem: bf16 q, k [64][ldk] | dO [64][kLd] | (hi, lo pairs, [64][kLd] each) s M^T, T2^T, Lg^T (upper),
-//       W dD then -rk dR, dR, s rq dO | dSe hi, lo [Kc][kLd] | f32 rq, rk, beta [64] | f32 dD[64][65]
+//       W dD then -rk dR, dR, s rq dO | dSe hi, lo [Kc][kLd] | f32 rq, rk, beta [64] | f32 dD[64][65] |
+//       f32 stg[64][64]: cp.async staging of the next chunk's T2, then of this chunk's X tile (both were
+//       loaded where used, on the serial chain: 32 dependent loads per thread for T2 alone)
 struct BsLayout {
   int Kc, ldk;
-  std::size_t q, k, dO, MTh, MTl, Th, Tl, Lh, Ll, Bh, Bl, Rh, Rl, Uh, Ul, Sh, Sl, rq, rk, beta, dd, bytes;
+  std::size_t q, k, dO, MTh, MTl, Th, Tl, Lh, Ll, Bh, Bl, Rh, Rl, Uh, Ul, Sh, Sl, rq, rk, beta, dd, stg, bytes;
   __host__ __device__ explicit BsLayout(std::int64_t K) {
     Kc = k_cols(K), ldk = Kc + 8;
     const std::size_t t64 = 2 * std::size_t(kT) * kLd;  // bytes of a (64, kLd) bf16 tile
@@ -32,7 +34,7 @@ struct BsLayout {
     Bh = Ll + t64, Bl = Bh + t64, Rh = Bl + t64, Rl = Rh + t64, Uh = Rl + t64, Ul = Uh + t64;
     Sh = Ul + t64, Sl = Sh + 2 * std::size_t(Kc) * kLd;
     rq = Sl + 2 * std::size_t(Kc) * kLd, rk = rq + 4 * kT, beta = rk + 4 * kT, dd = beta + 4 * kT;
-    bytes = dd + 4 * 64 * 65;
+    stg = dd + 4 * 64 * 65, bytes = stg + 4 * 64 * 64;
   }
 };
 
@@ -56,6 +58,7 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(cons
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
   float* s_beta = reinterpret_cast<float*>(base + lay.beta);
   float(*sdd)[65] = reinterpret_cast<float(*)[65]>(base + lay.dd);  // dD (fp32): kept out of registers
+  float* stg = reinterpret_cast<float*>(base + lay.stg);             // (64, 64) fp32: T2, then X
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const std::int64_t nh = blockIdx.x, n = nh / p.H, h = nh % p.H;
@@ -69,6 +72,27 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(cons
   float acc_s[2][8][4];  // dS (fp32), rows 16 (w + 4 gg)..
   state_load(acc_s, p.dht, n, h, c0, K, V, warp, lane);
   const std::int64_t nch = (sq_.eos - sq_.bos + kT - 1) / kT;
+  auto issue_t2 = [&](std::int64_t ci) {  // T2 of chunk ci (64 x 64 fp32, 16-byte aligned) -> stg
+    const float* T2w = ws + w.T2 + ((sq_.base + ci) * p.H + h) * 64 * 64;
+    for (int e = tid; e < 64 * 16; e += kThreads) cp_async16(stg + 4 * e, T2w + 4 * e, 16);
+    cp_async_commit();
+  };
+  auto issue_x = [&](std::int64_t t0, int nr) {  // X rows t0.. (nr), this tile's columns -> stg[i][c]
+    const int ncv = int(lmin(kT, V - c0));
+    if (V % 4 == 0) {  // ncv % 4 == 0 too: whole 16-byte pieces
+      for (int e = tid; e < 64 * 16; e += kThreads) {
+        const int i = e / 16, c = 4 * (e % 16);
+        if (i < nr && c < ncv) cp_async16(stg + i * 64 + c, ws + w.X + dn_ws_row(p, b, t0 + i, h) * V + c0 + c, 16);
+      }
+    } else {
+      for (int e = tid; e < 64 * 64; e += kThreads) {
+        const int i = e / 64, c = e % 64;
+        if (i < nr && c < ncv) stg[i * 64 + c] = ws[w.X + dn_ws_row(p, b, t0 + i, h) * V + c0 + c];
+      }
+    }
+    cp_async_commit();
+  };
+  if (nch > 0) issue_t2(nch - 1);
   for (std::int64_t ci = nch - 1; ci >= 0; --ci) {
     const std::int64_t t0 = sq_.bos + ci * kT, slot = sq_.base + ci;
     const int nr = int(lmin(kT, sq_.eos - t0));
@@ -79,16 +103,14 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(cons
     cp_async_commit();
     if (tid < kT) s_beta[tid] = tid < nr ? mlstm_ld(p.beta, p.beta.s0 * b + p.beta.s1 * (t0 + tid) + h) : 0.f;
     state_split(acc_s, sSh, sSl, ngroups, warp, lane);
-    {
-      const float* T2w = ws + w.T2 + (slot * p.H + h) * 64 * 64;
-      for (int e = tid; e < 64 * 64; e += kThreads) put_split(sTh, sTl, kLd, e % 64, e / 64, T2w[e]);  // [a][j] = T2[j][a]
-    }
-    cp_async_wait<0>();
+    cp_async_wait<0>();  // the tiles, and T2 (issued a chunk ahead)
     __syncthreads();
+    for (int e = tid; e < 64 * 64; e += kThreads) put_split(sTh, sTl, kLd, e % 64, e / 64, stg[e]);  // [a][j] = T2[j][a]
     // dSe for the chunk pass (hi + lo, as the recompute's S)
     store_state_split(ws + w.dS + (slot * p.H + h) * K * V, sSh, sSl, K, V, c0);
     if (tid < kT) s_rq[tid] = row_l2_factor(sq, ldk, Kc, tid, p.l2), s_rk[tid] = row_l2_factor(sk, ldk, Kc, tid, p.l2);
-    __syncthreads();
+    __syncthreads();  // stg's T2 is read
+    issue_x(t0, nr);  // in flight during b .. d
     // b. this warp's rows of K K^T and Q K^T -> Lg^T (upper) and s M^T (transposed); s diag(rq) dO
     {
       float g[8][4] = {}, m[8][4] = {};
@@ -137,7 +159,8 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(cons
 #pragma unroll
         for (int e = 0; e < 4; ++e) put_split(sRh, sRl, kLd, 16 * warp + frow(lane, e), fcol(lane, j, e), dr[j][e]);
     }
-    __syncthreads();  // dR complete; W dD no longer read
+    cp_async_wait<0>();  // X
+    __syncthreads();  // dR complete; W dD no longer read; X staged
     // e. Y = dD - Lg^T dR; Y, dv and the dbeta partial Y . X; -diag(rk) dR as hi + lo (for dS)
     {
       float ly[8][4] = {};
@@ -157,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(cons
             const bool has1 = col + 1 < V;
             const float y0 = sdd[i][c] - ly[j][e], y1 = has1 ? sdd[i][c + 1] - ly[j][e + 1] : 0.f;
             const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * V + col;
-            const float2 x = load_pair(ws + w.X + at, has1, even);
+            const float2 x = make_float2(stg[i * 64 + c], has1 ? stg[i * 64 + c + 1] : 0.f);
             db[e >> 1] = fmaf(y0, x.x, fmaf(y1, x.y, db[e >> 1]));
             store_pair(ws + w.Y + at, y0, y1, has1, even);
             if (p.dv.p) {
@@ -177,7 +200,8 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(cons
         if ((lane & 3) == 0 && i < nr) ws[w.dbp + vt * w.rows + dn_ws_row(p, b, t0 + i, h)] = db[r];
       }
     }
-    __syncthreads();
+    __syncthreads();  // X is read
+    if (ci > 0) issue_t2(ci - 1);
     // f. dS += Q^T (s diag(rq) dO) - K^T (diag(rk) dR)
     state_update(acc_s, sq, ldk, sUh, sUl, ngroups, warp, lane);
     state_update(acc_s, sk, ldk, sBh, sBl, ngroups, warp, lane);
