@@ -77,21 +77,6 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(cons
     for (int e = tid; e < 64 * 16; e += kThreads) cp_async16(stg + 4 * e, T2w + 4 * e, 16);
     cp_async_commit();
   };
-  auto issue_x = [&](std::int64_t t0, int nr) {  // X rows t0.. (nr), this tile's columns -> stg[i][c]
-    const int ncv = int(lmin(kT, V - c0));
-    if (V % 4 == 0) {  // ncv % 4 == 0 too: whole 16-byte pieces
-      for (int e = tid; e < 64 * 16; e += kThreads) {
-        const int i = e / 16, c = 4 * (e % 16);
-        if (i < nr && c < ncv) cp_async16(stg + i * 64 + c, ws + w.X + dn_ws_row(p, b, t0 + i, h) * V + c0 + c, 16);
-      }
-    } else {
-      for (int e = tid; e < 64 * 64; e += kThreads) {
-        const int i = e / 64, c = e % 64;
-        if (i < nr && c < ncv) stg[i * 64 + c] = ws[w.X + dn_ws_row(p, b, t0 + i, h) * V + c0 + c];
-      }
-    }
-    cp_async_commit();
-  };
   if (nch > 0) issue_t2(nch - 1);
   for (std::int64_t ci = nch - 1; ci >= 0; --ci) {
     const std::int64_t t0 = sq_.bos + ci * kT, slot = sq_.base + ci;
@@ -110,7 +95,8 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(cons
     store_state_split(ws + w.dS + (slot * p.H + h) * K * V, sSh, sSl, K, V, c0);
     if (tid < kT) s_rq[tid] = row_l2_factor(sq, ldk, Kc, tid, p.l2), s_rk[tid] = row_l2_factor(sk, ldk, Kc, tid, p.l2);
     __syncthreads();  // stg's T2 is read
-    issue_x(t0, nr);  // in flight during b .. d
+    stage_ws_rows(stg, ws + w.X, p, b, t0, h, nr, c0, kThreads);  // X: in flight during b .. d
+    cp_async_commit();
     // b. this warp's rows of K K^T and Q K^T -> Lg^T (upper) and s M^T (transposed); s diag(rq) dO
     {
       float g[8][4] = {}, m[8][4] = {};

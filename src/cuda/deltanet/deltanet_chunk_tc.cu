@@ -271,15 +271,16 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_state_kernel(const Delta
 }
 
 // ---- 3. output ----------------------------------------------------------------------------------
-// smem: bf16 q[64][ldk] | k[64][ldk] | Sh, Sl[Kc][kLd] | Vp[64][kLd] | f32 rq[64], rk beta[64]
+// smem: bf16 q[64][ldk] | k[64][ldk] | Sh, Sl[Kc][kLd] | Vp[64][kLd] | f32 rq[64], rk beta[64] |
+//       f32 X[64][64] (cp.async staging: per-element loads of X were ~46% of the stall samples)
 struct OutLayout {
   int Kc, ldk;
-  std::size_t q, k, Sh, Sl, Vp, rq, rk, bytes;
+  std::size_t q, k, Sh, Sl, Vp, rq, rk, X, bytes;
   __host__ __device__ explicit OutLayout(std::int64_t K) {
     Kc = k_cols(K), ldk = Kc + 8;
     q = 0, k = q + 2 * std::size_t(kT) * ldk, Sh = k + 2 * std::size_t(kT) * ldk;
     Sl = Sh + 2 * std::size_t(Kc) * kLd, Vp = Sl + 2 * std::size_t(Kc) * kLd;
-    rq = Vp + 2 * kT * kLd, rk = rq + 4 * kT, bytes = rk + 4 * kT;
+    rq = Vp + 2 * kT * kLd, rk = rq + 4 * kT, X = rk + 4 * kT, bytes = X + 4 * 64 * 64;
   }
 };
 
@@ -296,6 +297,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetPa
   bf16* sVp = reinterpret_cast<bf16*>(base + lay.Vp);  // (64, 64) D' = diag(rk beta) X
   float* s_rq = reinterpret_cast<float*>(base + lay.rq);
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
+  float* sX = reinterpret_cast<float*>(base + lay.X);  // (64, 64) X rows of the chunk, this CTA's columns
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const std::int64_t h = blockIdx.y, c0 = std::int64_t(blockIdx.z) * kT, K = p.K, V = p.V;
   DnSeq sq_;
@@ -311,16 +313,17 @@ __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetPa
   const int ncv = int(lmin(64, V - c0));
   load_tile(sSh, kLd, Kc, kT, Sg, V, int(K), ncv, V % 8 == 0);
   load_tile(sSl, kLd, Kc, kT, Sg + K * V, V, int(K), ncv, V % 8 == 0);
+  stage_ws_rows(sX, w.X, p, b, t0, h, nr, c0, kThreads);
   cp_async_commit();
   if (tid < kT) s_rk[tid] = tid < nr ? w.rk[dn_ws_row(p, b, t0 + tid, h)] : 0.f;  // rk beta
+  cp_async_wait<0>();
   __syncthreads();
   for (int e = tid; e < 64 * 32; e += kThreads) {  // D' = diag(rk beta) X as bf16, column pairs
     const int i = e / 32, c = 2 * (e % 32);
-    float2 x = make_float2(0.f, 0.f);
-    if (i < nr && c0 + c < V) x = load_pair(w.X + dn_ws_row(p, b, t0 + i, h) * V + c0 + c, c0 + c + 1 < V, V % 2 == 0);
-    *reinterpret_cast<__nv_bfloat162*>(sVp + i * kLd + c) = __floats2bfloat162_rn(s_rk[i] * x.x, s_rk[i] * x.y);
+    const bool on = i < nr && c0 + c < V, on1 = i < nr && c0 + c + 1 < V;
+    const float x0 = on ? sX[i * 64 + c] : 0.f, x1 = on1 ? sX[i * 64 + c + 1] : 0.f;
+    *reinterpret_cast<__nv_bfloat162*>(sVp + i * kLd + c) = __floats2bfloat162_rn(s_rk[i] * x0, s_rk[i] * x1);
   }
-  cp_async_wait<0>();
   __syncthreads();
   if (tid < kT) s_rq[tid] = row_l2_factor(sq, ldk, Kc, tid, p.l2);  // rq from the bf16 row
   __syncthreads();

@@ -221,4 +221,25 @@ inline bool rows16_seq(const StridedView& t) {
   return reinterpret_cast<std::uintptr_t>(t.p) % 16 == 0 && t.s0 % 8 == 0 && t.s1 % 8 == 0 && t.s2 % 8 == 0;
 }
 
+// dst[i][c] (64 x 64 fp32, row stride 64) = rows t0 + i (< nr) of a (B*T*H, V) fp32 workspace region,
+// columns c0 + c (< V); the rest untouched. cp.async 16-byte pieces where V % 4 == 0 (the caller waits
+// and synchronises), else plain loads. Staging these tiles replaced per-element loads on the critical
+// path (a third to a half of the stall samples of the kernels that read X, T2 this way).
+__device__ __forceinline__ void stage_ws_rows(float* dst, const float* region, const DeltanetParams& p, std::int64_t b,
+                                              std::int64_t t0, std::int64_t h, int nr, std::int64_t c0, int nthreads) {
+  const std::int64_t V = p.V;
+  const int ncv = int(V - c0 < 64 ? V - c0 : 64);
+  if (V % 4 == 0) {  // ncv % 4 == 0 too: whole 16-byte pieces
+    for (int e = threadIdx.x; e < 64 * 16; e += nthreads) {
+      const int i = e / 16, c = 4 * (e % 16);
+      if (i < nr && c < ncv) cp_async16(dst + i * 64 + c, region + dn_ws_row(p, b, t0 + i, h) * V + c0 + c, 16);
+    }
+  } else {
+    for (int e = threadIdx.x; e < 64 * 64; e += nthreads) {
+      const int i = e / 64, c = e % 64;
+      if (i < nr && c < ncv) dst[i * 64 + c] = region[dn_ws_row(p, b, t0 + i, h) * V + c0 + c];
+    }
+  }
+}
+
 }  // namespace fastweight::detail::dtc
