@@ -229,6 +229,7 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
   bf16 *sdo = T(0), *sDh = T(1), *sDl = T(2), *sRh = T(3), *sRl = T(4), *sSh = T(5), *sSl = T(6), *sEh = T(7),
        *sEl = T(8);  // sR holds -dR: its products land with the right sign
   float(*sdG)[65] = reinterpret_cast<float(*)[65]>(base + lay.dG);
+  float* stg = reinterpret_cast<float*>(base + lay.dG);  // (64, 64) staging of X, Y tiles in the V loop
   float* s_rq = reinterpret_cast<float*>(base + lay.rq);
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
   float* s_beta = reinterpret_cast<float*>(base + lay.beta);
@@ -240,7 +241,6 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
   if (!dn_slot(p, slot, sq_, t0)) return;
   const std::int64_t b = sq_.b;
   const int nr = int(lmin(kT, sq_.eos - t0)), nk = int(lmin(kT, K - k0));
-  const bool even = V % 2 == 0;
   dn_row_factors(p, b, t0, nr, h, tid, s_rq, s_rk, s_beta);  // of the full rows
   __syncthreads();
   const bf16* Sg = reinterpret_cast<const bf16*>(ws + w.S + (slot * p.H + h) * K * V) + k0 * V;
@@ -253,20 +253,27 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
     load_tile(sSl, kLd, kT, kT, Sg + K * V + v0, V, nk, nv, V % 8 == 0, kBcThreads);
     load_tile(sEh, kLd, kT, kT, Eg + v0, V, nk, nv, V % 8 == 0, kBcThreads);
     load_tile(sEl, kLd, kT, kT, Eg + K * V + v0, V, nk, nv, V % 8 == 0, kBcThreads);
-    cp_async_commit();
-#pragma unroll 2
-    for (int e = tid; e < 64 * 32; e += kBcThreads) {  // D = W X, dR = W Y as hi + lo, column pairs
-      const int i = e / 32, c = 2 * (e % 32);
-      float2 x = make_float2(0.f, 0.f), y = x;
-      if (i < nr && v0 + c < nv + v0) {
-        const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * V + v0 + c;
-        x = load_pair(ws + w.X + at, c + 1 < nv, even), y = load_pair(ws + w.Y + at, c + 1 < nv, even);
+    // D = W X, dR = W Y as hi + lo, through sdG (free until the factors) as cp.async staging: X with
+    // the tiles, then Y (per-element loads here were on every V step's critical path)
+    auto split_rows = [&](bf16* hi, bf16* lo, float sign) {
+      for (int e = tid; e < 64 * 32; e += kBcThreads) {  // column pairs
+        const int i = e / 32, c = 2 * (e % 32);
+        const float bt = sign * s_beta[i];
+        const float x0 = i < nr && c < nv ? stg[i * 64 + c] : 0.f, x1 = i < nr && c + 1 < nv ? stg[i * 64 + c + 1] : 0.f;
+        put_split(hi, lo, kLd, i, c, bt * x0), put_split(hi, lo, kLd, i, c + 1, bt * x1);
       }
-      const float bt = s_beta[i];
-      put_split(sDh, sDl, kLd, i, c, bt * x.x), put_split(sDh, sDl, kLd, i, c + 1, bt * x.y);
-      put_split(sRh, sRl, kLd, i, c, -bt * y.x), put_split(sRh, sRl, kLd, i, c + 1, -bt * y.y);
-    }
+    };
+    stage_ws_rows(stg, ws + w.X, p, b, t0, h, nr, v0, kBcThreads);
+    cp_async_commit();
     cp_async_wait<0>();
+    __syncthreads();
+    split_rows(sDh, sDl, 1.f);
+    __syncthreads();
+    stage_ws_rows(stg, ws + w.Y, p, b, t0, h, nr, v0, kBcThreads);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    split_rows(sRh, sRl, -1.f);
     __syncthreads();
     // B operands n-major: this warp's 32 output columns are rows 32 half.. of the B tile
     const int bo = 32 * half * kLd;
