@@ -726,50 +726,70 @@ __global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B,
 
 // ---- dn scan (after K3 q-role and K2, where K3 q-role forms the row statistics) -----------------------
 // dn_k = d_k dn_{k+1} + p_k, d_k = exp(m_k - M_{n-1}) (K2's decay), p_k from k3q_tc; grid: heads, thread
-// r owns dn[r]. Writes dn_{k+1} (k = 0..NC-1; slot NC = dn_last) for K3 kv-role and dn_0, then adds
-// the n part of R, <n_k, dn_{k+1}> and <n_NC, dn_last>, to the tile-0 entry K2 wrote (fixed order).
-constexpr int kDnThreads = 256;  // >= DQK; 8 warps for the R part
-constexpr int kDnBlock = 16;     // chunks whose p_k and d_k are loaded ahead of the chain
+// r owns dn[r]. Writes dn_{k+1} (k = 0..NC-1; slot NC = dn_last) for K3 kv-role and dn_0, and adds the
+// n part of R, <n_k, dn_{k+1}> and <n_NC, dn_last>, to the tile-0 entry K2 wrote (fixed order). Chunks
+// go in blocks of kDnBlock: their decays one per thread, p_k and n_k loaded ahead of the chain, the R
+// parts reduced per warp inside the chain (off its dependency) and summed per chunk after the block.
+constexpr int kDnThreads = 128;  // >= DQK
+constexpr int kDnBlock = 16;
 __global__ void __launch_bounds__(kDnThreads) dn_scan(const MlstmBwdParams B, float* ws, const BwdWs L) {
   const MlstmParams& p = B.f;
+  __shared__ float s_dec[kDnBlock];
+  __shared__ float s_part[kDnThreads / 32][kDnBlock];
   const int r = threadIdx.x, warp = r >> 5, lane = r & 31;
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, NC = L.NC, ns = L.ns, DQK = p.DQK;
   const std::int64_t S = p.S, Lc = p.L;
   const double* wA = reinterpret_cast<const double*>(ws + L.gates) + 2 * L.heads * S + bh * S;
   float* dn = ws + L.dn + bh * ns * DQK;
   const float* pn = ws + L.pn + bh * NC * DQK;
+  const float* nv = ws + L.n + bh * ns * DQK;
+  float* R = ws + L.R + bh * ns * L.tiles;  // tile 0 of chunk k at R[k * tiles]
   const bool on = r < DQK;
+  auto warp_sum = [&](float v) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+  };
   float x = on && B.dn_last.p ? mlstm_ld(B.dn_last, b * B.dn_last.s0 + hd * B.dn_last.s1 + r) : 0.f;
   if (on) dn[NC * DQK + r] = x;
+  {
+    const float part = warp_sum(on ? nv[NC * DQK + r] * x : 0.f);
+    if (lane == 0) s_part[warp][0] = part;
+    __syncthreads();
+    if (r == 0) R[NC * L.tiles] += (s_part[0][0] + s_part[1][0]) + (s_part[2][0] + s_part[3][0]);
+  }
   for (std::int64_t k1 = NC - 1; k1 >= 0; k1 -= kDnBlock) {  // chunks k1, k1 - 1, .. (down to 0)
-    float pk[kDnBlock], dk[kDnBlock];
+    __syncthreads();  // s_dec, s_part of the previous block are read
+    if (r < kDnBlock) {
+      const std::int64_t kc = k1 - r;
+      float d = 1.f;
+      if (kc >= 0) {
+        const double mk = double(ws[L.m + bh * ns + kc]), Aend = wA[lmin(S, (kc + 1) * Lc) - 1];
+        d = float(exp(mk - fmax(mk, Aend)));
+      }
+      s_dec[r] = d;
+    }
+    float pk[kDnBlock], nk[kDnBlock];
 #pragma unroll
     for (int u = 0; u < kDnBlock; ++u) {
       const std::int64_t kc = k1 - u;
-      pk[u] = 0.f, dk[u] = 1.f;
-      if (kc < 0) continue;
-      const double mk = double(ws[L.m + bh * ns + kc]), Aend = wA[lmin(S, (kc + 1) * Lc) - 1];
-      dk[u] = float(exp(mk - fmax(mk, Aend)));
-      if (on) pk[u] = pn[kc * DQK + r];
+      pk[u] = kc >= 0 && on ? pn[kc * DQK + r] : 0.f;
+      nk[u] = kc >= 0 && on ? nv[kc * DQK + r] : 0.f;
     }
+    __syncthreads();
 #pragma unroll
     for (int u = 0; u < kDnBlock; ++u) {
       const std::int64_t kc = k1 - u;
       if (kc < 0) break;
-      x = x * dk[u] + pk[u];
+      const float part = warp_sum(nk[u] * x);  // x is dn_{kc+1} here
+      if (lane == 0) s_part[warp][u] = part;
+      x = x * s_dec[u] + pk[u];
       if (kc > 0 && on) dn[kc * DQK + r] = x;
     }
+    __syncthreads();
+    if (r < kDnBlock && k1 - r >= 0)
+      R[(k1 - r) * L.tiles] += (s_part[0][r] + s_part[1][r]) + (s_part[2][r] + s_part[3][r]);
   }
   if (B.dn0.p && on) mlstm_st(B.dn0, b * B.dn0.s0 + hd * B.dn0.s1 + r, x);
-  __syncthreads();  // this block's dn writes are visible to it
-  for (std::int64_t k = warp; k <= NC; k += kDnThreads / 32) {
-    const float* nk = ws + L.n + (bh * ns + k) * DQK;
-    const float* dk = dn + lmin(k + 1, NC) * DQK;
-    float part = 0.f;
-    for (std::int64_t c = lane; c < DQK; c += 32) part = fmaf(nk[c], dk[c], part);
-    for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-    if (lane == 0) ws[L.R + (bh * ns + k) * L.tiles] += part;
-  }
 }
 
 }  // namespace
