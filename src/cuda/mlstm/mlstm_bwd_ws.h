@@ -1,5 +1,6 @@
 // mlstm_bwd_ws.h: the workspace of the chunkwise mLSTM backward (mlstm_bwd.cu, mlstm_bwd_tc.cu),
-// in floats: chunk states and state gradients (fp32), per-step row statistics, partial sums.
+// in floats: chunk states and state gradients (fp32 slots of DQK x DV; on the tensor-core path each c
+// and dc slot holds bf16 hi then lo instead), per-step row statistics, partial sums.
 #pragma once
 
 #include <algorithm>
