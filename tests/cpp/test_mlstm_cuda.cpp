@@ -256,6 +256,8 @@ std::vector<FwdCase> bwd_cases() {
   v.push_back({DType::bf16, 1, 2, 63, 96, 80, 64, true, false, false});
   v.push_back({DType::bf16, 1, 1, 130, 40, 24, 64, false, false, false});
   v.push_back({DType::bf16, 1, 2, 300, 64, 64, 64, true, false, true});
+  // odd DQK and DV: the bf16 hi / lo state slots (K0, K2) and their tiles (K3, K2) take the scalar paths
+  v.push_back({DType::bf16, 1, 2, 130, 33, 47, 64, true, false, false});
   // DV > 128: the backward per 128-column DV slab, summed (mlstm_bwd.cu); states and every final-state
   // cotangent, which only one slab may take (dn_last, dm_last) or each its own columns of (dc_last)
   v.push_back({DType::bf16, 1, 2, 200, 64, 256, 64, true, false, false});
