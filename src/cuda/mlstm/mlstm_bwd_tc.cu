@@ -81,7 +81,7 @@ __device__ void k3_load(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem
   if (sm.lo) load_tile(sm.lo, ldv, Dq, Dv, sthl + std::int64_t(DQK) * DV, DV, DQK, DV, DV % 8 == 0, nthreads);
   cp_async_commit();
   for (int r = threadIdx.x; r < Dq; r += nthreads) sm.nv[r] = r < DQK ? nvf[r] : 0.f;
-  if (threadIdx.x < kT && inv_den) {  // K1 computes them (nullptr there)
+  if (threadIdx.x < kT && inv_den) {  // the q-role computes them (nullptr there)
     sm.inv[threadIdx.x] = threadIdx.x < n ? inv_den[threadIdx.x] : 0.f;
     sm.db[threadIdx.x] = threadIdx.x < n ? dbv[threadIdx.x] : 0.f;
   }
