@@ -115,6 +115,17 @@ class Ctx:
         return dict(shape=shape, provider=provider, dtype=str(self.dtype).replace("torch.", ""))
 
 
+def step(inputs, fwdbwd):
+    """One training step as users run it: the inputs' .grad cleared first (optimizer.zero_grad's
+    set_to_none), so a rep does not time the accumulation into .grad of the reps before it (~0.2 ms
+    of read-add-write at the mLSTM / DeltaNet shapes; sessions up to 8 included it)."""
+    def run():
+        for t in inputs:
+            t.grad = None
+        fwdbwd()
+    return run
+
+
 def measure(row: dict, torch, cuda: bool, reps: int, fwd, fwdbwd) -> None:
     """Fills row with fwd_ms (no grad), peak_gib (one fwd+bwd, GPU) and fwdbwd_ms."""
     with torch.no_grad():

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import Ctx, import_fla, measure, report, run_case  # noqa: E402
+from bench_common import Ctx, import_fla, measure, report, run_case, step  # noqa: E402
 
 # (B, T, H, K=V, varlen sequences or 0)
 SHAPES = [(4, 4096, 16, 128, 0), (2, 8192, 16, 128, 0), (8, 2048, 32, 64, 0), (1, 32768, 16, 128, 0),
@@ -69,7 +69,7 @@ def main():
                 def fwdbwd():
                     out, ht = call(*args, h0g, cu)
                     torch.autograd.backward([out, ht], [do, torch.ones_like(ht)])
-                measure(row, torch, c.cuda, c.a.reps, lambda: call(q, k, v, beta, h0, cu), fwdbwd)
+                measure(row, torch, c.cuda, c.a.reps, lambda: call(q, k, v, beta, h0, cu), step(args + [h0g], fwdbwd))
             run_case(c.rows, c.row(shape, name), body)
     report(c.rows, c.a.out, "bench_deltanet", c.dev, "shape (B,T,H,K=V)", "o err vs fastweight")
     return 0

@@ -30,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import Ctx, measure, report, run_case  # noqa: E402
+from bench_common import Ctx, measure, report, run_case, step  # noqa: E402
 
 SHAPES = [(2, 16, 8192, 128, 128), (1, 8, 8192, 256, 512), (8, 16, 8192, 128, 256), (4, 16, 4096, 128, 128),
           (2, 16, 1000, 128, 128), (2, 16, 4097, 128, 128)]
@@ -85,7 +85,7 @@ def main():
                 args = [t.detach().clone().requires_grad_() for t in (q, k, v, i, f)]
                 dh = torch.randn_like(h)
                 measure(row, torch, c.cuda, c.a.reps, lambda: call(q, k, v, i, f),
-                        lambda: torch.autograd.backward(call(*args), dh))
+                        step(args, lambda: torch.autograd.backward(call(*args), dh)))
             run_case(c.rows, c.row(f"{B},{NH},{S},{DQK},{DV}", name), body)
     report(c.rows, c.a.out, "bench_mlstm_parallel" if par else "bench_mlstm", c.dev, "shape (B,NH,S,DQK,DV)", "h err vs fastweight")
     return 0
