@@ -88,14 +88,15 @@ __device__ void k3_load(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem
   cp_async_wait<0>();
 }
 
-// acc (16 x N, N = 16 * nj2 * ... up to 128 columns) += A B where A is given as fragments of the 4
-// k-steps (64 rows of B: the chunk's steps) and B is stored k-major (row k, N contiguous; stride ldb).
-__device__ __forceinline__ void mma_fragb(float (&acc)[16][4], const std::uint32_t (&af)[4][4], const bf16* Bk, int ldb,
+// acc (16 x N, N <= 8 NJ: 128 columns for NJ = 16, 64 for 8) += A B where A is given as fragments of
+// the 4 k-steps (64 rows of B: the chunk's steps) and B is stored k-major (row k, N contiguous; stride ldb).
+template <int NJ>
+__device__ __forceinline__ void mma_fragb(float (&acc)[NJ][4], const std::uint32_t (&af)[4][4], const bf16* Bk, int ldb,
                                           int N, int lane) {
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
+    for (int jj = 0; jj < NJ / 2; ++jj) {
       if (16 * jj >= N) break;
       std::uint32_t bb[4];
       ldsm_x4_t(bb, Bk + (ks * 16 + ld_row_b_kmajor(lane)) * ldb + 16 * jj + ld_col_b_kmajor(lane));
@@ -104,16 +105,17 @@ __device__ __forceinline__ void mma_fragb(float (&acc)[16][4], const std::uint32
     }
 }
 
-// acc (16 x N) += A B^T with A row major (stride lda, K = Kp) and B stored n-major (row n = output
-// column, K contiguous; stride ldb): N up to 128 output columns, into acc's n-tiles J0.. (N <= 128 - 8 J0).
-template <int J0 = 0>
-__device__ __forceinline__ void mma_abt_wide(float (&acc)[16][4], const bf16* A, int lda, const bf16* Bn, int ldb,
-                                             int Kp, int N, int warp, int lane) {
+// acc n-tiles J0.. (16 rows mrow.. x N columns, N <= 8 (NJ - J0)) += A B^T with A row major (stride
+// lda, K = Kp) and B stored n-major (row n = output column, K contiguous; stride ldb). NJ = 16: up to
+// 128 columns (4-warp roles), 8: up to 64 (the 8-warp kv-role's column halves).
+template <int J0 = 0, int NJ>
+__device__ __forceinline__ void mma_abt(float (&acc)[NJ][4], const bf16* A, int lda, const bf16* Bn, int ldb, int Kp,
+                                        int N, int mrow, int lane) {
   for (int ks = 0; ks < Kp / 16; ++ks) {
     std::uint32_t a[4];
-    ldsm_x4(a, A + (16 * warp + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
+    ldsm_x4(a, A + (16 * mrow + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
 #pragma unroll
-    for (int jj = 0; jj < (16 - J0) / 2; ++jj) {
+    for (int jj = 0; jj < (NJ - J0) / 2; ++jj) {
       if (16 * jj >= N) break;
       std::uint32_t bb[4];
       ldsm_x4(bb, Bn + (16 * jj + ld_row_b_nmajor(lane)) * ldb + ks * 16 + ld_col_b_nmajor(lane));
@@ -123,7 +125,7 @@ __device__ __forceinline__ void mma_abt_wide(float (&acc)[16][4], const bf16* A,
   }
 }
 
-// 64-column variants for the 8-warp kv-role (two warps per 16 rows, each a 64-column half):
+// 64-column variant for the 8-warp kv-role (two warps per 16 rows, each a 64-column half):
 // acc (16 x N, N <= 64) += A (rows 16 mrow.., K = Kp, row major) B (k-major, stride ldb)
 __device__ __forceinline__ void mma_ab8(float (&acc)[8][4], const bf16* A, int lda, const bf16* Bk, int ldb, int Kp,
                                         int N, int mrow, int lane) {
@@ -140,39 +142,6 @@ __device__ __forceinline__ void mma_ab8(float (&acc)[8][4], const bf16* A, int l
     }
   }
 }
-
-// acc (16 x N, N <= 64) += A B^T, A row major (rows 16 mrow.., K = Kp), B n-major (row n, K contiguous)
-__device__ __forceinline__ void mma_abt8(float (&acc)[8][4], const bf16* A, int lda, const bf16* Bn, int ldb, int Kp,
-                                         int N, int mrow, int lane) {
-  for (int ks = 0; ks < Kp / 16; ++ks) {
-    std::uint32_t a[4];
-    ldsm_x4(a, A + (16 * mrow + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      if (16 * jj >= N) break;
-      std::uint32_t bb[4];
-      ldsm_x4(bb, Bn + (16 * jj + ld_row_b_nmajor(lane)) * ldb + ks * 16 + ld_col_b_nmajor(lane));
-      mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
-      mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
-    }
-  }
-}
-
-// acc (16 x N, N <= 64) += A B, A as fragments of 4 k-steps (64 rows of B), B k-major (stride ldb)
-__device__ __forceinline__ void mma_fragb8(float (&acc)[8][4], const std::uint32_t (&af)[4][4], const bf16* Bk, int ldb,
-                                           int N, int lane) {
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      if (16 * jj >= N) break;
-      std::uint32_t bb[4];
-      ldsm_x4_t(bb, Bk + (ks * 16 + ld_row_b_kmajor(lane)) * ldb + 16 * jj + ld_col_b_kmajor(lane));
-      mma_bf16_16816(acc[2 * jj], af[ks], bb[0], bb[1]);
-      mma_bf16_16816(acc[2 * jj + 1], af[ks], bb[2], bb[3]);
-    }
-}
-
 
 // Writes the warp's (16 rows x N columns) accumulator rows rA, rB (rows of the chunk) of a
 // (B, NH, S, N) output, times mul; rows >= n and columns >= N are not written.
@@ -225,7 +194,7 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
   mma_rn(sacc, sm.q, ldq, warp, sm.k, ldq, Dq, lane);   // q k^T: (t, s)
   mma_rn(wacc, sm.dh, ldv, warp, sm.v, ldv, Dv, lane);  // dh v^T: (t, s)
   float dq[16][4] = {};                                 // (16 rows, DQK columns)
-  mma_abt_wide(dq, sm.dh, ldv, sm.st, ldv, Dv, Dq, warp, lane);  // dh C_k^T, the hi part
+  mma_abt(dq, sm.dh, ldv, sm.st, ldv, Dv, Dq, warp, lane);  // dh C_k^T, the hi part
   // + dh lo^T, lo = C_k - bf16(C_k) (K0's): rows 64h.. of it in v's place, (64, Dv) bf16
   auto lo_rows = [&](int h) {
     __syncthreads();  // every warp is done with v (or with the previous half)
@@ -235,8 +204,8 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
     __syncthreads();
     return min(64, Dq - 64 * h);
   };
-  mma_abt_wide<0>(dq, sm.dh, ldv, sm.v, ldv, Dv, lo_rows(0), warp, lane);
-  if (Dq > 64) mma_abt_wide<8>(dq, sm.dh, ldv, sm.v, ldv, Dv, lo_rows(1), warp, lane);
+  mma_abt<0>(dq, sm.dh, ldv, sm.v, ldv, Dv, lo_rows(0), warp, lane);
+  if (Dq > 64) mma_abt<8>(dq, sm.dh, ldv, sm.v, ldv, Dv, lo_rows(1), warp, lane);
 
   // this lane's parts of sum_s P, sum_s P (dh . v_s) and q_t . (C_k dh_t)
   float rsA = 0.f, rsB = 0.f, saA = 0.f, saB = 0.f, siA = 0.f, siB = 0.f;
@@ -425,8 +394,8 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
   const int r0 = 64 * cg, nq = Dq - r0 < 64 ? Dq - r0 : 64;  // nq <= 0: no dk columns in this half
   if (nq > 0) {
     float acc[8][4] = {};
-    mma_abt8(acc, sm.v, ldv, sm.st + r0 * ldv, ldv, Dv, nq, rg, lane);  // v dC^T: (s, r)
-    mma_abt8(acc, sm.v, ldv, sm.lo + r0 * ldv, ldv, Dv, nq, rg, lane);
+    mma_abt(acc, sm.v, ldv, sm.st + r0 * ldv, ldv, Dv, nq, rg, lane);  // v dC^T: (s, r)
+    mma_abt(acc, sm.v, ldv, sm.lo + r0 * ldv, ldv, Dv, nq, rg, lane);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -437,7 +406,7 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
         (e < 2 ? uA : uB) += __bfloat162float(sm.k[s * ldq + r]) * x;
         acc[j][e] = (e < 2 ? wA : wB) * x;
       }
-    mma_fragb8(acc, yf, sm.q + r0, ldq, nq, lane);
+    mma_fragb(acc, yf, sm.q + r0, ldq, nq, lane);
     store_rows8(B.dk, acc, b, hd, t0, sA, sB, n, r0, p.DQK);
   }
   // dv columns c0.. = w_s k dC + P^T dnum
@@ -448,7 +417,7 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
     mma_ab8(acc, sm.k, ldq, sm.lo + c0, ldv, Dq, nv, rg, lane);
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[j][0] *= wA, acc[j][1] *= wA, acc[j][2] *= wB, acc[j][3] *= wB;
-    mma_fragb8(acc, pf, sm.dh + c0, ldv, nv, lane);
+    mma_fragb(acc, pf, sm.dh + c0, ldv, nv, lane);
     store_rows8(B.dv, acc, b, hd, t0, sA, sB, n, c0, p.DV);
   }
   // the s-role scalars: da_s = d/di_s = -d/dg_s, and the chunk's dG partial sum_s w_s u_s (u_s: the
