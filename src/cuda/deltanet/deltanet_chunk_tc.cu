@@ -165,8 +165,12 @@ struct StLayout {
   }
 };
 
-__global__ void __launch_bounds__(kThreads, 1) deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w,
-                                                                     bool vk, bool vx, bool pxu) {
+// 8 warps: the serial chain ran at one warp per scheduler with 4 (ncu: 6.25% occupancy, 3.8 cycles per
+// issue); as K2 of the mLSTM backward (1.36 -> 0.94 ms), warp w owns S's 16-row group w and, in X =
+// Xu - Xw S, rows 16 (w % 4).. and the 32-column half w / 4.
+constexpr int kStThreads = 256;
+__global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w,
+                                                                       bool vk, bool vx, bool pxu) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const StLayout lay(p.K);
@@ -183,31 +187,32 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_state_kernel(const Delta
   float* s_xu = reinterpret_cast<float*>(base + lay.xu);    // [2][64][kLdU]
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int rg = warp & 3, half = warp >> 2;  // X step: rows 16 rg.., columns 32 half..
   const std::int64_t nh = blockIdx.x, n = nh / p.H, h = nh % p.H;
   const std::int64_t c0 = std::int64_t(blockIdx.y) * kT, K = p.K, V = p.V, rows = p.B * p.T * p.H;
   const DnSeq sq = dn_seq(p, n);
   const std::int64_t b = sq.b;
-  const int ngroups = Kc / 16;  // 16-row groups of S: warp w owns groups w and w + 4
+  const int ngroups = Kc / 16;  // 16-row groups of S: warp w owns group w
   const bf16* xwh = reinterpret_cast<const bf16*>(w.xw);
   const bf16* xwl = xwh + rows * K;
   const bool vxu = pxu && V % 4 == 0;  // prefetched: room for the tiles, Xu rows 16-byte aligned
 
-  float acc_s[2][8][4];  // S (fp32), rows 16 (w + 4 gg)..
-  state_load(acc_s, p.h0, n, h, c0, K, V, warp, lane);
+  float acc_s[1][8][4];  // S (fp32), rows 16 w..
+  state_load<8>(acc_s, p.h0, n, h, c0, K, V, warp, lane);
 
   // chunk t0's k, Xw (hi, lo) into buffer buf (cp.async where aligned), rk beta per row
   auto issue = [&](int buf, std::int64_t t0) {
     const int nr = int(lmin(kT, sq.eos - t0));
     const std::int64_t row0 = dn_ws_row(p, b, t0, h);
-    load_tile(sk + buf * tile, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
-    load_tile(sxh + buf * tile, ldk, kT, Kc, xwh + row0 * K, p.H * K, nr, int(K), vx);
-    load_tile(sxl + buf * tile, ldk, kT, Kc, xwl + row0 * K, p.H * K, nr, int(K), vx);
+    load_tile(sk + buf * tile, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk, kStThreads);
+    load_tile(sxh + buf * tile, ldk, kT, Kc, xwh + row0 * K, p.H * K, nr, int(K), vx, kStThreads);
+    load_tile(sxl + buf * tile, ldk, kT, Kc, xwl + row0 * K, p.H * K, nr, int(K), vx, kStThreads);
     if (tid < kT) {
       if (tid < nr) cp_async4(s_rkb + buf * kT + tid, w.rk + row0 + tid * p.H);
       else s_rkb[buf * kT + tid] = 0.f;
     }
     if (vxu)  // Xu rows t0.. (stride H V floats), columns c0..c0+63: zero past nr rows and V columns
-      for (int e = tid; e < kT * (kT / 4); e += kThreads) {
+      for (int e = tid; e < kT * (kT / 4); e += kStThreads) {
         const int i = e / (kT / 4), c = (e % (kT / 4)) * 4;
         const std::int64_t left = V - c0 - c;
         const int bytes = i < nr ? 4 * int(left < 0 ? 0 : left > 4 ? 4 : left) : 0;
@@ -223,7 +228,7 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_state_kernel(const Delta
     const std::int64_t t0 = sq.bos + ci * kT;
     const int nr = int(lmin(kT, sq.eos - t0));
     // a. S as hi + lo (B operand of Xw S)
-    state_split(acc_s, sSh, sSl, ngroups, warp, lane);
+    state_split<8>(acc_s, sSh, sSl, ngroups, warp, lane);
     // b. the next chunk's operands into the other buffer (its last readers finished before the
     //    previous iteration's final barrier)
     if (ci + 1 < nch) {
@@ -234,20 +239,20 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_state_kernel(const Delta
     }
     __syncthreads();
     // S entering the chunk to the workspace as hi + lo (DnChunkBufs), copied from smem
-    store_state_split(w.S + ((sq.base + ci) * p.H + h) * K * V, sSh, sSl, K, V, c0);
-    // c. X = Xu - Xw S (this warp's 16 rows); to the workspace; diag(rk beta) X as hi + lo
+    store_state_split(w.S + ((sq.base + ci) * p.H + h) * K * V, sSh, sSl, K, V, c0, kStThreads);
+    // c. X = Xu - Xw S (this warp's 16 rows x 32 columns); to the workspace; diag(rk beta) X as hi + lo
     {
-      float acc[8][4] = {};
+      float acc[4][4] = {};
       const bf16* xh = sxh + buf * tile;
       const bf16* xl = sxl + buf * tile;
-      mma_rk(acc, xh, ldk, warp, sSh, kLd, Kc, lane);
-      mma_rk(acc, xh, ldk, warp, sSl, kLd, Kc, lane);
-      mma_rk(acc, xl, ldk, warp, sSh, kLd, Kc, lane);
+      mma_rk(acc, xh, ldk, rg, sSh + 32 * half, kLd, Kc, lane);
+      mma_rk(acc, xh, ldk, rg, sSl + 32 * half, kLd, Kc, lane);
+      mma_rk(acc, xl, ldk, rg, sSh + 32 * half, kLd, Kc, lane);
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 of row i
-          const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
+          const int i = 16 * rg + frow(lane, e), c = 32 * half + fcol(lane, j, e);
           float2 x = make_float2(0.f, 0.f);
           if (i < nr && c0 + c < V) {
             const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * V + c0 + c;
@@ -264,10 +269,10 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_state_kernel(const Delta
     }
     __syncthreads();
     // d. S += K^T (diag(rk beta) X)
-    state_update(acc_s, sk + buf * tile, ldk, sDh, sDl, ngroups, warp, lane);
+    state_update<8>(acc_s, sk + buf * tile, ldk, sDh, sDl, ngroups, warp, lane);
     __syncthreads();  // the next iteration rewrites S hi/lo, D and this buffer
   }
-  if (p.ht.p) state_store(acc_s, p.ht, n, h, c0, K, V, warp, lane);
+  if (p.ht.p) state_store<8>(acc_s, p.ht, n, h, c0, K, V, warp, lane);
 }
 
 // ---- 3. output ----------------------------------------------------------------------------------
@@ -367,8 +372,8 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   }
   const bool pxu = StLayout(p.K, true).bytes <= smem_per_block_optin();  // Hopper: yes; sm_80 at K > 64: no
   const StLayout ls(p.K, pxu);
-  prepare(&deltanet_state_kernel, ls.bytes);
-  deltanet_state_kernel<<<dim3(unsigned(seqs), unsigned(vt)), kThreads, ls.bytes, st>>>(p, w, rows16_seq(p.k),
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_state_kernel), kStThreads, ls.bytes);
+  deltanet_state_kernel<<<dim3(unsigned(seqs), unsigned(vt)), kStThreads, ls.bytes, st>>>(p, w, rows16_seq(p.k),
                                                                                         p.K % 8 == 0, pxu);
   FW_CUDA_CHECK_LAUNCH("deltanet (state)");
 }

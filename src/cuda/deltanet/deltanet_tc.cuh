@@ -23,42 +23,46 @@ __device__ __forceinline__ void put_split(bf16* hi, bf16* lo, int ld, int r, int
   lo[r * ld + c] = __float2bfloat16_rn(x - __bfloat162float(h));
 }
 
-// The state slice S (Kc rows x 64 columns) in fp32 registers: warp w owns 16-row groups w and w + 4
-// (Kc <= 128), acc[gg][j][e] at row 16 (w + 4 gg) + frow, column fcol. Loaded from (N, H, K, V) view
-// st at (n, h, rows, columns c0..) (zero where absent or outside K, V); stored likewise.
-__device__ __forceinline__ void state_load(float (&acc)[2][8][4], const StridedView& st, std::int64_t n,
+// The state slice S (Kc rows x 64 columns) in fp32 registers of NW warps (4 or 8): warp w owns the
+// 16-row groups w + NW gg (Kc <= 128: groups w and w + 4, or group w), acc[gg][j][e] at row
+// 16 (w + NW gg) + frow, column fcol. Loaded from (N, H, K, V) view st at (n, h, rows, columns c0..)
+// (zero where absent or outside K, V); stored likewise.
+template <int NW = 4>
+__device__ __forceinline__ void state_load(float (&acc)[8 / NW][8][4], const StridedView& st, std::int64_t n,
                                            std::int64_t h, std::int64_t c0, std::int64_t K, std::int64_t V, int warp,
                                            int lane) {
 #pragma unroll
-  for (int gg = 0; gg < 2; ++gg)
+  for (int gg = 0; gg < 8 / NW; ++gg)
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const std::int64_t r = 16 * (warp + 4 * gg) + frow(lane, e), c = c0 + fcol(lane, j, e);
+        const std::int64_t r = 16 * (warp + NW * gg) + frow(lane, e), c = c0 + fcol(lane, j, e);
         acc[gg][j][e] = st.p && r < K && c < V ? mlstm_ld(st, n * st.s0 + h * st.s1 + r * st.s2 + c) : 0.f;
       }
 }
-__device__ __forceinline__ void state_store(const float (&acc)[2][8][4], const StridedView& st, std::int64_t n,
+template <int NW = 4>
+__device__ __forceinline__ void state_store(const float (&acc)[8 / NW][8][4], const StridedView& st, std::int64_t n,
                                             std::int64_t h, std::int64_t c0, std::int64_t K, std::int64_t V, int warp,
                                             int lane) {
 #pragma unroll
-  for (int gg = 0; gg < 2; ++gg)
+  for (int gg = 0; gg < 8 / NW; ++gg)
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const std::int64_t r = 16 * (warp + 4 * gg) + frow(lane, e), c = c0 + fcol(lane, j, e);
+        const std::int64_t r = 16 * (warp + NW * gg) + frow(lane, e), c = c0 + fcol(lane, j, e);
         if (r < K && c < V) mlstm_st(st, n * st.s0 + h * st.s1 + r * st.s2 + c, acc[gg][j][e]);
       }
 }
 
 // The state slice as bf16 hi + lo into smem (Kc x 64, stride kLd): the B operand of products with S.
-__device__ __forceinline__ void state_split(const float (&acc)[2][8][4], bf16* sSh, bf16* sSl, int ngroups, int warp,
-                                            int lane) {
+template <int NW = 4>
+__device__ __forceinline__ void state_split(const float (&acc)[8 / NW][8][4], bf16* sSh, bf16* sSl, int ngroups,
+                                            int warp, int lane) {
 #pragma unroll
-  for (int gg = 0; gg < 2; ++gg) {
-    const int g = warp + 4 * gg;
+  for (int gg = 0; gg < 8 / NW; ++gg) {
+    const int g = warp + NW * gg;
     if (g >= ngroups) continue;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -81,11 +85,12 @@ __device__ __forceinline__ float row_l2_factor(const bf16* s, int ld, int Kc, in
 
 // S += K^T U: A = K^T read k-major from the chunk's k tile (64 rows, stride ldk), B = U (64 x 64) as
 // bf16 hi + lo (stride kLd); ngroups = Kc / 16 row groups of S.
-__device__ __forceinline__ void state_update(float (&acc)[2][8][4], const bf16* sk, int ldk, const bf16* sUh,
+template <int NW = 4>
+__device__ __forceinline__ void state_update(float (&acc)[8 / NW][8][4], const bf16* sk, int ldk, const bf16* sUh,
                                              const bf16* sUl, int ngroups, int warp, int lane) {
 #pragma unroll
-  for (int gg = 0; gg < 2; ++gg) {
-    const int g = warp + 4 * gg;
+  for (int gg = 0; gg < 8 / NW; ++gg) {
+    const int g = warp + NW * gg;
     if (g >= ngroups) continue;
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
@@ -130,21 +135,21 @@ __device__ __forceinline__ void chunk_output(float (&o)[8][4], const bf16* sq, c
 }
 
 // S (Kc x 64 tile, bf16 hi + lo in smem) -> the workspace's (K, V) hi then lo matrices at columns
-// c0..: 16-byte rows pieces where V % 8 == 0, else elements. All threads of the CTA.
+// c0..: 16-byte rows pieces where V % 8 == 0, else elements. All nthreads threads of the CTA.
 __device__ __forceinline__ void store_state_split(float* dst, const bf16* sSh, const bf16* sSl, std::int64_t K,
-                                                  std::int64_t V, std::int64_t c0) {
+                                                  std::int64_t V, std::int64_t c0, int nthreads = kTcThreads) {
   bf16* gh = reinterpret_cast<bf16*>(dst);
   bf16* gl = gh + K * V;
   const int nc = int(lmin(64, V - c0));
   if (V % 8 == 0) {
-    for (int e = threadIdx.x; e < K * 8; e += kTcThreads) {
+    for (int e = threadIdx.x; e < K * 8; e += nthreads) {
       const int r = e / 8, c = (e % 8) * 8;
       if (c >= nc) continue;
       *reinterpret_cast<uint4*>(gh + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSh + r * kLd + c);
       *reinterpret_cast<uint4*>(gl + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSl + r * kLd + c);
     }
   } else {
-    for (int e = threadIdx.x; e < K * 64; e += kTcThreads) {
+    for (int e = threadIdx.x; e < K * 64; e += nthreads) {
       const int r = e / 64, c = e % 64;
       if (c < nc) gh[r * V + c0 + c] = sSh[r * kLd + c], gl[r * V + c0 + c] = sSl[r * kLd + c];
     }
