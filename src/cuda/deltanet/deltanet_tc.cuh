@@ -184,13 +184,20 @@ __device__ __forceinline__ const bf16* bf_rows(const StridedView& t, std::int64_
 __device__ __forceinline__ void unit_lower_inverse(const float (*sL)[65], float (*sT)[65], float (*scr)[16][17],
                                                    int warp, int lane) {
   {
+    // column col of the diagonal block's inverse in registers (t[c] was read back from sT before: a
+    // chain of 120 dependent shared-memory round trips; the same fmaf sequence, so the same bits)
     const int bo = 16 * warp, col = lane & 15;
+    float t[16];
+#pragma unroll
     for (int r = 0; r < 16; ++r) {
       float x = r == col ? 1.f : 0.f;
-      for (int c = 0; c < r; ++c) x = fmaf(-sL[bo + r][bo + c], sT[bo + c][bo + col], x);
-      if (lane < 16) sT[bo + r][bo + col] = x;
-      __syncwarp();
+#pragma unroll
+      for (int c = 0; c < r; ++c) x = fmaf(-sL[bo + r][bo + c], t[c], x);
+      t[r] = x;
     }
+    if (lane < 16)
+#pragma unroll
+      for (int r = 0; r < 16; ++r) sT[bo + r][bo + col] = t[r];
     // blocks above the diagonal are zero
     for (int e = lane; e < 16 * 64; e += 32) {
       const int r = e / 64, c = e % 64;
@@ -201,17 +208,21 @@ __device__ __forceinline__ void unit_lower_inverse(const float (*sL)[65], float 
   for (int bi = 1; bi < 4; ++bi) {
     const int bj = warp;
     if (bj < bi) {
-      // scr = sum_{k=bj}^{bi-1} L_{bi,k} T_{k,bj} (16 x 16), 8 elements per lane
-      for (int e = lane; e < 256; e += 32) {
-        const int r = e / 16, c = e % 16;
+      // scr = sum_{k=bj}^{bi-1} L_{bi,k} T_{k,bj} (16 x 16), 8 elements per lane (unrolled: 8
+      // independent chains interleave)
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int e = lane + 32 * u, r = e / 16, c = e % 16;
         float x = 0.f;
         for (int kk = 16 * bj; kk < 16 * bi; ++kk) x = fmaf(sL[16 * bi + r][kk], sT[kk][16 * bj + c], x);
         scr[warp][r][c] = x;
       }
       __syncwarp();
-      for (int e = lane; e < 256; e += 32) {
-        const int r = e / 16, c = e % 16;
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int e = lane + 32 * u, r = e / 16, c = e % 16;
         float x = 0.f;
+#pragma unroll
         for (int kk = 0; kk < 16; ++kk) x = fmaf(sT[16 * bi + r][16 * bi + kk], scr[warp][kk][c], x);
         sT[16 * bi + r][16 * bj + c] = -x;
       }
