@@ -460,6 +460,7 @@ struct ScanSmem {
   float mk[2];          // (2 stages) m_k of the tile's chunk (the workspace's fp32 value, as K1 / K3)
   float inv[2][kT], db[2][kT];
   float red[kScanThreads / 32];
+  alignas(16) float fc[kScanThreads / 32][kT], fn[kScanThreads / 32][kT];  // (warp, 64 steps) the current tile's factors
   alignas(16) bf16 ch[2][kT][kLd];  // (2 stages) C_k hi, this tile's (64 DQK rows, 64 DV columns): the tensor-core path
   bf16 cl[2][kT][kLd];  // (2 stages) C_k lo
 };
@@ -471,22 +472,6 @@ __device__ __forceinline__ float block_sum8(float v, float* red) {
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
   return ((red[0] + red[1]) + (red[2] + red[3])) + ((red[4] + red[5]) + (red[6] + red[7]));
-}
-
-// acc (16 rows x 32 columns) += (hi + lo) B over k-step ks, B the (64 steps, 64 columns) k-major tile
-// from column cb
-__device__ __forceinline__ void mma_split_kstep32(float (&acc)[4][4], const std::uint32_t (&hi)[4],
-                                                  const std::uint32_t (&lo)[4], const bf16 (*Bt)[kLd], int ks, int cb,
-                                                  int lane) {
-#pragma unroll
-  for (int jj = 0; jj < 2; ++jj) {
-    std::uint32_t bv[4];
-    ldsm_x4_t(bv, &Bt[ks * 16 + ld_row_b_kmajor(lane)][cb + 16 * jj + ld_col_b_kmajor(lane)]);
-    mma_bf16_16816(acc[2 * jj], hi, bv[0], bv[1]);
-    mma_bf16_16816(acc[2 * jj + 1], hi, bv[2], bv[3]);
-    mma_bf16_16816(acc[2 * jj], lo, bv[0], bv[1]);
-    mma_bf16_16816(acc[2 * jj + 1], lo, bv[2], bv[3]);
-  }
 }
 
 __global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B, const K3Flags fl, float* ws,
@@ -652,23 +637,28 @@ __global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B,
         for (int e = 0; e < 4; ++e) accn[e] *= decay;
       }
       const int nb = min(kT, n - sb * kT);
+      // The steps' factors, once per warp (two steps per lane) into its rows of fc / fn: every lane
+      // of the fragments below needs four of them (its reads of the last tile's are behind the barrier).
+      float *wc = sm.fc[warp], *wn = sm.fn[warp];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int sidx = lane + 32 * u;
+        const float e = sidx < nb ? scale * __expf(float(mk - fmax(mk, sm.A[st][sidx]))) : 0.f;
+        wc[sidx] = sidx < nb ? e * sm.inv[st][sidx] : 0.f;
+        if (with_n) wn[sidx] = sidx < nb ? e * sm.db[st][sidx] : 0.f;
+      }
+      __syncwarp();
 #pragma unroll
       for (int ks = 0; ks < kT / 16; ++ks) {
         const int s0 = ks * 16 + 2 * t4;  // this lane's steps: s0, s0 + 1, s0 + 8, s0 + 9
-        float fc[4], fn[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int sidx = s0 + (u & 1) + (u >> 1) * 8;
-          const float e = sidx < nb ? scale * __expf(float(mk - fmax(mk, sm.A[st][sidx]))) : 0.f;
-          fc[u] = sidx < nb ? e * sm.inv[st][sidx] : 0.f;
-          fn[u] = sidx < nb ? e * sm.db[st][sidx] : 0.f;
-        }
+        const float2 c01 = *reinterpret_cast<const float2*>(wc + s0), c89 = *reinterpret_cast<const float2*>(wc + s0 + 8);
         std::uint32_t a[4], ah[4], al[4];
         ldsm_x4_t(a, &sm.q[st][ks * 16 + ld_row_a_kmajor(lane)][16 * rg + ld_col_a_kmajor(lane)]);
-        scale_split(a, fc[0], fc[1], fc[2], fc[3], ah, al);
-        mma_split_kstep32(acc, ah, al, sm.dh[st], ks, 32 * cg, lane);
+        scale_split(a, c01.x, c01.y, c89.x, c89.y, ah, al);
+        mma_split_kstep(acc, ah, al, sm.dh[st], ks, 32 * cg, lane);
         if (with_n) {
-          scale_split(a, fn[0], fn[1], fn[2], fn[3], ah, al);
+          const float2 n01 = *reinterpret_cast<const float2*>(wn + s0), n89 = *reinterpret_cast<const float2*>(wn + s0 + 8);
+          scale_split(a, n01.x, n01.y, n89.x, n89.y, ah, al);
           mma_bf16_16816(accn, ah, ones, ones);
           mma_bf16_16816(accn, al, ones, ones);
         }

@@ -64,22 +64,28 @@ __global__ void __launch_bounds__(256) mlstm_tc_gates_kernel(const MlstmParams p
 }
 
 // ---- A: chunk states -------------------------------------------------------------------------------
-// One 64-step tile of a chunk per iteration, two stages: the next tile (k, v, its a_s and the chunk's
-// A_{n-1}, g_{n-1}) lands by cp.async while this one is multiplied; one barrier per tile. w_s k_s is
-// formed in registers on the A fragments (no shared-memory pass); n = (w k)^T 1 is one more n-tile
-// whose B fragment is all ones.
+// A CTA owns a 64 (DQK) x 32 (DV) tile of the state and walks the chunks; warp w its rows 16w..16w+15.
+// 32 columns, not 64: the scan is a chain of short dependent steps per chunk (ncu: one warp per
+// scheduler, an instruction every ~4 cycles), and 32-column tiles give twice the CTAs, two per SM, to
+// hide it. One 64-step tile of a chunk per iteration, two stages: the next tile (k, v, its a_s and the
+// chunk's A_{n-1}, g_{n-1}) lands by cp.async while this one is multiplied; one barrier per tile. w_s
+// is formed once per warp and tile (two steps per lane) into the warp's row of w; w_s k_s in registers
+// on the A fragments (no shared-memory pass); n = (w k)^T 1 is one more n-tile whose B fragment is all
+// ones.
+constexpr int kSc = 32;  // state columns (DV) per CTA
 struct StatesSmem {
-  bf16 k[2][kT][kLd];  // (2 stages) (64 steps, 64 DQK columns) k
-  bf16 v[2][kT][kLd];  // (2 stages) (64 steps, 64 DV columns) v
-  double a[2][kT];     // (2 stages) (64 steps) a_s
-  double end[2][2];    // (2 stages) the chunk's A_{n-1}, g_{n-1}
+  bf16 k[2][kT][kLd];    // (2 stages) (64 steps, 64 DQK columns) k
+  bf16 v[2][kT][kLd];    // (2 stages) (64 steps, first 32 of 64 columns) v
+  double a[2][kT];       // (2 stages) (64 steps) a_s
+  double end[2][2];      // (2 stages) the chunk's A_{n-1}, g_{n-1}
+  alignas(16) float w[kThreads / 32][kT];  // (warp, 64 steps) w_s = exp(a_s - M) of the current tile
 };
 
 // Mode 0: the states go out as the output kernel reads them (C bf16 (DQK, DVp) rows, m float64);
 // 1: as the backward's workspace wants them (C fp32 (DQK, DV) rows, m fp32); 2: as 1, but each C
 // slot holds bf16 hi (DQK, DV) then lo = bf16(C - hi) (DQK, DV), for the tensor-core K3 q-role.
 template <int Mode>
-__global__ void __launch_bounds__(kThreads, 1) mlstm_tc_states_kernel(const MlstmParams p, const TcFlags fl,
+__global__ void __launch_bounds__(kThreads, 2) mlstm_tc_states_kernel(const MlstmParams p, const TcFlags fl,
                                                                       void* __restrict__ ws_cv, float* __restrict__ ws_n,
                                                                       void* __restrict__ ws_mv,
                                                                       const double* __restrict__ wg,
@@ -90,19 +96,19 @@ __global__ void __launch_bounds__(kThreads, 1) mlstm_tc_states_kernel(const Mlst
   StatesSmem& sm = *reinterpret_cast<StatesSmem*>(smem_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
-  const int r0 = blockIdx.y * kT, c0 = blockIdx.z * kT;
+  const int r0 = blockIdx.y * kT, c0 = blockIdx.z * kSc;
   const bool with_n = blockIdx.z == 0;  // one CTA per DQK tile carries n
   const std::int64_t NC = p.chunks(), ns = NC + 1, DQK = p.DQK, DV = p.DV, DVp = round_up(DV, 8), S = p.S, L = p.L;
-  const int nr = int(lmin(kT, DQK - r0)), nc = int(lmin(kT, DV - c0));
+  const int nr = int(lmin(kT, DQK - r0)), nc = int(lmin(kSc, DV - c0));
   const bf16* kb = static_cast<const bf16*>(p.k.p) + b * p.k.s0 + hd * p.k.s1 + r0;
   const bf16* vb = static_cast<const bf16*>(p.v.p) + b * p.v.s0 + hd * p.v.s1 + c0;
   const double* ga = wa + bh * S;
 
   // acc[j]: rows r0 + 16 warp + gq (+8), columns c0 + 8j + 2 t4 (+1) of C (fp32: the exact chain);
   // accn: n of the same rows in every column (B = ones)
-  float acc[8][4], accn[4];
+  float acc[kSc / 8][4], accn[4];
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < kSc / 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const std::int64_t r = r0 + 16 * warp + gq + (e >> 1) * 8, c = c0 + 8 * j + 2 * t4 + (e & 1);
@@ -121,7 +127,7 @@ __global__ void __launch_bounds__(kThreads, 1) mlstm_tc_states_kernel(const Mlst
     const std::int64_t t = kc * L + sb * kT, tend = lmin(S, (kc + 1) * L);
     const int nb = int(lmin(kT, tend - t));
     load_tile(&sm.k[st][0][0], kLd, kT, kT, kb + t * p.k.s2, p.k.s2, nb, nr, fl.k);
-    load_tile(&sm.v[st][0][0], kLd, kT, kT, vb + t * p.v.s2, p.v.s2, nb, nc, fl.v);
+    load_tile(&sm.v[st][0][0], kLd, kT, kSc, vb + t * p.v.s2, p.v.s2, nb, nc, fl.v);
     if (tid < nb) cp_async8(&sm.a[st][tid], ga + t + tid);
     if (tid == kT) cp_async8(&sm.end[st][0], wA + bh * S + tend - 1);
     if (tid == kT + 1) cp_async8(&sm.end[st][1], wg + bh * S + tend - 1);
@@ -137,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, 1) mlstm_tc_states_kernel(const Mlst
       const std::int64_t r = r0 + 16 * warp + gq + hr * 8;
       if (r >= DQK) continue;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < kSc / 8; ++j) {
         const std::int64_t c = c0 + 8 * j + 2 * t4;
         if constexpr (Mode == 2) {
           bf16* wh = reinterpret_cast<bf16*>(static_cast<float*>(ws_cv) + (bh * ns + kc) * DQK * DV) + r * DV;
@@ -170,26 +176,28 @@ __global__ void __launch_bounds__(kThreads, 1) mlstm_tc_states_kernel(const Mlst
         M = fmax(m, sm.end[st][0]), G = sm.end[st][1];
         const float decay = float(exp(m - M));  // <= 1
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < kSc / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[j][e] *= decay;
 #pragma unroll
         for (int e = 0; e < 4; ++e) accn[e] *= decay;
       }
       const int nb = min(kT, n - sb * kT);
+      float* ww = sm.w[warp];  // this warp's w (its reads of the last tile are behind the barrier above)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int sidx = lane + 32 * u;
+        ww[sidx] = sidx < nb ? __expf(float(sm.a[st][sidx] - M)) : 0.f;  // w_s = exp(a_s - M) <= 1
+      }
+      __syncwarp();
 #pragma unroll
       for (int ks = 0; ks < kT / 16; ++ks) {
         const int s0 = ks * 16 + 2 * t4;  // this lane's steps: s0, s0 + 1, s0 + 8, s0 + 9
-        float w[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int sidx = s0 + (u & 1) + (u >> 1) * 8;
-          w[u] = sidx < nb ? __expf(float(sm.a[st][sidx] - M)) : 0.f;  // w_s = exp(a_s - M) <= 1
-        }
+        const float2 w01 = *reinterpret_cast<const float2*>(ww + s0), w89 = *reinterpret_cast<const float2*>(ww + s0 + 8);
         std::uint32_t a[4], ah[4], al[4];
         ldsm_x4_t(a, &sm.k[st][ks * 16 + ld_row_a_kmajor(lane)][16 * warp + ld_col_a_kmajor(lane)]);
-        scale_split(a, w[0], w[1], w[2], w[3], ah, al);
-        mma_split_kstep(acc, ah, al, sm.v[st], ks, lane);
+        scale_split(a, w01.x, w01.y, w89.x, w89.y, ah, al);
+        mma_split_kstep(acc, ah, al, sm.v[st], ks, 0, lane);
         if (with_n) {
           mma_bf16_16816(accn, ah, ones, ones);
           mma_bf16_16816(accn, al, ones, ones);
@@ -202,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1) mlstm_tc_states_kernel(const Mlst
   // The caller's final states, from the fp32 chain.
   if (p.c_last.p)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < kSc / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const std::int64_t r = r0 + 16 * warp + gq + (e >> 1) * 8, c = c0 + 8 * j + 2 * t4 + (e & 1);
@@ -399,7 +407,8 @@ void mlstm_fwd_tc_cuda(const MlstmParams& p, void* workspace, std::size_t worksp
          *wA = reinterpret_cast<double*>(ws + w.A);
   const std::int64_t heads = p.B * p.NH, NC = p.chunks();
   const std::int64_t kt = (p.DQK + kT - 1) / kT, vt = (p.DV + kT - 1) / kT, rbs = (p.L + kT - 1) / kT;
-  if (heads > 0x7fffffff || kt > 65535 || vt > 65535 || NC > 65535 || rbs * vt > 65535)
+  const std::int64_t st = (p.DV + kSc - 1) / kSc;  // the states kernel's column tiles
+  if (heads > 0x7fffffff || kt > 65535 || st > 65535 || NC > 65535 || rbs * vt > 65535)
     throw Error(cat("mlstm_fwd: grid too large (heads ", heads, ", chunks ", NC, ")"));
   const TcFlags fl{rows16(p.q), rows16(p.k), rows16(p.v),
                    reinterpret_cast<std::uintptr_t>(p.h.p) % 4 == 0 && p.h.s0 % 2 == 0 && p.h.s1 % 2 == 0 &&
@@ -411,7 +420,7 @@ void mlstm_fwd_tc_cuda(const MlstmParams& p, void* workspace, std::size_t worksp
   }
   const std::size_t ssm = sizeof(StatesSmem);
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_tc_states_kernel<0>), kThreads, ssm);
-  mlstm_tc_states_kernel<0><<<dim3(unsigned(heads), unsigned(kt), unsigned(vt)), kThreads, ssm, s>>>(
+  mlstm_tc_states_kernel<0><<<dim3(unsigned(heads), unsigned(kt), unsigned(st)), kThreads, ssm, s>>>(
       p, fl, ws_c, ws_n, ws_m, wg, wa, wA);
   FW_CUDA_CHECK_LAUNCH("mlstm_fwd");
   if (NC == 0) return;
@@ -429,7 +438,7 @@ bool mlstm_states_tc_applies(const MlstmParams& p) {
 void mlstm_states_tc_f32(const MlstmParams& p, float* ws_c, float* ws_n, float* ws_m, double* gates, Stream stream,
                          bool hilo) {
   const std::int64_t heads = p.B * p.NH, NC = p.chunks();
-  const std::int64_t kt = (p.DQK + kT - 1) / kT, vt = (p.DV + kT - 1) / kT;
+  const std::int64_t kt = (p.DQK + kT - 1) / kT, vt = (p.DV + kSc - 1) / kSc;
   if (heads == 0) return;
   if (heads > 0x7fffffff || kt > 65535 || vt > 65535 || NC > 65535)
     throw Error(cat("mlstm: grid too large (heads ", heads, ", chunks ", NC, ")"));

@@ -139,14 +139,16 @@ __device__ __forceinline__ void scale_split(const std::uint32_t (&a)[4], float w
   }
 }
 
-// acc (16 rows of the warp x 64 columns) += (hi + lo) B over the 16 steps of k-step ks, with B the
-// (64 steps, 64 columns) k-major smem tile: the split product of the state-passing kernels.
-__device__ __forceinline__ void mma_split_kstep(float (&acc)[8][4], const std::uint32_t (&hi)[4],
-                                                const std::uint32_t (&lo)[4], const bf16 (*Bt)[kLd], int ks, int lane) {
+// acc (16 rows of the warp x 8 J columns) += (hi + lo) B over the 16 steps of k-step ks, with B the
+// (64 steps, 64 columns) k-major smem tile from column cb: the split product of the state-passing kernels.
+template <int J>
+__device__ __forceinline__ void mma_split_kstep(float (&acc)[J][4], const std::uint32_t (&hi)[4],
+                                                const std::uint32_t (&lo)[4], const bf16 (*Bt)[kLd], int ks, int cb,
+                                                int lane) {
 #pragma unroll
-  for (int jj = 0; jj < 4; ++jj) {
+  for (int jj = 0; jj < J / 2; ++jj) {
     std::uint32_t bv[4];
-    ldsm_x4_t(bv, &Bt[ks * 16 + ld_row_b_kmajor(lane)][16 * jj + ld_col_b_kmajor(lane)]);
+    ldsm_x4_t(bv, &Bt[ks * 16 + ld_row_b_kmajor(lane)][cb + 16 * jj + ld_col_b_kmajor(lane)]);
     mma_bf16_16816(acc[2 * jj], hi, bv[0], bv[1]);
     mma_bf16_16816(acc[2 * jj + 1], hi, bv[2], bv[3]);
     mma_bf16_16816(acc[2 * jj], lo, bv[0], bv[1]);
