@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Top SASS instructions by stall samples from `ncu -i REP --page source --csv --print-source sass`
+"""Top SASS instructions (or CUDA lines, with --print-source cuda) by stall samples from
+`ncu -i REP --page source --csv --print-source sass`
 (stdin): prints the N hottest with their share of the kernel's samples. Used on the GPU host to read
 a kernel's hot spots without carrying the whole report back.
 
@@ -16,7 +17,8 @@ def main():
     hdr = rows[hdr_i]
     src = hdr.index("Source")
     smp = next(i for i, c in enumerate(hdr) if "Warp Stall Sampling (All" in c)
-    addr = hdr.index("Address") if "Address" in hdr else None
+    # SASS view: the instruction address; CUDA source view (-lineinfo builds): the line number
+    addr = next((hdr.index(c) for c in ("Address", "#", "Line") if c in hdr), None)
     body = [r for r in rows[hdr_i + 1:] if len(r) > smp]
     def num(x):
         try:
