@@ -60,15 +60,21 @@ struct K3Smem {
   }
 };
 
-// The common loads of both roles, all by cp.async: q, k, dh, v rows of the chunk; a state matrix
-// (DQK, DV) from the workspace slot sthl, bf16 hi then lo (K0's C_k, K2's dC_{k+1}; written so by them
-// on this path: converting fp32 states here took ~10 us of a ~50 us CTA), hi into st and, where the
-// layout has it, lo; its vector (DQK); 1/den and db of the chunk's rows.
-__device__ void k3_load(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem& sm, std::int64_t b, std::int64_t hd,
-                        std::int64_t t0, int n, const bf16* sthl, const float* nvf, const float* inv_den,
-                        const float* dbv, int nthreads = kThreads) {
+// The common loads of both roles, all by cp.async, in two groups the caller waits for:
+//   group 0: q, k, dh, v rows of the chunk; its steps' g, a, A (float64, from K0's gate pass: the same
+//            Hillis-Steele sums and maxima mlstm_chunk_gates forms, so the same bits) into s_g, s_a,
+//            s_M (A_t, without m_k: k3_gates finishes it); 1/den and db of the rows (kv-role);
+//   group 1: a state matrix (DQK, DV) from the workspace slot sthl, bf16 hi then lo (K0's C_k, K2's
+//            dC_{k+1}; written so by them on this path: converting fp32 states here took ~10 us of a
+//            ~50 us CTA), hi into st and, where the layout has it, lo; its vector (DQK) into nv.
+// The first products need only group 0, so the state lands under them.
+__device__ void k3_issue(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem& sm, const BwdWs& L, const float* ws,
+                         std::int64_t b, std::int64_t hd, std::int64_t t0, int n, const bf16* sthl, const float* nvf,
+                         const float* inv_den, const float* dbv, double* s_g, double* s_a, double* s_M,
+                         int nthreads = kThreads) {
   const MlstmParams& p = B.f;
   const int DQK = int(p.DQK), DV = int(p.DV), ldq = sm.lay.ldq, ldv = sm.lay.ldv, Dq = sm.lay.Dq, Dv = sm.lay.Dv;
+  const int tid = threadIdx.x;
   auto rows = [&](const StridedView& t) {
     return static_cast<const bf16*>(t.p) + b * t.s0 + hd * t.s1 + t0 * t.s2;
   };
@@ -76,16 +82,38 @@ __device__ void k3_load(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem
   load_tile(sm.k, ldq, kT, Dq, rows(p.k), p.k.s2, n, DQK, fl.k, nthreads);
   load_tile(sm.dh, ldv, kT, Dv, rows(B.dh), B.dh.s2, n, DV, fl.dh, nthreads);
   load_tile(sm.v, ldv, kT, Dv, rows(p.v), p.v.s2, n, DV, fl.v, nthreads);
+  const double* gw = reinterpret_cast<const double*>(ws + L.gates) + (b * p.NH + hd) * p.S + t0;
+  const std::int64_t hs = L.heads * p.S;  // g, a, A: (heads, S) float64 each
+  if (tid < n) {
+    cp_async8(s_g + tid, gw + tid);
+    cp_async8(s_a + tid, gw + hs + tid);
+    cp_async8(s_M + tid, gw + 2 * hs + tid);
+  }
+  if (inv_den && tid < kT) {  // the q-role computes them (nullptr there)
+    if (tid < n) {
+      cp_async4(sm.inv + tid, inv_den + tid);
+      cp_async4(sm.db + tid, dbv + tid);
+    } else {
+      sm.inv[tid] = 0.f, sm.db[tid] = 0.f;
+    }
+  }
+  cp_async_commit();
   // 16-byte rows where DV % 8 == 0 (the workspace slot is then 16-byte aligned too)
   load_tile(sm.st, ldv, Dq, Dv, sthl, DV, DQK, DV, DV % 8 == 0, nthreads);
   if (sm.lo) load_tile(sm.lo, ldv, Dq, Dv, sthl + std::int64_t(DQK) * DV, DV, DQK, DV, DV % 8 == 0, nthreads);
-  cp_async_commit();
-  for (int r = threadIdx.x; r < Dq; r += nthreads) sm.nv[r] = r < DQK ? nvf[r] : 0.f;
-  if (threadIdx.x < kT && inv_den) {  // the q-role computes them (nullptr there)
-    sm.inv[threadIdx.x] = threadIdx.x < n ? inv_den[threadIdx.x] : 0.f;
-    sm.db[threadIdx.x] = threadIdx.x < n ? dbv[threadIdx.x] : 0.f;
+  for (int r = tid; r < Dq; r += nthreads) {
+    if (r < DQK) cp_async4(sm.nv + r, nvf + r);
+    else sm.nv[r] = 0.f;
   }
-  cp_async_wait<0>();
+  cp_async_commit();
+}
+
+// After group 0 has landed (every thread waited): M_t = max(m_k, A_t), as mlstm_chunk_gates; the
+// gate rows are then visible to every thread.
+__device__ __forceinline__ void k3_gates(int n, double mk, double* s_M) {
+  __syncthreads();
+  if (int(threadIdx.x) < n) s_M[threadIdx.x] = fmax(s_M[threadIdx.x], mk);
+  __syncthreads();
 }
 
 // acc (16 x N, N <= 8 NJ: 128 columns for NJ = 16, 64 for 8) += A B where A is given as fragments of
@@ -197,8 +225,9 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
   const int n = int(lmin(kT, p.S - t0));
   const double mk = double(ws[L.m + bh * L.ns + kc]);
   const bf16* sthl = reinterpret_cast<const bf16*>(ws + L.c + (bh * L.ns + kc) * p.DQK * p.DV);  // K0's hi, lo
-  k3_load(B, fl, sm, b, hd, t0, n, sthl, ws + L.n + (bh * L.ns + kc) * p.DQK, nullptr, nullptr);
-  mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);  // synchronises: the loads are visible
+  k3_issue(B, fl, sm, L, ws, b, hd, t0, n, sthl, ws + L.n + (bh * L.ns + kc) * p.DQK, nullptr, nullptr, s_g, s_a, s_M);
+  cp_async_wait<1>();  // group 0: q, k, dh, v, the gates
+  k3_gates(n, mk, s_M);
   const float scale = rsqrtf(float(p.DQK));
   const int DQK = int(p.DQK), DV = int(p.DV), Dq = sm.lay.Dq, Dv = sm.lay.Dv, ldq = sm.lay.ldq, ldv = sm.lay.ldv;
   const int tA = 16 * warp + gq, tB = tA + 8;  // this thread's two rows
@@ -207,6 +236,8 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
   float sacc[8][4] = {}, wacc[8][4] = {};
   mma_rn(sacc, sm.q, ldq, warp, sm.k, ldq, Dq, lane);   // q k^T: (t, s)
   mma_rn(wacc, sm.dh, ldv, warp, sm.v, ldv, Dv, lane);  // dh v^T: (t, s)
+  cp_async_wait<0>();                                   // group 1: C_k hi, n_k
+  __syncthreads();
   float dq[16][4] = {};                                 // (16 rows, DQK columns)
   mma_abt(dq, sm.dh, ldv, sm.st, ldv, Dv, Dq, warp, lane);  // dh C_k^T, the hi part
   // + dh lo^T, lo = C_k - bf16(C_k) (K0's): rows 64h.. of it in v's place, (64, Dv) bf16
@@ -348,10 +379,11 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
   const int n = int(lmin(kT, p.S - t0));
   const double mk = double(ws[L.m + bh * L.ns + kc]);
-  k3_load(B, fl, sm, b, hd, t0, n, reinterpret_cast<const bf16*>(ws + L.dc + (bh * L.ns + kc + 1) * p.DQK * p.DV),
-          ws + L.dn + (bh * L.ns + kc + 1) * p.DQK, ws + L.inv_den + bh * p.S + t0, ws + L.db + bh * p.S + t0,
-          kKvThreads);  // K2's hi / lo
-  mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);
+  k3_issue(B, fl, sm, L, ws, b, hd, t0, n, reinterpret_cast<const bf16*>(ws + L.dc + (bh * L.ns + kc + 1) * p.DQK * p.DV),
+           ws + L.dn + (bh * L.ns + kc + 1) * p.DQK, ws + L.inv_den + bh * p.S + t0, ws + L.db + bh * p.S + t0,
+           s_g, s_a, s_M, kKvThreads);  // K2's hi / lo
+  cp_async_wait<1>();  // group 0: q, k, dh, v, the gates, 1/den, db
+  k3_gates(n, mk, s_M);
   const float scale = rsqrtf(float(p.DQK));
   const int Dq = sm.lay.Dq, Dv = sm.lay.Dv, ldq = sm.lay.ldq, ldv = sm.lay.ldv;
   const int sA = 16 * rg + gq, sB = sA + 8;  // this thread's two rows (steps s)
@@ -383,6 +415,8 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
       pack_a_frags(pf, j, pp);
     }
   }
+  cp_async_wait<0>();  // group 1: dC_{k+1} hi / lo, dn_{k+1}
+  __syncthreads();
   // dk columns r0.. = w_s (v dC^T + dn) + scale Y^T q; u_s part = k_s . (dC v_s + dn) over them
   float uA = 0.f, uB = 0.f;
   const int r0 = 64 * cg, nq = Dq - r0 < 64 ? Dq - r0 : 64;  // nq <= 0: no dk columns in this half

@@ -36,7 +36,11 @@ __device__ __forceinline__ void load_tile(bf16* sm, int ld, int R, int C, const 
   const int U = vec ? C / 8 : C;  // units per row
   const int dr = nthreads / U, du = nthreads % U;
   int r = int(threadIdx.x) / U, u = int(threadIdx.x) % U;
-  if (vec) {
+  if (vec && du == 0 && nr >= R && nc >= C) {  // the whole tile in bounds, a fixed row step per thread
+    const std::int64_t sstep = dr * rs;
+    const bf16* s = src + r * rs + 8 * u;
+    for (bf16* d = sm + r * ld + 8 * u; r < R; r += dr, d += dr * ld, s += sstep) cp_async16(d, s, 16);
+  } else if (vec) {
     for (; r < R;) {
       const int col = 8 * u, bytes = bytes16(r < nr, nc - col);
       cp_async16(sm + r * ld + col, bytes ? src + r * rs + col : src, bytes);
