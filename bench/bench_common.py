@@ -92,6 +92,7 @@ class Ctx:
         ap.add_argument("--chunk", type=int, default=64)
         ap.add_argument("--reps", type=int, default=10)
         ap.add_argument("--out", default=str(REPO / "bench" / "out"))
+        ap.add_argument("--shapes", default="", help="only these shapes, e.g. '8,16,8192,128,256;2,16,8192,128,128'")
         self.a = ap.parse_args(argv)
         import torch
         self.torch = torch
@@ -103,6 +104,8 @@ class Ctx:
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self.fw = import_fastweight()
         self.shapes = dry if self.a.dry_cpu else quick if self.a.quick else shapes
+        if self.a.shapes:
+            self.shapes = [tuple(int(x) for x in sh.split(",")) for sh in self.a.shapes.split(";") if sh.strip()]
         self.wanted = [p.strip() for p in self.a.providers.split(",") if p.strip()] or providers
         self.rows = []
 

@@ -44,6 +44,10 @@ struct MlstmBwdParams {
   MlstmParams f;
   StridedView dh, dc_last, dn_last, dm_last;
   StridedView dq, dk, dv, di, df, dc0, dn0, dm0;
+  // The DV slabs' running sums (CUDA tensor-core path): fp32 (B, NH, S, DQK) contiguous partials that
+  // the kernels writing dq / dk add their values to (partial + value, in that order) before storing.
+  const float* dq_add = nullptr;
+  const float* dk_add = nullptr;
 };
 
 // The parallel form (seed 000, no initial states). f: q, k, v, i, f, eps and h (the forward's output,

@@ -766,7 +766,10 @@ __global__ void __launch_bounds__(kThreads) k4_gates(const MlstmBwdParams B, flo
 // h[..., slab] as its output. So the full backward is the sum over slabs of the slab problems'
 // backwards, slab j taking dh[..., slab j] and dc_last[..., slab j] (and slab 0 alone dn_last,
 // dm_last): dv, dc0 are written per slab in place; dq, dk, di, df, dn0, dm0 are summed in fp32 in the
-// workspace in slab order (deterministic), then stored once. Exact, not an approximation.
+// workspace in slab order (deterministic), then stored once. Exact, not an approximation. dq and dk
+// (the large ones) are summed by the tensor-core K3 roles as they store them (dq_add, dk_add: the
+// last slab writes partial + its value straight to the output); a pass of their own over the fp32
+// sums cost ~2.8 ms of ~19.5 at (8,16,8192,128,256).
 constexpr std::int64_t kSlabDV = 128;
 
 MlstmBwdParams slab_problem(const MlstmBwdParams& B, std::int64_t j) {
@@ -817,6 +820,7 @@ __global__ void split_store_kernel(const float* __restrict__ acc, const StridedV
 unsigned grid_for(std::int64_t n) { return unsigned(std::min<std::int64_t>((n + 255) / 256, 4096)); }
 
 void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream);
+bool core_tc(const MlstmBwdParams& B);
 
 void bwd_split(const MlstmBwdParams& B, float* ws, Stream stream) {
   const MlstmParams& p = B.f;
@@ -827,12 +831,19 @@ void bwd_split(const MlstmBwdParams& B, float* ws, Stream stream) {
   StridedView* targets[6] = {&proto.dq, &proto.dk, &proto.di, &proto.df, &proto.dn0, &proto.dm0};
   const std::int64_t dims[6][2] = {{p.S, p.DQK}, {p.S, p.DQK}, {1, p.S}, {1, p.S}, {1, p.DQK}, {1, 1}};
   const std::int64_t nsl = (p.DV + kSlabDV - 1) / kSlabDV;
+  const bool fused = core_tc(slab_problem(B, 0));  // dq, dk summed by K3 (e = 0, 1)
   for (std::int64_t j = 0; j < nsl; ++j) {
     MlstmBwdParams sj = slab_problem(B, j);
     StridedView* mine[6] = {&sj.dq, &sj.dk, &sj.di, &sj.df, &sj.dn0, &sj.dm0};
+    const float** mine_add[2] = {&sj.dq_add, &sj.dk_add};
     for (int e = 0; e < 6; ++e) {
       if (!targets[e]->p) continue;
       outs[e] = targets[e];
+      if (fused && e < 2) {  // slab 0 starts the sum, the middle ones add to it, the last stores it
+        if (j > 0) *mine_add[e] = ws + W.acc + W.part[e];
+        if (j + 1 < nsl) *mine[e] = StridedView{ws + W.acc + W.part[e], DType::f32, p.NH * p.S * p.DQK, p.S * p.DQK, p.DQK};
+        continue;
+      }
       // the contiguous fp32 (B, NH, R, D) part as a view: s0 = NH R D, s1 = R D, s2 = D (R = 1: unused)
       const std::int64_t R = dims[e][0], D = dims[e][1];
       *mine[e] = StridedView{ws + (j == 0 ? W.acc : W.tmp) + W.part[e], DType::f32, p.NH * R * D, R * D, D};
@@ -840,13 +851,13 @@ void bwd_split(const MlstmBwdParams& B, float* ws, Stream stream) {
     bwd_core(sj, ws, stream);
     if (j == 0) continue;
     for (int e = 0; e < 6; ++e) {
-      if (!outs[e] || W.len[e] == 0) continue;
+      if (!outs[e] || W.len[e] == 0 || (fused && e < 2)) continue;
       split_add_kernel<<<grid_for(W.len[e]), 256, 0, s>>>(ws + W.acc + W.part[e], ws + W.tmp + W.part[e], W.len[e]);
       FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
     }
   }
   for (int e = 0; e < 6; ++e) {
-    if (!outs[e] || W.len[e] == 0) continue;
+    if (!outs[e] || W.len[e] == 0 || (fused && e < 2)) continue;
     split_store_kernel<<<grid_for(W.len[e]), 256, 0, s>>>(ws + W.acc + W.part[e], *outs[e], p.NH, dims[e][0],
                                                            dims[e][1], W.len[e]);
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
@@ -871,6 +882,11 @@ void mlstm_bwd_cuda(const MlstmBwdParams& B, void* workspace, std::size_t worksp
 }
 
 namespace {
+// Whether bwd_core runs the tensor-core K3 roles (they alone write dq and dk then).
+bool core_tc(const MlstmBwdParams& B) {
+  return B.f.chunks() > 0 && mlstm_bwd_k3_tc_applies(B) && mlstm_bwd_k2_tc_applies(B);
+}
+
 // The backward of one problem (DV <= 128 where the tensor-core kernels run) into workspace ws.
 void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream) {
   const MlstmParams& p = B.f;
@@ -884,7 +900,7 @@ void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream) {
   MlstmParams pf = p;
   pf.c_last = pf.n_last = pf.m_last = StridedView{};
   // bf16, chunk 64, head dims <= 128: tensor cores, K1's row statistics inside K3's q-role
-  const bool tc = L.NC > 0 && mlstm_bwd_k3_tc_applies(B) && mlstm_bwd_k2_tc_applies(B);
+  const bool tc = core_tc(B);
   if (mlstm_states_tc_applies(pf))  // K0 (C as bf16 hi / lo for the tensor-core K3 q-role)
     mlstm_states_tc_f32(pf, ws + L.c, ws + L.n, ws + L.m, reinterpret_cast<double*>(ws + L.gates), stream, tc);
   else

@@ -173,12 +173,18 @@ __device__ __forceinline__ void mma_ab8(float (&acc)[8][4], const bf16* A, int l
 
 // Writes the warp's (16 rows x 8 J columns from c0) accumulator rows rA, rB (rows of the chunk) of a
 // (B, NH, S, N) output, times mul; rows >= n and columns >= N are not written. bf16 outputs with
-// even strides and N take the column pairs as one 4-byte store (the same roundings).
+// even strides and N take the column pairs as one 4-byte store (the same roundings). add: the DV
+// slabs' fp32 partial sums, (N contiguous) rows of this chunk: the value stored is add + mul acc
+// (rounded as two operations, as the separate sum pass did).
 template <int J>
 __device__ __forceinline__ void store_rows(const StridedView& out, const float (&acc)[J][4], std::int64_t b,
                                            std::int64_t hd, std::int64_t t0, int rA, int rB, int n, int c0,
-                                           std::int64_t N, float mul) {
+                                           std::int64_t N, float mul, const float* add) {
   const int t4 = threadIdx.x & 3;
+  auto val = [&](int j, int e, const float* ar, int c) {
+    const float v = __fmul_rn(mul, acc[j][e]);
+    return ar ? __fadd_rn(ar[c], v) : v;
+  };
   const bool pairs = out.dtype == DType::bf16 && reinterpret_cast<std::uintptr_t>(out.p) % 4 == 0 && out.s0 % 2 == 0 &&
                      out.s1 % 2 == 0 && out.s2 % 2 == 0 && N % 2 == 0;
 #pragma unroll
@@ -186,13 +192,15 @@ __device__ __forceinline__ void store_rows(const StridedView& out, const float (
     const int r = hr ? rB : rA;
     if (r >= n || !out.p) continue;
     const std::int64_t row = b * out.s0 + hd * out.s1 + (t0 + r) * out.s2;
+    const float* ar = add ? add + r * N : nullptr;
     if (pairs) {
       __nv_bfloat16* o = static_cast<__nv_bfloat16*>(out.p) + row;
 #pragma unroll
       for (int j = 0; j < J; ++j) {
         const int c = c0 + 8 * j + 2 * t4;  // even: c < N means c + 1 < N
         if (c < N)
-          *reinterpret_cast<__nv_bfloat162*>(o + c) = __floats2bfloat162_rn(mul * acc[j][2 * hr], mul * acc[j][2 * hr + 1]);
+          *reinterpret_cast<__nv_bfloat162*>(o + c) =
+              __floats2bfloat162_rn(val(j, 2 * hr, ar, c), val(j, 2 * hr + 1, ar, c + 1));
       }
     } else {
 #pragma unroll
@@ -200,7 +208,7 @@ __device__ __forceinline__ void store_rows(const StridedView& out, const float (
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int c = c0 + 8 * j + 2 * t4 + e;
-          if (c < N) mlstm_st(out, row + c, mul * acc[j][2 * hr + e]);
+          if (c < N) mlstm_st(out, row + c, val(j, 2 * hr + e, ar, c));
         }
     }
   }
@@ -339,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
       dq[j][e] = e < 2 ? eA * (dq[j][e] * inv[0] + dbr[0] * nr) : eB * (dq[j][e] * inv[1] + dbr[1] * nr);
     }
   mma_fragb(dq, yf, sm.k, ldq, Dq, lane);  // + Y k
-  store_rows(B.dq, dq, b, hd, t0, tA, tB, n, 0, p.DQK, scale);
+  store_rows(B.dq, dq, b, hd, t0, tA, tB, n, 0, p.DQK, scale, B.dq_add ? B.dq_add + (bh * p.S + t0) * p.DQK : nullptr);
   zA += __shfl_xor_sync(0xffffffffu, zA, 1), zB += __shfl_xor_sync(0xffffffffu, zB, 1);
   zA += __shfl_xor_sync(0xffffffffu, zA, 2), zB += __shfl_xor_sync(0xffffffffu, zB, 2);
   if (t4 == 0) {
@@ -435,7 +443,7 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
         acc[j][e] = (e < 2 ? wA : wB) * x;
       }
     mma_fragb(acc, yf, sm.q + r0, ldq, nq, lane);
-    store_rows(B.dk, acc, b, hd, t0, sA, sB, n, r0, p.DQK, 1.f);
+    store_rows(B.dk, acc, b, hd, t0, sA, sB, n, r0, p.DQK, 1.f, B.dk_add ? B.dk_add + (bh * p.S + t0) * p.DQK : nullptr);
   }
   // dv columns c0.. = w_s k dC + P^T dnum
   const int c0 = 64 * cg, nv = Dv - c0 < 64 ? Dv - c0 : 64;
@@ -446,7 +454,7 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[j][0] *= wA, acc[j][1] *= wA, acc[j][2] *= wB, acc[j][3] *= wB;
     mma_fragb(acc, pf, sm.dh + c0, ldv, nv, lane);
-    store_rows(B.dv, acc, b, hd, t0, sA, sB, n, c0, p.DV, 1.f);
+    store_rows(B.dv, acc, b, hd, t0, sA, sB, n, c0, p.DV, 1.f, nullptr);
   }
   // the s-role scalars: da_s = d/di_s = -d/dg_s, and the chunk's dG partial sum_s w_s u_s (u_s: the
   // two halves' parts, added in order)
