@@ -335,14 +335,28 @@ __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetPa
   // o = scale diag(rq) (Q S + tril(Q K^T) diag(rk) D)
   float o[8][4] = {};
   chunk_output(o, sq, sk, ldk, Kc, sSh, sSl, sVp, nullptr, warp, lane);  // rk is in D'
+  // bf16 o with even strides and V: a column pair per 4-byte store (the same roundings)
+  const bool pairs = p.o.dtype == DType::bf16 && reinterpret_cast<std::uintptr_t>(p.o.p) % 4 == 0 && p.o.s0 % 2 == 0 &&
+                     p.o.s1 % 2 == 0 && p.o.s2 % 2 == 0 && V % 2 == 0;
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int hr = 0; hr < 2; ++hr) {
+    const int i = 16 * warp + frow(lane, 2 * hr);
+    if (i >= nr) continue;
+    const float f = p.scale * s_rq[i];
+    const std::int64_t row = dn_row(p.o, b, t0 + i, h);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = 16 * warp + frow(lane, e);
-      const std::int64_t c = c0 + fcol(lane, j, e);
-      if (i < nr && c < V) mlstm_st(p.o, dn_row(p.o, b, t0 + i, h) + c, p.scale * s_rq[i] * o[j][e]);
+    for (int j = 0; j < 8; ++j) {
+      const std::int64_t c = c0 + fcol(lane, j, 0);  // even
+      if (pairs) {
+        if (c < V)
+          *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.o.p) + row + c) =
+              __floats2bfloat162_rn(f * o[j][2 * hr], f * o[j][2 * hr + 1]);
+      } else {
+        if (c < V) mlstm_st(p.o, row + c, f * o[j][2 * hr]);
+        if (c + 1 < V) mlstm_st(p.o, row + c + 1, f * o[j][2 * hr + 1]);
+      }
     }
+  }
 }
 
 template <typename Kernel>
