@@ -156,13 +156,16 @@ TEST_P(MlstmCudaBwd, MatchesReferenceAllGradientsAndIsDeterministic) {
   FW_REQUIRE_GPU();
   const FwdCase c = GetParam();
   const MlstmShape sh{c.B, c.NH, c.S, c.DQK, c.DV};
-  HostTensor q = make_host(c.dt, {c.B, c.NH, c.S, c.DQK}), k = make_host(c.dt, {c.B, c.NH, c.S, c.DQK}),
-             v = make_host(c.dt, {c.B, c.NH, c.S, c.DV}), i = make_host(DType::f32, {c.B, c.NH, c.S}),
-             f = make_host(DType::f32, {c.B, c.NH, c.S}), dh = make_host(c.dt, {c.B, c.NH, c.S, c.DV}),
+  // strided: rows of q, k, v, dh and of dq, dk, dv padded by 3 elements (odd strides: element loads,
+  // and the outputs' scalar stores, the DV slabs' running sums included)
+  const std::int64_t pad = c.strided ? 3 : 0;
+  HostTensor q = make_host(c.dt, {c.B, c.NH, c.S, c.DQK}, pad), k = make_host(c.dt, {c.B, c.NH, c.S, c.DQK}, pad),
+             v = make_host(c.dt, {c.B, c.NH, c.S, c.DV}, pad), i = make_host(DType::f32, {c.B, c.NH, c.S}),
+             f = make_host(DType::f32, {c.B, c.NH, c.S}), dh = make_host(c.dt, {c.B, c.NH, c.S, c.DV}, pad),
              c0 = make_host(DType::f32, {c.B, c.NH, c.DQK, c.DV}), n0 = make_host(DType::f32, {c.B, c.NH, c.DQK}),
              m0 = make_host(DType::f32, {c.B, c.NH, 1}), dcl = make_host(DType::f32, {c.B, c.NH, c.DQK, c.DV}),
              dnl = make_host(DType::f32, {c.B, c.NH, c.DQK}), dml = make_host(DType::f32, {c.B, c.NH, 1});
-  HostTensor dq = make_host(c.dt, q.shape), dk = make_host(c.dt, k.shape), dv = make_host(c.dt, v.shape),
+  HostTensor dq = make_host(c.dt, q.shape, pad), dk = make_host(c.dt, k.shape, pad), dv = make_host(c.dt, v.shape, pad),
              di = make_host(DType::f32, i.shape), df = make_host(DType::f32, f.shape),
              dc0 = make_host(DType::f32, c0.shape), dn0 = make_host(DType::f32, n0.shape),
              dm0 = make_host(DType::f32, m0.shape);
@@ -241,6 +244,14 @@ TEST_P(MlstmCudaBwd, MatchesReferenceAllGradientsAndIsDeterministic) {
     EXPECT_LT(rel_err(dn0, en0), tol) << "dn0";
     EXPECT_LT(rel_err(dm0, em0), tol) << "dm0";
   }
+  if (c.strided)  // the padding between strided rows is never written
+    for (const HostTensor* g : {&dq1, &dk1, &dv}) {
+      std::vector<bool> inside(g->bytes.size() / g->esize(), false);
+      for (auto o : g->offsets()) inside[std::size_t(o)] = true;
+      for (std::size_t e = 0; e < inside.size(); ++e)
+        if (!inside[e])
+          for (std::size_t b = 0; b < g->esize(); ++b) ASSERT_EQ(g->bytes[e * g->esize() + b], 0xff) << "wrote padding";
+    }
 }
 
 std::vector<FwdCase> bwd_cases() {
@@ -263,6 +274,10 @@ std::vector<FwdCase> bwd_cases() {
   v.push_back({DType::bf16, 1, 2, 200, 64, 256, 64, true, false, false});
   v.push_back({DType::bf16, 2, 1, 130, 32, 200, 64, true, false, false});
   v.push_back({DType::bf16, 1, 1, 100, 128, 260, 64, true, false, false});
+  // strided inputs and outputs: odd strides (element loads; scalar stores, with the slabs' sums)
+  v.push_back({DType::bf16, 1, 2, 150, 64, 136, 64, true, true, false});
+  v.push_back({DType::bf16, 1, 2, 150, 40, 260, 64, false, true, false});
+  v.push_back({DType::f32, 1, 2, 100, 64, 80, 64, true, true, false});
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Cases, MlstmCudaBwd, ::testing::ValuesIn(bwd_cases()),
