@@ -274,6 +274,13 @@ std::vector<FwdCase> bwd_cases() {
   v.push_back({DType::bf16, 1, 2, 200, 64, 256, 64, true, false, false});
   v.push_back({DType::bf16, 2, 1, 130, 32, 200, 64, true, false, false});
   v.push_back({DType::bf16, 1, 1, 100, 128, 260, 64, true, false, false});
+  // DQK above 128 on tensor cores: the state in two DQK halves (the q-role's stash, the kv-role's dv
+  // summed over the halves), odd DQK (a short second half), with DV slabs
+  v.push_back({DType::bf16, 1, 2, 130, 256, 128, 64, true, false, false});
+  v.push_back({DType::bf16, 1, 2, 100, 200, 72, 64, true, false, false});
+  v.push_back({DType::bf16, 1, 1, 77, 256, 260, 64, true, false, false});
+  v.push_back({DType::bf16, 1, 2, 70, 136, 64, 64, true, true, false});
+  v.push_back({DType::bf16, 1, 2, 300, 256, 64, 64, true, false, true});
   // strided inputs and outputs: odd strides (element loads; scalar stores, with the slabs' sums)
   v.push_back({DType::bf16, 1, 2, 150, 64, 136, 64, true, true, false});
   v.push_back({DType::bf16, 1, 2, 150, 40, 260, 64, false, true, false});

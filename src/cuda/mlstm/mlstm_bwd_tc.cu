@@ -1,5 +1,6 @@
 // mlstm_bwd_tc.cu: the chunkwise mLSTM backward (mlstm_bwd.cu, docs/design/mlstm_backward.md) on
-// tensor cores, for bf16 q, k, v, dh, chunk 64, DQK and DV <= 128: K3 (two kernels, one CTA per
+// tensor cores, for bf16 q, k, v, dh, chunk 64, DQK <= 256 (above 128 the states in two DQK halves,
+// one at a time) and DV <= 128 (larger DV: per slab): K3 (two kernels, one CTA per
 // (head, chunk): q-role 4 warps of 16 rows, kv-role 8 warps of 16 rows x a 64-column half), K2 and
 // dn_scan. Products by mma.sync m16n8k16 (bf16 -> fp32). Order: K0, K3 q-role, K2 (dC only), dn_scan, K3 kv-role, K4.
 //   q-role  (rows t): S = q k^T, WD = dh v^T, dh C_k^T; the row statistics (den, db, corr, eY: K1 of
@@ -13,6 +14,8 @@
 // states C_k and dC_{k+1} come from K0 / K2 as bf16 hi and lo = bf16(x - hi) (~16 bits; the lo part
 // where they feed gate gradients); every other scaling (1/den, e_t, w_s, scale) is applied in fp32 to
 // the accumulators or to P, Y. Deterministic (fixed-order sums).
+#include <algorithm>
+
 #include "cuda/common/check.cuh"
 #include "cuda/mlstm/mlstm_bwd_ws.h"
 #include "cuda/mlstm/mlstm_common.cuh"
@@ -24,32 +27,39 @@ namespace {
 
 using namespace mtc;
 constexpr int kThreads = kTcThreads;
-constexpr int kMaxD = 128;  // DQK, DV
+constexpr int kMaxD = 128;   // DV (larger DV: the slabs of mlstm_bwd.cu)
+constexpr int kMaxDq = 256;  // DQK (above 128: the state in two DQK halves, one at a time)
+constexpr int kHalf = 128;   // state rows (DQK) held in shared memory at once
 
 struct K3Flags {
   bool q, k, v, dh;  // 16-byte rows: cp.async
 };
 
-// Dynamic smem, Dq = DQK and Dv = DV rounded up to 16, ldq = Dq + 8, ldv = Dv + 8 (bf16 elements):
-//   bf16 q[64][ldq] | k[64][ldq] | dh[64][ldv] | v[64][ldv] | st[Dq][ldv] (C_k or dC_{k+1}) |
-//   [bf16 st_lo[Dq][ldv]: st - bf16(st), split only] | f32 nv[Dq] (n_k or dn_{k+1}) | f32 inv_den[64], db[64]
+// Dynamic smem, Dq = DQK and Dv = DV rounded up to 16, ldq = Dq + 8, ldv = Dv + 8 (bf16 elements),
+// Sq = min(Dq, 128) state rows (a DQK half of it above 128):
+//   bf16 q[64][ldq] | k[64][ldq] | dh[64][ldv] | v[64][ldv] | st[Sq][ldv] (C_k or dC_{k+1}) |
+//   [bf16 st_lo[Sq][ldv]: st - bf16(st), split only] | f32 nv[Dq] (n_k or dn_{k+1}) | f32 inv_den[64], db[64] |
+//   [f32 stash[4 warps][16 n-tiles][4][32 lanes]: the q-role's first DQK half of dh C_k^T, Dq > 128 only]
 struct K3Layout {
-  int Dq, Dv, ldq, ldv;
+  int Dq, Dv, ldq, ldv, Sq;
   bool split;
-  std::size_t q, k, dh, v, st, lo, nv, inv, db, bytes;
+  std::size_t q, k, dh, v, st, lo, nv, inv, db, stash, bytes;
   __host__ __device__ K3Layout(std::int64_t DQK, std::int64_t DV, bool split_) : split(split_) {
     Dq = int(round_up(DQK, 16)), Dv = int(round_up(DV, 16)), ldq = Dq + 8, ldv = Dv + 8;
+    Sq = Dq < kHalf ? Dq : kHalf;
     q = 0, k = q + 2 * std::size_t(kT) * ldq, dh = k + 2 * std::size_t(kT) * ldq;
     v = dh + 2 * std::size_t(kT) * ldv, st = v + 2 * std::size_t(kT) * ldv;
-    lo = st + 2 * std::size_t(Dq) * ldv;
-    nv = lo + (split ? 2 * std::size_t(Dq) * ldv : 0);
-    inv = nv + 4 * std::size_t(Dq), db = inv + 4 * kT, bytes = db + 4 * kT;
+    lo = st + 2 * std::size_t(Sq) * ldv;
+    nv = lo + (split ? 2 * std::size_t(Sq) * ldv : 0);
+    inv = nv + 4 * std::size_t(Dq), db = inv + 4 * kT;
+    stash = round_up(db + 4 * kT, 16);
+    bytes = stash + (!split && Dq > kHalf ? 4 * std::size_t(kT) * kHalf : 0);
   }
 };
 
 struct K3Smem {
   bf16 *q, *k, *dh, *v, *st, *lo;
-  float *nv, *inv, *db;
+  float *nv, *inv, *db, *stash;
   const K3Layout lay;
   __device__ K3Smem(char* base, std::int64_t DQK, std::int64_t DV, bool split) : lay(DQK, DV, split) {
     q = reinterpret_cast<bf16*>(base + lay.q), k = reinterpret_cast<bf16*>(base + lay.k);
@@ -57,6 +67,7 @@ struct K3Smem {
     st = reinterpret_cast<bf16*>(base + lay.st), nv = reinterpret_cast<float*>(base + lay.nv);
     lo = split ? reinterpret_cast<bf16*>(base + lay.lo) : nullptr;
     inv = reinterpret_cast<float*>(base + lay.inv), db = reinterpret_cast<float*>(base + lay.db);
+    stash = reinterpret_cast<float*>(base + lay.stash);
   }
 };
 
@@ -66,7 +77,8 @@ struct K3Smem {
 //            s_M (A_t, without m_k: k3_gates finishes it); 1/den and db of the rows (kv-role);
 //   group 1: a state matrix (DQK, DV) from the workspace slot sthl, bf16 hi then lo (K0's C_k, K2's
 //            dC_{k+1}; written so by them on this path: converting fp32 states here took ~10 us of a
-//            ~50 us CTA), hi into st and, where the layout has it, lo; its vector (DQK) into nv.
+//            ~50 us CTA), hi into st and, where the layout has it, lo (its first DQK half above
+//            128: k3_state_half loads the second); its vector (DQK) into nv.
 // The first products need only group 0, so the state lands under them.
 __device__ void k3_issue(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem& sm, const BwdWs& L, const float* ws,
                          std::int64_t b, std::int64_t hd, std::int64_t t0, int n, const bf16* sthl, const float* nvf,
@@ -99,12 +111,23 @@ __device__ void k3_issue(const MlstmBwdParams& B, const K3Flags& fl, const K3Sme
   }
   cp_async_commit();
   // 16-byte rows where DV % 8 == 0 (the workspace slot is then 16-byte aligned too)
-  load_tile(sm.st, ldv, Dq, Dv, sthl, DV, DQK, DV, DV % 8 == 0, nthreads);
-  if (sm.lo) load_tile(sm.lo, ldv, Dq, Dv, sthl + std::int64_t(DQK) * DV, DV, DQK, DV, DV % 8 == 0, nthreads);
+  const int Sq = sm.lay.Sq, n0 = DQK < Sq ? DQK : Sq;
+  load_tile(sm.st, ldv, Sq, Dv, sthl, DV, n0, DV, DV % 8 == 0, nthreads);
+  if (sm.lo) load_tile(sm.lo, ldv, Sq, Dv, sthl + std::int64_t(DQK) * DV, DV, n0, DV, DV % 8 == 0, nthreads);
   for (int r = tid; r < Dq; r += nthreads) {
     if (r < DQK) cp_async4(sm.nv + r, nvf + r);
     else sm.nv[r] = 0.f;
   }
+  cp_async_commit();
+}
+
+// The state's DQK half hh (rows 128 hh..) into st and, where the layout has it, lo: one cp.async
+// group, after every warp is done with the other half (the caller syncs before and waits after).
+__device__ void k3_state_half(const K3Smem& sm, const bf16* sthl, int DQK, int DV, int hh, int nthreads) {
+  const int r0 = kHalf * hh, nr = DQK - r0 < kHalf ? DQK - r0 : kHalf;
+  const int ldv = sm.lay.ldv, Sq = sm.lay.Sq, Dv = sm.lay.Dv;
+  load_tile(sm.st, ldv, Sq, Dv, sthl + std::int64_t(r0) * DV, DV, nr, DV, DV % 8 == 0, nthreads);
+  if (sm.lo) load_tile(sm.lo, ldv, Sq, Dv, sthl + std::int64_t(DQK + r0) * DV, DV, nr, DV, DV % 8 == 0, nthreads);
   cp_async_commit();
 }
 
@@ -244,24 +267,58 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
   float sacc[8][4] = {}, wacc[8][4] = {};
   mma_rn(sacc, sm.q, ldq, warp, sm.k, ldq, Dq, lane);   // q k^T: (t, s)
   mma_rn(wacc, sm.dh, ldv, warp, sm.v, ldv, Dv, lane);  // dh v^T: (t, s)
-  cp_async_wait<0>();                                   // group 1: C_k hi, n_k
+  cp_async_wait<0>();                                   // group 1: C_k hi (its first DQK half), n_k
   __syncthreads();
-  float dq[16][4] = {};                                 // (16 rows, DQK columns)
-  mma_abt(dq, sm.dh, ldv, sm.st, ldv, Dv, Dq, warp, lane);  // dh C_k^T, the hi part
-  // + dh lo^T, lo = C_k - bf16(C_k) (K0's): rows 64h.. of it in v's place, (64, Dv) bf16
-  auto lo_rows = [&](int h) {
-    __syncthreads();  // every warp is done with v (or with the previous half)
-    load_tile(sm.v, ldv, kT, Dv, sthl + std::int64_t(DQK + 64 * h) * DV, DV, max(0, DQK - 64 * h), DV, DV % 8 == 0);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    return min(64, Dq - 64 * h);
-  };
-  mma_abt<0>(dq, sm.dh, ldv, sm.v, ldv, Dv, lo_rows(0), warp, lane);
-  if (Dq > 64) mma_abt<8>(dq, sm.dh, ldv, sm.v, ldv, Dv, lo_rows(1), warp, lane);
+  // dh C_k^T, 128 DQK columns (a half of C_k) at a time: (16 rows, 128 columns) per warp. Above
+  // DQK = 128 the first half waits in the stash (fp32, fragment order) for the statistics, which
+  // need si over both halves.
+  const int nh = (Dq + kHalf - 1) / kHalf;
+  float dq[16][4];
+  float siA = 0.f, siB = 0.f;  // this lane's parts of q_t . (C_k dh_t)
+  float* stash = sm.stash + warp * (16 * 4 * 32);
+  for (int hh = 0; hh < nh; ++hh) {
+    const int c0 = kHalf * hh, Nh = Dq - c0 < kHalf ? Dq - c0 : kHalf;
+    if (hh > 0) {
+      __syncthreads();  // every warp is done with st and v (the first half's lo rows)
+      k3_state_half(sm, sthl, DQK, DV, hh, kThreads);
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dq[j][e] = 0.f;
+    mma_abt(dq, sm.dh, ldv, sm.st, ldv, Dv, Nh, warp, lane);  // the hi part
+    // + dh lo^T, lo = C_k - bf16(C_k) (K0's): rows c0 + 64 h.. of it in v's place, (64, Dv) bf16
+    auto lo_rows = [&](int h) {
+      __syncthreads();  // every warp is done with v (or with the previous rows)
+      const int r0 = c0 + 64 * h;
+      load_tile(sm.v, ldv, kT, Dv, sthl + std::int64_t(DQK + r0) * DV, DV, max(0, DQK - r0), DV, DV % 8 == 0);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      return min(64, Nh - 64 * h);
+    };
+    mma_abt<0>(dq, sm.dh, ldv, sm.v, ldv, Dv, lo_rows(0), warp, lane);
+    if (Nh > 64) mma_abt<8>(dq, sm.dh, ldv, sm.v, ldv, Dv, lo_rows(1), warp, lane);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      if (8 * j >= Nh) break;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = e < 2 ? tA : tB, c = c0 + 8 * j + 2 * t4 + (e & 1);
+        (e < 2 ? siA : siB) += dq[j][e] * __bfloat162float(sm.q[t * ldq + c]);
+      }
+    }
+    if (hh + 1 < nh)
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) stash[(j * 4 + e) * 32 + lane] = dq[j][e];
+  }
 
-  // this lane's parts of sum_s P, sum_s P (dh . v_s) and q_t . (C_k dh_t)
-  float rsA = 0.f, rsB = 0.f, saA = 0.f, saB = 0.f, siA = 0.f, siB = 0.f;
+  // this lane's parts of sum_s P and sum_s P (dh . v_s)
+  float rsA = 0.f, rsB = 0.f, saA = 0.f, saB = 0.f;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -272,15 +329,6 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
       (e < 2 ? rsA : rsB) += P;
       (e < 2 ? saA : saB) += P * wacc[j][e];
     }
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    if (8 * j >= Dq) break;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int t = e < 2 ? tA : tB, c = 8 * j + 2 * t4 + (e & 1);
-      (e < 2 ? siA : siB) += dq[j][e] * __bfloat162float(sm.q[t * ldq + c]);
-    }
-  }
   float qn;  // lanes 2r, 2r+1: q . n_k of row r of the warp (even / odd columns)
   {
     const bf16* qr = sm.q + (16 * warp + (lane >> 1)) * ldq;
@@ -339,15 +387,24 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
     pack_a_frags(yf, j, y);
   }
   const float eA = tA < n ? __expf(float(mk - s_M[tA])) : 0.f, eB = tB < n ? __expf(float(mk - s_M[tB])) : 0.f;
+  for (int hh = nh - 1; hh >= 0; --hh) {  // the half in registers first, then the stashed one
+    const int c0 = kHalf * hh, Nh = Dq - c0 < kHalf ? Dq - c0 : kHalf;
+    if (hh + 1 < nh)
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
+      for (int j = 0; j < 16; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float nr = 8 * j < Dq ? sm.nv[8 * j + 2 * t4 + (e & 1)] : 0.f;  // n-tiles past Dq stay 0
-      dq[j][e] = e < 2 ? eA * (dq[j][e] * inv[0] + dbr[0] * nr) : eB * (dq[j][e] * inv[1] + dbr[1] * nr);
-    }
-  mma_fragb(dq, yf, sm.k, ldq, Dq, lane);  // + Y k
-  store_rows(B.dq, dq, b, hd, t0, tA, tB, n, 0, p.DQK, scale, B.dq_add ? B.dq_add + (bh * p.S + t0) * p.DQK : nullptr);
+        for (int e = 0; e < 4; ++e) dq[j][e] = stash[(j * 4 + e) * 32 + lane];
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float nr = 8 * j < Nh ? sm.nv[c0 + 8 * j + 2 * t4 + (e & 1)] : 0.f;  // n-tiles past Dq stay 0
+        dq[j][e] = e < 2 ? eA * (dq[j][e] * inv[0] + dbr[0] * nr) : eB * (dq[j][e] * inv[1] + dbr[1] * nr);
+      }
+    mma_fragb(dq, yf, sm.k + c0, ldq, Nh, lane);  // + Y k
+    store_rows(B.dq, dq, b, hd, t0, tA, tB, n, c0, p.DQK, scale,
+               B.dq_add ? B.dq_add + (bh * p.S + t0) * p.DQK : nullptr);
+  }
   zA += __shfl_xor_sync(0xffffffffu, zA, 1), zB += __shfl_xor_sync(0xffffffffu, zB, 1);
   zA += __shfl_xor_sync(0xffffffffu, zA, 2), zB += __shfl_xor_sync(0xffffffffu, zB, 2);
   if (t4 == 0) {
@@ -387,9 +444,9 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
   const int n = int(lmin(kT, p.S - t0));
   const double mk = double(ws[L.m + bh * L.ns + kc]);
-  k3_issue(B, fl, sm, L, ws, b, hd, t0, n, reinterpret_cast<const bf16*>(ws + L.dc + (bh * L.ns + kc + 1) * p.DQK * p.DV),
-           ws + L.dn + (bh * L.ns + kc + 1) * p.DQK, ws + L.inv_den + bh * p.S + t0, ws + L.db + bh * p.S + t0,
-           s_g, s_a, s_M, kKvThreads);  // K2's hi / lo
+  const bf16* dchl = reinterpret_cast<const bf16*>(ws + L.dc + (bh * L.ns + kc + 1) * p.DQK * p.DV);  // K2's hi, lo
+  k3_issue(B, fl, sm, L, ws, b, hd, t0, n, dchl, ws + L.dn + (bh * L.ns + kc + 1) * p.DQK, ws + L.inv_den + bh * p.S + t0,
+           ws + L.db + bh * p.S + t0, s_g, s_a, s_M, kKvThreads);
   cp_async_wait<1>();  // group 0: q, k, dh, v, the gates, 1/den, db
   k3_gates(n, mk, s_M);
   const float scale = rsqrtf(float(p.DQK));
@@ -423,38 +480,53 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
       pack_a_frags(pf, j, pp);
     }
   }
-  cp_async_wait<0>();  // group 1: dC_{k+1} hi / lo, dn_{k+1}
+  cp_async_wait<0>();  // group 1: dC_{k+1} hi / lo (its first DQK half), dn_{k+1}
   __syncthreads();
-  // dk columns r0.. = w_s (v dC^T + dn) + scale Y^T q; u_s part = k_s . (dC v_s + dn) over them
+  // Per DQK half q0 of dC (one at a time in st / lo above DQK = 128):
+  //   dk columns q0 + r0.. = w_s (v dC^T + dn) + scale Y^T q; u_s part = k_s . (dC v_s + dn) over them;
+  //   dv columns c0.. += k[:, q0..] dC[q0.., c0..] (the contraction over DQK, half by half).
   float uA = 0.f, uB = 0.f;
-  const int r0 = 64 * cg, nq = Dq - r0 < 64 ? Dq - r0 : 64;  // nq <= 0: no dk columns in this half
-  if (nq > 0) {
-    float acc[8][4] = {};
-    mma_abt(acc, sm.v, ldv, sm.st + r0 * ldv, ldv, Dv, nq, rg, lane);  // v dC^T: (s, r)
-    mma_abt(acc, sm.v, ldv, sm.lo + r0 * ldv, ldv, Dv, nq, rg, lane);
+  const int c0 = 64 * cg, nv = Dv - c0 < 64 ? Dv - c0 : 64;
+  const int nh = (Dq + kHalf - 1) / kHalf;
+  float dva[8][4] = {};  // dv (s, c0..)
+  for (int hh = 0; hh < nh; ++hh) {
+    const int q0 = kHalf * hh, Nh = Dq - q0 < kHalf ? Dq - q0 : kHalf;
+    if (hh > 0) {
+      __syncthreads();  // every warp is done with the other half
+      k3_state_half(sm, dchl, int(p.DQK), int(p.DV), hh, kKvThreads);
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+    const int r0 = 64 * cg, nq = Nh - r0 < 64 ? Nh - r0 : 64;  // nq <= 0: no dk columns in this part
+    if (nq > 0) {
+      float acc[8][4] = {};
+      mma_abt(acc, sm.v, ldv, sm.st + r0 * ldv, ldv, Dv, nq, rg, lane);  // v dC^T: (s, r)
+      mma_abt(acc, sm.v, ldv, sm.lo + r0 * ldv, ldv, Dv, nq, rg, lane);
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (8 * j >= nq) break;  // n-tiles past Dq: no columns (and no n) there
-        const int r = r0 + 8 * j + 2 * t4 + (e & 1), s = e < 2 ? sA : sB;
-        const float x = acc[j][e] + sm.nv[r];
-        (e < 2 ? uA : uB) += __bfloat162float(sm.k[s * ldq + r]) * x;
-        acc[j][e] = (e < 2 ? wA : wB) * x;
-      }
-    mma_fragb(acc, yf, sm.q + r0, ldq, nq, lane);
-    store_rows(B.dk, acc, b, hd, t0, sA, sB, n, r0, p.DQK, 1.f, B.dk_add ? B.dk_add + (bh * p.S + t0) * p.DQK : nullptr);
+        for (int e = 0; e < 4; ++e) {
+          if (8 * j >= nq) break;  // n-tiles past Dq: no columns (and no n) there
+          const int r = q0 + r0 + 8 * j + 2 * t4 + (e & 1), s = e < 2 ? sA : sB;
+          const float x = acc[j][e] + sm.nv[r];
+          (e < 2 ? uA : uB) += __bfloat162float(sm.k[s * ldq + r]) * x;
+          acc[j][e] = (e < 2 ? wA : wB) * x;
+        }
+      mma_fragb(acc, yf, sm.q + q0 + r0, ldq, nq, lane);
+      store_rows(B.dk, acc, b, hd, t0, sA, sB, n, q0 + r0, p.DQK, 1.f,
+                 B.dk_add ? B.dk_add + (bh * p.S + t0) * p.DQK : nullptr);
+    }
+    if (nv > 0) {
+      mma_ab8(dva, sm.k + q0, ldq, sm.st + c0, ldv, Nh, nv, rg, lane);  // k dC: (s, c)
+      mma_ab8(dva, sm.k + q0, ldq, sm.lo + c0, ldv, Nh, nv, rg, lane);
+    }
   }
   // dv columns c0.. = w_s k dC + P^T dnum
-  const int c0 = 64 * cg, nv = Dv - c0 < 64 ? Dv - c0 : 64;
   if (nv > 0) {
-    float acc[8][4] = {};
-    mma_ab8(acc, sm.k, ldq, sm.st + c0, ldv, Dq, nv, rg, lane);  // k dC: (s, c)
-    mma_ab8(acc, sm.k, ldq, sm.lo + c0, ldv, Dq, nv, rg, lane);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j][0] *= wA, acc[j][1] *= wA, acc[j][2] *= wB, acc[j][3] *= wB;
-    mma_fragb(acc, pf, sm.dh + c0, ldv, nv, lane);
-    store_rows(B.dv, acc, b, hd, t0, sA, sB, n, c0, p.DV, 1.f, nullptr);
+    for (int j = 0; j < 8; ++j) dva[j][0] *= wA, dva[j][1] *= wA, dva[j][2] *= wB, dva[j][3] *= wB;
+    mma_fragb(dva, pf, sm.dh + c0, ldv, nv, lane);
+    store_rows(B.dv, dva, b, hd, t0, sA, sB, n, c0, p.DV, 1.f, nullptr);
   }
   // the s-role scalars: da_s = d/di_s = -d/dg_s, and the chunk's dG partial sum_s w_s u_s (u_s: the
   // two halves' parts, added in order)
@@ -725,12 +797,20 @@ __global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B,
 // n part of R, <n_k, dn_{k+1}> and <n_NC, dn_last>, to the tile-0 entry K2 wrote (fixed order). Chunks
 // go in blocks of kDnBlock: their decays one per thread, p_k and n_k loaded ahead of the chain, the R
 // parts reduced per warp inside the chain (off its dependency) and summed per chunk after the block.
-constexpr int kDnThreads = 128;  // >= DQK
+// NT = 128 threads for DQK <= 128, 256 above.
 constexpr int kDnBlock = 16;
-__global__ void __launch_bounds__(kDnThreads) dn_scan(const MlstmBwdParams B, float* ws, const BwdWs L) {
+template <int NT>
+__device__ __forceinline__ float dn_parts(const float (&s_part)[NT / 32][kDnBlock], int u) {  // fixed order
+  float x = (s_part[0][u] + s_part[1][u]) + (s_part[2][u] + s_part[3][u]);
+  if constexpr (NT == 256) x = x + ((s_part[4][u] + s_part[5][u]) + (s_part[6][u] + s_part[7][u]));
+  return x;
+}
+template <int NT>
+__global__ void __launch_bounds__(NT) dn_scan(const MlstmBwdParams B, float* ws, const BwdWs L) {
+  static_assert(NT == 128 || NT == 256);
   const MlstmParams& p = B.f;
   __shared__ float s_dec[kDnBlock];
-  __shared__ float s_part[kDnThreads / 32][kDnBlock];
+  __shared__ float s_part[NT / 32][kDnBlock];
   const int r = threadIdx.x, warp = r >> 5, lane = r & 31;
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, NC = L.NC, ns = L.ns, DQK = p.DQK;
   const std::int64_t S = p.S, Lc = p.L;
@@ -750,7 +830,7 @@ __global__ void __launch_bounds__(kDnThreads) dn_scan(const MlstmBwdParams B, fl
     const float part = warp_sum(on ? nv[NC * DQK + r] * x : 0.f);
     if (lane == 0) s_part[warp][0] = part;
     __syncthreads();
-    if (r == 0) R[NC * L.tiles] += (s_part[0][0] + s_part[1][0]) + (s_part[2][0] + s_part[3][0]);
+    if (r == 0) R[NC * L.tiles] += dn_parts<NT>(s_part, 0);
   }
   for (std::int64_t k1 = NC - 1; k1 >= 0; k1 -= kDnBlock) {  // chunks k1, k1 - 1, .. (down to 0)
     __syncthreads();  // s_dec, s_part of the previous block are read
@@ -782,7 +862,7 @@ __global__ void __launch_bounds__(kDnThreads) dn_scan(const MlstmBwdParams B, fl
     }
     __syncthreads();
     if (r < kDnBlock && k1 - r >= 0)
-      R[(k1 - r) * L.tiles] += (s_part[0][r] + s_part[1][r]) + (s_part[2][r] + s_part[3][r]);
+      R[(k1 - r) * L.tiles] += dn_parts<NT>(s_part, r);
   }
   if (B.dn0.p && on) mlstm_st(B.dn0, b * B.dn0.s0 + hd * B.dn0.s1 + r, x);
 }
@@ -792,7 +872,10 @@ __global__ void __launch_bounds__(kDnThreads) dn_scan(const MlstmBwdParams B, fl
 bool mlstm_bwd_k3_tc_applies(const MlstmBwdParams& b) {
   const MlstmParams& p = b.f;
   return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 &&
-         b.dh.dtype == DType::bf16 && p.L == kT && p.DQK >= 1 && p.DQK <= kMaxD && p.DV >= 1 && p.DV <= kMaxD;
+         b.dh.dtype == DType::bf16 && p.L == kT && p.DQK >= 1 && p.DQK <= kMaxDq && p.DV >= 1 && p.DV <= kMaxD &&
+         // shared memory (dynamic + the roles' static ~2 KB) within the device's opt-in limit: DQK = 256
+         // takes ~174 KB (Hopper: 227 KB; sm_80: 163 KB, which keeps DQK > 128 on the CUDA cores)
+         std::max(K3Layout(p.DQK, p.DV, true).bytes, K3Layout(p.DQK, p.DV, false).bytes) + 4096 <= smem_per_block_optin();
 }
 
 void mlstm_bwd_k3q_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
@@ -808,7 +891,10 @@ void mlstm_bwd_k3q_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream
 
 void mlstm_bwd_dn_scan(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
   if (L.heads == 0) return;
-  dn_scan<<<unsigned(L.heads), kDnThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(B, ws, L);
+  if (B.f.DQK <= 128)
+    dn_scan<128><<<unsigned(L.heads), 128, 0, reinterpret_cast<cudaStream_t>(stream)>>>(B, ws, L);
+  else
+    dn_scan<256><<<unsigned(L.heads), 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(B, ws, L);
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
 }
 
