@@ -582,7 +582,10 @@ __device__ __forceinline__ float block_sum8(float v, float* red) {
   return ((red[0] + red[1]) + (red[2] + red[3])) + ((red[4] + red[5]) + (red[6] + red[7]));
 }
 
-__global__ void __launch_bounds__(kScanThreads, 1) k2_tc(const MlstmBwdParams B, const K3Flags fl, float* ws,
+// MinB = 2: at most 128 registers (a little spill), so that two CTAs share an SM where the grid has
+// more CTAs than SMs (e.g. (4,16,4096): 256 CTAs, two waves at one per SM).
+template <int MinB>
+__global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams B, const K3Flags fl, float* ws,
                                                          const BwdWs L, const bool for_tc_k3) {
   const MlstmParams& p = B.f;
   extern __shared__ float4 smem_raw[];
@@ -920,10 +923,11 @@ void mlstm_bwd_k2_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, bool fo
   if (L.heads == 0) return;
   const K3Flags fl{rows16(p.q), false, false, rows16(B.dh)};
   const std::size_t smem = sizeof(ScanSmem);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k2_tc), kScanThreads, smem);
-  k2_tc<<<dim3(unsigned(L.heads), unsigned(kt), unsigned(vt)), kScanThreads, smem,
-          reinterpret_cast<cudaStream_t>(stream)>>>(
-      B, fl, ws, L, for_tc_k3);
+  const bool two = L.heads * kt * vt > sm_count();  // more CTAs than SMs: two per SM, one wave
+  const auto kernel = two ? &k2_tc<2> : &k2_tc<1>;
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kScanThreads, smem);
+  kernel<<<dim3(unsigned(L.heads), unsigned(kt), unsigned(vt)), kScanThreads, smem,
+           reinterpret_cast<cudaStream_t>(stream)>>>(B, fl, ws, L, for_tc_k3);
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
 }
 

@@ -84,8 +84,10 @@ struct StatesSmem {
 // Mode 0: the states go out as the output kernel reads them (C bf16 (DQK, DVp) rows, m float64);
 // 1: as the backward's workspace wants them (C fp32 (DQK, DV) rows, m fp32); 2: as 1, but each C
 // slot holds bf16 hi (DQK, DV) then lo = bf16(C - hi) (DQK, DV), for the tensor-core K3 q-role.
-template <int Mode>
-__global__ void __launch_bounds__(kThreads, 2) mlstm_tc_states_kernel(const MlstmParams p, const TcFlags fl,
+// MinB = 4: at most 128 registers (no spill), four CTAs per SM where the grid has more than two per
+// SM (e.g. (4,16,4096): 512 CTAs, 1.3 waves at the ~158 registers of MinB = 2).
+template <int Mode, int MinB = 2>
+__global__ void __launch_bounds__(kThreads, MinB) mlstm_tc_states_kernel(const MlstmParams p, const TcFlags fl,
                                                                       void* __restrict__ ws_cv, float* __restrict__ ws_n,
                                                                       void* __restrict__ ws_mv,
                                                                       const double* __restrict__ wg,
@@ -419,8 +421,9 @@ void mlstm_fwd_tc_cuda(const MlstmParams& p, void* workspace, std::size_t worksp
     FW_CUDA_CHECK_LAUNCH("mlstm_fwd");
   }
   const std::size_t ssm = sizeof(StatesSmem);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_tc_states_kernel<0>), kThreads, ssm);
-  mlstm_tc_states_kernel<0><<<dim3(unsigned(heads), unsigned(kt), unsigned(st)), kThreads, ssm, s>>>(
+  const auto states = heads * kt * st > 2 * sm_count() ? &mlstm_tc_states_kernel<0, 4> : &mlstm_tc_states_kernel<0, 2>;
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(states), kThreads, ssm);
+  states<<<dim3(unsigned(heads), unsigned(kt), unsigned(st)), kThreads, ssm, s>>>(
       p, fl, ws_c, ws_n, ws_m, wg, wa, wA);
   FW_CUDA_CHECK_LAUNCH("mlstm_fwd");
   if (NC == 0) return;
@@ -450,7 +453,9 @@ void mlstm_states_tc_f32(const MlstmParams& p, float* ws_c, float* ws_n, float* 
     FW_CUDA_CHECK_LAUNCH("mlstm");
   }
   const std::size_t ssm = sizeof(StatesSmem);
-  const auto kernel = hilo ? &mlstm_tc_states_kernel<2> : &mlstm_tc_states_kernel<1>;
+  const bool four = heads * kt * vt > 2 * sm_count();  // more than two CTAs per SM: four, at 128 registers
+  const auto kernel = hilo ? (four ? &mlstm_tc_states_kernel<2, 4> : &mlstm_tc_states_kernel<2, 2>)
+                           : (four ? &mlstm_tc_states_kernel<1, 4> : &mlstm_tc_states_kernel<1, 2>);
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kThreads, ssm);
   kernel<<<dim3(unsigned(heads), unsigned(kt), unsigned(vt)), kThreads, ssm, s>>>(p, fl, ws_c, ws_n, ws_m, wg, wa, wA);
   FW_CUDA_CHECK_LAUNCH("mlstm");
