@@ -111,9 +111,11 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(cons
           put_split(sMTh, sMTl, kLd, c, i, c <= i ? p.scale * s_rq[i] * s_rk[c] * m[j][e] : 0.f);
         }
     }
-    for (int e = tid; e < 64 * 64; e += kThreads) {
-      const int i = e / 64, c = e % 64;
-      put_split(sUh, sUl, kLd, i, c, p.scale * s_rq[i] * __bfloat162float(sdo[i * kLd + c]));
+#pragma unroll 2  // (fully unrolled, the register-bound state pass spilled 16 B more)
+    for (int e = tid; e < 64 * 32; e += kThreads) {  // column pairs
+      const int i = e / 32, c = 2 * (e % 32);
+      const float2 d = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sdo + i * kLd + c));
+      put_split2(sUh, sUl, kLd, i, c, p.scale * s_rq[i] * d.x, p.scale * s_rq[i] * d.y);
     }
     __syncthreads();
     // c. dD = s M^T dO + diag(rk) K dSe (this warp's rows) to smem (fp32); W dD as hi + lo

@@ -92,10 +92,10 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
     float* dst = w.T2 + (std::int64_t(blockIdx.x) * p.H + h) * 64 * 64;
     for (int e = tid; e < 64 * 64; e += kThreads) dst[e] = sT[e / 64][e % 64];
   }
-  for (int e = tid; e < 64 * 64; e += kThreads) {  // A1 = T2 diag(rk), A2 = T2, as hi + lo
-    const int i = e / 64, j = e % 64;
-    put_split(sA1h, sA1l, kLd, i, j, sT[i][j] * s_rk[j]);
-    put_split(sA2h, sA2l, kLd, i, j, sT[i][j]);
+  for (int e = tid; e < 64 * 32; e += kThreads) {  // A1 = T2 diag(rk), A2 = T2, as hi + lo (column pairs)
+    const int i = e / 32, j = 2 * (e % 32);
+    put_split2(sA1h, sA1l, kLd, i, j, sT[i][j] * s_rk[j], sT[i][j + 1] * s_rk[j + 1]);
+    put_split2(sA2h, sA2l, kLd, i, j, sT[i][j], sT[i][j + 1]);
   }
   __syncthreads();
   // Xw = A1 K, per 64 columns of K, to bf16 hi + lo (rows of this chunk only)
@@ -263,8 +263,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
             store_pair(w.X + at, x.x, x.y, has1, even);
           }
           const float r = s_rkb[buf * kT + i];
-          put_split(sDh, sDl, kLd, i, c, r * x.x);
-          put_split(sDh, sDl, kLd, i, c + 1, r * x.y);
+          put_split2(sDh, sDl, kLd, i, c, r * x.x, r * x.y);
         }
     }
     __syncthreads();

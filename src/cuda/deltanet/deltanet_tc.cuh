@@ -22,6 +22,14 @@ __device__ __forceinline__ void put_split(bf16* hi, bf16* lo, int ld, int r, int
   hi[r * ld + c] = h;
   lo[r * ld + c] = __float2bfloat16_rn(x - __bfloat162float(h));
 }
+// Columns c, c + 1 (c even, ld even: 4-byte aligned) at once: one packed conversion and one 4-byte
+// store each for hi and lo, the same roundings as two put_split calls.
+__device__ __forceinline__ void put_split2(bf16* hi, bf16* lo, int ld, int r, int c, float x0, float x1) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  const float2 hf = __bfloat1622float2(h);
+  *reinterpret_cast<__nv_bfloat162*>(hi + r * ld + c) = h;
+  *reinterpret_cast<__nv_bfloat162*>(lo + r * ld + c) = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
+}
 
 // The state slice S (Kc rows x 64 columns) in fp32 registers of NW warps (4 or 8): warp w owns the
 // 16-row groups w + NW gg (Kc <= 128: groups w and w + 4, or group w), acc[gg][j][e] at row
