@@ -4,6 +4,7 @@
 //   fastweight_bench --op=layernorm_bwd --dtype=bf16 --rows=4096 --n=8192 [--reps=50]
 //   fastweight_bench --quick --csv=out.csv   fewer shapes; also write CSV
 //   fastweight_bench --cpu                   force the CPU reference (default when no GPU)
+//   fastweight_bench --no-bulk               norm forward without the Hopper bulk-copy kernel (A/B)
 //   fastweight_bench --op=mlstm              only the mLSTM rows (bench_mlstm.cpp: every public
 //                                            mLSTM op on CPU tensors; with a GPU also mlstm_fwd and
 //                                            mlstm_bwd on CUDA tensors)
@@ -34,6 +35,8 @@
 #include "fastweight/fastweight.h"
 #if FW_WITH_CUDA
 #include <cuda_runtime.h>
+
+#include "cuda/norm/norm_cuda.h"
 #endif
 
 namespace {
@@ -48,14 +51,14 @@ struct Options {
   DType dtype = DType::bf16;
   std::int64_t rows = 4096, n = 8192;
   int reps = 30;
-  bool quick = false, cpu = false;
+  bool quick = false, cpu = false, no_bulk = false;
   std::string csv;
 };
 
 [[noreturn]] void usage(int code) {
   std::printf(
       "usage: fastweight_bench [--op=NAME --dtype=bf16|f16|f32 --rows=M --n=N] [--reps=R] [--quick]\n"
-      "                        [--cpu] [--csv=FILE]\n"
+      "                        [--cpu] [--csv=FILE] [--no-bulk]\n"
       "ops: layernorm_fwd layernorm_bwd rmsnorm_fwd rmsnorm_bwd headnorm_fwd headnorm_bwd\n"
       "     adalayernorm_fwd adalayernorm_bwd   (headnorm: rows = B*S*NH with NH = 16; adaLN: B = 4)\n"
       "     norms (the family's suite only), mlstm, deltanet\n");
@@ -258,9 +261,14 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--csv=")) o.csv = v;
     else if (a == "--quick") o.quick = true;
     else if (a == "--cpu") o.cpu = true;
+    else if (a == "--no-bulk") o.no_bulk = true;
     else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); usage(2); }
   }
   const bool gpu = !o.cpu && cuda_available();
+#if FW_WITH_CUDA
+  // A/B of the Hopper bulk-copy norm forward against the persistent kernel that devices without it run
+  if (o.no_bulk) fastweight::detail::set_rownorm_fwd_bulk(false);
+#endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");
 
   struct Job { std::string fam; bool bwd; DType dt; std::int64_t rows, n; };

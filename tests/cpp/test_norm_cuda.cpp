@@ -2,21 +2,26 @@
 //  - fresh random inputs; IO dtypes fp32/fp16/bf16; N in {1, 7, 100, 1000, 4097, 8192, 16384,
 //    65536, 262144} (both the register-cached and the streaming engines, vector and scalar paths);
 //    and with enough rows (N in {2048, 3000, 8192, 16384}) that the persistent backward loops;
-//  - rows cut from a larger buffer (padded row stride, start shifted by one element: unaligned);
+//  - rows cut from a larger buffer (padded row stride, start shifted by one element: unaligned), and
+//    aligned rows at a padded stride (the Hopper bulk-copy forward, with it switched off too);
 //  - outputs poisoned with NaN before the run: every element of every output must be written;
 //  - relative Frobenius error of y, mean, rstd, dx, dweight, dbias within the dtype's bound;
 //  - the same inputs run twice give bit-identical outputs (deterministic weight gradients);
 //  - launched on a non-default stream.
 // Skipped (not passed) where no GPU is present.
+#include <algorithm>
 #include <tuple>
 
 #include "cuda/common/check.cuh"
+#include "cuda/norm/norm_cuda.h"
 #include "norm_cases.h"
 
 namespace fwtest {
 namespace {
 
-enum class Layout { contiguous, strided };
+// strided: rows cut from a larger buffer, shifted by one element (unaligned); padded: aligned rows
+// at a padded stride (x, dy: N + 8; y, dx: N + 16), the bulk-copy forward's path on Hopper
+enum class Layout { contiguous, strided, padded };
 enum class Params { io, f32, none };
 
 struct Outputs {
@@ -29,7 +34,8 @@ HostTensor stats_like(const Problem& pb) { return make_host(DType::f32, {pb.rows
 Outputs run_device(const Problem& pb, HostTensor& x, HostTensor& w, HostTensor& b, HostTensor& dy,
                    bool has_w, bool has_b, Layout layout, double eps, double offset, cudaStream_t stream) {
   const bool rms = pb.op == Op::rmsnorm;
-  const std::int64_t pad = layout == Layout::strided ? 3 : 0, lead = layout == Layout::strided ? 1 : 0;
+  const std::int64_t pad = layout == Layout::strided ? 3 : layout == Layout::padded ? 16 : 0;
+  const std::int64_t lead = layout == Layout::strided ? 1 : 0;
   Outputs o{make_host(x.dtype, pb.x_shape, pad, lead), stats_like(pb), stats_like(pb),
             make_host(x.dtype, pb.x_shape, pad, lead), make_host(w.dtype, pb.p_shape), make_host(w.dtype, pb.p_shape)};
   for (HostTensor* t : {&o.y, &o.mean, &o.rstd, &o.dx, &o.dw, &o.db}) fill_bytes(*t, 0xff);  // NaN
@@ -109,7 +115,8 @@ void check_case(Op op, DType dt, std::int64_t n, std::int64_t rows, Layout layou
   const double eps = op == Op::rmsnorm || op == Op::headnorm ? 1e-6 : 1e-5;
   const double offset = op == Op::headnorm ? 1.0 : 0.0;
   std::mt19937_64 rng(std::random_device{}());  // fresh inputs every run
-  const std::int64_t pad = layout == Layout::strided ? 5 : 0, lead = layout == Layout::strided ? 1 : 0;
+  const std::int64_t pad = layout == Layout::strided ? 5 : layout == Layout::padded ? 8 : 0;
+  const std::int64_t lead = layout == Layout::strided ? 1 : 0;
   HostTensor x = make_host(dt, pb.x_shape, pad, lead), dy = make_host(dt, pb.x_shape, pad, lead);
   HostTensor w = make_host(pdt, pb.p_shape), b = make_host(pdt, pb.p_shape);
   fill_random(x, rng, -3.0, 5.0);  // non-zero mean
@@ -192,7 +199,7 @@ INSTANTIATE_TEST_SUITE_P(Waves, NormCudaManyRows,
 std::string case_name(const ::testing::TestParamInfo<CaseParam>& info) {
   const auto [op, dt, n, layout, params] = info.param;
   std::string s = std::string(op_name(op)) + "_" + dtype_name(dt) + "_N" + std::to_string(n);
-  s += layout == Layout::strided ? "_strided" : "_contig";
+  s += layout == Layout::strided ? "_strided" : layout == Layout::padded ? "_padded" : "_contig";
   s += params == Params::io ? "" : params == Params::f32 ? "_f32params" : "_noparams";
   return s;
 }
@@ -212,6 +219,46 @@ INSTANTIATE_TEST_SUITE_P(ParamVariants, NormCuda,
                                             ::testing::Values(Layout::contiguous),
                                             ::testing::Values(Params::f32, Params::none)),
                          case_name);
+
+// Aligned rows at a padded stride through the Hopper bulk-copy forward (rownorm_fwd_bulk.cuh), one
+// row group size per N (tpr 1 to 512). The CTAs per parameter group are capped at 3, so that few
+// rows give each row group ~18 rows, 4-9 trips around its ring of 2-4 row slots (slot reuse,
+// mbarrier phases), ending on a partial step (half the row groups without a last row).
+using BulkParam = std::tuple<Op, DType, std::int64_t>;
+struct NormCudaBulk : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaBulk, PaddedAlignedRowsMatchReference) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  struct Restore {
+    int prev;
+    ~Restore() { fastweight::detail::cap_rownorm_fwd_bulk_ctas(prev); }
+  } restore{fastweight::detail::cap_rownorm_fwd_bulk_ctas(3)};
+  const std::int64_t esz = dt == DType::f32 ? 4 : 2, vecs = std::max<std::int64_t>(1, n * esz / 16);
+  std::int64_t tpr = 1;
+  while (tpr * 4 < vecs) tpr *= 2;
+  const std::int64_t R = 512 / tpr;  // row groups per CTA (kBulkThreads / tpr)
+  // head norm's 4 and adaLN's 2 parameter groups (norm_cases.h) each get 3 CTAs
+  const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
+  const std::int64_t rows = groups * (3 * R * 6 + std::max<std::int64_t>(1, R / 2));
+  check_case(op, dt, n, rows, Layout::padded, Params::io);
+}
+INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulk,
+                         ::testing::Combine(kOps, kDtypes, ::testing::Values<std::int64_t>(8, 128, 1000, 8192, 16384)),
+                         rows_case_name);
+
+// The same kind of rows with the bulk forward switched off: the persistent and short-row kernels,
+// the path of devices without bulk copies (sm_80), which Hopper otherwise never takes for them.
+TEST(NormCudaBulkOff, PersistentPathMatchesReference) {
+  FW_REQUIRE_GPU();
+  struct Restore {
+    bool prev;
+    ~Restore() { fastweight::detail::set_rownorm_fwd_bulk(prev); }
+  } restore{fastweight::detail::set_rownorm_fwd_bulk(false)};
+  check_case(Op::layernorm, DType::bf16, 8192, 800, Layout::padded, Params::io);
+  check_case(Op::rmsnorm, DType::f32, 1000, 3000, Layout::padded, Params::io);
+  check_case(Op::headnorm, DType::f16, 128, 4096, Layout::padded, Params::io);
+  check_case(Op::adalayernorm, DType::bf16, 16384, 64, Layout::contiguous, Params::f32);
+}
 
 // sm_80 opts in to 166912 bytes of shared memory per block: with that cap the backward's ring kernel
 // (203 KB at bf16 N = 16384, 171 KB at fp32 N = 8192) gives way to the general path, as on an A100.

@@ -23,6 +23,11 @@
 namespace fastweight::detail {
 // Multiprocessor count of the current device (cached).
 int sm_count();
+// Compute capability (major) of the current device (cached).
+int cc_major();
+// The architecture `kernel` runs as on the current device (major * 10 + minor of the code the
+// runtime loaded: a PTX-JIT build of compute_80 on Hopper reports 80). Cached.
+int kernel_binary_version(const void* kernel);
 // Resident CTAs per SM of `kernel` at this launch shape on the current device; also raises the
 // kernel's dynamic shared-memory limit to `smem` when needed. Cached (thread-safe).
 int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem);

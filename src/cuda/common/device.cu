@@ -13,7 +13,7 @@ namespace fastweight {
 namespace detail {
 namespace {
 constexpr int kMaxDevices = 64;
-struct Props { int sms = 0; };
+struct Props { int sms = 0, cc_major = 0; };
 Props g_props[kMaxDevices];
 std::once_flag g_once[kMaxDevices];
 
@@ -25,12 +25,14 @@ const Props& props() {
     cudaDeviceProp prop{};
     FW_CUDA_CHECK("fastweight", cudaGetDeviceProperties(&prop, dev));
     g_props[dev].sms = prop.multiProcessorCount;
+    g_props[dev].cc_major = prop.major;
   });
   return g_props[dev];
 }
 }  // namespace
 
 int sm_count() { return props().sms; }
+int cc_major() { return props().cc_major; }
 
 int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem) {
   // Memoised per (device, kernel, threads, smem): the queries cost microseconds, the launches they
@@ -52,6 +54,18 @@ int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem) {
   FW_CUDA_CHECK("fastweight", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, threads, smem));
   occ_cache[key] = occ;
   return occ;
+}
+
+int kernel_binary_version(const void* kernel) {
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, int> cache;
+  int dev = 0;
+  FW_CUDA_CHECK("fastweight", cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = cache.find({dev, kernel}); it != cache.end()) return it->second;
+  cudaFuncAttributes a{};
+  FW_CUDA_CHECK("fastweight", cudaFuncGetAttributes(&a, kernel));
+  return cache[{dev, kernel}] = a.binaryVersion;
 }
 
 namespace {

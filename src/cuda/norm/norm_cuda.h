@@ -14,6 +14,16 @@ std::size_t rownorm_bwd_workspace_bytes(const RowNormParams& p);
 void rownorm_bwd_cuda(const RowNormParams& p, void* workspace, std::size_t workspace_bytes,
                       Stream stream);
 
+// The Hopper bulk-copy forward (rownorm_fwd_bulk.cuh) for aligned rows where it applies (default on).
+// Tests and benchmarks only: off routes those rows to the persistent kernel, the path of devices
+// without bulk copies. Returns the previous setting.
+bool set_rownorm_fwd_bulk(bool enabled);
+bool rownorm_fwd_bulk_enabled();
+// Tests only: at most `ctas` CTAs per parameter group for the bulk forward (0: no cap), so that few
+// rows take each row group's ring around many times. Returns the previous cap.
+int cap_rownorm_fwd_bulk_ctas(int ctas);
+int rownorm_fwd_bulk_cta_cap();
+
 // Current-device guard and device queries (src/cuda/common/device.cu).
 bool cuda_runtime_available();
 class DeviceGuard {

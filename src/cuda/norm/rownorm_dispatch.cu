@@ -3,6 +3,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
+
 #include "cuda/common/check.cuh"
 #include "cuda/norm/norm_cuda.h"
 
@@ -30,6 +32,15 @@ auto dispatch(const char* op, DType t, F&& f) {
   throw ArgumentError(cat(op, ": x: dtype ", dtype_name(t), " is not compiled into this CUDA build (FW_DTYPES)"));
 }
 }  // namespace
+
+namespace {
+std::atomic<bool> g_fwd_bulk{true};
+std::atomic<int> g_fwd_bulk_cap{0};
+}  // namespace
+bool set_rownorm_fwd_bulk(bool enabled) { return g_fwd_bulk.exchange(enabled); }
+bool rownorm_fwd_bulk_enabled() { return g_fwd_bulk.load(); }
+int cap_rownorm_fwd_bulk_ctas(int ctas) { return g_fwd_bulk_cap.exchange(ctas); }
+int rownorm_fwd_bulk_cta_cap() { return g_fwd_bulk_cap.load(); }
 
 void rownorm_fwd_cuda(const RowNormParams& p, Stream stream) {
   dispatch("rownorm_fwd", p.io, [&](auto t) { rownorm_fwd_launch<decltype(t)>(p, stream); });

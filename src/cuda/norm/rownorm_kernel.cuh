@@ -6,7 +6,8 @@
 // are read through L1 in the forward (16-byte vectors); the cached backward stages the scale
 // (weight_offset + w) in shared memory once per CTA.
 //
-// Row engines:
+// Row engines (on Hopper, aligned rows up to 16384 16-bit / 8192 fp32 elements go to the bulk-copy
+// forward of rownorm_fwd_bulk.cuh instead of the cached forward below):
 //  * cached (N <= kCachedMaxN): a row is split over `tpr` threads (power of two); each thread holds
 //    its VPT 16-byte vectors as fp32, so x (and dy) are read from memory exactly once and the
 //    variance is an exact two-pass over registers. tpr <= 32: shuffles only, several rows per CTA;
@@ -196,6 +197,24 @@ __global__ void __launch_bounds__(kSmallCta, 4) rownorm_fwd_row_kernel(const Row
 // scale quarter i of vector v at [i * nvec + v], bias at [N_pad / 4 + i * nvec + v], so a warp's
 // 16-byte reads of one quarter are consecutive (no bank conflicts for E = 8). Staged by vector loads
 // after the first row's x loads are issued, so those overlap the staging.
+// The group's scale and bias into `stage` (layout above), a vector of parameters per load, spread
+// over the CTA's threads; the caller syncs before reading them.
+template <typename T, bool ALIGNED, int UNROLL>
+__device__ __forceinline__ void stage_fwd_params(const RowNormParams& p, std::int64_t g, int n, float4* stage) {
+  constexpr int E = kVecElems<T>;
+  const int nvec = (n + E - 1) / E, bias4 = nvec * (E / 4);
+#pragma unroll UNROLL
+  for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
+    float sc[E], bi[E];
+    load_params_vec<T, ALIGNED>(p, g, v * E, n, sc, bi);
+#pragma unroll
+    for (int i = 0; i < E / 4; ++i) {
+      stage[i * nvec + v] = make_float4(sc[4 * i], sc[4 * i + 1], sc[4 * i + 2], sc[4 * i + 3]);
+      stage[bias4 + i * nvec + v] = make_float4(bi[4 * i], bi[4 * i + 1], bi[4 * i + 2], bi[4 * i + 3]);
+    }
+  }
+}
+
 #define FW_CACHED_BOUNDS(BIG) __launch_bounds__((BIG) ? kMaxTpr : kSmallCta, (BIG) ? 1 : 3)
 template <typename T, int VPT, bool ALIGNED, bool BIG>
 __global__ void FW_CACHED_BOUNDS(BIG) rownorm_fwd_cached_kernel(const RowNormParams p, const RowLaunch L) {
@@ -217,16 +236,7 @@ __global__ void FW_CACHED_BOUNDS(BIG) rownorm_fwd_cached_kernel(const RowNormPar
   };
   uint4 xv[VPT], xnext[VPT];  // (VPT) raw vectors each: this thread's columns (k * tpr + lane) * E + [0, E)
   load_row(pi * R + rg, xv);
-#pragma unroll 4
-  for (int v = threadIdx.x; v < nvec; v += blockDim.x) {  // the parameters, a vector per load
-    float sc[E], bi[E];
-    load_params_vec<T, ALIGNED>(p, g, v * E, n, sc, bi);
-#pragma unroll
-    for (int i = 0; i < E / 4; ++i) {
-      fwd_stage[i * nvec + v] = make_float4(sc[4 * i], sc[4 * i + 1], sc[4 * i + 2], sc[4 * i + 3]);
-      fwd_stage[bias4 + i * nvec + v] = make_float4(bi[4 * i], bi[4 * i + 1], bi[4 * i + 2], bi[4 * i + 3]);
-    }
-  }
+  stage_fwd_params<T, ALIGNED, 4>(p, g, n, fwd_stage);
   __syncthreads();
   for (std::int64_t j0 = pi * R; j0 < J; j0 += jstep) {
     const std::int64_t j = j0 + rg;

@@ -1,7 +1,9 @@
 // rownorm_launch.cuh: launch planning for the LayerNorm-family kernels (rownorm_kernel.cuh), one
 // template per IO dtype, instantiated in rownorm_<dtype>.cu so that build options can drop dtypes.
 //
-// Plan, forward: N <= kCachedMaxNFwd -> cached engines with tpr = next_pow2(ceil(N / elements per
+// Plan, forward: aligned rows with N <= kBulkMaxN on a device with bulk copies (sm_90, the kernel
+// compiled for it) -> the bulk-copy kernel (rownorm_fwd_bulk.cuh), one 512-thread CTA per SM, P per
+// group rounded down to one wave; otherwise N <= kCachedMaxNFwd -> cached engines with tpr = next_pow2(ceil(N / elements per
 // thread)) threads per row and max(tpr, 256) threads per CTA; short rows: one row group per CTA (P =
 // row groups in all), longer rows: persistent, P per parameter group about one wave of resident
 // CTAs; beyond that the streaming kernel (512 threads per row, persistent).
@@ -21,6 +23,8 @@
 #include <cstdint>
 
 #include "cuda/common/check.cuh"
+#include "cuda/norm/norm_cuda.h"
+#include "cuda/norm/rownorm_fwd_bulk.cuh"
 #include "cuda/norm/rownorm_kernel.cuh"
 
 namespace fastweight::detail {
@@ -29,6 +33,8 @@ struct RowPlan {
   bool cached = true;
   bool persistent = true;  // forward, cached: persistent CTAs (else one row group per CTA)
   bool ring = false;       // backward, cached: the cp.async ring kernel (aligned rows)
+  bool bulk = false;       // forward: the bulk-copy kernel (Hopper, aligned rows)
+  int stages = 0;          // its row slots per row group
   int threads = 256;
   std::size_t smem = 0;
   RowLaunch L;
@@ -91,6 +97,30 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   if (p.n <= cached_max || ring) {
     plan.cached = true;
     if (!bwd) {
+      if (al && p.n <= kBulkMaxN<T> && rownorm_fwd_bulk_enabled() && cc_major() >= 9 &&
+          kernel_binary_version(reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T>)) >= 90) {
+        // the bulk-copy kernel: as many row slots (<= kBulkMaxStages) as the shared memory holds, >= 2
+        const int tpr = next_pow2((p.n / E + kBulkVecs - 1) / kBulkVecs);
+        const std::size_t budget = smem_per_block_optin() - 2 * (kBulkThreads / 32) * sizeof(float) - 1024;
+        int stages = kBulkMaxStages;
+        while (stages >= 2 && bulk_smem_bytes(p.n, tpr, stages) > budget) --stages;
+        if (stages >= 2) {
+          plan.bulk = true;
+          plan.stages = stages;
+          plan.L.tpr = tpr;
+          plan.threads = kBulkThreads;
+          plan.smem = bulk_smem_bytes(p.n, tpr, stages);
+          // P per group: at most one wave in all (rounded down: a second partial wave of these
+          // one-per-SM CTAs cost head norm's 16 groups 30%), at most the row groups the rows need
+          const int R = kBulkThreads / tpr;
+          const std::int64_t resident = std::int64_t(std::max(resident_ctas_per_sm(
+                                            reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T>), plan.threads,
+                                            plan.smem), 1)) * sm_count();
+          plan.L.P = int(std::max<std::int64_t>(1, std::min<std::int64_t>((J + R - 1) / R, resident / p.groups)));
+          if (const int cap = rownorm_fwd_bulk_cta_cap(); cap > 0) plan.L.P = std::min(plan.L.P, cap);
+          return plan;
+        }
+      }
       plan.L.tpr = next_pow2((p.n + kFwdVecs * E - 1) / (kFwdVecs * E));
       plan.threads = std::max(plan.L.tpr, kSmallCta);
       const int tpr_row = next_pow2((p.n + kRowFwdVecs * E - 1) / (kRowFwdVecs * E));
@@ -179,7 +209,9 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   const std::int64_t blocks = std::int64_t(plan.L.P) * (plan.cached && !plan.persistent ? 1 : p.groups);
   if (blocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", blocks, " CTAs is too large"));
   const unsigned grid = unsigned(blocks);
-  if (plan.cached && !plan.persistent) {
+  if (plan.bulk) {
+    rownorm_fwd_bulk_kernel<T><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
+  } else if (plan.cached && !plan.persistent) {
     if (plan.L.aligned) rownorm_fwd_row_kernel<T, kRowFwdVecs, true><<<grid, plan.threads, 0, stream>>>(p, plan.L);
     else rownorm_fwd_row_kernel<T, kRowFwdVecs, false><<<grid, plan.threads, 0, stream>>>(p, plan.L);
   } else if (plan.cached) {

@@ -1,0 +1,57 @@
+// bulk.cuh: Hopper (sm_90) bulk asynchronous copies, global -> shared, by the TMA engine without a
+// tensor map (cp.async.bulk: one instruction moves a whole contiguous span), completed on an
+// mbarrier that counts the bytes. Device code only where __CUDA_ARCH__ >= 900 (FW_HAS_BULK); the
+// host decides by the device's compute capability (cc_major()).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define FW_HAS_BULK 1
+#endif
+
+namespace fastweight::detail {
+
+#if defined(FW_HAS_BULK)
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+// One arrival expected per phase (the thread that also posts the byte count).
+__device__ __forceinline__ void mbar_init(std::uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+// After the inits, before the barrier that publishes them: visible to the async proxy (the copies).
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// Arrive, and expect `bytes` more of transaction count in this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(std::uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+// Wait until the phase of parity `parity` has completed (the copies' bytes have landed).
+__device__ __forceinline__ void mbar_wait(std::uint64_t* bar, unsigned parity) {
+  unsigned done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global `src` to shared `dst`,
+// completing on `bar`.
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned bytes, std::uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+// `bytes` (a multiple of 16, `src` 16-byte aligned) of global memory into L2, without waiting.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+}
+#endif
+
+}  // namespace fastweight::detail

@@ -1,0 +1,181 @@
+// rownorm_fwd_bulk.cuh: the LayerNorm-family forward for aligned rows on Hopper, fed by bulk copies.
+//
+// Why: the persistent register-double-buffered forward (rownorm_fwd_cached_kernel) spent ~6.7k warp
+// instructions per 8192-element bf16 row (ncu, H100), most of them per-element conversions (raw
+// vectors re-converted in each of three passes, to stay under 80 registers) and per-load addressing;
+// FLA's Triton kernel needs ~3.1k and ran 12% faster. Here a row arrives in shared memory by one
+// cp.async.bulk (the TMA engine: one instruction per row, no registers while in flight), each
+// thread converts its vectors to fp32 once and keeps them in registers for both statistics passes
+// and the output.
+//
+// Shape: persistent CTAs of kBulkThreads threads (one per SM, <= 128 registers), R = 512 / tpr row
+// groups of tpr threads (tpr = next_pow2(N / E / kBulkVecs)); P CTAs per parameter group, as the
+// persistent kernel. Each row group owns a ring of S row slots (S - 1 rows in flight while one is
+// computed), each with its own mbarrier; lane 0 of the group posts the byte count and issues the
+// copy. A slot is refilled at the start of the iteration after the one that read it: every thread
+// of the group has read it by then (its reductions synchronised the group).
+// Shared memory, in order: fp32 scale | fp32 bias (N each, the persistent kernel's float4 layout) |
+// ring (R, S, tpr * kBulkVecs) 16-byte vectors | mbarriers (R, S).
+#pragma once
+
+#include "cuda/common/bulk.cuh"
+#include "cuda/norm/rownorm_kernel.cuh"
+
+namespace fastweight::detail {
+
+inline constexpr int kBulkThreads = 512;
+inline constexpr int kBulkVecs = 4;        // 16-byte vectors per thread per row
+inline constexpr int kBulkMaxStages = 4;   // row slots per row group
+template <typename T> inline constexpr std::int64_t kBulkMaxN = std::int64_t(kBulkThreads) * kBulkVecs * kVecElems<T>;
+
+// Bytes of dynamic shared memory for (N, tpr, S).
+inline std::size_t bulk_smem_bytes(std::int64_t n, int tpr, int stages) {
+  const std::size_t R = std::size_t(kBulkThreads / tpr);
+  return std::size_t(n) * 2 * sizeof(float) + R * stages * (std::size_t(tpr) * kBulkVecs * 16 + sizeof(std::uint64_t));
+}
+
+// Sum of N values as a balanced tree (pairs, then pairs of pairs): the same order every call, and a
+// dependency chain of log2(N) adds instead of N (the forward's per-row chains were latency-bound).
+template <int N>
+__device__ __forceinline__ float tree_sum(const float* v) {
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+    return tree_sum<N / 2>(v) + tree_sum<N / 2>(v + N / 2);
+  }
+}
+
+// Sum over the row group rg of tpr threads: warp butterflies, then (tpr > 32) one named barrier over
+// a double-buffered scratch of one float per warp (a buffer is rewritten only after the next
+// barrier, which every reader of it has passed). Fixed order: deterministic.
+__device__ __forceinline__ float bulk_group_sum(float v, int tpr, int rg, float* s_red, int& parity) {
+  constexpr int W = kBulkThreads / 32;
+  v = group_sum_warp(v, tpr);
+  if (tpr <= 32) return v;
+  const int wpr = tpr >> 5, warp = threadIdx.x >> 5;
+  float* buf = s_red + parity * W;
+  if ((threadIdx.x & 31) == 0) buf[warp] = v;
+  group_barrier(1 + rg, tpr);
+  float t[W];  // the group's warp partials (zeros past wpr: exact), loaded at once, summed as a tree
+#pragma unroll
+  for (int i = 0; i < W; ++i) t[i] = i < wpr ? buf[rg * wpr + i] : 0.f;
+  parity ^= 1;
+  return tree_sum<W>(t);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kBulkThreads, 1) rownorm_fwd_bulk_kernel(const RowNormParams p, const RowLaunch L,
+                                                                          const int S) {
+#if defined(FW_HAS_BULK)
+  constexpr int E = kVecElems<T>, VPT = kBulkVecs, NT = kBulkThreads;
+  extern __shared__ uint4 smem_bulk[];
+  __shared__ float s_red[2 * NT / 32];
+  const int n = int(p.n), nvec = n / E;  // aligned rows: N % E == 0
+  const int tpr = L.tpr, R = NT / tpr, rg = threadIdx.x / tpr, lane = threadIdx.x % tpr;
+  const int slot_vecs = tpr * VPT;
+  float4* s_par = reinterpret_cast<float4*>(smem_bulk);  // (E/4, nvec) scale | (E/4, nvec) bias
+  const int bias4 = nvec * (E / 4);
+  uint4* ring = smem_bulk + n / 2;  // after 2 N floats: (R, S, slot_vecs)
+  std::uint64_t* bars = reinterpret_cast<std::uint64_t*>(ring + std::size_t(R) * S * slot_vecs);  // (R, S)
+  const std::int64_t g = blockIdx.x / L.P, pi = blockIdx.x % L.P;
+  const std::int64_t J = p.rows_per_group, jstep = std::int64_t(L.P) * R;
+  const unsigned row_bytes = unsigned(n) * unsigned(sizeof(T));
+  const float inv_n = 1.f / float(n);
+
+  for (int i = threadIdx.x; i < R * S; i += NT) mbar_init(bars + i, 1);
+  mbar_init_fence();
+  __syncthreads();
+  uint4* my_ring = ring + std::size_t(rg) * S * slot_vecs;
+  std::uint64_t* my_bars = bars + rg * S;
+  auto issue = [&](std::int64_t j, int s) {  // lane 0 of the group: row j into slot s
+    const T* src = static_cast<const T*>(p.x) + p.x_rows.offset(p.row_of(g, j));
+    mbar_arrive_expect_tx(my_bars + s, row_bytes);
+    bulk_g2s(my_ring + s * slot_vecs, src, row_bytes, my_bars + s);
+  };
+  // the parameters first into L2 (one bulk prefetch each), so that the staging loads below do not
+  // queue behind the rows' copies (~10% of the kernel's stall samples at 4096 x 8192 without it)
+  if (threadIdx.x == 0 && p.param_aligned) {
+    const std::size_t psz = p.param == DType::f32 ? 4 : sizeof(T);
+    if (p.w) bulk_prefetch_l2(static_cast<const char*>(p.w) + g * p.w_group_stride * psz, unsigned(n * psz));
+    if (p.b) bulk_prefetch_l2(static_cast<const char*>(p.b) + g * p.b_group_stride * psz, unsigned(n * psz));
+  }
+  const std::int64_t jf = pi * R + rg;  // this group's first row
+  if (lane == 0)
+    for (int s = 0; s < S - 1; ++s)
+      if (jf + s * jstep < J) issue(jf + s * jstep, s);
+  // the group's scale and bias, staged while the first rows are in flight
+  stage_fwd_params<T, true, 2>(p, g, n, s_par);
+  __syncthreads();
+
+  int stage = 0, red_parity = 0;
+  unsigned phase = 0;
+  for (std::int64_t j0 = pi * R; j0 < J; j0 += jstep) {  // uniform over the CTA (warp shuffles)
+    const std::int64_t j = j0 + rg;
+    const bool valid = j < J;
+    // refill the slot the previous iteration read (its reductions synchronised the group; within a
+    // warp, __syncwarp orders those reads before the copy)
+    if (tpr <= 32) __syncwarp();
+    if (lane == 0) {
+      const std::int64_t jn = j + (S - 1) * jstep;
+      if (jn < J) issue(jn, stage == 0 ? S - 1 : stage - 1);
+    }
+    float xf[VPT][E];  // (VPT, E) columns (k * tpr + lane) * E + [0, E) as fp32; 0 past the row end
+    if (valid) {
+      mbar_wait(my_bars + stage, phase);
+      const uint4* src = my_ring + stage * slot_vecs;
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int cv = k * tpr + lane;
+        unpack<T>(cv < nvec ? src[cv] : make_uint4(0u, 0u, 0u, 0u), xf[k]);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k)
+#pragma unroll
+        for (int e = 0; e < E; ++e) xf[k][e] = 0.f;
+    }
+    float mean = 0.f;
+    if (!p.rms) mean = bulk_group_sum(tree_sum<VPT * E>(&xf[0][0]), tpr, rg, s_red, red_parity) * inv_n;
+    float sq[VPT][E];  // (VPT, E) (x - mean)^2, 0 past the row end
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const bool in = (k * tpr + lane) < nvec;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float d = xf[k][e] - mean;
+        sq[k][e] = in ? d * d : 0.f;
+      }
+    }
+    const float ss = tree_sum<VPT * E>(&sq[0][0]);
+    const float rstd = rsqrtf(bulk_group_sum(ss, tpr, rg, s_red, red_parity) * inv_n + p.eps);
+    if (valid) {
+      const std::int64_t r = p.row_of(g, j);
+      T* yr = static_cast<T*>(p.y) + p.y_rows.offset(r);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int cv = k * tpr + lane;
+        if (cv >= nvec) continue;
+        float sc[E], bi[E], out[E];
+#pragma unroll
+        for (int i = 0; i < E / 4; ++i) {
+          const float4 a = s_par[i * nvec + cv], c = s_par[bias4 + i * nvec + cv];
+          sc[4 * i] = a.x, sc[4 * i + 1] = a.y, sc[4 * i + 2] = a.z, sc[4 * i + 3] = a.w;
+          bi[4 * i] = c.x, bi[4 * i + 1] = c.y, bi[4 * i + 2] = c.z, bi[4 * i + 3] = c.w;
+        }
+#pragma unroll
+        for (int e = 0; e < E; ++e) out[e] = (xf[k][e] - mean) * rstd * sc[e] + bi[e];
+        store_vec<T>(yr, cv * E, n, true, out);
+      }
+      if (lane == 0) {
+        if (p.mean) p.mean[r] = mean;
+        if (p.rstd) p.rstd[r] = rstd;
+      }
+    }
+    if (++stage == S) stage = 0, phase ^= 1u;
+  }
+#else
+  __trap();  // planned only on devices of compute capability 9.0 and up
+#endif
+}
+
+}  // namespace fastweight::detail
