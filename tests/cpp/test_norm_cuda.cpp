@@ -220,10 +220,10 @@ INSTANTIATE_TEST_SUITE_P(ParamVariants, NormCuda,
                                             ::testing::Values(Params::f32, Params::none)),
                          case_name);
 
-// Aligned rows at a padded stride through the Hopper bulk-copy forward (rownorm_fwd_bulk.cuh), one
-// row group size per N (tpr 1 to 512). The CTAs per parameter group are capped at 3, so that few
-// rows give each row group ~18 rows, 4-9 trips around its ring of 2-4 row slots (slot reuse,
-// mbarrier phases), ending on a partial step (half the row groups without a last row).
+// Aligned rows at a padded stride through the Hopper bulk-copy forward (rownorm_fwd_bulk.cuh), with
+// 4 and with 8 vectors per thread (each where its slots fit; tpr 1 to 512). The CTAs per parameter
+// group are capped at 3, so that few rows give each row group 9-18 rows, 2-9 trips around its ring
+// of 2-4 row slots (slot reuse, mbarrier phases), ending on a partial step.
 using BulkParam = std::tuple<Op, DType, std::int64_t>;
 struct NormCudaBulk : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaBulk, PaddedAlignedRowsMatchReference) {
@@ -240,7 +240,14 @@ TEST_P(NormCudaBulk, PaddedAlignedRowsMatchReference) {
   // head norm's 4 and adaLN's 2 parameter groups (norm_cases.h) each get 3 CTAs
   const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
   const std::int64_t rows = groups * (3 * R * 6 + std::max<std::int64_t>(1, R / 2));
-  check_case(op, dt, n, rows, Layout::padded, Params::io);
+  for (int vpt : {4, 8}) {
+    SCOPED_TRACE("bulk vectors per thread " + std::to_string(vpt));
+    struct RestoreVecs {
+      int prev;
+      ~RestoreVecs() { fastweight::detail::force_rownorm_fwd_bulk_vecs(prev); }
+    } restore_vecs{fastweight::detail::force_rownorm_fwd_bulk_vecs(vpt)};
+    check_case(op, dt, n, rows, Layout::padded, Params::io);
+  }
 }
 INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulk,
                          ::testing::Combine(kOps, kDtypes, ::testing::Values<std::int64_t>(8, 128, 1000, 8192, 16384)),

@@ -23,6 +23,10 @@ bool rownorm_fwd_bulk_enabled();
 // rows take each row group's ring around many times. Returns the previous cap.
 int cap_rownorm_fwd_bulk_ctas(int ctas);
 int rownorm_fwd_bulk_cta_cap();
+// Tests and benchmarks only: the bulk forward's vectors per thread, 4 or 8 where it fits (0: the
+// planner's choice). Returns the previous setting.
+int force_rownorm_fwd_bulk_vecs(int vpt);
+int rownorm_fwd_bulk_vecs();
 
 // Current-device guard and device queries (src/cuda/common/device.cu).
 bool cuda_runtime_available();

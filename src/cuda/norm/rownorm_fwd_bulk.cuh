@@ -9,13 +9,14 @@
 // and the output.
 //
 // Shape: persistent CTAs of kBulkThreads threads (one per SM, <= 128 registers), R = 512 / tpr row
-// groups of tpr threads (tpr = next_pow2(N / E / kBulkVecs)); P CTAs per parameter group, as the
+// groups of tpr threads (tpr = next_pow2(N / E / VPT), VPT = 4 or 8 vectors per thread); P CTAs per
+// parameter group, as the
 // persistent kernel. Each row group owns a ring of S row slots (S - 1 rows in flight while one is
 // computed), each with its own mbarrier; lane 0 of the group posts the byte count and issues the
 // copy. A slot is refilled at the start of the iteration after the one that read it: every thread
 // of the group has read it by then (its reductions synchronised the group).
 // Shared memory, in order: fp32 scale | fp32 bias (N each, the persistent kernel's float4 layout) |
-// ring (R, S, tpr * kBulkVecs) 16-byte vectors | mbarriers (R, S).
+// ring (R, S, tpr * VPT) 16-byte vectors | mbarriers (R, S).
 #pragma once
 
 #include "cuda/common/bulk.cuh"
@@ -24,14 +25,14 @@
 namespace fastweight::detail {
 
 inline constexpr int kBulkThreads = 512;
-inline constexpr int kBulkVecs = 4;        // 16-byte vectors per thread per row
+inline constexpr int kBulkVecs = 4;        // 16-byte vectors per thread per row (8 for long rows)
 inline constexpr int kBulkMaxStages = 4;   // row slots per row group
 template <typename T> inline constexpr std::int64_t kBulkMaxN = std::int64_t(kBulkThreads) * kBulkVecs * kVecElems<T>;
 
-// Bytes of dynamic shared memory for (N, tpr, S).
-inline std::size_t bulk_smem_bytes(std::int64_t n, int tpr, int stages) {
+// Bytes of dynamic shared memory for (N, tpr, S, vectors per thread).
+inline std::size_t bulk_smem_bytes(std::int64_t n, int tpr, int stages, int vpt) {
   const std::size_t R = std::size_t(kBulkThreads / tpr);
-  return std::size_t(n) * 2 * sizeof(float) + R * stages * (std::size_t(tpr) * kBulkVecs * 16 + sizeof(std::uint64_t));
+  return std::size_t(n) * 2 * sizeof(float) + R * stages * (std::size_t(tpr) * vpt * 16 + sizeof(std::uint64_t));
 }
 
 // Sum of N values as a balanced tree (pairs, then pairs of pairs): the same order every call, and a
@@ -63,11 +64,11 @@ __device__ __forceinline__ float bulk_group_sum(float v, int tpr, int rg, float*
   return tree_sum<W>(t);
 }
 
-template <typename T>
+template <typename T, int VPT>
 __global__ void __launch_bounds__(kBulkThreads, 1) rownorm_fwd_bulk_kernel(const RowNormParams p, const RowLaunch L,
                                                                           const int S) {
 #if defined(FW_HAS_BULK)
-  constexpr int E = kVecElems<T>, VPT = kBulkVecs, NT = kBulkThreads;
+  constexpr int E = kVecElems<T>, NT = kBulkThreads;
   extern __shared__ uint4 smem_bulk[];
   __shared__ float s_red[2 * NT / 32];
   const int n = int(p.n), nvec = n / E;  // aligned rows: N % E == 0

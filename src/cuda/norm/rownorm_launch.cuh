@@ -35,6 +35,7 @@ struct RowPlan {
   bool ring = false;       // backward, cached: the cp.async ring kernel (aligned rows)
   bool bulk = false;       // forward: the bulk-copy kernel (Hopper, aligned rows)
   int stages = 0;          // its row slots per row group
+  int bulk_vecs = 0;       // its 16-byte vectors per thread (4 or 8)
   int threads = 256;
   std::size_t smem = 0;
   RowLaunch L;
@@ -71,6 +72,13 @@ const void* fwd_cached_kernel(bool aligned, bool big) {
   return reinterpret_cast<const void*>(k);
 }
 
+// The bulk-copy forward kernel with `vpt` vectors per thread.
+template <typename T>
+const void* bulk_fwd_kernel(int vpt) {
+  return vpt == 8 ? reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, 8>)
+                  : reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, kBulkVecs>);
+}
+
 // The 2-vector cached backward kernel for (dtype, alignment, CTA size).
 template <typename T>
 const void* cached_bwd_kernel(bool aligned, bool big) {
@@ -98,24 +106,35 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     plan.cached = true;
     if (!bwd) {
       if (al && p.n <= kBulkMaxN<T> && rownorm_fwd_bulk_enabled() && cc_major() >= 9 &&
-          kernel_binary_version(reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T>)) >= 90) {
-        // the bulk-copy kernel: as many row slots (<= kBulkMaxStages) as the shared memory holds, >= 2
-        const int tpr = next_pow2((p.n / E + kBulkVecs - 1) / kBulkVecs);
-        const std::size_t budget = smem_per_block_optin() - 2 * (kBulkThreads / 32) * sizeof(float) - 1024;
-        int stages = kBulkMaxStages;
-        while (stages >= 2 && bulk_smem_bytes(p.n, tpr, stages) > budget) --stages;
-        if (stages >= 2) {
+          kernel_binary_version(bulk_fwd_kernel<T>(kBulkVecs)) >= 90) {
+        // the bulk-copy kernel: as many row slots (<= kBulkMaxStages) as the shared memory holds, >= 2;
+        // 8 vectors per thread where rows have >= 64 such threads (twice the row groups per SM) and
+        // the slots fit, else 4
+        const std::size_t budget = smem_per_block_optin() - 8 * (kBulkThreads / 32) * sizeof(float) - 1024;
+        int vpt = 0, tpr = 0, stages = 0;
+        auto fits = [&](int v) {
+          tpr = next_pow2((p.n / E + v - 1) / v);
+          if (tpr > kBulkThreads) return false;
+          stages = kBulkMaxStages;
+          while (stages >= 2 && bulk_smem_bytes(p.n, tpr, stages, v) > budget) --stages;
+          return stages >= 2;
+        };
+        const int forced = rownorm_fwd_bulk_vecs();
+        if ((forced == 8 || (forced == 0 && p.n / E >= 8 * 64)) && fits(8)) vpt = 8;
+        else if (fits(kBulkVecs)) vpt = kBulkVecs;
+        if (vpt > 0) {
           plan.bulk = true;
+          plan.bulk_vecs = vpt;
           plan.stages = stages;
           plan.L.tpr = tpr;
           plan.threads = kBulkThreads;
-          plan.smem = bulk_smem_bytes(p.n, tpr, stages);
+          plan.smem = bulk_smem_bytes(p.n, tpr, stages, vpt);
           // P per group: at most one wave in all (rounded down: a second partial wave of these
           // one-per-SM CTAs cost head norm's 16 groups 30%), at most the row groups the rows need
           const int R = kBulkThreads / tpr;
-          const std::int64_t resident = std::int64_t(std::max(resident_ctas_per_sm(
-                                            reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T>), plan.threads,
-                                            plan.smem), 1)) * sm_count();
+          const std::int64_t resident =
+              std::int64_t(std::max(resident_ctas_per_sm(bulk_fwd_kernel<T>(vpt), plan.threads, plan.smem), 1)) *
+              sm_count();
           plan.L.P = int(std::max<std::int64_t>(1, std::min<std::int64_t>((J + R - 1) / R, resident / p.groups)));
           if (const int cap = rownorm_fwd_bulk_cta_cap(); cap > 0) plan.L.P = std::min(plan.L.P, cap);
           return plan;
@@ -210,7 +229,8 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   if (blocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", blocks, " CTAs is too large"));
   const unsigned grid = unsigned(blocks);
   if (plan.bulk) {
-    rownorm_fwd_bulk_kernel<T><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
+    if (plan.bulk_vecs == 8) rownorm_fwd_bulk_kernel<T, 8><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
+    else rownorm_fwd_bulk_kernel<T, kBulkVecs><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
   } else if (plan.cached && !plan.persistent) {
     if (plan.L.aligned) rownorm_fwd_row_kernel<T, kRowFwdVecs, true><<<grid, plan.threads, 0, stream>>>(p, plan.L);
     else rownorm_fwd_row_kernel<T, kRowFwdVecs, false><<<grid, plan.threads, 0, stream>>>(p, plan.L);
