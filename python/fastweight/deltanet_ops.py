@@ -17,7 +17,8 @@ or float32 (other dtypes are cast to float32).
 
 Everything is differentiable: q, k, v, beta, initial_state, with the final state's gradient taken
 into account (exact gradients). Custom ops with fake kernels: ``torch.compile(fullgraph=True)``
-works. CPU tensors run the float64 reference behind the C++ API. CUDA tensors run the CUDA kernels
+works; in plain eager mode ``delta_rule`` skips the dispatcher (a torch.autograd.Function over the
+same _C calls: the same bits, half the host time; see fastweight.ops). CPU tensors run the float64 reference behind the C++ API. CUDA tensors run the CUDA kernels
 (chunks of 64, fp32 accumulation and states; K <= 256, ValueError beyond; cu_seqlens on q's device,
 checked on the host in eager mode at the cost of one synchronisation, as FLA's varlen path; trusted,
 and clamped by the kernels, while a CUDA graph is captured or torch.compile traces). The forward and the backward take
@@ -35,7 +36,8 @@ from torch import Tensor
 
 from . import _C
 from .mlstm_ops import _workspace, _ws_spec
-from .ops import _last_contig, _nothing, _or_nothing, _prep_gate, _spec, _stream
+from .ops import (_AUTOGRAD, _NO_GRAD, _apply, _fast_once_differentiable, _last_contig, _nothing, _or_nothing,
+                  _prep_gate, _route_all, _spec, _stream)
 
 __all__ = ["delta_rule", "delta_rule_step"]
 
@@ -53,16 +55,35 @@ def _state_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]):
 # ---- forward / backward custom ops ----------------------------------------------------------------
 # Custom ops cannot return None: an empty tensor (a distinct one per output: outputs must not alias)
 # stands for 'not computed'.
-@torch.library.custom_op("fastweight::deltanet_fwd", mutates_args=())
-def _deltanet_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Optional[Tensor],
-                  cu_seqlens: Optional[Tensor], scale: Optional[float], use_qk_l2norm_in_kernel: bool,
-                  output_final_state: bool) -> tuple[Tensor, Tensor]:
+def _deltanet_fwd_run(q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, output_final_state):
+    """The forward's _C call, shared by the custom op and the eager path: (o, final state or None)."""
     o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     ht = q.new_empty(_state_shape(q, v, cu_seqlens), dtype=_state_dtype(q)) if output_final_state else None
     args = (_spec(q), _spec(k), _spec(v), _spec(beta), _spec(initial_state), _spec(cu_seqlens), _spec(o), _spec(ht),
             scale, use_qk_l2norm_in_kernel)
     ws = _workspace(q, _C.deltanet_fwd_workspace_size(*args))  # the tensor-core pipeline's scratch (or none)
     _C.deltanet_fwd(*args, _ws_spec(ws), _stream(q))
+    return o, ht
+
+
+def _deltanet_bwd_run(do, q, k, v, beta, initial_state, cu_seqlens, dfinal_state, scale, use_qk_l2norm_in_kernel):
+    """The backward's _C call, shared likewise: (dq, dk, dv, dbeta, dh0 or None)."""
+    dq, dk, dv, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else None
+    args = (_spec(q), _spec(k), _spec(v), _spec(beta), _spec(initial_state), _spec(cu_seqlens), _spec(do),
+            _spec(dfinal_state), _spec(dq), _spec(dk), _spec(dv), _spec(dbeta), _spec(dh0), scale,
+            use_qk_l2norm_in_kernel)
+    ws = _workspace(q, _C.deltanet_bwd_workspace_size(*args))  # torch's caching allocator (0 bytes on the CPU)
+    _C.deltanet_bwd(*args, _ws_spec(ws), _stream(q))
+    return dq, dk, dv, dbeta, dh0
+
+
+@torch.library.custom_op("fastweight::deltanet_fwd", mutates_args=())
+def _deltanet_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Optional[Tensor],
+                  cu_seqlens: Optional[Tensor], scale: Optional[float], use_qk_l2norm_in_kernel: bool,
+                  output_final_state: bool) -> tuple[Tensor, Tensor]:
+    o, ht = _deltanet_fwd_run(q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel,
+                              output_final_state)
     return o, _or_nothing(ht, q)
 
 
@@ -78,13 +99,8 @@ def _(q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, 
 def _deltanet_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                   cu_seqlens: Optional[Tensor], dfinal_state: Optional[Tensor], scale: Optional[float],
                   use_qk_l2norm_in_kernel: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    dq, dk, dv, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
-    dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    args = (_spec(q), _spec(k), _spec(v), _spec(beta), _spec(initial_state), _spec(cu_seqlens), _spec(do),
-            _spec(dfinal_state), _spec(dq), _spec(dk), _spec(dv), _spec(dbeta), _spec(dh0), scale,
-            use_qk_l2norm_in_kernel)
-    ws = _workspace(q, _C.deltanet_bwd_workspace_size(*args))  # torch's caching allocator (0 bytes on the CPU)
-    _C.deltanet_bwd(*args, _ws_spec(ws), _stream(q))
+    dq, dk, dv, dbeta, dh0 = _deltanet_bwd_run(do, q, k, v, beta, initial_state, cu_seqlens, dfinal_state, scale,
+                                               use_qk_l2norm_in_kernel)
     return dq, dk, dv, dbeta, _or_nothing(dh0, q)
 
 
@@ -108,6 +124,28 @@ def _deltanet_backward(ctx, do, dht):
 
 
 _deltanet_fwd.register_autograd(_deltanet_backward, setup_context=_deltanet_setup)
+
+
+# ---- eager path: torch.autograd.Function over the same _C calls (fastweight.ops: _route_all) --------
+class _DeltaRuleFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, beta, h0, cu_seqlens, scale, l2, output_final_state):
+        o, ht = _deltanet_fwd_run(q, k, v, beta, h0, cu_seqlens, scale, l2, output_final_state)
+        ctx.save_for_backward(q, k, v, beta, h0, cu_seqlens)
+        ctx.scale, ctx.l2, ctx.output_final_state = scale, l2, output_final_state
+        return o, ht
+
+    @staticmethod
+    @_fast_once_differentiable
+    def backward(ctx, do, dht):
+        q, k, v, beta, h0, cu_seqlens = ctx.saved_tensors
+        dht = _last_contig(dht) if ctx.output_final_state else None
+        dq, dk, dv, dbeta, dh0 = _deltanet_bwd_run(_last_contig(do), q, k, v, beta, h0, cu_seqlens, dht, ctx.scale,
+                                                   ctx.l2)
+        return dq, dk, dv, dbeta, dh0, None, None, None, None
+
+
+_delta_rule_apply = _apply(_DeltaRuleFn)
 
 
 # ---- functional API ---------------------------------------------------------------------------------
@@ -156,9 +194,17 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, scale: Optional[fl
     h0 = initial_state
     if h0 is not None:
         h0 = _last_contig(h0 if h0.dtype == _state_dtype(q) else h0.to(_state_dtype(q)))
-    o, ht = _deltanet_fwd(_last_contig(q), _last_contig(k), _last_contig(v), _prep_gate(beta, q), h0,
-                          _last_contig(cu_seqlens), None if scale is None else float(scale),
-                          bool(use_qk_l2norm_in_kernel), bool(output_final_state))
+    q, k, v, beta = _last_contig(q), _last_contig(k), _last_contig(v), _prep_gate(beta, q)
+    cu_seqlens = _last_contig(cu_seqlens)
+    args = (q, k, v, beta, h0, cu_seqlens, None if scale is None else float(scale), bool(use_qk_l2norm_in_kernel),
+            bool(output_final_state))
+    route = _route_all((q, k, v, beta, h0, cu_seqlens))
+    if route == _AUTOGRAD:
+        o, ht = _delta_rule_apply(*args)
+    elif route == _NO_GRAD:
+        o, ht = _deltanet_fwd_run(*args)
+    else:
+        o, ht = _deltanet_fwd(*args)
     return o, (ht if output_final_state else None)
 
 

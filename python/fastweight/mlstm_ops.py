@@ -14,7 +14,9 @@ preactivations; states c (B, NH, DQK, DV), n (B, NH, DQK), m (B, NH, 1), float32
 
 Everything is differentiable (q, k, v, i, f and the initial states; the last states too), and the
 gradient is exact: the normaliser's gradient is kept (mlstm_kernels drops it). Custom ops with fake
-kernels: ``torch.compile(fullgraph=True)`` works. CPU tensors run the float64 reference behind the
+kernels: ``torch.compile(fullgraph=True)`` works. In plain eager mode ``mlstm`` skips the dispatcher
+(a torch.autograd.Function over the same _C calls: the same bits, a third of the host time; see
+fastweight.ops). CPU tensors run the float64 reference behind the
 C++ API; CUDA tensors run the CUDA kernels (forward, backward, step, decay matrix).
 """
 
@@ -26,7 +28,8 @@ import torch
 from torch import Tensor
 
 from . import _C
-from .ops import _last_contig, _prep_gate, _spec, _stream, head_norm
+from .ops import (_AUTOGRAD, _NO_GRAD, _apply, _fast_once_differentiable, _last_contig, _prep_gate, _route_all, _spec,
+                  _stream, head_norm)
 
 __all__ = ["mlstm", "mlstm_headnorm", "mlstm_step", "mlstm_parallel", "mlstm_parallel_headnorm", "mlstm_decay_matrix"]
 
@@ -58,10 +61,9 @@ def _state_shapes(q: Tensor, v: Tensor):
 
 
 # ---- forward / backward custom ops ----------------------------------------------------------------
-@torch.library.custom_op("fastweight::mlstm_fwd", mutates_args=())
-def _mlstm_fwd(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, c_initial: Optional[Tensor],
-               n_initial: Optional[Tensor], m_initial: Optional[Tensor], eps: float, chunk_size: int,
-               return_last_states: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _mlstm_fwd_run(q, k, v, i, f, c_initial, n_initial, m_initial, eps, chunk_size, return_last_states):
+    """The forward's _C call, shared by the custom op and the eager path: (h, c, n, m), the last
+    states None unless return_last_states."""
     h = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     if return_last_states:
         cs, ns, ms = _state_shapes(q, v)
@@ -72,6 +74,31 @@ def _mlstm_fwd(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, c_initial:
             _spec(h), _spec(c), _spec(n), _spec(m), eps, chunk_size)
     ws = _workspace(q, _C.mlstm_fwd_workspace_size(*args))
     _C.mlstm_fwd(*args, _ws_spec(ws), _stream(q))
+    return h, c, n, m
+
+
+def _mlstm_bwd_run(dh, q, k, v, i, f, c_initial, n_initial, m_initial, dc_last, dn_last, dm_last, eps, chunk_size):
+    """The backward's _C call, shared likewise: (dq, dk, dv, di, df, dc0, dn0, dm0), the initial
+    states' gradients None without initial states."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    di, df = torch.empty_like(i), torch.empty_like(f)
+    has_init = c_initial is not None
+    dc0 = torch.empty_like(c_initial) if has_init else None
+    dn0 = torch.empty_like(n_initial) if has_init else None
+    dm0 = torch.empty_like(m_initial) if has_init else None
+    args = (_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(c_initial), _spec(n_initial), _spec(m_initial),
+            _spec(dh), _spec(dc_last), _spec(dn_last), _spec(dm_last), _spec(dq), _spec(dk), _spec(dv), _spec(di),
+            _spec(df), _spec(dc0), _spec(dn0), _spec(dm0), eps, chunk_size)
+    ws = _workspace(q, _C.mlstm_bwd_workspace_size(*args))
+    _C.mlstm_bwd(*args, _ws_spec(ws), _stream(q))
+    return dq, dk, dv, di, df, dc0, dn0, dm0
+
+
+@torch.library.custom_op("fastweight::mlstm_fwd", mutates_args=())
+def _mlstm_fwd(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, c_initial: Optional[Tensor],
+               n_initial: Optional[Tensor], m_initial: Optional[Tensor], eps: float, chunk_size: int,
+               return_last_states: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    h, c, n, m = _mlstm_fwd_run(q, k, v, i, f, c_initial, n_initial, m_initial, eps, chunk_size, return_last_states)
     if not return_last_states:
         c, n, m = _empty(q), _empty(q), _empty(q)  # distinct: outputs must not alias
     return h, c, n, m
@@ -91,18 +118,9 @@ def _mlstm_bwd(dh: Tensor, q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor
                n_initial: Optional[Tensor], m_initial: Optional[Tensor], dc_last: Optional[Tensor],
                dn_last: Optional[Tensor], dm_last: Optional[Tensor], eps: float,
                chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    di, df = torch.empty_like(i), torch.empty_like(f)
-    has_init = c_initial is not None
-    dc0 = torch.empty_like(c_initial) if has_init else None
-    dn0 = torch.empty_like(n_initial) if has_init else None
-    dm0 = torch.empty_like(m_initial) if has_init else None
-    args = (_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(c_initial), _spec(n_initial), _spec(m_initial),
-            _spec(dh), _spec(dc_last), _spec(dn_last), _spec(dm_last), _spec(dq), _spec(dk), _spec(dv), _spec(di),
-            _spec(df), _spec(dc0), _spec(dn0), _spec(dm0), eps, chunk_size)
-    ws = _workspace(q, _C.mlstm_bwd_workspace_size(*args))
-    _C.mlstm_bwd(*args, _ws_spec(ws), _stream(q))
-    if not has_init:
+    dq, dk, dv, di, df, dc0, dn0, dm0 = _mlstm_bwd_run(dh, q, k, v, i, f, c_initial, n_initial, m_initial, dc_last,
+                                                      dn_last, dm_last, eps, chunk_size)
+    if c_initial is None:
         dc0, dn0, dm0 = _empty(q), _empty(q), _empty(q)
     return dq, dk, dv, di, df, dc0, dn0, dm0
 
@@ -136,6 +154,31 @@ def _mlstm_backward(ctx, dh, dc, dn, dm):
 _mlstm_fwd.register_autograd(_mlstm_backward, setup_context=_mlstm_setup)
 
 
+# ---- eager path: torch.autograd.Function over the same _C calls (fastweight.ops: _route_all) --------
+# torch.library's dispatch and autograd wrapper cost more host time than the whole fwd + bwd of small
+# shapes (fill_defaults alone ~50 us per call on the CI machine); the bits are the custom ops'.
+class _MlstmFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, i, f, c0, n0, m0, eps, chunk_size, return_last):
+        h, c, n, m = _mlstm_fwd_run(q, k, v, i, f, c0, n0, m0, eps, chunk_size, return_last)
+        ctx.save_for_backward(q, k, v, i, f, c0, n0, m0)
+        ctx.eps, ctx.chunk_size, ctx.return_last = eps, chunk_size, return_last
+        return h, c, n, m
+
+    @staticmethod
+    @_fast_once_differentiable
+    def backward(ctx, dh, dc, dn, dm):
+        q, k, v, i, f, c0, n0, m0 = ctx.saved_tensors
+        if not ctx.return_last:
+            dc = dn = dm = None
+        grads = _mlstm_bwd_run(_last_contig(dh), q, k, v, i, f, c0, n0, m0, _last_contig(dc), _last_contig(dn),
+                               _last_contig(dm), ctx.eps, ctx.chunk_size)
+        return (*grads, None, None, None)
+
+
+_mlstm_apply = _apply(_MlstmFn)
+
+
 # ---- functional API ---------------------------------------------------------------------------------
 def _prep_states(q: Tensor, c, n, m):
     """Initial states as float32 (B, NH, DQK, DV), (B, NH, DQK), (B, NH, 1), or Nones. The three come
@@ -155,8 +198,15 @@ def mlstm(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, c_initial: Opti
     """The mLSTM over a sequence (chunkwise form, any S): returns h (B, NH, S, DV) in q's dtype, and with
     ``return_last_states`` also the float32 final states (c, n, m), m shaped (B, NH, 1)."""
     c0, n0, m0 = _prep_states(q, c_initial, n_initial, m_initial)
-    h, c, n, m = _mlstm_fwd(_last_contig(q), _last_contig(k), _last_contig(v), _prep_gate(i, q), _prep_gate(f, q),
-                            c0, n0, m0, float(eps), int(chunk_size), bool(return_last_states))
+    q, k, v, i, f = _last_contig(q), _last_contig(k), _last_contig(v), _prep_gate(i, q), _prep_gate(f, q)
+    args = (q, k, v, i, f, c0, n0, m0, float(eps), int(chunk_size), bool(return_last_states))
+    route = _route_all((q, k, v, i, f, c0, n0, m0))
+    if route == _AUTOGRAD:
+        h, c, n, m = _mlstm_apply(*args)
+    elif route == _NO_GRAD:
+        h, c, n, m = _mlstm_fwd_run(*args)
+    else:
+        h, c, n, m = _mlstm_fwd(*args)
     return (h, (c, n, m)) if return_last_states else h
 
 

@@ -476,6 +476,20 @@ def _route(x: Tensor, p: Optional[Tensor], q: Optional[Tensor] = None) -> int:
     return _NO_GRAD
 
 
+def _route_all(ts) -> int:
+    """_route for ops of many tensors (None entries skipped): the same rules."""
+    if _is_compiling() or _len_dispatch_modes() or _functorch_level() is not None or _jit_tracing() is not None:
+        return _CUSTOM_OP
+    grad = False
+    for t in ts:
+        if t is None:
+            continue
+        if type(t) not in _PLAIN:
+            return _CUSTOM_OP
+        grad = grad or t.requires_grad
+    return _AUTOGRAD if grad and torch.is_grad_enabled() else _NO_GRAD
+
+
 def _apply(fn):
     # Function.apply's Python wrapper only adds the functorch support that _route excludes; the C++
     # apply underneath saves a few microseconds per call.

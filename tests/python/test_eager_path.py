@@ -3,8 +3,9 @@
 * the binding's tensor specs ``(data_ptr, dtype_code, shape, strides, device_type, device_index)``
   and ``(data_ptr, nbytes)`` workspaces, next to DLPack arrays (bindings/module.cpp);
 * the eager path of the functional API (fastweight.ops: a torch.autograd.Function over _C, no
-  dispatcher), which must give the bits of the custom ops (the path under torch.compile), forward
-  and every gradient, and must step aside for tracing, subclasses, modes and functorch.
+  dispatcher; the norms, fastweight.mlstm and fastweight.delta_rule), which must give the bits of
+  the custom ops (the path under torch.compile), forward and every gradient, and must step aside
+  for tracing, subclasses, modes and functorch.
 """
 
 from __future__ import annotations
@@ -139,6 +140,20 @@ def _custom_op_node(y):
     return node is not None
 
 
+def _dispatched(fn):
+    """The ops dispatched while fn runs under a logging TorchDispatchMode."""
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Log():
+        fn()
+    return seen
+
+
 def test_routes_away_from_eager_path():
     """Subclasses, dispatch modes, FakeTensors and functorch transforms get the custom ops."""
     x, w, b = _leaves(*_inputs("layernorm", torch.float32))
@@ -153,15 +168,7 @@ def test_routes_away_from_eager_path():
     assert _custom_op_node(y)
     assert torch.equal(y.detach().as_subclass(torch.Tensor), fastweight.layer_norm(x, w, b).detach())
 
-    seen = []
-
-    class Log(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Log():
-        fastweight.rms_norm(x, w)
+    seen = _dispatched(lambda: fastweight.rms_norm(x, w))
     assert any("fastweight.rmsnorm_fwd" in s for s in seen), seen
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -249,3 +256,123 @@ def test_spec_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"rmsnorm_fwd: x: dtype int32 is not supported"):
         fastweight.rms_norm(torch.ones(4, 16, dtype=torch.int32))
     np.testing.assert_array_equal(fastweight.layer_norm(np.ones((2, 4), np.float32)), np.zeros((2, 4), np.float32))
+
+
+# ---- mLSTM (chunkwise) and DeltaNet -----------------------------------------------------------------
+def _grads_of(leaves, outs, cots):
+    """Gradients of outs (with cotangents cots) to the non-None leaves."""
+    return torch.autograd.grad(outs, [t for t in leaves if t is not None], cots)
+
+
+def _assert_same(node, eager, custom):
+    """eager / custom: (primary output, extra outputs or None, gradients): equal bits throughout."""
+    (ye, xe, ge), (yc, xc, gc) = eager, custom
+    assert type(ye.grad_fn).__name__ == node  # the eager path was taken
+    assert torch.equal(ye, yc)
+    for a, c in zip(xe or (), xc or ()):
+        assert torch.equal(a, c)
+    assert len(ge) == len(gc)
+    for idx, (a, c) in enumerate(zip(ge, gc)):
+        assert a.dtype == c.dtype and a.shape == c.shape, f"grad {idx}"
+        assert torch.equal(a, c), f"grad {idx} differs"
+
+
+def _mlstm_inputs(dtype, states, seed=0, S=37):
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale + shift).to(dtype)
+    B, NH, DQK, DV = 2, 2, 8, 12
+    q, k, v = r(B, NH, S, DQK), r(B, NH, S, DQK), r(B, NH, S, DV)
+    i, f = r(B, NH, S), r(B, NH, S, shift=2.0)
+    st = (r(B, NH, DQK, DV).float(), r(B, NH, DQK).float(), r(B, NH, 1).float()) if states else (None, None, None)
+    return (q, k, v, i, f, *st)
+
+
+def _mlstm_custom_op(q, k, v, i, f, c0, n0, m0, ret, chunk):
+    """What fastweight.mlstm calls under torch.compile (same argument preparation)."""
+    from fastweight import mlstm_ops as mo
+    c0, n0, m0 = mo._prep_states(q, c0, n0, m0)
+    return torch.ops.fastweight.mlstm_fwd(ops._last_contig(q), ops._last_contig(k), ops._last_contig(v),
+                                          ops._prep_gate(i, q), ops._prep_gate(f, q), c0, n0, m0, 1e-6, chunk, ret)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("states,ret", [(False, False), (True, False), (True, True), (False, True)],
+                         ids=["plain", "init", "init-last", "last"])
+def test_mlstm_eager_path_bitwise_equals_custom_op(dtype, states, ret):
+    """fastweight.mlstm's eager autograd.Function and the custom op: the same bits, h, the last states
+    and every gradient (the initial states' included)."""
+    chunk = 16
+    base = _mlstm_inputs(dtype, states)
+    gen = torch.Generator().manual_seed(3)
+    dh = torch.randn(base[2].shape, generator=gen).to(dtype)
+    cot = [torch.randn(s, generator=gen) for s in ((2, 2, 8, 12), (2, 2, 8), (2, 2, 1))]
+
+    def run(eager):
+        leaves = _leaves(*base)
+        if eager:
+            res = fastweight.mlstm(*leaves[:5], *leaves[5:], return_last_states=ret, chunk_size=chunk)
+            h, last = (res[0], res[1]) if ret else (res, None)
+        else:
+            h, c, n, m = _mlstm_custom_op(*leaves, ret, chunk)
+            last = (c, n, m) if ret else None
+        outs, cots = ([h, *last], [dh, *cot]) if ret else ([h], [dh])
+        return h, last, _grads_of(leaves, outs, cots)
+
+    hc = run(False)[0]
+    _assert_same("_MlstmFnBackward", run(True), run(False))
+    with torch.no_grad():
+        hn = fastweight.mlstm(*base[:5], *base[5:], chunk_size=chunk)
+    assert hn.grad_fn is None and torch.equal(hn, hc.detach())
+
+
+def test_mlstm_eager_path_double_backward_refused_and_routes():
+    q, k, v, i, f, *_ = _leaves(*_mlstm_inputs(torch.float64, False, S=9))
+    g = torch.autograd.grad(fastweight.mlstm(q, k, v, i, f, chunk_size=16).square().sum(), q, create_graph=True)[0]
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
+    seen = _dispatched(lambda: fastweight.mlstm(q, k, v, i, f, chunk_size=16))  # a dispatch mode: the custom op
+    assert any("fastweight.mlstm_fwd" in s for s in seen), seen
+
+
+# ---- DeltaNet ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("cfg", ["plain", "init-final", "l2", "varlen"])
+def test_delta_rule_eager_path_bitwise_equals_custom_op(dtype, cfg):
+    """fastweight.delta_rule's eager autograd.Function and the custom op: the same bits, o, the final
+    state and every gradient (the initial state's included)."""
+    gen = torch.Generator().manual_seed(11)
+
+    def r(*shape):
+        return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    B, T, H, K, V = (1, 23, 2, 8, 12) if cfg == "varlen" else (2, 23, 2, 8, 12)
+    q, k, v = r(B, T, H, K), r(B, T, H, K) * 0.3, r(B, T, H, V)
+    beta = torch.rand((B, T, H), generator=gen, dtype=torch.float64).to(dtype)
+    cu = torch.tensor([0, 5, 5, 23], dtype=torch.int32) if cfg == "varlen" else None
+    N = 3 if cu is not None else B
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+    h0 = torch.randn((N, H, K, V), generator=gen, dtype=torch.float64).to(sdt) if cfg in ("init-final", "varlen") else None
+    final = cfg in ("init-final", "varlen")
+    l2 = cfg == "l2"
+    do = r(B, T, H, V)
+    dht = torch.randn((N, H, K, V), generator=gen, dtype=torch.float64).to(sdt)
+
+    def run(eager):
+        leaves = _leaves(q, k, v, beta, h0)
+        if eager:
+            o, ht = fastweight.delta_rule(*leaves[:4], initial_state=leaves[4], output_final_state=final,
+                                          use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
+        else:
+            o, ht = torch.ops.fastweight.deltanet_fwd(*[ops._last_contig(t) for t in leaves[:3]],
+                                                      ops._prep_gate(leaves[3], leaves[0]), leaves[4], cu, None, l2,
+                                                      final)
+            ht = ht if final else None
+        outs, cots = ([o, ht], [do, dht]) if final else ([o], [do])
+        return o, ((ht,) if final else None), _grads_of(leaves, outs, cots)
+
+    oc = run(False)[0]
+    _assert_same("_DeltaRuleFnBackward", run(True), run(False))
+    with torch.no_grad():
+        on, _ = fastweight.delta_rule(q, k, v, beta, initial_state=h0, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
+    assert on.grad_fn is None and torch.equal(on, oc.detach())
