@@ -36,7 +36,7 @@ from torch import Tensor
 
 from . import _C
 from .mlstm_ops import _workspace, _ws_spec
-from .ops import (_AUTOGRAD, _NO_GRAD, _apply, _fast_once_differentiable, _last_contig, _nothing, _or_nothing,
+from .ops import (_AUTOGRAD, _CUSTOM_OP, _NO_GRAD, _apply, _fast_once_differentiable, _last_contig, _nothing, _or_nothing,
                   _prep_gate, _route_all, _spec, _stream)
 
 __all__ = ["delta_rule", "delta_rule_step"]
@@ -212,11 +212,25 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, scale: Optional[fl
 @torch.library.custom_op("fastweight::deltanet_step", mutates_args=())
 def _deltanet_step(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, state: Tensor, scale: Optional[float],
                    use_qk_l2norm_in_kernel: bool) -> tuple[Tensor, Tensor]:
+    return _deltanet_step_run(q, k, v, beta, state, scale, use_qk_l2norm_in_kernel)
+
+
+def _deltanet_step_run(q, k, v, beta, state, scale, use_qk_l2norm_in_kernel):
+    """The step's _C call (a new state), shared by the custom op and the eager path."""
     o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     new = torch.empty_like(state)
     _C.deltanet_step(_spec(q), _spec(k), _spec(v), _spec(beta), _spec(state), _spec(o), _spec(new), scale,
                      use_qk_l2norm_in_kernel, _stream(q))
     return o, new
+
+
+def _deltanet_step_inplace_run(q, k, v, beta, state, scale, use_qk_l2norm_in_kernel):
+    """The in-place step's _C call (state updated), shared likewise."""
+    o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    ss = _spec(state)
+    _C.deltanet_step(_spec(q), _spec(k), _spec(v), _spec(beta), ss, _spec(o), ss, scale, use_qk_l2norm_in_kernel,
+                     _stream(q))
+    return o
 
 
 @_deltanet_step.register_fake
@@ -227,11 +241,7 @@ def _(q, k, v, beta, state, scale, use_qk_l2norm_in_kernel):
 @torch.library.custom_op("fastweight::deltanet_step_", mutates_args=("state",))
 def _deltanet_step_(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, state: Tensor, scale: Optional[float],
                     use_qk_l2norm_in_kernel: bool) -> Tensor:
-    o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
-    ss = _spec(state)
-    _C.deltanet_step(_spec(q), _spec(k), _spec(v), _spec(beta), ss, _spec(o), ss, scale, use_qk_l2norm_in_kernel,
-                     _stream(q))
-    return o
+    return _deltanet_step_inplace_run(q, k, v, beta, state, scale, use_qk_l2norm_in_kernel)
 
 
 @_deltanet_step_.register_fake
@@ -247,8 +257,10 @@ def delta_rule_step(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, state: Tensor
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
     beta = _prep_gate(beta, q)
     sc = None if scale is None else float(scale)
+    eager = _route_all((q, k, v, beta, state)) != _CUSTOM_OP  # plain eager: the _C call directly (host time)
     if inplace:
-        return _deltanet_step_(q, k, v, beta, state, sc, bool(use_qk_l2norm_in_kernel)), state
+        step_ = _deltanet_step_inplace_run if eager else _deltanet_step_
+        return step_(q, k, v, beta, state, sc, bool(use_qk_l2norm_in_kernel)), state
     st = _last_contig(state if state.dtype == _state_dtype(q) else state.to(_state_dtype(q)))
-    return _deltanet_step(q, k, v, beta, st, sc, bool(use_qk_l2norm_in_kernel))
+    return (_deltanet_step_run if eager else _deltanet_step)(q, k, v, beta, st, sc, bool(use_qk_l2norm_in_kernel))
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import _C
-from .ops import (_AUTOGRAD, _NO_GRAD, _apply, _fast_once_differentiable, _last_contig, _prep_gate, _route_all, _spec,
+from .ops import (_AUTOGRAD, _CUSTOM_OP, _NO_GRAD, _apply, _fast_once_differentiable, _last_contig, _prep_gate, _route_all, _spec,
                   _stream, head_norm)
 
 __all__ = ["mlstm", "mlstm_headnorm", "mlstm_step", "mlstm_parallel", "mlstm_parallel_headnorm", "mlstm_decay_matrix"]
@@ -229,11 +229,24 @@ def mlstm_headnorm(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, weight
 @torch.library.custom_op("fastweight::mlstm_step", mutates_args=())
 def _mlstm_step(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, c: Tensor, n: Tensor, m: Tensor,
                 eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _mlstm_step_run(q, k, v, i, f, c, n, m, eps)
+
+
+def _mlstm_step_run(q, k, v, i, f, c, n, m, eps):
+    """The step's _C call (new states), shared by the custom op and the eager path."""
     h = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     c2, n2, m2 = torch.empty_like(c), torch.empty_like(n), torch.empty_like(m)
     _C.mlstm_step(_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(c), _spec(n), _spec(m), _spec(h),
                   _spec(c2), _spec(n2), _spec(m2), eps, _stream(q))
     return h, c2, n2, m2
+
+
+def _mlstm_step_inplace_run(q, k, v, i, f, c, n, m, eps):
+    """The in-place step's _C call (c, n, m updated), shared likewise."""
+    h = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    cs, ns, ms = _spec(c), _spec(n), _spec(m)
+    _C.mlstm_step(_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), cs, ns, ms, _spec(h), cs, ns, ms, eps, _stream(q))
+    return h
 
 
 @_mlstm_step.register_fake
@@ -244,10 +257,7 @@ def _(q, k, v, i, f, c, n, m, eps):
 @torch.library.custom_op("fastweight::mlstm_step_", mutates_args=("c", "n", "m"))
 def _mlstm_step_(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, c: Tensor, n: Tensor, m: Tensor,
                  eps: float) -> Tensor:
-    h = torch.empty(v.shape, dtype=q.dtype, device=q.device)
-    cs, ns, ms = _spec(c), _spec(n), _spec(m)
-    _C.mlstm_step(_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), cs, ns, ms, _spec(h), cs, ns, ms, eps, _stream(q))
-    return h
+    return _mlstm_step_inplace_run(q, k, v, i, f, c, n, m, eps)
 
 
 @_mlstm_step_.register_fake
@@ -263,10 +273,12 @@ def mlstm_step(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, c: Tensor,
     (decoding)."""
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
     i, f = _prep_gate(i, q), _prep_gate(f, q)
+    eager = _route_all((q, k, v, i, f, c, n, m)) != _CUSTOM_OP  # plain eager: the _C call directly (host time)
     if inplace:
-        h = _mlstm_step_(q, k, v, i, f, c, n, m, float(eps))
+        h = (_mlstm_step_inplace_run if eager else _mlstm_step_)(q, k, v, i, f, c, n, m, float(eps))
         return h, (c, n, m)
-    h, c2, n2, m2 = _mlstm_step(q, k, v, i, f, _last_contig(c), _last_contig(n), _last_contig(m), float(eps))
+    h, c2, n2, m2 = (_mlstm_step_run if eager else _mlstm_step)(q, k, v, i, f, _last_contig(c), _last_contig(n),
+                                                                _last_contig(m), float(eps))
     return h, (c2, n2, m2)
 
 

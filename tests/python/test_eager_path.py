@@ -376,3 +376,34 @@ def test_delta_rule_eager_path_bitwise_equals_custom_op(dtype, cfg):
     with torch.no_grad():
         on, _ = fastweight.delta_rule(q, k, v, beta, initial_state=h0, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
     assert on.grad_fn is None and torch.equal(on, oc.detach())
+
+
+# ---- decoding steps: plain eager mode calls _C directly ---------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+def test_steps_eager_path_bitwise_equals_custom_ops(dtype):
+    gen = torch.Generator().manual_seed(5)
+
+    def r(*shape, dt=dtype):
+        return torch.randn(shape, generator=gen, dtype=torch.float64).to(dt)
+    q, k, v, i, f = r(2, 3, 8), r(2, 3, 8), r(2, 3, 12), r(2, 3), r(2, 3)
+    c, n, m = r(2, 3, 8, 12, dt=torch.float32), r(2, 3, 8, dt=torch.float32), r(2, 3, 1, dt=torch.float32)
+    lib = torch.ops.fastweight
+    h, (c2, n2, m2) = fastweight.mlstm_step(q, k, v, i, f, c, n, m)
+    want = lib.mlstm_step(q, k, v, ops._prep_gate(i, q), ops._prep_gate(f, q), c, n, m, 1e-6)
+    for a, b in zip((h, c2, n2, m2), want):
+        assert torch.equal(a, b)
+    ci, ni, mi = c.clone(), n.clone(), m.clone()
+    hi, _ = fastweight.mlstm_step(q, k, v, i, f, ci, ni, mi, inplace=True)
+    assert torch.equal(hi, h) and torch.equal(ci, c2) and torch.equal(ni, n2) and torch.equal(mi, m2)
+
+    qd, kd, vd, beta = r(2, 3, 8), r(2, 3, 8) * 0.3, r(2, 3, 12), torch.rand((2, 3), generator=gen).to(dtype)
+    s0 = r(2, 3, 8, 12, dt=torch.float32)
+    o, s1 = fastweight.delta_rule_step(qd, kd, vd, beta, s0, use_qk_l2norm_in_kernel=True)
+    wo, ws = lib.deltanet_step(qd, kd, vd, ops._prep_gate(beta, qd), s0, None, True)
+    assert torch.equal(o, wo) and torch.equal(s1, ws)
+    si = s0.clone()
+    oi, same = fastweight.delta_rule_step(qd, kd, vd, beta, si, use_qk_l2norm_in_kernel=True, inplace=True)
+    assert same is si and torch.equal(oi, o) and torch.equal(si, s1)
+    # a dispatch mode sees the custom ops
+    seen = _dispatched(lambda: fastweight.delta_rule_step(qd, kd, vd, beta, s0))
+    assert any("fastweight.deltanet_step" in s for s in seen), seen
