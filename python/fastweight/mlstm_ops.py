@@ -14,9 +14,9 @@ preactivations; states c (B, NH, DQK, DV), n (B, NH, DQK), m (B, NH, 1), float32
 
 Everything is differentiable (q, k, v, i, f and the initial states; the last states too), and the
 gradient is exact: the normaliser's gradient is kept (mlstm_kernels drops it). Custom ops with fake
-kernels: ``torch.compile(fullgraph=True)`` works. In plain eager mode ``mlstm`` skips the dispatcher
-(a torch.autograd.Function over the same _C calls: the same bits, a third of the host time; see
-fastweight.ops). CPU tensors run the float64 reference behind the
+kernels: ``torch.compile(fullgraph=True)`` works. In plain eager mode ``mlstm`` and the parallel forms
+skip the dispatcher (a torch.autograd.Function over the same _C calls: the same bits, a third of the
+host time; see fastweight.ops), and the steps call _C directly. CPU tensors run the float64 reference behind the
 C++ API; CUDA tensors run the CUDA kernels (forward, backward, step, decay matrix).
 """
 
@@ -291,6 +291,11 @@ def _stats_dtype(q: Tensor) -> torch.dtype:
 def _parallel_fwd(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor,
                   eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """h, n, m and b (the signed row sum the backward needs: n = max(|b|, exp(-m)))."""
+    return _parallel_fwd_run(q, k, v, i, f, eps)
+
+
+def _parallel_fwd_run(q, k, v, i, f, eps):
+    """The parallel forward's _C call, shared by the custom op and the eager path."""
     h = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     n, m, b = (q.new_empty(q.shape[:3], dtype=_stats_dtype(q)) for _ in range(3))
     args = (_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(h), _spec(n), _spec(m), _spec(b), eps)
@@ -307,6 +312,11 @@ def _(q, k, v, i, f, eps):
 @torch.library.custom_op("fastweight::mlstm_parallel_bwd", mutates_args=())
 def _parallel_bwd(dh: Tensor, q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, h: Tensor, m: Tensor,
                   b: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _parallel_bwd_run(dh, q, k, v, i, f, h, m, b, eps)
+
+
+def _parallel_bwd_run(dh, q, k, v, i, f, h, m, b, eps):
+    """The parallel backward's _C call, shared likewise."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     di, df = torch.empty_like(i), torch.empty_like(f)
     args = (_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(h), None, _spec(m), _spec(b), _spec(dh),
@@ -340,14 +350,37 @@ def _parallel_backward(ctx, dh, dn, dm, db):
 _parallel_fwd.register_autograd(_parallel_backward, setup_context=_parallel_setup)
 
 
+class _ParallelFn(torch.autograd.Function):
+    """The eager path of mlstm_parallel (fastweight.ops: _route_all): the custom op's _C calls."""
+    @staticmethod
+    def forward(ctx, q, k, v, i, f, eps):
+        h, n, m, b = _parallel_fwd_run(q, k, v, i, f, eps)
+        ctx.save_for_backward(q, k, v, i, f, h, m, b)
+        ctx.eps = eps
+        ctx.mark_non_differentiable(n, m)
+        return h, n, m
+
+    @staticmethod
+    @_fast_once_differentiable
+    def backward(ctx, dh, dn, dm):
+        q, k, v, i, f, h, m, b = ctx.saved_tensors
+        return (*_parallel_bwd_run(_last_contig(dh), q, k, v, i, f, h, m, b, ctx.eps), None)
+
+
+_parallel_apply = _apply(_ParallelFn)
+
+
 def mlstm_parallel(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: float = 1e-6):
     """Seed 000's parallel form (no initial states): returns (h, n, m), h (B, NH, S, DV) in q's dtype (the
     h of ``mlstm`` when eps = 0; with eps > 0 the forms' stabilisers, and so eps's weight, differ), n and m
     (B, NH, S) the per-position normaliser and stabiliser in float32 (float64 for float64 q). h is
     differentiable in q, k, v, i, f (exact gradient); n and m are statistics and carry no gradient. On
     CUDA the kernels are tiled (FlashAttention-style: no S x S matrix in memory) with fp32 compute."""
-    h, n, m, _ = _parallel_fwd(_last_contig(q), _last_contig(k), _last_contig(v), _prep_gate(i, q),
-                               _prep_gate(f, q), float(eps))
+    q, k, v, i, f = _last_contig(q), _last_contig(k), _last_contig(v), _prep_gate(i, q), _prep_gate(f, q)
+    route = _route_all((q, k, v, i, f))
+    if route == _AUTOGRAD:
+        return _parallel_apply(q, k, v, i, f, float(eps))
+    h, n, m, _ = (_parallel_fwd_run if route == _NO_GRAD else _parallel_fwd)(q, k, v, i, f, float(eps))
     return h, n, m
 
 
@@ -357,6 +390,11 @@ def _par_hn_fwd(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, weight: O
                 bias: Optional[Tensor], eps: float, norm_eps: float,
                 weight_offset: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """out, and what the backward takes back: the pre-norm h, m and b."""
+    return _par_hn_fwd_run(q, k, v, i, f, weight, bias, eps, norm_eps, weight_offset)
+
+
+def _par_hn_fwd_run(q, k, v, i, f, weight, bias, eps, norm_eps, weight_offset):
+    """The fused forward's _C call, shared by the custom op and the eager path."""
     out, h = torch.empty(v.shape, dtype=q.dtype, device=q.device), torch.empty(v.shape, dtype=q.dtype, device=q.device)
     m, b = (q.new_empty(q.shape[:3], dtype=_stats_dtype(q)) for _ in range(2))
     args = (_spec(q), _spec(k), _spec(v), _spec(i), _spec(f), _spec(h), None, _spec(m), _spec(b), eps, _spec(out),
@@ -376,6 +414,13 @@ def _(q, k, v, i, f, weight, bias, eps, norm_eps, weight_offset):
 def _par_hn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, weight: Optional[Tensor],
                 bias: Optional[Tensor], h: Tensor, m: Tensor, b: Tensor, eps: float, norm_eps: float,
                 weight_offset: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv, di, df, dw, db = _par_hn_bwd_run(dout, q, k, v, i, f, weight, bias, h, m, b, eps, norm_eps,
+                                                 weight_offset)
+    return dq, dk, dv, di, df, dw if dw is not None else _empty(q), db if db is not None else _empty(q)
+
+
+def _par_hn_bwd_run(dout, q, k, v, i, f, weight, bias, h, m, b, eps, norm_eps, weight_offset):
+    """The fused backward's _C call, shared likewise (dw / db None without weight / bias)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     di, df = torch.empty_like(i), torch.empty_like(f)
     dw = torch.empty_like(weight) if weight is not None else None
@@ -385,7 +430,7 @@ def _par_hn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Ten
             _spec(db), norm_eps, weight_offset)
     ws = _workspace(q, _C.mlstm_parallel_bwd_workspace_size(*args))
     _C.mlstm_parallel_bwd(*args, workspace=_ws_spec(ws), stream=_stream(q))
-    return dq, dk, dv, di, df, dw if dw is not None else _empty(q), db if db is not None else _empty(q)
+    return dq, dk, dv, di, df, dw, db
 
 
 @_par_hn_bwd.register_fake
@@ -414,6 +459,26 @@ def _par_hn_backward(ctx, dout, dh, dm, db):
 _par_hn_fwd.register_autograd(_par_hn_backward, setup_context=_par_hn_setup)
 
 
+class _ParHeadNormFn(torch.autograd.Function):
+    """The eager path of mlstm_parallel_headnorm (fastweight.ops: _route_all): the custom op's _C calls."""
+    @staticmethod
+    def forward(ctx, q, k, v, i, f, weight, bias, eps, norm_eps, weight_offset):
+        out, h, m, b = _par_hn_fwd_run(q, k, v, i, f, weight, bias, eps, norm_eps, weight_offset)
+        ctx.save_for_backward(q, k, v, i, f, weight, bias, h, m, b)
+        ctx.args = (eps, norm_eps, weight_offset)
+        return out
+
+    @staticmethod
+    @_fast_once_differentiable
+    def backward(ctx, dout):
+        q, k, v, i, f, weight, bias, h, m, b = ctx.saved_tensors
+        grads = _par_hn_bwd_run(_last_contig(dout), q, k, v, i, f, weight, bias, h, m, b, *ctx.args)
+        return (*grads, None, None, None)
+
+
+_par_hn_apply = _apply(_ParHeadNormFn)
+
+
 def mlstm_parallel_headnorm(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, weight: Optional[Tensor] = None,
                             bias: Optional[Tensor] = None, eps: float = 1e-6, norm_eps: float = 1e-6,
                             weight_offset: float = 0.0) -> Tensor:
@@ -421,10 +486,12 @@ def mlstm_parallel_headnorm(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tenso
     row of h normalised over DV (weight / bias (NH, DV), scale weight_offset + weight; xLSTM's
     MultiHeadLayerNorm is weight_offset = 1). Exact gradients for q, k, v, i, f, weight and bias (the
     normaliser's path kept). On CUDA the norm's backward runs inside the backward's per-row pass."""
-    out, _, _, _ = _par_hn_fwd(_last_contig(q), _last_contig(k), _last_contig(v), _prep_gate(i, q), _prep_gate(f, q),
-                               _last_contig(weight), _last_contig(bias), float(eps), float(norm_eps),
-                               float(weight_offset))
-    return out
+    q, k, v, i, f = _last_contig(q), _last_contig(k), _last_contig(v), _prep_gate(i, q), _prep_gate(f, q)
+    args = (q, k, v, i, f, _last_contig(weight), _last_contig(bias), float(eps), float(norm_eps), float(weight_offset))
+    route = _route_all(args[:7])
+    if route == _AUTOGRAD:
+        return _par_hn_apply(*args)
+    return (_par_hn_fwd_run if route == _NO_GRAD else _par_hn_fwd)(*args)[0]
 
 
 # ---- decay matrix ------------------------------------------------------------------------------------

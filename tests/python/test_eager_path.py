@@ -407,3 +407,47 @@ def test_steps_eager_path_bitwise_equals_custom_ops(dtype):
     # a dispatch mode sees the custom ops
     seen = _dispatched(lambda: fastweight.delta_rule_step(qd, kd, vd, beta, s0))
     assert any("fastweight.deltanet_step" in s for s in seen), seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=lambda d: str(d).split(".")[-1])
+def test_mlstm_parallel_eager_path_bitwise_equals_custom_op(dtype):
+    """fastweight.mlstm_parallel's eager autograd.Function and the custom op: h, n, m and every gradient."""
+    base = _mlstm_inputs(dtype, False, S=21)[:5]
+    dh = torch.randn(base[2].shape, generator=torch.Generator().manual_seed(9)).to(dtype)
+
+    def run(eager):
+        leaves = _leaves(*base)
+        if eager:
+            h, n, m = fastweight.mlstm_parallel(*leaves)
+        else:
+            q, k, v, i, f = leaves
+            h, n, m, _ = torch.ops.fastweight.mlstm_parallel_fwd(q, k, v, ops._prep_gate(i, q), ops._prep_gate(f, q),
+                                                                 1e-6)
+        return h, (n, m), _grads_of(leaves, [h], [dh])
+
+    _assert_same("_ParallelFnBackward", run(True), run(False))
+    with torch.no_grad():
+        hn, _, _ = fastweight.mlstm_parallel(*base)
+    assert hn.grad_fn is None and torch.equal(hn, run(False)[0].detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("params", ["both", "weight", "none"])
+def test_mlstm_parallel_headnorm_eager_path_bitwise_equals_custom_op(dtype, params):
+    base = _mlstm_inputs(dtype, False, S=21)[:5]
+    gen = torch.Generator().manual_seed(13)
+    w = torch.randn((2, 12), generator=gen).to(dtype) if params != "none" else None
+    b = torch.randn((2, 12), generator=gen).to(dtype) if params == "both" else None
+    dout = torch.randn(base[2].shape, generator=gen).to(dtype)
+
+    def run(eager):
+        leaves = _leaves(*base, w, b)
+        if eager:
+            out = fastweight.mlstm_parallel_headnorm(*leaves, weight_offset=1.0)
+        else:
+            q, k, v, i, f, lw, lb = leaves
+            out = torch.ops.fastweight.mlstm_parallel_headnorm_fwd(q, k, v, ops._prep_gate(i, q), ops._prep_gate(f, q),
+                                                                   lw, lb, 1e-6, 1e-6, 1.0)[0]
+        return out, None, _grads_of(leaves, [out], [dout])
+
+    _assert_same("_ParHeadNormFnBackward", run(True), run(False))
