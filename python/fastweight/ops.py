@@ -460,12 +460,18 @@ _is_compiling = torch.compiler.is_compiling
 _CUSTOM_OP, _NO_GRAD, _AUTOGRAD = 0, 1, 2
 
 
+def _traced() -> bool:
+    """Compiling, exporting or tracing, a dispatch mode (FakeTensorMode ...) or a functorch transform:
+    the custom ops, never the eager path."""
+    return _is_compiling() or _len_dispatch_modes() or _functorch_level() is not None or _jit_tracing() is not None
+
+
 def _route(x: Tensor, p: Optional[Tensor], q: Optional[Tensor] = None) -> int:
     """How the functional API runs on x and parameters p, q: _CUSTOM_OP unless in plain eager mode
     (not compiling, exporting or tracing; no dispatch mode such as FakeTensorMode; no functorch
     transform) with plain tensors (no subclass: FakeTensor, DTensor ...); else _AUTOGRAD when a
     gradient is needed, _NO_GRAD if not. (Unrolled: this runs on every call.)"""
-    if _is_compiling() or _len_dispatch_modes() or _functorch_level() is not None or _jit_tracing() is not None:
+    if _traced():
         return _CUSTOM_OP
     if (type(x) not in _PLAIN or (p is not None and type(p) not in _PLAIN)
             or (q is not None and type(q) not in _PLAIN)):
@@ -478,7 +484,7 @@ def _route(x: Tensor, p: Optional[Tensor], q: Optional[Tensor] = None) -> int:
 
 def _route_all(ts) -> int:
     """_route for ops of many tensors (None entries skipped): the same rules."""
-    if _is_compiling() or _len_dispatch_modes() or _functorch_level() is not None or _jit_tracing() is not None:
+    if _traced():
         return _CUSTOM_OP
     grad = False
     for t in ts:

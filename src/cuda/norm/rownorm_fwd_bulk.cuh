@@ -10,8 +10,7 @@
 //
 // Shape: persistent CTAs of kBulkThreads threads (one per SM, <= 128 registers), R = 512 / tpr row
 // groups of tpr threads (tpr = next_pow2(N / E / VPT), VPT = 4 or 8 vectors per thread); P CTAs per
-// parameter group, as the
-// persistent kernel. Each row group owns a ring of S row slots (S - 1 rows in flight while one is
+// parameter group, as the persistent kernel. Each row group owns a ring of S row slots (S - 1 rows in flight while one is
 // computed), each with its own mbarrier; lane 0 of the group posts the byte count and issues the
 // copy. A slot is refilled at the start of the iteration after the one that read it: every thread
 // of the group has read it by then (its reductions synchronised the group).
