@@ -246,6 +246,9 @@ __device__ __forceinline__ void store_rows(const StridedView& out, const float (
 // k1_rows: 1/den, db, corr = eps dden, eY (written for K2, K3 kv and K4). Also the chunk's dn partial
 // p_k = sum_t scale e_t db_t q_t (fixed row order) for dn_scan. C_k's low part goes over v, dead once
 // dh v^T is formed, 64 rows of C_k at a time.
+// NH: DQK halves of 128 (1 or 2), a compile-time count so that DQK <= 128 compiles without the
+// stash and the halves' loops (the runtime count cost k3q 4% there: 224 -> 232 us, session 10).
+template <int NH>
 __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
   const MlstmParams& p = B.f;
   __shared__ double s_g[kT], s_a[kT], s_M[kT];
@@ -272,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
   // dh C_k^T, 128 DQK columns (a half of C_k) at a time: (16 rows, 128 columns) per warp. Above
   // DQK = 128 the first half waits in the stash (fp32, fragment order) for the statistics, which
   // need si over both halves.
-  const int nh = (Dq + kHalf - 1) / kHalf;
+  constexpr int nh = NH;  // == (Dq + kHalf - 1) / kHalf (the launch picks it)
   float dq[16][4];
   float siA = 0.f, siB = 0.f;  // this lane's parts of q_t . (C_k dh_t)
   float* stash = sm.stash + warp * (16 * 4 * 32);
@@ -886,8 +889,9 @@ void mlstm_bwd_k3q_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream
   if (L.NC == 0 || L.heads == 0) return;
   const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
   const K3Layout lq(p.DQK, p.DV, false);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k3q_tc), kThreads, lq.bytes);
-  k3q_tc<<<dim3(unsigned(L.heads), unsigned(L.NC)), kThreads, lq.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
+  const auto kernel = lq.Dq > kHalf ? &k3q_tc<2> : &k3q_tc<1>;
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kThreads, lq.bytes);
+  kernel<<<dim3(unsigned(L.heads), unsigned(L.NC)), kThreads, lq.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
       B, fl, ws, L);
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
 }
