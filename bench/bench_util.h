@@ -160,6 +160,8 @@ struct DevBuf {
   explicit DevBuf(HostBuf& hb) : h(hb) {
     cuda_or_throw(cudaMalloc(&p, std::max<std::size_t>(h.bytes.size(), 1)), "cudaMalloc");
     cuda_or_throw(cudaMemcpy(p, h.bytes.data(), h.bytes.size(), cudaMemcpyHostToDevice), "upload");
+    // the pageable upload's DMA may still be in flight; the timer's stream is non-blocking
+    cuda_or_throw(cudaDeviceSynchronize(), "upload");
   }
   ~DevBuf() { cudaFree(p); }
   DevBuf(const DevBuf&) = delete;

@@ -104,7 +104,10 @@ struct Buf {
   }
   void upload() {
 #if FW_WITH_CUDA
-    if (on_gpu) cudaMemcpy(dev, host.data(), host.size(), cudaMemcpyHostToDevice);
+    if (on_gpu) {  // then wait: a pageable upload's DMA may land after the call returns
+      cudaMemcpy(dev, host.data(), host.size(), cudaMemcpyHostToDevice);
+      cudaDeviceSynchronize();
+    }
 #endif
   }
   void download() {

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run one LayerNorm-family call per provider (fastweight, FLA, torch) for ncu to profile.
+"""Run one LayerNorm-family call per provider (fastweight, FLA, torch, cuDNN) for ncu to profile.
 
   ncu --clock-control none --kernel-name regex:'rownorm|layer_norm|norm' \\
       --section SpeedOfLight --section Occupancy --section WarpStateStats \\
@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_norms import Env  # noqa: E402  (fastweight / FLA import logic lives there)
+from bench_norms import Case, Env, make_cudnn  # noqa: E402  (fastweight / FLA / cuDNN set-up lives there)
 
 
 def main():
@@ -40,13 +40,22 @@ def main():
         "torch": (lambda: torch.nn.functional.layer_norm(x, (N,), w, b)) if a.op == "layernorm"
         else (lambda: torch.nn.functional.rms_norm(x, (N,), w)),
     }
+    cudnn_impl = None
+    if "cudnn" in a.providers.split(","):  # the graphs of bench_norms.py (fp32 scale/bias for LayerNorm)
+        cudnn_impl = make_cudnn(env, Case(env, a.op, (M, N), dt))
+
+        def run_cudnn():
+            cudnn_impl.fwd()
+            cudnn_impl.bwd()
     for it in range(a.iters):
         last = it == a.iters - 1
         if last:  # ncu --profile-from-start off: only this iteration (all threads, autograd's too)
             torch.cuda.synchronize()
             torch.cuda.profiler.start()
         for name in a.providers.split(","):
-            if name in calls and (name != "fla" or fla is not None):
+            if name == "cudnn" and cudnn_impl is not None:
+                run_cudnn()
+            elif name in calls and (name != "fla" or fla is not None):
                 y = calls[name]()
                 y.backward(dy)
                 x.grad = w.grad = None

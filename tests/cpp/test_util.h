@@ -165,6 +165,9 @@ struct DeviceMirror {
   explicit DeviceMirror(const HostTensor& h) : nbytes(h.bytes.size()) {
     EXPECT_EQ(cudaMalloc(&ptr, nbytes), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(ptr, h.bytes.data(), nbytes, cudaMemcpyHostToDevice), cudaSuccess);
+    // a pageable upload may return before its DMA lands, and the tests' non-blocking streams do
+    // not wait for the legacy stream: without this, a kernel could read half-uploaded inputs
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
   ~DeviceMirror() { cudaFree(ptr); }
   TensorRef ref(HostTensor& h) { return h.ref(DeviceType::cuda, static_cast<unsigned char*>(ptr) + h.offset * h.esize()); }

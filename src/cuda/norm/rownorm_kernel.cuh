@@ -95,7 +95,8 @@ __device__ __forceinline__ float2 row_sum2(float2 v, int tpr, float* s_red) {
 // cached) in fp32 or the IO dtype.
 template <typename T, bool ALIGNED>
 __device__ __forceinline__ void load_params_vec(const RowNormParams& p, std::int64_t g, int col, int n,
-                                                float (&sc)[kVecElems<T>], float (&bi)[kVecElems<T>]) {
+                                                float (&sc)[kVecElems<T>], float (&bi)[kVecElems<T>],
+                                                bool bias = true) {
   constexpr int E = kVecElems<T>;
   const bool f32 = p.param == DType::f32;
 #pragma unroll
@@ -106,7 +107,7 @@ __device__ __forceinline__ void load_params_vec(const RowNormParams& p, std::int
 #pragma unroll
       for (int e = 0; e < E; ++e) sc[e] = p.weight_offset + raw_get<T>(raw, e);
     }
-    if (p.b) {
+    if (bias && p.b) {
       const uint4 raw = load_raw<T>(static_cast<const T*>(p.b) + g * p.b_group_stride, col, n, p.param_aligned);
 #pragma unroll
       for (int e = 0; e < E; ++e) bi[e] = raw_get<T>(raw, e);
@@ -117,7 +118,7 @@ __device__ __forceinline__ void load_params_vec(const RowNormParams& p, std::int
   for (int e = 0; e < E; ++e) {
     if (col + e >= n) break;
     if (p.w) sc[e] = p.weight_offset + load_param<T>(p.w, g * p.w_group_stride + col + e, f32);
-    if (p.b) bi[e] = load_param<T>(p.b, g * p.b_group_stride + col + e, f32);
+    if (bias && p.b) bi[e] = load_param<T>(p.b, g * p.b_group_stride + col + e, f32);
   }
 }
 
@@ -328,12 +329,23 @@ __device__ __forceinline__ void write_partials(float* ws, const float (&acc)[VPT
 }
 
 // The group's scale (weight_offset + w, or 1) as fp32 in shared memory, once per CTA; 0 in the padding.
-template <typename T>
+// A vector of E parameters per load (16 bytes where they are aligned) and 4 vectors per thread in
+// flight: at N = 16384 the scalar loop's 32 dependent L2 round trips per thread were 8-12% of the
+// ring kernel's stall samples (ncu source counters, 4096 x 4096 / 16384 bf16).
+template <typename T, bool ALIGNED>
 __device__ __forceinline__ void stage_scale(const RowNormParams& p, std::int64_t g, int n_pad, float* s_scale) {
-  const bool f32 = p.param == DType::f32;
-  const int n = int(p.n);
-  for (int c = threadIdx.x; c < n_pad; c += blockDim.x)
-    s_scale[c] = c >= n ? 0.f : p.w ? p.weight_offset + load_param<T>(p.w, g * p.w_group_stride + c, f32) : 1.f;
+  constexpr int E = kVecElems<T>;
+  const int n = int(p.n), nvec = n_pad / E;
+  float4* s4 = reinterpret_cast<float4*>(s_scale);
+#pragma unroll 4
+  for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
+    float sc[E], unused[E];
+    load_params_vec<T, ALIGNED>(p, g, v * E, n, sc, unused, /*bias=*/false);
+#pragma unroll
+    for (int i = 0; i < E / 4; ++i)  // 0 past the row end
+      s4[v * (E / 4) + i] = make_float4(v * E + 4 * i + 0 < n ? sc[4 * i + 0] : 0.f, v * E + 4 * i + 1 < n ? sc[4 * i + 1] : 0.f,
+                                        v * E + 4 * i + 2 < n ? sc[4 * i + 2] : 0.f, v * E + 4 * i + 3 < n ? sc[4 * i + 3] : 0.f);
+  }
   __syncthreads();
 }
 
@@ -377,7 +389,13 @@ __device__ __forceinline__ void group_barrier(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-template <typename T>
+// ONE_GROUP: tpr == 512 (the longest rows: bf16 N > 8192, fp32 N > 4096), one row group per CTA, whose
+// partials leave through shared memory as coalesced float4 stores. Stored straight from registers,
+// a thread's E consecutive columns made a stride-E pattern per instruction: 0.198 ms against 0.170
+// at 4096 x 16384 bf16 (20% of the stall samples, in the tail); float4 stores from registers spilled
+// into the row loop (their aligned register quads). Several row groups combine through shared
+// memory anyway (write_partials).
+template <typename T, bool ONE_GROUP>
 __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const RowNormParams p, const RowLaunch L,
                                                                           float* __restrict__ ws_dw,
                                                                           float* __restrict__ ws_db) {
@@ -390,8 +408,6 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
   float* s_scale = s_stat + S * 2 * NT;                                // (n_pad)
   float2* s_red = reinterpret_cast<float2*>(s_scale + n_pad);          // (2, NT / 32)
   const std::int64_t g = blockIdx.x / L.P, pi = blockIdx.x % L.P;
-  stage_scale<T>(p, g, n_pad, s_scale);
-
   const int tid = threadIdx.x, tpr = L.tpr, R = NT / tpr, rg = tid / tpr, lane = tid % tpr;
   const float inv_n = 1.f / float(n);
   const std::int64_t J = p.rows_per_group, jstep = std::int64_t(L.P) * R;
@@ -416,6 +432,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
     issue_row(pi * R + rg + s * jstep, s);
     cp_async_commit();
   }
+  stage_scale<T, true>(p, g, n_pad, s_scale);  // while the first rows are in flight
   int stage = 0, parity = 0;
   for (std::int64_t j0 = pi * R; j0 < J; j0 += jstep) {
     const std::int64_t j = j0 + rg;
@@ -488,8 +505,33 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
   cp_async_wait<0>();
   const std::int64_t slot = (pi * p.groups + g) * p.n;
   float* s_comb = reinterpret_cast<float*>(s_pipe);  // the ring is idle now
-  if (ws_dw) write_partials<T, VPT>(ws_dw, acc_dw, slot, n, tpr, R, rg, lane, s_comb);
-  if (ws_db) write_partials<T, VPT>(ws_db, acc_db, slot, n, tpr, R, rg, lane, s_comb);
+  if constexpr (ONE_GROUP) {
+    // through shared memory (the whole buffer is idle now) in vectors of E + 1 floats: scalar stores
+    // without bank conflicts, then float4 stores of 4 consecutive columns (aligned rows: n % E == 0,
+    // slot * 4 bytes a multiple of 16)
+    float* s_part = reinterpret_cast<float*>(smem_v);  // (n / E, E + 1)
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      float* out = w == 0 ? ws_dw : ws_db;
+      if (out == nullptr) continue;
+      __syncthreads();  // the previous reads of this buffer (the row loop, or the last gradient)
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int v = k * NT + tid;  // this thread's vector of E columns
+        if (v * E >= n) continue;
+#pragma unroll
+        for (int e = 0; e < E; ++e) s_part[v * (E + 1) + e] = w == 0 ? acc_dw[k][e] : acc_db[k][e];
+      }
+      __syncthreads();
+      for (int c = tid * 4; c < n; c += NT * 4) {
+        const float* src = s_part + (c / E) * (E + 1) + c % E;
+        *reinterpret_cast<float4*>(out + slot + c) = make_float4(src[0], src[1], src[2], src[3]);
+      }
+    }
+  } else {
+    if (ws_dw) write_partials<T, VPT>(ws_dw, acc_dw, slot, n, tpr, R, rg, lane, s_comb);
+    if (ws_db) write_partials<T, VPT>(ws_db, acc_db, slot, n, tpr, R, rg, lane, s_comb);
+  }
 }
 
 // Short rows (ring tpr < kRingMinTpr) and unaligned rows: persistent CTAs of max(tpr, 256) threads,
@@ -514,7 +556,7 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
   float* s_red = s_scale + n_pad;
   float* s_comb = s_red + 2 * (blockDim.x / 32) + 2;
   const std::int64_t g = blockIdx.x / L.P, pi = blockIdx.x % L.P;
-  stage_scale<T>(p, g, n_pad, s_scale);
+  stage_scale<T, ALIGNED>(p, g, n_pad, s_scale);
 
   const int R = blockDim.x / L.tpr, rg = threadIdx.x / L.tpr, lane = threadIdx.x % L.tpr;
   const float inv_n = 1.f / float(n);
@@ -780,8 +822,20 @@ __global__ void __launch_bounds__(32 * kFinSlices) rownorm_wgrad_finalize_kernel
   const std::int64_t gc = std::int64_t(blockIdx.x) * 32 + threadIdx.x;
   const std::int64_t cols = G * n;
   float t = 0.f;
-  if (gc < cols)
-    for (std::int64_t q = threadIdx.y; q < P; q += kFinSlices) t += ws[q * cols + gc];
+  if (gc < cols) {
+    // 4 loads in flight, added in the same order as one at a time (same bits): the serial loop was
+    // latency-bound (83 cycles per issued instruction, 12 us for 132 x 16384 x 2 partials)
+    std::int64_t q = threadIdx.y;
+    for (; q + 3 * kFinSlices < P; q += 4 * kFinSlices) {
+      const float a0 = ws[q * cols + gc], a1 = ws[(q + kFinSlices) * cols + gc];
+      const float a2 = ws[(q + 2 * kFinSlices) * cols + gc], a3 = ws[(q + 3 * kFinSlices) * cols + gc];
+      t += a0;
+      t += a1;
+      t += a2;
+      t += a3;
+    }
+    for (; q < P; q += kFinSlices) t += ws[q * cols + gc];
+  }
   s_part[threadIdx.y][threadIdx.x] = t;
   __syncthreads();
   if (threadIdx.y == 0 && gc < cols) {

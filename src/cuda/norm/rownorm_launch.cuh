@@ -57,10 +57,12 @@ inline int next_pow2(std::int64_t v) {
   return t;
 }
 
-// CTAs per group: about one wave of resident CTAs over `units` (groups x tiles), at most `need`.
+// CTAs per group: one wave of resident CTAs over `units` (groups x tiles), rounded down (a ceil
+// puts the remainder's CTAs in a second wave, which the persistent kernels wait for whole: head
+// norm's 16 groups got 144 ring CTAs of one per SM, 9 per group), at least 1, at most `need`.
 inline int ctas_per_unit(const void* kernel, int threads, std::size_t smem, std::int64_t units, std::int64_t need) {
   const std::int64_t resident = std::int64_t(std::max(resident_ctas_per_sm(kernel, threads, smem), 1)) * sm_count();
-  return int(std::max<std::int64_t>(1, std::min(need, (resident + units - 1) / units)));
+  return int(std::max<std::int64_t>(1, std::min(need, resident / units)));
 }
 
 // The persistent cached forward kernel for (dtype, alignment, CTA size).
@@ -77,6 +79,13 @@ template <typename T>
 const void* bulk_fwd_kernel(int vpt) {
   return vpt == 8 ? reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, 8>)
                   : reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, kBulkVecs>);
+}
+
+// The ring backward kernel for rows of `tpr` threads (one row group per CTA at kRingThreads).
+template <typename T>
+const void* ring_bwd_kernel(int tpr) {
+  return tpr == kRingThreads ? reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T, true>)
+                             : reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T, false>);
 }
 
 // The 2-vector cached backward kernel for (dtype, alignment, CTA size).
@@ -167,7 +176,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       plan.threads = kRingThreads;
       plan.smem = ring_smem_bytes(p.n, E);
       const int R = plan.threads / plan.L.tpr;
-      plan.L.P = ctas_per_unit(reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T>), plan.threads, plan.smem,
+      plan.L.P = ctas_per_unit(ring_bwd_kernel<T>(plan.L.tpr), plan.threads, plan.smem,
                                p.groups, (J + R - 1) / R);
       return plan;
     }
@@ -287,7 +296,9 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
       if (blocks > 0x7fffffff) throw Error(cat("rownorm_bwd: grid of ", blocks, " CTAs is too large"));
       const unsigned grid = unsigned(blocks);
       const bool big = plan.threads > kSmallCta;
-      if (plan.ring) rownorm_bwd_ring_kernel<T><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
+      if (plan.ring && plan.L.tpr == kRingThreads)
+        rownorm_bwd_ring_kernel<T, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
+      else if (plan.ring) rownorm_bwd_ring_kernel<T, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al && big) rownorm_bwd_cached_kernel<T, kBwdVecs, true, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al) rownorm_bwd_cached_kernel<T, kBwdVecs, true, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (big) rownorm_bwd_cached_kernel<T, kBwdVecs, false, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
