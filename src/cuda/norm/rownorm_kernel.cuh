@@ -389,13 +389,7 @@ __device__ __forceinline__ void group_barrier(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-// ONE_GROUP: tpr == 512 (the longest rows: bf16 N > 8192, fp32 N > 4096), one row group per CTA, whose
-// partials leave through shared memory as coalesced float4 stores. Stored straight from registers,
-// a thread's E consecutive columns made a stride-E pattern per instruction: 0.198 ms against 0.170
-// at 4096 x 16384 bf16 (20% of the stall samples, in the tail); float4 stores from registers spilled
-// into the row loop (their aligned register quads). Several row groups combine through shared
-// memory anyway (write_partials).
-template <typename T, bool ONE_GROUP>
+template <typename T>
 __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const RowNormParams p, const RowLaunch L,
                                                                           float* __restrict__ ws_dw,
                                                                           float* __restrict__ ws_db) {
@@ -504,33 +498,37 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
   }
   cp_async_wait<0>();
   const std::int64_t slot = (pi * p.groups + g) * p.n;
-  float* s_comb = reinterpret_cast<float*>(s_pipe);  // the ring is idle now
-  if constexpr (ONE_GROUP) {
-    // through shared memory (the whole buffer is idle now) in vectors of E + 1 floats: scalar stores
-    // without bank conflicts, then float4 stores of 4 consecutive columns (aligned rows: n % E == 0,
-    // slot * 4 bytes a multiple of 16)
-    float* s_part = reinterpret_cast<float*>(smem_v);  // (n / E, E + 1)
+  // The partials through shared memory (the whole buffer is idle now), each row group's vectors of E
+  // columns padded to E + 1 floats: scalar stores without bank conflicts (unpadded, a warp's store
+  // strided E words: 8-way conflicts, ~15% of the stall samples at 4096 x 4096 with 4 row groups),
+  // then the row groups' sum in a fixed order and float4 stores of 4 consecutive columns (aligned
+  // rows: n % E == 0, slot * 4 bytes a multiple of 16). With one row group, stored straight from
+  // registers instead, a thread's E consecutive columns made a stride-E pattern per instruction:
+  // 0.198 ms against 0.170 at 4096 x 16384 bf16 (20% of the stall samples, in the tail).
+  float* s_part = reinterpret_cast<float*>(smem_v);  // (R, n / E, E + 1)
+  const int group_floats = n / E * (E + 1);
 #pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      float* out = w == 0 ? ws_dw : ws_db;
-      if (out == nullptr) continue;
-      __syncthreads();  // the previous reads of this buffer (the row loop, or the last gradient)
+  for (int w = 0; w < 2; ++w) {
+    float* out = w == 0 ? ws_dw : ws_db;
+    if (out == nullptr) continue;
+    __syncthreads();  // the previous reads of this buffer (the row loop, or the last gradient)
 #pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int v = k * NT + tid;  // this thread's vector of E columns
-        if (v * E >= n) continue;
+    for (int k = 0; k < VPT; ++k) {
+      const int v = k * tpr + lane;  // this thread's vector of E columns
+      if (v * E >= n) continue;
 #pragma unroll
-        for (int e = 0; e < E; ++e) s_part[v * (E + 1) + e] = w == 0 ? acc_dw[k][e] : acc_db[k][e];
-      }
-      __syncthreads();
-      for (int c = tid * 4; c < n; c += NT * 4) {
-        const float* src = s_part + (c / E) * (E + 1) + c % E;
-        *reinterpret_cast<float4*>(out + slot + c) = make_float4(src[0], src[1], src[2], src[3]);
-      }
+      for (int e = 0; e < E; ++e) s_part[rg * group_floats + v * (E + 1) + e] = w == 0 ? acc_dw[k][e] : acc_db[k][e];
     }
-  } else {
-    if (ws_dw) write_partials<T, VPT>(ws_dw, acc_dw, slot, n, tpr, R, rg, lane, s_comb);
-    if (ws_db) write_partials<T, VPT>(ws_db, acc_db, slot, n, tpr, R, rg, lane, s_comb);
+    __syncthreads();
+    for (int c = tid * 4; c < n; c += NT * 4) {
+      const float* src = s_part + (c / E) * (E + 1) + c % E;
+      float4 t = make_float4(src[0], src[1], src[2], src[3]);
+      for (int i = 1; i < R; ++i) {
+        const float* q = src + i * group_floats;
+        t.x += q[0], t.y += q[1], t.z += q[2], t.w += q[3];
+      }
+      *reinterpret_cast<float4*>(out + slot + c) = t;
+    }
   }
 }
 

@@ -81,13 +81,6 @@ const void* bulk_fwd_kernel(int vpt) {
                   : reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, kBulkVecs>);
 }
 
-// The ring backward kernel for rows of `tpr` threads (one row group per CTA at kRingThreads).
-template <typename T>
-const void* ring_bwd_kernel(int tpr) {
-  return tpr == kRingThreads ? reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T, true>)
-                             : reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T, false>);
-}
-
 // The 2-vector cached backward kernel for (dtype, alignment, CTA size).
 template <typename T>
 const void* cached_bwd_kernel(bool aligned, bool big) {
@@ -176,7 +169,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       plan.threads = kRingThreads;
       plan.smem = ring_smem_bytes(p.n, E);
       const int R = plan.threads / plan.L.tpr;
-      plan.L.P = ctas_per_unit(ring_bwd_kernel<T>(plan.L.tpr), plan.threads, plan.smem,
+      plan.L.P = ctas_per_unit(reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T>), plan.threads, plan.smem,
                                p.groups, (J + R - 1) / R);
       return plan;
     }
@@ -296,9 +289,7 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
       if (blocks > 0x7fffffff) throw Error(cat("rownorm_bwd: grid of ", blocks, " CTAs is too large"));
       const unsigned grid = unsigned(blocks);
       const bool big = plan.threads > kSmallCta;
-      if (plan.ring && plan.L.tpr == kRingThreads)
-        rownorm_bwd_ring_kernel<T, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
-      else if (plan.ring) rownorm_bwd_ring_kernel<T, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
+      if (plan.ring) rownorm_bwd_ring_kernel<T><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al && big) rownorm_bwd_cached_kernel<T, kBwdVecs, true, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al) rownorm_bwd_cached_kernel<T, kBwdVecs, true, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (big) rownorm_bwd_cached_kernel<T, kBwdVecs, false, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
