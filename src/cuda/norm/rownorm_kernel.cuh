@@ -298,7 +298,7 @@ __global__ void FW_CACHED_BOUNDS(BIG) rownorm_fwd_cached_kernel(const RowNormPar
 // dW/dB partials in fp32 registers over the CTA's rows (each thread always owns the same columns),
 // combined over the CTA's row groups in a fixed order at the end: one partial row per CTA,
 // ws[(p * G + g) * N + c].
-template <typename T, int VPT>
+template <typename T, int VPT, bool PAD>
 __device__ __forceinline__ void write_partials(float* ws, const float (&acc)[VPT][kVecElems<T>], std::int64_t slot, int n,
                                                int tpr, int R, int rg, int lane, float* s_comb) {
   constexpr int E = kVecElems<T>;
@@ -312,20 +312,32 @@ __device__ __forceinline__ void write_partials(float* ws, const float (&acc)[VPT
       }
     return;
   }
+  // s_comb: (R, ceil(n / E), E + 1) with PAD -- each vector of E columns padded to E + 1 floats, so
+  // that a warp's scalar stores (lanes E words apart unpadded: 8-way bank conflicts) hit distinct
+  // banks; else (R, n) (the unaligned kernels: the padded indexing spilled there)
+  constexpr int EP = PAD ? E + 1 : E;
+  const int group_floats = PAD ? (n + E - 1) / E * EP : n;
   __syncthreads();  // s_comb may alias buffers other row groups still read
 #pragma unroll
   for (int k = 0; k < VPT; ++k)
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      const int c = (k * tpr + lane) * E + e;
-      if (c < n) s_comb[rg * n + c] = acc[k][e];
+      const int v = k * tpr + lane;
+      if (v * E + e < n) s_comb[rg * group_floats + v * EP + e] = acc[k][e];
     }
   __syncthreads();
   for (int c = threadIdx.x; c < n; c += blockDim.x) {
     float t = 0.f;
-    for (int i = 0; i < R; ++i) t += s_comb[i * n + c];
+    const float* src = s_comb + (PAD ? (c / E) * EP + c % E : c);
+    for (int i = 0; i < R; ++i) t += src[i * group_floats];
     ws[slot + c] = t;
   }
+}
+
+// s_comb floats write_partials<..., PAD> needs for R row groups of n columns (E per vector)
+inline std::size_t partials_comb_floats(int R, std::int64_t n, int elems, bool pad) {
+  if (R <= 1) return 0;
+  return pad ? std::size_t(R) * std::size_t((n + elems - 1) / elems) * std::size_t(elems + 1) : std::size_t(R) * std::size_t(n);
 }
 
 // The group's scale (weight_offset + w, or 1) as fp32 in shared memory, once per CTA; 0 in the padding.
@@ -356,7 +368,7 @@ __device__ __forceinline__ void stage_scale(const RowNormParams& p, std::int64_t
 // memory, so the dx pass re-reads it there instead of holding xhat and g in registers (64 partials
 // already take half the register budget).
 // smem: (S, 2, VPT, 512) 16-byte vectors (x then dy) | (S, 2, 512) floats (mean, rstd) | scale (N
-// padded to E) | row sums (2 parities, 16 warps) float2 -- the partial combine (R * N floats)
+// padded to E) | row sums (2 parities, 16 warps) float2 -- the partials (R, N / E, E + 1 floats)
 // reuses the ring after the loop.
 inline constexpr int kRingThreads = 512;
 inline constexpr int kRingVecs = 4;
@@ -536,7 +548,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
 // 2 vectors each of x and dy per thread; aligned rows come through a kStages-deep cp.async ring in
 // per-thread slots, unaligned ones through a register double buffer. xhat and g stay in registers
 // between the two passes.
-// smem: scale (N) | reduction scratch (2 * blockDim / 32 + 2) | partial combine (R * N) when R > 1
+// smem: scale (N) | reduction scratch (2 * blockDim / 32 + 2) | partial combine (R, ceil(N / E), E + 1) when R > 1
 template <typename T, int VPT, bool ALIGNED, bool BIG>
 __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownorm_bwd_cached_kernel(
     const RowNormParams p, const RowLaunch L, float* __restrict__ ws_dw, float* __restrict__ ws_db) {
@@ -546,7 +558,7 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
   const int n = int(p.n);
   // ALIGNED: (S, 2, VPT, blockDim) 16-byte vectors (x then dy) | (S, 2, blockDim) floats (mean,
   // rstd) | scale (N rounded up to E) | reduction scratch (2 * blockDim / 32 + 2) | partial combine
-  // (R * N) if R > 1
+  // (R, ceil(N / E), E + 1) if R > 1
   uint4* s_pipe = smem_v;
   float* s_stat = reinterpret_cast<float*>(smem_v + (ALIGNED ? S * 2 * VPT * blockDim.x : 0));
   float* s_scale = s_stat + (ALIGNED ? S * 2 * blockDim.x : 0);
@@ -666,8 +678,8 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
   if (ws_dw == nullptr && ws_db == nullptr) return;
 
   const std::int64_t slot = (pi * p.groups + g) * p.n;
-  if (ws_dw) write_partials<T, VPT>(ws_dw, acc_dw, slot, n, L.tpr, R, rg, lane, s_comb);
-  if (ws_db) write_partials<T, VPT>(ws_db, acc_db, slot, n, L.tpr, R, rg, lane, s_comb);
+  if (ws_dw) write_partials<T, VPT, ALIGNED>(ws_dw, acc_dw, slot, n, L.tpr, R, rg, lane, s_comb);
+  if (ws_db) write_partials<T, VPT, ALIGNED>(ws_db, acc_db, slot, n, L.tpr, R, rg, lane, s_comb);
 }
 
 
