@@ -310,7 +310,7 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
   const std::int64_t P = p.rows > 0 ? plan.L.P : 0;  // no rows: the gradients are zeros
   const std::int64_t cols = p.groups * p.n;
   const dim3 fblock(32, kFinSlices);
-  const unsigned fgrid = unsigned((cols + 31) / 32);
+  const unsigned fgrid = unsigned((cols + 32 * kFinCols - 1) / (32 * kFinCols));
   const bool f32 = p.param == DType::f32;
   WgradJob job;
   unsigned njobs = 0;
