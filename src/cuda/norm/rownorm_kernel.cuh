@@ -29,6 +29,7 @@
 #include <utility>
 
 #include "common/norm_params.h"
+#include "cuda/common/bulk.cuh"
 #include "cuda/common/vec.cuh"
 
 namespace fastweight::detail {
@@ -503,6 +504,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
     stage = stage == S - 1 ? 0 : stage + 1;
   }
   cp_async_wait<0>();
+  pdl_launch_dependents();  // the finalize may be scheduled while the partials are written
   const std::int64_t slot = (pi * p.groups + g) * p.n;
   float* s_comb = reinterpret_cast<float*>(s_pipe);  // the ring is idle now
   if constexpr (ONE_GROUP) {
@@ -665,6 +667,7 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
     }
   }
   if constexpr (ALIGNED) cp_async_wait<0>();
+  pdl_launch_dependents();
   if (ws_dw == nullptr && ws_db == nullptr) return;
 
   const std::int64_t slot = (pi * p.groups + g) * p.n;
@@ -794,6 +797,7 @@ __global__ void __launch_bounds__(256) rownorm_bwd_coltile_kernel(const RowNormP
       store_vec<T>(static_cast<T*>(p.dx) + p.dx_rows.offset(r), col, n, ALIGNED, out);
     }
   }
+  pdl_launch_dependents();
   const std::int64_t slot = (pi * p.groups + g) * p.n;
 #pragma unroll
   for (int e = 0; e < E; ++e) {
@@ -818,6 +822,7 @@ __global__ void __launch_bounds__(32 * kFinSlices) rownorm_wgrad_finalize_kernel
                                                                                std::int64_t G, std::int64_t n,
                                                                                bool out_f32) {
   __shared__ float s_part[kFinSlices][33];
+  pdl_wait_primary();  // launched programmatically after the backward kernel (sm_90): its partials
   const float* __restrict__ ws = job.ws[blockIdx.y];
   const std::int64_t gc = std::int64_t(blockIdx.x) * 32 + threadIdx.x;
   const std::int64_t cols = G * n;
