@@ -29,6 +29,7 @@
 #include <utility>
 
 #include "common/norm_params.h"
+#include "cuda/common/bulk.cuh"
 #include "cuda/common/vec.cuh"
 
 namespace fastweight::detail {
@@ -509,6 +510,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
     stage = stage == S - 1 ? 0 : stage + 1;
   }
   cp_async_wait<0>();
+  pdl_launch_dependents();  // the finalize may be scheduled while the partials are written
   const std::int64_t slot = (pi * p.groups + g) * p.n;
   // The partials through shared memory (the whole buffer is idle now), each row group's vectors of E
   // columns padded to E + 1 floats: scalar stores without bank conflicts (unpadded, a warp's store
@@ -675,6 +677,7 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
     }
   }
   if constexpr (ALIGNED) cp_async_wait<0>();
+  pdl_launch_dependents();
   if (ws_dw == nullptr && ws_db == nullptr) return;
 
   const std::int64_t slot = (pi * p.groups + g) * p.n;
@@ -804,6 +807,7 @@ __global__ void __launch_bounds__(256) rownorm_bwd_coltile_kernel(const RowNormP
       store_vec<T>(static_cast<T*>(p.dx) + p.dx_rows.offset(r), col, n, ALIGNED, out);
     }
   }
+  pdl_launch_dependents();
   const std::int64_t slot = (pi * p.groups + g) * p.n;
 #pragma unroll
   for (int e = 0; e < E; ++e) {
@@ -832,6 +836,7 @@ __global__ void __launch_bounds__(32 * kFinSlices) rownorm_wgrad_finalize_kernel
   // partial row where the rows allow (G * n % 4 == 0; the workspace is 16-byte aligned). Scalar
   // 4-byte loads per warp request ran at 1.4 TB/s (12.7 us for 132 x 16384 x 2 partials, ncu).
   __shared__ float4 s_part[kFinSlices][32];
+  pdl_wait_primary();  // launched programmatically after the backward kernel (sm_90): its partials
   const bool second = blockIdx.y != 0;  // selects without indexing the parameter arrays (a local copy)
   const float* __restrict__ ws = second ? job.ws[1] : job.ws[0];
   void* const out_p = second ? job.out[1] : job.out[0];

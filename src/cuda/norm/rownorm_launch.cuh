@@ -317,7 +317,20 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
   if (p.dw) { job.ws[njobs] = ws_dw; job.out[njobs] = p.dw; job.out_group_stride[njobs] = p.dw_group_stride; ++njobs; }
   if (p.db) { job.ws[njobs] = ws_db; job.out[njobs] = p.db; job.out_group_stride[njobs] = p.db_group_stride; ++njobs; }
   if (njobs > 0 && fgrid > 0) {
-    rownorm_wgrad_finalize_kernel<T><<<dim3(fgrid, njobs), fblock, 0, stream>>>(job, P, p.groups, p.n, f32);
+    // On sm_90 a programmatic dependent launch: its CTAs are scheduled as the backward's finish
+    // (they signal after their row loops) instead of after the launch gap, and wait in the kernel
+    // for the backward's completion before reading the partials.
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(fgrid, njobs);
+    cfg.blockDim = fblock;
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = cc_major() >= 9 ? 1 : 0;
+    FW_CUDA_CHECK("rownorm_bwd", cudaLaunchKernelEx(&cfg, rownorm_wgrad_finalize_kernel<T>, job, P, p.groups, p.n, f32));
     FW_CUDA_CHECK_LAUNCH("rownorm_bwd");
   }
 }
