@@ -355,9 +355,10 @@ __device__ __forceinline__ void stage_scale(const RowNormParams& p, std::int64_t
     float sc[E], unused[E];
     load_params_vec<T, ALIGNED>(p, g, v * E, n, sc, unused, /*bias=*/false);
 #pragma unroll
-    for (int i = 0; i < E / 4; ++i)  // 0 past the row end
-      s4[v * (E / 4) + i] = make_float4(v * E + 4 * i + 0 < n ? sc[4 * i + 0] : 0.f, v * E + 4 * i + 1 < n ? sc[4 * i + 1] : 0.f,
-                                        v * E + 4 * i + 2 < n ? sc[4 * i + 2] : 0.f, v * E + 4 * i + 3 < n ? sc[4 * i + 3] : 0.f);
+    for (int e = 0; e < E; ++e)
+      if (v * E + e >= n) sc[e] = 0.f;  // 0 past the row end
+#pragma unroll
+    for (int i = 0; i < E / 4; ++i) s4[v * (E / 4) + i] = make_float4(sc[4 * i], sc[4 * i + 1], sc[4 * i + 2], sc[4 * i + 3]);
   }
   __syncthreads();
 }

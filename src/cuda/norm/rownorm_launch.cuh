@@ -131,13 +131,10 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
           plan.L.tpr = tpr;
           plan.threads = kBulkThreads;
           plan.smem = bulk_smem_bytes(p.n, tpr, stages, vpt);
-          // P per group: at most one wave in all (rounded down: a second partial wave of these
-          // one-per-SM CTAs cost head norm's 16 groups 30%), at most the row groups the rows need
+          // P per group: one wave rounded down (a second partial wave of these one-per-SM CTAs cost
+          // head norm's 16 groups 30%), at most the row groups the rows need
           const int R = kBulkThreads / tpr;
-          const std::int64_t resident =
-              std::int64_t(std::max(resident_ctas_per_sm(bulk_fwd_kernel<T>(vpt), plan.threads, plan.smem), 1)) *
-              sm_count();
-          plan.L.P = int(std::max<std::int64_t>(1, std::min<std::int64_t>((J + R - 1) / R, resident / p.groups)));
+          plan.L.P = ctas_per_unit(bulk_fwd_kernel<T>(vpt), plan.threads, plan.smem, p.groups, (J + R - 1) / R);
           if (const int cap = rownorm_fwd_bulk_cta_cap(); cap > 0) plan.L.P = std::min(plan.L.P, cap);
           return plan;
         }
