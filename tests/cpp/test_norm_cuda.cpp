@@ -56,16 +56,20 @@ Outputs run_device(const Problem& pb, HostTensor& x, HostTensor& w, HostTensor& 
   return o;
 }
 
+// The parameter group of row r: headnorm (rows / NH, NH, n): r % NH; adaLN (B, S, n): r / S.
+std::int64_t group_of(const Problem& pb, std::int64_t r) {
+  if (pb.op == Op::headnorm) return r % pb.p_shape[0];
+  if (pb.op == Op::adalayernorm) return r / pb.x_shape[1];
+  return 0;
+}
+
 // ||rstd * dy * s|| over all rows (s = weight_offset + w, or 1): the magnitude of dx's terms.
 double cancel_scale(const Problem& pb, const HostTensor& x64, const HostTensor& dy64, const HostTensor& w64,
                     bool has_w, double offset, const HostTensor& rstd) {
   const std::int64_t n = pb.n;
   double ss = 0.0;
   for (std::int64_t r = 0; r < pb.rows; ++r) {
-    // parameter group of row r: headnorm (rows / NH, NH, n): r % NH; adaLN (B, S, n): r / S
-    std::int64_t g = 0;
-    if (pb.op == Op::headnorm) g = r % pb.p_shape[0];
-    if (pb.op == Op::adalayernorm) g = r / pb.x_shape[1];
+    const std::int64_t g = group_of(pb, r);
     for (std::int64_t c = 0; c < n; ++c) {
       const double s = has_w ? offset + w64.get(g * n + c) : 1.0;
       const double t = rstd.get(r) * dy64.get(r * n + c) * s;
@@ -84,9 +88,7 @@ double dw_scale(const Problem& pb, const HostTensor& x64, const HostTensor& dy64
   const std::int64_t n = pb.n, groups = pb.p_shape.size() > 1 ? pb.p_shape[0] : 1;
   std::vector<double> acc(static_cast<std::size_t>(groups * n), 0.0);
   for (std::int64_t r = 0; r < pb.rows; ++r) {
-    std::int64_t g = 0;  // parameter group of row r, as in cancel_scale
-    if (pb.op == Op::headnorm) g = r % pb.p_shape[0];
-    if (pb.op == Op::adalayernorm) g = r / pb.x_shape[1];
+    const std::int64_t g = group_of(pb, r);
     const double mu = rms ? 0.0 : mean.get(r);
     for (std::int64_t c = 0; c < n; ++c)
       acc[g * n + c] += std::fabs(dy64.get(r * n + c) * (x64.get(r * n + c) - mu) * rstd.get(r));

@@ -12,6 +12,22 @@
 
 namespace fastweight::detail {
 
+// Programmatic dependent launch (sm_90; no-ops below): a kernel launched after this one with
+// cudaLaunchAttributeProgrammaticStreamSerialization may be scheduled once every CTA of this one
+// has signalled (or exited); it must wait before it reads what this one wrote, and the wait lasts
+// until this grid has completed and its memory is visible (so the signal's place is a performance
+// choice, never a correctness one).
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(FW_HAS_BULK)
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait_primary() {
+#if defined(FW_HAS_BULK)
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 #if defined(FW_HAS_BULK)
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));

@@ -29,6 +29,7 @@
 #include <utility>
 
 #include "common/norm_params.h"
+#include "cuda/common/bulk.cuh"
 #include "cuda/common/vec.cuh"
 
 namespace fastweight::detail {
@@ -298,7 +299,7 @@ __global__ void FW_CACHED_BOUNDS(BIG) rownorm_fwd_cached_kernel(const RowNormPar
 // dW/dB partials in fp32 registers over the CTA's rows (each thread always owns the same columns),
 // combined over the CTA's row groups in a fixed order at the end: one partial row per CTA,
 // ws[(p * G + g) * N + c].
-template <typename T, int VPT>
+template <typename T, int VPT, bool PAD>
 __device__ __forceinline__ void write_partials(float* ws, const float (&acc)[VPT][kVecElems<T>], std::int64_t slot, int n,
                                                int tpr, int R, int rg, int lane, float* s_comb) {
   constexpr int E = kVecElems<T>;
@@ -312,20 +313,32 @@ __device__ __forceinline__ void write_partials(float* ws, const float (&acc)[VPT
       }
     return;
   }
+  // s_comb: (R, ceil(n / E), E + 1) with PAD -- each vector of E columns padded to E + 1 floats, so
+  // that a warp's scalar stores (lanes E words apart unpadded: 8-way bank conflicts) hit distinct
+  // banks; else (R, n) (the unaligned kernels: the padded indexing spilled there)
+  constexpr int EP = PAD ? E + 1 : E;
+  const int group_floats = PAD ? (n + E - 1) / E * EP : n;
   __syncthreads();  // s_comb may alias buffers other row groups still read
 #pragma unroll
   for (int k = 0; k < VPT; ++k)
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      const int c = (k * tpr + lane) * E + e;
-      if (c < n) s_comb[rg * n + c] = acc[k][e];
+      const int v = k * tpr + lane;
+      if (v * E + e < n) s_comb[rg * group_floats + v * EP + e] = acc[k][e];
     }
   __syncthreads();
   for (int c = threadIdx.x; c < n; c += blockDim.x) {
     float t = 0.f;
-    for (int i = 0; i < R; ++i) t += s_comb[i * n + c];
+    const float* src = s_comb + (PAD ? (c / E) * EP + c % E : c);
+    for (int i = 0; i < R; ++i) t += src[i * group_floats];
     ws[slot + c] = t;
   }
+}
+
+// s_comb floats write_partials<..., PAD> needs for R row groups of n columns (E per vector)
+inline std::size_t partials_comb_floats(int R, std::int64_t n, int elems, bool pad) {
+  if (R <= 1) return 0;
+  return pad ? std::size_t(R) * std::size_t((n + elems - 1) / elems) * std::size_t(elems + 1) : std::size_t(R) * std::size_t(n);
 }
 
 // The group's scale (weight_offset + w, or 1) as fp32 in shared memory, once per CTA; 0 in the padding.
@@ -342,9 +355,10 @@ __device__ __forceinline__ void stage_scale(const RowNormParams& p, std::int64_t
     float sc[E], unused[E];
     load_params_vec<T, ALIGNED>(p, g, v * E, n, sc, unused, /*bias=*/false);
 #pragma unroll
-    for (int i = 0; i < E / 4; ++i)  // 0 past the row end
-      s4[v * (E / 4) + i] = make_float4(v * E + 4 * i + 0 < n ? sc[4 * i + 0] : 0.f, v * E + 4 * i + 1 < n ? sc[4 * i + 1] : 0.f,
-                                        v * E + 4 * i + 2 < n ? sc[4 * i + 2] : 0.f, v * E + 4 * i + 3 < n ? sc[4 * i + 3] : 0.f);
+    for (int e = 0; e < E; ++e)
+      if (v * E + e >= n) sc[e] = 0.f;  // 0 past the row end
+#pragma unroll
+    for (int i = 0; i < E / 4; ++i) s4[v * (E / 4) + i] = make_float4(sc[4 * i], sc[4 * i + 1], sc[4 * i + 2], sc[4 * i + 3]);
   }
   __syncthreads();
 }
@@ -356,7 +370,7 @@ __device__ __forceinline__ void stage_scale(const RowNormParams& p, std::int64_t
 // memory, so the dx pass re-reads it there instead of holding xhat and g in registers (64 partials
 // already take half the register budget).
 // smem: (S, 2, VPT, 512) 16-byte vectors (x then dy) | (S, 2, 512) floats (mean, rstd) | scale (N
-// padded to E) | row sums (2 parities, 16 warps) float2 -- the partial combine (R * N floats)
+// padded to E) | row sums (2 parities, 16 warps) float2 -- the partials (R, N / E, E + 1 floats)
 // reuses the ring after the loop.
 inline constexpr int kRingThreads = 512;
 inline constexpr int kRingVecs = 4;
@@ -389,13 +403,7 @@ __device__ __forceinline__ void group_barrier(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-// ONE_GROUP: tpr == 512 (the longest rows: bf16 N > 8192, fp32 N > 4096), one row group per CTA, whose
-// partials leave through shared memory as coalesced float4 stores. Stored straight from registers,
-// a thread's E consecutive columns made a stride-E pattern per instruction: 0.198 ms against 0.170
-// at 4096 x 16384 bf16 (20% of the stall samples, in the tail); float4 stores from registers spilled
-// into the row loop (their aligned register quads). Several row groups combine through shared
-// memory anyway (write_partials).
-template <typename T, bool ONE_GROUP>
+template <typename T>
 __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const RowNormParams p, const RowLaunch L,
                                                                           float* __restrict__ ws_dw,
                                                                           float* __restrict__ ws_db) {
@@ -503,34 +511,39 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
     stage = stage == S - 1 ? 0 : stage + 1;
   }
   cp_async_wait<0>();
+  pdl_launch_dependents();  // the finalize may be scheduled while the partials are written
   const std::int64_t slot = (pi * p.groups + g) * p.n;
-  float* s_comb = reinterpret_cast<float*>(s_pipe);  // the ring is idle now
-  if constexpr (ONE_GROUP) {
-    // through shared memory (the whole buffer is idle now) in vectors of E + 1 floats: scalar stores
-    // without bank conflicts, then float4 stores of 4 consecutive columns (aligned rows: n % E == 0,
-    // slot * 4 bytes a multiple of 16)
-    float* s_part = reinterpret_cast<float*>(smem_v);  // (n / E, E + 1)
+  // The partials through shared memory (the whole buffer is idle now), each row group's vectors of E
+  // columns padded to E + 1 floats: scalar stores without bank conflicts (unpadded, a warp's store
+  // strided E words: 8-way conflicts, ~15% of the stall samples at 4096 x 4096 with 4 row groups),
+  // then the row groups' sum in a fixed order and float4 stores of 4 consecutive columns (aligned
+  // rows: n % E == 0, slot * 4 bytes a multiple of 16). With one row group, stored straight from
+  // registers instead, a thread's E consecutive columns made a stride-E pattern per instruction:
+  // 0.198 ms against 0.170 at 4096 x 16384 bf16 (20% of the stall samples, in the tail).
+  float* s_part = reinterpret_cast<float*>(smem_v);  // (R, n / E, E + 1)
+  const int group_floats = n / E * (E + 1);
 #pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      float* out = w == 0 ? ws_dw : ws_db;
-      if (out == nullptr) continue;
-      __syncthreads();  // the previous reads of this buffer (the row loop, or the last gradient)
+  for (int w = 0; w < 2; ++w) {
+    float* out = w == 0 ? ws_dw : ws_db;
+    if (out == nullptr) continue;
+    __syncthreads();  // the previous reads of this buffer (the row loop, or the last gradient)
 #pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int v = k * NT + tid;  // this thread's vector of E columns
-        if (v * E >= n) continue;
+    for (int k = 0; k < VPT; ++k) {
+      const int v = k * tpr + lane;  // this thread's vector of E columns
+      if (v * E >= n) continue;
 #pragma unroll
-        for (int e = 0; e < E; ++e) s_part[v * (E + 1) + e] = w == 0 ? acc_dw[k][e] : acc_db[k][e];
-      }
-      __syncthreads();
-      for (int c = tid * 4; c < n; c += NT * 4) {
-        const float* src = s_part + (c / E) * (E + 1) + c % E;
-        *reinterpret_cast<float4*>(out + slot + c) = make_float4(src[0], src[1], src[2], src[3]);
-      }
+      for (int e = 0; e < E; ++e) s_part[rg * group_floats + v * (E + 1) + e] = w == 0 ? acc_dw[k][e] : acc_db[k][e];
     }
-  } else {
-    if (ws_dw) write_partials<T, VPT>(ws_dw, acc_dw, slot, n, tpr, R, rg, lane, s_comb);
-    if (ws_db) write_partials<T, VPT>(ws_db, acc_db, slot, n, tpr, R, rg, lane, s_comb);
+    __syncthreads();
+    for (int c = tid * 4; c < n; c += NT * 4) {
+      const float* src = s_part + (c / E) * (E + 1) + c % E;
+      float4 t = make_float4(src[0], src[1], src[2], src[3]);
+      for (int i = 1; i < R; ++i) {
+        const float* q = src + i * group_floats;
+        t.x += q[0], t.y += q[1], t.z += q[2], t.w += q[3];
+      }
+      *reinterpret_cast<float4*>(out + slot + c) = t;
+    }
   }
 }
 
@@ -538,7 +551,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
 // 2 vectors each of x and dy per thread; aligned rows come through a kStages-deep cp.async ring in
 // per-thread slots, unaligned ones through a register double buffer. xhat and g stay in registers
 // between the two passes.
-// smem: scale (N) | reduction scratch (2 * blockDim / 32 + 2) | partial combine (R * N) when R > 1
+// smem: scale (N) | reduction scratch (2 * blockDim / 32 + 2) | partial combine (R, ceil(N / E), E + 1) when R > 1
 template <typename T, int VPT, bool ALIGNED, bool BIG>
 __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownorm_bwd_cached_kernel(
     const RowNormParams p, const RowLaunch L, float* __restrict__ ws_dw, float* __restrict__ ws_db) {
@@ -548,7 +561,7 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
   const int n = int(p.n);
   // ALIGNED: (S, 2, VPT, blockDim) 16-byte vectors (x then dy) | (S, 2, blockDim) floats (mean,
   // rstd) | scale (N rounded up to E) | reduction scratch (2 * blockDim / 32 + 2) | partial combine
-  // (R * N) if R > 1
+  // (R, ceil(N / E), E + 1) if R > 1
   uint4* s_pipe = smem_v;
   float* s_stat = reinterpret_cast<float*>(smem_v + (ALIGNED ? S * 2 * VPT * blockDim.x : 0));
   float* s_scale = s_stat + (ALIGNED ? S * 2 * blockDim.x : 0);
@@ -665,11 +678,12 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
     }
   }
   if constexpr (ALIGNED) cp_async_wait<0>();
+  pdl_launch_dependents();
   if (ws_dw == nullptr && ws_db == nullptr) return;
 
   const std::int64_t slot = (pi * p.groups + g) * p.n;
-  if (ws_dw) write_partials<T, VPT>(ws_dw, acc_dw, slot, n, L.tpr, R, rg, lane, s_comb);
-  if (ws_db) write_partials<T, VPT>(ws_db, acc_db, slot, n, L.tpr, R, rg, lane, s_comb);
+  if (ws_dw) write_partials<T, VPT, ALIGNED>(ws_dw, acc_dw, slot, n, L.tpr, R, rg, lane, s_comb);
+  if (ws_db) write_partials<T, VPT, ALIGNED>(ws_db, acc_db, slot, n, L.tpr, R, rg, lane, s_comb);
 }
 
 
@@ -794,6 +808,7 @@ __global__ void __launch_bounds__(256) rownorm_bwd_coltile_kernel(const RowNormP
       store_vec<T>(static_cast<T*>(p.dx) + p.dx_rows.offset(r), col, n, ALIGNED, out);
     }
   }
+  pdl_launch_dependents();
   const std::int64_t slot = (pi * p.groups + g) * p.n;
 #pragma unroll
   for (int e = 0; e < E; ++e) {
@@ -804,10 +819,11 @@ __global__ void __launch_bounds__(256) rownorm_bwd_coltile_kernel(const RowNormP
 }
 
 // ---- weight-gradient finalize: out[g, c] = sum_{p < P} ws[(p * G + g) * N + c], fixed order ------
-// Block (32, kFinSlices): 32 consecutive columns (coalesced), kFinSlices strided slices of p, then a
-// fixed-order sum of the slice sums in shared memory. blockIdx.y picks the gradient (dW, dB): one
+// Block (32, kFinSlices): 32 x kFinCols consecutive columns (coalesced), kFinSlices strided slices of
+// p, then a fixed-order sum of the slice sums in shared memory. blockIdx.y picks the gradient (dW, dB): one
 // launch for both. (32 slices measured 4-9 us slower in the backward's total at 4096 x 8192/16384.)
 inline constexpr int kFinSlices = 8;
+inline constexpr int kFinCols = 4;  // consecutive columns per thread
 struct WgradJob {
   const float* ws[2] = {nullptr, nullptr};  // (P, G, N) fp32 partials
   void* out[2] = {nullptr, nullptr};        // (G, N) at out_group_stride, fp32 or the IO dtype
@@ -817,33 +833,65 @@ template <typename T>
 __global__ void __launch_bounds__(32 * kFinSlices) rownorm_wgrad_finalize_kernel(const WgradJob job, std::int64_t P,
                                                                                std::int64_t G, std::int64_t n,
                                                                                bool out_f32) {
-  __shared__ float s_part[kFinSlices][33];
-  const float* __restrict__ ws = job.ws[blockIdx.y];
-  const std::int64_t gc = std::int64_t(blockIdx.x) * 32 + threadIdx.x;
+  // (kFinSlices, 32) float4: each thread sums kFinCols consecutive columns, as one 16-byte load per
+  // partial row where the rows allow (G * n % 4 == 0; the workspace is 16-byte aligned). Scalar
+  // 4-byte loads per warp request ran at 1.4 TB/s (12.7 us for 132 x 16384 x 2 partials, ncu).
+  __shared__ float4 s_part[kFinSlices][32];
+  pdl_wait_primary();  // launched programmatically after the backward kernel (sm_90): its partials
+  const bool second = blockIdx.y != 0;  // selects without indexing the parameter arrays (a local copy)
+  const float* __restrict__ ws = second ? job.ws[1] : job.ws[0];
+  void* const out_p = second ? job.out[1] : job.out[0];
+  const std::int64_t out_stride = second ? job.out_group_stride[1] : job.out_group_stride[0];
   const std::int64_t cols = G * n;
-  float t = 0.f;
-  if (gc < cols) {
-    // 4 loads in flight, added in the same order as one at a time (same bits): the serial loop was
-    // latency-bound (83 cycles per issued instruction, 12 us for 132 x 16384 x 2 partials)
+  const std::int64_t gc0 = (std::int64_t(blockIdx.x) * 32 + threadIdx.x) * kFinCols;
+  float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (gc0 < cols) {
     std::int64_t q = threadIdx.y;
-    for (; q + 3 * kFinSlices < P; q += 4 * kFinSlices) {
-      const float a0 = ws[q * cols + gc], a1 = ws[(q + kFinSlices) * cols + gc];
-      const float a2 = ws[(q + 2 * kFinSlices) * cols + gc], a3 = ws[(q + 3 * kFinSlices) * cols + gc];
-      t += a0;
-      t += a1;
-      t += a2;
-      t += a3;
+    if (cols % 4 == 0) {
+      const float4* __restrict__ w4 = reinterpret_cast<const float4*>(ws);
+      const std::int64_t c4 = cols / 4, i4 = gc0 / 4;
+      // 4 rows in flight, added in the same order as one at a time: each column's sum is the
+      // sequence ws[q] for q = y, y + kFinSlices, ... whatever the unrolling
+      for (; q + 3 * kFinSlices < P; q += 4 * kFinSlices) {
+        const float4 a0 = w4[q * c4 + i4], a1 = w4[(q + kFinSlices) * c4 + i4];
+        const float4 a2 = w4[(q + 2 * kFinSlices) * c4 + i4], a3 = w4[(q + 3 * kFinSlices) * c4 + i4];
+        t.x += a0.x, t.y += a0.y, t.z += a0.z, t.w += a0.w;
+        t.x += a1.x, t.y += a1.y, t.z += a1.z, t.w += a1.w;
+        t.x += a2.x, t.y += a2.y, t.z += a2.z, t.w += a2.w;
+        t.x += a3.x, t.y += a3.y, t.z += a3.z, t.w += a3.w;
+      }
+      for (; q < P; q += kFinSlices) {
+        const float4 a = w4[q * c4 + i4];
+        t.x += a.x, t.y += a.y, t.z += a.z, t.w += a.w;
+      }
+    } else {
+      for (; q < P; q += kFinSlices) {
+        const float* row = ws + q * cols + gc0;
+        t.x += row[0];
+        if (gc0 + 1 < cols) t.y += row[1];
+        if (gc0 + 2 < cols) t.z += row[2];
+        if (gc0 + 3 < cols) t.w += row[3];
+      }
     }
-    for (; q < P; q += kFinSlices) t += ws[q * cols + gc];
   }
   s_part[threadIdx.y][threadIdx.x] = t;
   __syncthreads();
-  if (threadIdx.y == 0 && gc < cols) {
-    float s = 0.f;
+  if (threadIdx.y == 0 && gc0 < cols) {
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int i = 0; i < kFinSlices; ++i) s += s_part[i][threadIdx.x];
-    const std::int64_t g = gc / n, c = gc - g * n;
-    store_param<T>(job.out[blockIdx.y], g * job.out_group_stride[blockIdx.y] + c, out_f32, s);
+    for (int i = 0; i < kFinSlices; ++i) {
+      const float4 v = s_part[i][threadIdx.x];
+      s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+    }
+#pragma unroll
+    for (int i = 0; i < kFinCols; ++i) {
+      const std::int64_t gc = gc0 + i;
+      if (gc < cols) {
+        const std::int64_t g = gc / n, c = gc - g * n;
+        const float v = i == 0 ? s.x : i == 1 ? s.y : i == 2 ? s.z : s.w;
+        store_param<T>(out_p, g * out_stride + c, out_f32, v);
+      }
+    }
   }
 }
 

@@ -81,13 +81,6 @@ const void* bulk_fwd_kernel(int vpt) {
                   : reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, kBulkVecs>);
 }
 
-// The ring backward kernel for rows of `tpr` threads (one row group per CTA at kRingThreads).
-template <typename T>
-const void* ring_bwd_kernel(int tpr) {
-  return tpr == kRingThreads ? reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T, true>)
-                             : reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T, false>);
-}
-
 // The 2-vector cached backward kernel for (dtype, alignment, CTA size).
 template <typename T>
 const void* cached_bwd_kernel(bool aligned, bool big) {
@@ -138,13 +131,10 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
           plan.L.tpr = tpr;
           plan.threads = kBulkThreads;
           plan.smem = bulk_smem_bytes(p.n, tpr, stages, vpt);
-          // P per group: at most one wave in all (rounded down: a second partial wave of these
-          // one-per-SM CTAs cost head norm's 16 groups 30%), at most the row groups the rows need
+          // P per group: one wave rounded down (a second partial wave of these one-per-SM CTAs cost
+          // head norm's 16 groups 30%), at most the row groups the rows need
           const int R = kBulkThreads / tpr;
-          const std::int64_t resident =
-              std::int64_t(std::max(resident_ctas_per_sm(bulk_fwd_kernel<T>(vpt), plan.threads, plan.smem), 1)) *
-              sm_count();
-          plan.L.P = int(std::max<std::int64_t>(1, std::min<std::int64_t>((J + R - 1) / R, resident / p.groups)));
+          plan.L.P = ctas_per_unit(bulk_fwd_kernel<T>(vpt), plan.threads, plan.smem, p.groups, (J + R - 1) / R);
           if (const int cap = rownorm_fwd_bulk_cta_cap(); cap > 0) plan.L.P = std::min(plan.L.P, cap);
           return plan;
         }
@@ -176,7 +166,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       plan.threads = kRingThreads;
       plan.smem = ring_smem_bytes(p.n, E);
       const int R = plan.threads / plan.L.tpr;
-      plan.L.P = ctas_per_unit(ring_bwd_kernel<T>(plan.L.tpr), plan.threads, plan.smem,
+      plan.L.P = ctas_per_unit(reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T>), plan.threads, plan.smem,
                                p.groups, (J + R - 1) / R);
       return plan;
     }
@@ -187,7 +177,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     // fixed-order combine of the partials; aligned rows: the cp.async stages (x, dy, mean/rstd)
     const std::size_t red = 2 * (plan.threads / 32) + 2;
     const std::size_t n_pad = std::size_t((p.n + E - 1) / E * E);
-    plan.smem = sizeof(float) * (red + n_pad + (R > 1 ? std::size_t(R) * p.n : 0));
+    plan.smem = sizeof(float) * (red + n_pad + partials_comb_floats(R, p.n, E, al));
     if (al) plan.smem += std::size_t(kStages) * plan.threads * (2 * kBwdVecs * sizeof(uint4) + 2 * sizeof(float));
     plan.L.P = ctas_per_unit(cached_bwd_kernel<T>(al, plan.threads > kSmallCta), plan.threads, plan.smem, p.groups,
                              (J + R - 1) / R);
@@ -296,9 +286,7 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
       if (blocks > 0x7fffffff) throw Error(cat("rownorm_bwd: grid of ", blocks, " CTAs is too large"));
       const unsigned grid = unsigned(blocks);
       const bool big = plan.threads > kSmallCta;
-      if (plan.ring && plan.L.tpr == kRingThreads)
-        rownorm_bwd_ring_kernel<T, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
-      else if (plan.ring) rownorm_bwd_ring_kernel<T, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
+      if (plan.ring) rownorm_bwd_ring_kernel<T><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al && big) rownorm_bwd_cached_kernel<T, kBwdVecs, true, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al) rownorm_bwd_cached_kernel<T, kBwdVecs, true, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (big) rownorm_bwd_cached_kernel<T, kBwdVecs, false, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
@@ -319,14 +307,27 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
   const std::int64_t P = p.rows > 0 ? plan.L.P : 0;  // no rows: the gradients are zeros
   const std::int64_t cols = p.groups * p.n;
   const dim3 fblock(32, kFinSlices);
-  const unsigned fgrid = unsigned((cols + 31) / 32);
+  const unsigned fgrid = unsigned((cols + 32 * kFinCols - 1) / (32 * kFinCols));
   const bool f32 = p.param == DType::f32;
   WgradJob job;
   unsigned njobs = 0;
   if (p.dw) { job.ws[njobs] = ws_dw; job.out[njobs] = p.dw; job.out_group_stride[njobs] = p.dw_group_stride; ++njobs; }
   if (p.db) { job.ws[njobs] = ws_db; job.out[njobs] = p.db; job.out_group_stride[njobs] = p.db_group_stride; ++njobs; }
   if (njobs > 0 && fgrid > 0) {
-    rownorm_wgrad_finalize_kernel<T><<<dim3(fgrid, njobs), fblock, 0, stream>>>(job, P, p.groups, p.n, f32);
+    // On sm_90 a programmatic dependent launch: its CTAs are scheduled as the backward's finish
+    // (they signal after their row loops) instead of after the launch gap, and wait in the kernel
+    // for the backward's completion before reading the partials.
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(fgrid, njobs);
+    cfg.blockDim = fblock;
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = cc_major() >= 9 ? 1 : 0;
+    FW_CUDA_CHECK("rownorm_bwd", cudaLaunchKernelEx(&cfg, rownorm_wgrad_finalize_kernel<T>, job, P, p.groups, p.n, f32));
     FW_CUDA_CHECK_LAUNCH("rownorm_bwd");
   }
 }
