@@ -69,11 +69,12 @@ struct DnFwdWs {
 //   dbp (ceil(V/64), B*T*H): dbeta partial sums, one per 64-column tile of V
 //   dqh, dkh (B*T*H, K): dL/d of the L2-normalised q, k (only with the in-kernel L2 norm)
 //   xw, xu, rk, T2: the tensor-core recompute's scratch (DnChunkBufs), when it applies; then S and
-//   dS hold bf16 hi + lo matrices (as DnChunkBufs::S) instead of fp32
+//   dS hold bf16 hi + lo matrices (as DnChunkBufs::S) instead of fp32, the state pass keeps dD0, then
+//   dD, in Y before it writes Y there (deltanet_bwd_tc.cu), and fac (3, B*T*H) holds rq, rk, beta
 // dqh and dkh share xw's and xu's memory: the chunk pass writes them after the recompute (the only
 // reader of xw, xu) is done, in stream order (-268 MB at (4, 4096, 16, 128) with the L2 norm).
 struct DnBwdWs {
-  std::int64_t rows, vt, S, dS, X, Y, dbp, dqh, dkh, xw, xu, rk, T2, total;
+  std::int64_t rows, vt, S, dS, X, Y, dbp, dqh, dkh, xw, xu, rk, T2, fac, total;
   // tc: the recompute runs the tensor-core pipeline (its xw, xu, rk regions; see DnChunkBufs)
   DnBwdWs(const DeltanetParams& p, bool tc) {
     rows = p.B * p.T * p.H, vt = (p.V + kDeltanetChunk - 1) / kDeltanetChunk;
@@ -86,6 +87,7 @@ struct DnBwdWs {
     xu = dkh = take(std::max(tc ? rows * p.V : 0, nh));
     rk = take(tc ? rows : 0);
     T2 = take(tc ? deltanet_slots(p) * p.H * 64 * 64 : 0);
+    fac = take(tc ? 3 * rows : 0);
     total = o;
   }
 };

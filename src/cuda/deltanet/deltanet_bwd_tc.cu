@@ -1,13 +1,20 @@
 // deltanet_bwd_tc.cu: the backward's state pass on tensor cores (bf16 q, k, v, do; K <= 128), after
-// the tensor-core recompute (deltanet_chunk_tc.cu) stored T2 = (I + Lg W)^-1 per chunk. One CTA
-// (4 warps) per (sequence, head, 64 columns of V), chunks in reverse, dS in fp32 registers. Per chunk
-// (deltanet_bwd.cu for the algebra; W = diag(beta), rq, rk the L2 factors, Lg = strict_lower(K^ K^T),
-// M = tril(Q^ K^T)), with dSe = dL/dS leaving the chunk:
-//   dD = s M^T dO + K^ dSe,   dR = W Y = T2^T W dD,   Y = dD - Lg^T dR   ((I + W Lg)^T Y = dD)
-//   dv = dR,   dbeta partial = Y . X (this V tile),   dS0 = dSe + s Q^T dO - K^T dR
-// Products on tensor cores; where a product feeds dS's chain (dSe, W dD, dR) its operands are bf16
-// hi + lo. Writes what the chunk pass reads (deltanet_bwd.cu): dSe per chunk as bf16 hi + lo, Y per
-// row, the dbeta partials; and dv, dinitial_state.
+// the tensor-core recompute (deltanet_chunk_tc.cu) stored Xw = T2 K^ (hi + lo) per row and
+// T2 = (I + Lg W)^-1 per chunk. Per chunk (deltanet_bwd.cu for the algebra; W = diag(beta), rq, rk the
+// L2 factors, K^ = diag(rk) K, Lg = strict_lower(K^ K^T), M = tril(Q^ K^T)), with dSe = dL/dS leaving
+// the chunk and s the scale:
+//   dD = dD0 + K^ dSe with dD0 = s M^T dO,   dR = T2^T W dD,   Y = dD - Lg^T dR,   dv = dR,
+//   dbeta partial = Y . X (this V tile),     dS0 = dSe + s Q^T diag(rq) dO - Xw^T W dD
+// (K^T dR = (T2 K^)^T W dD: FLA's chunk_gated_delta_rule_bwd_dhu form). Only dD and dS0 are on the
+// serial chain, so the pass is three kernels:
+//   1. prep (grid: chunk slots x H, all in parallel): dD0 -> the Y region (fp32 rows), rq, rk, beta;
+//   2. serial (grid: sequences*H x 64-column tiles of V, chunks in reverse; dS in fp32 registers):
+//      dD = dD0 + K^ dSe -> the Y region, dS += Q^T (s diag(rq) dO) - Xw^T (W dD), dSe per chunk as
+//      bf16 hi + lo (for the chunk pass), dinitial_state at the end;
+//   3. post (grid: chunk slots x H x V tiles, in parallel): dR, Y (-> the Y region, in place), dv,
+//      the dbeta partials.
+// Products on tensor cores; where an operand comes from fp32 it is bf16 hi + lo. (Version 1 of this
+// pass did all of it on the serial chain: 1.55 ms at (4,4096,16,128), ~24 us per chunk step.)
 #include "cuda/common/check.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
 #include "cuda/deltanet/deltanet_cuda.h"
@@ -17,185 +24,378 @@ namespace fastweight::detail {
 namespace {
 
 using namespace dtc;
-constexpr int kThreads = kTcThreads;
+constexpr int kThreads = kTcThreads;  // prep and post: 4 warps, warp w owns tile rows 16w..
+constexpr int kLdF = kT + 4;          // fp32 row stride of staged 64 x 64 tiles: 272 B, 16-byte aligned rows
 
-// smem: bf16 q, k [64][ldk] | dO [64][kLd] | (hi, lo pairs, [64][kLd] each) s M^T, T2^T, Lg^T (upper),
-//       W dD then -rk dR, dR, s rq dO | dSe hi, lo [Kc][kLd] | f32 rq, rk, beta [64] | f32 dD[64][65] |
-//       f32 stg[64][64]: cp.async staging of the next chunk's T2, then of this chunk's X tile (both were
-//       loaded where used, on the serial chain: 32 dependent loads per thread for T2 alone)
-struct BsLayout {
+// fp32 rows t0.. (nr of them) of a (B*T*H, V) workspace region, columns c0..c0+63, into dst[64][kLdF];
+// zero past nr rows and V columns. cp.async where V % 4 == 0 (the caller commits, waits and syncs),
+// else plain loads.
+__device__ __forceinline__ void stage_f32_tile(float* dst, const float* region, const DeltanetParams& p, std::int64_t b,
+                                               std::int64_t t0, std::int64_t h, int nr, std::int64_t c0, int nthreads) {
+  const std::int64_t V = p.V;
+  if (V % 4 == 0) {
+    for (int e = threadIdx.x; e < 64 * 16; e += nthreads) {
+      const int i = e / 16, c = 4 * (e % 16);
+      const std::int64_t left = V - c0 - c;
+      const int bytes = i < nr ? 4 * int(left < 0 ? 0 : left > 4 ? 4 : left) : 0;
+      const float* src = region + dn_ws_row(p, b, t0 + i, h) * V + c0 + c;
+      cp_async16(dst + i * kLdF + c, bytes ? src : region, bytes);
+    }
+  } else {
+    for (int e = threadIdx.x; e < 64 * 64; e += nthreads) {
+      const int i = e / 64, c = e % 64;
+      dst[i * kLdF + c] = i < nr && c0 + c < V ? region[dn_ws_row(p, b, t0 + i, h) * V + c0 + c] : 0.f;
+    }
+  }
+}
+
+// ---- 1. prep ------------------------------------------------------------------------------------
+// smem: bf16 q, k [64][ldk] | dO [64][kLd] | f32 rq, rk, beta [64]
+struct BpLayout {
   int Kc, ldk;
-  std::size_t q, k, dO, MTh, MTl, Th, Tl, Lh, Ll, Bh, Bl, Rh, Rl, Uh, Ul, Sh, Sl, rq, rk, beta, dd, stg, bytes;
-  __host__ __device__ explicit BsLayout(std::int64_t K) {
+  std::size_t q, k, dO, rq, rk, beta, bytes;
+  __host__ __device__ explicit BpLayout(std::int64_t K) {
     Kc = k_cols(K), ldk = Kc + 8;
-    const std::size_t t64 = 2 * std::size_t(kT) * kLd;  // bytes of a (64, kLd) bf16 tile
     q = 0, k = q + 2 * std::size_t(kT) * ldk, dO = k + 2 * std::size_t(kT) * ldk;
-    MTh = dO + t64, MTl = MTh + t64, Th = MTl + t64, Tl = Th + t64, Lh = Tl + t64, Ll = Lh + t64;
-    Bh = Ll + t64, Bl = Bh + t64, Rh = Bl + t64, Rl = Rh + t64, Uh = Rl + t64, Ul = Uh + t64;
-    Sh = Ul + t64, Sl = Sh + 2 * std::size_t(Kc) * kLd;
-    rq = Sl + 2 * std::size_t(Kc) * kLd, rk = rq + 4 * kT, beta = rk + 4 * kT, dd = beta + 4 * kT;
-    stg = dd + 4 * 64 * 65, bytes = stg + 4 * 64 * 64;
+    rq = dO + 2 * kT * kLd, rk = rq + 4 * kT, beta = rk + 4 * kT, bytes = beta + 4 * kT;
   }
 };
 
-__global__ void __launch_bounds__(kThreads, 1) deltanet_bwd_state_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
-                                                                            float* __restrict__ ws, bool vq, bool vk,
-                                                                            bool vo) {
+__global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const DeltanetBwdParams p, const DnBwdWs w,
+                                                                     float* __restrict__ ws, bool vq, bool vk,
+                                                                     bool vo) {
+  extern __shared__ float4 smem_raw[];
+  char* base = reinterpret_cast<char*>(smem_raw);
+  const BpLayout lay(p.K);
+  const int Kc = lay.Kc, ldk = lay.ldk;
+  bf16* sq = reinterpret_cast<bf16*>(base + lay.q);    // (64 rows, Kc) q
+  bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // (64 rows, Kc) k
+  bf16* sdo = reinterpret_cast<bf16*>(base + lay.dO);  // (64 rows, 64) dO, one V tile at a time
+  float* s_rq = reinterpret_cast<float*>(base + lay.rq);
+  float* s_rk = reinterpret_cast<float*>(base + lay.rk);
+  float* s_beta = reinterpret_cast<float*>(base + lay.beta);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const std::int64_t slot = blockIdx.x, h = blockIdx.y, K = p.K, V = p.V;
+  DnSeq sq_;
+  std::int64_t t0;
+  if (!dn_slot(p, slot, sq_, t0)) return;
+  const std::int64_t b = sq_.b;
+  const int nr = int(lmin(kT, sq_.eos - t0));
+  load_tile(sq, ldk, kT, Kc, bf_rows(p.q, b, t0, h), p.q.s1, nr, int(K), vq);
+  load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
+  load_tile(sdo, kLd, kT, kT, bf_rows(p.do_, b, t0, h), p.do_.s1, nr, int(lmin(kT, V)), vo);
+  cp_async_commit();
+  dn_row_factors(p, b, t0, nr, h, tid, s_rq, s_rk, s_beta);
+  cp_async_wait<0>();
+  __syncthreads();
+  if (tid < nr) {  // for the serial and post kernels
+    const std::int64_t row = dn_ws_row(p, b, t0 + tid, h);
+    ws[w.fac + row] = s_rq[tid], ws[w.fac + w.rows + row] = s_rk[tid], ws[w.fac + 2 * w.rows + row] = s_beta[tid];
+  }
+  // s M^T (this warp's rows c: key rows; columns i: query rows) as A fragments, hi + lo, in registers:
+  // [c][i] = s rq_i rk_c (k_c . q_i) for i >= c
+  std::uint32_t mh[4][4], ml[4][4];
+  {
+    float m[8][4] = {};
+    mma_rn(m, sk, ldk, warp, sq, ldk, Kc, lane);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float xh[4], xl[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = 16 * warp + frow(lane, e), i = fcol(lane, j, e);
+        const float x = i >= c ? p.scale * s_rq[i] * s_rk[c] * m[j][e] : 0.f;
+        xh[e] = __bfloat162float(__float2bfloat16_rn(x));
+        xl[e] = x - xh[e];
+      }
+      pack_a_frags(mh, j, xh);
+      pack_a_frags(ml, j, xl);
+    }
+  }
+  const bool even = V % 2 == 0;
+  for (std::int64_t v0 = 0; v0 < V; v0 += kT) {
+    if (v0 > 0) {
+      __syncthreads();  // every warp is done with the previous dO tile
+      load_tile(sdo, kLd, kT, kT, bf_rows(p.do_, b, t0, h) + v0, p.do_.s1, nr, int(lmin(kT, V - v0)), vo);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+    float dd[8][4] = {};  // dD0 = s M^T dO: rows 16 warp.., 64 columns of V
+    mma_frags_k(dd, mh, sdo, kLd, 0, lane);
+    mma_frags_k(dd, ml, sdo, kLd, 0, lane);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int c = 16 * warp + frow(lane, e);
+        const std::int64_t col = v0 + fcol(lane, j, e);
+        if (c < nr && col < V)
+          store_pair(ws + w.Y + dn_ws_row(p, b, t0 + c, h) * V + col, dd[j][e], dd[j][e + 1], col + 1 < V, even);
+      }
+  }
+}
+
+// ---- 2. serial ----------------------------------------------------------------------------------
+// smem: [2] bf16 k [64][ldk] | [2] bf16 dO [64][kLd] | [2] f32 dD0 [64][kLdF] | [2] f32 rq, rk, beta [64] |
+//       bf16 q, Xw hi, Xw lo [64][ldk] (one buffer: issued at the step's start, read in its second
+//       half) | bf16 dSe hi, lo [Kc][kLd] | bf16 -W dD hi, lo, s diag(rq) dO hi, lo [64][kLd]
+struct BsLayout {
+  int Kc, ldk;
+  std::size_t k, dO, dd, fac, q, xh, xl, Sh, Sl, Bh, Bl, Uh, Ul, bytes;
+  __host__ __device__ explicit BsLayout(std::int64_t K) {
+    Kc = k_cols(K), ldk = Kc + 8;
+    const std::size_t kt = 2 * std::size_t(kT) * ldk, t64 = 2 * std::size_t(kT) * kLd;
+    k = 0, dO = k + 2 * kt, dd = dO + 2 * t64, fac = dd + 2 * 4 * std::size_t(kT) * kLdF;
+    q = fac + 2 * 3 * 4 * kT, xh = q + kt, xl = xh + kt, Sh = xl + kt;
+    Sl = Sh + 2 * std::size_t(Kc) * kLd, Bh = Sl + 2 * std::size_t(Kc) * kLd;
+    Bl = Bh + t64, Uh = Bl + t64, Ul = Uh + t64, bytes = Ul + t64;
+  }
+};
+
+// 8 warps as the forward's state kernel: warp w owns dS's 16-row group w and, in dD, rows 16 (w % 4)..
+// and the 32-column half w / 4.
+constexpr int kBsThreads = 256;
+__global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
+                                                                              float* __restrict__ ws, bool vq, bool vk,
+                                                                              bool vo, bool vx) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const BsLayout lay(p.K);
   const int Kc = lay.Kc, ldk = lay.ldk;
-  auto tile = [&](std::size_t off) { return reinterpret_cast<bf16*>(base + off); };
-  bf16 *sq = tile(lay.q), *sk = tile(lay.k), *sdo = tile(lay.dO);  // (64 rows, Kc) q, k; (64, 64) dO
-  bf16 *sMTh = tile(lay.MTh), *sMTl = tile(lay.MTl);  // (64, 64) s M^T: [c][i] = s M_ic
-  bf16 *sTh = tile(lay.Th), *sTl = tile(lay.Tl);      // (64, 64) T2^T
-  bf16 *sLh = tile(lay.Lh), *sLl = tile(lay.Ll);      // (64, 64) Lg^T: [i][c] = Lg_ci (c > i)
-  bf16 *sBh = tile(lay.Bh), *sBl = tile(lay.Bl);      // (64, 64) W dD, then -diag(rk) dR
-  bf16 *sRh = tile(lay.Rh), *sRl = tile(lay.Rl);      // (64, 64) dR
-  bf16 *sUh = tile(lay.Uh), *sUl = tile(lay.Ul);      // (64, 64) s diag(rq) dO
-  bf16 *sSh = tile(lay.Sh), *sSl = tile(lay.Sl);      // (Kc, 64) dSe
-  float* s_rq = reinterpret_cast<float*>(base + lay.rq);
-  float* s_rk = reinterpret_cast<float*>(base + lay.rk);
-  float* s_beta = reinterpret_cast<float*>(base + lay.beta);
-  float(*sdd)[65] = reinterpret_cast<float(*)[65]>(base + lay.dd);  // dD (fp32): kept out of registers
-  float* stg = reinterpret_cast<float*>(base + lay.stg);             // (64, 64) fp32: T2, then X
+  const std::size_t ktile = std::size_t(kT) * ldk, otile = std::size_t(kT) * kLd;
+  bf16* sk = reinterpret_cast<bf16*>(base + lay.k);     // [2] (64 rows, Kc) k
+  bf16* sdo = reinterpret_cast<bf16*>(base + lay.dO);   // [2] (64 rows, 64) dO (this CTA's columns)
+  float* sdd = reinterpret_cast<float*>(base + lay.dd);  // [2] (64, kLdF) dD0
+  float* sfac = reinterpret_cast<float*>(base + lay.fac);  // [2] rq[64], rk[64], beta[64]
+  bf16* sq = reinterpret_cast<bf16*>(base + lay.q);     // (64 rows, Kc) q
+  bf16* sxh = reinterpret_cast<bf16*>(base + lay.xh);   // (64 rows, Kc) Xw hi
+  bf16* sxl = reinterpret_cast<bf16*>(base + lay.xl);   // (64 rows, Kc) Xw lo
+  bf16 *sSh = reinterpret_cast<bf16*>(base + lay.Sh), *sSl = reinterpret_cast<bf16*>(base + lay.Sl);  // (Kc, 64) dSe
+  bf16 *sBh = reinterpret_cast<bf16*>(base + lay.Bh), *sBl = reinterpret_cast<bf16*>(base + lay.Bl);  // (64, 64) -W dD
+  bf16 *sUh = reinterpret_cast<bf16*>(base + lay.Uh), *sUl = reinterpret_cast<bf16*>(base + lay.Ul);  // s diag(rq) dO
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int rg = warp & 3, half = warp >> 2;  // dD step: rows 16 rg.., columns 32 half..
   const std::int64_t nh = blockIdx.x, n = nh / p.H, h = nh % p.H;
-  const int vt = int(blockIdx.y);
-  const std::int64_t c0 = std::int64_t(vt) * kT, K = p.K, V = p.V;
+  const std::int64_t c0 = std::int64_t(blockIdx.y) * kT, K = p.K, V = p.V;
   const DnSeq sq_ = dn_seq(p, n);
   const std::int64_t b = sq_.b;
   const int ngroups = Kc / 16;
   const bool even = V % 2 == 0;
+  const bf16* xwh = reinterpret_cast<const bf16*>(ws + w.xw);
+  const bf16* xwl = xwh + w.rows * K;
 
-  float acc_s[2][8][4];  // dS (fp32), rows 16 (w + 4 gg)..
-  state_load(acc_s, p.dht, n, h, c0, K, V, warp, lane);
-  const std::int64_t nch = (sq_.eos - sq_.bos + kT - 1) / kT;
-  auto issue_t2 = [&](std::int64_t ci) {  // T2 of chunk ci (64 x 64 fp32, 16-byte aligned) -> stg
-    const float* T2w = ws + w.T2 + ((sq_.base + ci) * p.H + h) * 64 * 64;
-    for (int e = tid; e < 64 * 16; e += kThreads) cp_async16(stg + 4 * e, T2w + 4 * e, 16);
+  float acc_s[1][8][4];  // dS (fp32), rows 16 w..
+  state_load<8>(acc_s, p.dht, n, h, c0, K, V, warp, lane);
+  // what the step's first half needs (k, dO, dD0, factors) into buffer buf
+  auto issue_first = [&](int buf, std::int64_t t0) {
+    const int nr = int(lmin(kT, sq_.eos - t0));
+    const std::int64_t row0 = dn_ws_row(p, b, t0, h);
+    load_tile(sk + buf * ktile, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk, kBsThreads);
+    load_tile(sdo + buf * otile, kLd, kT, kT, bf_rows(p.do_, b, t0, h) + c0, p.do_.s1, nr, int(lmin(kT, V - c0)), vo,
+              kBsThreads);
+    stage_f32_tile(sdd + buf * kT * kLdF, ws + w.Y, p, b, t0, h, nr, c0, kBsThreads);
+    if (tid < 3 * kT) {
+      const int f = tid / kT, i = tid % kT;
+      if (i < nr) cp_async4(sfac + (buf * 3 + f) * kT + i, ws + w.fac + f * w.rows + row0 + i * p.H);
+      else sfac[(buf * 3 + f) * kT + i] = 0.f;
+    }
     cp_async_commit();
   };
-  if (nch > 0) issue_t2(nch - 1);
+  // what its second half needs (q, Xw hi + lo): one buffer, issued once the previous step is done
+  auto issue_second = [&](std::int64_t t0) {
+    const int nr = int(lmin(kT, sq_.eos - t0));
+    const std::int64_t row0 = dn_ws_row(p, b, t0, h);
+    load_tile(sq, ldk, kT, Kc, bf_rows(p.q, b, t0, h), p.q.s1, nr, int(K), vq, kBsThreads);
+    load_tile(sxh, ldk, kT, Kc, xwh + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
+    load_tile(sxl, ldk, kT, Kc, xwl + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
+    cp_async_commit();
+  };
+  const std::int64_t nch = (sq_.eos - sq_.bos + kT - 1) / kT;
+  if (nch > 0) issue_first(int((nch - 1) & 1), sq_.bos + (nch - 1) * kT);
   for (std::int64_t ci = nch - 1; ci >= 0; --ci) {
+    const int buf = int(ci & 1);
     const std::int64_t t0 = sq_.bos + ci * kT, slot = sq_.base + ci;
     const int nr = int(lmin(kT, sq_.eos - t0));
-    // a. the chunk's q, k, dO tile, beta; dSe as hi + lo; T2^T as hi + lo
-    load_tile(sq, ldk, kT, Kc, bf_rows(p.q, b, t0, h), p.q.s1, nr, int(K), vq);
-    load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
-    load_tile(sdo, kLd, kT, kT, bf_rows(p.do_, b, t0, h) + c0, p.do_.s1, nr, int(lmin(kT, V - c0)), vo);
-    cp_async_commit();
-    if (tid < kT) s_beta[tid] = tid < nr ? mlstm_ld(p.beta, p.beta.s0 * b + p.beta.s1 * (t0 + tid) + h) : 0.f;
-    state_split(acc_s, sSh, sSl, ngroups, warp, lane);
-    cp_async_wait<0>();  // the tiles, and T2 (issued a chunk ahead)
-    __syncthreads();
-    for (int e = tid; e < 64 * 64; e += kThreads) put_split(sTh, sTl, kLd, e % 64, e / 64, stg[e]);  // [a][j] = T2[j][a]
-    // dSe for the chunk pass (hi + lo, as the recompute's S)
-    store_state_split(ws + w.dS + (slot * p.H + h) * K * V, sSh, sSl, K, V, c0);
-    if (tid < kT) s_rq[tid] = row_l2_factor(sq, ldk, Kc, tid, p.l2), s_rk[tid] = row_l2_factor(sk, ldk, Kc, tid, p.l2);
-    __syncthreads();  // stg's T2 is read
-    stage_ws_rows(stg, ws + w.X, p, b, t0, h, nr, c0, kThreads);  // X: in flight during b .. d
-    cp_async_commit();
-    // b. this warp's rows of K K^T and Q K^T -> Lg^T (upper) and s M^T (transposed); s diag(rq) dO
-    {
-      float g[8][4] = {}, m[8][4] = {};
-      mma_rn(g, sk, ldk, warp, sk, ldk, Kc, lane);
-      mma_rn(m, sq, ldk, warp, sk, ldk, Kc, lane);
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
-          put_split(sLh, sLl, kLd, i, c, c > i ? s_rk[i] * s_rk[c] * g[j][e] : 0.f);
-          put_split(sMTh, sMTl, kLd, c, i, c <= i ? p.scale * s_rq[i] * s_rk[c] * m[j][e] : 0.f);
-        }
-    }
-#pragma unroll 2  // (fully unrolled, the register-bound state pass spilled 16 B more)
-    for (int e = tid; e < 64 * 32; e += kThreads) {  // column pairs
-      const int i = e / 32, c = 2 * (e % 32);
-      const float2 d = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sdo + i * kLd + c));
-      put_split2(sUh, sUl, kLd, i, c, p.scale * s_rq[i] * d.x, p.scale * s_rq[i] * d.y);
+    // a. dSe as hi + lo (the B operand of K dSe; and for the chunk pass)
+    state_split<8>(acc_s, sSh, sSl, ngroups, warp, lane);
+    // b. this step's second operands and the previous chunk's first ones (the other buffer's last
+    //    readers finished before the previous step's final barrier)
+    issue_second(t0);
+    if (ci > 0) {
+      issue_first(buf ^ 1, t0 - kT);
+      cp_async_wait<2>();
+    } else {
+      cp_async_wait<1>();
     }
     __syncthreads();
-    // c. dD = s M^T dO + diag(rk) K dSe (this warp's rows) to smem (fp32); W dD as hi + lo
+    store_state_split(ws + w.dS + (slot * p.H + h) * K * V, sSh, sSl, K, V, c0, kBsThreads);
+    // c. dD = dD0 + diag(rk) K dSe (16 rows x 32 columns per warp) -> the Y region; -W dD and
+    //    s diag(rq) dO as hi + lo
     {
-      float dd[8][4] = {}, kd[8][4] = {};
-      mma_rk(dd, sMTh, kLd, warp, sdo, kLd, 64, lane);
-      mma_rk(dd, sMTl, kLd, warp, sdo, kLd, 64, lane);
-      mma_rk(kd, sk, ldk, warp, sSh, kLd, Kc, lane);
-      mma_rk(kd, sk, ldk, warp, sSl, kLd, Kc, lane);
+      const float* dd0 = sdd + buf * kT * kLdF;
+      const float* fq = sfac + buf * 3 * kT;
+      const bf16* dO = sdo + buf * otile;
+      float kd[4][4] = {};
+      mma_rk(kd, sk + buf * ktile, ldk, rg, sSh + 32 * half, kLd, Kc, lane);
+      mma_rk(kd, sk + buf * ktile, ldk, rg, sSl + 32 * half, kLd, Kc, lane);
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
-          dd[j][e] = fmaf(s_rk[i], kd[j][e], dd[j][e]);
-          sdd[i][c] = dd[j][e];
-          put_split(sBh, sBl, kLd, i, c, s_beta[i] * dd[j][e]);
-        }
-    }
-    __syncthreads();
-    // d. dR = T2^T (W dD), as hi + lo (step e reads its own elements back: hi + lo is dR to ~2^-17)
-    {
-      float dr[8][4] = {};
-      mma_rk(dr, sTh, kLd, warp, sBh, kLd, 64, lane);
-      mma_rk(dr, sTh, kLd, warp, sBl, kLd, 64, lane);
-      mma_rk(dr, sTl, kLd, warp, sBh, kLd, 64, lane);
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) put_split(sRh, sRl, kLd, 16 * warp + frow(lane, e), fcol(lane, j, e), dr[j][e]);
-    }
-    cp_async_wait<0>();  // X
-    __syncthreads();  // dR complete; W dD no longer read; X staged
-    // e. Y = dD - Lg^T dR; Y, dv and the dbeta partial Y . X; -diag(rk) dR as hi + lo (for dS)
-    {
-      float ly[8][4] = {};
-      mma_rk(ly, sLh, kLd, warp, sRh, kLd, 64, lane);
-      mma_rk(ly, sLh, kLd, warp, sRl, kLd, 64, lane);
-      mma_rk(ly, sLl, kLd, warp, sRh, kLd, 64, lane);
-      float db[2] = {0.f, 0.f};  // rows 16w + lane/4 and + 8
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 of row i
-          const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
+          const int i = 16 * rg + frow(lane, e), c = 32 * half + fcol(lane, j, e);
           const std::int64_t col = c0 + c;
-          const float dr0 = __bfloat162float(sRh[i * kLd + c]) + __bfloat162float(sRl[i * kLd + c]);
-          const float dr1 = __bfloat162float(sRh[i * kLd + c + 1]) + __bfloat162float(sRl[i * kLd + c + 1]);
-          if (i < nr && col < V) {
-            const bool has1 = col + 1 < V;
-            const float y0 = sdd[i][c] - ly[j][e], y1 = has1 ? sdd[i][c + 1] - ly[j][e + 1] : 0.f;
-            const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * V + col;
-            const float2 x = make_float2(stg[i * 64 + c], has1 ? stg[i * 64 + c + 1] : 0.f);
-            db[e >> 1] = fmaf(y0, x.x, fmaf(y1, x.y, db[e >> 1]));
-            store_pair(ws + w.Y + at, y0, y1, has1, even);
-            if (p.dv.p) {
-              const std::int64_t odv = dn_row(p.dv, b, t0 + i, h) + col;
-              mlstm_st(p.dv, odv, dr0);
-              if (has1) mlstm_st(p.dv, odv + 1, dr1);
-            }
-          }
-          put_split(sBh, sBl, kLd, i, c, -s_rk[i] * dr0);
-          put_split(sBh, sBl, kLd, i, c + 1, -s_rk[i] * dr1);
+          const bool in = i < nr && col < V, has1 = col + 1 < V;
+          const float rk = fq[kT + i], bt = fq[2 * kT + i], rq = fq[i];
+          const float d0 = in ? fmaf(rk, kd[j][e], dd0[i * kLdF + c]) : 0.f;
+          const float d1 = in && has1 ? fmaf(rk, kd[j][e + 1], dd0[i * kLdF + c + 1]) : 0.f;
+          if (in) store_pair(ws + w.Y + dn_ws_row(p, b, t0 + i, h) * V + col, d0, d1, has1, even);
+          put_split2(sBh, sBl, kLd, i, c, -bt * d0, -bt * d1);
+          const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dO + i * kLd + c));
+          put_split2(sUh, sUl, kLd, i, c, p.scale * rq * o.x, p.scale * rq * o.y);
         }
+    }
+    if (ci > 0) cp_async_wait<1>();  // q, Xw (the previous chunk's first operands may stay in flight)
+    else cp_async_wait<0>();
+    __syncthreads();
+    // d. dS += Q^T (s diag(rq) dO) - Xw^T (W dD)   (Xw hi + lo, W dD hi + lo: three products)
+    state_update<8>(acc_s, sq, ldk, sUh, sUl, ngroups, warp, lane);
+    state_update<8>(acc_s, sxh, ldk, sBh, sBl, ngroups, warp, lane);
+    state_update<8, false>(acc_s, sxl, ldk, sBh, nullptr, ngroups, warp, lane);
+    __syncthreads();  // the next step rewrites dSe, B, U, q, Xw and this buffer
+  }
+  if (p.dh0.p) state_store<8>(acc_s, p.dh0, n, h, c0, K, V, warp, lane);
+}
+
+// ---- 3. post ------------------------------------------------------------------------------------
+// smem: R1: bf16 k [64][ldk], then f32 dD [64][kLdF] | R2: f32 T2 [64][64], then f32 X [64][kLdF] |
+//       bf16 T2^T hi, lo [64][kLd] | bf16 W dD hi, lo, then dR hi, lo [64][kLd] | f32 rk, beta [64]
+struct BqLayout {
+  int Kc, ldk;
+  std::size_t r1, r2, Th, Tl, Bh, Bl, rk, beta, bytes;
+  __host__ __device__ explicit BqLayout(std::int64_t K) {
+    Kc = k_cols(K), ldk = Kc + 8;
+    const std::size_t t64 = 2 * std::size_t(kT) * kLd, f64 = 4 * std::size_t(kT) * kLdF;
+    const std::size_t kt = 2 * std::size_t(kT) * ldk;
+    r1 = 0, r2 = r1 + (kt > f64 ? kt : f64), Th = r2 + f64, Tl = Th + t64, Bh = Tl + t64, Bl = Bh + t64;
+    rk = Bl + t64, beta = rk + 4 * kT, bytes = beta + 4 * kT;
+  }
+};
+
+__global__ void __launch_bounds__(kThreads) deltanet_bwd_post_kernel(const DeltanetBwdParams p, const DnBwdWs w,
+                                                                     float* __restrict__ ws, bool vk) {
+  extern __shared__ float4 smem_raw[];
+  char* base = reinterpret_cast<char*>(smem_raw);
+  const BqLayout lay(p.K);
+  const int Kc = lay.Kc, ldk = lay.ldk;
+  bf16* sk = reinterpret_cast<bf16*>(base + lay.r1);    // (64 rows, Kc) k
+  float* sdd = reinterpret_cast<float*>(base + lay.r1);  // then (64, kLdF) dD
+  float* sT2 = reinterpret_cast<float*>(base + lay.r2);  // (64, 64) T2
+  float* sX = reinterpret_cast<float*>(base + lay.r2);   // then (64, kLdF) X
+  bf16 *sTh = reinterpret_cast<bf16*>(base + lay.Th), *sTl = reinterpret_cast<bf16*>(base + lay.Tl);  // T2^T
+  bf16 *sBh = reinterpret_cast<bf16*>(base + lay.Bh), *sBl = reinterpret_cast<bf16*>(base + lay.Bl);  // W dD, dR
+  float* s_rk = reinterpret_cast<float*>(base + lay.rk);
+  float* s_beta = reinterpret_cast<float*>(base + lay.beta);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const std::int64_t slot = blockIdx.x, h = blockIdx.y, K = p.K, V = p.V;
+  const int vt = int(blockIdx.z);
+  const std::int64_t c0 = std::int64_t(vt) * kT;
+  DnSeq sq_;
+  std::int64_t t0;
+  if (!dn_slot(p, slot, sq_, t0)) return;
+  const std::int64_t b = sq_.b;
+  const int nr = int(lmin(kT, sq_.eos - t0));
+  const bool even = V % 2 == 0;
+  // a. k, T2 (16-byte aligned, 64 x 64 fp32), rk and beta
+  load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
+  const float* T2w = ws + w.T2 + (slot * p.H + h) * 64 * 64;
+  for (int e = tid; e < 64 * 16; e += kThreads) cp_async16(sT2 + 4 * e, T2w + 4 * e, 16);
+  cp_async_commit();
+  if (tid < kT) {
+    const std::int64_t row = dn_ws_row(p, b, t0 + tid, h);
+    s_rk[tid] = tid < nr ? ws[w.fac + w.rows + row] : 0.f;
+    s_beta[tid] = tid < nr ? ws[w.fac + 2 * w.rows + row] : 0.f;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  // b. Lg^T (this warp's rows i: [i][c] = rk_i rk_c (k_i . k_c) for c > i) as A fragments, hi + lo;
+  //    T2^T as hi + lo
+  std::uint32_t lh[4][4], ll[4][4];
+  {
+    float g[8][4] = {};
+    mma_rn(g, sk, ldk, warp, sk, ldk, Kc, lane);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        db[r] += __shfl_xor_sync(0xffffffffu, db[r], 1);
-        db[r] += __shfl_xor_sync(0xffffffffu, db[r], 2);
-        const int i = 16 * warp + (lane >> 2) + 8 * r;
-        if ((lane & 3) == 0 && i < nr) ws[w.dbp + vt * w.rows + dn_ws_row(p, b, t0 + i, h)] = db[r];
+    for (int j = 0; j < 8; ++j) {
+      float xh[4], xl[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
+        const float x = c > i ? s_rk[i] * s_rk[c] * g[j][e] : 0.f;
+        xh[e] = __bfloat162float(__float2bfloat16_rn(x));
+        xl[e] = x - xh[e];
+      }
+      pack_a_frags(lh, j, xh);
+      pack_a_frags(ll, j, xl);
+    }
+  }
+  for (int e = tid; e < 64 * 64; e += kThreads) put_split(sTh, sTl, kLd, e % 64, e / 64, sT2[e]);  // [a][j] = T2[j][a]
+  __syncthreads();  // k and T2 are read
+  // c. dD and X of this V tile
+  stage_f32_tile(sdd, ws + w.Y, p, b, t0, h, nr, c0, kThreads);
+  stage_f32_tile(sX, ws + w.X, p, b, t0, h, nr, c0, kThreads);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  for (int e = tid; e < 64 * 32; e += kThreads) {  // W dD as hi + lo, column pairs
+    const int i = e / 32, c = 2 * (e % 32);
+    put_split2(sBh, sBl, kLd, i, c, s_beta[i] * sdd[i * kLdF + c], s_beta[i] * sdd[i * kLdF + c + 1]);
+  }
+  __syncthreads();
+  // d. dR = T2^T (W dD) (this warp's 16 rows x 64 columns), then as hi + lo in B's place
+  float dr[8][4] = {};
+  mma_rk(dr, sTh, kLd, warp, sBh, kLd, 64, lane);
+  mma_rk(dr, sTh, kLd, warp, sBl, kLd, 64, lane);
+  mma_rk(dr, sTl, kLd, warp, sBh, kLd, 64, lane);
+  __syncthreads();  // every warp has read W dD
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2)
+      put_split2(sBh, sBl, kLd, 16 * warp + frow(lane, e), fcol(lane, j, e), dr[j][e], dr[j][e + 1]);
+  __syncthreads();
+  // e. Y = dD - Lg^T dR -> the Y region (in place: this CTA staged its tile); dv = dR; the dbeta
+  //    partial Y . X
+  float ly[8][4] = {};
+  mma_frags_k(ly, lh, sBh, kLd, 0, lane);
+  mma_frags_k(ly, lh, sBl, kLd, 0, lane);
+  mma_frags_k(ly, ll, sBh, kLd, 0, lane);
+  float db[2] = {0.f, 0.f};  // rows 16w + lane/4 and + 8
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 of row i
+      const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
+      const std::int64_t col = c0 + c;
+      if (i < nr && col < V) {
+        const bool has1 = col + 1 < V;
+        const float y0 = sdd[i * kLdF + c] - ly[j][e], y1 = has1 ? sdd[i * kLdF + c + 1] - ly[j][e + 1] : 0.f;
+        db[e >> 1] = fmaf(y0, sX[i * kLdF + c], fmaf(y1, has1 ? sX[i * kLdF + c + 1] : 0.f, db[e >> 1]));
+        store_pair(ws + w.Y + dn_ws_row(p, b, t0 + i, h) * V + col, y0, y1, has1, even);
+        if (p.dv.p) {
+          const std::int64_t odv = dn_row(p.dv, b, t0 + i, h) + col;
+          mlstm_st(p.dv, odv, dr[j][e]);
+          if (has1) mlstm_st(p.dv, odv + 1, dr[j][e + 1]);
+        }
       }
     }
-    __syncthreads();  // X is read
-    if (ci > 0) issue_t2(ci - 1);
-    // f. dS += Q^T (s diag(rq) dO) - K^T (diag(rk) dR)
-    state_update(acc_s, sq, ldk, sUh, sUl, ngroups, warp, lane);
-    state_update(acc_s, sk, ldk, sBh, sBl, ngroups, warp, lane);
-    __syncthreads();  // the next chunk overwrites every tile
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    db[r] += __shfl_xor_sync(0xffffffffu, db[r], 1);
+    db[r] += __shfl_xor_sync(0xffffffffu, db[r], 2);
+    const int i = 16 * warp + (lane >> 2) + 8 * r;
+    if ((lane & 3) == 0 && i < nr) ws[w.dbp + vt * w.rows + dn_ws_row(p, b, t0 + i, h)] = db[r];
   }
-  if (p.dh0.p) state_store(acc_s, p.dh0, n, h, c0, K, V, warp, lane);
 }
 
 // ---- the chunk pass on tensor cores --------------------------------------------------------------
@@ -339,20 +539,31 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
 }  // namespace
 
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
-  // sm_80 opts in to 163 KB of shared memory per block, the K = 128 layout needs 209 KB: there the
-  // state pass runs on CUDA cores (the fp32 path's kernel) instead of failing at launch
-  return deltanet_chunk_tc_applies(p) && p.do_.dtype == DType::bf16 && BsLayout(p.K).bytes <= smem_per_block_optin();
+  // sm_80 opts in to 163 KB of shared memory per block, the serial kernel's K = 128 layout needs
+  // 211 KB: there the state pass runs on CUDA cores (the fp32 path's kernel) instead of failing at launch
+  return deltanet_chunk_tc_applies(p) && p.do_.dtype == DType::bf16 && BsLayout(p.K).bytes <= smem_per_block_optin() &&
+         BqLayout(p.K).bytes <= smem_per_block_optin();
 }
 
 void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream) {
-  const std::int64_t seqs = p.N * p.H, vt = (p.V + kT - 1) / kT;
-  if (seqs == 0) return;
-  const BsLayout lay(p.K);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_state_tc_kernel), kThreads, lay.bytes);
-  deltanet_bwd_state_tc_kernel<<<dim3(unsigned(seqs), unsigned(vt)), kThreads, lay.bytes,
-                                 reinterpret_cast<cudaStream_t>(stream)>>>(p, w, ws, rows16_seq(p.q), rows16_seq(p.k),
-                                                                           rows16_seq(p.do_));
-  FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass, tensor cores)");
+  const std::int64_t seqs = p.N * p.H, vt = (p.V + kT - 1) / kT, slots = deltanet_slots(p);
+  if (seqs == 0 || slots == 0) return;
+  if (slots > 0x7fffffff) throw Error(cat("deltanet_bwd: grid too large (", slots, " chunks)"));
+  const auto st = reinterpret_cast<cudaStream_t>(stream);
+  const bool vq = rows16_seq(p.q), vk = rows16_seq(p.k), vo = rows16_seq(p.do_);
+  const BpLayout lp(p.K);
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_prep_kernel), kThreads, lp.bytes);
+  deltanet_bwd_prep_kernel<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lp.bytes, st>>>(p, w, ws, vq, vk, vo);
+  FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: prep)");
+  const BsLayout ls(p.K);
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_state_tc_kernel), kBsThreads, ls.bytes);
+  deltanet_bwd_state_tc_kernel<<<dim3(unsigned(seqs), unsigned(vt)), kBsThreads, ls.bytes, st>>>(p, w, ws, vq, vk, vo,
+                                                                                                p.K % 8 == 0);
+  FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial)");
+  const BqLayout lq(p.K);
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_post_kernel), kThreads, lq.bytes);
+  deltanet_bwd_post_kernel<<<dim3(unsigned(slots), unsigned(p.H), unsigned(vt)), kThreads, lq.bytes, st>>>(p, w, ws, vk);
+  FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: post)");
 }
 
 void deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream) {

@@ -102,8 +102,8 @@ __device__ __forceinline__ float row_l2_factor(const bf16* s, int ld, int Kc, in
 }
 
 // S += K^T U: A = K^T read k-major from the chunk's k tile (64 rows, stride ldk), B = U (64 x 64) as
-// bf16 hi + lo (stride kLd); ngroups = Kc / 16 row groups of S.
-template <int NW = 4>
+// bf16 hi + lo (stride kLd; LO = false: the hi part only, sUl unused); ngroups = Kc / 16 row groups of S.
+template <int NW = 4, bool LO = true>
 __device__ __forceinline__ void state_update(float (&acc)[8 / NW][8][4], const bf16* sk, int ldk, const bf16* sUh,
                                              const bf16* sUl, int ngroups, int warp, int lane) {
 #pragma unroll
@@ -116,13 +116,16 @@ __device__ __forceinline__ void state_update(float (&acc)[8 / NW][8][4], const b
       ldsm_x4_t(a, sk + (ks * 16 + ld_row_a_kmajor(lane)) * ldk + 16 * g + ld_col_a_kmajor(lane));
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
-        std::uint32_t bh[4], bl[4];
+        std::uint32_t bh[4];
         ldsm_x4_t(bh, sUh + (ks * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
-        ldsm_x4_t(bl, sUl + (ks * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
         mma_bf16_16816(acc[gg][2 * jj], a, bh[0], bh[1]);
         mma_bf16_16816(acc[gg][2 * jj + 1], a, bh[2], bh[3]);
-        mma_bf16_16816(acc[gg][2 * jj], a, bl[0], bl[1]);
-        mma_bf16_16816(acc[gg][2 * jj + 1], a, bl[2], bl[3]);
+        if constexpr (LO) {
+          std::uint32_t bl[4];
+          ldsm_x4_t(bl, sUl + (ks * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
+          mma_bf16_16816(acc[gg][2 * jj], a, bl[0], bl[1]);
+          mma_bf16_16816(acc[gg][2 * jj + 1], a, bl[2], bl[3]);
+        }
       }
     }
   }
