@@ -50,14 +50,14 @@ __device__ __forceinline__ void stage_f32_tile(float* dst, const float* region, 
 }
 
 // ---- 1. prep ------------------------------------------------------------------------------------
-// smem: bf16 q, k [64][ldk] | dO [64][kLd] | f32 rq, rk, beta [64]
+// smem: bf16 q, k [64][ldk] | [2] dO [64][kLd] (V tiles double-buffered) | f32 rq, rk, beta [64]
 struct BpLayout {
   int Kc, ldk;
   std::size_t q, k, dO, rq, rk, beta, bytes;
   __host__ __device__ explicit BpLayout(std::int64_t K) {
     Kc = k_cols(K), ldk = Kc + 8;
     q = 0, k = q + 2 * std::size_t(kT) * ldk, dO = k + 2 * std::size_t(kT) * ldk;
-    rq = dO + 2 * kT * kLd, rk = rq + 4 * kT, beta = rk + 4 * kT, bytes = beta + 4 * kT;
+    rq = dO + 2 * 2 * kT * kLd, rk = rq + 4 * kT, beta = rk + 4 * kT, bytes = beta + 4 * kT;
   }
 };
 
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
   const int Kc = lay.Kc, ldk = lay.ldk;
   bf16* sq = reinterpret_cast<bf16*>(base + lay.q);    // (64 rows, Kc) q
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // (64 rows, Kc) k
-  bf16* sdo = reinterpret_cast<bf16*>(base + lay.dO);  // (64 rows, 64) dO, one V tile at a time
+  bf16* sdo = reinterpret_cast<bf16*>(base + lay.dO);  // [2] (64 rows, 64) dO: V tiles v in buffer v % 2
   float* s_rq = reinterpret_cast<float*>(base + lay.rq);
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
   float* s_beta = reinterpret_cast<float*>(base + lay.beta);
@@ -83,10 +83,23 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
   const int nr = int(lmin(kT, sq_.eos - t0));
   load_tile(sq, ldk, kT, Kc, bf_rows(p.q, b, t0, h), p.q.s1, nr, int(K), vq);
   load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
-  load_tile(sdo, kLd, kT, kT, bf_rows(p.do_, b, t0, h), p.do_.s1, nr, int(lmin(kT, V)), vo);
-  cp_async_commit();
-  dn_row_factors(p, b, t0, nr, h, tid, s_rq, s_rk, s_beta);
-  cp_async_wait<0>();
+  auto issue_do = [&](std::int64_t v0) {  // V tile v0 / 64 into its buffer
+    load_tile(sdo + (v0 / kT % 2) * kT * kLd, kLd, kT, kT, bf_rows(p.do_, b, t0, h) + v0, p.do_.s1, nr,
+              int(lmin(kT, V - v0)), vo);
+    cp_async_commit();
+  };
+  issue_do(0);  // one group with q, k
+  if (V > kT) issue_do(kT);
+  // beta first (its load in flight with the tiles); the L2 factors from the tiles (dn_row_factors read
+  // q and k again from global memory: 4 dependent round trips per warp in this latency-bound kernel)
+  if (tid >= kT) s_beta[tid - kT] = tid - kT < nr ? mlstm_ld(p.beta, p.beta.s0 * b + p.beta.s1 * (t0 + tid - kT) + h) : 0.f;
+  if (V > kT) cp_async_wait<1>();
+  else cp_async_wait<0>();
+  __syncthreads();
+  if (tid < kT) {
+    s_rq[tid] = tid < nr ? row_l2_factor(sq, ldk, Kc, tid, p.l2) : 0.f;
+    s_rk[tid] = tid < nr ? row_l2_factor(sk, ldk, Kc, tid, p.l2) : 0.f;
+  }
   __syncthreads();
   if (tid < nr) {  // for the serial and post kernels
     const std::int64_t row = dn_ws_row(p, b, t0 + tid, h);
@@ -114,16 +127,15 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
   }
   const bool even = V % 2 == 0;
   for (std::int64_t v0 = 0; v0 < V; v0 += kT) {
-    if (v0 > 0) {
-      __syncthreads();  // every warp is done with the previous dO tile
-      load_tile(sdo, kLd, kT, kT, bf_rows(p.do_, b, t0, h) + v0, p.do_.s1, nr, int(lmin(kT, V - v0)), vo);
-      cp_async_commit();
-      cp_async_wait<0>();
+    if (v0 > 0) {  // tile v0 was issued two tiles ago (or with q, k)
+      if (v0 + kT < V) cp_async_wait<1>();
+      else cp_async_wait<0>();
       __syncthreads();
     }
+    const bf16* dO = sdo + (v0 / kT % 2) * kT * kLd;
     float dd[8][4] = {};  // dD0 = s M^T dO: rows 16 warp.., 64 columns of V
-    mma_frags_k(dd, mh, sdo, kLd, 0, lane);
-    mma_frags_k(dd, ml, sdo, kLd, 0, lane);
+    mma_frags_k(dd, mh, dO, kLd, 0, lane);
+    mma_frags_k(dd, ml, dO, kLd, 0, lane);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -133,6 +145,10 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
         if (c < nr && col < V)
           store_pair(ws + w.Y + dn_ws_row(p, b, t0 + c, h) * V + col, dd[j][e], dd[j][e + 1], col + 1 < V, even);
       }
+    if (v0 + 2 * kT < V) {
+      __syncthreads();  // every warp is done with this buffer
+      issue_do(v0 + 2 * kT);
+    }
   }
 }
 
@@ -283,7 +299,9 @@ struct BqLayout {
   }
 };
 
-__global__ void __launch_bounds__(kThreads) deltanet_bwd_post_kernel(const DeltanetBwdParams p, const DnBwdWs w,
+// One CTA per (chunk slot, head), the V tiles in turn (k, T2, Lg^T and the factors once per chunk:
+// 361 -> 348 us at (4,4096,16,128) against a CTA per V tile).
+__global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                      float* __restrict__ ws, bool vk) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
@@ -299,20 +317,18 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_post_kernel(const Delta
   float* s_beta = reinterpret_cast<float*>(base + lay.beta);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const std::int64_t slot = blockIdx.x, h = blockIdx.y, K = p.K, V = p.V;
-  const int vt = int(blockIdx.z);
-  const std::int64_t c0 = std::int64_t(vt) * kT;
   DnSeq sq_;
   std::int64_t t0;
   if (!dn_slot(p, slot, sq_, t0)) return;
   const std::int64_t b = sq_.b;
   const int nr = int(lmin(kT, sq_.eos - t0));
   const bool even = V % 2 == 0;
-  // a. k, T2 (16-byte aligned, 64 x 64 fp32), rk and beta
+  // a. k, T2 (16-byte aligned, 64 x 64 fp32); rk from the k tile, beta
   load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
   const float* T2w = ws + w.T2 + (slot * p.H + h) * 64 * 64;
   for (int e = tid; e < 64 * 16; e += kThreads) cp_async16(sT2 + 4 * e, T2w + 4 * e, 16);
   cp_async_commit();
-  if (tid < kT) {
+  if (tid < kT) {  // the prep kernel's factors
     const std::int64_t row = dn_ws_row(p, b, t0 + tid, h);
     s_rk[tid] = tid < nr ? ws[w.fac + w.rows + row] : 0.f;
     s_beta[tid] = tid < nr ? ws[w.fac + 2 * w.rows + row] : 0.f;
@@ -340,61 +356,66 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_post_kernel(const Delta
     }
   }
   for (int e = tid; e < 64 * 64; e += kThreads) put_split(sTh, sTl, kLd, e % 64, e / 64, sT2[e]);  // [a][j] = T2[j][a]
-  __syncthreads();  // k and T2 are read
-  // c. dD and X of this V tile
-  stage_f32_tile(sdd, ws + w.Y, p, b, t0, h, nr, c0, kThreads);
-  stage_f32_tile(sX, ws + w.X, p, b, t0, h, nr, c0, kThreads);
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
-  for (int e = tid; e < 64 * 32; e += kThreads) {  // W dD as hi + lo, column pairs
-    const int i = e / 32, c = 2 * (e % 32);
-    put_split2(sBh, sBl, kLd, i, c, s_beta[i] * sdd[i * kLdF + c], s_beta[i] * sdd[i * kLdF + c + 1]);
-  }
-  __syncthreads();
-  // d. dR = T2^T (W dD) (this warp's 16 rows x 64 columns), then as hi + lo in B's place
-  float dr[8][4] = {};
-  mma_rk(dr, sTh, kLd, warp, sBh, kLd, 64, lane);
-  mma_rk(dr, sTh, kLd, warp, sBl, kLd, 64, lane);
-  mma_rk(dr, sTl, kLd, warp, sBh, kLd, 64, lane);
-  __syncthreads();  // every warp has read W dD
+#pragma unroll 1
+  for (std::int64_t c0 = 0, vt = 0; c0 < V; c0 += kT, ++vt) {
+    __syncthreads();  // k and T2 are read (first tile), or the previous tile's dD, X, dR
+    // c. dD and X of this V tile
+    stage_f32_tile(sdd, ws + w.Y, p, b, t0, h, nr, c0, kThreads);
+    stage_f32_tile(sX, ws + w.X, p, b, t0, h, nr, c0, kThreads);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    for (int e = tid; e < 64 * 32; e += kThreads) {  // W dD as hi + lo, column pairs
+      const int i = e / 32, c = 2 * (e % 32);
+      put_split2(sBh, sBl, kLd, i, c, s_beta[i] * sdd[i * kLdF + c], s_beta[i] * sdd[i * kLdF + c + 1]);
+    }
+    __syncthreads();
+    // d. dR = T2^T (W dD) (this warp's 16 rows x 64 columns), then as hi + lo in B's place
+    {
+      float dr[8][4] = {};
+      mma_rk(dr, sTh, kLd, warp, sBh, kLd, 64, lane);
+      mma_rk(dr, sTh, kLd, warp, sBl, kLd, 64, lane);
+      mma_rk(dr, sTl, kLd, warp, sBh, kLd, 64, lane);
+      __syncthreads();  // every warp has read W dD
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; e += 2)
-      put_split2(sBh, sBl, kLd, 16 * warp + frow(lane, e), fcol(lane, j, e), dr[j][e], dr[j][e + 1]);
-  __syncthreads();
-  // e. Y = dD - Lg^T dR -> the Y region (in place: this CTA staged its tile); dv = dR; the dbeta
-  //    partial Y . X
-  float ly[8][4] = {};
-  mma_frags_k(ly, lh, sBh, kLd, 0, lane);
-  mma_frags_k(ly, lh, sBl, kLd, 0, lane);
-  mma_frags_k(ly, ll, sBh, kLd, 0, lane);
-  float db[2] = {0.f, 0.f};  // rows 16w + lane/4 and + 8
+        for (int e = 0; e < 4; e += 2)
+          put_split2(sBh, sBl, kLd, 16 * warp + frow(lane, e), fcol(lane, j, e), dr[j][e], dr[j][e + 1]);
+    }
+    __syncthreads();
+    // e. Y = dD - Lg^T dR -> the Y region (in place: this CTA staged its tile); dv = dR; the dbeta
+    //    partial Y . X
+    float ly[8][4] = {};
+    mma_frags_k(ly, lh, sBh, kLd, 0, lane);
+    mma_frags_k(ly, lh, sBl, kLd, 0, lane);
+    mma_frags_k(ly, ll, sBh, kLd, 0, lane);
+    float db[2] = {0.f, 0.f};  // rows 16w + lane/4 and + 8
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 of row i
-      const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
-      const std::int64_t col = c0 + c;
-      if (i < nr && col < V) {
-        const bool has1 = col + 1 < V;
-        const float y0 = sdd[i * kLdF + c] - ly[j][e], y1 = has1 ? sdd[i * kLdF + c + 1] - ly[j][e + 1] : 0.f;
-        db[e >> 1] = fmaf(y0, sX[i * kLdF + c], fmaf(y1, has1 ? sX[i * kLdF + c + 1] : 0.f, db[e >> 1]));
-        store_pair(ws + w.Y + dn_ws_row(p, b, t0 + i, h) * V + col, y0, y1, has1, even);
-        if (p.dv.p) {
-          const std::int64_t odv = dn_row(p.dv, b, t0 + i, h) + col;
-          mlstm_st(p.dv, odv, dr[j][e]);
-          if (has1) mlstm_st(p.dv, odv + 1, dr[j][e + 1]);
+      for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 of row i
+        const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
+        const std::int64_t col = c0 + c;
+        if (i < nr && col < V) {
+          const bool has1 = col + 1 < V;
+          const float y0 = sdd[i * kLdF + c] - ly[j][e], y1 = has1 ? sdd[i * kLdF + c + 1] - ly[j][e + 1] : 0.f;
+          db[e >> 1] = fmaf(y0, sX[i * kLdF + c], fmaf(y1, has1 ? sX[i * kLdF + c + 1] : 0.f, db[e >> 1]));
+          store_pair(ws + w.Y + dn_ws_row(p, b, t0 + i, h) * V + col, y0, y1, has1, even);
+          if (p.dv.p) {  // dR as its hi + lo (~2^-17 relative; dr itself is not kept alive: spills)
+            const std::int64_t odv = dn_row(p.dv, b, t0 + i, h) + col;
+            mlstm_st(p.dv, odv, __bfloat162float(sBh[i * kLd + c]) + __bfloat162float(sBl[i * kLd + c]));
+            if (has1) mlstm_st(p.dv, odv + 1, __bfloat162float(sBh[i * kLd + c + 1]) + __bfloat162float(sBl[i * kLd + c + 1]));
+          }
         }
       }
-    }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    db[r] += __shfl_xor_sync(0xffffffffu, db[r], 1);
-    db[r] += __shfl_xor_sync(0xffffffffu, db[r], 2);
-    const int i = 16 * warp + (lane >> 2) + 8 * r;
-    if ((lane & 3) == 0 && i < nr) ws[w.dbp + vt * w.rows + dn_ws_row(p, b, t0 + i, h)] = db[r];
+    for (int r = 0; r < 2; ++r) {
+      db[r] += __shfl_xor_sync(0xffffffffu, db[r], 1);
+      db[r] += __shfl_xor_sync(0xffffffffu, db[r], 2);
+      const int i = 16 * warp + (lane >> 2) + 8 * r;
+      if ((lane & 3) == 0 && i < nr) ws[w.dbp + vt * w.rows + dn_ws_row(p, b, t0 + i, h)] = db[r];
+    }
   }
 }
 
@@ -562,7 +583,7 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial)");
   const BqLayout lq(p.K);
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_post_kernel), kThreads, lq.bytes);
-  deltanet_bwd_post_kernel<<<dim3(unsigned(slots), unsigned(p.H), unsigned(vt)), kThreads, lq.bytes, st>>>(p, w, ws, vk);
+  deltanet_bwd_post_kernel<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lq.bytes, st>>>(p, w, ws, vk);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: post)");
 }
 
