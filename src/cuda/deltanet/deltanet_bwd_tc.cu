@@ -27,28 +27,6 @@ using namespace dtc;
 constexpr int kThreads = kTcThreads;  // prep and post: 4 warps, warp w owns tile rows 16w..
 constexpr int kLdF = kT + 4;          // fp32 row stride of staged 64 x 64 tiles: 272 B, 16-byte aligned rows
 
-// fp32 rows t0.. (nr of them) of a (B*T*H, V) workspace region, columns c0..c0+63, into dst[64][kLdF];
-// zero past nr rows and V columns. cp.async where V % 4 == 0 (the caller commits, waits and syncs),
-// else plain loads.
-__device__ __forceinline__ void stage_f32_tile(float* dst, const float* region, const DeltanetParams& p, std::int64_t b,
-                                               std::int64_t t0, std::int64_t h, int nr, std::int64_t c0, int nthreads) {
-  const std::int64_t V = p.V;
-  if (V % 4 == 0) {
-    for (int e = threadIdx.x; e < 64 * 16; e += nthreads) {
-      const int i = e / 16, c = 4 * (e % 16);
-      const std::int64_t left = V - c0 - c;
-      const int bytes = i < nr ? 4 * int(left < 0 ? 0 : left > 4 ? 4 : left) : 0;
-      const float* src = region + dn_ws_row(p, b, t0 + i, h) * V + c0 + c;
-      cp_async16(dst + i * kLdF + c, bytes ? src : region, bytes);
-    }
-  } else {
-    for (int e = threadIdx.x; e < 64 * 64; e += nthreads) {
-      const int i = e / 64, c = e % 64;
-      dst[i * kLdF + c] = i < nr && c0 + c < V ? region[dn_ws_row(p, b, t0 + i, h) * V + c0 + c] : 0.f;
-    }
-  }
-}
-
 // ---- 1. prep ------------------------------------------------------------------------------------
 // smem: bf16 q, k [64][ldk] | [2] dO [64][kLd] (V tiles double-buffered) | f32 rq, rk, beta [64]
 struct BpLayout {
@@ -113,16 +91,13 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
     mma_rn(m, sk, ldk, warp, sq, ldk, Kc, lane);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      float xh[4], xl[4];
+      float x[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = 16 * warp + frow(lane, e), i = fcol(lane, j, e);
-        const float x = i >= c ? p.scale * s_rq[i] * s_rk[c] * m[j][e] : 0.f;
-        xh[e] = __bfloat162float(__float2bfloat16_rn(x));
-        xl[e] = x - xh[e];
+        x[e] = i >= c ? p.scale * s_rq[i] * s_rk[c] * m[j][e] : 0.f;
       }
-      pack_a_frags(mh, j, xh);
-      pack_a_frags(ml, j, xl);
+      pack_a_frags_split(mh, ml, j, x);
     }
   }
   const bool even = V % 2 == 0;
@@ -211,7 +186,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     load_tile(sk + buf * ktile, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk, kBsThreads);
     load_tile(sdo + buf * otile, kLd, kT, kT, bf_rows(p.do_, b, t0, h) + c0, p.do_.s1, nr, int(lmin(kT, V - c0)), vo,
               kBsThreads);
-    stage_f32_tile(sdd + buf * kT * kLdF, ws + w.Y, p, b, t0, h, nr, c0, kBsThreads);
+    stage_ws_rows<true>(sdd + buf * kT * kLdF, kLdF, ws + w.Y, p, b, t0, h, nr, c0, kBsThreads);
     if (tid < 3 * kT) {
       const int f = tid / kT, i = tid % kT;
       if (i < nr) cp_async4(sfac + (buf * 3 + f) * kT + i, ws + w.fac + f * w.rows + row0 + i * p.H);
@@ -343,16 +318,13 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
     mma_rn(g, sk, ldk, warp, sk, ldk, Kc, lane);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      float xh[4], xl[4];
+      float x[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
-        const float x = c > i ? s_rk[i] * s_rk[c] * g[j][e] : 0.f;
-        xh[e] = __bfloat162float(__float2bfloat16_rn(x));
-        xl[e] = x - xh[e];
+        x[e] = c > i ? s_rk[i] * s_rk[c] * g[j][e] : 0.f;
       }
-      pack_a_frags(lh, j, xh);
-      pack_a_frags(ll, j, xl);
+      pack_a_frags_split(lh, ll, j, x);
     }
   }
   for (int e = tid; e < 64 * 64; e += kThreads) put_split(sTh, sTl, kLd, e % 64, e / 64, sT2[e]);  // [a][j] = T2[j][a]
@@ -360,8 +332,8 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   for (std::int64_t c0 = 0, vt = 0; c0 < V; c0 += kT, ++vt) {
     __syncthreads();  // k and T2 are read (first tile), or the previous tile's dD, X, dR
     // c. dD and X of this V tile
-    stage_f32_tile(sdd, ws + w.Y, p, b, t0, h, nr, c0, kThreads);
-    stage_f32_tile(sX, ws + w.X, p, b, t0, h, nr, c0, kThreads);
+    stage_ws_rows<true>(sdd, kLdF, ws + w.Y, p, b, t0, h, nr, c0, kThreads);
+    stage_ws_rows<true>(sX, kLdF, ws + w.X, p, b, t0, h, nr, c0, kThreads);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -486,13 +458,13 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
         put_split(hi, lo, kLd, i, c, bt * x0), put_split(hi, lo, kLd, i, c + 1, bt * x1);
       }
     };
-    stage_ws_rows(stg, ws + w.X, p, b, t0, h, nr, v0, kBcThreads);
+    stage_ws_rows<false>(stg, 64, ws + w.X, p, b, t0, h, nr, v0, kBcThreads);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
     split_rows(sDh, sDl, 1.f);
     __syncthreads();
-    stage_ws_rows(stg, ws + w.Y, p, b, t0, h, nr, v0, kBcThreads);
+    stage_ws_rows<false>(stg, 64, ws + w.Y, p, b, t0, h, nr, v0, kBcThreads);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();

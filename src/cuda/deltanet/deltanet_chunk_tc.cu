@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetPa
   const int ncv = int(lmin(64, V - c0));
   load_tile(sSh, kLd, Kc, kT, Sg, V, int(K), ncv, V % 8 == 0);
   load_tile(sSl, kLd, Kc, kT, Sg + K * V, V, int(K), ncv, V % 8 == 0);
-  stage_ws_rows(sX, w.X, p, b, t0, h, nr, c0, kThreads);
+  stage_ws_rows<false>(sX, 64, w.X, p, b, t0, h, nr, c0, kThreads);
   cp_async_commit();
   if (tid < kT) s_rk[tid] = tid < nr ? w.rk[dn_ws_row(p, b, t0 + tid, h)] : 0.f;  // rk beta
   cp_async_wait<0>();

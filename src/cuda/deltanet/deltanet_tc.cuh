@@ -22,6 +22,18 @@ __device__ __forceinline__ void put_split(bf16* hi, bf16* lo, int ld, int r, int
   hi[r * ld + c] = h;
   lo[r * ld + c] = __float2bfloat16_rn(x - __bfloat162float(h));
 }
+// x[0..3] (an accumulator's column tile j, as pack_a_frags takes it) as bf16 hi + lo A fragments
+__device__ __forceinline__ void pack_a_frags_split(std::uint32_t (&hi)[4][4], std::uint32_t (&lo)[4][4], int j,
+                                                   const float (&x)[4]) {
+  float xh[4], xl[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    xh[e] = __bfloat162float(__float2bfloat16_rn(x[e]));
+    xl[e] = x[e] - xh[e];
+  }
+  pack_a_frags(hi, j, xh);
+  pack_a_frags(lo, j, xl);
+}
 // Columns c, c + 1 (c even, ld even: 4-byte aligned) at once: one packed conversion and one 4-byte
 // store each for hi and lo, the same roundings as two put_split calls.
 __device__ __forceinline__ void put_split2(bf16* hi, bf16* lo, int ld, int r, int c, float x0, float x1) {
@@ -258,23 +270,30 @@ inline bool rows16_seq(const StridedView& t) {
   return reinterpret_cast<std::uintptr_t>(t.p) % 16 == 0 && t.s0 % 8 == 0 && t.s1 % 8 == 0 && t.s2 % 8 == 0;
 }
 
-// dst[i][c] (64 x 64 fp32, row stride 64) = rows t0 + i (< nr) of a (B*T*H, V) fp32 workspace region,
-// columns c0 + c (< V); the rest untouched. cp.async 16-byte pieces where V % 4 == 0 (the caller waits
-// and synchronises), else plain loads. Staging these tiles replaced per-element loads on the critical
-// path (a third to a half of the stall samples of the kernels that read X, T2 this way).
-__device__ __forceinline__ void stage_ws_rows(float* dst, const float* region, const DeltanetParams& p, std::int64_t b,
-                                              std::int64_t t0, std::int64_t h, int nr, std::int64_t c0, int nthreads) {
+// dst[i][c] (64 x 64 fp32, row stride ld, a multiple of 4) = rows t0 + i (< nr) of a (B*T*H, V) fp32
+// workspace region, columns c0 + c (< V); the rest zero (ZERO) or untouched (for readers that mask
+// it themselves: the zero fill cost the register-bound chunk pass a spill). cp.async 16-byte pieces
+// where V % 4 == 0 (the caller commits, waits and synchronises), else plain loads. Staging these tiles
+// replaced per-element loads on the critical path (a third to a half of the stall samples of the
+// kernels that read X, T2 this way).
+template <bool ZERO>
+__device__ __forceinline__ void stage_ws_rows(float* dst, int ld, const float* region, const DeltanetParams& p,
+                                              std::int64_t b, std::int64_t t0, std::int64_t h, int nr, std::int64_t c0,
+                                              int nthreads) {
   const std::int64_t V = p.V;
   const int ncv = int(V - c0 < 64 ? V - c0 : 64);
   if (V % 4 == 0) {  // ncv % 4 == 0 too: whole 16-byte pieces
     for (int e = threadIdx.x; e < 64 * 16; e += nthreads) {
       const int i = e / 16, c = 4 * (e % 16);
-      if (i < nr && c < ncv) cp_async16(dst + i * 64 + c, region + dn_ws_row(p, b, t0 + i, h) * V + c0 + c, 16);
+      const bool in = i < nr && c < ncv;
+      if (ZERO || in)  // src-size 0: a zero-filled piece
+        cp_async16(dst + i * ld + c, in ? region + dn_ws_row(p, b, t0 + i, h) * V + c0 + c : region, in ? 16 : 0);
     }
   } else {
     for (int e = threadIdx.x; e < 64 * 64; e += nthreads) {
       const int i = e / 64, c = e % 64;
-      if (i < nr && c < ncv) dst[i * 64 + c] = region[dn_ws_row(p, b, t0 + i, h) * V + c0 + c];
+      const bool in = i < nr && c < ncv;
+      if (ZERO || in) dst[i * ld + c] = in ? region[dn_ws_row(p, b, t0 + i, h) * V + c0 + c] : 0.f;
     }
   }
 }
