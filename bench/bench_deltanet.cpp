@@ -148,7 +148,7 @@ int gpu_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
       // the same with bf16-only tensor-core operands (split_operands = false: FLA's precision)
       check.split = run.split = false;
       const double e2_f = check.verify_fwd(true), e2_b = check.verify_bwd();
-      failures += !(e2_f <= 1e-2) + !(e2_b <= 1e-2);
+      failures += !(e2_f <= 2e-2) + !(e2_b <= 2e-2);  // the bf16 bound (hi + lo keeps 1e-2 above)
       const DeltanetFwdArgs a2 = run.args();
       DevScratch wsf2(deltanet_fwd_workspace_size(a2));
       const double ms_f2 = fb.timer->time_ms([&](Stream st) { deltanet_fwd(a2, wsf2.p, wsf2.bytes, st); }, fb.reps);
