@@ -10,7 +10,13 @@ state against the same chunked algebra in float64 (equal to the loop form; see
 tests/python/test_deltanet_design.py), on bf16 inputs with the L2 norm, beta = sigmoid(noise) and a
 small initial state as bench_deltanet.py draws them.
 
-    python bench/emulate_deltanet_precision.py [T] [H]      # default T = 4096, H = 4, K = V = 128
+With --backward: the tensor-core backward (deltanet_bwd_tc.cu: recompute, prep, serial, post and
+chunk passes, then the L2-norm backward) emulated the same way, all hi + lo or all bf16, its
+gradients against float64 autograd of the loop form (the bf16 rounding of dq, dk, dv themselves left
+out: it adds ~1.7e-3 on top, as o's rounding does).
+
+    python bench/emulate_deltanet_precision.py [T] [H]              # default T = 4096, H = 4, K = V = 128
+    python bench/emulate_deltanet_precision.py --backward [T] [K]   # default T = 1000, H = 2, K = V = 100
 """
 import sys
 
@@ -69,11 +75,99 @@ def rel(a, b):
     return ((a.double() - b).norm() / b.norm()).item()
 
 
+def val(x, lo):
+    """The value a tensor core sees of fp32 x: bf16 hi + lo summed, or bf16 hi."""
+    h = bf(x)
+    return h + bf(x - h) if lo else h
+
+
+def prod(a, b, lo):
+    """a b with both operands from fp32: Ah Bh + Ah Bl + Al Bh (lo), or Ah Bh."""
+    ah, bh = bf(a), bf(b)
+    if not lo:
+        return ah @ bh
+    return ah @ bh + ah @ bf(b - bh) + bf(a - ah) @ bh
+
+
+def backward(q, k, v, beta, h0, do, dht, lo, scale):
+    """(dq, dk, dv, dbeta, dh0) as the tensor-core backward rounds them; q, k, v, do (H, T, D)."""
+    f = torch.float32
+    q, k, v, beta, h0, do, dht = (t.to(f) for t in (q, k, v, beta, h0, do, dht))
+    H, T, _ = q.shape
+    rq = (q * q).sum(-1, keepdim=True).add(1e-6).rsqrt()
+    rk = (k * k).sum(-1, keepdim=True).add(1e-6).rsqrt()
+    tr = lambda x: x.transpose(1, 2)  # noqa: E731
+    chunks, S = [], h0.clone()
+    for c0 in range(0, T, 64):  # the recompute (wy + state kernels)
+        c1 = min(T, c0 + 64)
+        Kc, Vc, bt, r = k[:, c0:c1], v[:, c0:c1], beta[:, c0:c1], rk[:, c0:c1]
+        eye = torch.eye(c1 - c0, dtype=f)
+        Lg = torch.tril((Kc * r) @ tr(Kc * r), -1)
+        T2 = torch.linalg.solve_triangular(eye + Lg * bt[:, None, :], eye.expand_as(Lg).contiguous(), upper=False,
+                                           unitriangular=True)
+        Xw = val(val(T2 * tr(r), lo) @ Kc, lo)  # stored as hi (+ lo)
+        X = val(T2, lo) @ Vc - prod(Xw, S, lo)
+        chunks.append((c0, c1, val(S, lo), Lg, T2, X, Xw))
+        S = S + tr(Kc) @ val((bt * r[..., 0])[..., None] * X, lo)
+    dq, dk, dv, db = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(beta)
+    dS = dht.clone()
+    for c0, c1, S0, Lg, T2, X, Xw in reversed(chunks):
+        Q, Kc, bt, dO, rqc, rkc = q[:, c0:c1], k[:, c0:c1], beta[:, c0:c1, None], do[:, c0:c1], rq[:, c0:c1], rk[:, c0:c1]
+        E = val(dS, lo)  # dSe as stored
+        dD = val(torch.triu(scale * rkc * (Kc @ tr(Q)) * tr(rqc)), lo) @ dO + rkc * (Kc @ E)  # prep + serial
+        dS = dS + tr(Q) @ val(scale * rqc * dO, lo) + tr(Xw) @ val(-bt * dD, lo)
+        dR = val(prod(tr(T2), bt * dD, lo), lo)  # post
+        Y = dD - val(tr(Lg), lo) @ dR
+        dv[:, c0:c1], db[:, c0:c1] = dR, (Y * X).sum(-1)
+        D, R = val(bt * X, lo), val(-bt * Y, lo)  # the chunk pass
+        m = scale * torch.tril(dO @ tr(D))
+        dG = torch.tril(R @ tr(D), -1)
+        dq[:, c0:c1] = scale * dO @ tr(S0) + val(m * tr(rkc), lo) @ Kc
+        dk[:, c0:c1] = D @ tr(E) + R @ tr(S0) + val(tr(m) * tr(rqc), lo) @ Q + val((dG + tr(dG)) * tr(rkc), lo) @ Kc
+    qh, kh = q * rq, k * rk  # the L2-norm backward
+    dq = rq * (dq - qh * (qh * dq).sum(-1, keepdim=True))
+    dk = rk * (dk - kh * (kh * dk).sum(-1, keepdim=True))
+    return dq, dk, dv, db, dS
+
+
+def loop_reference(q, k, v, beta, h0, scale):
+    """MATH.md's loop form in float64 with the L2 norm, differentiable: o (H, T, V), final state."""
+    q = q * (q * q).sum(-1, keepdim=True).add(1e-6).rsqrt()
+    k = k * (k * k).sum(-1, keepdim=True).add(1e-6).rsqrt()
+    S, rows = h0, []
+    for t in range(q.shape[1]):
+        e = v[:, t] - torch.einsum("hkv,hk->hv", S, k[:, t])
+        S = S + beta[:, t, None, None] * k[:, t, :, None] * e[:, None, :]
+        rows.append(scale * torch.einsum("hkv,hk->hv", S, q[:, t]))
+    return torch.stack(rows, 1), S
+
+
+def main_backward(T, D):
+    H = 2
+    g = torch.Generator().manual_seed(1)
+    q, k, v, do = (bf(torch.randn(H, T, D, generator=g, dtype=torch.float64)) for _ in range(4))
+    beta = bf(torch.rand(H, T, generator=g, dtype=torch.float64))
+    h0 = torch.randn(H, D, D, generator=g, dtype=torch.float64).float().double() * 0.5
+    dht = torch.randn(H, D, D, generator=g, dtype=torch.float64).float().double()
+    scale = D ** -0.5
+    ins = [t.clone().requires_grad_() for t in (q, k, v, beta, h0)]
+    o, ht = loop_reference(*ins, scale)
+    torch.autograd.backward([o, ht], [do, dht])
+    print(f"backward, T = {T}, H = {H}, K = V = {D}, L2 norm, against float64 autograd:")
+    for lo in (True, False):
+        got = backward(q, k, v, beta, h0, do, dht, lo, scale)
+        errs = " ".join(f"{n} {rel(a, t.grad):.2e}" for n, a, t in zip(("dq", "dk", "dv", "dbeta", "dh0"), got, ins))
+        print(f"  {'hi + lo' if lo else 'bf16 only':9s} {errs}", flush=True)
+
+
 def main():
+    torch.set_num_threads(2)
+    if len(sys.argv) > 1 and sys.argv[1] == "--backward":
+        a = sys.argv[2:]
+        return main_backward(int(a[0]) if a else 1000, int(a[1]) if len(a) > 1 else 100)
     T = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     H = int(sys.argv[2]) if len(sys.argv) > 2 else 4
     D = 128
-    torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)
     q, k, v = (bf(torch.randn(H, T, D, generator=g)) for _ in range(3))
     beta = bf(torch.sigmoid(torch.randn(H, T, generator=g)))
