@@ -129,7 +129,8 @@ void bind_deltanet(nb::module_& m) {
         "cu_seqlens"_a.none() = none, "do_"_a, "dfinal_state"_a.none() = none, "dq"_a.none() = none,
         "dk"_a.none() = none, "dv"_a.none() = none, "dbeta"_a.none() = none, "dinitial_state"_a.none() = none,
         "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false, "split_operands"_a = true,
-        "workspace"_a.none() = none, "stream"_a = 0, "DeltaNet backward: the exact gradient; writes the given outputs (CUDA tensors need the workspace of "
+        "workspace"_a.none() = none, "stream"_a = 0,
+        "DeltaNet backward: the exact gradient; writes the given outputs (CUDA tensors need the workspace of "
         "deltanet_bwd_workspace_size).");
   m.def("deltanet_step", &deltanet_step, "q"_a, "k"_a, "v"_a, "beta"_a, "state"_a, "o"_a, "new_state"_a,
         "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false, "stream"_a = 0,

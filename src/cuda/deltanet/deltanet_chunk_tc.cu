@@ -12,8 +12,9 @@
 //      next chunk's k and Xw prefetched (cp.async); writes S (entering each chunk) and X;
 //   3. output (grid: chunk slots x H x V tiles): o from q, k, S (hi + lo) and D.
 // With p.hilo false every such operand is bf16 only (FLA's precision): half the products on the
-// chain, no lo tiles or workspace matrices (dn_nmat). The backward's recompute runs 1 and 2 (deltanet_bwd.cu). Dispatched by deltanet_fwd_cuda when a
-// workspace is given (DnFwdWs); without one the single-kernel version 2 runs (deltanet_fwd_tc.cu).
+// chain, no lo tiles or workspace matrices (dn_nmat). The backward's recompute runs 1 and 2
+// (deltanet_bwd.cu). Dispatched by deltanet_fwd_cuda when a workspace is given (DnFwdWs); without
+// one the single-kernel version 2 runs (deltanet_fwd_tc.cu).
 #include "cuda/common/check.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
 #include "cuda/deltanet/deltanet_cuda.h"
