@@ -40,6 +40,7 @@ std::vector<std::int64_t> random_offsets(std::int64_t n, std::int64_t total, std
 struct GpuDn {
   std::int64_t B, T, H, K, V, N;
   std::vector<std::int64_t> cu;
+  bool split = true;  // split_operands (false: bf16-only tensor-core operands)
   std::mt19937_64 rng;
   HostBuf q, k, v, beta, h0, o, ht, cub, go, ght, gq, gk, gv, gb, gh0;
   DevBuf dq, dk, dv, dbeta, dh0, dout, dht, dcu, d_go, d_ght, d_gq, d_gk, d_gv, d_gb, d_gh0;
@@ -62,7 +63,7 @@ struct GpuDn {
     DeltanetFwdArgs a;
     a.q = dq.ref(), a.k = dk.ref(), a.v = dv.ref(), a.beta = dbeta.ref(), a.initial_state = dh0.ref();
     if (!cu.empty()) a.cu_seqlens = dcu.ref();
-    a.o = dout.ref(), a.final_state = dht.ref(), a.use_qk_l2norm_in_kernel = true;
+    a.o = dout.ref(), a.final_state = dht.ref(), a.use_qk_l2norm_in_kernel = true, a.split_operands = split;
     return a;
   }
   DeltanetBwdArgs bwd_args() const {
@@ -71,6 +72,7 @@ struct GpuDn {
     if (!cu.empty()) a.cu_seqlens = dcu.ref();
     a.do_ = d_go.ref(), a.dfinal_state = d_ght.ref(), a.dq = d_gq.ref(), a.dk = d_gk.ref(), a.dv = d_gv.ref();
     a.dbeta = d_gb.ref(), a.dinitial_state = d_gh0.ref(), a.use_qk_l2norm_in_kernel = true;
+    a.split_operands = split;
     return a;
   }
   detail::DeltanetShape ref_shape() const {
@@ -143,6 +145,21 @@ int gpu_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
       rows.push_back({"deltanet_fwd", "bfloat16", shp + "; no workspace (on-chip kernel)", err_f1, ms_f1, "cuda"});
       rows.push_back({"deltanet_bwd", "bfloat16", shp + "; workspace " + std::to_string(ws.bytes >> 20) + " MiB", err_b,
                       ms_b, "cuda"});
+      // the same with bf16-only tensor-core operands (split_operands = false: FLA's precision)
+      check.split = run.split = false;
+      const double e2_f = check.verify_fwd(true), e2_b = check.verify_bwd();
+      failures += !(e2_f <= 2e-2) + !(e2_b <= 2e-2);  // the bf16 bound (hi + lo keeps 1e-2 above)
+      const DeltanetFwdArgs a2 = run.args();
+      DevScratch wsf2(deltanet_fwd_workspace_size(a2));
+      const double ms_f2 = fb.timer->time_ms([&](Stream st) { deltanet_fwd(a2, wsf2.p, wsf2.bytes, st); }, fb.reps);
+      const DeltanetBwdArgs ab2 = run.bwd_args();
+      DevScratch ws2(deltanet_bwd_workspace_size(ab2));
+      const double ms_b2 = fb.timer->time_ms([&](Stream st) { deltanet_bwd(ab2, ws2.p, ws2.bytes, st); }, fb.reps);
+      const std::string shp2 = run.shape() + " l2norm, bf16 operands; verified at " + check.shape();
+      rows.push_back({"deltanet_fwd", "bfloat16", shp2 + "; workspace " + std::to_string(wsf2.bytes >> 20) + " MiB",
+                      e2_f, ms_f2, "cuda"});
+      rows.push_back({"deltanet_bwd", "bfloat16", shp2 + "; workspace " + std::to_string(ws2.bytes >> 20) + " MiB",
+                      e2_b, ms_b2, "cuda"});
     } catch (const std::exception& ex) {
       std::printf("deltanet (cuda): error: %s\n", ex.what());
       ++failures;

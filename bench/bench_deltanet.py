@@ -6,7 +6,7 @@ forward+backward, with peak memory (issue 4's benchmark; shapes from shared/BENC
     python bench/bench_deltanet.py --dry-cpu      # tiny shapes on the CPU: checks the script's logic
 
 Providers (a failing one shows as n/a with its reason): fastweight (fastweight.delta_rule),
-fla_chunk (fla.ops.delta_rule.chunk_delta_rule), fla_recurrent (fused_recurrent_delta_rule).
+fastweight_bf16ops (the same with split_operands=False: bf16-only tensor-core operands), fla_chunk (fla.ops.delta_rule.chunk_delta_rule), fla_recurrent (fused_recurrent_delta_rule).
 Inputs: q, k, v (B, T, H, D) in bf16 (fp32 on the CPU), beta = sigmoid(noise), the in-kernel L2 norm
 of q and k on, an initial state, output_final_state. Varlen rows: B = 1 with cu_seqlens.
 Timing: median of CUDA-event timed runs after warm-up (CPU: wall clock). Peak:
@@ -26,13 +26,15 @@ SHAPES = [(4, 4096, 16, 128, 0), (2, 8192, 16, 128, 0), (8, 2048, 32, 64, 0), (1
           (1, 32768, 16, 128, 8)]
 QUICK = [(4, 4096, 16, 128, 0), (1, 32768, 16, 128, 8)]
 DRY = [(2, 70, 2, 16, 0), (1, 90, 2, 16, 3)]
-PROVIDERS = ["fastweight", "fla_chunk", "fla_recurrent"]
+PROVIDERS = ["fastweight", "fastweight_bf16ops", "fla_chunk", "fla_recurrent"]
 
 
 def make_call(name, fw):
-    if name == "fastweight":
+    if name in ("fastweight", "fastweight_bf16ops"):  # bf16ops: split_operands=False (FLA's precision)
+        split = name == "fastweight"
         return lambda q, k, v, b, h0, cu: fw.delta_rule(q, k, v, b, initial_state=h0, output_final_state=True,
-                                                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+                                                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                                                       split_operands=split)
     mod = import_fla("fla.ops.delta_rule")
     fn = {"fla_chunk": mod.chunk_delta_rule, "fla_recurrent": mod.fused_recurrent_delta_rule}[name]
     return lambda q, k, v, b, h0, cu: fn(q, k, v, b, initial_state=h0, output_final_state=True,

@@ -3,6 +3,7 @@
 
   ncu --clock-control none --profile-from-start off --kernel-name regex:'deltanet|chunk' \\
       --section SpeedOfLight python3 bench/profile_deltanet.py --shape 4,4096,16,128
+  ... python3 bench/profile_deltanet.py --shape 1,32768,16,128 --varlen 8    # bench_deltanet.py's varlen row
 
 Each provider runs twice (warm-up: Triton compile); the second runs between cudaProfilerStart/Stop.
 No timing here: bench_deltanet.py times, this only feeds the profiler.
@@ -20,6 +21,7 @@ def main():
     ap.add_argument("--shape", default="4,4096,16,128", help="B,T,H,K (K = V)")
     ap.add_argument("--providers", default="fastweight,fla_chunk")
     ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--varlen", type=int, default=0, help="N sequences packed into T (B = 1), cut as bench_deltanet.py cuts them")
     a = ap.parse_args()
     import torch
     fw = import_fastweight()
@@ -29,12 +31,16 @@ def main():
     mk = lambda *s: torch.randn(*s, generator=g).to("cuda", torch.bfloat16)  # noqa: E731
     q, k, v = mk(B, T, H, D), mk(B, T, H, D), mk(B, T, H, D)
     beta = torch.sigmoid(mk(B, T, H).float()).to(torch.bfloat16)
-    h0 = torch.randn(B, H, D, D, generator=g).to("cuda", torch.float32) * 0.1
+    cu = None
+    if a.varlen:  # the same cuts as bench_deltanet.py (same generator state after q, k, v, beta)
+        cuts = torch.sort(torch.randperm(T - 1, generator=g)[: a.varlen - 1] + 1).values
+        cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([T])]).to("cuda", torch.int32)
+    h0 = torch.randn(a.varlen or B, H, D, D, generator=g).to("cuda", torch.float32) * 0.1
     for name in a.providers.split(","):
         call = make_call(name, fw)
 
         def run(args, call=call):
-            o, ht = call(*args[:4], args[4], None)
+            o, ht = call(*args[:4], args[4], cu)
             if not a.no_backward:
                 torch.autograd.backward([o, ht], [torch.ones_like(o), torch.ones_like(ht)])
 

@@ -12,20 +12,22 @@ using namespace fwbind;
 // The inputs and options shared by the forward and backward argument structs.
 template <typename Args>
 void set_inputs(Args& a, const char* op, const In& q, const In& k, const In& v, const In& beta,
-                const OptIn& initial_state, const OptIn& cu_seqlens, std::optional<double> scale, bool l2) {
+                const OptIn& initial_state, const OptIn& cu_seqlens, std::optional<double> scale, bool l2,
+                bool split_operands) {
   a.q = to_ref(q, op, "q"), a.k = to_ref(k, op, "k"), a.v = to_ref(v, op, "v"), a.beta = to_ref(beta, op, "beta");
   a.initial_state = to_ref(initial_state, op, "initial_state");
   a.cu_seqlens = to_ref(cu_seqlens, op, "cu_seqlens");
   a.scale = scale ? *scale : fastweight::kDeltanetDefaultScale;
   a.use_qk_l2norm_in_kernel = l2;
+  a.split_operands = split_operands;
 }
 
 fastweight::DeltanetFwdArgs fwd_args(const In& q, const In& k, const In& v, const In& beta, const OptIn& initial_state,
                                      const OptIn& cu_seqlens, const Out& o, const OptOut& final_state,
-                                     std::optional<double> scale, bool use_qk_l2norm_in_kernel) {
+                                     std::optional<double> scale, bool use_qk_l2norm_in_kernel, bool split_operands) {
   const char* op = "deltanet_fwd";
   fastweight::DeltanetFwdArgs a;
-  set_inputs(a, op, q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel);
+  set_inputs(a, op, q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, split_operands);
   a.o = to_ref(o, op, "o");
   a.final_state = to_ref(final_state, op, "final_state");
   return a;
@@ -34,16 +36,19 @@ fastweight::DeltanetFwdArgs fwd_args(const In& q, const In& k, const In& v, cons
 std::size_t deltanet_fwd_workspace_size(const In& q, const In& k, const In& v, const In& beta,
                                         const OptIn& initial_state, const OptIn& cu_seqlens, const Out& o,
                                         const OptOut& final_state, std::optional<double> scale,
-                                        bool use_qk_l2norm_in_kernel) {
-  const auto a = fwd_args(q, k, v, beta, initial_state, cu_seqlens, o, final_state, scale, use_qk_l2norm_in_kernel);
+                                        bool use_qk_l2norm_in_kernel, bool split_operands) {
+  const auto a = fwd_args(q, k, v, beta, initial_state, cu_seqlens, o, final_state, scale, use_qk_l2norm_in_kernel,
+                          split_operands);
   nb::gil_scoped_release release;
   return fastweight::deltanet_fwd_workspace_size(a);
 }
 
 void deltanet_fwd(const In& q, const In& k, const In& v, const In& beta, const OptIn& initial_state,
                   const OptIn& cu_seqlens, const Out& o, const OptOut& final_state, std::optional<double> scale,
-                  bool use_qk_l2norm_in_kernel, const OptWorkspace& workspace, std::uintptr_t stream) {
-  const auto a = fwd_args(q, k, v, beta, initial_state, cu_seqlens, o, final_state, scale, use_qk_l2norm_in_kernel);
+                  bool use_qk_l2norm_in_kernel, bool split_operands, const OptWorkspace& workspace,
+                  std::uintptr_t stream) {
+  const auto a = fwd_args(q, k, v, beta, initial_state, cu_seqlens, o, final_state, scale, use_qk_l2norm_in_kernel,
+                          split_operands);
   const Workspace ws = to_workspace(workspace, a.q, "deltanet_fwd");
   nb::gil_scoped_release release;
   fastweight::deltanet_fwd(a, ws.data, ws.bytes, to_stream(stream));
@@ -53,10 +58,10 @@ fastweight::DeltanetBwdArgs bwd_args(const In& q, const In& k, const In& v, cons
                                      const OptIn& cu_seqlens, const In& do_, const OptIn& dfinal_state,
                                      const OptOut& dq, const OptOut& dk, const OptOut& dv, const OptOut& dbeta,
                                      const OptOut& dinitial_state, std::optional<double> scale,
-                                     bool use_qk_l2norm_in_kernel) {
+                                     bool use_qk_l2norm_in_kernel, bool split_operands) {
   const char* op = "deltanet_bwd";
   fastweight::DeltanetBwdArgs a;
-  set_inputs(a, op, q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel);
+  set_inputs(a, op, q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, split_operands);
   a.do_ = to_ref(do_, op, "do_");
   a.dfinal_state = to_ref(dfinal_state, op, "dfinal_state");
   a.dq = to_ref(dq, op, "dq"), a.dk = to_ref(dk, op, "dk"), a.dv = to_ref(dv, op, "dv");
@@ -69,9 +74,9 @@ std::size_t deltanet_bwd_workspace_size(const In& q, const In& k, const In& v, c
                                         const OptIn& initial_state, const OptIn& cu_seqlens, const In& do_,
                                         const OptIn& dfinal_state, const OptOut& dq, const OptOut& dk,
                                         const OptOut& dv, const OptOut& dbeta, const OptOut& dinitial_state,
-                                        std::optional<double> scale, bool use_qk_l2norm_in_kernel) {
+                                        std::optional<double> scale, bool use_qk_l2norm_in_kernel, bool split_operands) {
   const auto a = bwd_args(q, k, v, beta, initial_state, cu_seqlens, do_, dfinal_state, dq, dk, dv, dbeta,
-                          dinitial_state, scale, use_qk_l2norm_in_kernel);
+                          dinitial_state, scale, use_qk_l2norm_in_kernel, split_operands);
   nb::gil_scoped_release release;
   return fastweight::deltanet_bwd_workspace_size(a);
 }
@@ -79,10 +84,10 @@ std::size_t deltanet_bwd_workspace_size(const In& q, const In& k, const In& v, c
 void deltanet_bwd(const In& q, const In& k, const In& v, const In& beta, const OptIn& initial_state,
                   const OptIn& cu_seqlens, const In& do_, const OptIn& dfinal_state, const OptOut& dq,
                   const OptOut& dk, const OptOut& dv, const OptOut& dbeta, const OptOut& dinitial_state,
-                  std::optional<double> scale, bool use_qk_l2norm_in_kernel, const OptWorkspace& workspace,
-                  std::uintptr_t stream) {
+                  std::optional<double> scale, bool use_qk_l2norm_in_kernel, bool split_operands,
+                  const OptWorkspace& workspace, std::uintptr_t stream) {
   const auto a = bwd_args(q, k, v, beta, initial_state, cu_seqlens, do_, dfinal_state, dq, dk, dv, dbeta,
-                          dinitial_state, scale, use_qk_l2norm_in_kernel);
+                          dinitial_state, scale, use_qk_l2norm_in_kernel, split_operands);
   const Workspace ws = to_workspace(workspace, a.q, "deltanet_bwd");
   nb::gil_scoped_release release;
   fastweight::deltanet_bwd(a, ws.data, ws.bytes, to_stream(stream));
@@ -107,22 +112,24 @@ void bind_deltanet(nb::module_& m) {
   const auto none = nb::none();
   m.def("deltanet_fwd", &deltanet_fwd, "q"_a, "k"_a, "v"_a, "beta"_a, "initial_state"_a.none() = none,
         "cu_seqlens"_a.none() = none, "o"_a, "final_state"_a.none() = none, "scale"_a.none() = none,
-        "use_qk_l2norm_in_kernel"_a = false, "workspace"_a.none() = none, "stream"_a = 0,
+        "use_qk_l2norm_in_kernel"_a = false, "split_operands"_a = true, "workspace"_a.none() = none, "stream"_a = 0,
         "DeltaNet forward (FLA layout): writes o (B, T, H, V) and, when given, the final state (N, H, K, V). "
-        "workspace: optional, deltanet_fwd_workspace_size bytes (the tensor-core pipeline; None: on-chip kernel).");
+        "workspace: optional, deltanet_fwd_workspace_size bytes (the tensor-core pipeline; None: on-chip kernel). "
+        "split_operands: the pipeline's fp32-sourced tensor-core operands as bf16 hi + lo (True) or bf16 only.");
   m.def("deltanet_fwd_workspace_size", &deltanet_fwd_workspace_size, "q"_a, "k"_a, "v"_a, "beta"_a,
         "initial_state"_a.none() = none, "cu_seqlens"_a.none() = none, "o"_a, "final_state"_a.none() = none,
-        "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false,
+        "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false, "split_operands"_a = true,
         "Bytes of the forward's optional workspace (0: none is used).");
   m.def("deltanet_bwd_workspace_size", &deltanet_bwd_workspace_size, "q"_a, "k"_a, "v"_a, "beta"_a,
         "initial_state"_a.none() = none, "cu_seqlens"_a.none() = none, "do_"_a, "dfinal_state"_a.none() = none,
         "dq"_a.none() = none, "dk"_a.none() = none, "dv"_a.none() = none, "dbeta"_a.none() = none,
         "dinitial_state"_a.none() = none, "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false,
-        "Bytes of workspace deltanet_bwd needs for these arguments (0 on the CPU).");
+        "split_operands"_a = true, "Bytes of workspace deltanet_bwd needs for these arguments (0 on the CPU).");
   m.def("deltanet_bwd", &deltanet_bwd, "q"_a, "k"_a, "v"_a, "beta"_a, "initial_state"_a.none() = none,
         "cu_seqlens"_a.none() = none, "do_"_a, "dfinal_state"_a.none() = none, "dq"_a.none() = none,
         "dk"_a.none() = none, "dv"_a.none() = none, "dbeta"_a.none() = none, "dinitial_state"_a.none() = none,
-        "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false, "workspace"_a.none() = none, "stream"_a = 0,
+        "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false, "split_operands"_a = true,
+        "workspace"_a.none() = none, "stream"_a = 0,
         "DeltaNet backward: the exact gradient; writes the given outputs (CUDA tensors need the workspace of "
         "deltanet_bwd_workspace_size).");
   m.def("deltanet_step", &deltanet_step, "q"_a, "k"_a, "v"_a, "beta"_a, "state"_a, "o"_a, "new_state"_a,

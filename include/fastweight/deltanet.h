@@ -35,6 +35,12 @@
 // chip. The backward needs deltanet_bwd_workspace_size(args) bytes (fp32 chunk states, their
 // gradients and per-row intermediates; 0 on the CPU), passed to the four-argument deltanet_bwd. The
 // decoding step needs none.
+// split_operands (forward with a workspace, backward; bf16 with K <= 128 on tensor cores): the
+// products whose operands come from fp32 values (states, the WY factors, their gradients) take them
+// as bf16 hi + lo pairs, ~16 bits (true, the default: o 1.9e-3 from the float64 loop, final state
+// 5e-6, at T = 8192 with the L2 norm), or as bf16 alone (false: FLA's precision, o 3.6e-3, final state
+// 3e-3, half those products and half the state workspace). Ignored elsewhere (CPU, fp16 / fp32, K > 128,
+// the workspace-free forward): those paths keep fp32 or hi + lo.
 #pragma once
 
 #include <cstddef>
@@ -57,6 +63,7 @@ struct DeltanetFwdArgs {
   TensorRef final_state;    // optional output (N, H, K, V)
   double scale = kDeltanetDefaultScale;
   bool use_qk_l2norm_in_kernel = false;
+  bool split_operands = true;
 };
 
 struct DeltanetBwdArgs {
@@ -69,6 +76,7 @@ struct DeltanetBwdArgs {
   TensorRef dinitial_state;      // optional output (N, H, K, V); needs initial_state
   double scale = kDeltanetDefaultScale;
   bool use_qk_l2norm_in_kernel = false;
+  bool split_operands = true;
 };
 
 // One decoding step for every (b, head): q, k (B, H, K), v (B, H, V), beta (B, H); the state

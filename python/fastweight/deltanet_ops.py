@@ -6,11 +6,15 @@ with it: q, k (B, T, H, K), v (B, T, H, V), beta (B, T, H); states (N, H, K, V).
     S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,   o_t = scale * S_t^T q_t
 
     delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
-               use_qk_l2norm_in_kernel=False, cu_seqlens=None) -> (o, final_state or None)
+               use_qk_l2norm_in_kernel=False, cu_seqlens=None, split_operands=True) -> (o, final_state or None)
 
 scale defaults to K^-0.5; use_qk_l2norm_in_kernel normalises each row of q and k first
 (x / sqrt(|x|^2 + 1e-6), FLA's convention). cu_seqlens (N+1 int32 or int64 offsets, B = 1) packs N
 variable-length sequences, each with its own state (empty sequences allowed); without it N = B.
+split_operands (CUDA, bfloat16, K <= 128): the tensor-core products whose operands come from fp32
+values (states, the WY factors, their gradients) take them as bfloat16 hi + lo pairs (True: ~16 bits,
+o 1.9e-3 from the float64 loop) or as bfloat16 alone (False: FLA's precision, o ~3.6e-3, fewer
+products, half the state workspace); ignored elsewhere.
 o has q's dtype; the final state is float32 (float64 when q is float64, a CPU-only dtype, so that
 ``gradcheck`` reaches the states too); initial_state is cast to that dtype. beta is used in q's dtype
 or float32 (other dtypes are cast to float32).
@@ -55,24 +59,26 @@ def _state_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]):
 # ---- forward / backward custom ops ----------------------------------------------------------------
 # Custom ops cannot return None: an empty tensor (a distinct one per output: outputs must not alias)
 # stands for 'not computed'.
-def _deltanet_fwd_run(q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, output_final_state):
+def _deltanet_fwd_run(q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, output_final_state,
+                      split_operands=True):
     """The forward's _C call, shared by the custom op and the eager path: (o, final state or None)."""
     o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     ht = q.new_empty(_state_shape(q, v, cu_seqlens), dtype=_state_dtype(q)) if output_final_state else None
     args = (_spec(q), _spec(k), _spec(v), _spec(beta), _spec(initial_state), _spec(cu_seqlens), _spec(o), _spec(ht),
-            scale, use_qk_l2norm_in_kernel)
+            scale, use_qk_l2norm_in_kernel, split_operands)
     ws = _workspace(q, _C.deltanet_fwd_workspace_size(*args))  # the tensor-core pipeline's scratch (or none)
     _C.deltanet_fwd(*args, _ws_spec(ws), _stream(q))
     return o, ht
 
 
-def _deltanet_bwd_run(do, q, k, v, beta, initial_state, cu_seqlens, dfinal_state, scale, use_qk_l2norm_in_kernel):
+def _deltanet_bwd_run(do, q, k, v, beta, initial_state, cu_seqlens, dfinal_state, scale, use_qk_l2norm_in_kernel,
+                      split_operands=True):
     """The backward's _C call, shared likewise: (dq, dk, dv, dbeta, dh0 or None)."""
     dq, dk, dv, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     args = (_spec(q), _spec(k), _spec(v), _spec(beta), _spec(initial_state), _spec(cu_seqlens), _spec(do),
             _spec(dfinal_state), _spec(dq), _spec(dk), _spec(dv), _spec(dbeta), _spec(dh0), scale,
-            use_qk_l2norm_in_kernel)
+            use_qk_l2norm_in_kernel, split_operands)
     ws = _workspace(q, _C.deltanet_bwd_workspace_size(*args))  # torch's caching allocator (0 bytes on the CPU)
     _C.deltanet_bwd(*args, _ws_spec(ws), _stream(q))
     return dq, dk, dv, dbeta, dh0
@@ -81,14 +87,14 @@ def _deltanet_bwd_run(do, q, k, v, beta, initial_state, cu_seqlens, dfinal_state
 @torch.library.custom_op("fastweight::deltanet_fwd", mutates_args=())
 def _deltanet_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                   cu_seqlens: Optional[Tensor], scale: Optional[float], use_qk_l2norm_in_kernel: bool,
-                  output_final_state: bool) -> tuple[Tensor, Tensor]:
+                  output_final_state: bool, split_operands: bool) -> tuple[Tensor, Tensor]:
     o, ht = _deltanet_fwd_run(q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel,
-                              output_final_state)
+                              output_final_state, split_operands)
     return o, _or_nothing(ht, q)
 
 
 @_deltanet_fwd.register_fake
-def _(q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, output_final_state):
+def _(q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, output_final_state, split_operands):
     o = q.new_empty(v.shape)
     if not output_final_state:
         return o, _nothing(q)
@@ -98,29 +104,30 @@ def _(q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, 
 @torch.library.custom_op("fastweight::deltanet_bwd", mutates_args=())
 def _deltanet_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                   cu_seqlens: Optional[Tensor], dfinal_state: Optional[Tensor], scale: Optional[float],
-                  use_qk_l2norm_in_kernel: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  use_qk_l2norm_in_kernel: bool, split_operands: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv, dbeta, dh0 = _deltanet_bwd_run(do, q, k, v, beta, initial_state, cu_seqlens, dfinal_state, scale,
-                                               use_qk_l2norm_in_kernel)
+                                               use_qk_l2norm_in_kernel, split_operands)
     return dq, dk, dv, dbeta, _or_nothing(dh0, q)
 
 
 @_deltanet_bwd.register_fake
-def _(do, q, k, v, beta, initial_state, cu_seqlens, dfinal_state, scale, use_qk_l2norm_in_kernel):
+def _(do, q, k, v, beta, initial_state, cu_seqlens, dfinal_state, scale, use_qk_l2norm_in_kernel, split_operands):
     dh0 = torch.empty_like(initial_state) if initial_state is not None else _nothing(q)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta), dh0
 
 
 def _deltanet_setup(ctx, inputs, output):
-    q, k, v, beta, h0, cu_seqlens, scale, l2, output_final_state = inputs
+    q, k, v, beta, h0, cu_seqlens, scale, l2, output_final_state, split = inputs
     ctx.save_for_backward(q, k, v, beta, h0, cu_seqlens)
-    ctx.scale, ctx.l2, ctx.output_final_state = scale, l2, output_final_state
+    ctx.scale, ctx.l2, ctx.output_final_state, ctx.split = scale, l2, output_final_state, split
 
 
 def _deltanet_backward(ctx, do, dht):
     q, k, v, beta, h0, cu_seqlens = ctx.saved_tensors
     dht = _last_contig(dht) if ctx.output_final_state else None
-    dq, dk, dv, dbeta, dh0 = _deltanet_bwd(_last_contig(do), q, k, v, beta, h0, cu_seqlens, dht, ctx.scale, ctx.l2)
-    return dq, dk, dv, dbeta, (dh0 if h0 is not None else None), None, None, None, None
+    dq, dk, dv, dbeta, dh0 = _deltanet_bwd(_last_contig(do), q, k, v, beta, h0, cu_seqlens, dht, ctx.scale, ctx.l2,
+                                           ctx.split)
+    return dq, dk, dv, dbeta, (dh0 if h0 is not None else None), None, None, None, None, None
 
 
 _deltanet_fwd.register_autograd(_deltanet_backward, setup_context=_deltanet_setup)
@@ -129,10 +136,10 @@ _deltanet_fwd.register_autograd(_deltanet_backward, setup_context=_deltanet_setu
 # ---- eager path: torch.autograd.Function over the same _C calls (fastweight.ops: _route_all) --------
 class _DeltaRuleFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, beta, h0, cu_seqlens, scale, l2, output_final_state):
-        o, ht = _deltanet_fwd_run(q, k, v, beta, h0, cu_seqlens, scale, l2, output_final_state)
+    def forward(ctx, q, k, v, beta, h0, cu_seqlens, scale, l2, output_final_state, split):
+        o, ht = _deltanet_fwd_run(q, k, v, beta, h0, cu_seqlens, scale, l2, output_final_state, split)
         ctx.save_for_backward(q, k, v, beta, h0, cu_seqlens)
-        ctx.scale, ctx.l2, ctx.output_final_state = scale, l2, output_final_state
+        ctx.scale, ctx.l2, ctx.output_final_state, ctx.split = scale, l2, output_final_state, split
         return o, ht
 
     @staticmethod
@@ -141,8 +148,8 @@ class _DeltaRuleFn(torch.autograd.Function):
         q, k, v, beta, h0, cu_seqlens = ctx.saved_tensors
         dht = _last_contig(dht) if ctx.output_final_state else None
         dq, dk, dv, dbeta, dh0 = _deltanet_bwd_run(_last_contig(do), q, k, v, beta, h0, cu_seqlens, dht, ctx.scale,
-                                                   ctx.l2)
-        return dq, dk, dv, dbeta, dh0, None, None, None, None
+                                                   ctx.l2, ctx.split)
+        return dq, dk, dv, dbeta, dh0, None, None, None, None, None
 
 
 _delta_rule_apply = _apply(_DeltaRuleFn)
@@ -183,7 +190,8 @@ def _check_device_offsets(cu_seqlens: Optional[Tensor], q: Tensor) -> None:
 
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, scale: Optional[float] = None,
                initial_state: Optional[Tensor] = None, output_final_state: bool = False,
-               use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Optional[Tensor] = None):
+               use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Optional[Tensor] = None,
+               split_operands: bool = True):
     """The delta rule over a sequence (FLA layout): returns ``(o, final_state)``, o (B, T, H, V) in q's
     dtype, final_state (N, H, K, V) float32 (float64 for float64 q) when ``output_final_state``, else
     None. See the module docstring for the arguments."""
@@ -197,7 +205,7 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, scale: Optional[fl
     q, k, v, beta = _last_contig(q), _last_contig(k), _last_contig(v), _prep_gate(beta, q)
     cu_seqlens = _last_contig(cu_seqlens)
     args = (q, k, v, beta, h0, cu_seqlens, None if scale is None else float(scale), bool(use_qk_l2norm_in_kernel),
-            bool(output_final_state))
+            bool(output_final_state), bool(split_operands))
     route = _route_all((q, k, v, beta, h0, cu_seqlens))
     if route == _AUTOGRAD:
         o, ht = _delta_rule_apply(*args)

@@ -300,6 +300,7 @@ DeltanetParams lower_deltanet_fwd(const DeltanetFwdArgs& a) {
   p.N = a.cu_seqlens.defined() ? a.cu_seqlens.shape[0] - 1 : p.B;
   p.scale = float(std::isnan(a.scale) ? std::pow(double(p.K), -0.5) : a.scale);  // as the reference
   p.l2 = a.use_qk_l2norm_in_kernel;
+  p.hilo = a.split_operands;
   p.q = view_of(a.q, 3), p.k = view_of(a.k, 3), p.v = view_of(a.v, 3), p.o = view_of(a.o, 3);
   p.beta = view_of(a.beta, 2);
   p.h0 = view_of(a.initial_state, 3), p.ht = view_of(a.final_state, 3);
@@ -311,7 +312,7 @@ DeltanetParams lower_deltanet_fwd(const DeltanetFwdArgs& a) {
 DeltanetBwdParams lower_deltanet_bwd(const DeltanetBwdArgs& a) {
   DeltanetFwdArgs f;
   f.q = a.q, f.k = a.k, f.v = a.v, f.beta = a.beta, f.initial_state = a.initial_state, f.cu_seqlens = a.cu_seqlens;
-  f.scale = a.scale, f.use_qk_l2norm_in_kernel = a.use_qk_l2norm_in_kernel;
+  f.scale = a.scale, f.use_qk_l2norm_in_kernel = a.use_qk_l2norm_in_kernel, f.split_operands = a.split_operands;
   DeltanetBwdParams p;
   static_cast<DeltanetParams&>(p) = lower_deltanet_fwd(f);
   p.do_ = view_of(a.do_, 3), p.dht = view_of(a.dfinal_state, 3);

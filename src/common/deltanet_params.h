@@ -19,6 +19,10 @@ struct DeltanetParams {
   StridedView q, k, v, beta, o, h0, ht;
   const void* cu_seqlens = nullptr;  // (N+1) on the device, int32 or int64; null: N = B sequences of T
   bool cu_i64 = true;
+  // The tensor-core kernels (bf16, K <= 128): operands that come from fp32 values (states, the WY
+  // factors, their gradients) as bf16 hi + lo (~16 bits, the default) or bf16 only (false: FLA's
+  // precision, half the products and half the state / Xw workspace).
+  bool hilo = true;
   // The backward's recompute (deltanet_bwd.cu) runs the forward with these set (fp32 workspace): the
   // state entering every chunk and X = R - Lg D of every row (D = diag(beta) X); see DnBwdWs.
   float* save_S = nullptr;
@@ -45,10 +49,15 @@ inline std::int64_t deltanet_slots(const DeltanetParams& p) {
 //   xu (rows, V): Xu = T2 V;  rk (rows): rk beta, rk the L2 factor of k (1 without the L2 norm)
 //   S (slots, H): the state entering each chunk, a (K, V) bf16 hi then a (K, V) bf16 lo matrix
 //   X (rows, V): X = Xu - Xw S (D = diag(beta) X)
+// Without p.hilo the lo halves are absent: xw (rows, K) bf16, S (slots, H) one (K, V) bf16 matrix.
 struct DnChunkBufs {
   float *xw = nullptr, *xu = nullptr, *rk = nullptr, *S = nullptr, *X = nullptr;
   float* T2 = nullptr;  // optional (slots, H, 64, 64): T2 itself, for the backward's state pass
 };
+
+// bf16 matrices per state or Xw row (hi + lo, or hi only), and floats for n of them
+inline std::int64_t dn_nmat(const DeltanetParams& p) { return p.hilo ? 2 : 1; }
+inline std::int64_t dn_bf16_floats(const DeltanetParams& p, std::int64_t n) { return (n * dn_nmat(p) + 1) / 2; }
 
 // The forward's workspace with the tensor-core pipeline (offsets in floats, 64-float aligned).
 struct DnFwdWs {
@@ -57,7 +66,8 @@ struct DnFwdWs {
     const std::int64_t rows = p.B * p.T * p.H;
     std::int64_t o = 0;
     auto take = [&](std::int64_t n) { const std::int64_t at = o; o += (n + 63) / 64 * 64; return at; };
-    xw = take(rows * p.K), xu = take(rows * p.V), rk = take(rows), S = take(deltanet_slots(p) * p.H * p.K * p.V);
+    xw = take(dn_bf16_floats(p, rows * p.K)), xu = take(rows * p.V), rk = take(rows);
+    S = take(dn_bf16_floats(p, deltanet_slots(p) * p.H * p.K * p.V));
     X = take(rows * p.V);
     total = o;
   }
@@ -69,21 +79,22 @@ struct DnFwdWs {
 //   dbp (ceil(V/64), B*T*H): dbeta partial sums, one per 64-column tile of V
 //   dqh, dkh (B*T*H, K): dL/d of the L2-normalised q, k (only with the in-kernel L2 norm)
 //   xw, xu, rk, T2: the tensor-core recompute's scratch (DnChunkBufs), when it applies; then S and
-//   dS hold bf16 hi + lo matrices (as DnChunkBufs::S) instead of fp32, the state pass keeps dD0, then
+//   dS hold bf16 hi + lo (or hi only) matrices as DnChunkBufs::S instead of fp32, the state pass keeps dD0, then
 //   dD, in Y before it writes Y there (deltanet_bwd_tc.cu), and fac (3, B*T*H) holds rq, rk, beta
 // dqh and dkh share xw's and xu's memory: the chunk pass writes them after the recompute (the only
 // reader of xw, xu) is done, in stream order (-268 MB at (4, 4096, 16, 128) with the L2 norm).
 struct DnBwdWs {
   std::int64_t rows, vt, S, dS, X, Y, dbp, dqh, dkh, xw, xu, rk, T2, fac, total;
-  // tc: the recompute runs the tensor-core pipeline (its xw, xu, rk regions; see DnChunkBufs)
+  // tc: the recompute runs the tensor-core pipeline (its xw, xu, rk regions; see DnChunkBufs); without
+  // p.hilo (bf16-only operands) the whole backward is on tensor cores (deltanet_bwd_cuda sees to it)
   DnBwdWs(const DeltanetParams& p, bool tc) {
     rows = p.B * p.T * p.H, vt = (p.V + kDeltanetChunk - 1) / kDeltanetChunk;
     std::int64_t o = 0;
     auto take = [&](std::int64_t n) { const std::int64_t at = o; o += (n + 63) / 64 * 64; return at; };
-    const std::int64_t states = deltanet_slots(p) * p.H * p.K * p.V;
-    S = take(states), dS = take(states), X = take(rows * p.V), Y = take(rows * p.V), dbp = take(vt * rows);
+    const std::int64_t states = deltanet_slots(p) * p.H * p.K * p.V, sf = tc ? dn_bf16_floats(p, states) : states;
+    S = take(sf), dS = take(sf), X = take(rows * p.V), Y = take(rows * p.V), dbp = take(vt * rows);
     const std::int64_t nh = p.l2 ? rows * p.K : 0;
-    xw = dqh = take(std::max(tc ? rows * p.K : 0, nh));
+    xw = dqh = take(std::max(tc ? dn_bf16_floats(p, rows * p.K) : 0, nh));
     xu = dkh = take(std::max(tc ? rows * p.V : 0, nh));
     rk = take(tc ? rows : 0);
     T2 = take(tc ? deltanet_slots(p) * p.H * 64 * 64 : 0);

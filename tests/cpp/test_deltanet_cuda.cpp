@@ -104,17 +104,21 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
   if (c.state) a.initial_state = gh0.ref(h0);
   if (!c.cu.empty()) a.cu_seqlens = gcu.ref(cu);
   a.use_qk_l2norm_in_kernel = c.l2;
-  const auto p = fastweight::detail::lower_deltanet_fwd(a);
+  auto p = fastweight::detail::lower_deltanet_fwd(a);
   // reference (loop form) on the rounded inputs
   const auto [ro, rht] = reference(c, N, q, k, v, beta, c.state ? &h0 : nullptr, o, ht, 0.0);
   const double tol = c.dt == DType::f32 ? 1e-4 : 2e-2;
-  // without a workspace (the on-chip kernel), then with one where the tensor-core pipeline applies
-  // (the workspace poisoned with 0xff bytes: every read of it must follow a write)
+  // without a workspace (the on-chip kernel), then with one where the tensor-core pipeline applies,
+  // its operands as bf16 hi + lo and as bf16 alone (the workspace poisoned with 0xff bytes: every
+  // read of it must follow a write)
   const std::size_t need = fastweight::detail::deltanet_fwd_workspace_bytes(p);
   void* ws = nullptr;
   if (need) FW_TEST_CUDA(cudaMalloc(&ws, need));
-  for (void* w : {static_cast<void*>(nullptr), ws}) {
-    const char* mode = w ? "pipeline (workspace)" : "on-chip (no workspace)";
+  for (int m = 0; m < 3; ++m) {
+    void* w = m == 0 ? nullptr : ws;
+    p.hilo = m != 2;
+    const char* mode = m == 0 ? "on-chip (no workspace)" : m == 1 ? "pipeline (hi + lo)" : "pipeline (bf16 operands)";
+    if (m == 2) EXPECT_LT(fastweight::detail::deltanet_fwd_workspace_bytes(p), need) << "bf16 operands: less workspace";
     std::vector<HostTensor> runs;
     for (int r = 0; r < 2; ++r) {
       FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
@@ -131,6 +135,7 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
     EXPECT_LT(rel_err(runs[1], rht), tol) << mode << ": final state";
     if (!need) break;  // no pipeline for this case
   }
+  p.hilo = true;
   if (ws) FW_TEST_CUDA(cudaFree(ws));
 }
 
@@ -259,11 +264,13 @@ struct DnBwdCase {
   DType cu_dt;
   unsigned grads;                // the gradients asked for (kDq | ...); kDh0 needs `state`
   std::int64_t pad;              // > 0: every tensor a strided view (rows padded, one element in)
+  bool split = true;             // split_operands (false: bf16-only tensor-core operands)
 };
 std::string name_of(const DnBwdCase& c) {
   std::string n = std::string(dtype_name(c.dt)) + "_T" + std::to_string(c.T) + "_K" + std::to_string(c.K) + "V" +
                   std::to_string(c.V) + (c.l2 ? "_l2" : "") + (c.state ? "_state" : "") + (c.dht ? "_dht" : "") +
-                  (c.cu.empty() ? "" : std::string("_varlen_") + dtype_name(c.cu_dt)) + (c.pad ? "_strided" : "");
+                  (c.cu.empty() ? "" : std::string("_varlen_") + dtype_name(c.cu_dt)) + (c.pad ? "_strided" : "") +
+                  (c.split ? "" : "_bf16ops");
   if (c.grads != kAllGrads) {
     n += "_only";
     const char* names[] = {"dq", "dk", "dv", "dbeta", "dh0"};
@@ -293,6 +300,8 @@ TEST(DeltanetCudaSmemCap, Sm80SharedMemoryPathsMatchReference) {
     ~Restore() { fastweight::detail::cap_smem_per_block_optin(prev); }
   } restore{fastweight::detail::cap_smem_per_block_optin(166912)};
   check_bwd_case({DType::bf16, 1, 150, 2, 128, 128, true, true, true, {}, DType::i64, kAllGrads, 0});
+  // bf16-only operands: the serial kernel's smaller layout fits there, so the tensor-core passes run
+  check_bwd_case({DType::bf16, 1, 150, 2, 128, 128, true, true, true, {}, DType::i64, kAllGrads, 0, false});
   check_bwd_case({DType::bf16, 1, 150, 2, 100, 72, true, true, true, {0, 0, 70, 70, 150}, DType::i32, kAllGrads, 0});
 }
 
@@ -329,6 +338,7 @@ void check_bwd_case(const DnBwdCase& c) {
   for (int e = 0; e < 5; ++e)
     if (c.grads & (1u << e)) *arefs[e] = gouts[e]->ref(*outs[e]);
   a.use_qk_l2norm_in_kernel = c.l2;
+  a.split_operands = c.split;
 
   const std::size_t need = deltanet_bwd_workspace_size(a);
   void* ws = nullptr;
@@ -428,6 +438,9 @@ TEST(DeltanetCudaBadOffsets, Clamped_varlen_MemorySafe) {
       deltanet_fwd(a);                             // the on-chip kernel
       deltanet_fwd(a, ws, fneed, Stream{});        // the pipeline (tensor cores for bf16)
       deltanet_bwd(b, ws, bneed, Stream{});
+      a.split_operands = b.split_operands = false;  // bf16-only operands: smaller workspaces, other kernels
+      deltanet_fwd(a, ws, deltanet_fwd_workspace_size(a), Stream{});
+      deltanet_bwd(b, ws, deltanet_bwd_workspace_size(b), Stream{});
       FW_TEST_CUDA(cudaDeviceSynchronize());
       FW_TEST_CUDA(cudaGetLastError());
       FW_TEST_CUDA(cudaFree(ws));
@@ -467,6 +480,20 @@ std::vector<DnBwdCase> bwd_cases() {
   // only some gradients asked for (no initial state, no dfinal_state)
   v.push_back({DType::f32, 2, 130, 2, 64, 64, false, false, false, none, DType::i64, kDv | kDbeta, 0});
   v.push_back({DType::bf16, 1, 100, 2, 100, 72, true, true, true, none, DType::i64, kDq | kDh0, 0});
+  // bf16-only tensor-core operands (split_operands = false): the templated kernels' other half
+  const std::vector<std::int64_t> off = many_offsets(2000, 9, 6);
+  for (DnBwdCase c : std::vector<DnBwdCase>{
+           {DType::bf16, 1, 1000, 2, 100, 100, true, true, true, none, DType::i64, kAllGrads, 0},
+           {DType::bf16, 2, 200, 3, 64, 128, false, true, true, none, DType::i64, kAllGrads, 3},
+           {DType::bf16, 1, 150, 2, 128, 256, true, true, true, none, DType::i64, kAllGrads, 0},
+           {DType::bf16, 1, 150, 2, 33, 47, true, true, true, none, DType::i64, kAllGrads, 0},
+           {DType::bf16, 1, 150, 2, 100, 72, true, true, true, {0, 0, 70, 70, 150}, DType::i32, kAllGrads, 0},
+           {DType::bf16, 1, 4097, 1, 64, 64, true, true, true, none, DType::i64, kAllGrads, 0},
+           {DType::bf16, 1, off.back(), 1, 32, 32, true, true, true, off, DType::i64, kAllGrads, 0},
+           {DType::bf16, 1, 100, 2, 100, 72, true, true, true, none, DType::i64, kDq | kDh0, 0}}) {
+    c.split = false;
+    v.push_back(c);
+  }
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Cases, DeltanetCudaBwd, ::testing::ValuesIn(bwd_cases()),

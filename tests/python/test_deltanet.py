@@ -99,6 +99,17 @@ def test_final_state_is_none_unless_asked_and_scale_default():
     assert torch.equal(o, o2)  # scale=None is K^-0.5
 
 
+def test_split_operands_is_ignored_where_no_tensor_core_kernel_runs():
+    q, k, v, beta, h0 = make(T=70, dtype=torch.float32)
+    args = [t.requires_grad_() for t in (q, k, v, beta)]
+    o, ht = fastweight.delta_rule(*args, initial_state=h0, output_final_state=True)
+    o2, ht2 = fastweight.delta_rule(*args, initial_state=h0, output_final_state=True, split_operands=False)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)  # the CPU reference: float64 throughout
+    g = torch.autograd.grad(o.sum(), args)
+    g2 = torch.autograd.grad(o2.sum(), args)
+    assert all(torch.equal(a, b) for a, b in zip(g, g2))
+
+
 @pytest.mark.parametrize("K,V,T", [(100, 100, 70), (4, 16, 65), (16, 3, 63)])
 def test_head_dims_and_l2norm_and_scale(K, V, T):
     q, k, v, beta, h0 = make(B=1, T=T, H=2, K=K, V=V, dtype=torch.float32)
@@ -214,11 +225,11 @@ def test_opcheck():
     q, k, v, beta, h0 = make(B=1, T=9, H=2, K=4, V=3, N=2)
     args = [t.requires_grad_() for t in (q, k, v, beta)]
     fwd = torch.ops.fastweight.deltanet_fwd.default
-    torch.library.opcheck(fwd, (*args, h0.requires_grad_(), cu, None, True, True))
-    torch.library.opcheck(fwd, (*args, None, None, 0.5, False, False))
+    torch.library.opcheck(fwd, (*args, h0.requires_grad_(), cu, None, True, True, True))
+    torch.library.opcheck(fwd, (*args, None, None, 0.5, False, False, False))
     do = torch.randn(1, 9, 2, 3, dtype=torch.float64)
     torch.library.opcheck(torch.ops.fastweight.deltanet_bwd.default,
-                          (do, *[a.detach() for a in args], h0.detach(), cu, torch.randn_like(h0), None, False))
+                          (do, *[a.detach() for a in args], h0.detach(), cu, torch.randn_like(h0), None, False, True))
 
 
 def test_compile_fullgraph():
@@ -489,7 +500,7 @@ CUDA_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 GRAD_NAMES = ["q", "k", "v", "beta", "initial_state"]
 
 
-def _cuda_vs_cpu_f64_autograd(seed, dtype, q, k, v, beta, h0, l2, cu=None, scale=None):
+def _cuda_vs_cpu_f64_autograd(seed, dtype, q, k, v, beta, h0, l2, cu=None, scale=None, split=True):
     """delta_rule forward + autograd on CUDA vs the CPU float64 path (fastweight's reference through the C++
     API) on the same inputs and the same upstream gradients (do, dht rounded to o's and the state's dtype, as
     the CUDA backward receives them). Asserts the bounds on o, the final state and every gradient."""
@@ -497,7 +508,7 @@ def _cuda_vs_cpu_f64_autograd(seed, dtype, q, k, v, beta, h0, l2, cu=None, scale
     dev = [t.detach().cuda().requires_grad_() for t in (q, k, v, beta)]
     dh0 = h0.detach().cuda().requires_grad_() if h0 is not None else None
     kw = dict(scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=l2)
-    o, ht = fastweight.delta_rule(*dev, initial_state=dh0, cu_seqlens=_cuda(cu)[0], **kw)
+    o, ht = fastweight.delta_rule(*dev, initial_state=dh0, cu_seqlens=_cuda(cu)[0], split_operands=split, **kw)
     assert o.is_cuda and o.dtype == dtype and ht.dtype == torch.float32
     g = torch.Generator().manual_seed(seed + 1)
     do = torch.randn(o.shape, generator=g, dtype=torch.float64).to(dtype).double()
@@ -547,13 +558,30 @@ def test_cuda_autograd_varlen_matches_cpu_float64(dtype, cu_dtype):
 
 @gpu
 @requires_cuda
+@pytest.mark.parametrize("T,K,V,cu", [(1000, 100, 100, None), (200, 64, 128, None), (263, 64, 128, [0, 0, 70, 70, 200, 263])])
+def test_cuda_bf16_operands_match_cpu_float64(T, K, V, cu):
+    """split_operands=False (bf16-only tensor-core operands) stays within the bf16 bounds, forward and
+    every gradient, through the eager path and the custom op alike."""
+    seed = _fresh_seed()
+    N = None if cu is None else len(cu) - 1
+    q, k, v, beta, h0 = make(B=1 if cu else 2, T=T, H=2, K=K, V=V, N=N, dtype=torch.bfloat16, seed=seed)
+    cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    _cuda_vs_cpu_f64_autograd(seed, torch.bfloat16, q, k, v, beta, h0, True, cu=cu, split=False)
+    qc, kc, vc, bc = _cuda(q, k, v, beta)
+    a, _ = fastweight.delta_rule(qc, kc, vc, bc, split_operands=False, use_qk_l2norm_in_kernel=True, cu_seqlens=_cuda(cu)[0])
+    b, _ = torch.ops.fastweight.deltanet_fwd(qc, kc, vc, bc, None, _cuda(cu)[0], None, True, False, False)
+    assert torch.equal(a, b)
+
+
+@gpu
+@requires_cuda
 def test_cuda_backward_deterministic_and_graph_capture():
     q, k, v, beta, h0 = _cuda(*make(B=2, T=150, H=2, K=64, V=64, dtype=torch.float32, seed=_fresh_seed()))
     do, dht = torch.randn_like(v), torch.randn_like(h0)
     bwd = torch.ops.fastweight.deltanet_bwd
 
     def fn():
-        return bwd(do, q, k, v, beta, h0, None, dht, None, True)
+        return bwd(do, q, k, v, beta, h0, None, dht, None, True, True)
     g1, g2 = fn(), fn()
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))  # bit-identical
     graph = torch.cuda.CUDAGraph()  # the workspace comes from torch's caching allocator: capturable

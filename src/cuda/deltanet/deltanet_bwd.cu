@@ -392,13 +392,23 @@ bool rows8_bf16(const StridedView& v) {
                   v.s1 % 4 == 0 && v.s2 % 4 == 0);
 }
 
+// bf16-only operands (p.hilo false) where the whole backward runs on tensor cores; elsewhere the
+// recompute's workspace keeps hi + lo, which the CUDA-core passes read.
+DeltanetBwdParams effective(const DeltanetBwdParams& p) {
+  DeltanetBwdParams e = p;
+  if (!e.hilo && !deltanet_bwd_state_tc_applies(e)) e.hilo = true;
+  return e;
+}
+
 }  // namespace
 
-std::size_t deltanet_bwd_workspace_bytes(const DeltanetBwdParams& p) {
+std::size_t deltanet_bwd_workspace_bytes(const DeltanetBwdParams& p_in) {
+  const DeltanetBwdParams p = effective(p_in);
   return std::size_t(DnBwdWs(p, deltanet_chunk_tc_applies(p)).total) * sizeof(float);
 }
 
-void deltanet_bwd_cuda(const DeltanetBwdParams& p, void* workspace, Stream stream) {
+void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream stream) {
+  const DeltanetBwdParams p = effective(p_in);
   const std::int64_t seqs = p.N * p.H, vt = (p.V + kC - 1) / kC, kt = (p.K + kC - 1) / kC;
   if (p.K > kMaxK) throw ArgumentError(cat("deltanet_bwd: K = ", p.K, " > ", kMaxK, " is not supported by the CUDA kernel"));
   if (seqs > 0x7fffffff || vt > 65535 || p.H > 65535)

@@ -13,7 +13,8 @@
 //      bf16 hi + lo (for the chunk pass), dinitial_state at the end;
 //   3. post (grid: chunk slots x H x V tiles, in parallel): dR, Y (-> the Y region, in place), dv,
 //      the dbeta partials.
-// Products on tensor cores; where an operand comes from fp32 it is bf16 hi + lo. (Version 1 of this
+// Products on tensor cores; where an operand comes from fp32 it is bf16 hi + lo (p.hilo; else bf16
+// only, each kernel a template on it). (Version 1 of this
 // pass did all of it on the serial chain: 1.55 ms at (4,4096,16,128), ~24 us per chunk step.)
 #include "cuda/common/check.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
@@ -27,28 +28,6 @@ using namespace dtc;
 constexpr int kThreads = kTcThreads;  // prep and post: 4 warps, warp w owns tile rows 16w..
 constexpr int kLdF = kT + 4;          // fp32 row stride of staged 64 x 64 tiles: 272 B, 16-byte aligned rows
 
-// fp32 rows t0.. (nr of them) of a (B*T*H, V) workspace region, columns c0..c0+63, into dst[64][kLdF];
-// zero past nr rows and V columns. cp.async where V % 4 == 0 (the caller commits, waits and syncs),
-// else plain loads.
-__device__ __forceinline__ void stage_f32_tile(float* dst, const float* region, const DeltanetParams& p, std::int64_t b,
-                                               std::int64_t t0, std::int64_t h, int nr, std::int64_t c0, int nthreads) {
-  const std::int64_t V = p.V;
-  if (V % 4 == 0) {
-    for (int e = threadIdx.x; e < 64 * 16; e += nthreads) {
-      const int i = e / 16, c = 4 * (e % 16);
-      const std::int64_t left = V - c0 - c;
-      const int bytes = i < nr ? 4 * int(left < 0 ? 0 : left > 4 ? 4 : left) : 0;
-      const float* src = region + dn_ws_row(p, b, t0 + i, h) * V + c0 + c;
-      cp_async16(dst + i * kLdF + c, bytes ? src : region, bytes);
-    }
-  } else {
-    for (int e = threadIdx.x; e < 64 * 64; e += nthreads) {
-      const int i = e / 64, c = e % 64;
-      dst[i * kLdF + c] = i < nr && c0 + c < V ? region[dn_ws_row(p, b, t0 + i, h) * V + c0 + c] : 0.f;
-    }
-  }
-}
-
 // ---- 1. prep ------------------------------------------------------------------------------------
 // smem: bf16 q, k [64][ldk] | [2] dO [64][kLd] (V tiles double-buffered) | f32 rq, rk, beta [64]
 struct BpLayout {
@@ -61,6 +40,7 @@ struct BpLayout {
   }
 };
 
+template <bool LO>
 __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                      float* __restrict__ ws, bool vq, bool vk,
                                                                      bool vo) {
@@ -113,16 +93,14 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
     mma_rn(m, sk, ldk, warp, sq, ldk, Kc, lane);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      float xh[4], xl[4];
+      float x[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = 16 * warp + frow(lane, e), i = fcol(lane, j, e);
-        const float x = i >= c ? p.scale * s_rq[i] * s_rk[c] * m[j][e] : 0.f;
-        xh[e] = __bfloat162float(__float2bfloat16_rn(x));
-        xl[e] = x - xh[e];
+        x[e] = i >= c ? p.scale * s_rq[i] * s_rk[c] * m[j][e] : 0.f;
       }
-      pack_a_frags(mh, j, xh);
-      pack_a_frags(ml, j, xl);
+      if constexpr (LO) pack_a_frags_split(mh, ml, j, x);
+      else pack_a_frags(mh, j, x);
     }
   }
   const bool even = V % 2 == 0;
@@ -135,7 +113,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
     const bf16* dO = sdo + (v0 / kT % 2) * kT * kLd;
     float dd[8][4] = {};  // dD0 = s M^T dO: rows 16 warp.., 64 columns of V
     mma_frags_k(dd, mh, dO, kLd, 0, lane);
-    mma_frags_k(dd, ml, dO, kLd, 0, lane);
+    if constexpr (LO) mma_frags_k(dd, ml, dO, kLd, 0, lane);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -156,28 +134,31 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
 // smem: [2] bf16 k [64][ldk] | [2] bf16 dO [64][kLd] | [2] f32 dD0 [64][kLdF] | [2] f32 rq, rk, beta [64] |
 //       bf16 q, Xw hi, Xw lo [64][ldk] (one buffer: issued at the step's start, read in its second
 //       half) | bf16 dSe hi, lo [Kc][kLd] | bf16 -W dD hi, lo, s diag(rq) dO hi, lo [64][kLd]
+//       (the lo tiles with LO only)
 struct BsLayout {
   int Kc, ldk;
   std::size_t k, dO, dd, fac, q, xh, xl, Sh, Sl, Bh, Bl, Uh, Ul, bytes;
-  __host__ __device__ explicit BsLayout(std::int64_t K) {
+  __host__ __device__ BsLayout(std::int64_t K, bool lo) {
     Kc = k_cols(K), ldk = Kc + 8;
     const std::size_t kt = 2 * std::size_t(kT) * ldk, t64 = 2 * std::size_t(kT) * kLd;
+    const std::size_t st = 2 * std::size_t(Kc) * kLd, tl = lo ? t64 : 0;
     k = 0, dO = k + 2 * kt, dd = dO + 2 * t64, fac = dd + 2 * 4 * std::size_t(kT) * kLdF;
-    q = fac + 2 * 3 * 4 * kT, xh = q + kt, xl = xh + kt, Sh = xl + kt;
-    Sl = Sh + 2 * std::size_t(Kc) * kLd, Bh = Sl + 2 * std::size_t(Kc) * kLd;
-    Bl = Bh + t64, Uh = Bl + t64, Ul = Uh + t64, bytes = Ul + t64;
+    q = fac + 2 * 3 * 4 * kT, xh = q + kt, xl = xh + kt, Sh = xl + (lo ? kt : 0);
+    Sl = Sh + st, Bh = Sl + (lo ? st : 0);
+    Bl = Bh + t64, Uh = Bl + tl, Ul = Uh + t64, bytes = Ul + tl;
   }
 };
 
 // 8 warps as the forward's state kernel: warp w owns dS's 16-row group w and, in dD, rows 16 (w % 4)..
 // and the 32-column half w / 4.
 constexpr int kBsThreads = 256;
+template <bool LO>
 __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                               float* __restrict__ ws, bool vq, bool vk,
                                                                               bool vo, bool vx) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const BsLayout lay(p.K);
+  const BsLayout lay(p.K, LO);
   const int Kc = lay.Kc, ldk = lay.ldk;
   const std::size_t ktile = std::size_t(kT) * ldk, otile = std::size_t(kT) * kLd;
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);     // [2] (64 rows, Kc) k
@@ -211,7 +192,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     load_tile(sk + buf * ktile, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk, kBsThreads);
     load_tile(sdo + buf * otile, kLd, kT, kT, bf_rows(p.do_, b, t0, h) + c0, p.do_.s1, nr, int(lmin(kT, V - c0)), vo,
               kBsThreads);
-    stage_f32_tile(sdd + buf * kT * kLdF, ws + w.Y, p, b, t0, h, nr, c0, kBsThreads);
+    stage_ws_rows<true>(sdd + buf * kT * kLdF, kLdF, ws + w.Y, p, b, t0, h, nr, c0, kBsThreads);
     if (tid < 3 * kT) {
       const int f = tid / kT, i = tid % kT;
       if (i < nr) cp_async4(sfac + (buf * 3 + f) * kT + i, ws + w.fac + f * w.rows + row0 + i * p.H);
@@ -225,7 +206,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     const std::int64_t row0 = dn_ws_row(p, b, t0, h);
     load_tile(sq, ldk, kT, Kc, bf_rows(p.q, b, t0, h), p.q.s1, nr, int(K), vq, kBsThreads);
     load_tile(sxh, ldk, kT, Kc, xwh + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
-    load_tile(sxl, ldk, kT, Kc, xwl + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
+    if constexpr (LO) load_tile(sxl, ldk, kT, Kc, xwl + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
     cp_async_commit();
   };
   const std::int64_t nch = (sq_.eos - sq_.bos + kT - 1) / kT;
@@ -235,7 +216,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     const std::int64_t t0 = sq_.bos + ci * kT, slot = sq_.base + ci;
     const int nr = int(lmin(kT, sq_.eos - t0));
     // a. dSe as hi + lo (the B operand of K dSe; and for the chunk pass)
-    state_split<8>(acc_s, sSh, sSl, ngroups, warp, lane);
+    state_split<8, LO>(acc_s, sSh, sSl, ngroups, warp, lane);
     // b. this step's second operands and the previous chunk's first ones (the other buffer's last
     //    readers finished before the previous step's final barrier)
     issue_second(t0);
@@ -246,7 +227,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
       cp_async_wait<1>();
     }
     __syncthreads();
-    store_state_split(ws + w.dS + (slot * p.H + h) * K * V, sSh, sSl, K, V, c0, kBsThreads);
+    store_state_split<LO>(state_mats<LO>(ws + w.dS, slot, p.H, h, K, V), sSh, sSl, K, V, c0, kBsThreads);
     // c. dD = dD0 + diag(rk) K dSe (16 rows x 32 columns per warp) -> the Y region; -W dD and
     //    s diag(rq) dO as hi + lo
     {
@@ -255,7 +236,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
       const bf16* dO = sdo + buf * otile;
       float kd[4][4] = {};
       mma_rk(kd, sk + buf * ktile, ldk, rg, sSh + 32 * half, kLd, Kc, lane);
-      mma_rk(kd, sk + buf * ktile, ldk, rg, sSl + 32 * half, kLd, Kc, lane);
+      if constexpr (LO) mma_rk(kd, sk + buf * ktile, ldk, rg, sSl + 32 * half, kLd, Kc, lane);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -267,18 +248,18 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
           const float d0 = in ? fmaf(rk, kd[j][e], dd0[i * kLdF + c]) : 0.f;
           const float d1 = in && has1 ? fmaf(rk, kd[j][e + 1], dd0[i * kLdF + c + 1]) : 0.f;
           if (in) store_pair(ws + w.Y + dn_ws_row(p, b, t0 + i, h) * V + col, d0, d1, has1, even);
-          put_split2(sBh, sBl, kLd, i, c, -bt * d0, -bt * d1);
+          put_split2<LO>(sBh, sBl, kLd, i, c, -bt * d0, -bt * d1);
           const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dO + i * kLd + c));
-          put_split2(sUh, sUl, kLd, i, c, p.scale * rq * o.x, p.scale * rq * o.y);
+          put_split2<LO>(sUh, sUl, kLd, i, c, p.scale * rq * o.x, p.scale * rq * o.y);
         }
     }
     if (ci > 0) cp_async_wait<1>();  // q, Xw (the previous chunk's first operands may stay in flight)
     else cp_async_wait<0>();
     __syncthreads();
     // d. dS += Q^T (s diag(rq) dO) - Xw^T (W dD)   (Xw hi + lo, W dD hi + lo: three products)
-    state_update<8>(acc_s, sq, ldk, sUh, sUl, ngroups, warp, lane);
-    state_update<8>(acc_s, sxh, ldk, sBh, sBl, ngroups, warp, lane);
-    state_update<8, false>(acc_s, sxl, ldk, sBh, nullptr, ngroups, warp, lane);
+    state_update<8, LO>(acc_s, sq, ldk, sUh, sUl, ngroups, warp, lane);
+    state_update<8, LO>(acc_s, sxh, ldk, sBh, sBl, ngroups, warp, lane);
+    if constexpr (LO) state_update<8, false>(acc_s, sxl, ldk, sBh, nullptr, ngroups, warp, lane);
     __syncthreads();  // the next step rewrites dSe, B, U, q, Xw and this buffer
   }
   if (p.dh0.p) state_store<8>(acc_s, p.dh0, n, h, c0, K, V, warp, lane);
@@ -287,25 +268,27 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
 // ---- 3. post ------------------------------------------------------------------------------------
 // smem: R1: bf16 k [64][ldk], then f32 dD [64][kLdF] | R2: f32 T2 [64][64], then f32 X [64][kLdF] |
 //       bf16 T2^T hi, lo [64][kLd] | bf16 W dD hi, lo, then dR hi, lo [64][kLd] | f32 rk, beta [64]
+//       (the lo tiles with LO only)
 struct BqLayout {
   int Kc, ldk;
   std::size_t r1, r2, Th, Tl, Bh, Bl, rk, beta, bytes;
-  __host__ __device__ explicit BqLayout(std::int64_t K) {
+  __host__ __device__ BqLayout(std::int64_t K, bool lo) {
     Kc = k_cols(K), ldk = Kc + 8;
-    const std::size_t t64 = 2 * std::size_t(kT) * kLd, f64 = 4 * std::size_t(kT) * kLdF;
+    const std::size_t t64 = 2 * std::size_t(kT) * kLd, f64 = 4 * std::size_t(kT) * kLdF, tl = lo ? t64 : 0;
     const std::size_t kt = 2 * std::size_t(kT) * ldk;
-    r1 = 0, r2 = r1 + (kt > f64 ? kt : f64), Th = r2 + f64, Tl = Th + t64, Bh = Tl + t64, Bl = Bh + t64;
-    rk = Bl + t64, beta = rk + 4 * kT, bytes = beta + 4 * kT;
+    r1 = 0, r2 = r1 + (kt > f64 ? kt : f64), Th = r2 + f64, Tl = Th + t64, Bh = Tl + tl, Bl = Bh + t64;
+    rk = Bl + tl, beta = rk + 4 * kT, bytes = beta + 4 * kT;
   }
 };
 
 // One CTA per (chunk slot, head), the V tiles in turn (k, T2, Lg^T and the factors once per chunk:
 // 361 -> 348 us at (4,4096,16,128) against a CTA per V tile).
+template <bool LO>
 __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                      float* __restrict__ ws, bool vk) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const BqLayout lay(p.K);
+  const BqLayout lay(p.K, LO);
   const int Kc = lay.Kc, ldk = lay.ldk;
   bf16* sk = reinterpret_cast<bf16*>(base + lay.r1);    // (64 rows, Kc) k
   float* sdd = reinterpret_cast<float*>(base + lay.r1);  // then (64, kLdF) dD
@@ -343,53 +326,51 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
     mma_rn(g, sk, ldk, warp, sk, ldk, Kc, lane);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      float xh[4], xl[4];
+      float x[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
-        const float x = c > i ? s_rk[i] * s_rk[c] * g[j][e] : 0.f;
-        xh[e] = __bfloat162float(__float2bfloat16_rn(x));
-        xl[e] = x - xh[e];
+        x[e] = c > i ? s_rk[i] * s_rk[c] * g[j][e] : 0.f;
       }
-      pack_a_frags(lh, j, xh);
-      pack_a_frags(ll, j, xl);
+      if constexpr (LO) pack_a_frags_split(lh, ll, j, x);
+      else pack_a_frags(lh, j, x);
     }
   }
-  for (int e = tid; e < 64 * 64; e += kThreads) put_split(sTh, sTl, kLd, e % 64, e / 64, sT2[e]);  // [a][j] = T2[j][a]
+  for (int e = tid; e < 64 * 64; e += kThreads) put_split1<LO>(sTh, sTl, kLd, e % 64, e / 64, sT2[e]);  // [a][j] = T2[j][a]
 #pragma unroll 1
   for (std::int64_t c0 = 0, vt = 0; c0 < V; c0 += kT, ++vt) {
     __syncthreads();  // k and T2 are read (first tile), or the previous tile's dD, X, dR
     // c. dD and X of this V tile
-    stage_f32_tile(sdd, ws + w.Y, p, b, t0, h, nr, c0, kThreads);
-    stage_f32_tile(sX, ws + w.X, p, b, t0, h, nr, c0, kThreads);
+    stage_ws_rows<true>(sdd, kLdF, ws + w.Y, p, b, t0, h, nr, c0, kThreads);
+    stage_ws_rows<true>(sX, kLdF, ws + w.X, p, b, t0, h, nr, c0, kThreads);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
     for (int e = tid; e < 64 * 32; e += kThreads) {  // W dD as hi + lo, column pairs
       const int i = e / 32, c = 2 * (e % 32);
-      put_split2(sBh, sBl, kLd, i, c, s_beta[i] * sdd[i * kLdF + c], s_beta[i] * sdd[i * kLdF + c + 1]);
+      put_split2<LO>(sBh, sBl, kLd, i, c, s_beta[i] * sdd[i * kLdF + c], s_beta[i] * sdd[i * kLdF + c + 1]);
     }
     __syncthreads();
     // d. dR = T2^T (W dD) (this warp's 16 rows x 64 columns), then as hi + lo in B's place
     {
       float dr[8][4] = {};
-      mma_rk(dr, sTh, kLd, warp, sBh, kLd, 64, lane);
-      mma_rk(dr, sTh, kLd, warp, sBl, kLd, 64, lane);
-      mma_rk(dr, sTl, kLd, warp, sBh, kLd, 64, lane);
+      mma_split<LO, true>(dr, sTh, sTl, kLd, warp, sBh, sBl, kLd, 64, lane);
       __syncthreads();  // every warp has read W dD
 #pragma unroll
       for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; e += 2)
-          put_split2(sBh, sBl, kLd, 16 * warp + frow(lane, e), fcol(lane, j, e), dr[j][e], dr[j][e + 1]);
+          put_split2<LO>(sBh, sBl, kLd, 16 * warp + frow(lane, e), fcol(lane, j, e), dr[j][e], dr[j][e + 1]);
     }
     __syncthreads();
     // e. Y = dD - Lg^T dR -> the Y region (in place: this CTA staged its tile); dv = dR; the dbeta
     //    partial Y . X
     float ly[8][4] = {};
     mma_frags_k(ly, lh, sBh, kLd, 0, lane);
-    mma_frags_k(ly, lh, sBl, kLd, 0, lane);
-    mma_frags_k(ly, ll, sBh, kLd, 0, lane);
+    if constexpr (LO) {
+      mma_frags_k(ly, lh, sBl, kLd, 0, lane);
+      mma_frags_k(ly, ll, sBh, kLd, 0, lane);
+    }
     float db[2] = {0.f, 0.f};  // rows 16w + lane/4 and + 8
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -403,9 +384,14 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
           db[e >> 1] = fmaf(y0, sX[i * kLdF + c], fmaf(y1, has1 ? sX[i * kLdF + c + 1] : 0.f, db[e >> 1]));
           store_pair(ws + w.Y + dn_ws_row(p, b, t0 + i, h) * V + col, y0, y1, has1, even);
           if (p.dv.p) {  // dR as its hi + lo (~2^-17 relative; dr itself is not kept alive: spills)
+            auto dr = [&](int cc) {
+              const float x = __bfloat162float(sBh[i * kLd + cc]);
+              if constexpr (LO) return x + __bfloat162float(sBl[i * kLd + cc]);
+              else return x;
+            };
             const std::int64_t odv = dn_row(p.dv, b, t0 + i, h) + col;
-            mlstm_st(p.dv, odv, __bfloat162float(sBh[i * kLd + c]) + __bfloat162float(sBl[i * kLd + c]));
-            if (has1) mlstm_st(p.dv, odv + 1, __bfloat162float(sBh[i * kLd + c + 1]) + __bfloat162float(sBl[i * kLd + c + 1]));
+            mlstm_st(p.dv, odv, dr(c));
+            if (has1) mlstm_st(p.dv, odv + 1, dr(c + 1));
           }
         }
       }
@@ -432,25 +418,29 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
 // smem: bf16 [64][kLd] tiles: dO | D h, l | dR h, l | S0 h, l | dSe h, l (rows: K index) -- after the
 // V loop: q, k (this CTA's K columns) and the factors P1 = s tril(a1) diag(rk), P2 = (s tril(a1))^T
 // diag(rq), PE = E diag(rk) (h, l) | f32 dG[64][65] | f32 rq, rk, beta[64]
+// Without LO five tiles: dO | D | dR | S0 | dSe, then k (dO's place) | P1 | P2 | PE | q.
 struct BcLayout {
   std::size_t t[9], dG, rq, rk, beta, bytes;
-  __host__ __device__ BcLayout() {
+  __host__ __device__ explicit BcLayout(bool lo) {
     const std::size_t t64 = 2 * std::size_t(kT) * kLd;
-    for (int i = 0; i < 9; ++i) t[i] = i * t64;
-    dG = 9 * t64, rq = dG + 4 * 64 * 65, rk = rq + 4 * kT, beta = rk + 4 * kT, bytes = beta + 4 * kT;
+    const int nt = lo ? 9 : 5;
+    for (int i = 0; i < 9; ++i) t[i] = (i < nt ? i : 0) * t64;
+    dG = nt * t64, rq = dG + 4 * 64 * 65, rk = rq + 4 * kT, beta = rk + 4 * kT, bytes = beta + 4 * kT;
   }
 };
 
 constexpr int kBcThreads = 256;
+template <bool LO>
 __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                          float* __restrict__ ws, bool vq, bool vk,
                                                                          bool vo) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const BcLayout lay;
+  const BcLayout lay(LO);
   auto T = [&](int i) { return reinterpret_cast<bf16*>(base + lay.t[i]); };
-  bf16 *sdo = T(0), *sDh = T(1), *sDl = T(2), *sRh = T(3), *sRl = T(4), *sSh = T(5), *sSl = T(6), *sEh = T(7),
-       *sEl = T(8);  // sR holds -dR: its products land with the right sign
+  // the lo tiles with LO only (unused otherwise)
+  bf16 *sdo = T(0), *sDh = T(1), *sDl = T(2), *sRh = T(LO ? 3 : 2), *sRl = T(4), *sSh = T(LO ? 5 : 3), *sSl = T(6),
+       *sEh = T(LO ? 7 : 4), *sEl = T(8);  // sR holds -dR: its products land with the right sign
   float(*sdG)[65] = reinterpret_cast<float(*)[65]>(base + lay.dG);
   float* stg = reinterpret_cast<float*>(base + lay.dG);  // (64, 64) staging of X, Y tiles in the V loop
   float* s_rq = reinterpret_cast<float*>(base + lay.rq);
@@ -466,16 +456,16 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
   const int nr = int(lmin(kT, sq_.eos - t0)), nk = int(lmin(kT, K - k0));
   dn_row_factors(p, b, t0, nr, h, tid, s_rq, s_rk, s_beta);  // of the full rows
   __syncthreads();
-  const bf16* Sg = reinterpret_cast<const bf16*>(ws + w.S + (slot * p.H + h) * K * V) + k0 * V;
-  const bf16* Eg = reinterpret_cast<const bf16*>(ws + w.dS + (slot * p.H + h) * K * V) + k0 * V;
+  const bf16* Sg = state_mats<LO>(ws + w.S, slot, p.H, h, K, V) + k0 * V;
+  const bf16* Eg = state_mats<LO>(ws + w.dS, slot, p.H, h, K, V) + k0 * V;
   float a1[4][4] = {}, a2[4][4] = {}, dq[4][4] = {}, dk[4][4] = {};  // a2 = -dR D^T; (16 x 32) each
   for (std::int64_t v0 = 0; v0 < V; v0 += kT) {
     const int nv = int(lmin(kT, V - v0));
     load_tile(sdo, kLd, kT, kT, bf_rows(p.do_, b, t0, h) + v0, p.do_.s1, nr, nv, vo, kBcThreads);
     load_tile(sSh, kLd, kT, kT, Sg + v0, V, nk, nv, V % 8 == 0, kBcThreads);
-    load_tile(sSl, kLd, kT, kT, Sg + K * V + v0, V, nk, nv, V % 8 == 0, kBcThreads);
+    if constexpr (LO) load_tile(sSl, kLd, kT, kT, Sg + K * V + v0, V, nk, nv, V % 8 == 0, kBcThreads);
     load_tile(sEh, kLd, kT, kT, Eg + v0, V, nk, nv, V % 8 == 0, kBcThreads);
-    load_tile(sEl, kLd, kT, kT, Eg + K * V + v0, V, nk, nv, V % 8 == 0, kBcThreads);
+    if constexpr (LO) load_tile(sEl, kLd, kT, kT, Eg + K * V + v0, V, nk, nv, V % 8 == 0, kBcThreads);
     // D = W X, dR = W Y as hi + lo, through sdG (free until the factors) as cp.async staging: X with
     // the tiles, then Y (per-element loads here were on every V step's critical path)
     auto split_rows = [&](bf16* hi, bf16* lo, float sign) {
@@ -483,16 +473,16 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
         const int i = e / 32, c = 2 * (e % 32);
         const float bt = sign * s_beta[i];
         const float x0 = i < nr && c < nv ? stg[i * 64 + c] : 0.f, x1 = i < nr && c + 1 < nv ? stg[i * 64 + c + 1] : 0.f;
-        put_split(hi, lo, kLd, i, c, bt * x0), put_split(hi, lo, kLd, i, c + 1, bt * x1);
+        put_split1<LO>(hi, lo, kLd, i, c, bt * x0), put_split1<LO>(hi, lo, kLd, i, c + 1, bt * x1);
       }
     };
-    stage_ws_rows(stg, ws + w.X, p, b, t0, h, nr, v0, kBcThreads);
+    stage_ws_rows<false>(stg, 64, ws + w.X, p, b, t0, h, nr, v0, kBcThreads);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
     split_rows(sDh, sDl, 1.f);
     __syncthreads();
-    stage_ws_rows(stg, ws + w.Y, p, b, t0, h, nr, v0, kBcThreads);
+    stage_ws_rows<false>(stg, 64, ws + w.Y, p, b, t0, h, nr, v0, kBcThreads);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -501,23 +491,18 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
     // B operands n-major: this warp's 32 output columns are rows 32 half.. of the B tile
     const int bo = 32 * half * kLd;
     mma_rn(a1, sdo, kLd, mw, sDh + bo, kLd, 64, lane);
-    mma_rn(a1, sdo, kLd, mw, sDl + bo, kLd, 64, lane);
-    mma_rn(a2, sRh, kLd, mw, sDh + bo, kLd, 64, lane);
-    mma_rn(a2, sRh, kLd, mw, sDl + bo, kLd, 64, lane);
-    mma_rn(a2, sRl, kLd, mw, sDh + bo, kLd, 64, lane);
+    if constexpr (LO) mma_rn(a1, sdo, kLd, mw, sDl + bo, kLd, 64, lane);
+    mma_split<LO, false>(a2, sRh, sRl, kLd, mw, sDh + bo, sDl + bo, kLd, 64, lane);
     mma_rn(dq, sdo, kLd, mw, sSh + bo, kLd, 64, lane);
-    mma_rn(dq, sdo, kLd, mw, sSl + bo, kLd, 64, lane);
-    mma_rn(dk, sDh, kLd, mw, sEh + bo, kLd, 64, lane);
-    mma_rn(dk, sDh, kLd, mw, sEl + bo, kLd, 64, lane);
-    mma_rn(dk, sDl, kLd, mw, sEh + bo, kLd, 64, lane);
-    mma_rn(dk, sRh, kLd, mw, sSh + bo, kLd, 64, lane);
-    mma_rn(dk, sRh, kLd, mw, sSl + bo, kLd, 64, lane);
-    mma_rn(dk, sRl, kLd, mw, sSh + bo, kLd, 64, lane);
+    if constexpr (LO) mma_rn(dq, sdo, kLd, mw, sSl + bo, kLd, 64, lane);
+    mma_split<LO, false>(dk, sDh, sDl, kLd, mw, sEh + bo, sEl + bo, kLd, 64, lane);
+    mma_split<LO, false>(dk, sRh, sRl, kLd, mw, sSh + bo, sSl + bo, kLd, 64, lane);
     __syncthreads();  // the next tile overwrites every operand
   }
   // the 64 x 64 factors: P1 = s tril(a1) diag(rk) -> T[1, 2]; P2 = (s tril(a1))^T diag(rq) -> T[3, 4];
   // dG = strict_lower(a2) (a2 = -dR D^T) -> sdG, then PE = (dG + dG^T) diag(rk) -> T[5, 6]; q, k tiles -> T[7], T[8]
-  bf16 *sP1h = T(1), *sP1l = T(2), *sP2h = T(3), *sP2l = T(4), *sPEh = T(5), *sPEl = T(6), *sq = T(7), *sk = T(8);
+  bf16 *sP1h = T(1), *sP1l = T(2), *sP2h = T(LO ? 3 : 2), *sP2l = T(4), *sPEh = T(LO ? 5 : 3), *sPEl = T(6),
+       *sq = T(LO ? 7 : 4), *sk = T(LO ? 8 : 0);
   load_tile(sq, kLd, kT, kT, bf_rows(p.q, b, t0, h) + k0, p.q.s1, nr, nk, vq, kBcThreads);
   load_tile(sk, kLd, kT, kT, bf_rows(p.k, b, t0, h) + k0, p.k.s1, nr, nk, vk, kBcThreads);
   cp_async_commit();
@@ -527,25 +512,25 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
     for (int e = 0; e < 4; ++e) {
       const int i = 16 * mw + frow(lane, e), c = 32 * half + fcol(lane, j, e);
       const float m = c <= i ? p.scale * a1[j][e] : 0.f;
-      put_split(sP1h, sP1l, kLd, i, c, m * s_rk[c]);
-      put_split(sP2h, sP2l, kLd, c, i, m * s_rq[i]);
+      put_split1<LO>(sP1h, sP1l, kLd, i, c, m * s_rk[c]);
+      put_split1<LO>(sP2h, sP2l, kLd, c, i, m * s_rq[i]);
       sdG[i][c] = c < i ? a2[j][e] : 0.f;  // dG = -strict_lower(dR D^T)
       dq[j][e] *= p.scale;
     }
   __syncthreads();
   for (int e = tid; e < 64 * 64; e += kBcThreads) {
     const int i = e / 64, c = e % 64;
-    put_split(sPEh, sPEl, kLd, i, c, (sdG[i][c] + sdG[c][i]) * s_rk[c]);
+    put_split1<LO>(sPEh, sPEl, kLd, i, c, (sdG[i][c] + sdG[c][i]) * s_rk[c]);
   }
   cp_async_wait<0>();
   __syncthreads();
   // B operands k-major: this warp's 32 output columns are columns 32 half.. of q, k
   mma_rk(dq, sP1h, kLd, mw, sk + 32 * half, kLd, 64, lane);
-  mma_rk(dq, sP1l, kLd, mw, sk + 32 * half, kLd, 64, lane);
+  if constexpr (LO) mma_rk(dq, sP1l, kLd, mw, sk + 32 * half, kLd, 64, lane);
   mma_rk(dk, sP2h, kLd, mw, sq + 32 * half, kLd, 64, lane);
-  mma_rk(dk, sP2l, kLd, mw, sq + 32 * half, kLd, 64, lane);
+  if constexpr (LO) mma_rk(dk, sP2l, kLd, mw, sq + 32 * half, kLd, 64, lane);
   mma_rk(dk, sPEh, kLd, mw, sk + 32 * half, kLd, 64, lane);
-  mma_rk(dk, sPEl, kLd, mw, sk + 32 * half, kLd, 64, lane);
+  if constexpr (LO) mma_rk(dk, sPEl, kLd, mw, sk + 32 * half, kLd, 64, lane);
 #pragma unroll
   for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -562,8 +547,8 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
   // sm_80 opts in to 163 KB of shared memory per block, the serial kernel's K = 128 layout needs
   // 211 KB: there the state pass runs on CUDA cores (the fp32 path's kernel) instead of failing at launch
-  return deltanet_chunk_tc_applies(p) && p.do_.dtype == DType::bf16 && BsLayout(p.K).bytes <= smem_per_block_optin() &&
-         BqLayout(p.K).bytes <= smem_per_block_optin();
+  return deltanet_chunk_tc_applies(p) && p.do_.dtype == DType::bf16 &&
+         BsLayout(p.K, p.hilo).bytes <= smem_per_block_optin() && BqLayout(p.K, p.hilo).bytes <= smem_per_block_optin();
 }
 
 void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream) {
@@ -573,28 +558,30 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   const auto st = reinterpret_cast<cudaStream_t>(stream);
   const bool vq = rows16_seq(p.q), vk = rows16_seq(p.k), vo = rows16_seq(p.do_);
   const BpLayout lp(p.K);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_prep_kernel), kThreads, lp.bytes);
-  deltanet_bwd_prep_kernel<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lp.bytes, st>>>(p, w, ws, vq, vk, vo);
+  auto* prep = p.hilo ? &deltanet_bwd_prep_kernel<true> : &deltanet_bwd_prep_kernel<false>;
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(prep), kThreads, lp.bytes);
+  prep<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lp.bytes, st>>>(p, w, ws, vq, vk, vo);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: prep)");
-  const BsLayout ls(p.K);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_state_tc_kernel), kBsThreads, ls.bytes);
-  deltanet_bwd_state_tc_kernel<<<dim3(unsigned(seqs), unsigned(vt)), kBsThreads, ls.bytes, st>>>(p, w, ws, vq, vk, vo,
-                                                                                                p.K % 8 == 0);
+  const BsLayout ls(p.K, p.hilo);
+  auto* serial = p.hilo ? &deltanet_bwd_state_tc_kernel<true> : &deltanet_bwd_state_tc_kernel<false>;
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(serial), kBsThreads, ls.bytes);
+  serial<<<dim3(unsigned(seqs), unsigned(vt)), kBsThreads, ls.bytes, st>>>(p, w, ws, vq, vk, vo, p.K % 8 == 0);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial)");
-  const BqLayout lq(p.K);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_post_kernel), kThreads, lq.bytes);
-  deltanet_bwd_post_kernel<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lq.bytes, st>>>(p, w, ws, vk);
+  const BqLayout lq(p.K, p.hilo);
+  auto* post = p.hilo ? &deltanet_bwd_post_kernel<true> : &deltanet_bwd_post_kernel<false>;
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(post), kThreads, lq.bytes);
+  post<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lq.bytes, st>>>(p, w, ws, vk);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: post)");
 }
 
 void deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream) {
   const std::int64_t slots = deltanet_slots(p), kt = (p.K + kT - 1) / kT;
   if (slots == 0 || p.N * p.H == 0) return;
-  const BcLayout lay;
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_chunk_tc_kernel), kBcThreads, lay.bytes);
-  deltanet_bwd_chunk_tc_kernel<<<dim3(unsigned(slots), unsigned(p.H), unsigned(kt)), kBcThreads, lay.bytes,
-                                 reinterpret_cast<cudaStream_t>(stream)>>>(p, w, ws, rows16_seq(p.q), rows16_seq(p.k),
-                                                                           rows16_seq(p.do_));
+  const BcLayout lay(p.hilo);
+  auto* chunk = p.hilo ? &deltanet_bwd_chunk_tc_kernel<true> : &deltanet_bwd_chunk_tc_kernel<false>;
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(chunk), kBcThreads, lay.bytes);
+  chunk<<<dim3(unsigned(slots), unsigned(p.H), unsigned(kt)), kBcThreads, lay.bytes,
+          reinterpret_cast<cudaStream_t>(stream)>>>(p, w, ws, rows16_seq(p.q), rows16_seq(p.k), rows16_seq(p.do_));
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (chunk pass, tensor cores)");
 }
 

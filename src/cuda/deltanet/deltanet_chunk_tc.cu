@@ -11,8 +11,10 @@
 //      X = Xu - Xw S and S += K^T diag(rk beta) X with hi + lo operands (~16 bits per step), the
 //      next chunk's k and Xw prefetched (cp.async); writes S (entering each chunk) and X;
 //   3. output (grid: chunk slots x H x V tiles): o from q, k, S (hi + lo) and D.
-// The backward's recompute runs 1 and 2 (deltanet_bwd.cu). Dispatched by deltanet_fwd_cuda when a
-// workspace is given (DnFwdWs); without one the single-kernel version 2 runs (deltanet_fwd_tc.cu).
+// With p.hilo false every such operand is bf16 only (FLA's precision): half the products on the
+// chain, no lo tiles or workspace matrices (dn_nmat). The backward's recompute runs 1 and 2
+// (deltanet_bwd.cu). Dispatched by deltanet_fwd_cuda when a workspace is given (DnFwdWs); without
+// one the single-kernel version 2 runs (deltanet_fwd_tc.cu).
 #include "cuda/common/check.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
 #include "cuda/deltanet/deltanet_cuda.h"
@@ -27,24 +29,26 @@ constexpr int kMaxK = 128;
 
 // ---- 1. wy --------------------------------------------------------------------------------------
 // smem: f32 L[64][65] | f32 T[64][65] | f32 scr[4][16][17] | f32 rk[64], beta[64] |
-//       bf16 k[64][ldk] | v[64][kLd] | A1h, A1l, A2h, A2l [64][kLd]
+//       bf16 k[64][ldk] | v[64][kLd] | A1h, A1l, A2h, A2l [64][kLd] (lo: with LO only)
 struct WyLayout {
   int Kc, ldk;
   std::size_t L, T, scr, rk, beta, k, v, A1h, A1l, A2h, A2l, bytes;
-  __host__ __device__ explicit WyLayout(std::int64_t K) {
+  __host__ __device__ WyLayout(std::int64_t K, bool lo) {
+    const std::size_t t64 = 2 * std::size_t(kT) * kLd, tl = lo ? t64 : 0;
     Kc = k_cols(K), ldk = Kc + 8;
     L = 0, T = L + 4 * 64 * 65, scr = T + 4 * 64 * 65, rk = scr + 4 * 4 * 16 * 17, beta = rk + 4 * 64;
     k = round_up(beta + 4 * 64, 16), v = k + 2 * std::size_t(kT) * ldk;
-    A1h = v + 2 * kT * kLd, A1l = A1h + 2 * kT * kLd, A2h = A1l + 2 * kT * kLd, A2l = A2h + 2 * kT * kLd;
-    bytes = A2l + 2 * kT * kLd;
+    A1h = v + t64, A1l = A1h + t64, A2h = A1l + tl, A2l = A2h + t64;
+    bytes = A2l + tl;
   }
 };
 
+template <bool LO>
 __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetParams p, const DnChunkBufs w, bool vk,
                                                                bool vv) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const WyLayout lay(p.K);
+  const WyLayout lay(p.K, LO);
   float(*sL)[65] = reinterpret_cast<float(*)[65]>(base + lay.L);  // (64, 64) Lg W, row i col j
   float(*sT)[65] = reinterpret_cast<float(*)[65]>(base + lay.T);  // (64, 64) T2 = (I + Lg W)^-1
   float(*scr)[16][17] = reinterpret_cast<float(*)[16][17]>(base + lay.scr);
@@ -94,17 +98,17 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
   }
   for (int e = tid; e < 64 * 32; e += kThreads) {  // A1 = T2 diag(rk), A2 = T2, as hi + lo (column pairs)
     const int i = e / 32, j = 2 * (e % 32);
-    put_split2(sA1h, sA1l, kLd, i, j, sT[i][j] * s_rk[j], sT[i][j + 1] * s_rk[j + 1]);
-    put_split2(sA2h, sA2l, kLd, i, j, sT[i][j], sT[i][j + 1]);
+    put_split2<LO>(sA1h, sA1l, kLd, i, j, sT[i][j] * s_rk[j], sT[i][j + 1] * s_rk[j + 1]);
+    put_split2<LO>(sA2h, sA2l, kLd, i, j, sT[i][j], sT[i][j + 1]);
   }
   __syncthreads();
   // Xw = A1 K, per 64 columns of K, to bf16 hi + lo (rows of this chunk only)
   bf16* xwh = reinterpret_cast<bf16*>(w.xw);
-  bf16* xwl = xwh + p.B * p.T * p.H * K;
+  bf16* xwl = xwh + p.B * p.T * p.H * K;  // LO only
   for (int kc = 0; kc < Kc; kc += 64) {
     float acc[8][4] = {};
     mma_rk(acc, sA1h, kLd, warp, sk + kc, ldk, 64, lane);
-    mma_rk(acc, sA1l, kLd, warp, sk + kc, ldk, 64, lane);
+    if constexpr (LO) mma_rk(acc, sA1l, kLd, warp, sk + kc, ldk, 64, lane);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -116,10 +120,15 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
         const float2 hf = __bfloat1622float2(hi);
         const __nv_bfloat162 lo = __floats2bfloat162_rn(acc[j][e] - hf.x, acc[j][e + 1] - hf.y);
         if (K % 2 == 0) {  // c even: 4-byte aligned pairs
-          *reinterpret_cast<__nv_bfloat162*>(xwh + at) = hi, *reinterpret_cast<__nv_bfloat162*>(xwl + at) = lo;
+          *reinterpret_cast<__nv_bfloat162*>(xwh + at) = hi;
+          if constexpr (LO) *reinterpret_cast<__nv_bfloat162*>(xwl + at) = lo;
         } else {
-          xwh[at] = hi.x, xwl[at] = lo.x;
-          if (c + 1 < K) xwh[at + 1] = hi.y, xwl[at + 1] = lo.y;
+          xwh[at] = hi.x;
+          if constexpr (LO) xwl[at] = lo.x;
+          if (c + 1 < K) {
+            xwh[at + 1] = hi.y;
+            if constexpr (LO) xwl[at + 1] = lo.y;
+          }
         }
       }
   }
@@ -131,7 +140,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
     __syncthreads();
     float acc[8][4] = {};
     mma_rk(acc, sA2h, kLd, warp, sv, kLd, 64, lane);
-    mma_rk(acc, sA2l, kLd, warp, sv, kLd, 64, lane);
+    if constexpr (LO) mma_rk(acc, sA2l, kLd, warp, sv, kLd, 64, lane);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -149,17 +158,19 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
 // smem: bf16 k[2][64][ldk] | Xwh[2][64][ldk] | Xwl[2][64][ldk] | Sh, Sl[Kc][kLd] | Dh, Dl[64][kLd] |
 //       f32 rkb[2][64] (rk beta per row) | f32 Xu[2][64][kLdU] (this CTA's 64 columns, prefetched
 //       with the chunk's other operands: read synchronously it exposed a global-load latency per chunk)
+//       (the lo tiles with LO only)
 constexpr int kLdU = kT + 4;  // fp32 row stride of the Xu tiles: 272 B, 16-byte aligned rows
 struct StLayout {
   int Kc, ldk;
   std::size_t k, xh, xl, Sh, Sl, Dh, Dl, rkb, xu, bytes;
   // with_xu = false: no Xu tiles (read from global instead), for devices whose shared memory per
   // block cannot hold them (sm_80: 163 KB; 195 KB are needed at K = 128)
-  __host__ __device__ explicit StLayout(std::int64_t K, bool with_xu = true) {
+  __host__ __device__ StLayout(std::int64_t K, bool lo, bool with_xu = true) {
     Kc = k_cols(K), ldk = Kc + 8;
     const std::size_t kt = 2 * std::size_t(kT) * ldk;  // bytes of one (64, ldk) bf16 tile
-    k = 0, xh = k + 2 * kt, xl = xh + 2 * kt, Sh = xl + 2 * kt, Sl = Sh + 2 * std::size_t(Kc) * kLd;
-    Dh = Sl + 2 * std::size_t(Kc) * kLd, Dl = Dh + 2 * kT * kLd, rkb = Dl + 2 * kT * kLd;
+    const std::size_t st = 2 * std::size_t(Kc) * kLd, t64 = 2 * std::size_t(kT) * kLd;
+    k = 0, xh = k + 2 * kt, xl = xh + 2 * kt, Sh = xl + (lo ? 2 * kt : 0), Sl = Sh + st;
+    Dh = Sl + (lo ? st : 0), Dl = Dh + t64, rkb = Dl + (lo ? t64 : 0);
     xu = rkb + 2 * 4 * kT;
     bytes = xu + (with_xu ? 2 * 4 * std::size_t(kT) * kLdU : 0);
   }
@@ -169,11 +180,12 @@ struct StLayout {
 // issue); as K2 of the mLSTM backward (1.36 -> 0.94 ms), warp w owns S's 16-row group w and, in X =
 // Xu - Xw S, rows 16 (w % 4).. and the 32-column half w / 4.
 constexpr int kStThreads = 256;
+template <bool LO>
 __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w,
                                                                        bool vk, bool vx, bool pxu) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const StLayout lay(p.K);
+  const StLayout lay(p.K, LO, pxu);
   const int Kc = lay.Kc, ldk = lay.ldk;
   const std::size_t tile = std::size_t(kT) * ldk;  // elements of one (64, ldk) tile
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // [2] (64 rows, Kc) k
@@ -206,7 +218,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
     const std::int64_t row0 = dn_ws_row(p, b, t0, h);
     load_tile(sk + buf * tile, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk, kStThreads);
     load_tile(sxh + buf * tile, ldk, kT, Kc, xwh + row0 * K, p.H * K, nr, int(K), vx, kStThreads);
-    load_tile(sxl + buf * tile, ldk, kT, Kc, xwl + row0 * K, p.H * K, nr, int(K), vx, kStThreads);
+    if constexpr (LO) load_tile(sxl + buf * tile, ldk, kT, Kc, xwl + row0 * K, p.H * K, nr, int(K), vx, kStThreads);
     if (tid < kT) {
       if (tid < nr) cp_async4(s_rkb + buf * kT + tid, w.rk + row0 + tid * p.H);
       else s_rkb[buf * kT + tid] = 0.f;
@@ -228,7 +240,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
     const std::int64_t t0 = sq.bos + ci * kT;
     const int nr = int(lmin(kT, sq.eos - t0));
     // a. S as hi + lo (B operand of Xw S)
-    state_split<8>(acc_s, sSh, sSl, ngroups, warp, lane);
+    state_split<8, LO>(acc_s, sSh, sSl, ngroups, warp, lane);
     // b. the next chunk's operands into the other buffer (its last readers finished before the
     //    previous iteration's final barrier)
     if (ci + 1 < nch) {
@@ -239,15 +251,13 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
     }
     __syncthreads();
     // S entering the chunk to the workspace as hi + lo (DnChunkBufs), copied from smem
-    store_state_split(w.S + ((sq.base + ci) * p.H + h) * K * V, sSh, sSl, K, V, c0, kStThreads);
+    store_state_split<LO>(state_mats<LO>(w.S, sq.base + ci, p.H, h, K, V), sSh, sSl, K, V, c0, kStThreads);
     // c. X = Xu - Xw S (this warp's 16 rows x 32 columns); to the workspace; diag(rk beta) X as hi + lo
     {
       float acc[4][4] = {};
       const bf16* xh = sxh + buf * tile;
       const bf16* xl = sxl + buf * tile;
-      mma_rk(acc, xh, ldk, rg, sSh + 32 * half, kLd, Kc, lane);
-      mma_rk(acc, xh, ldk, rg, sSl + 32 * half, kLd, Kc, lane);
-      mma_rk(acc, xl, ldk, rg, sSh + 32 * half, kLd, Kc, lane);
+      mma_split<LO, true>(acc, xh, xl, ldk, rg, sSh + 32 * half, sSl + 32 * half, kLd, Kc, lane);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -263,12 +273,12 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
             store_pair(w.X + at, x.x, x.y, has1, even);
           }
           const float r = s_rkb[buf * kT + i];
-          put_split2(sDh, sDl, kLd, i, c, r * x.x, r * x.y);
+          put_split2<LO>(sDh, sDl, kLd, i, c, r * x.x, r * x.y);
         }
     }
     __syncthreads();
     // d. S += K^T (diag(rk beta) X)
-    state_update<8>(acc_s, sk + buf * tile, ldk, sDh, sDl, ngroups, warp, lane);
+    state_update<8, LO>(acc_s, sk + buf * tile, ldk, sDh, sDl, ngroups, warp, lane);
     __syncthreads();  // the next iteration rewrites S hi/lo, D and this buffer
   }
   if (p.ht.p) state_store<8>(acc_s, p.ht, n, h, c0, K, V, warp, lane);
@@ -280,19 +290,20 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
 struct OutLayout {
   int Kc, ldk;
   std::size_t q, k, Sh, Sl, Vp, rq, rk, X, bytes;
-  __host__ __device__ explicit OutLayout(std::int64_t K) {
+  __host__ __device__ OutLayout(std::int64_t K, bool lo) {
     Kc = k_cols(K), ldk = Kc + 8;
     q = 0, k = q + 2 * std::size_t(kT) * ldk, Sh = k + 2 * std::size_t(kT) * ldk;
-    Sl = Sh + 2 * std::size_t(Kc) * kLd, Vp = Sl + 2 * std::size_t(Kc) * kLd;
+    Sl = Sh + 2 * std::size_t(Kc) * kLd, Vp = Sl + (lo ? 2 * std::size_t(Kc) * kLd : 0);
     rq = Vp + 2 * kT * kLd, rk = rq + 4 * kT, X = rk + 4 * kT, bytes = X + 4 * 64 * 64;
   }
 };
 
+template <bool LO>
 __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetParams p, const DnChunkBufs w, bool vq,
                                                                 bool vk) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const OutLayout lay(p.K);
+  const OutLayout lay(p.K, LO);
   const int Kc = lay.Kc, ldk = lay.ldk;
   bf16* sq = reinterpret_cast<bf16*>(base + lay.q);    // (64 rows, Kc) q
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // (64 rows, Kc) k
@@ -313,11 +324,11 @@ __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetPa
   load_tile(sq, ldk, kT, Kc, bf_rows(p.q, b, t0, h), p.q.s1, nr, int(K), vq);
   load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
   // S entering the chunk: (K, V) hi then lo bf16 matrices of the workspace, this CTA's 64 columns
-  const bf16* Sg = reinterpret_cast<const bf16*>(w.S + (slot * p.H + h) * K * V) + c0;
+  const bf16* Sg = state_mats<LO>(w.S, slot, p.H, h, K, V) + c0;
   const int ncv = int(lmin(64, V - c0));
   load_tile(sSh, kLd, Kc, kT, Sg, V, int(K), ncv, V % 8 == 0);
-  load_tile(sSl, kLd, Kc, kT, Sg + K * V, V, int(K), ncv, V % 8 == 0);
-  stage_ws_rows(sX, w.X, p, b, t0, h, nr, c0, kThreads);
+  if constexpr (LO) load_tile(sSl, kLd, Kc, kT, Sg + K * V, V, int(K), ncv, V % 8 == 0);
+  stage_ws_rows<false>(sX, 64, w.X, p, b, t0, h, nr, c0, kThreads);
   cp_async_commit();
   if (tid < kT) s_rk[tid] = tid < nr ? w.rk[dn_ws_row(p, b, t0 + tid, h)] : 0.f;  // rk beta
   cp_async_wait<0>();
@@ -333,7 +344,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetPa
   __syncthreads();
   // o = scale diag(rq) (Q S + tril(Q K^T) diag(rk) D)
   float o[8][4] = {};
-  chunk_output(o, sq, sk, ldk, Kc, sSh, sSl, sVp, nullptr, warp, lane);  // rk is in D'
+  chunk_output<LO>(o, sq, sk, ldk, Kc, sSh, sSl, sVp, nullptr, warp, lane);  // rk is in D'
   // bf16 o with even strides and V: a column pair per 4-byte store (the same roundings)
   const bool pairs = p.o.dtype == DType::bf16 && reinterpret_cast<std::uintptr_t>(p.o.p) % 4 == 0 && p.o.s0 % 2 == 0 &&
                      p.o.s1 % 2 == 0 && p.o.s2 % 2 == 0 && V % 2 == 0;
@@ -377,27 +388,29 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
     throw Error(cat("deltanet (tensor cores): grid too large (", seqs, " sequence-heads, ", slots, " chunks)"));
   const auto st = reinterpret_cast<cudaStream_t>(stream);
   if (slots > 0) {
-    const WyLayout lw(p.K);
-    prepare(&deltanet_wy_kernel, lw.bytes);
-    deltanet_wy_kernel<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lw.bytes, st>>>(p, w, rows16_seq(p.k),
-                                                                                          rows16_seq(p.v));
+    const WyLayout lw(p.K, p.hilo);
+    auto* wy = p.hilo ? &deltanet_wy_kernel<true> : &deltanet_wy_kernel<false>;
+    prepare(wy, lw.bytes);
+    wy<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lw.bytes, st>>>(p, w, rows16_seq(p.k), rows16_seq(p.v));
     FW_CUDA_CHECK_LAUNCH("deltanet (wy)");
   }
-  const bool pxu = StLayout(p.K, true).bytes <= smem_per_block_optin();  // Hopper: yes; sm_80 at K > 64: no
-  const StLayout ls(p.K, pxu);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_state_kernel), kStThreads, ls.bytes);
-  deltanet_state_kernel<<<dim3(unsigned(seqs), unsigned(vt)), kStThreads, ls.bytes, st>>>(p, w, rows16_seq(p.k),
-                                                                                        p.K % 8 == 0, pxu);
+  // Hopper: the Xu tiles fit; sm_80 at K > 64 (hi + lo): not
+  const bool pxu = StLayout(p.K, p.hilo, true).bytes <= smem_per_block_optin();
+  const StLayout ls(p.K, p.hilo, pxu);
+  auto* state = p.hilo ? &deltanet_state_kernel<true> : &deltanet_state_kernel<false>;
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(state), kStThreads, ls.bytes);
+  state<<<dim3(unsigned(seqs), unsigned(vt)), kStThreads, ls.bytes, st>>>(p, w, rows16_seq(p.k), p.K % 8 == 0, pxu);
   FW_CUDA_CHECK_LAUNCH("deltanet (state)");
 }
 
 void deltanet_chunk_tc_output(const DeltanetParams& p, const DnChunkBufs& w, Stream stream) {
   const std::int64_t vt = (p.V + kT - 1) / kT, slots = deltanet_slots(p);
   if (slots == 0 || p.N * p.H == 0) return;
-  const OutLayout lo(p.K);
-  prepare(&deltanet_out_kernel, lo.bytes);
-  deltanet_out_kernel<<<dim3(unsigned(slots), unsigned(p.H), unsigned(vt)), kThreads, lo.bytes,
-                        reinterpret_cast<cudaStream_t>(stream)>>>(p, w, rows16_seq(p.q), rows16_seq(p.k));
+  const OutLayout lo(p.K, p.hilo);
+  auto* out = p.hilo ? &deltanet_out_kernel<true> : &deltanet_out_kernel<false>;
+  prepare(out, lo.bytes);
+  out<<<dim3(unsigned(slots), unsigned(p.H), unsigned(vt)), kThreads, lo.bytes,
+        reinterpret_cast<cudaStream_t>(stream)>>>(p, w, rows16_seq(p.q), rows16_seq(p.k));
   FW_CUDA_CHECK_LAUNCH("deltanet (output)");
 }
 

@@ -22,13 +22,49 @@ __device__ __forceinline__ void put_split(bf16* hi, bf16* lo, int ld, int r, int
   hi[r * ld + c] = h;
   lo[r * ld + c] = __float2bfloat16_rn(x - __bfloat162float(h));
 }
+// x[0..3] (an accumulator's column tile j, as pack_a_frags takes it) as bf16 hi + lo A fragments
+__device__ __forceinline__ void pack_a_frags_split(std::uint32_t (&hi)[4][4], std::uint32_t (&lo)[4][4], int j,
+                                                   const float (&x)[4]) {
+  float xh[4], xl[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    xh[e] = __bfloat162float(__float2bfloat16_rn(x[e]));
+    xl[e] = x[e] - xh[e];
+  }
+  pack_a_frags(hi, j, xh);
+  pack_a_frags(lo, j, xl);
+}
 // Columns c, c + 1 (c even, ld even: 4-byte aligned) at once: one packed conversion and one 4-byte
-// store each for hi and lo, the same roundings as two put_split calls.
+// store each for hi and lo, the same roundings as two put_split calls. LO = false: hi only.
+template <bool LO = true>
 __device__ __forceinline__ void put_split2(bf16* hi, bf16* lo, int ld, int r, int c, float x0, float x1) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-  const float2 hf = __bfloat1622float2(h);
   *reinterpret_cast<__nv_bfloat162*>(hi + r * ld + c) = h;
-  *reinterpret_cast<__nv_bfloat162*>(lo + r * ld + c) = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
+  if constexpr (LO) {
+    const float2 hf = __bfloat1622float2(h);
+    *reinterpret_cast<__nv_bfloat162*>(lo + r * ld + c) = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
+  }
+}
+template <bool LO>
+__device__ __forceinline__ void put_split1(bf16* hi, bf16* lo, int ld, int r, int c, float x) {
+  if constexpr (LO) put_split(hi, lo, ld, r, c, x);
+  else hi[r * ld + c] = __float2bfloat16_rn(x);
+}
+
+// acc += A B with A, B as bf16 hi + lo tiles: Ah Bh + Ah Bl + Al Bh (the lo x lo term is ~2^-18
+// relative: dropped); LO = false: Ah Bh alone (Al, Bl unused). B k-major (BK: mma_rk) or n-major (mma_rn).
+template <bool LO, bool BK, int J>
+__device__ __forceinline__ void mma_split(float (&acc)[J][4], const bf16* Ah, const bf16* Al, int lda, int mrow,
+                                          const bf16* Bh, const bf16* Bl, int ldb, int kdim, int lane) {
+  auto mma = [&](const bf16* A, const bf16* B) {
+    if constexpr (BK) mma_rk(acc, A, lda, mrow, B, ldb, kdim, lane);
+    else mma_rn(acc, A, lda, mrow, B, ldb, kdim, lane);
+  };
+  mma(Ah, Bh);
+  if constexpr (LO) {
+    mma(Ah, Bl);
+    mma(Al, Bh);
+  }
 }
 
 // The state slice S (Kc rows x 64 columns) in fp32 registers of NW warps (4 or 8): warp w owns the
@@ -64,8 +100,9 @@ __device__ __forceinline__ void state_store(const float (&acc)[8 / NW][8][4], co
       }
 }
 
-// The state slice as bf16 hi + lo into smem (Kc x 64, stride kLd): the B operand of products with S.
-template <int NW = 4>
+// The state slice as bf16 hi + lo (LO; else hi only) into smem (Kc x 64, stride kLd): the B operand
+// of products with S. Column pairs (e, e + 1) per 4-byte store.
+template <int NW = 4, bool LO = true>
 __device__ __forceinline__ void state_split(const float (&acc)[8 / NW][8][4], bf16* sSh, bf16* sSl, int ngroups,
                                             int warp, int lane) {
 #pragma unroll
@@ -75,8 +112,17 @@ __device__ __forceinline__ void state_split(const float (&acc)[8 / NW][8][4], bf
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) put_split(sSh, sSl, kLd, 16 * g + frow(lane, e), fcol(lane, j, e), acc[gg][j][e]);
+      for (int e = 0; e < 4; e += 2)
+        put_split2<LO>(sSh, sSl, kLd, 16 * g + frow(lane, e), fcol(lane, j, e), acc[gg][j][e], acc[gg][j][e + 1]);
   }
+}
+
+// The (K, V) bf16 state matrix of (chunk slot, head h) in a region of such matrices (DnChunkBufs::S,
+// DnBwdWs::dS): hi, then (LO) lo at + K V.
+template <bool LO>
+__device__ __forceinline__ bf16* state_mats(float* region, std::int64_t slot, std::int64_t H, std::int64_t h,
+                                            std::int64_t K, std::int64_t V) {
+  return reinterpret_cast<bf16*>(region) + (slot * H + h) * (LO ? 2 : 1) * K * V;
 }
 
 // The L2 factor 1 / sqrt(|x|^2 + 1e-6) of row r of a bf16 tile (Kc columns, zero padded), as the
@@ -132,14 +178,15 @@ __device__ __forceinline__ void state_update(float (&acc)[8 / NW][8][4], const b
 }
 
 // The chunk's output rows of this warp before scale and rq: o = Q S + tril(Q K^T) diag(rk) D with Q,
-// K the bf16 tiles (64 rows, Kc columns, stride ldk), S as hi + lo (Kc x 64), D bf16 (64 x 64);
-// s_rk null: rk already in D.
+// K the bf16 tiles (64 rows, Kc columns, stride ldk), S as hi + lo (Kc x 64; LO = false: hi only),
+// D bf16 (64 x 64); s_rk null: rk already in D.
+template <bool LO = true>
 __device__ __forceinline__ void chunk_output(float (&o)[8][4], const bf16* sq, const bf16* sk, int ldk, int Kc,
                                              const bf16* sSh, const bf16* sSl, const bf16* sD, const float* s_rk,
                                              int warp, int lane) {
   float pk[8][4] = {};
   mma_rk(o, sq, ldk, warp, sSh, kLd, Kc, lane);
-  mma_rk(o, sq, ldk, warp, sSl, kLd, Kc, lane);
+  if constexpr (LO) mma_rk(o, sq, ldk, warp, sSl, kLd, Kc, lane);
   mma_rn(pk, sq, ldk, warp, sk, ldk, Kc, lane);  // Q K^T
   std::uint32_t pf[4][4];
 #pragma unroll
@@ -155,11 +202,12 @@ __device__ __forceinline__ void chunk_output(float (&o)[8][4], const bf16* sq, c
   mtc::mma_frags_k(o, pf, sD, kLd, 0, lane);
 }
 
-// S (Kc x 64 tile, bf16 hi + lo in smem) -> the workspace's (K, V) hi then lo matrices at columns
-// c0..: 16-byte rows pieces where V % 8 == 0, else elements. All nthreads threads of the CTA.
-__device__ __forceinline__ void store_state_split(float* dst, const bf16* sSh, const bf16* sSl, std::int64_t K,
+// S (Kc x 64 tile, bf16 hi + lo in smem) -> the workspace's (K, V) hi then lo matrices at gh, columns
+// c0.. (LO = false: the hi matrix alone): 16-byte rows pieces where V % 8 == 0, else elements. All
+// nthreads threads of the CTA.
+template <bool LO = true>
+__device__ __forceinline__ void store_state_split(bf16* gh, const bf16* sSh, const bf16* sSl, std::int64_t K,
                                                   std::int64_t V, std::int64_t c0, int nthreads = kTcThreads) {
-  bf16* gh = reinterpret_cast<bf16*>(dst);
   bf16* gl = gh + K * V;
   const int nc = int(lmin(64, V - c0));
   if (V % 8 == 0) {
@@ -167,12 +215,15 @@ __device__ __forceinline__ void store_state_split(float* dst, const bf16* sSh, c
       const int r = e / 8, c = (e % 8) * 8;
       if (c >= nc) continue;
       *reinterpret_cast<uint4*>(gh + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSh + r * kLd + c);
-      *reinterpret_cast<uint4*>(gl + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSl + r * kLd + c);
+      if constexpr (LO)
+        *reinterpret_cast<uint4*>(gl + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSl + r * kLd + c);
     }
   } else {
     for (int e = threadIdx.x; e < K * 64; e += nthreads) {
       const int r = e / 64, c = e % 64;
-      if (c < nc) gh[r * V + c0 + c] = sSh[r * kLd + c], gl[r * V + c0 + c] = sSl[r * kLd + c];
+      if (c >= nc) continue;
+      gh[r * V + c0 + c] = sSh[r * kLd + c];
+      if constexpr (LO) gl[r * V + c0 + c] = sSl[r * kLd + c];
     }
   }
 }
@@ -258,23 +309,30 @@ inline bool rows16_seq(const StridedView& t) {
   return reinterpret_cast<std::uintptr_t>(t.p) % 16 == 0 && t.s0 % 8 == 0 && t.s1 % 8 == 0 && t.s2 % 8 == 0;
 }
 
-// dst[i][c] (64 x 64 fp32, row stride 64) = rows t0 + i (< nr) of a (B*T*H, V) fp32 workspace region,
-// columns c0 + c (< V); the rest untouched. cp.async 16-byte pieces where V % 4 == 0 (the caller waits
-// and synchronises), else plain loads. Staging these tiles replaced per-element loads on the critical
-// path (a third to a half of the stall samples of the kernels that read X, T2 this way).
-__device__ __forceinline__ void stage_ws_rows(float* dst, const float* region, const DeltanetParams& p, std::int64_t b,
-                                              std::int64_t t0, std::int64_t h, int nr, std::int64_t c0, int nthreads) {
+// dst[i][c] (64 x 64 fp32, row stride ld, a multiple of 4) = rows t0 + i (< nr) of a (B*T*H, V) fp32
+// workspace region, columns c0 + c (< V); the rest zero (ZERO) or untouched (for readers that mask
+// it themselves: the zero fill cost the register-bound chunk pass a spill). cp.async 16-byte pieces
+// where V % 4 == 0 (the caller commits, waits and synchronises), else plain loads. Staging these tiles
+// replaced per-element loads on the critical path (a third to a half of the stall samples of the
+// kernels that read X, T2 this way).
+template <bool ZERO>
+__device__ __forceinline__ void stage_ws_rows(float* dst, int ld, const float* region, const DeltanetParams& p,
+                                              std::int64_t b, std::int64_t t0, std::int64_t h, int nr, std::int64_t c0,
+                                              int nthreads) {
   const std::int64_t V = p.V;
   const int ncv = int(V - c0 < 64 ? V - c0 : 64);
   if (V % 4 == 0) {  // ncv % 4 == 0 too: whole 16-byte pieces
     for (int e = threadIdx.x; e < 64 * 16; e += nthreads) {
       const int i = e / 16, c = 4 * (e % 16);
-      if (i < nr && c < ncv) cp_async16(dst + i * 64 + c, region + dn_ws_row(p, b, t0 + i, h) * V + c0 + c, 16);
+      const bool in = i < nr && c < ncv;
+      if (ZERO || in)  // src-size 0: a zero-filled piece
+        cp_async16(dst + i * ld + c, in ? region + dn_ws_row(p, b, t0 + i, h) * V + c0 + c : region, in ? 16 : 0);
     }
   } else {
     for (int e = threadIdx.x; e < 64 * 64; e += nthreads) {
       const int i = e / 64, c = e % 64;
-      if (i < nr && c < ncv) dst[i * 64 + c] = region[dn_ws_row(p, b, t0 + i, h) * V + c0 + c];
+      const bool in = i < nr && c < ncv;
+      if (ZERO || in) dst[i * ld + c] = in ? region[dn_ws_row(p, b, t0 + i, h) * V + c0 + c] : 0.f;
     }
   }
 }
