@@ -237,6 +237,10 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
       float kd[4][4] = {};
       mma_rk(kd, sk + buf * ktile, ldk, rg, sSh + 32 * half, kLd, Kc, lane);
       if constexpr (LO) mma_rk(kd, sk + buf * ktile, ldk, rg, sSl + 32 * half, kLd, Kc, lane);
+      // this thread's dD pairs in the Y region: rows i0, i0 + 8, 8-column steps from one base
+      const int i0 = 16 * rg + frow(lane, 0);
+      float* yg = ws + w.Y + (dn_ws_row(p, b, t0, h) + i0 * p.H) * V + c0 + 32 * half + fcol(lane, 0, 0);
+      const std::int64_t hv8 = 8 * p.H * V;
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -247,7 +251,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
           const float rk = fq[kT + i], bt = fq[2 * kT + i], rq = fq[i];
           const float d0 = in ? fmaf(rk, kd[j][e], dd0[i * kLdF + c]) : 0.f;
           const float d1 = in && has1 ? fmaf(rk, kd[j][e + 1], dd0[i * kLdF + c + 1]) : 0.f;
-          if (in) store_pair(ws + w.Y + dn_ws_row(p, b, t0 + i, h) * V + col, d0, d1, has1, even);
+          if (in) store_pair(yg + (e / 2) * hv8 + 8 * j, d0, d1, has1, even);
           put_split2<LO>(sBh, sBl, kLd, i, c, -bt * d0, -bt * d1);
           const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dO + i * kLd + c));
           put_split2<LO>(sUh, sUl, kLd, i, c, p.scale * rq * o.x, p.scale * rq * o.y);
