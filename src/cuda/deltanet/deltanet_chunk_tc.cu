@@ -200,8 +200,9 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int rg = warp & 3, half = warp >> 2;  // X step: rows 16 rg.., columns 32 half..
-  const std::int64_t nh = blockIdx.x, n = nh / p.H, h = nh % p.H;
-  const std::int64_t c0 = std::int64_t(blockIdx.y) * kT, K = p.K, V = p.V, rows = p.B * p.T * p.H;
+  const DnCta cta = dn_chain_cta(p, reinterpret_cast<int*>(base));
+  const std::int64_t n = cta.n, h = cta.h;
+  const std::int64_t c0 = cta.tile * kT, K = p.K, V = p.V, rows = p.B * p.T * p.H;
   const DnSeq sq = dn_seq(p, n);
   const std::int64_t b = sq.b;
   const int ngroups = Kc / 16;  // 16-row groups of S: warp w owns group w
