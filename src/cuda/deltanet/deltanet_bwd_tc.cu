@@ -186,11 +186,17 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
 
   float acc_s[1][8][4];  // dS (fp32), rows 16 w..
   state_load<8>(acc_s, p.dht, n, h, c0, K, V, warp, lane);
+  // a (64 rows, Kc) tile: cp.async units mapped once (TileUnits), element loads where unaligned
+  const TileUnits kunits(Kc, kBsThreads);
+  auto tile_in = [&](bf16* sm, const bf16* src, std::int64_t rs, int nr, bool vec) {
+    if (vec) load_tile_vec(kunits, sm, ldk, kT, src, rs, nr, int(K));
+    else load_tile(sm, ldk, kT, Kc, src, rs, nr, int(K), false, kBsThreads);
+  };
   // what the step's first half needs (k, dO, dD0, factors) into buffer buf
   auto issue_first = [&](int buf, std::int64_t t0) {
     const int nr = int(lmin(kT, sq_.eos - t0));
     const std::int64_t row0 = dn_ws_row(p, b, t0, h);
-    load_tile(sk + buf * ktile, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk, kBsThreads);
+    tile_in(sk + buf * ktile, bf_rows(p.k, b, t0, h), p.k.s1, nr, vk);
     load_tile(sdo + buf * otile, kLd, kT, kT, bf_rows(p.do_, b, t0, h) + c0, p.do_.s1, nr, int(lmin(kT, V - c0)), vo,
               kBsThreads);
     stage_ws_rows<true>(sdd + buf * kT * kLdF, kLdF, ws + w.Y, p, b, t0, h, nr, c0, kBsThreads);
@@ -205,9 +211,9 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   auto issue_second = [&](std::int64_t t0) {
     const int nr = int(lmin(kT, sq_.eos - t0));
     const std::int64_t row0 = dn_ws_row(p, b, t0, h);
-    load_tile(sq, ldk, kT, Kc, bf_rows(p.q, b, t0, h), p.q.s1, nr, int(K), vq, kBsThreads);
-    load_tile(sxh, ldk, kT, Kc, xwh + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
-    if constexpr (LO) load_tile(sxl, ldk, kT, Kc, xwl + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
+    tile_in(sq, bf_rows(p.q, b, t0, h), p.q.s1, nr, vq);
+    tile_in(sxh, xwh + row0 * K, p.H * K, nr, vx);
+    if constexpr (LO) tile_in(sxl, xwl + row0 * K, p.H * K, nr, vx);
     cp_async_commit();
   };
   const std::int64_t nch = (sq_.eos - sq_.bos + kT - 1) / kT;
@@ -459,7 +465,15 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
   if (!dn_slot(p, slot, sq_, t0)) return;
   const std::int64_t b = sq_.b;
   const int nr = int(lmin(kT, sq_.eos - t0)), nk = int(lmin(kT, K - k0));
-  dn_row_factors(p, b, t0, nr, h, tid, s_rq, s_rk, s_beta);  // of the full rows
+  // rq, rk, beta of the chunk's rows (of the full rows): the prep kernel's, as the serial and post
+  // kernels take them (recomputing them from q and k in global memory here, dn_row_factors, was 35%
+  // of this kernel's stall samples: ncu, (4,4096,16,128), H200)
+  if (tid < kT) {
+    const std::int64_t row = dn_ws_row(p, b, t0 + tid, h);
+    s_rq[tid] = tid < nr ? ws[w.fac + row] : 0.f;
+    s_rk[tid] = tid < nr ? ws[w.fac + w.rows + row] : 0.f;
+    s_beta[tid] = tid < nr ? ws[w.fac + 2 * w.rows + row] : 0.f;
+  }
   __syncthreads();
   const bf16* Sg = state_mats<LO>(ws + w.S, slot, p.H, h, K, V) + k0 * V;
   const bf16* Eg = state_mats<LO>(ws + w.dS, slot, p.H, h, K, V) + k0 * V;

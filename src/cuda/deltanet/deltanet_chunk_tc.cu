@@ -219,13 +219,18 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
   const int xu_i = tid / 16, xu_c = (tid % 16) * 4;
   const int xu_bytes = 4 * int(lmin(4, V - c0 - xu_c < 0 ? 0 : V - c0 - xu_c));
   const std::int64_t hv = p.H * V;  // floats between consecutive rows of one head in Xu and X
+  const TileUnits kunits(Kc, kStThreads);  // the k and Xw tiles' cp.async units
   // chunk t0's k, Xw (hi, lo) into buffer buf (cp.async where aligned), rk beta per row
   auto issue = [&](int buf, std::int64_t t0) {
     const int nr = int(lmin(kT, sq.eos - t0));
     const std::int64_t row0 = dn_ws_row(p, b, t0, h);
-    load_tile(sk + buf * tile, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk, kStThreads);
-    load_tile(sxh + buf * tile, ldk, kT, Kc, xwh + row0 * K, p.H * K, nr, int(K), vx, kStThreads);
-    if constexpr (LO) load_tile(sxl + buf * tile, ldk, kT, Kc, xwl + row0 * K, p.H * K, nr, int(K), vx, kStThreads);
+    auto tile_in = [&](bf16* sm, const bf16* src, std::int64_t rs, bool vec) {
+      if (vec) load_tile_vec(kunits, sm, ldk, kT, src, rs, nr, int(K));
+      else load_tile(sm, ldk, kT, Kc, src, rs, nr, int(K), false, kStThreads);
+    };
+    tile_in(sk + buf * tile, bf_rows(p.k, b, t0, h), p.k.s1, vk);
+    tile_in(sxh + buf * tile, xwh + row0 * K, p.H * K, vx);
+    if constexpr (LO) tile_in(sxl + buf * tile, xwl + row0 * K, p.H * K, vx);
     if (tid < kT) {
       if (tid < nr) cp_async4(s_rkb + buf * kT + tid, w.rk + row0 + tid * p.H);
       else s_rkb[buf * kT + tid] = 0.f;
