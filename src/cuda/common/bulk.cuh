@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "cuda/common/smem.cuh"
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define FW_HAS_BULK 1
 #endif
@@ -29,9 +31,6 @@ __device__ __forceinline__ void pdl_wait_primary() {
 }
 
 #if defined(FW_HAS_BULK)
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
 // One arrival expected per phase (the thread that also posts the byte count).
 __device__ __forceinline__ void mbar_init(std::uint64_t* bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");

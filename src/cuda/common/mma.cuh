@@ -13,11 +13,9 @@
 
 #include <cstdint>
 
-namespace fastweight::detail {
+#include "cuda/common/smem.cuh"
 
-__device__ __forceinline__ std::uint32_t smem_u32(const void* p) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
-}
+namespace fastweight::detail {
 
 // D += A B, bf16 inputs, fp32 accumulators.
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,

@@ -174,8 +174,9 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int rg = warp & 3, half = warp >> 2;  // dD step: rows 16 rg.., columns 32 half..
-  const std::int64_t nh = blockIdx.x, n = nh / p.H, h = nh % p.H;
-  const std::int64_t c0 = std::int64_t(blockIdx.y) * kT, K = p.K, V = p.V;
+  const DnCta cta = dn_chain_cta(p, reinterpret_cast<int*>(base));
+  const std::int64_t n = cta.n, h = cta.h;
+  const std::int64_t c0 = cta.tile * kT, K = p.K, V = p.V;
   const DnSeq sq_ = dn_seq(p, n);
   const std::int64_t b = sq_.b;
   const int ngroups = Kc / 16;
@@ -185,11 +186,17 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
 
   float acc_s[1][8][4];  // dS (fp32), rows 16 w..
   state_load<8>(acc_s, p.dht, n, h, c0, K, V, warp, lane);
+  // a (64 rows, Kc) tile: cp.async units mapped once (TileUnits), element loads where unaligned
+  const TileUnits kunits(Kc, kBsThreads);
+  auto tile_in = [&](bf16* sm, const bf16* src, std::int64_t rs, int nr, bool vec) {
+    if (vec) load_tile_vec(kunits, sm, ldk, kT, src, rs, nr, int(K));
+    else load_tile(sm, ldk, kT, Kc, src, rs, nr, int(K), false, kBsThreads);
+  };
   // what the step's first half needs (k, dO, dD0, factors) into buffer buf
   auto issue_first = [&](int buf, std::int64_t t0) {
     const int nr = int(lmin(kT, sq_.eos - t0));
     const std::int64_t row0 = dn_ws_row(p, b, t0, h);
-    load_tile(sk + buf * ktile, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk, kBsThreads);
+    tile_in(sk + buf * ktile, bf_rows(p.k, b, t0, h), p.k.s1, nr, vk);
     load_tile(sdo + buf * otile, kLd, kT, kT, bf_rows(p.do_, b, t0, h) + c0, p.do_.s1, nr, int(lmin(kT, V - c0)), vo,
               kBsThreads);
     stage_ws_rows<true>(sdd + buf * kT * kLdF, kLdF, ws + w.Y, p, b, t0, h, nr, c0, kBsThreads);
@@ -204,9 +211,9 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   auto issue_second = [&](std::int64_t t0) {
     const int nr = int(lmin(kT, sq_.eos - t0));
     const std::int64_t row0 = dn_ws_row(p, b, t0, h);
-    load_tile(sq, ldk, kT, Kc, bf_rows(p.q, b, t0, h), p.q.s1, nr, int(K), vq, kBsThreads);
-    load_tile(sxh, ldk, kT, Kc, xwh + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
-    if constexpr (LO) load_tile(sxl, ldk, kT, Kc, xwl + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
+    tile_in(sq, bf_rows(p.q, b, t0, h), p.q.s1, nr, vq);
+    tile_in(sxh, xwh + row0 * K, p.H * K, nr, vx);
+    if constexpr (LO) tile_in(sxl, xwl + row0 * K, p.H * K, nr, vx);
     cp_async_commit();
   };
   const std::int64_t nch = (sq_.eos - sq_.bos + kT - 1) / kT;
@@ -237,6 +244,10 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
       float kd[4][4] = {};
       mma_rk(kd, sk + buf * ktile, ldk, rg, sSh + 32 * half, kLd, Kc, lane);
       if constexpr (LO) mma_rk(kd, sk + buf * ktile, ldk, rg, sSl + 32 * half, kLd, Kc, lane);
+      // this thread's dD pairs in the Y region: rows i0, i0 + 8, 8-column steps from one base
+      const int i0 = 16 * rg + frow(lane, 0);
+      float* yg = ws + w.Y + (dn_ws_row(p, b, t0, h) + i0 * p.H) * V + c0 + 32 * half + fcol(lane, 0, 0);
+      const std::int64_t hv8 = 8 * p.H * V;
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -247,7 +258,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
           const float rk = fq[kT + i], bt = fq[2 * kT + i], rq = fq[i];
           const float d0 = in ? fmaf(rk, kd[j][e], dd0[i * kLdF + c]) : 0.f;
           const float d1 = in && has1 ? fmaf(rk, kd[j][e + 1], dd0[i * kLdF + c + 1]) : 0.f;
-          if (in) store_pair(ws + w.Y + dn_ws_row(p, b, t0 + i, h) * V + col, d0, d1, has1, even);
+          if (in) store_pair(yg + (e / 2) * hv8 + 8 * j, d0, d1, has1, even);
           put_split2<LO>(sBh, sBl, kLd, i, c, -bt * d0, -bt * d1);
           const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dO + i * kLd + c));
           put_split2<LO>(sUh, sUl, kLd, i, c, p.scale * rq * o.x, p.scale * rq * o.y);
@@ -454,7 +465,15 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
   if (!dn_slot(p, slot, sq_, t0)) return;
   const std::int64_t b = sq_.b;
   const int nr = int(lmin(kT, sq_.eos - t0)), nk = int(lmin(kT, K - k0));
-  dn_row_factors(p, b, t0, nr, h, tid, s_rq, s_rk, s_beta);  // of the full rows
+  // rq, rk, beta of the chunk's rows (of the full rows): the prep kernel's, as the serial and post
+  // kernels take them (recomputing them from q and k in global memory here, dn_row_factors, was 35%
+  // of this kernel's stall samples: ncu, (4,4096,16,128), H200)
+  if (tid < kT) {
+    const std::int64_t row = dn_ws_row(p, b, t0 + tid, h);
+    s_rq[tid] = tid < nr ? ws[w.fac + row] : 0.f;
+    s_rk[tid] = tid < nr ? ws[w.fac + w.rows + row] : 0.f;
+    s_beta[tid] = tid < nr ? ws[w.fac + 2 * w.rows + row] : 0.f;
+  }
   __syncthreads();
   const bf16* Sg = state_mats<LO>(ws + w.S, slot, p.H, h, K, V) + k0 * V;
   const bf16* Eg = state_mats<LO>(ws + w.dS, slot, p.H, h, K, V) + k0 * V;

@@ -105,6 +105,10 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
   // Xw = A1 K, per 64 columns of K, to bf16 hi + lo (rows of this chunk only)
   bf16* xwh = reinterpret_cast<bf16*>(w.xw);
   bf16* xwl = xwh + p.B * p.T * p.H * K;  // LO only
+  // this thread's rows i0, i0 + 8 of the chunk: workspace row offsets computed once (per pair they
+  // were ~10% of the kernel's instructions)
+  const int i0 = 16 * warp + frow(lane, 0);
+  const std::int64_t ws_row0 = dn_ws_row(p, b, t0 + i0, h), ws_8 = 8 * p.H;
   for (int kc = 0; kc < Kc; kc += 64) {
     float acc[8][4] = {};
     mma_rk(acc, sA1h, kLd, warp, sk + kc, ldk, 64, lane);
@@ -115,7 +119,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
       for (int e = 0; e < 4; e += 2) {  // (e, e + 1): columns c, c + 1 of row i
         const int i = 16 * warp + frow(lane, e), c = kc + fcol(lane, j, e);
         if (i >= nr || c >= K) continue;
-        const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * K + c;
+        const std::int64_t at = (ws_row0 + (e / 2) * ws_8) * K + c;  // row t0 + i
         const __nv_bfloat162 hi = __floats2bfloat162_rn(acc[j][e], acc[j][e + 1]);
         const float2 hf = __bfloat1622float2(hi);
         const __nv_bfloat162 lo = __floats2bfloat162_rn(acc[j][e] - hf.x, acc[j][e + 1] - hf.y);
@@ -147,8 +151,8 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
       for (int e = 0; e < 4; e += 2) {
         const int i = 16 * warp + frow(lane, e);
         const std::int64_t c = v0 + fcol(lane, j, e);
-        if (i < nr && c < V)
-          store_pair(w.xu + dn_ws_row(p, b, t0 + i, h) * V + c, acc[j][e], acc[j][e + 1], c + 1 < V, V % 2 == 0);
+        if (i < nr && c < V)  // row t0 + i
+          store_pair(w.xu + (ws_row0 + (e / 2) * ws_8) * V + c, acc[j][e], acc[j][e + 1], c + 1 < V, V % 2 == 0);
       }
     __syncthreads();  // sv is reloaded
   }
@@ -200,8 +204,9 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int rg = warp & 3, half = warp >> 2;  // X step: rows 16 rg.., columns 32 half..
-  const std::int64_t nh = blockIdx.x, n = nh / p.H, h = nh % p.H;
-  const std::int64_t c0 = std::int64_t(blockIdx.y) * kT, K = p.K, V = p.V, rows = p.B * p.T * p.H;
+  const DnCta cta = dn_chain_cta(p, reinterpret_cast<int*>(base));
+  const std::int64_t n = cta.n, h = cta.h;
+  const std::int64_t c0 = cta.tile * kT, K = p.K, V = p.V, rows = p.B * p.T * p.H;
   const DnSeq sq = dn_seq(p, n);
   const std::int64_t b = sq.b;
   const int ngroups = Kc / 16;  // 16-row groups of S: warp w owns group w
@@ -212,25 +217,38 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
   float acc_s[1][8][4];  // S (fp32), rows 16 w..
   state_load<8>(acc_s, p.h0, n, h, c0, K, V, warp, lane);
 
+  // This thread's Xu pieces: rows xu_i + 16 q (q < 4) of the chunk, columns xu_c..xu_c + 3 of the
+  // CTA's 64, the same every chunk (only the row base moves): the per-piece index and 64-bit address
+  // arithmetic made the chunk's loads ~37% of a step's instructions (ncu, varlen row, bf16 operands).
+  const int xu_i = tid / 16, xu_c = (tid % 16) * 4;
+  const int xu_bytes = 4 * int(lmin(4, V - c0 - xu_c < 0 ? 0 : V - c0 - xu_c));
+  const std::int64_t hv = p.H * V;  // floats between consecutive rows of one head in Xu and X
+  const TileUnits kunits(Kc, kStThreads);  // the k and Xw tiles' cp.async units
   // chunk t0's k, Xw (hi, lo) into buffer buf (cp.async where aligned), rk beta per row
   auto issue = [&](int buf, std::int64_t t0) {
     const int nr = int(lmin(kT, sq.eos - t0));
     const std::int64_t row0 = dn_ws_row(p, b, t0, h);
-    load_tile(sk + buf * tile, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk, kStThreads);
-    load_tile(sxh + buf * tile, ldk, kT, Kc, xwh + row0 * K, p.H * K, nr, int(K), vx, kStThreads);
-    if constexpr (LO) load_tile(sxl + buf * tile, ldk, kT, Kc, xwl + row0 * K, p.H * K, nr, int(K), vx, kStThreads);
+    auto tile_in = [&](bf16* sm, const bf16* src, std::int64_t rs, bool vec) {
+      if (vec) load_tile_vec(kunits, sm, ldk, kT, src, rs, nr, int(K));
+      else load_tile(sm, ldk, kT, Kc, src, rs, nr, int(K), false, kStThreads);
+    };
+    tile_in(sk + buf * tile, bf_rows(p.k, b, t0, h), p.k.s1, vk);
+    tile_in(sxh + buf * tile, xwh + row0 * K, p.H * K, vx);
+    if constexpr (LO) tile_in(sxl + buf * tile, xwl + row0 * K, p.H * K, vx);
     if (tid < kT) {
       if (tid < nr) cp_async4(s_rkb + buf * kT + tid, w.rk + row0 + tid * p.H);
       else s_rkb[buf * kT + tid] = 0.f;
     }
-    if (vxu)  // Xu rows t0.. (stride H V floats), columns c0..c0+63: zero past nr rows and V columns
-      for (int e = tid; e < kT * (kT / 4); e += kStThreads) {
-        const int i = e / (kT / 4), c = (e % (kT / 4)) * 4;
-        const std::int64_t left = V - c0 - c;
-        const int bytes = i < nr ? 4 * int(left < 0 ? 0 : left > 4 ? 4 : left) : 0;
-        const float* src = w.xu + (row0 + std::int64_t(i) * p.H) * V + c0 + c;
-        cp_async16(s_xu + (buf * kT + i) * kLdU + c, bytes ? src : w.xu, bytes);
+    if (vxu) {  // Xu rows t0.. (stride H V floats), columns c0..c0+63: zero past nr rows and V columns
+      static_assert(kStThreads == 16 * 16, "16 threads of 4 columns per row, 16 rows per pass");
+      const float* src = w.xu + (row0 + xu_i * p.H) * V + c0 + xu_c;
+      float* dst = s_xu + (buf * kT + xu_i) * kLdU + xu_c;
+#pragma unroll
+      for (int q = 0; q < kT / 16; ++q) {
+        const int bytes = xu_i + 16 * q < nr ? xu_bytes : 0;
+        cp_async16(dst + 16 * q * kLdU, bytes ? src + 16 * q * hv : w.xu, bytes);
       }
+    }
     cp_async_commit();
   };
   const std::int64_t nch = (sq.eos - sq.bos + kT - 1) / kT;
@@ -258,13 +276,22 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
       const bf16* xh = sxh + buf * tile;
       const bf16* xl = sxl + buf * tile;
       mma_split<LO, true>(acc, xh, xl, ldk, rg, sSh + 32 * half, sSl + 32 * half, kLd, Kc, lane);
+      // vxu (V % 4 == 0: pairs whole): this thread's X pairs at one base, rows i0 and i0 + 8, 8-column steps
+      const int i0 = 16 * rg + frow(lane, 0), cb = 32 * half + fcol(lane, 0, 0);
+      float* xg = w.X + (dn_ws_row(p, b, t0, h) + i0 * p.H) * V + c0 + cb;
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 of row i
           const int i = 16 * rg + frow(lane, e), c = 32 * half + fcol(lane, j, e);
           float2 x = make_float2(0.f, 0.f);
-          if (i < nr && c0 + c < V) {
+          if (vxu) {
+            if (i < nr && c0 + c < V) {
+              const float2 u = *reinterpret_cast<const float2*>(s_xu + (buf * kT + i) * kLdU + c);
+              x = make_float2(u.x - acc[j][e], u.y - acc[j][e + 1]);
+              *reinterpret_cast<float2*>(xg + (e / 2) * 8 * hv + 8 * j) = x;
+            }
+          } else if (i < nr && c0 + c < V) {
             const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * V + c0 + c;
             const bool has1 = c0 + c + 1 < V, even = V % 2 == 0;
             const float2 u = vxu ? *reinterpret_cast<const float2*>(s_xu + (buf * kT + i) * kLdU + c)

@@ -27,6 +27,39 @@ __device__ __forceinline__ DnSeq dn_seq(const DeltanetParams& p, std::int64_t n)
   return {0, bos, eos < bos ? bos : eos, bos / c + n};
 }
 
+// The CTA of a serial-chain kernel (grid (N * H, V tiles)): sequence n, head h, V tile. With
+// variable lengths and at most kDnLptSeqs sequences, the longest sequences go to the CTAs that are
+// dispatched first (lowest linear block index; every head and tile of a sequence together): their
+// chains set the kernel's time, and in blockIdx order the second V tile of a long sequence waited
+// for short ones to finish (2 x 128 CTAs on 132 SMs at one per SM at bench_deltanet's varlen row).
+// Every thread of the CTA calls it; `scratch` (4 kDnLptSeqs bytes of shared memory, free until the
+// call returns: the kernel's own dynamic shared memory) holds the lengths.
+inline constexpr int kDnLptSeqs = 256;
+struct DnCta {
+  std::int64_t n, h, tile;
+};
+__device__ __forceinline__ DnCta dn_chain_cta(const DeltanetParams& p, int* scratch) {
+  if (!p.cu_seqlens || p.N > kDnLptSeqs) return {blockIdx.x / p.H, blockIdx.x % p.H, blockIdx.y};
+  const std::int64_t vt = gridDim.y, L = std::int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
+  const int N = int(p.N), r = int(L / (p.H * vt));  // this CTA's rank: 0 = the longest sequence
+  __shared__ int s_n;
+  for (int i = threadIdx.x; i < N; i += blockDim.x) {
+    const DnSeq s = dn_seq(p, i);
+    scratch[i] = int(s.eos - s.bos);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < N; i += blockDim.x) {  // rank of sequence i: longer first, ties by index
+    const int li = scratch[i];
+    int rank = 0;
+    for (int j = 0; j < N; ++j) rank += scratch[j] > li || (scratch[j] == li && j < i);
+    if (rank == r) s_n = i;  // ranks are a permutation of 0..N-1: one writer
+  }
+  __syncthreads();
+  const DnCta c{s_n, (L / vt) % p.H, L % vt};
+  __syncthreads();  // scratch is the caller's shared memory from here on
+  return c;
+}
+
 // Chunk slot `slot`: its sequence and first row t0; false for a slot past its sequence's end.
 __device__ __forceinline__ bool dn_slot(const DeltanetParams& p, std::int64_t slot, DnSeq& sq, std::int64_t& t0) {
   constexpr std::int64_t c = kDeltanetChunk;

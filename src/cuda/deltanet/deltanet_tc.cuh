@@ -210,14 +210,14 @@ __device__ __forceinline__ void store_state_split(bf16* gh, const bf16* sSh, con
                                                   std::int64_t V, std::int64_t c0, int nthreads = kTcThreads) {
   bf16* gl = gh + K * V;
   const int nc = int(lmin(64, V - c0));
-  if (V % 8 == 0) {
-    for (int e = threadIdx.x; e < K * 8; e += nthreads) {
-      const int r = e / 8, c = (e % 8) * 8;
-      if (c >= nc) continue;
-      *reinterpret_cast<uint4*>(gh + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSh + r * kLd + c);
-      if constexpr (LO)
-        *reinterpret_cast<uint4*>(gl + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSl + r * kLd + c);
-    }
+  if (V % 8 == 0) {  // thread: column piece c of rows r, r + nthreads / 8, ... (nthreads % 8 == 0)
+    const int c = (threadIdx.x % 8) * 8;
+    if (c < nc)
+      for (int r = threadIdx.x / 8; r < K; r += nthreads / 8) {
+        *reinterpret_cast<uint4*>(gh + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSh + r * kLd + c);
+        if constexpr (LO)
+          *reinterpret_cast<uint4*>(gl + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSl + r * kLd + c);
+      }
   } else {
     for (int e = threadIdx.x; e < K * 64; e += nthreads) {
       const int r = e / 64, c = e % 64;
@@ -280,24 +280,29 @@ __device__ __forceinline__ void unit_lower_inverse(const float (*sL)[65], float 
   for (int bi = 1; bi < 4; ++bi) {
     const int bj = warp;
     if (bj < bi) {
-      // scr = sum_{k=bj}^{bi-1} L_{bi,k} T_{k,bj} (16 x 16), 8 elements per lane (unrolled: 8
-      // independent chains interleave)
+      // scr = sum_{k=bj}^{bi-1} L_{bi,k} T_{k,bj} (16 x 16), 8 elements per lane: rows lane / 16 +
+      // 2 u of column lane % 16, 8 independent chains; the T (scr) element of a step is the same for
+      // the 8, loaded once (9 shared loads per 8 FMAs instead of 16; the same fmaf order per element)
+      const int r0 = lane / 16, c = lane % 16;
+      float x[8] = {};
+      for (int kk = 16 * bj; kk < 16 * bi; ++kk) {
+        const float tv = sT[kk][16 * bj + c];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int e = lane + 32 * u, r = e / 16, c = e % 16;
-        float x = 0.f;
-        for (int kk = 16 * bj; kk < 16 * bi; ++kk) x = fmaf(sL[16 * bi + r][kk], sT[kk][16 * bj + c], x);
-        scr[warp][r][c] = x;
+        for (int u = 0; u < 8; ++u) x[u] = fmaf(sL[16 * bi + r0 + 2 * u][kk], tv, x[u]);
       }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) scr[warp][r0 + 2 * u][c] = x[u];
       __syncwarp();
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int e = lane + 32 * u, r = e / 16, c = e % 16;
-        float x = 0.f;
+      for (int u = 0; u < 8; ++u) x[u] = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < 16; ++kk) x = fmaf(sT[16 * bi + r][16 * bi + kk], scr[warp][kk][c], x);
-        sT[16 * bi + r][16 * bj + c] = -x;
+      for (int kk = 0; kk < 16; ++kk) {
+        const float sv = scr[warp][kk][c];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) x[u] = fmaf(sT[16 * bi + r0 + 2 * u][16 * bi + kk], sv, x[u]);
       }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) sT[16 * bi + r0 + 2 * u][16 * bj + c] = -x[u];
       __syncwarp();
     }
     __syncthreads();
@@ -322,11 +327,17 @@ __device__ __forceinline__ void stage_ws_rows(float* dst, int ld, const float* r
   const std::int64_t V = p.V;
   const int ncv = int(V - c0 < 64 ? V - c0 : 64);
   if (V % 4 == 0) {  // ncv % 4 == 0 too: whole 16-byte pieces
-    for (int e = threadIdx.x; e < 64 * 16; e += nthreads) {
-      const int i = e / 16, c = 4 * (e % 16);
-      const bool in = i < nr && c < ncv;
-      if (ZERO || in)  // src-size 0: a zero-filled piece
-        cp_async16(dst + i * ld + c, in ? region + dn_ws_row(p, b, t0 + i, h) * V + c0 + c : region, in ? 16 : 0);
+    // thread: column piece c of rows i, i + nthreads / 16, ... (nthreads % 16 == 0): one address
+    // computation, then a fixed step (per-piece index and 64-bit row arithmetic were most of the
+    // instructions of this loop)
+    const int c = 4 * (int(threadIdx.x) % 16), di = nthreads / 16;
+    const bool cin = c < ncv;
+    int i = int(threadIdx.x) / 16;
+    const std::int64_t step = std::int64_t(di) * p.H * V;
+    const float* src = region + dn_ws_row(p, b, t0 + i, h) * V + c0 + c;
+    for (; i < 64; i += di, src += step) {
+      const bool in = i < nr && cin;
+      if (ZERO || in) cp_async16(dst + i * ld + c, in ? src : region, in ? 16 : 0);  // src-size 0: zero fill
     }
   } else {
     for (int e = threadIdx.x; e < 64 * 64; e += nthreads) {

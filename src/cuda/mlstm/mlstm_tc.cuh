@@ -30,25 +30,39 @@ __device__ __forceinline__ int bytes16(int nr_ok, int left) {  // bytes of a 16-
 // nthreads: the CTA's threads (kTcThreads unless the kernel says otherwise).
 // Thread tid takes the units (16-byte chunks, or elements) tid, tid + nthreads, ... of the row-major
 // tile, walked by row / column increments: a division per unit (C is often a runtime value) made
-// the loads of a tensor-core K3 CTA ~25% of its instructions.
+// the loads of a tensor-core K3 CTA ~25% of its instructions. Serial loops over a runtime C hoist
+// the mapping (TileUnits, load_tile_vec).
+// The cp.async units of a C-column tile (C / 8 16-byte chunks per row) that thread threadIdx.x takes:
+// its first row and chunk, and the steps. Built once where C is a runtime value and the tile is loaded
+// every step of a serial loop: its integer divisions were ~40 instructions per load_tile call (SASS
+// of the DeltaNet state kernels, two or three calls per chunk step).
+struct TileUnits {
+  int C, U, dr, du, r0, u0;
+  __device__ __forceinline__ TileUnits(int c, int nthreads)
+      : C(c), U(c / 8), dr(nthreads / U), du(nthreads % U), r0(int(threadIdx.x) / U), u0(int(threadIdx.x) % U) {}
+};
+// load_tile's cp.async branch (vec) for a tile of m.C columns.
+__device__ __forceinline__ void load_tile_vec(const TileUnits& m, bf16* sm, int ld, int R, const bf16* src,
+                                              std::int64_t rs, int nr, int nc) {
+  int r = m.r0, u = m.u0;
+  if (m.du == 0 && nr >= R && nc >= m.C) {  // the whole tile in bounds, a fixed row step per thread
+    const std::int64_t sstep = m.dr * rs;
+    const bf16* s = src + r * rs + 8 * u;
+    for (bf16* d = sm + r * ld + 8 * u; r < R; r += m.dr, d += m.dr * ld, s += sstep) cp_async16(d, s, 16);
+    return;
+  }
+  for (; r < R;) {
+    const int col = 8 * u, bytes = bytes16(r < nr, nc - col);
+    cp_async16(sm + r * ld + col, bytes ? src + r * rs + col : src, bytes);
+    r += m.dr, u += m.du;
+    if (u >= m.U) u -= m.U, ++r;
+  }
+}
 __device__ __forceinline__ void load_tile(bf16* sm, int ld, int R, int C, const bf16* src, std::int64_t rs, int nr,
                                           int nc, bool vec, int nthreads = kTcThreads) {
   // (vec is a runtime flag: the unit width is fixed per branch, so a compile-time C gives shifts)
   if (vec) {
-    const int U = C / 8, dr = nthreads / U, du = nthreads % U;  // 16-byte chunks per row
-    int r = int(threadIdx.x) / U, u = int(threadIdx.x) % U;
-    if (du == 0 && nr >= R && nc >= C) {  // the whole tile in bounds, a fixed row step per thread
-      const std::int64_t sstep = dr * rs;
-      const bf16* s = src + r * rs + 8 * u;
-      for (bf16* d = sm + r * ld + 8 * u; r < R; r += dr, d += dr * ld, s += sstep) cp_async16(d, s, 16);
-      return;
-    }
-    for (; r < R;) {
-      const int col = 8 * u, bytes = bytes16(r < nr, nc - col);
-      cp_async16(sm + r * ld + col, bytes ? src + r * rs + col : src, bytes);
-      r += dr, u += du;
-      if (u >= U) u -= U, ++r;
-    }
+    load_tile_vec(TileUnits(C, nthreads), sm, ld, R, src, rs, nr, nc);
   } else {
     const int U = C, dr = nthreads / U, du = nthreads % U;  // elements per row
     int r = int(threadIdx.x) / U, u = int(threadIdx.x) % U;

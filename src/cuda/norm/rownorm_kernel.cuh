@@ -201,19 +201,27 @@ __global__ void __launch_bounds__(kSmallCta, 4) rownorm_fwd_row_kernel(const Row
 // after the first row's x loads are issued, so those overlap the staging.
 // The group's scale and bias into `stage` (layout above), a vector of parameters per load, spread
 // over the CTA's threads; the caller syncs before reading them.
+// Vector v's scale and bias (E each, fp32) into `stage` (layout above).
+template <int E>
+__device__ __forceinline__ void put_fwd_params(float4* stage, int nvec, int v, const float (&sc)[E], const float (&bi)[E]) {
+  const int bias4 = nvec * (E / 4);
+#pragma unroll
+  for (int i = 0; i < E / 4; ++i) {
+    stage[i * nvec + v] = make_float4(sc[4 * i], sc[4 * i + 1], sc[4 * i + 2], sc[4 * i + 3]);
+    stage[bias4 + i * nvec + v] = make_float4(bi[4 * i], bi[4 * i + 1], bi[4 * i + 2], bi[4 * i + 3]);
+  }
+}
+// Vectors first, first + blockDim.x, ... (first = threadIdx.x: all of them).
 template <typename T, bool ALIGNED, int UNROLL>
-__device__ __forceinline__ void stage_fwd_params(const RowNormParams& p, std::int64_t g, int n, float4* stage) {
+__device__ __forceinline__ void stage_fwd_params(const RowNormParams& p, std::int64_t g, int n, float4* stage,
+                                                 int first = int(threadIdx.x)) {
   constexpr int E = kVecElems<T>;
-  const int nvec = (n + E - 1) / E, bias4 = nvec * (E / 4);
+  const int nvec = (n + E - 1) / E;
 #pragma unroll UNROLL
-  for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
+  for (int v = first; v < nvec; v += blockDim.x) {
     float sc[E], bi[E];
     load_params_vec<T, ALIGNED>(p, g, v * E, n, sc, bi);
-#pragma unroll
-    for (int i = 0; i < E / 4; ++i) {
-      stage[i * nvec + v] = make_float4(sc[4 * i], sc[4 * i + 1], sc[4 * i + 2], sc[4 * i + 3]);
-      stage[bias4 + i * nvec + v] = make_float4(bi[4 * i], bi[4 * i + 1], bi[4 * i + 2], bi[4 * i + 3]);
-    }
+    put_fwd_params<E>(stage, nvec, v, sc, bi);
   }
 }
 
