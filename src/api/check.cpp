@@ -1,6 +1,7 @@
 // check.cpp: see check.h.
 #include "api/check.h"
 
+#include <cstdint>
 #include <string>
 
 namespace fastweight::detail {
@@ -87,6 +88,10 @@ void SeqChecker::state(const char* name, const TensorRef& t, std::initializer_li
 void check_workspace(const char* op, void* ws, std::size_t bytes, std::size_t need) {
   FW_CHECK_ARG(bytes >= need && (need == 0 || ws != nullptr), op, "workspace", "needs ", need,
                " bytes (", op, "_workspace_size), got ", bytes, ws ? "" : " (null pointer)");
+  // the kernels move it in 16-byte units (cudaMalloc and torch's allocator give 256-byte alignment)
+  FW_CHECK_ARG(need == 0 || reinterpret_cast<std::uintptr_t>(ws) % 16 == 0, op, "workspace",
+               "must be 16-byte aligned, got an address ", reinterpret_cast<std::uintptr_t>(ws) % 16,
+               " bytes past a 16-byte boundary");
 }
 
 void no_cuda_build(const char* op) {

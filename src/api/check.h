@@ -42,7 +42,7 @@ struct SeqChecker {
   void state(const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape) const;
 };
 
-// A caller's workspace for a CUDA op: at least `need` bytes (and not null when need > 0).
+// A caller's workspace for a CUDA op: at least `need` bytes, not null and 16-byte aligned when need > 0.
 void check_workspace(const char* op, void* ws, std::size_t bytes, std::size_t need);
 // The error of CUDA tensors given to a build without CUDA kernels (FW_ENABLE_CUDA=OFF).
 [[noreturn]] void no_cuda_build(const char* op);

@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <random>
 #include <string>
@@ -477,6 +478,33 @@ TEST(DeltanetApi, CudaBackwardRefusesAMissingOrShortWorkspaceBeforeWriting) {
   untouched("null workspace");
   FW_TEST_CUDA(cudaFree(ws));
 #endif
+}
+
+// A workspace that is not 16-byte aligned is an ArgumentError naming it, before anything runs (the
+// kernels move it in 16-byte units). CUDA tensors that are never dereferenced: no GPU needed; a
+// build without CUDA kernels refuses CUDA tensors instead.
+TEST(DeltanetApi, CudaWorkspaceMustBe16ByteAligned) {
+  Dn s(DType::bf16, {1, 70, 2, 64, 64}, 0, DType::bf16);
+  DeltanetFwdArgs a = s.args();
+  for (TensorRef* t : {&a.q, &a.k, &a.v, &a.beta, &a.initial_state, &a.o, &a.final_state}) t->device = DeviceType::cuda;
+  std::vector<float> buf(1024);
+  char* misaligned = reinterpret_cast<char*>(buf.data()) + 4;
+  try {
+    deltanet_fwd(a, misaligned, buf.size() * sizeof(float) - 4);  // far too small, and misaligned
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_TRUE(msg.find("workspace") != std::string::npos || msg.find("CUDA") != std::string::npos) << msg;
+  }
+#if FW_WITH_CUDA
+  const std::size_t need = deltanet_fwd_workspace_size(a);
+  ASSERT_GT(need, std::size_t(0)) << "the tensor-core pipeline reports no workspace";
+  std::vector<float> big(need / sizeof(float) + 8);
+  char* at = reinterpret_cast<char*>(big.data());
+  at += (16 - reinterpret_cast<std::uintptr_t>(at) % 16) % 16 + 4;  // 4 bytes past a 16-byte boundary
+  expect_argument_error([&] { deltanet_fwd(a, at, need); }, {"deltanet_fwd", "workspace", "16-byte aligned"});
+#endif
+  EXPECT_TRUE(s.untouched());
 }
 
 // DType::i32 / i64 exist for index tensors only: the float ops keep rejecting them by name.
