@@ -15,6 +15,8 @@
 // chain, no lo tiles or workspace matrices (dn_nmat). The backward's recompute runs 1 and 2
 // (deltanet_bwd.cu). Dispatched by deltanet_fwd_cuda when a workspace is given (DnFwdWs); without
 // one the single-kernel version 2 runs (deltanet_fwd_tc.cu).
+#include <atomic>
+
 #include "cuda/common/check.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
 #include "cuda/deltanet/deltanet_cuda.h"
@@ -426,10 +428,13 @@ namespace {
 bool state_xu_tiles(const DeltanetParams& p) { return StLayout(p.K, p.hilo, true).bytes <= smem_per_block_optin(); }
 // D' instead of X in the X region (DnChunkBufs::dprime): the forward asks, whole bf16x2 pairs and
 // 16-byte rows (V % 8 == 0), the state kernel's Xu path (its epilogue writes D').
+std::atomic<bool> g_dprime{true};
 bool deltanet_dprime(const DeltanetParams& p, const DnChunkBufs& w) {
-  return w.dprime && p.V % 8 == 0 && state_xu_tiles(p);
+  return w.dprime && g_dprime.load() && p.V % 8 == 0 && state_xu_tiles(p);
 }
 }  // namespace
+
+bool set_deltanet_fwd_dprime(bool enabled) { return g_dprime.exchange(enabled); }
 
 bool deltanet_chunk_tc_applies(const DeltanetParams& p) {
   return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 && p.K >= 1 &&
