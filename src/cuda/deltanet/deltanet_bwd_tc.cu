@@ -186,17 +186,12 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
 
   float acc_s[1][8][4];  // dS (fp32), rows 16 w..
   state_load<8>(acc_s, p.dht, n, h, c0, K, V, warp, lane);
-  // a (64 rows, Kc) tile: cp.async units mapped once (TileUnits), element loads where unaligned
-  const TileUnits kunits(Kc, kBsThreads);
-  auto tile_in = [&](bf16* sm, const bf16* src, std::int64_t rs, int nr, bool vec) {
-    if (vec) load_tile_vec(kunits, sm, ldk, kT, src, rs, nr, int(K));
-    else load_tile(sm, ldk, kT, Kc, src, rs, nr, int(K), false, kBsThreads);
-  };
+  const TileUnits kunits(Kc, kBsThreads);  // the k, q and Xw tiles' cp.async units
   // what the step's first half needs (k, dO, dD0, factors) into buffer buf
   auto issue_first = [&](int buf, std::int64_t t0) {
     const int nr = int(lmin(kT, sq_.eos - t0));
     const std::int64_t row0 = dn_ws_row(p, b, t0, h);
-    tile_in(sk + buf * ktile, bf_rows(p.k, b, t0, h), p.k.s1, nr, vk);
+    load_kc_tile(kunits, sk + buf * ktile, ldk, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk, kBsThreads);
     load_tile(sdo + buf * otile, kLd, kT, kT, bf_rows(p.do_, b, t0, h) + c0, p.do_.s1, nr, int(lmin(kT, V - c0)), vo,
               kBsThreads);
     stage_ws_rows<true>(sdd + buf * kT * kLdF, kLdF, ws + w.Y, p, b, t0, h, nr, c0, kBsThreads);
@@ -211,9 +206,9 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   auto issue_second = [&](std::int64_t t0) {
     const int nr = int(lmin(kT, sq_.eos - t0));
     const std::int64_t row0 = dn_ws_row(p, b, t0, h);
-    tile_in(sq, bf_rows(p.q, b, t0, h), p.q.s1, nr, vq);
-    tile_in(sxh, xwh + row0 * K, p.H * K, nr, vx);
-    if constexpr (LO) tile_in(sxl, xwl + row0 * K, p.H * K, nr, vx);
+    load_kc_tile(kunits, sq, ldk, bf_rows(p.q, b, t0, h), p.q.s1, nr, int(K), vq, kBsThreads);
+    load_kc_tile(kunits, sxh, ldk, xwh + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
+    if constexpr (LO) load_kc_tile(kunits, sxl, ldk, xwl + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
     cp_async_commit();
   };
   const std::int64_t nch = (sq_.eos - sq_.bos + kT - 1) / kT;

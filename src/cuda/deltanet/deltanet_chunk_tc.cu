@@ -230,13 +230,9 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
   auto issue = [&](int buf, std::int64_t t0) {
     const int nr = int(lmin(kT, sq.eos - t0));
     const std::int64_t row0 = dn_ws_row(p, b, t0, h);
-    auto tile_in = [&](bf16* sm, const bf16* src, std::int64_t rs, bool vec) {
-      if (vec) load_tile_vec(kunits, sm, ldk, kT, src, rs, nr, int(K));
-      else load_tile(sm, ldk, kT, Kc, src, rs, nr, int(K), false, kStThreads);
-    };
-    tile_in(sk + buf * tile, bf_rows(p.k, b, t0, h), p.k.s1, vk);
-    tile_in(sxh + buf * tile, xwh + row0 * K, p.H * K, vx);
-    if constexpr (LO) tile_in(sxl + buf * tile, xwl + row0 * K, p.H * K, vx);
+    load_kc_tile(kunits, sk + buf * tile, ldk, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk, kStThreads);
+    load_kc_tile(kunits, sxh + buf * tile, ldk, xwh + row0 * K, p.H * K, nr, int(K), vx, kStThreads);
+    if constexpr (LO) load_kc_tile(kunits, sxl + buf * tile, ldk, xwl + row0 * K, p.H * K, nr, int(K), vx, kStThreads);
     if (tid < kT) {
       if (tid < nr) cp_async4(s_rkb + buf * kT + tid, w.rk + row0 + tid * p.H);
       else s_rkb[buf * kT + tid] = 0.f;
@@ -305,8 +301,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
           } else if (i < nr && c0 + c < V) {
             const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * V + c0 + c;
             const bool has1 = c0 + c + 1 < V, even = V % 2 == 0;
-            const float2 u = vxu ? *reinterpret_cast<const float2*>(s_xu + (buf * kT + i) * kLdU + c)
-                                 : load_pair(w.xu + at, has1, even);
+            const float2 u = load_pair(w.xu + at, has1, even);  // no Xu tiles (sm_80 cap) or V % 4 != 0
             x = make_float2(u.x - acc[j][e], has1 ? u.y - acc[j][e + 1] : 0.f);
             store_pair(w.X + at, x.x, x.y, has1, even);
           }

@@ -228,6 +228,14 @@ __device__ __forceinline__ void store_state_split(bf16* gh, const bf16* sSh, con
   }
 }
 
+// A (64 rows, m.C = Kc columns) bf16 tile with K valid columns, as load_tile, in a serial kernel's
+// chunk loop: the cp.async units mapped once per CTA (m), element loads where rows are unaligned.
+__device__ __forceinline__ void load_kc_tile(const TileUnits& m, bf16* sm, int ldk, const bf16* src, std::int64_t rs,
+                                             int nr, int K, bool vec, int nthreads) {
+  if (vec) load_tile_vec(m, sm, ldk, kT, src, rs, nr, K);
+  else load_tile(sm, ldk, kT, m.C, src, rs, nr, K, false, nthreads);
+}
+
 // Columns c, c + 1 of an fp32 row (c even): one 8-byte access when the row length is even (aligned).
 __device__ __forceinline__ void store_pair(float* at, float x0, float x1, bool has1, bool even) {
   if (even) {

@@ -24,14 +24,6 @@ __device__ __forceinline__ int bytes16(int nr_ok, int left) {  // bytes of a 16-
   return nr_ok ? 2 * (left < 0 ? 0 : left > 8 ? 8 : left) : 0;
 }
 
-// Rows [0, nr) x columns [0, nc) of a bf16 matrix (row i at src + i * rs) into an R x C smem tile
-// (stride ld; C a multiple of 8), zeros elsewhere. vec: src 16-byte aligned and rs % 8 == 0 ->
-// cp.async (the caller commits and waits); else synchronous element loads.
-// nthreads: the CTA's threads (kTcThreads unless the kernel says otherwise).
-// Thread tid takes the units (16-byte chunks, or elements) tid, tid + nthreads, ... of the row-major
-// tile, walked by row / column increments: a division per unit (C is often a runtime value) made
-// the loads of a tensor-core K3 CTA ~25% of its instructions. Serial loops over a runtime C hoist
-// the mapping (TileUnits, load_tile_vec).
 // The cp.async units of a C-column tile (C / 8 16-byte chunks per row) that thread threadIdx.x takes:
 // its first row and chunk, and the steps. Built once where C is a runtime value and the tile is loaded
 // every step of a serial loop: its integer divisions were ~40 instructions per load_tile call (SASS
@@ -58,6 +50,14 @@ __device__ __forceinline__ void load_tile_vec(const TileUnits& m, bf16* sm, int 
     if (u >= m.U) u -= m.U, ++r;
   }
 }
+// Rows [0, nr) x columns [0, nc) of a bf16 matrix (row i at src + i * rs) into an R x C smem tile
+// (stride ld; C a multiple of 8), zeros elsewhere. vec: src 16-byte aligned and rs % 8 == 0 ->
+// cp.async (the caller commits and waits); else synchronous element loads.
+// nthreads: the CTA's threads (kTcThreads unless the kernel says otherwise).
+// Thread tid takes the units (16-byte chunks, or elements) tid, tid + nthreads, ... of the row-major
+// tile, walked by row / column increments: a division per unit (C is often a runtime value) made
+// the loads of a tensor-core K3 CTA ~25% of its instructions. Serial loops over a runtime C hoist
+// the mapping (TileUnits, load_tile_vec).
 __device__ __forceinline__ void load_tile(bf16* sm, int ld, int R, int C, const bf16* src, std::int64_t rs, int nr,
                                           int nc, bool vec, int nthreads = kTcThreads) {
   // (vec is a runtime flag: the unit width is fixed per branch, so a compile-time C gives shifts)

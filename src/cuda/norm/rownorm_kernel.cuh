@@ -199,8 +199,6 @@ __global__ void __launch_bounds__(kSmallCta, 4) rownorm_fwd_row_kernel(const Row
 // scale quarter i of vector v at [i * nvec + v], bias at [N_pad / 4 + i * nvec + v], so a warp's
 // 16-byte reads of one quarter are consecutive (no bank conflicts for E = 8). Staged by vector loads
 // after the first row's x loads are issued, so those overlap the staging.
-// The group's scale and bias into `stage` (layout above), a vector of parameters per load, spread
-// over the CTA's threads; the caller syncs before reading them.
 // Vector v's scale and bias (E each, fp32) into `stage` (layout above).
 template <int E>
 __device__ __forceinline__ void put_fwd_params(float4* stage, int nvec, int v, const float (&sc)[E], const float (&bi)[E]) {
@@ -211,7 +209,9 @@ __device__ __forceinline__ void put_fwd_params(float4* stage, int nvec, int v, c
     stage[bias4 + i * nvec + v] = make_float4(bi[4 * i], bi[4 * i + 1], bi[4 * i + 2], bi[4 * i + 3]);
   }
 }
-// Vectors first, first + blockDim.x, ... (first = threadIdx.x: all of them).
+// The group's scale and bias into `stage` (layout above), a vector of parameters per load, spread
+// over the CTA's threads: vectors first, first + blockDim.x, ... (first = threadIdx.x: all of them);
+// the caller syncs before reading them.
 template <typename T, bool ALIGNED, int UNROLL>
 __device__ __forceinline__ void stage_fwd_params(const RowNormParams& p, std::int64_t g, int n, float4* stage,
                                                  int first = int(threadIdx.x)) {
