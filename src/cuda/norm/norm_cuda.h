@@ -27,6 +27,10 @@ int rownorm_fwd_bulk_cta_cap();
 // planner's choice). Returns the previous setting.
 int force_rownorm_fwd_bulk_vecs(int vpt);
 int rownorm_fwd_bulk_vecs();
+// Tests and benchmarks only: the one-row-per-CTA forward (rownorm_fwd_row1_kernel) takes aligned
+// rows of at most `tpr` 16-byte vectors (0: none; default: all it can, 512). Returns the previous one.
+int set_rownorm_fwd_row1_max_tpr(int tpr);
+int rownorm_fwd_row1_max_tpr();
 
 // Current-device guard and device queries (src/cuda/common/device.cu).
 bool cuda_runtime_available();

@@ -91,6 +91,17 @@ __device__ __forceinline__ float2 row_sum2(float2 v, int tpr, float* s_red) {
   return t;
 }
 
+// Sum of N values as a balanced tree (pairs, then pairs of pairs): the same order every call, and a
+// dependency chain of log2(N) adds instead of N (the forward's per-row chains were latency-bound).
+template <int N>
+__device__ __forceinline__ float tree_sum(const float* v) {
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+    return tree_sum<N / 2>(v) + tree_sum<N / 2>(v + N / 2);
+  }
+}
+
 // ---- forward, cached ----------------------------------------------------------------------------
 // Parameters are read per vector through L1 (every CTA reads the same N values, so they stay
 // cached) in fp32 or the IO dtype.
@@ -185,6 +196,86 @@ __global__ void __launch_bounds__(kSmallCta, 4) rownorm_fwd_row_kernel(const Row
     store_vec<T>(yr, col, n, ALIGNED, out);
   }
   if (lane == 0) {
+    if (p.mean) p.mean[r] = mean;
+    if (p.rstd) p.rstd[r] = rstd;
+  }
+}
+
+// Forward, aligned rows of kRow1MinTpr..kRow1MaxTpr vectors (16-bit N 264..4096): one row per CTA
+// of tpr = next_pow2(N / E) threads, one 16-byte vector per thread, no row loop and no shared
+// staging: the row shape of FLA's and torch.compile's Triton kernels, which ran 10-35% faster than
+// the persistent / bulk kernels at these N (ncu, 4096 x 2048 bf16: 31 registers, 86% occupancy
+// against the bulk kernel's one 512-thread CTA per SM). Each thread's parameter vectors are loaded
+// with its x vector (independent of the statistics, so their latency hides behind x's); each of the
+// two sums is a warp butterfly, one float per warp in shared memory, one barrier, and a fixed
+// 16-leaf tree over the warp partials (zeros past the CTA's warps): deterministic, the same bits in
+// every thread.
+inline constexpr int kRow1MinTpr = 64;
+inline constexpr int kRow1MaxTpr = 512;
+
+// Sum over the CTA (tpr threads, a power of two >= 64): `s_part` holds 16 floats, those of warps
+// past the CTA's already zero; each s_part is used for one sum only (one barrier per sum).
+__device__ __forceinline__ float row1_cta_sum(float v, float* s_part) {
+  v = group_sum_warp(v, 32);
+  if ((threadIdx.x & 31) == 0) s_part[threadIdx.x >> 5] = v;
+  __syncthreads();
+  const float4* q = reinterpret_cast<const float4*>(s_part);
+  const float4 a = q[0], b = q[1], c = q[2], d = q[3];
+  return (((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w))) +
+         (((c.x + c.y) + (c.z + c.w)) + ((d.x + d.y) + (d.z + d.w)));
+}
+
+// RAW_PAR: parameters in the IO dtype with aligned rows (or none), kept raw; else read after the sums
+// through load_params_vec (fp32 or unaligned parameters; a separate instance: that path's registers
+// would cost the common one 8, 32 -> 40).
+template <typename T, bool RAW_PAR>
+__global__ void __launch_bounds__(kRow1MaxTpr) rownorm_fwd_row1_kernel(const RowNormParams p) {
+  constexpr int E = kVecElems<T>;
+  __shared__ __align__(16) float s_part[2][16];  // (sum, sum of squares) x (warp partials, 16)
+  const int n = int(p.n);
+  // rows in memory order, each row's parameter group from r (rows < 2^31: 32-bit divisions)
+  const std::uint32_t r = blockIdx.x;
+  const std::uint32_t g = p.groups == 1 ? 0u : p.g_stride == 1 ? r % std::uint32_t(p.groups) : r / std::uint32_t(p.g_stride);
+  const int col = int(threadIdx.x) * E;  // (E) this thread's columns [col, col + E)
+  const bool in = col < n;               // aligned rows: a vector is wholly inside or wholly past
+  // x and (IO-dtype, aligned) parameters kept raw across the sums: 12 registers instead of 3 E
+  // floats (60 -> 40 registers at bf16: more CTAs per SM)
+  const uint4 xr = load_raw<T>(static_cast<const T*>(p.x) + p.x_rows.offset32(r), col, n, true);
+  uint4 wr = make_uint4(0u, 0u, 0u, 0u), br = wr;
+  if (RAW_PAR && p.w) wr = load_raw<T>(static_cast<const T*>(p.w) + g * p.w_group_stride, col, n, true);
+  if (RAW_PAR && p.b) br = load_raw<T>(static_cast<const T*>(p.b) + g * p.b_group_stride, col, n, true);
+  float xf[E];
+  unpack<T>(xr, xf);
+  // the slots of warps this CTA does not have stay zero (written before the first barrier, by
+  // threads other than the writers of live slots)
+  const int nw = int(blockDim.x) >> 5;
+  if (int(threadIdx.x) >= nw && threadIdx.x < 16) s_part[0][threadIdx.x] = s_part[1][threadIdx.x] = 0.f;
+  const float inv_n = 1.f / float(n);
+  float mean = 0.f;
+  if (!p.rms) mean = row1_cta_sum(tree_sum<E>(xf), s_part[0]) * inv_n;
+  else __syncthreads();  // the zeros above before the one sum's reads
+  float sq[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const float d = xf[e] - mean;
+    sq[e] = in ? d * d : 0.f;
+  }
+  const float rstd = rsqrtf(row1_cta_sum(tree_sum<E>(sq), s_part[1]) * inv_n + p.eps);
+  if (in) {
+    float sc[E], bi[E], out[E];
+    if constexpr (RAW_PAR) {
+      unpack<T>(wr, sc);
+      unpack<T>(br, bi);  // zeros without bias
+#pragma unroll
+      for (int e = 0; e < E; ++e) sc[e] = p.w ? p.weight_offset + sc[e] : 1.f;
+    } else {
+      load_params_vec<T, true>(p, g, col, n, sc, bi);
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e) out[e] = (xf[e] - mean) * rstd * sc[e] + bi[e];
+    store_vec<T>(static_cast<T*>(p.y) + p.y_rows.offset32(r), col, n, true, out);
+  }
+  if (threadIdx.x == 0) {
     if (p.mean) p.mean[r] = mean;
     if (p.rstd) p.rstd[r] = rstd;
   }

@@ -1,7 +1,8 @@
 // rownorm_launch.cuh: launch planning for the LayerNorm-family kernels (rownorm_kernel.cuh), one
 // template per IO dtype, instantiated in rownorm_<dtype>.cu so that build options can drop dtypes.
 //
-// Plan, forward: aligned rows with N <= kBulkMaxN on a device with bulk copies (sm_90, the kernel
+// Plan, forward: aligned rows of 64..512 16-byte vectors -> one row per CTA of one vector per thread
+// (rownorm_fwd_row1_kernel); other aligned rows with N <= kBulkMaxN on a device with bulk copies (sm_90, the kernel
 // compiled for it) -> the bulk-copy kernel (rownorm_fwd_bulk.cuh), one 512-thread CTA per SM, P per
 // group rounded down to one wave; otherwise N <= kCachedMaxNFwd -> cached engines with tpr = next_pow2(ceil(N / elements per
 // thread)) threads per row and max(tpr, 256) threads per CTA; short rows: one row group per CTA (P =
@@ -34,6 +35,7 @@ struct RowPlan {
   bool persistent = true;  // forward, cached: persistent CTAs (else one row group per CTA)
   bool ring = false;       // backward, cached: the cp.async ring kernel (aligned rows)
   bool bulk = false;       // forward: the bulk-copy kernel (Hopper, aligned rows)
+  bool row1 = false;       // forward: one row per CTA, one vector per thread (aligned rows)
   int stages = 0;          // its row slots per row group
   int bulk_vecs = 0;       // its 16-byte vectors per thread (4 or 8)
   int threads = 256;
@@ -107,6 +109,16 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   if (p.n <= cached_max || ring) {
     plan.cached = true;
     if (!bwd) {
+      // aligned rows of 64..512 vectors: one row per CTA, one vector per thread (P = rows in all)
+      const int tpr1 = next_pow2(p.n / E);
+      if (al && tpr1 >= kRow1MinTpr && tpr1 <= std::min(kRow1MaxTpr, rownorm_fwd_row1_max_tpr()) &&
+          p.rows <= 0x7fffffff) {
+        plan.row1 = true;
+        plan.persistent = false;
+        plan.L.tpr = plan.threads = tpr1;
+        plan.L.P = int(p.rows);
+        return plan;
+      }
       if (al && p.n <= kBulkMaxN<T> && rownorm_fwd_bulk_enabled() && cc_major() >= 9 &&
           kernel_binary_version(bulk_fwd_kernel<T>(kBulkVecs)) >= 90) {
         // the bulk-copy kernel: as many row slots (<= kBulkMaxStages) as the shared memory holds, >= 2;
@@ -227,7 +239,11 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   const std::int64_t blocks = std::int64_t(plan.L.P) * (plan.cached && !plan.persistent ? 1 : p.groups);
   if (blocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", blocks, " CTAs is too large"));
   const unsigned grid = unsigned(blocks);
-  if (plan.bulk) {
+  if (plan.row1) {
+    const bool raw_par = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
+    if (raw_par) rownorm_fwd_row1_kernel<T, true><<<grid, plan.threads, 0, stream>>>(p);
+    else rownorm_fwd_row1_kernel<T, false><<<grid, plan.threads, 0, stream>>>(p);
+  } else if (plan.bulk) {
     if (plan.bulk_vecs == 8) rownorm_fwd_bulk_kernel<T, 8><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
     else rownorm_fwd_bulk_kernel<T, kBulkVecs><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
   } else if (plan.cached && !plan.persistent) {
