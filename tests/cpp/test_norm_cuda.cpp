@@ -282,9 +282,10 @@ INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulk,
                          ::testing::Combine(kOps, kDtypes, ::testing::Values<std::int64_t>(8, 128, 1000, 8192, 16384)),
                          rows_case_name);
 
-// Aligned rows of 33 to 512 vectors through the one-row-per-CTA forward (rownorm_fwd_row1_kernel):
-// every CTA size it launches (64 to 512 threads, N just past a power of two leaves most of the CTA's
-// threads without a vector), padded and contiguous rows, rows in memory order over head norm's and
+// Aligned 16-bit rows of 33 to 256 vectors in small problems through the one-row-per-CTA forward
+// (rownorm_fwd_row1_kernel): every CTA size it launches (64 to 256 threads; N just past a power of
+// two leaves most of the CTA's threads without a vector), padded and contiguous rows, both parameter
+// instances (IO dtype raw, fp32 through load_params_vec), rows in memory order over head norm's and
 // adaLN's parameter groups; and the same rows with it switched off (bulk / persistent kernels).
 struct NormCudaRow1 : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
@@ -300,7 +301,8 @@ TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
   check_case(op, dt, n, groups * 37, Layout::padded, Params::io);
 }
 INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1,
-                         ::testing::Combine(kOps, kDtypes, ::testing::Values<std::int64_t>(136, 264, 520, 2048, 4096)),
+                         ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
+                                            ::testing::Values<std::int64_t>(264, 520, 1000, 2048)),
                          rows_case_name);
 
 // The same kind of rows with the bulk forward switched off: the persistent and short-row kernels,

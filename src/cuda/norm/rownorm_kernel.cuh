@@ -201,28 +201,27 @@ __global__ void __launch_bounds__(kSmallCta, 4) rownorm_fwd_row_kernel(const Row
   }
 }
 
-// Forward, aligned rows of kRow1MinTpr..kRow1MaxTpr vectors (16-bit N 264..4096): one row per CTA
-// of tpr = next_pow2(N / E) threads, one 16-byte vector per thread, no row loop and no shared
-// staging: the row shape of FLA's and torch.compile's Triton kernels, which ran 10-35% faster than
-// the persistent / bulk kernels at these N (ncu, 4096 x 2048 bf16: 31 registers, 86% occupancy
-// against the bulk kernel's one 512-thread CTA per SM). Each thread's parameter vectors are loaded
-// with its x vector (independent of the statistics, so their latency hides behind x's); each of the
-// two sums is a warp butterfly, one float per warp in shared memory, one barrier, and a fixed
-// 16-leaf tree over the warp partials (zeros past the CTA's warps): deterministic, the same bits in
+// Forward, aligned 16-bit rows of 33..256 vectors (N 264..2048) in small problems (the planner's
+// rule, rownorm_launch.cuh): one row per CTA of tpr = next_pow2(N / E) threads, one 16-byte vector
+// per thread, no row loop and no shared staging: the row shape of FLA's and torch.compile's Triton
+// kernels. The bulk kernel's fixed costs (parameter staging, mbarriers, one CTA per SM) dominated
+// there: at 4096 x 2048 bf16 each of its row groups has ~4 rows. x and the parameters are loaded
+// together (the parameters do not depend on the statistics, so their latency hides behind x's); each
+// of the two sums is a warp butterfly, one float per warp in shared memory, one barrier, and a fixed
+// 8-leaf tree over the warp partials (zeros past the CTA's warps): deterministic, the same bits in
 // every thread.
 inline constexpr int kRow1MinTpr = 64;
-inline constexpr int kRow1MaxTpr = 512;
+inline constexpr int kRow1MaxTpr = 256;
 
-// Sum over the CTA (tpr threads, a power of two >= 64): `s_part` holds 16 floats, those of warps
-// past the CTA's already zero; each s_part is used for one sum only (one barrier per sum).
+// Sum over the CTA (tpr threads, a power of two in [64, 256]): `s_part` holds 8 floats, those of
+// warps past the CTA's already zero; each s_part is used for one sum only (one barrier per sum).
 __device__ __forceinline__ float row1_cta_sum(float v, float* s_part) {
   v = group_sum_warp(v, 32);
   if ((threadIdx.x & 31) == 0) s_part[threadIdx.x >> 5] = v;
   __syncthreads();
   const float4* q = reinterpret_cast<const float4*>(s_part);
-  const float4 a = q[0], b = q[1], c = q[2], d = q[3];
-  return (((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w))) +
-         (((c.x + c.y) + (c.z + c.w)) + ((d.x + d.y) + (d.z + d.w)));
+  const float4 a = q[0], b = q[1];
+  return ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
 }
 
 // RAW_PAR: parameters in the IO dtype with aligned rows (or none), kept raw; else read after the sums
@@ -231,7 +230,7 @@ __device__ __forceinline__ float row1_cta_sum(float v, float* s_part) {
 template <typename T, bool RAW_PAR>
 __global__ void __launch_bounds__(kRow1MaxTpr) rownorm_fwd_row1_kernel(const RowNormParams p) {
   constexpr int E = kVecElems<T>;
-  __shared__ __align__(16) float s_part[2][16];  // (sum, sum of squares) x (warp partials, 16)
+  __shared__ __align__(16) float s_part[2][8];  // (sum, sum of squares) x (warp partials, 8)
   const int n = int(p.n);
   // rows in memory order, each row's parameter group from r (rows < 2^31: 32-bit divisions)
   const std::uint32_t r = blockIdx.x;
@@ -249,7 +248,7 @@ __global__ void __launch_bounds__(kRow1MaxTpr) rownorm_fwd_row1_kernel(const Row
   // the slots of warps this CTA does not have stay zero (written before the first barrier, by
   // threads other than the writers of live slots)
   const int nw = int(blockDim.x) >> 5;
-  if (int(threadIdx.x) >= nw && threadIdx.x < 16) s_part[0][threadIdx.x] = s_part[1][threadIdx.x] = 0.f;
+  if (int(threadIdx.x) >= nw && threadIdx.x < 8) s_part[0][threadIdx.x] = s_part[1][threadIdx.x] = 0.f;
   const float inv_n = 1.f / float(n);
   float mean = 0.f;
   if (!p.rms) mean = row1_cta_sum(tree_sum<E>(xf), s_part[0]) * inv_n;

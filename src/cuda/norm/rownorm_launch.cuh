@@ -1,8 +1,8 @@
 // rownorm_launch.cuh: launch planning for the LayerNorm-family kernels (rownorm_kernel.cuh), one
 // template per IO dtype, instantiated in rownorm_<dtype>.cu so that build options can drop dtypes.
 //
-// Plan, forward: aligned rows of 64..512 16-byte vectors -> one row per CTA of one vector per thread
-// (rownorm_fwd_row1_kernel); other aligned rows with N <= kBulkMaxN on a device with bulk copies (sm_90, the kernel
+// Plan, forward: aligned 16-bit rows of 33..256 16-byte vectors in small problems -> one row per CTA
+// of one vector per thread (rownorm_fwd_row1_kernel); other aligned rows with N <= kBulkMaxN on a device with bulk copies (sm_90, the kernel
 // compiled for it) -> the bulk-copy kernel (rownorm_fwd_bulk.cuh), one 512-thread CTA per SM, P per
 // group rounded down to one wave; otherwise N <= kCachedMaxNFwd -> cached engines with tpr = next_pow2(ceil(N / elements per
 // thread)) threads per row and max(tpr, 256) threads per CTA; short rows: one row group per CTA (P =
@@ -109,10 +109,17 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   if (p.n <= cached_max || ring) {
     plan.cached = true;
     if (!bwd) {
-      // aligned rows of 64..512 vectors: one row per CTA, one vector per thread (P = rows in all)
+      // aligned 16-bit rows of 33..256 vectors (N 264..2048) in small problems: one row per CTA, one
+      // vector per thread (P = rows in all). Small: at most 4 rows per row group of the 4-vector bulk
+      // kernel (4096 x 2048 bf16). Measured against the bulk kernel (H200, fastweight_bench, ms):
+      // 4096 x 512 0.0073 / 0.0097, 4096 x 1024 0.0099 / 0.0116, 4096 x 2048 0.0162 / 0.0172,
+      // (1024, 16, 512) head norm 0.0161 / 0.0164; slower with more rows per group (32768 x 1024
+      // 0.0457 / 0.0431, 32768 x 2048 0.0896 / 0.0797), at N = 4096 (512 threads, 0.0287 / 0.0244)
+      // and for fp32 (4096 x 1024 0.0179 / 0.0157).
       const int tpr1 = next_pow2(p.n / E);
-      if (al && tpr1 >= kRow1MinTpr && tpr1 <= std::min(kRow1MaxTpr, rownorm_fwd_row1_max_tpr()) &&
-          p.rows <= 0x7fffffff) {
+      const std::int64_t bulk_groups = std::int64_t(sm_count()) * (kBulkThreads / next_pow2((p.n / E + 3) / 4));
+      if (sizeof(T) == 2 && al && tpr1 >= kRow1MinTpr && tpr1 <= std::min(kRow1MaxTpr, rownorm_fwd_row1_max_tpr()) &&
+          p.rows <= 4 * bulk_groups) {
         plan.row1 = true;
         plan.persistent = false;
         plan.L.tpr = plan.threads = tpr1;
@@ -240,9 +247,11 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   if (blocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", blocks, " CTAs is too large"));
   const unsigned grid = unsigned(blocks);
   if (plan.row1) {
-    const bool raw_par = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
-    if (raw_par) rownorm_fwd_row1_kernel<T, true><<<grid, plan.threads, 0, stream>>>(p);
-    else rownorm_fwd_row1_kernel<T, false><<<grid, plan.threads, 0, stream>>>(p);
+    if constexpr (sizeof(T) == 2) {  // planned for 16-bit rows only
+      const bool raw_par = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
+      if (raw_par) rownorm_fwd_row1_kernel<T, true><<<grid, plan.threads, 0, stream>>>(p);
+      else rownorm_fwd_row1_kernel<T, false><<<grid, plan.threads, 0, stream>>>(p);
+    }
   } else if (plan.bulk) {
     if (plan.bulk_vecs == 8) rownorm_fwd_bulk_kernel<T, 8><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
     else rownorm_fwd_bulk_kernel<T, kBulkVecs><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
