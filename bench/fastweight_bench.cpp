@@ -8,6 +8,7 @@
 //   fastweight_bench --no-dprime             DeltaNet forward with X in fp32 between its kernels (A/B)
 //   fastweight_bench --bulk-vecs=4|8         the bulk forward's vectors per thread where it fits (A/B)
 //   fastweight_bench --row1-max-tpr=T        norm forward: one-row-per-CTA kernel up to T vectors (0: off)
+//   fastweight_bench --row1-vecs=1|2         its vectors per thread (A/B)
 //   fastweight_bench --op=mlstm              only the mLSTM rows (bench_mlstm.cpp: every public
 //                                            mLSTM op on CPU tensors; with a GPU also mlstm_fwd and
 //                                            mlstm_bwd on CUDA tensors)
@@ -58,6 +59,7 @@ struct Options {
   bool quick = false, cpu = false, no_bulk = false, no_dprime = false;
   int bulk_vecs = 0;  // 0: the planner's choice
   int row1_max_tpr = -1;  // -1: the planner's choice
+  int row1_vecs = 0;      // 0: the planner's choice
   std::string csv;
 };
 
@@ -274,6 +276,7 @@ int main(int argc, char** argv) {
     else if (a == "--no-dprime") o.no_dprime = true;
     else if (const char* v = val("--bulk-vecs=")) o.bulk_vecs = std::atoi(v);
     else if (const char* v = val("--row1-max-tpr=")) o.row1_max_tpr = std::atoi(v);
+    else if (const char* v = val("--row1-vecs=")) o.row1_vecs = std::atoi(v);
     else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); usage(2); }
   }
   const bool gpu = !o.cpu && cuda_available();
@@ -283,6 +286,7 @@ int main(int argc, char** argv) {
   if (o.no_dprime) fastweight::detail::set_deltanet_fwd_dprime(false);  // DeltaNet forward: X in fp32 (A/B)
   if (o.bulk_vecs) fastweight::detail::force_rownorm_fwd_bulk_vecs(o.bulk_vecs);
   if (o.row1_max_tpr >= 0) fastweight::detail::set_rownorm_fwd_row1_max_tpr(o.row1_max_tpr);
+  if (o.row1_vecs) fastweight::detail::force_rownorm_fwd_row1_vecs(o.row1_vecs);
 #endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");
 

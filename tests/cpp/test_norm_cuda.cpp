@@ -283,8 +283,9 @@ INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulk,
                          rows_case_name);
 
 // Aligned 16-bit rows of 33 to 256 vectors in small problems through the one-row-per-CTA forward
-// (rownorm_fwd_row1_kernel): every CTA size it launches (64 to 256 threads; N just past a power of
-// two leaves most of the CTA's threads without a vector), padded and contiguous rows, both parameter
+// (rownorm_fwd_row1_kernel), with 1 vector per thread (the planner's) and 2 (forced, up to 512
+// vectors): every CTA size it launches (32 to 256 threads; N just past a power of two leaves most of
+// the CTA's threads without a vector), padded and contiguous rows, both parameter
 // instances (IO dtype raw, fp32 through load_params_vec), rows in memory order over head norm's and
 // adaLN's parameter groups; and the same rows with it switched off (bulk / persistent kernels).
 struct NormCudaRow1 : ::testing::TestWithParam<BulkParam> {};
@@ -292,8 +293,15 @@ TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
   FW_REQUIRE_GPU();
   const auto [op, dt, n] = GetParam();
   const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
-  check_case(op, dt, n, groups * 37, Layout::padded, Params::io);
-  check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);
+  for (int vpt : {1, 2}) {  // 1: the planner's default; 2: forced (also takes N = 4096)
+    SCOPED_TRACE("row1 vectors per thread " + std::to_string(vpt));
+    struct RestoreVecs {
+      int prev;
+      ~RestoreVecs() { fastweight::detail::force_rownorm_fwd_row1_vecs(prev); }
+    } restore_vecs{fastweight::detail::force_rownorm_fwd_row1_vecs(vpt == 1 ? 0 : 2)};
+    check_case(op, dt, n, groups * 37, Layout::padded, Params::io);
+    check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);
+  }
   struct Restore {
     int prev;
     ~Restore() { fastweight::detail::set_rownorm_fwd_row1_max_tpr(prev); }
@@ -302,7 +310,7 @@ TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
 }
 INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1,
                          ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
-                                            ::testing::Values<std::int64_t>(264, 520, 1000, 2048)),
+                                            ::testing::Values<std::int64_t>(264, 520, 1000, 2048, 4096)),
                          rows_case_name);
 
 // The same kind of rows with the bulk forward switched off: the persistent and short-row kernels,

@@ -36,6 +36,7 @@ struct RowPlan {
   bool ring = false;       // backward, cached: the cp.async ring kernel (aligned rows)
   bool bulk = false;       // forward: the bulk-copy kernel (Hopper, aligned rows)
   bool row1 = false;       // forward: one row per CTA, one vector per thread (aligned rows)
+  int row1_vecs = 1;       // its 16-byte vectors per thread
   int stages = 0;          // its row slots per row group
   int bulk_vecs = 0;       // its 16-byte vectors per thread (4 or 8)
   int threads = 256;
@@ -116,11 +117,13 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       // (1024, 16, 512) head norm 0.0161 / 0.0164; slower with more rows per group (32768 x 1024
       // 0.0457 / 0.0431, 32768 x 2048 0.0896 / 0.0797), at N = 4096 (512 threads, 0.0287 / 0.0244)
       // and for fp32 (4096 x 1024 0.0179 / 0.0157).
-      const int tpr1 = next_pow2(p.n / E);
+      const int vpt1 = rownorm_fwd_row1_vecs() == 2 ? 2 : 1;
+      const int tpr1 = next_pow2((p.n / E + vpt1 - 1) / vpt1);
       const std::int64_t bulk_groups = std::int64_t(sm_count()) * (kBulkThreads / next_pow2((p.n / E + 3) / 4));
-      if (sizeof(T) == 2 && al && tpr1 >= kRow1MinTpr && tpr1 <= std::min(kRow1MaxTpr, rownorm_fwd_row1_max_tpr()) &&
-          p.rows <= 4 * bulk_groups) {
+      if (sizeof(T) == 2 && al && p.n / E > 32 && p.n / E <= vpt1 * kRow1MaxTpr &&
+          p.n / E <= rownorm_fwd_row1_max_tpr() && (rownorm_fwd_row1_vecs() != 0 || p.rows <= 4 * bulk_groups)) {
         plan.row1 = true;
+        plan.row1_vecs = vpt1;
         plan.persistent = false;
         plan.L.tpr = plan.threads = tpr1;
         plan.L.P = int(p.rows);
@@ -249,8 +252,13 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   if (plan.row1) {
     if constexpr (sizeof(T) == 2) {  // planned for 16-bit rows only
       const bool raw_par = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
-      if (raw_par) rownorm_fwd_row1_kernel<T, true><<<grid, plan.threads, 0, stream>>>(p);
-      else rownorm_fwd_row1_kernel<T, false><<<grid, plan.threads, 0, stream>>>(p);
+      if (plan.row1_vecs == 2) {
+        if (raw_par) rownorm_fwd_row1_kernel<T, true, 2><<<grid, plan.threads, 0, stream>>>(p);
+        else rownorm_fwd_row1_kernel<T, false, 2><<<grid, plan.threads, 0, stream>>>(p);
+      } else {
+        if (raw_par) rownorm_fwd_row1_kernel<T, true, 1><<<grid, plan.threads, 0, stream>>>(p);
+        else rownorm_fwd_row1_kernel<T, false, 1><<<grid, plan.threads, 0, stream>>>(p);
+      }
     }
   } else if (plan.bulk) {
     if (plan.bulk_vecs == 8) rownorm_fwd_bulk_kernel<T, 8><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
