@@ -283,7 +283,7 @@ INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulk,
                          rows_case_name);
 
 // Aligned 16-bit rows of 33 to 256 vectors in small problems through the one-row-per-CTA forward
-// (rownorm_fwd_row1_kernel), with 1 vector per thread (the planner's) and 2 (forced, up to 512
+// (rownorm_fwd_row1_kernel), as planned and with 1 and 2 vectors per thread forced (2: up to 512
 // vectors): every CTA size it launches (32 to 256 threads; N just past a power of two leaves most of
 // the CTA's threads without a vector), padded and contiguous rows, both parameter
 // instances (IO dtype raw, fp32 through load_params_vec), rows in memory order over head norm's and
@@ -293,12 +293,12 @@ TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
   FW_REQUIRE_GPU();
   const auto [op, dt, n] = GetParam();
   const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
-  for (int vpt : {1, 2}) {  // 1: the planner's default; 2: forced (also takes N = 4096)
-    SCOPED_TRACE("row1 vectors per thread " + std::to_string(vpt));
+  for (int vpt : {0, 1, 2}) {  // 0: the planner's choice; 1, 2 forced (2 also takes N = 4096)
+    SCOPED_TRACE("row1 vectors per thread (0: planner) " + std::to_string(vpt));
     struct RestoreVecs {
       int prev;
       ~RestoreVecs() { fastweight::detail::force_rownorm_fwd_row1_vecs(prev); }
-    } restore_vecs{fastweight::detail::force_rownorm_fwd_row1_vecs(vpt == 1 ? 0 : 2)};
+    } restore_vecs{fastweight::detail::force_rownorm_fwd_row1_vecs(vpt)};
     check_case(op, dt, n, groups * 37, Layout::padded, Params::io);
     check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);
   }

@@ -202,18 +202,17 @@ __global__ void __launch_bounds__(kSmallCta, 4) rownorm_fwd_row_kernel(const Row
 }
 
 // Forward, aligned 16-bit rows of 33..256 vectors (N 264..2048) in small problems (the planner's
-// rule, rownorm_launch.cuh): one row per CTA of tpr = next_pow2(N / E) threads, one 16-byte vector
-// per thread, no row loop and no shared staging: the row shape of FLA's and torch.compile's Triton
-// kernels. The bulk kernel's fixed costs (parameter staging, mbarriers, one CTA per SM) dominated
-// there: at 4096 x 2048 bf16 each of its row groups has ~4 rows. x and the parameters are loaded
-// together (the parameters do not depend on the statistics, so their latency hides behind x's); each
-// of the two sums is a warp butterfly, one float per warp in shared memory, one barrier, and a fixed
-// 8-leaf tree over the warp partials (zeros past the CTA's warps): deterministic, the same bits in
-// every thread.
-inline constexpr int kRow1MinTpr = 64;
+// rule, rownorm_launch.cuh): one row per CTA of tpr = next_pow2(N / E / VPT) threads, VPT 16-byte
+// vectors per thread (1, or 2 beyond 128 vectors), no row loop and no shared staging: the row shape
+// of FLA's and torch.compile's Triton kernels. The bulk kernel's fixed costs (parameter staging,
+// mbarriers, one CTA per SM) dominated there: at 4096 x 2048 bf16 each of its row groups has ~4 rows.
+// x and the parameters are loaded together (the parameters do not depend on the statistics, so their
+// latency hides behind x's); each of the two sums is a warp butterfly, one float per warp in shared
+// memory, one barrier, and a fixed 8-leaf tree over the warp partials (zeros past the CTA's warps):
+// deterministic, the same bits in every thread.
 inline constexpr int kRow1MaxTpr = 256;
 
-// Sum over the CTA (tpr threads, a power of two in [64, 256]): `s_part` holds 8 floats, those of
+// Sum over the CTA (tpr threads, a power of two in [32, 256]): `s_part` holds 8 floats, those of
 // warps past the CTA's already zero; each s_part is used for one sum only (one barrier per sum).
 __device__ __forceinline__ float row1_cta_sum(float v, float* s_part) {
   v = group_sum_warp(v, 32);

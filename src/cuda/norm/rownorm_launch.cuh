@@ -110,18 +110,20 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   if (p.n <= cached_max || ring) {
     plan.cached = true;
     if (!bwd) {
-      // aligned 16-bit rows of 33..256 vectors (N 264..2048) in small problems: one row per CTA, one
-      // vector per thread (P = rows in all). Small: at most 4 rows per row group of the 4-vector bulk
-      // kernel (4096 x 2048 bf16). Measured against the bulk kernel (H200, fastweight_bench, ms):
-      // 4096 x 512 0.0073 / 0.0097, 4096 x 1024 0.0099 / 0.0116, 4096 x 2048 0.0162 / 0.0172,
-      // (1024, 16, 512) head norm 0.0161 / 0.0164; slower with more rows per group (32768 x 1024
-      // 0.0457 / 0.0431, 32768 x 2048 0.0896 / 0.0797), at N = 4096 (512 threads, 0.0287 / 0.0244)
-      // and for fp32 (4096 x 1024 0.0179 / 0.0157).
-      const int vpt1 = rownorm_fwd_row1_vecs() == 2 ? 2 : 1;
-      const int tpr1 = next_pow2((p.n / E + vpt1 - 1) / vpt1);
-      const std::int64_t bulk_groups = std::int64_t(sm_count()) * (kBulkThreads / next_pow2((p.n / E + 3) / 4));
-      if (sizeof(T) == 2 && al && p.n / E > 32 && p.n / E <= vpt1 * kRow1MaxTpr &&
-          p.n / E <= rownorm_fwd_row1_max_tpr() && (rownorm_fwd_row1_vecs() != 0 || p.rows <= 4 * bulk_groups)) {
+      // aligned 16-bit rows of 33..256 vectors (N 264..2048) in small problems: one row per CTA
+      // (P = rows in all), one vector per thread up to 128 vectors, two beyond (128 threads). Small:
+      // at most 4 rows per row group of the 4-vector bulk kernel (4096 x 2048 bf16). Measured against
+      // the bulk kernel (H200, fastweight_bench, ms, bulk / one vector / two vectors): 4096 x 512
+      // 0.0097 / 0.0073, 4096 x 1024 0.0115 / 0.0096 / 0.0099, 4096 x 2048 0.0171 / 0.0158 / 0.0151,
+      // 2048 x 2048 0.0120 / 0.0100 / 0.0098, (1024, 16, 512) head norm 0.0164 / 0.0161; slower with
+      // more rows per group (32768 x 1024 0.0431 / 0.0457, 32768 x 2048 0.0797 / 0.0896), at N = 4096
+      // (0.0243 / 0.0287 with 512 threads / 0.0267 with 256) and for fp32 (4096 x 1024 0.0157 / 0.0179).
+      const int nvec = int(p.n / E), forced1 = rownorm_fwd_row1_vecs();
+      const int vpt1 = forced1 == 2 || (forced1 == 0 && nvec > 128) ? 2 : 1;
+      const int tpr1 = next_pow2((nvec + vpt1 - 1) / vpt1);
+      const std::int64_t bulk_groups = std::int64_t(sm_count()) * (kBulkThreads / next_pow2((nvec + 3) / 4));
+      if (sizeof(T) == 2 && al && nvec > 32 && nvec <= (forced1 ? vpt1 : 1) * kRow1MaxTpr &&
+          nvec <= rownorm_fwd_row1_max_tpr() && (forced1 != 0 || p.rows <= 4 * bulk_groups)) {
         plan.row1 = true;
         plan.row1_vecs = vpt1;
         plan.persistent = false;
