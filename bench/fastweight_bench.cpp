@@ -5,7 +5,10 @@
 //   fastweight_bench --quick --csv=out.csv   fewer shapes; also write CSV
 //   fastweight_bench --cpu                   force the CPU reference (default when no GPU)
 //   fastweight_bench --no-bulk               norm forward without the Hopper bulk-copy kernel (A/B)
+//   fastweight_bench --no-dprime             DeltaNet forward with X in fp32 between its kernels (A/B)
 //   fastweight_bench --bulk-vecs=4|8         the bulk forward's vectors per thread where it fits (A/B)
+//   fastweight_bench --row1-max-tpr=T        norm forward: one-row-per-CTA kernel up to T vectors (0: off)
+//   fastweight_bench --row1-vecs=1|2         its vectors per thread (A/B)
 //   fastweight_bench --op=mlstm              only the mLSTM rows (bench_mlstm.cpp: every public
 //                                            mLSTM op on CPU tensors; with a GPU also mlstm_fwd and
 //                                            mlstm_bwd on CUDA tensors)
@@ -37,6 +40,7 @@
 #if FW_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include "cuda/deltanet/deltanet_cuda.h"
 #include "cuda/norm/norm_cuda.h"
 #endif
 
@@ -52,15 +56,17 @@ struct Options {
   DType dtype = DType::bf16;
   std::int64_t rows = 4096, n = 8192;
   int reps = 30;
-  bool quick = false, cpu = false, no_bulk = false;
+  bool quick = false, cpu = false, no_bulk = false, no_dprime = false;
   int bulk_vecs = 0;  // 0: the planner's choice
+  int row1_max_tpr = -1;  // -1: the planner's choice
+  int row1_vecs = 0;      // 0: the planner's choice
   std::string csv;
 };
 
 [[noreturn]] void usage(int code) {
   std::printf(
       "usage: fastweight_bench [--op=NAME --dtype=bf16|f16|f32 --rows=M --n=N] [--reps=R] [--quick]\n"
-      "                        [--cpu] [--csv=FILE] [--no-bulk] [--bulk-vecs=4|8]\n"
+      "                        [--cpu] [--csv=FILE] [--no-bulk] [--no-dprime] [--bulk-vecs=4|8]\n"
       "ops: layernorm_fwd layernorm_bwd rmsnorm_fwd rmsnorm_bwd headnorm_fwd headnorm_bwd\n"
       "     adalayernorm_fwd adalayernorm_bwd   (headnorm: rows = B*S*NH with NH = 16; adaLN: B = 4)\n"
       "     norms (the family's suite only), mlstm, deltanet\n");
@@ -267,14 +273,20 @@ int main(int argc, char** argv) {
     else if (a == "--quick") o.quick = true;
     else if (a == "--cpu") o.cpu = true;
     else if (a == "--no-bulk") o.no_bulk = true;
+    else if (a == "--no-dprime") o.no_dprime = true;
     else if (const char* v = val("--bulk-vecs=")) o.bulk_vecs = std::atoi(v);
+    else if (const char* v = val("--row1-max-tpr=")) o.row1_max_tpr = std::atoi(v);
+    else if (const char* v = val("--row1-vecs=")) o.row1_vecs = std::atoi(v);
     else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); usage(2); }
   }
   const bool gpu = !o.cpu && cuda_available();
 #if FW_WITH_CUDA
   // A/B of the Hopper bulk-copy norm forward against the persistent kernel that devices without it run
   if (o.no_bulk) fastweight::detail::set_rownorm_fwd_bulk(false);
+  if (o.no_dprime) fastweight::detail::set_deltanet_fwd_dprime(false);  // DeltaNet forward: X in fp32 (A/B)
   if (o.bulk_vecs) fastweight::detail::force_rownorm_fwd_bulk_vecs(o.bulk_vecs);
+  if (o.row1_max_tpr >= 0) fastweight::detail::set_rownorm_fwd_row1_max_tpr(o.row1_max_tpr);
+  if (o.row1_vecs) fastweight::detail::force_rownorm_fwd_row1_vecs(o.row1_vecs);
 #endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");
 

@@ -53,6 +53,9 @@ inline std::int64_t deltanet_slots(const DeltanetParams& p) {
 struct DnChunkBufs {
   float *xw = nullptr, *xu = nullptr, *rk = nullptr, *S = nullptr, *X = nullptr;
   float* T2 = nullptr;  // optional (slots, H, 64, 64): T2 itself, for the backward's state pass
+  // The forward's pipeline (o is all that reads X): where the state kernel can (deltanet_dprime), the
+  // X region holds D' = diag(rk beta) X as bf16 (rows, V) instead, the output kernel's operand.
+  bool dprime = false;
 };
 
 // bf16 matrices per state or Xw row (hi + lo, or hi only), and floats for n of them

@@ -42,6 +42,18 @@ struct RowIndexer {
     }
     return off;
   }
+  // offset(r) for r < 2^31 (every size then fits 32 bits: their product is the row count): 32-bit
+  // divisions (a few instructions) instead of 64-bit ones (a called routine and its registers).
+  FW_HD std::int64_t offset32(std::uint32_t r) const {
+    if (nd == 1) return std::int64_t(r) * stride[0];
+    std::int64_t off = 0;
+    for (int d = nd - 1; d >= 0; --d) {
+      const std::uint32_t sz = std::uint32_t(size[d]), q = r / sz;
+      off += std::int64_t(r - q * sz) * stride[d];
+      r = q;
+    }
+    return off;
+  }
 };
 
 enum class NormKind : std::uint8_t { layernorm, rmsnorm, headnorm, adalayernorm };

@@ -109,15 +109,26 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
   const auto [ro, rht] = reference(c, N, q, k, v, beta, c.state ? &h0 : nullptr, o, ht, 0.0);
   const double tol = c.dt == DType::f32 ? 1e-4 : 2e-2;
   // without a workspace (the on-chip kernel), then with one where the tensor-core pipeline applies,
-  // its operands as bf16 hi + lo and as bf16 alone (the workspace poisoned with 0xff bytes: every
-  // read of it must follow a write)
+  // its operands as bf16 hi + lo and as bf16 alone, with the state kernel handing D' to the output
+  // kernel and (modes 3, 4) X in fp32 instead: the same roundings, so the same bits (the workspace
+  // poisoned with 0xff bytes: every read of it must follow a write)
   const std::size_t need = fastweight::detail::deltanet_fwd_workspace_bytes(p);
   void* ws = nullptr;
   if (need) FW_TEST_CUDA(cudaMalloc(&ws, need));
-  for (int m = 0; m < 3; ++m) {
+  struct Restore {
+    bool prev;
+    ~Restore() { fastweight::detail::set_deltanet_fwd_dprime(prev); }
+  } restore{fastweight::detail::set_deltanet_fwd_dprime(true)};
+  std::vector<HostTensor> by_mode(2 * 5);  // o, final state of each mode
+  for (int m = 0; m < 5; ++m) {
     void* w = m == 0 ? nullptr : ws;
-    p.hilo = m != 2;
-    const char* mode = m == 0 ? "on-chip (no workspace)" : m == 1 ? "pipeline (hi + lo)" : "pipeline (bf16 operands)";
+    p.hilo = m == 1 || m == 3;
+    fastweight::detail::set_deltanet_fwd_dprime(m < 3);
+    const char* mode = m == 0   ? "on-chip (no workspace)"
+                       : m == 1 ? "pipeline (hi + lo)"
+                       : m == 2 ? "pipeline (bf16 operands)"
+                       : m == 3 ? "pipeline (hi + lo, X in fp32)"
+                                : "pipeline (bf16 operands, X in fp32)";
     if (m == 2) EXPECT_LT(fastweight::detail::deltanet_fwd_workspace_bytes(p), need) << "bf16 operands: less workspace";
     std::vector<HostTensor> runs;
     for (int r = 0; r < 2; ++r) {
@@ -134,6 +145,11 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
     EXPECT_LT(rel_err(runs[0], ro), tol) << mode << ": o";  // +inf on any NaN: every element written
     EXPECT_LT(rel_err(runs[1], rht), tol) << mode << ": final state";
     if (!need) break;  // no pipeline for this case
+    by_mode[2 * m] = runs[0], by_mode[2 * m + 1] = runs[1];
+    if (m >= 3) {  // the D' hand-off changes where a rounding happens, not the rounding
+      EXPECT_EQ(by_mode[2 * m].bytes, by_mode[2 * (m - 2)].bytes) << mode << ": o differs from the D' version";
+      EXPECT_EQ(by_mode[2 * m + 1].bytes, by_mode[2 * (m - 2) + 1].bytes) << mode << ": final state differs";
+    }
   }
   p.hilo = true;
   if (ws) FW_TEST_CUDA(cudaFree(ws));

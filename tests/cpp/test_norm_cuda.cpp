@@ -258,6 +258,10 @@ TEST_P(NormCudaBulk, PaddedAlignedRowsMatchReference) {
     int prev;
     ~Restore() { fastweight::detail::cap_rownorm_fwd_bulk_ctas(prev); }
   } restore{fastweight::detail::cap_rownorm_fwd_bulk_ctas(3)};
+  struct RestoreRow1 {  // rows the one-row-per-CTA kernel would take go to the bulk kernel here
+    int prev;
+    ~RestoreRow1() { fastweight::detail::set_rownorm_fwd_row1_max_tpr(prev); }
+  } restore_row1{fastweight::detail::set_rownorm_fwd_row1_max_tpr(0)};
   const std::int64_t esz = dt == DType::f32 ? 4 : 2, vecs = std::max<std::int64_t>(1, n * esz / 16);
   std::int64_t tpr = 1;
   while (tpr * 4 < vecs) tpr *= 2;
@@ -276,6 +280,37 @@ TEST_P(NormCudaBulk, PaddedAlignedRowsMatchReference) {
 }
 INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulk,
                          ::testing::Combine(kOps, kDtypes, ::testing::Values<std::int64_t>(8, 128, 1000, 8192, 16384)),
+                         rows_case_name);
+
+// Aligned 16-bit rows of 33 to 256 vectors in small problems through the one-row-per-CTA forward
+// (rownorm_fwd_row1_kernel), as planned and with 1 and 2 vectors per thread forced (2: up to 512
+// vectors): every CTA size it launches (32 to 256 threads; N just past a power of two leaves most of
+// the CTA's threads without a vector), padded and contiguous rows, both parameter
+// instances (IO dtype raw, fp32 through load_params_vec), rows in memory order over head norm's and
+// adaLN's parameter groups; and the same rows with it switched off (bulk / persistent kernels).
+struct NormCudaRow1 : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
+  for (int vpt : {0, 1, 2}) {  // 0: the planner's choice; 1, 2 forced (2 also takes N = 4096)
+    SCOPED_TRACE("row1 vectors per thread (0: planner) " + std::to_string(vpt));
+    struct RestoreVecs {
+      int prev;
+      ~RestoreVecs() { fastweight::detail::force_rownorm_fwd_row1_vecs(prev); }
+    } restore_vecs{fastweight::detail::force_rownorm_fwd_row1_vecs(vpt)};
+    check_case(op, dt, n, groups * 37, Layout::padded, Params::io);
+    check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);
+  }
+  struct Restore {
+    int prev;
+    ~Restore() { fastweight::detail::set_rownorm_fwd_row1_max_tpr(prev); }
+  } restore{fastweight::detail::set_rownorm_fwd_row1_max_tpr(0)};
+  check_case(op, dt, n, groups * 37, Layout::padded, Params::io);
+}
+INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1,
+                         ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
+                                            ::testing::Values<std::int64_t>(264, 520, 1000, 2048, 4096)),
                          rows_case_name);
 
 // The same kind of rows with the bulk forward switched off: the persistent and short-row kernels,

@@ -15,6 +15,8 @@
 // chain, no lo tiles or workspace matrices (dn_nmat). The backward's recompute runs 1 and 2
 // (deltanet_bwd.cu). Dispatched by deltanet_fwd_cuda when a workspace is given (DnFwdWs); without
 // one the single-kernel version 2 runs (deltanet_fwd_tc.cu).
+#include <atomic>
+
 #include "cuda/common/check.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
 #include "cuda/deltanet/deltanet_cuda.h"
@@ -186,7 +188,7 @@ struct StLayout {
 constexpr int kStThreads = 256;
 template <bool LO>
 __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w,
-                                                                       bool vk, bool vx, bool pxu) {
+                                                                       bool vk, bool vx, bool pxu, bool dp) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const StLayout lay(p.K, LO, pxu);
@@ -272,9 +274,12 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
       const bf16* xh = sxh + buf * tile;
       const bf16* xl = sxl + buf * tile;
       mma_split<LO, true>(acc, xh, xl, ldk, rg, sSh + 32 * half, sSl + 32 * half, kLd, Kc, lane);
-      // vxu (V % 4 == 0: pairs whole): this thread's X pairs at one base, rows i0 and i0 + 8, 8-column steps
+      // vxu (V % 4 == 0: pairs whole): this thread's X pairs at one base, rows i0 and i0 + 8, 8-column
+      // steps; dp (deltanet_dprime: V % 8 == 0, vxu): D' = diag(rk beta) X as bf16 in the X region
       const int i0 = 16 * rg + frow(lane, 0), cb = 32 * half + fcol(lane, 0, 0);
-      float* xg = w.X + (dn_ws_row(p, b, t0, h) + i0 * p.H) * V + c0 + cb;
+      const std::int64_t xo = (dn_ws_row(p, b, t0, h) + i0 * p.H) * V + c0 + cb;
+      float* xg = w.X + xo;
+      bf16* dg = reinterpret_cast<bf16*>(w.X) + xo;
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -285,7 +290,13 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
             if (i < nr && c0 + c < V) {
               const float2 u = *reinterpret_cast<const float2*>(s_xu + (buf * kT + i) * kLdU + c);
               x = make_float2(u.x - acc[j][e], u.y - acc[j][e + 1]);
-              *reinterpret_cast<float2*>(xg + (e / 2) * 8 * hv + 8 * j) = x;
+              if (dp) {  // the output kernel's rounding of r * X (the same bits as from X)
+                const float r = s_rkb[buf * kT + i];
+                *reinterpret_cast<__nv_bfloat162*>(dg + (e / 2) * 8 * hv + 8 * j) =
+                    __floats2bfloat162_rn(r * x.x, r * x.y);
+              } else {
+                *reinterpret_cast<float2*>(xg + (e / 2) * 8 * hv + 8 * j) = x;
+              }
             }
           } else if (i < nr && c0 + c < V) {
             const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * V + c0 + c;
@@ -308,24 +319,25 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
 
 // ---- 3. output ----------------------------------------------------------------------------------
 // smem: bf16 q[64][ldk] | k[64][ldk] | Sh, Sl[Kc][kLd] | Vp[64][kLd] | f32 rq[64], rk beta[64] |
-//       f32 X[64][64] (cp.async staging: per-element loads of X were ~46% of the stall samples)
+//       f32 X[64][64] (cp.async staging: per-element loads of X were ~46% of the stall samples; not
+//       with dp, where the state kernel wrote D' itself: 79 -> 63 KB at K = 128, 3 CTAs per SM)
 struct OutLayout {
   int Kc, ldk;
   std::size_t q, k, Sh, Sl, Vp, rq, rk, X, bytes;
-  __host__ __device__ OutLayout(std::int64_t K, bool lo) {
+  __host__ __device__ OutLayout(std::int64_t K, bool lo, bool dp) {
     Kc = k_cols(K), ldk = Kc + 8;
     q = 0, k = q + 2 * std::size_t(kT) * ldk, Sh = k + 2 * std::size_t(kT) * ldk;
     Sl = Sh + 2 * std::size_t(Kc) * kLd, Vp = Sl + (lo ? 2 * std::size_t(Kc) * kLd : 0);
-    rq = Vp + 2 * kT * kLd, rk = rq + 4 * kT, X = rk + 4 * kT, bytes = X + 4 * 64 * 64;
+    rq = Vp + 2 * kT * kLd, rk = rq + 4 * kT, X = rk + 4 * kT, bytes = X + (dp ? 0 : 4 * 64 * 64);
   }
 };
 
 template <bool LO>
 __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetParams p, const DnChunkBufs w, bool vq,
-                                                                bool vk) {
+                                                                bool vk, bool dp) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const OutLayout lay(p.K, LO);
+  const OutLayout lay(p.K, LO, dp);
   const int Kc = lay.Kc, ldk = lay.ldk;
   bf16* sq = reinterpret_cast<bf16*>(base + lay.q);    // (64 rows, Kc) q
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // (64 rows, Kc) k
@@ -350,18 +362,26 @@ __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetPa
   const int ncv = int(lmin(64, V - c0));
   load_tile(sSh, kLd, Kc, kT, Sg, V, int(K), ncv, V % 8 == 0);
   if constexpr (LO) load_tile(sSl, kLd, Kc, kT, Sg + K * V, V, int(K), ncv, V % 8 == 0);
-  stage_ws_rows<false>(sX, 64, w.X, p, b, t0, h, nr, c0, kThreads);
-  cp_async_commit();
-  if (tid < kT) s_rk[tid] = tid < nr ? w.rk[dn_ws_row(p, b, t0 + tid, h)] : 0.f;  // rk beta
-  cp_async_wait<0>();
-  __syncthreads();
-  for (int e = tid; e < 64 * 32; e += kThreads) {  // D' = diag(rk beta) X as bf16, column pairs
-    const int i = e / 32, c = 2 * (e % 32);
-    const bool on = i < nr && c0 + c < V, on1 = i < nr && c0 + c + 1 < V;
-    const float x0 = on ? sX[i * 64 + c] : 0.f, x1 = on1 ? sX[i * 64 + c + 1] : 0.f;
-    *reinterpret_cast<__nv_bfloat162*>(sVp + i * kLd + c) = __floats2bfloat162_rn(s_rk[i] * x0, s_rk[i] * x1);
+  if (dp) {  // D' as the state kernel wrote it (bf16 rows of V, 16-byte aligned: V % 8 == 0)
+    load_tile(sVp, kLd, kT, kT, reinterpret_cast<const bf16*>(w.X) + dn_ws_row(p, b, t0, h) * V + c0, p.H * V, nr,
+              ncv, true);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+  } else {
+    stage_ws_rows<false>(sX, 64, w.X, p, b, t0, h, nr, c0, kThreads);
+    cp_async_commit();
+    if (tid < kT) s_rk[tid] = tid < nr ? w.rk[dn_ws_row(p, b, t0 + tid, h)] : 0.f;  // rk beta
+    cp_async_wait<0>();
+    __syncthreads();
+    for (int e = tid; e < 64 * 32; e += kThreads) {  // D' = diag(rk beta) X as bf16, column pairs
+      const int i = e / 32, c = 2 * (e % 32);
+      const bool on = i < nr && c0 + c < V, on1 = i < nr && c0 + c + 1 < V;
+      const float x0 = on ? sX[i * 64 + c] : 0.f, x1 = on1 ? sX[i * 64 + c + 1] : 0.f;
+      *reinterpret_cast<__nv_bfloat162*>(sVp + i * kLd + c) = __floats2bfloat162_rn(s_rk[i] * x0, s_rk[i] * x1);
+    }
+    __syncthreads();
   }
-  __syncthreads();
   if (tid < kT) s_rq[tid] = row_l2_factor(sq, ldk, Kc, tid, p.l2);  // rq from the bf16 row
   __syncthreads();
   // o = scale diag(rq) (Q S + tril(Q K^T) diag(rk) D)
@@ -398,6 +418,19 @@ void prepare(Kernel* kernel, std::size_t smem) {
 
 }  // namespace
 
+namespace {
+// The state kernel's Xu tiles fit its shared memory (Hopper; not sm_80 at K > 64 with hi + lo).
+bool state_xu_tiles(const DeltanetParams& p) { return StLayout(p.K, p.hilo, true).bytes <= smem_per_block_optin(); }
+// D' instead of X in the X region (DnChunkBufs::dprime): the forward asks, whole bf16x2 pairs and
+// 16-byte rows (V % 8 == 0), the state kernel's Xu path (its epilogue writes D').
+std::atomic<bool> g_dprime{true};
+bool deltanet_dprime(const DeltanetParams& p, const DnChunkBufs& w) {
+  return w.dprime && g_dprime.load() && p.V % 8 == 0 && state_xu_tiles(p);
+}
+}  // namespace
+
+bool set_deltanet_fwd_dprime(bool enabled) { return g_dprime.exchange(enabled); }
+
 bool deltanet_chunk_tc_applies(const DeltanetParams& p) {
   return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 && p.K >= 1 &&
          p.K <= kMaxK;
@@ -416,23 +449,24 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
     wy<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lw.bytes, st>>>(p, w, rows16_seq(p.k), rows16_seq(p.v));
     FW_CUDA_CHECK_LAUNCH("deltanet (wy)");
   }
-  // Hopper: the Xu tiles fit; sm_80 at K > 64 (hi + lo): not
-  const bool pxu = StLayout(p.K, p.hilo, true).bytes <= smem_per_block_optin();
+  const bool pxu = state_xu_tiles(p);
   const StLayout ls(p.K, p.hilo, pxu);
   auto* state = p.hilo ? &deltanet_state_kernel<true> : &deltanet_state_kernel<false>;
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(state), kStThreads, ls.bytes);
-  state<<<dim3(unsigned(seqs), unsigned(vt)), kStThreads, ls.bytes, st>>>(p, w, rows16_seq(p.k), p.K % 8 == 0, pxu);
+  state<<<dim3(unsigned(seqs), unsigned(vt)), kStThreads, ls.bytes, st>>>(p, w, rows16_seq(p.k), p.K % 8 == 0, pxu,
+                                                                          deltanet_dprime(p, w));
   FW_CUDA_CHECK_LAUNCH("deltanet (state)");
 }
 
 void deltanet_chunk_tc_output(const DeltanetParams& p, const DnChunkBufs& w, Stream stream) {
   const std::int64_t vt = (p.V + kT - 1) / kT, slots = deltanet_slots(p);
   if (slots == 0 || p.N * p.H == 0) return;
-  const OutLayout lo(p.K, p.hilo);
+  const bool dp = deltanet_dprime(p, w);
+  const OutLayout lo(p.K, p.hilo, dp);
   auto* out = p.hilo ? &deltanet_out_kernel<true> : &deltanet_out_kernel<false>;
   prepare(out, lo.bytes);
   out<<<dim3(unsigned(slots), unsigned(p.H), unsigned(vt)), kThreads, lo.bytes,
-        reinterpret_cast<cudaStream_t>(stream)>>>(p, w, rows16_seq(p.q), rows16_seq(p.k));
+        reinterpret_cast<cudaStream_t>(stream)>>>(p, w, rows16_seq(p.q), rows16_seq(p.k), dp);
   FW_CUDA_CHECK_LAUNCH("deltanet (output)");
 }
 

@@ -19,6 +19,9 @@ void deltanet_fwd_cuda(const DeltanetParams& p, void* workspace, Stream stream);
 bool deltanet_chunk_tc_applies(const DeltanetParams& p);
 void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Stream stream);
 void deltanet_chunk_tc_output(const DeltanetParams& p, const DnChunkBufs& w, Stream stream);
+// The forward pipeline's D' hand-off (DnChunkBufs::dprime) where it applies (default on); the
+// previous setting is returned. Off: X in fp32 as the backward's recompute writes it (tests, A/B).
+bool set_deltanet_fwd_dprime(bool enabled);
 // Version 2 on tensor cores (deltanet_fwd_tc.cu): bf16 q, k, v, o and K <= 128;
 // deltanet_fwd_cuda picks it where it applies (no workspace).
 bool deltanet_fwd_tc_applies(const DeltanetParams& p);

@@ -180,7 +180,7 @@ void deltanet_fwd_cuda(const DeltanetParams& p, void* workspace, Stream stream) 
   if (workspace && deltanet_chunk_tc_applies(p)) {  // the tensor-core pipeline
     const DnFwdWs l(p);
     float* ws = static_cast<float*>(workspace);
-    const DnChunkBufs w{ws + l.xw, ws + l.xu, ws + l.rk, ws + l.S, ws + l.X, nullptr};
+    const DnChunkBufs w{ws + l.xw, ws + l.xu, ws + l.rk, ws + l.S, ws + l.X, nullptr, true};
     deltanet_chunk_tc_states(p, w, stream);
     deltanet_chunk_tc_output(p, w, stream);
     return;

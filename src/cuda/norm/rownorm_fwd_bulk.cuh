@@ -34,17 +34,6 @@ inline std::size_t bulk_smem_bytes(std::int64_t n, int tpr, int stages, int vpt)
   return std::size_t(n) * 2 * sizeof(float) + R * stages * (std::size_t(tpr) * vpt * 16 + sizeof(std::uint64_t));
 }
 
-// Sum of N values as a balanced tree (pairs, then pairs of pairs): the same order every call, and a
-// dependency chain of log2(N) adds instead of N (the forward's per-row chains were latency-bound).
-template <int N>
-__device__ __forceinline__ float tree_sum(const float* v) {
-  if constexpr (N == 1) {
-    return v[0];
-  } else {
-    return tree_sum<N / 2>(v) + tree_sum<N / 2>(v + N / 2);
-  }
-}
-
 // Sum over the row group rg of tpr threads: warp butterflies, then (tpr > 32) one named barrier over
 // a double-buffered scratch of one float per warp (a buffer is rewritten only after the next
 // barrier, which every reader of it has passed). Fixed order: deterministic.

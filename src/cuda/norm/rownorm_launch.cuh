@@ -1,7 +1,8 @@
 // rownorm_launch.cuh: launch planning for the LayerNorm-family kernels (rownorm_kernel.cuh), one
 // template per IO dtype, instantiated in rownorm_<dtype>.cu so that build options can drop dtypes.
 //
-// Plan, forward: aligned rows with N <= kBulkMaxN on a device with bulk copies (sm_90, the kernel
+// Plan, forward: aligned 16-bit rows of 33..256 16-byte vectors in small problems -> one row per CTA
+// of one vector per thread (rownorm_fwd_row1_kernel); other aligned rows with N <= kBulkMaxN on a device with bulk copies (sm_90, the kernel
 // compiled for it) -> the bulk-copy kernel (rownorm_fwd_bulk.cuh), one 512-thread CTA per SM, P per
 // group rounded down to one wave; otherwise N <= kCachedMaxNFwd -> cached engines with tpr = next_pow2(ceil(N / elements per
 // thread)) threads per row and max(tpr, 256) threads per CTA; short rows: one row group per CTA (P =
@@ -34,6 +35,8 @@ struct RowPlan {
   bool persistent = true;  // forward, cached: persistent CTAs (else one row group per CTA)
   bool ring = false;       // backward, cached: the cp.async ring kernel (aligned rows)
   bool bulk = false;       // forward: the bulk-copy kernel (Hopper, aligned rows)
+  bool row1 = false;       // forward: one row per CTA, one vector per thread (aligned rows)
+  int row1_vecs = 1;       // its 16-byte vectors per thread
   int stages = 0;          // its row slots per row group
   int bulk_vecs = 0;       // its 16-byte vectors per thread (4 or 8)
   int threads = 256;
@@ -107,6 +110,27 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   if (p.n <= cached_max || ring) {
     plan.cached = true;
     if (!bwd) {
+      // aligned 16-bit rows of 33..256 vectors (N 264..2048) in small problems: one row per CTA
+      // (P = rows in all), one vector per thread up to 128 vectors, two beyond (128 threads). Small:
+      // at most 4 rows per row group of the 4-vector bulk kernel (4096 x 2048 bf16). Measured against
+      // the bulk kernel (H200, fastweight_bench, ms, bulk / one vector / two vectors): 4096 x 512
+      // 0.0097 / 0.0073, 4096 x 1024 0.0115 / 0.0096 / 0.0099, 4096 x 2048 0.0171 / 0.0158 / 0.0151,
+      // 2048 x 2048 0.0120 / 0.0100 / 0.0098, (1024, 16, 512) head norm 0.0164 / 0.0161; slower with
+      // more rows per group (32768 x 1024 0.0431 / 0.0457, 32768 x 2048 0.0797 / 0.0896), at N = 4096
+      // (0.0243 / 0.0287 with 512 threads / 0.0267 with 256) and for fp32 (4096 x 1024 0.0157 / 0.0179).
+      const int nvec = int(p.n / E), forced1 = rownorm_fwd_row1_vecs();
+      const int vpt1 = forced1 == 2 || (forced1 == 0 && nvec > 128) ? 2 : 1;
+      const int tpr1 = next_pow2((nvec + vpt1 - 1) / vpt1);
+      const std::int64_t bulk_groups = std::int64_t(sm_count()) * (kBulkThreads / next_pow2((nvec + 3) / 4));
+      if (sizeof(T) == 2 && al && nvec > 32 && nvec <= (forced1 ? vpt1 : 1) * kRow1MaxTpr &&
+          nvec <= rownorm_fwd_row1_max_tpr() && (forced1 != 0 || p.rows <= 4 * bulk_groups)) {
+        plan.row1 = true;
+        plan.row1_vecs = vpt1;
+        plan.persistent = false;
+        plan.L.tpr = plan.threads = tpr1;
+        plan.L.P = int(p.rows);
+        return plan;
+      }
       if (al && p.n <= kBulkMaxN<T> && rownorm_fwd_bulk_enabled() && cc_major() >= 9 &&
           kernel_binary_version(bulk_fwd_kernel<T>(kBulkVecs)) >= 90) {
         // the bulk-copy kernel: as many row slots (<= kBulkMaxStages) as the shared memory holds, >= 2;
@@ -227,7 +251,18 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   const std::int64_t blocks = std::int64_t(plan.L.P) * (plan.cached && !plan.persistent ? 1 : p.groups);
   if (blocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", blocks, " CTAs is too large"));
   const unsigned grid = unsigned(blocks);
-  if (plan.bulk) {
+  if (plan.row1) {
+    if constexpr (sizeof(T) == 2) {  // planned for 16-bit rows only
+      const bool raw_par = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
+      if (plan.row1_vecs == 2) {
+        if (raw_par) rownorm_fwd_row1_kernel<T, true, 2><<<grid, plan.threads, 0, stream>>>(p);
+        else rownorm_fwd_row1_kernel<T, false, 2><<<grid, plan.threads, 0, stream>>>(p);
+      } else {
+        if (raw_par) rownorm_fwd_row1_kernel<T, true, 1><<<grid, plan.threads, 0, stream>>>(p);
+        else rownorm_fwd_row1_kernel<T, false, 1><<<grid, plan.threads, 0, stream>>>(p);
+      }
+    }
+  } else if (plan.bulk) {
     if (plan.bulk_vecs == 8) rownorm_fwd_bulk_kernel<T, 8><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
     else rownorm_fwd_bulk_kernel<T, kBulkVecs><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
   } else if (plan.cached && !plan.persistent) {
