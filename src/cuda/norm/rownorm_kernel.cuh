@@ -6,8 +6,10 @@
 // are read through L1 in the forward (16-byte vectors); the cached backward stages the scale
 // (weight_offset + w) in shared memory once per CTA.
 //
-// Row engines (on Hopper, aligned rows up to 16384 16-bit / 8192 fp32 elements go to the bulk-copy
-// forward of rownorm_fwd_bulk.cuh instead of the cached forward below):
+// Row engines (forward: aligned 16-bit rows of 264..2048 elements in small problems go to the
+// one-row-per-CTA kernel rownorm_fwd_row1_kernel below; on Hopper, other aligned rows up to 16384
+// 16-bit / 8192 fp32 elements go to the bulk-copy forward of rownorm_fwd_bulk.cuh instead of the
+// cached forward below):
 //  * cached (N <= kCachedMaxN): a row is split over `tpr` threads (power of two); each thread holds
 //    its VPT 16-byte vectors as fp32, so x (and dy) are read from memory exactly once and the
 //    variance is an exact two-pass over registers. tpr <= 32: shuffles only, several rows per CTA;

@@ -2,8 +2,8 @@
 // template per IO dtype, instantiated in rownorm_<dtype>.cu so that build options can drop dtypes.
 //
 // Plan, forward: aligned 16-bit rows of 33..256 16-byte vectors in small problems -> one row per CTA
-// of one vector per thread (rownorm_fwd_row1_kernel); other aligned rows with N <= kBulkMaxN on a device with bulk copies (sm_90, the kernel
-// compiled for it) -> the bulk-copy kernel (rownorm_fwd_bulk.cuh), one 512-thread CTA per SM, P per
+// of one or two vectors per thread (rownorm_fwd_row1_kernel); other aligned rows with N <= kBulkMaxN
+// on a device with bulk copies (sm_90, the kernel compiled for it) -> the bulk-copy kernel (rownorm_fwd_bulk.cuh), one 512-thread CTA per SM, P per
 // group rounded down to one wave; otherwise N <= kCachedMaxNFwd -> cached engines with tpr = next_pow2(ceil(N / elements per
 // thread)) threads per row and max(tpr, 256) threads per CTA; short rows: one row group per CTA (P =
 // row groups in all), longer rows: persistent, P per parameter group about one wave of resident
@@ -35,7 +35,7 @@ struct RowPlan {
   bool persistent = true;  // forward, cached: persistent CTAs (else one row group per CTA)
   bool ring = false;       // backward, cached: the cp.async ring kernel (aligned rows)
   bool bulk = false;       // forward: the bulk-copy kernel (Hopper, aligned rows)
-  bool row1 = false;       // forward: one row per CTA, one vector per thread (aligned rows)
+  bool row1 = false;       // forward: one row per CTA, 1 or 2 vectors per thread (aligned 16-bit rows)
   int row1_vecs = 1;       // its 16-byte vectors per thread
   int stages = 0;          // its row slots per row group
   int bulk_vecs = 0;       // its 16-byte vectors per thread (4 or 8)
@@ -123,7 +123,8 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       const int tpr1 = next_pow2((nvec + vpt1 - 1) / vpt1);
       const std::int64_t bulk_groups = std::int64_t(sm_count()) * (kBulkThreads / next_pow2((nvec + 3) / 4));
       if (sizeof(T) == 2 && al && nvec > 32 && nvec <= (forced1 ? vpt1 : 1) * kRow1MaxTpr &&
-          nvec <= rownorm_fwd_row1_max_tpr() && (forced1 != 0 || p.rows <= 4 * bulk_groups)) {
+          nvec <= rownorm_fwd_row1_max_tpr() && p.rows <= 0x7fffffff &&  // a CTA per row, 32-bit rows
+          (forced1 != 0 || p.rows <= 4 * bulk_groups)) {
         plan.row1 = true;
         plan.row1_vecs = vpt1;
         plan.persistent = false;
