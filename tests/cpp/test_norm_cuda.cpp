@@ -20,8 +20,30 @@ namespace fwtest {
 namespace {
 
 // strided: rows cut from a larger buffer, shifted by one element (unaligned); padded: aligned rows
-// at a padded stride (x, dy: N + 8; y, dx: N + 16), the bulk-copy forward's path on Hopper
-enum class Layout { contiguous, strided, padded };
+// at a padded stride (x, dy: N + 8; y, dx: N + 16), the bulk-copy forward's path on Hopper; gapped:
+// padded, and with 3 or more dims a gap of one row after each run of the second-to-last dim, so the
+// leading dims cannot merge into one row stride (the kernels' general row indexing, RowIndexer nd 2)
+enum class Layout { contiguous, strided, padded, gapped };
+
+HostTensor make_layout(DType dt, const std::vector<std::int64_t>& shape, Layout layout, std::int64_t pad,
+                       std::int64_t lead) {
+  if (layout != Layout::gapped || shape.size() < 3) return make_host(dt, shape, pad, lead);
+  HostTensor t;
+  t.dtype = dt;
+  t.shape = shape;
+  t.strides.assign(shape.size(), 1);
+  const int last = int(shape.size()) - 1;
+  std::int64_t s = shape[last] + pad;
+  t.strides[last - 1] = s;
+  s *= shape[last - 1] + 1;  // the gap row
+  for (int d = last - 2; d >= 0; --d) {
+    t.strides[d] = s;
+    s *= shape[d];
+  }
+  t.offset = lead;
+  t.bytes.assign(std::size_t(s + lead + 8) * t.esize(), 0);
+  return t;
+}
 enum class Params { io, f32, none };
 
 struct Outputs {
@@ -34,10 +56,10 @@ HostTensor stats_like(const Problem& pb) { return make_host(DType::f32, {pb.rows
 Outputs run_device(const Problem& pb, HostTensor& x, HostTensor& w, HostTensor& b, HostTensor& dy,
                    bool has_w, bool has_b, Layout layout, double eps, double offset, cudaStream_t stream) {
   const bool rms = pb.op == Op::rmsnorm;
-  const std::int64_t pad = layout == Layout::strided ? 3 : layout == Layout::padded ? 16 : 0;
+  const std::int64_t pad = layout == Layout::strided ? 3 : layout == Layout::contiguous ? 0 : 16;
   const std::int64_t lead = layout == Layout::strided ? 1 : 0;
-  Outputs o{make_host(x.dtype, pb.x_shape, pad, lead), stats_like(pb), stats_like(pb),
-            make_host(x.dtype, pb.x_shape, pad, lead), make_host(w.dtype, pb.p_shape), make_host(w.dtype, pb.p_shape)};
+  Outputs o{make_layout(x.dtype, pb.x_shape, layout, pad, lead), stats_like(pb), stats_like(pb),
+            make_layout(x.dtype, pb.x_shape, layout, pad, lead), make_host(w.dtype, pb.p_shape), make_host(w.dtype, pb.p_shape)};
   for (HostTensor* t : {&o.y, &o.mean, &o.rstd, &o.dx, &o.dw, &o.db}) fill_bytes(*t, 0xff);  // NaN
   DeviceMirror dx_(x), dw_(w), db_(b), ddy(dy), dy_(o.y), dmean(o.mean), drstd(o.rstd), ddx(o.dx), ddw(o.dw), ddb(o.db);
   const TensorRef wr = has_w ? dw_.ref(w) : TensorRef{}, br = has_b ? db_.ref(b) : TensorRef{};
@@ -139,9 +161,9 @@ void check_case(Op op, DType dt, std::int64_t n, std::int64_t rows, Layout layou
   const double eps = op == Op::rmsnorm || op == Op::headnorm ? 1e-6 : 1e-5;
   const double offset = op == Op::headnorm ? 1.0 : 0.0;
   std::mt19937_64 rng(std::random_device{}());  // fresh inputs every run
-  const std::int64_t pad = layout == Layout::strided ? 5 : layout == Layout::padded ? 8 : 0;
+  const std::int64_t pad = layout == Layout::strided ? 5 : layout == Layout::contiguous ? 0 : 8;
   const std::int64_t lead = layout == Layout::strided ? 1 : 0;
-  HostTensor x = make_host(dt, pb.x_shape, pad, lead), dy = make_host(dt, pb.x_shape, pad, lead);
+  HostTensor x = make_layout(dt, pb.x_shape, layout, pad, lead), dy = make_layout(dt, pb.x_shape, layout, pad, lead);
   HostTensor w = make_host(pdt, pb.p_shape), b = make_host(pdt, pb.p_shape);
   fill_random(x, rng, -3.0, 5.0);  // non-zero mean
   fill_random(dy, rng);
@@ -224,7 +246,8 @@ INSTANTIATE_TEST_SUITE_P(Waves, NormCudaManyRows,
 std::string case_name(const ::testing::TestParamInfo<CaseParam>& info) {
   const auto [op, dt, n, layout, params] = info.param;
   std::string s = std::string(op_name(op)) + "_" + dtype_name(dt) + "_N" + std::to_string(n);
-  s += layout == Layout::strided ? "_strided" : layout == Layout::padded ? "_padded" : "_contig";
+  const char* lname[] = {"_contig", "_strided", "_padded", "_gapped"};  // Layout's order
+  s += lname[int(layout)];
   s += params == Params::io ? "" : params == Params::f32 ? "_f32params" : "_noparams";
   return s;
 }
@@ -312,6 +335,15 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1,
                          ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
                                             ::testing::Values<std::int64_t>(264, 520, 1000, 2048, 4096)),
                          rows_case_name);
+
+// Rows whose leading dims do not merge into one stride (Layout::gapped: head norm (rows / NH, NH, N),
+// adaLN (B, S, N) with a gap row after each run of NH / S rows): the general row indexing of every
+// forward (one-row-per-CTA, bulk, persistent / streaming) and backward (cached, ring, long-row) kernel.
+INSTANTIATE_TEST_SUITE_P(Gapped, NormCuda,
+                         ::testing::Combine(::testing::Values(Op::headnorm, Op::adalayernorm), kDtypes,
+                                            ::testing::Values<std::int64_t>(520, 2048, 8192, 20000),
+                                            ::testing::Values(Layout::gapped), ::testing::Values(Params::io)),
+                         case_name);
 
 // The same kind of rows with the bulk forward switched off: the persistent and short-row kernels,
 // the path of devices without bulk copies (sm_80), which Hopper otherwise never takes for them.

@@ -159,6 +159,36 @@ TEST(NormForms, RmsNormOfZeroMeanRowsIsLayerNorm) {
   EXPECT_LT(rel_err(y1, y2), 1e-12);
 }
 
+// Rows whose leading dims do not merge into one stride (a gap row after each run of 4 heads): the
+// reference walks them through the general row indexing and gives the bits of a contiguous copy.
+TEST(NormForms, NonMergeableRowStridesGiveTheContiguousResult) {
+  std::mt19937_64 rng(14);
+  HostTensor xc = make_host(DType::f64, {3, 4, 16}), w = make_host(DType::f64, {4, 16}), b = make_host(DType::f64, {4, 16});
+  HostTensor dyc = like(xc);
+  fill_random(xc, rng); fill_random(w, rng); fill_random(b, rng); fill_random(dyc, rng);
+  auto gapped = [](const HostTensor& c) {  // the same values at strides (5 * 24, 24, 1)
+    HostTensor g = make_host(DType::f64, {3, 5, 24});
+    g.shape = {3, 4, 16};
+    const auto at = g.offsets();  // logical order
+    for (std::size_t i = 0; i < at.size(); ++i) g.set(at[i], c.get(std::int64_t(i)));
+    return g;
+  };
+  HostTensor xg = gapped(xc), dyg = gapped(dyc), yc = like(xc), yg = gapped(yc), dxc = like(xc), dxg = gapped(dxc);
+  ASSERT_EQ(xg.strides, (std::vector<std::int64_t>{120, 24, 1}));
+  HostTensor mc = make_host(DType::f32, {3, 4}), rc = like(mc), mg = like(mc), rg = like(mc);
+  HostTensor dwc = like(w), dbc = like(w), dwg = like(w), dbg = like(w);
+  headnorm_fwd({xc.ref(), w.ref(), b.ref(), yc.ref(), mc.ref(), rc.ref(), 1e-6, 1.0});
+  headnorm_fwd({xg.ref(), w.ref(), b.ref(), yg.ref(), mg.ref(), rg.ref(), 1e-6, 1.0});
+  headnorm_bwd({dyc.ref(), xc.ref(), w.ref(), mc.ref(), rc.ref(), dxc.ref(), dwc.ref(), dbc.ref(), 1.0}, nullptr, 0);
+  headnorm_bwd({dyg.ref(), xg.ref(), w.ref(), mg.ref(), rg.ref(), dxg.ref(), dwg.ref(), dbg.ref(), 1.0}, nullptr, 0);
+  const auto same = [](const HostTensor& a, const HostTensor& c) { return a.values() == c.values(); };
+  EXPECT_TRUE(same(yg, yc)) << "y";
+  EXPECT_TRUE(same(dxg, dxc)) << "dx";
+  EXPECT_TRUE(same(mg, mc) && same(rg, rc)) << "mean / rstd";
+  EXPECT_TRUE(same(dwg, dwc) && same(dbg, dbc)) << "dweight / dbias";
+  EXPECT_NE(yc.values(), xc.values());  // something was computed
+}
+
 TEST(NormForms, EmptyBatchGivesZeroWeightGradients) {
   HostTensor x = make_host(DType::f32, {0, 8}), dy = like(x), dx = like(x), w = make_host(DType::f32, {8});
   HostTensor dw = make_host(DType::f32, {8}), db = make_host(DType::f32, {8});
