@@ -266,6 +266,11 @@ def test_fla_shims_equal_delta_rule():
         assert torch.equal(got[0], want[0])
         got = fn(q, k, v, beta, 0.5, h0, True, True, offsets=cu, checkpoint_level=1)  # older FLA's names
         assert torch.equal(got[0], want[0])
+        if fn is fw_fla.chunk_delta_rule:  # FLA 0.6: cu_seqlens_cpu (10th positional), chunk_size
+            got = fn(q, k, v, beta, 0.5, h0, True, True, cu, cu.cpu(), chunk_size=32)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            got = fn(q, k, v, beta, 0.5, h0, True, True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+            assert torch.equal(got[0], want[0])
         o, ht = fn(q, k, v, beta)
         assert ht is None and torch.equal(o, fastweight.delta_rule(q, k, v, beta)[0])
 
@@ -289,6 +294,10 @@ def test_fla_shim_errors():
         fw_fla.fused_recurrent_delta_rule(q, k, v, beta[..., None].expand(*beta.shape, 5))
     with pytest.raises(ValueError, match="head_first"):
         fw_fla.chunk_delta_rule(q, k, v, beta, cu_seqlens=torch.tensor([0, 6]), head_first=True)
+    with pytest.raises(ValueError, match="chunk_size must be 16, 32, or 64"):
+        fw_fla.chunk_delta_rule(q, k, v, beta, chunk_size=128)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'chunk_size'"):  # not FLA's there
+        fw_fla.fused_recurrent_delta_rule(q, k, v, beta, chunk_size=64)
 
 
 def test_against_fla_naive_torch():

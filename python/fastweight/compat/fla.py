@@ -18,6 +18,10 @@ Compatibility details:
 - ``offsets=`` (older FLA's name of cu_seqlens) is accepted; ``checkpoint_level=`` (a memory/speed
   knob of older releases) is accepted and ignored. Any other keyword raises TypeError rather than
   being silently dropped.
+- ``chunk_delta_rule``'s ``cu_seqlens_cpu`` (FLA 0.6: a host copy of cu_seqlens that saves FLA a
+  synchronisation; its 10th positional parameter, as there) is accepted and not needed: fastweight
+  never reads the offsets on the host. ``chunk_size=`` (16, 32 or 64 in FLA, which changes only the
+  speed) is accepted and checked as FLA checks it; fastweight's chunk is 64 either way.
 - ``fused_recurrent_delta_rule`` with beta=None uses beta = 1 (as FLA); FLA's head-wise beta
   (B, T, H, V) is not supported (ValueError).
 - Differences, on purpose: float32 inputs are accepted (FLA's chunk_delta_rule asserts bfloat16 or
@@ -37,6 +41,10 @@ __all__ = ["chunk_delta_rule", "fused_recurrent_delta_rule"]
 
 def _call(fn: str, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
           cu_seqlens, head_first: bool, kwargs: dict[str, Any]):
+    if fn == "chunk_delta_rule" and "chunk_size" in kwargs:  # FLA 0.6: speed only, these three values
+        chunk_size = kwargs.pop("chunk_size")
+        if chunk_size not in (16, 32, 64):
+            raise ValueError(f"{fn}: chunk_size must be 16, 32, or 64 (as FLA's), got {chunk_size!r}")
     if "offsets" in kwargs:
         offsets = kwargs.pop("offsets")
         if cu_seqlens is not None and offsets is not None:
@@ -64,8 +72,11 @@ def _call(fn: str, q, k, v, beta, scale, initial_state, output_final_state, use_
 def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                      scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
                      output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-                     cu_seqlens: Optional[torch.LongTensor] = None, head_first: bool = False, **kwargs):
-    """FLA's ``chunk_delta_rule`` (fla/ops/delta_rule/chunk.py): ``(o, final_state)``."""
+                     cu_seqlens: Optional[torch.LongTensor] = None,
+                     cu_seqlens_cpu: Optional[torch.LongTensor] = None, *, head_first: bool = False, **kwargs):
+    """FLA's ``chunk_delta_rule`` (fla/ops/delta_rule/chunk.py): ``(o, final_state)``. ``cu_seqlens_cpu``
+    (FLA 0.6's host copy of cu_seqlens) is accepted and not needed."""
+    del cu_seqlens_cpu  # fastweight never reads the offsets on the host
     return _call("chunk_delta_rule", q, k, v, beta, scale, initial_state, output_final_state,
                  use_qk_l2norm_in_kernel, cu_seqlens, head_first, kwargs)
 
