@@ -7,7 +7,7 @@
 //   fastweight_bench --no-bulk               norm forward without the Hopper bulk-copy kernel (A/B)
 //   fastweight_bench --no-dprime             DeltaNet forward with X in fp32 between its kernels (A/B)
 //   fastweight_bench --bulk-vecs=4|8         the bulk forward's vectors per thread where it fits (A/B)
-//   fastweight_bench --row1-max-tpr=T        norm forward: one-row-per-CTA kernel up to T vectors (0: off)
+//   fastweight_bench --no-row1               norm forward without the one-row-per-CTA kernel (A/B)
 //   fastweight_bench --row1-vecs=1|2         its vectors per thread (A/B)
 //   fastweight_bench --op=mlstm              only the mLSTM rows (bench_mlstm.cpp: every public
 //                                            mLSTM op on CPU tensors; with a GPU also mlstm_fwd and
@@ -56,9 +56,8 @@ struct Options {
   DType dtype = DType::bf16;
   std::int64_t rows = 4096, n = 8192;
   int reps = 30;
-  bool quick = false, cpu = false, no_bulk = false, no_dprime = false;
+  bool quick = false, cpu = false, no_bulk = false, no_dprime = false, no_row1 = false;
   int bulk_vecs = 0;  // 0: the planner's choice
-  int row1_max_tpr = -1;  // -1: the planner's choice
   int row1_vecs = 0;      // 0: the planner's choice
   std::string csv;
 };
@@ -275,7 +274,7 @@ int main(int argc, char** argv) {
     else if (a == "--no-bulk") o.no_bulk = true;
     else if (a == "--no-dprime") o.no_dprime = true;
     else if (const char* v = val("--bulk-vecs=")) o.bulk_vecs = std::atoi(v);
-    else if (const char* v = val("--row1-max-tpr=")) o.row1_max_tpr = std::atoi(v);
+    else if (a == "--no-row1") o.no_row1 = true;
     else if (const char* v = val("--row1-vecs=")) o.row1_vecs = std::atoi(v);
     else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); usage(2); }
   }
@@ -285,7 +284,7 @@ int main(int argc, char** argv) {
   if (o.no_bulk) fastweight::detail::set_rownorm_fwd_bulk(false);
   if (o.no_dprime) fastweight::detail::set_deltanet_fwd_dprime(false);  // DeltaNet forward: X in fp32 (A/B)
   if (o.bulk_vecs) fastweight::detail::force_rownorm_fwd_bulk_vecs(o.bulk_vecs);
-  if (o.row1_max_tpr >= 0) fastweight::detail::set_rownorm_fwd_row1_max_tpr(o.row1_max_tpr);
+  if (o.no_row1) fastweight::detail::set_rownorm_fwd_row1(false);
   if (o.row1_vecs) fastweight::detail::force_rownorm_fwd_row1_vecs(o.row1_vecs);
 #endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");

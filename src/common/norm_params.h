@@ -32,23 +32,18 @@ struct RowIndexer {
   std::int64_t size[kMaxLeadDims] = {};    // outermost first
   std::int64_t stride[kMaxLeadDims] = {};  // elements
 
-  FW_HD std::int64_t offset(std::int64_t r) const {
-    if (nd == 1) return r * stride[0];  // the common case: rows at a fixed stride
-    std::int64_t off = 0;
-    for (int d = nd - 1; d >= 0; --d) {
-      const std::int64_t q = r / size[d];
-      off += (r - q * size[d]) * stride[d];
-      r = q;
-    }
-    return off;
-  }
-  // offset(r) for r < 2^31 (every size then fits 32 bits: their product is the row count): 32-bit
+  // Element offset of row r.
+  FW_HD std::int64_t offset(std::int64_t r) const { return offset_as<std::int64_t>(r); }
+  // The same for r < 2^31 (every size then fits 32 bits, being a factor of the row count): 32-bit
   // divisions (a few instructions) instead of 64-bit ones (a called routine and its registers).
-  FW_HD std::int64_t offset32(std::uint32_t r) const {
-    if (nd == 1) return std::int64_t(r) * stride[0];
+  FW_HD std::int64_t offset32(std::uint32_t r) const { return offset_as<std::uint32_t>(r); }
+  // I: the index type of the divisions
+  template <typename I>
+  FW_HD std::int64_t offset_as(I r) const {
+    if (nd == 1) return std::int64_t(r) * stride[0];  // the common case: rows at a fixed stride
     std::int64_t off = 0;
     for (int d = nd - 1; d >= 0; --d) {
-      const std::uint32_t sz = std::uint32_t(size[d]), q = r / sz;
+      const I sz = I(size[d]), q = r / sz;
       off += std::int64_t(r - q * sz) * stride[d];
       r = q;
     }
@@ -88,6 +83,12 @@ struct RowNormParams {
   void* db = nullptr;        std::int64_t db_group_stride = 0;
 
   FW_HD std::int64_t row_of(std::int64_t g, std::int64_t j) const { return g * g_stride + j * j_stride; }
+  // The parameter group of row r in memory order: headnorm rows are (..., NH), so g = r % NH; adaLN
+  // rows are (B, S), so g = r / S. I: the index type of the division (std::uint32_t for r < 2^31).
+  template <typename I>
+  FW_HD I group_of_row(I r) const {
+    return groups == 1 ? I(0) : g_stride == 1 ? r % I(groups) : r / I(g_stride);
+  }
 };
 
 }  // namespace fastweight::detail

@@ -282,9 +282,9 @@ TEST_P(NormCudaBulk, PaddedAlignedRowsMatchReference) {
     ~Restore() { fastweight::detail::cap_rownorm_fwd_bulk_ctas(prev); }
   } restore{fastweight::detail::cap_rownorm_fwd_bulk_ctas(3)};
   struct RestoreRow1 {  // rows the one-row-per-CTA kernel would take go to the bulk kernel here
-    int prev;
-    ~RestoreRow1() { fastweight::detail::set_rownorm_fwd_row1_max_tpr(prev); }
-  } restore_row1{fastweight::detail::set_rownorm_fwd_row1_max_tpr(0)};
+    bool prev;
+    ~RestoreRow1() { fastweight::detail::set_rownorm_fwd_row1(prev); }
+  } restore_row1{fastweight::detail::set_rownorm_fwd_row1(false)};
   const std::int64_t esz = dt == DType::f32 ? 4 : 2, vecs = std::max<std::int64_t>(1, n * esz / 16);
   std::int64_t tpr = 1;
   while (tpr * 4 < vecs) tpr *= 2;
@@ -326,9 +326,9 @@ TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
     check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);
   }
   struct Restore {
-    int prev;
-    ~Restore() { fastweight::detail::set_rownorm_fwd_row1_max_tpr(prev); }
-  } restore{fastweight::detail::set_rownorm_fwd_row1_max_tpr(0)};
+    bool prev;
+    ~Restore() { fastweight::detail::set_rownorm_fwd_row1(prev); }
+  } restore{fastweight::detail::set_rownorm_fwd_row1(false)};
   check_case(op, dt, n, groups * 37, Layout::padded, Params::io);
 }
 INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1,

@@ -27,11 +27,11 @@ int rownorm_fwd_bulk_cta_cap();
 // planner's choice). Returns the previous setting.
 int force_rownorm_fwd_bulk_vecs(int vpt);
 int rownorm_fwd_bulk_vecs();
-// Tests and benchmarks only: the one-row-per-CTA forward (rownorm_fwd_row1_kernel) takes aligned
-// rows of at most `vecs` 16-byte vectors (0: none; default: all the planner gives it). Returns the
-// previous setting.
-int set_rownorm_fwd_row1_max_tpr(int vecs);
-int rownorm_fwd_row1_max_tpr();
+// Tests and benchmarks only: the one-row-per-CTA forward (rownorm_fwd_row1_kernel) where the planner
+// gives it rows (default on); off routes them to the bulk / persistent kernels. Returns the previous
+// setting.
+bool set_rownorm_fwd_row1(bool enabled);
+bool rownorm_fwd_row1_enabled();
 // Tests and benchmarks only: its vectors per thread, 1 or 2 (0: the planner's choice; forced, the
 // planner gives it aligned 16-bit rows of 33..256 x vpt vectors whatever the row count). Returns the
 // previous setting.

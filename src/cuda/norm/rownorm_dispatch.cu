@@ -37,7 +37,7 @@ namespace {
 std::atomic<bool> g_fwd_bulk{true};
 std::atomic<int> g_fwd_bulk_cap{0};
 std::atomic<int> g_fwd_bulk_vecs{0};
-std::atomic<int> g_fwd_row1_max_tpr{1 << 30};
+std::atomic<bool> g_fwd_row1{true};
 std::atomic<int> g_fwd_row1_vecs{0};
 }  // namespace
 bool set_rownorm_fwd_bulk(bool enabled) { return g_fwd_bulk.exchange(enabled); }
@@ -46,8 +46,8 @@ int cap_rownorm_fwd_bulk_ctas(int ctas) { return g_fwd_bulk_cap.exchange(ctas); 
 int rownorm_fwd_bulk_cta_cap() { return g_fwd_bulk_cap.load(); }
 int force_rownorm_fwd_bulk_vecs(int vpt) { return g_fwd_bulk_vecs.exchange(vpt); }
 int rownorm_fwd_bulk_vecs() { return g_fwd_bulk_vecs.load(); }
-int set_rownorm_fwd_row1_max_tpr(int tpr) { return g_fwd_row1_max_tpr.exchange(tpr); }
-int rownorm_fwd_row1_max_tpr() { return g_fwd_row1_max_tpr.load(); }
+bool set_rownorm_fwd_row1(bool enabled) { return g_fwd_row1.exchange(enabled); }
+bool rownorm_fwd_row1_enabled() { return g_fwd_row1.load(); }
 int force_rownorm_fwd_row1_vecs(int vpt) { return g_fwd_row1_vecs.exchange(vpt); }
 int rownorm_fwd_row1_vecs() { return g_fwd_row1_vecs.load(); }
 

@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kSmallCta, 4) rownorm_fwd_row_kernel(const Row
   const bool valid = r_raw < rows;
   const int nv = valid ? n : 0;
   const std::int64_t r = valid ? r_raw : 0;
-  const std::int64_t g = p.groups == 1 ? 0 : p.g_stride == 1 ? r % p.groups : r / p.g_stride;
+  const std::int64_t g = p.group_of_row<std::int64_t>(r);
   const float inv_n = 1.f / float(n);
 
   float xf[VPT][E];  // (VPT, E) this thread's columns (k * tpr + lane) * E + [0, E) as fp32, 0 past the end
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kRow1MaxTpr) rownorm_fwd_row1_kernel(const Row
   const int n = int(p.n), tpr = int(blockDim.x);
   // rows in memory order, each row's parameter group from r (rows < 2^31: 32-bit divisions)
   const std::uint32_t r = blockIdx.x;
-  const std::uint32_t g = p.groups == 1 ? 0u : p.g_stride == 1 ? r % std::uint32_t(p.groups) : r / std::uint32_t(p.g_stride);
+  const std::uint32_t g = p.group_of_row<std::uint32_t>(r);
   // x and (IO-dtype, aligned) parameters kept raw across the sums: 12 registers per vector instead
   // of 3 E floats (60 -> 32 registers at bf16, VPT 1: more CTAs per SM); aligned rows: a vector is
   // wholly inside the row or wholly past it (zeros)

@@ -123,7 +123,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       const int tpr1 = next_pow2((nvec + vpt1 - 1) / vpt1);
       const std::int64_t bulk_groups = std::int64_t(sm_count()) * (kBulkThreads / next_pow2((nvec + 3) / 4));
       if (sizeof(T) == 2 && al && nvec > 32 && nvec <= (forced1 ? vpt1 : 1) * kRow1MaxTpr &&
-          nvec <= rownorm_fwd_row1_max_tpr() && p.rows <= 0x7fffffff &&  // a CTA per row, 32-bit rows
+          rownorm_fwd_row1_enabled() && p.rows <= 0x7fffffff &&  // a CTA per row, 32-bit rows
           (forced1 != 0 || p.rows <= 4 * bulk_groups)) {
         plan.row1 = true;
         plan.row1_vecs = vpt1;
