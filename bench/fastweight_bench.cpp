@@ -9,6 +9,7 @@
 //   fastweight_bench --bulk-vecs=4|8         the bulk forward's vectors per thread where it fits (A/B)
 //   fastweight_bench --no-row1               norm forward without the one-row-per-CTA kernel (A/B)
 //   fastweight_bench --row1-vecs=1|2         its vectors per thread (A/B)
+//   fastweight_bench --dn-no-db2             DeltaNet backward serial kernel with q / Xw single-buffered (A/B)
 //   fastweight_bench --op=mlstm              only the mLSTM rows (bench_mlstm.cpp: every public
 //                                            mLSTM op on CPU tensors; with a GPU also mlstm_fwd and
 //                                            mlstm_bwd on CUDA tensors)
@@ -59,6 +60,7 @@ struct Options {
   bool quick = false, cpu = false, no_bulk = false, no_dprime = false, no_row1 = false;
   int bulk_vecs = 0;  // 0: the planner's choice
   int row1_vecs = 0;      // 0: the planner's choice
+  bool dn_no_db2 = false;
   std::string csv;
 };
 
@@ -276,6 +278,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--bulk-vecs=")) o.bulk_vecs = std::atoi(v);
     else if (a == "--no-row1") o.no_row1 = true;
     else if (const char* v = val("--row1-vecs=")) o.row1_vecs = std::atoi(v);
+    else if (a == "--dn-no-db2") o.dn_no_db2 = true;
     else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); usage(2); }
   }
   const bool gpu = !o.cpu && cuda_available();
@@ -286,6 +289,7 @@ int main(int argc, char** argv) {
   if (o.bulk_vecs) fastweight::detail::force_rownorm_fwd_bulk_vecs(o.bulk_vecs);
   if (o.no_row1) fastweight::detail::set_rownorm_fwd_row1(false);
   if (o.row1_vecs) fastweight::detail::force_rownorm_fwd_row1_vecs(o.row1_vecs);
+  if (o.dn_no_db2) fastweight::detail::set_deltanet_bwd_serial_db2(false);
 #endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");
 

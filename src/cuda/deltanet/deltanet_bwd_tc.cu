@@ -16,6 +16,8 @@
 // Products on tensor cores; where an operand comes from fp32 it is bf16 hi + lo (p.hilo; else bf16
 // only, each kernel a template on it). (Version 1 of this
 // pass did all of it on the serial chain: 1.55 ms at (4,4096,16,128), ~24 us per chunk step.)
+#include <atomic>
+
 #include "cuda/common/check.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
 #include "cuda/deltanet/deltanet_cuda.h"
@@ -132,18 +134,20 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
 
 // ---- 2. serial ----------------------------------------------------------------------------------
 // smem: [2] bf16 k [64][ldk] | [2] bf16 dO [64][kLd] | [2] f32 dD0 [64][kLdF] | [2] f32 rq, rk, beta [64] |
-//       bf16 q, Xw hi, Xw lo [64][ldk] (one buffer: issued at the step's start, read in its second
-//       half) | bf16 dSe hi, lo [Kc][kLd] | bf16 -W dD hi, lo, s diag(rq) dO hi, lo [64][kLd]
-//       (the lo tiles with LO only)
+//       [nb2] bf16 q, Xw hi [64][ldk] | bf16 Xw lo [64][ldk] | bf16 dSe hi, lo [Kc][kLd] |
+//       bf16 -W dD hi, lo, s diag(rq) dO hi, lo [64][kLd] (the lo tiles with LO only). q and Xw (the
+//       step's second operands): nb2 = 1, issued at the step's start and waited for in its middle;
+//       nb2 = 2 (bf16 operands, where it fits: 192 KB at K = 128), issued a step ahead with the first
+//       ones, so no load waits inside the step.
 struct BsLayout {
   int Kc, ldk;
   std::size_t k, dO, dd, fac, q, xh, xl, Sh, Sl, Bh, Bl, Uh, Ul, bytes;
-  __host__ __device__ BsLayout(std::int64_t K, bool lo) {
+  __host__ __device__ BsLayout(std::int64_t K, bool lo, int nb2 = 1) {
     Kc = k_cols(K), ldk = Kc + 8;
     const std::size_t kt = 2 * std::size_t(kT) * ldk, t64 = 2 * std::size_t(kT) * kLd;
     const std::size_t st = 2 * std::size_t(Kc) * kLd, tl = lo ? t64 : 0;
     k = 0, dO = k + 2 * kt, dd = dO + 2 * t64, fac = dd + 2 * 4 * std::size_t(kT) * kLdF;
-    q = fac + 2 * 3 * 4 * kT, xh = q + kt, xl = xh + kt, Sh = xl + (lo ? kt : 0);
+    q = fac + 2 * 3 * 4 * kT, xh = q + nb2 * kt, xl = xh + nb2 * kt, Sh = xl + (lo ? kt : 0);
     Sl = Sh + st, Bh = Sl + (lo ? st : 0);
     Bl = Bh + t64, Uh = Bl + tl, Ul = Uh + t64, bytes = Ul + tl;
   }
@@ -152,21 +156,22 @@ struct BsLayout {
 // 8 warps as the forward's state kernel: warp w owns dS's 16-row group w and, in dD, rows 16 (w % 4)..
 // and the 32-column half w / 4.
 constexpr int kBsThreads = 256;
-template <bool LO>
+template <bool LO, bool DB2>  // DB2: q and Xw double-buffered (bf16 operands only: !LO)
 __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                               float* __restrict__ ws, bool vq, bool vk,
                                                                               bool vo, bool vx) {
+  static_assert(!(LO && DB2), "the hi + lo layout has no room for a second q / Xw buffer");
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const BsLayout lay(p.K, LO);
+  const BsLayout lay(p.K, LO, DB2 ? 2 : 1);
   const int Kc = lay.Kc, ldk = lay.ldk;
   const std::size_t ktile = std::size_t(kT) * ldk, otile = std::size_t(kT) * kLd;
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);     // [2] (64 rows, Kc) k
   bf16* sdo = reinterpret_cast<bf16*>(base + lay.dO);   // [2] (64 rows, 64) dO (this CTA's columns)
   float* sdd = reinterpret_cast<float*>(base + lay.dd);  // [2] (64, kLdF) dD0
   float* sfac = reinterpret_cast<float*>(base + lay.fac);  // [2] rq[64], rk[64], beta[64]
-  bf16* sq = reinterpret_cast<bf16*>(base + lay.q);     // (64 rows, Kc) q
-  bf16* sxh = reinterpret_cast<bf16*>(base + lay.xh);   // (64 rows, Kc) Xw hi
+  bf16* sq = reinterpret_cast<bf16*>(base + lay.q);     // [DB2 ? 2 : 1] (64 rows, Kc) q
+  bf16* sxh = reinterpret_cast<bf16*>(base + lay.xh);   // [DB2 ? 2 : 1] (64 rows, Kc) Xw hi
   bf16* sxl = reinterpret_cast<bf16*>(base + lay.xl);   // (64 rows, Kc) Xw lo
   bf16 *sSh = reinterpret_cast<bf16*>(base + lay.Sh), *sSl = reinterpret_cast<bf16*>(base + lay.Sl);  // (Kc, 64) dSe
   bf16 *sBh = reinterpret_cast<bf16*>(base + lay.Bh), *sBl = reinterpret_cast<bf16*>(base + lay.Bl);  // (64, 64) -W dD
@@ -202,31 +207,46 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     }
     cp_async_commit();
   };
-  // what its second half needs (q, Xw hi + lo): one buffer, issued once the previous step is done
-  auto issue_second = [&](std::int64_t t0) {
+  // what its second half needs (q, Xw hi + lo) into buffer buf2 (0 without DB2): without DB2 issued
+  // once the previous step is done, with DB2 a step ahead, with the first operands
+  auto issue_second = [&](int buf2, std::int64_t t0) {
     const int nr = int(lmin(kT, sq_.eos - t0));
     const std::int64_t row0 = dn_ws_row(p, b, t0, h);
-    load_kc_tile(kunits, sq, ldk, bf_rows(p.q, b, t0, h), p.q.s1, nr, int(K), vq, kBsThreads);
-    load_kc_tile(kunits, sxh, ldk, xwh + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
+    load_kc_tile(kunits, sq + buf2 * ktile, ldk, bf_rows(p.q, b, t0, h), p.q.s1, nr, int(K), vq, kBsThreads);
+    load_kc_tile(kunits, sxh + buf2 * ktile, ldk, xwh + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
     if constexpr (LO) load_kc_tile(kunits, sxl, ldk, xwl + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
     cp_async_commit();
   };
   const std::int64_t nch = (sq_.eos - sq_.bos + kT - 1) / kT;
-  if (nch > 0) issue_first(int((nch - 1) & 1), sq_.bos + (nch - 1) * kT);
+  if (nch > 0) {
+    issue_first(int((nch - 1) & 1), sq_.bos + (nch - 1) * kT);
+    if constexpr (DB2) issue_second(int((nch - 1) & 1), sq_.bos + (nch - 1) * kT);
+  }
   for (std::int64_t ci = nch - 1; ci >= 0; --ci) {
     const int buf = int(ci & 1);
     const std::int64_t t0 = sq_.bos + ci * kT, slot = sq_.base + ci;
     const int nr = int(lmin(kT, sq_.eos - t0));
     // a. dSe as hi + lo (the B operand of K dSe; and for the chunk pass)
     state_split<8, LO>(acc_s, sSh, sSl, ngroups, warp, lane);
-    // b. this step's second operands and the previous chunk's first ones (the other buffer's last
-    //    readers finished before the previous step's final barrier)
-    issue_second(t0);
-    if (ci > 0) {
-      issue_first(buf ^ 1, t0 - kT);
-      cp_async_wait<2>();
+    // b. without DB2: this step's second operands and the previous chunk's first ones; with DB2: the
+    //    previous chunk's first and second ones (the other buffers' last readers finished before the
+    //    previous step's final barrier)
+    if constexpr (DB2) {
+      if (ci > 0) {
+        issue_first(buf ^ 1, t0 - kT);
+        issue_second(buf ^ 1, t0 - kT);
+        cp_async_wait<2>();  // this chunk's two groups, issued a step ago, have landed
+      } else {
+        cp_async_wait<0>();
+      }
     } else {
-      cp_async_wait<1>();
+      issue_second(0, t0);
+      if (ci > 0) {
+        issue_first(buf ^ 1, t0 - kT);
+        cp_async_wait<2>();
+      } else {
+        cp_async_wait<1>();
+      }
     }
     __syncthreads();
     store_state_split<LO>(state_mats<LO>(ws + w.dS, slot, p.H, h, K, V), sSh, sSl, K, V, c0, kBsThreads);
@@ -259,12 +279,15 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
           put_split2<LO>(sUh, sUl, kLd, i, c, p.scale * rq * o.x, p.scale * rq * o.y);
         }
     }
-    if (ci > 0) cp_async_wait<1>();  // q, Xw (the previous chunk's first operands may stay in flight)
-    else cp_async_wait<0>();
+    if constexpr (!DB2) {
+      if (ci > 0) cp_async_wait<1>();  // q, Xw (the previous chunk's first operands may stay in flight)
+      else cp_async_wait<0>();
+    }
     __syncthreads();
     // d. dS += Q^T (s diag(rq) dO) - Xw^T (W dD)   (Xw hi + lo, W dD hi + lo: three products)
-    state_update<8, LO>(acc_s, sq, ldk, sUh, sUl, ngroups, warp, lane);
-    state_update<8, LO>(acc_s, sxh, ldk, sBh, sBl, ngroups, warp, lane);
+    const int b2 = DB2 ? buf : 0;
+    state_update<8, LO>(acc_s, sq + b2 * ktile, ldk, sUh, sUl, ngroups, warp, lane);
+    state_update<8, LO>(acc_s, sxh + b2 * ktile, ldk, sBh, sBl, ngroups, warp, lane);
     if constexpr (LO) state_update<8, false>(acc_s, sxl, ldk, sBh, nullptr, ngroups, warp, lane);
     __syncthreads();  // the next step rewrites dSe, B, U, q, Xw and this buffer
   }
@@ -556,7 +579,15 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
   if (blockIdx.z == 0) dn_store_dbeta(p, w, ws, b, t0, nr, h, tid);
 }
 
+std::atomic<bool> g_serial_db2{true};
+// q and Xw double-buffered in the serial kernel: bf16 operands, where the shared memory holds it
+bool bwd_serial_db2(const DeltanetBwdParams& p) {
+  return g_serial_db2.load() && !p.hilo && BsLayout(p.K, false, 2).bytes <= smem_per_block_optin();
+}
+
 }  // namespace
+
+bool set_deltanet_bwd_serial_db2(bool enabled) { return g_serial_db2.exchange(enabled); }
 
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
   // sm_80 opts in to 163 KB of shared memory per block, the serial kernel's K = 128 layout needs
@@ -576,8 +607,10 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(prep), kThreads, lp.bytes);
   prep<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lp.bytes, st>>>(p, w, ws, vq, vk, vo);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: prep)");
-  const BsLayout ls(p.K, p.hilo);
-  auto* serial = p.hilo ? &deltanet_bwd_state_tc_kernel<true> : &deltanet_bwd_state_tc_kernel<false>;
+  const bool db2 = bwd_serial_db2(p);
+  const BsLayout ls(p.K, p.hilo, db2 ? 2 : 1);
+  auto* serial = p.hilo ? &deltanet_bwd_state_tc_kernel<true, false>
+                        : (db2 ? &deltanet_bwd_state_tc_kernel<false, true> : &deltanet_bwd_state_tc_kernel<false, false>);
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(serial), kBsThreads, ls.bytes);
   serial<<<dim3(unsigned(seqs), unsigned(vt)), kBsThreads, ls.bytes, st>>>(p, w, ws, vq, vk, vo, p.K % 8 == 0);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial)");

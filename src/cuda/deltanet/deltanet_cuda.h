@@ -22,6 +22,9 @@ void deltanet_chunk_tc_output(const DeltanetParams& p, const DnChunkBufs& w, Str
 // The forward pipeline's D' hand-off (DnChunkBufs::dprime) where it applies (default on); the
 // previous setting is returned. Off: X in fp32 as the backward's recompute writes it (tests, A/B).
 bool set_deltanet_fwd_dprime(bool enabled);
+// Tests and benchmarks only: the backward serial kernel's q / Xw tiles double-buffered (bf16 operands,
+// where they fit; default on). Returns the previous setting.
+bool set_deltanet_bwd_serial_db2(bool enabled);
 // Version 2 on tensor cores (deltanet_fwd_tc.cu): bf16 q, k, v, o and K <= 128;
 // deltanet_fwd_cuda picks it where it applies (no workspace).
 bool deltanet_fwd_tc_applies(const DeltanetParams& p);
