@@ -357,17 +357,26 @@ __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetPa
 
   load_tile(sq, ldk, kT, Kc, bf_rows(p.q, b, t0, h), p.q.s1, nr, int(K), vq);
   load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
+  cp_async_commit();  // q, k: the first group (P is formed from them while S and D' still load)
   // S entering the chunk: (K, V) hi then lo bf16 matrices of the workspace, this CTA's 64 columns
   const bf16* Sg = state_mats<LO>(w.S, slot, p.H, h, K, V) + c0;
   const int ncv = int(lmin(64, V - c0));
   load_tile(sSh, kLd, Kc, kT, Sg, V, int(K), ncv, V % 8 == 0);
   if constexpr (LO) load_tile(sSl, kLd, Kc, kT, Sg + K * V, V, int(K), ncv, V % 8 == 0);
+  float o[8][4] = {};
   if (dp) {  // D' as the state kernel wrote it (bf16 rows of V, 16-byte aligned: V % 8 == 0)
     load_tile(sVp, kLd, kT, kT, reinterpret_cast<const bf16*>(w.X) + dn_ws_row(p, b, t0, h) * V + c0, p.H * V, nr,
               ncv, true);
     cp_async_commit();
-    cp_async_wait<0>();
+    cp_async_wait<1>();  // q, k
     __syncthreads();
+    if (tid < kT) s_rq[tid] = row_l2_factor(sq, ldk, Kc, tid, p.l2);  // rq from the bf16 row
+    // o = scale diag(rq) (Q S + tril(Q K^T) diag(rk) D): P now, the rest once S and D' are in
+    std::uint32_t pf[4][4];
+    chunk_output_p(pf, sq, sk, ldk, Kc, nullptr, warp, lane);  // rk is in D'
+    cp_async_wait<0>();
+    __syncthreads();  // S, D' (and rq) visible
+    chunk_output_o<LO>(o, pf, sq, ldk, Kc, sSh, sSl, sVp, warp, lane);
   } else {
     stage_ws_rows<false>(sX, 64, w.X, p, b, t0, h, nr, c0, kThreads);
     cp_async_commit();
@@ -380,13 +389,11 @@ __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetPa
       const float x0 = on ? sX[i * 64 + c] : 0.f, x1 = on1 ? sX[i * 64 + c + 1] : 0.f;
       *reinterpret_cast<__nv_bfloat162*>(sVp + i * kLd + c) = __floats2bfloat162_rn(s_rk[i] * x0, s_rk[i] * x1);
     }
+    if (tid < kT) s_rq[tid] = row_l2_factor(sq, ldk, Kc, tid, p.l2);  // rq from the bf16 row
     __syncthreads();
+    // o = scale diag(rq) (Q S + tril(Q K^T) diag(rk) D)
+    chunk_output<LO>(o, sq, sk, ldk, Kc, sSh, sSl, sVp, nullptr, warp, lane);  // rk is in D'
   }
-  if (tid < kT) s_rq[tid] = row_l2_factor(sq, ldk, Kc, tid, p.l2);  // rq from the bf16 row
-  __syncthreads();
-  // o = scale diag(rq) (Q S + tril(Q K^T) diag(rk) D)
-  float o[8][4] = {};
-  chunk_output<LO>(o, sq, sk, ldk, Kc, sSh, sSl, sVp, nullptr, warp, lane);  // rk is in D'
   // bf16 o with even strides and V: a column pair per 4-byte store (the same roundings)
   const bool pairs = p.o.dtype == DType::bf16 && reinterpret_cast<std::uintptr_t>(p.o.p) % 4 == 0 && p.o.s0 % 2 == 0 &&
                      p.o.s1 % 2 == 0 && p.o.s2 % 2 == 0 && V % 2 == 0;

@@ -179,16 +179,13 @@ __device__ __forceinline__ void state_update(float (&acc)[8 / NW][8][4], const b
 
 // The chunk's output rows of this warp before scale and rq: o = Q S + tril(Q K^T) diag(rk) D with Q,
 // K the bf16 tiles (64 rows, Kc columns, stride ldk), S as hi + lo (Kc x 64; LO = false: hi only),
-// D bf16 (64 x 64); s_rk null: rk already in D.
-template <bool LO = true>
-__device__ __forceinline__ void chunk_output(float (&o)[8][4], const bf16* sq, const bf16* sk, int ldk, int Kc,
-                                             const bf16* sSh, const bf16* sSl, const bf16* sD, const float* s_rk,
-                                             int warp, int lane) {
+// D bf16 (64 x 64); s_rk null: rk already in D. In two steps, so that a caller can form P while S and
+// D are still loading: chunk_output_p (needs Q and K), then chunk_output_o.
+// P = tril(Q K^T) diag(rk), this warp's 16 rows, as A fragments.
+__device__ __forceinline__ void chunk_output_p(std::uint32_t (&pf)[4][4], const bf16* sq, const bf16* sk, int ldk,
+                                               int Kc, const float* s_rk, int warp, int lane) {
   float pk[8][4] = {};
-  mma_rk(o, sq, ldk, warp, sSh, kLd, Kc, lane);
-  if constexpr (LO) mma_rk(o, sq, ldk, warp, sSl, kLd, Kc, lane);
   mma_rn(pk, sq, ldk, warp, sk, ldk, Kc, lane);  // Q K^T
-  std::uint32_t pf[4][4];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     float x[4];
@@ -199,7 +196,23 @@ __device__ __forceinline__ void chunk_output(float (&o)[8][4], const bf16* sq, c
     }
     mtc::pack_a_frags(pf, j, x);
   }
+}
+// o = Q S + P D (the same order of sums as chunk_output).
+template <bool LO = true>
+__device__ __forceinline__ void chunk_output_o(float (&o)[8][4], const std::uint32_t (&pf)[4][4], const bf16* sq,
+                                               int ldk, int Kc, const bf16* sSh, const bf16* sSl, const bf16* sD,
+                                               int warp, int lane) {
+  mma_rk(o, sq, ldk, warp, sSh, kLd, Kc, lane);
+  if constexpr (LO) mma_rk(o, sq, ldk, warp, sSl, kLd, Kc, lane);
   mtc::mma_frags_k(o, pf, sD, kLd, 0, lane);
+}
+template <bool LO = true>
+__device__ __forceinline__ void chunk_output(float (&o)[8][4], const bf16* sq, const bf16* sk, int ldk, int Kc,
+                                             const bf16* sSh, const bf16* sSl, const bf16* sD, const float* s_rk,
+                                             int warp, int lane) {
+  std::uint32_t pf[4][4];
+  chunk_output_p(pf, sq, sk, ldk, Kc, s_rk, warp, lane);
+  chunk_output_o<LO>(o, pf, sq, ldk, Kc, sSh, sSl, sD, warp, lane);
 }
 
 // S (Kc x 64 tile, bf16 hi + lo in smem) -> the workspace's (K, V) hi then lo matrices at gh, columns
