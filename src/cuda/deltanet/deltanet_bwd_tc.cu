@@ -447,14 +447,17 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
 // smem: bf16 [64][kLd] tiles: dO | D h, l | dR h, l | S0 h, l | dSe h, l (rows: K index) -- after the
 // V loop: q, k (this CTA's K columns) and the factors P1 = s tril(a1) diag(rk), P2 = (s tril(a1))^T
 // diag(rq), PE = E diag(rk) (h, l) | f32 dG[64][65] | f32 rq, rk, beta[64]
-// Without LO five tiles: dO | D | dR | S0 | dSe, then k (dO's place) | P1 | P2 | PE | q.
+// Without LO five tiles: dO | D | dR | S0 | dSe, then k (dO's place) | P1 | P2 | PE | q; and a second
+// (64, 64) fp32 staging buffer (Y's, so that X and Y load together: one wait per V tile instead of
+// two; with LO there is no room for it at two CTAs per SM).
 struct BcLayout {
-  std::size_t t[9], dG, rq, rk, beta, bytes;
+  std::size_t t[9], dG, rq, rk, beta, stg2, bytes;
   __host__ __device__ explicit BcLayout(bool lo) {
     const std::size_t t64 = 2 * std::size_t(kT) * kLd;
     const int nt = lo ? 9 : 5;
     for (int i = 0; i < 9; ++i) t[i] = (i < nt ? i : 0) * t64;
-    dG = nt * t64, rq = dG + 4 * 64 * 65, rk = rq + 4 * kT, beta = rk + 4 * kT, bytes = beta + 4 * kT;
+    dG = nt * t64, rq = dG + 4 * 64 * 65, rk = rq + 4 * kT, beta = rk + 4 * kT, stg2 = beta + 4 * kT;
+    bytes = stg2 + (lo ? 0 : 4 * 64 * 64);
   }
 };
 
@@ -471,7 +474,8 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
   bf16 *sdo = T(0), *sDh = T(1), *sDl = T(2), *sRh = T(LO ? 3 : 2), *sRl = T(4), *sSh = T(LO ? 5 : 3), *sSl = T(6),
        *sEh = T(LO ? 7 : 4), *sEl = T(8);  // sR holds -dR: its products land with the right sign
   float(*sdG)[65] = reinterpret_cast<float(*)[65]>(base + lay.dG);
-  float* stg = reinterpret_cast<float*>(base + lay.dG);  // (64, 64) staging of X, Y tiles in the V loop
+  float* stg = reinterpret_cast<float*>(base + lay.dG);  // (64, 64) staging of X (and with LO, Y) tiles
+  float* stg2 = reinterpret_cast<float*>(base + lay.stg2);  // (64, 64) staging of Y tiles (without LO)
   float* s_rq = reinterpret_cast<float*>(base + lay.rq);
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
   float* s_beta = reinterpret_cast<float*>(base + lay.beta);
@@ -505,26 +509,30 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
     if constexpr (LO) load_tile(sEl, kLd, kT, kT, Eg + K * V + v0, V, nk, nv, V % 8 == 0, kBcThreads);
     // D = W X, dR = W Y as hi + lo, through sdG (free until the factors) as cp.async staging: X with
     // the tiles, then Y (per-element loads here were on every V step's critical path)
-    auto split_rows = [&](bf16* hi, bf16* lo, float sign) {
+    auto split_rows = [&](const float* src, bf16* hi, bf16* lo, float sign) {
       for (int e = tid; e < 64 * 32; e += kBcThreads) {  // column pairs
         const int i = e / 32, c = 2 * (e % 32);
         const float bt = sign * s_beta[i];
-        const float x0 = i < nr && c < nv ? stg[i * 64 + c] : 0.f, x1 = i < nr && c + 1 < nv ? stg[i * 64 + c + 1] : 0.f;
+        const float x0 = i < nr && c < nv ? src[i * 64 + c] : 0.f, x1 = i < nr && c + 1 < nv ? src[i * 64 + c + 1] : 0.f;
         put_split1<LO>(hi, lo, kLd, i, c, bt * x0), put_split1<LO>(hi, lo, kLd, i, c + 1, bt * x1);
       }
     };
     stage_ws_rows<false>(stg, 64, ws + w.X, p, b, t0, h, nr, v0, kBcThreads);
+    if constexpr (!LO) stage_ws_rows<false>(stg2, 64, ws + w.Y, p, b, t0, h, nr, v0, kBcThreads);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    split_rows(sDh, sDl, 1.f);
+    split_rows(stg, sDh, sDl, 1.f);
+    if constexpr (!LO) split_rows(stg2, sRh, sRl, -1.f);
     __syncthreads();
-    stage_ws_rows<false>(stg, 64, ws + w.Y, p, b, t0, h, nr, v0, kBcThreads);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    split_rows(sRh, sRl, -1.f);
-    __syncthreads();
+    if constexpr (LO) {  // Y through the one staging buffer
+      stage_ws_rows<false>(stg, 64, ws + w.Y, p, b, t0, h, nr, v0, kBcThreads);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      split_rows(stg, sRh, sRl, -1.f);
+      __syncthreads();
+    }
     // B operands n-major: this warp's 32 output columns are rows 32 half.. of the B tile
     const int bo = 32 * half * kLd;
     mma_rn(a1, sdo, kLd, mw, sDh + bo, kLd, 64, lane);
