@@ -31,7 +31,9 @@ constexpr int kMaxK = 128;
 
 // ---- 1. wy --------------------------------------------------------------------------------------
 // smem: f32 L[64][65] | f32 T[64][65] | f32 scr[4][16][17] | f32 rk[64], beta[64] |
-//       bf16 k[64][ldk] | v[64][kLd] | A1h, A1l, A2h, A2l [64][kLd] (lo: with LO only)
+//       bf16 k[64][ldk] | v[2][64][kLd] | A1h, A1l, A2h, A2l [64][kLd] (lo: with LO only). The first
+//       two 64-column v tiles load with k at the start (read after the inverse and Xw: loaded there,
+//       their latency was exposed once per tile); later ones stream through the two buffers.
 struct WyLayout {
   int Kc, ldk;
   std::size_t L, T, scr, rk, beta, k, v, A1h, A1l, A2h, A2l, bytes;
@@ -40,7 +42,7 @@ struct WyLayout {
     Kc = k_cols(K), ldk = Kc + 8;
     L = 0, T = L + 4 * 64 * 65, scr = T + 4 * 64 * 65, rk = scr + 4 * 4 * 16 * 17, beta = rk + 4 * 64;
     k = round_up(beta + 4 * 64, 16), v = k + 2 * std::size_t(kT) * ldk;
-    A1h = v + t64, A1l = A1h + t64, A2h = A1l + tl, A2l = A2h + t64;
+    A1h = v + 2 * t64, A1l = A1h + t64, A2h = A1l + tl, A2l = A2h + t64;
     bytes = A2l + tl;
   }
 };
@@ -57,7 +59,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
   float* s_beta = reinterpret_cast<float*>(base + lay.beta);
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);      // (64 rows, Kc) k
-  bf16* sv = reinterpret_cast<bf16*>(base + lay.v);      // (64 rows, 64 V columns) v
+  bf16* sv = reinterpret_cast<bf16*>(base + lay.v);      // [2] (64 rows, 64 V columns) v tiles
   bf16* sA1h = reinterpret_cast<bf16*>(base + lay.A1h);  // (64, 64) T2 diag(rk) hi
   bf16* sA1l = reinterpret_cast<bf16*>(base + lay.A1l);
   bf16* sA2h = reinterpret_cast<bf16*>(base + lay.A2h);  // (64, 64) T2 hi
@@ -72,8 +74,18 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
 
   load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
   cp_async_commit();
+  // v tile j (columns 64 j..) into buffer j % 2, one commit group each (empty past V: uniform counts)
+  const std::size_t vtile = std::size_t(kT) * kLd;
+  auto issue_v = [&](std::int64_t j) {
+    const std::int64_t v0 = 64 * j;
+    if (v0 < V)
+      load_tile(sv + (j & 1) * vtile, kLd, kT, kT, bf_rows(p.v, b, t0, h) + v0, p.v.s1, nr, int(lmin(64, V - v0)), vv);
+    cp_async_commit();
+  };
+  issue_v(0);
+  issue_v(1);
   if (tid < kT) s_beta[tid] = tid < nr ? mlstm_ld(p.beta, p.beta.s0 * b + p.beta.s1 * (t0 + tid) + h) : 0.f;
-  cp_async_wait<0>();
+  cp_async_wait<2>();  // k (the v tiles may stay in flight)
   __syncthreads();
   if (tid < kT) {  // the L2 factor from the bf16 row (as the single-kernel version)
     const float r = row_l2_factor(sk, ldk, Kc, tid, p.l2);
@@ -139,24 +151,24 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
       }
   }
   // Xu = A2 V, per 64 columns of V
-  for (std::int64_t v0 = 0; v0 < V; v0 += 64) {
-    load_tile(sv, kLd, kT, kT, bf_rows(p.v, b, t0, h) + v0, p.v.s1, nr, int(lmin(64, V - v0)), vv);
-    cp_async_commit();
-    cp_async_wait<0>();
+  for (std::int64_t v0 = 0, j = 0; v0 < V; v0 += 64, ++j) {
+    cp_async_wait<1>();  // tile j (tile j + 1's group may stay in flight)
     __syncthreads();
+    const bf16* svj = sv + (j & 1) * vtile;
     float acc[8][4] = {};
-    mma_rk(acc, sA2h, kLd, warp, sv, kLd, 64, lane);
-    if constexpr (LO) mma_rk(acc, sA2l, kLd, warp, sv, kLd, 64, lane);
+    mma_rk(acc, sA2h, kLd, warp, svj, kLd, 64, lane);
+    if constexpr (LO) mma_rk(acc, sA2l, kLd, warp, svj, kLd, 64, lane);
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
         const int i = 16 * warp + frow(lane, e);
-        const std::int64_t c = v0 + fcol(lane, j, e);
+        const std::int64_t c = v0 + fcol(lane, jj, e);
         if (i < nr && c < V)  // row t0 + i
-          store_pair(w.xu + (ws_row0 + (e / 2) * ws_8) * V + c, acc[j][e], acc[j][e + 1], c + 1 < V, V % 2 == 0);
+          store_pair(w.xu + (ws_row0 + (e / 2) * ws_8) * V + c, acc[jj][e], acc[jj][e + 1], c + 1 < V, V % 2 == 0);
       }
-    __syncthreads();  // sv is reloaded
+    __syncthreads();  // buffer j % 2 is read by every warp: it may be refilled
+    issue_v(j + 2);
   }
 }
 
