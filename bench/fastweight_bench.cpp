@@ -10,6 +10,7 @@
 //   fastweight_bench --no-row1               norm forward without the one-row-per-CTA kernel (A/B)
 //   fastweight_bench --row1-vecs=1|2         its vectors per thread (A/B)
 //   fastweight_bench --dn-no-db2             DeltaNet backward serial kernel with q / Xw single-buffered (A/B)
+//   fastweight_bench --dn-wy-vbufs=1|2       DeltaNet wy kernel's v tile buffers (A/B)
 //   fastweight_bench --op=mlstm              only the mLSTM rows (bench_mlstm.cpp: every public
 //                                            mLSTM op on CPU tensors; with a GPU also mlstm_fwd and
 //                                            mlstm_bwd on CUDA tensors)
@@ -61,6 +62,7 @@ struct Options {
   int bulk_vecs = 0;  // 0: the planner's choice
   int row1_vecs = 0;      // 0: the planner's choice
   bool dn_no_db2 = false;
+  int dn_wy_vbufs = 0;    // 0: the planner's choice
   std::string csv;
 };
 
@@ -279,6 +281,7 @@ int main(int argc, char** argv) {
     else if (a == "--no-row1") o.no_row1 = true;
     else if (const char* v = val("--row1-vecs=")) o.row1_vecs = std::atoi(v);
     else if (a == "--dn-no-db2") o.dn_no_db2 = true;
+    else if (const char* v = val("--dn-wy-vbufs=")) o.dn_wy_vbufs = std::atoi(v);
     else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); usage(2); }
   }
   const bool gpu = !o.cpu && cuda_available();
@@ -290,6 +293,7 @@ int main(int argc, char** argv) {
   if (o.no_row1) fastweight::detail::set_rownorm_fwd_row1(false);
   if (o.row1_vecs) fastweight::detail::force_rownorm_fwd_row1_vecs(o.row1_vecs);
   if (o.dn_no_db2) fastweight::detail::set_deltanet_bwd_serial_db2(false);
+  if (o.dn_wy_vbufs) fastweight::detail::set_deltanet_wy_vbufs(o.dn_wy_vbufs);
 #endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");
 

@@ -111,14 +111,19 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
   // without a workspace (the on-chip kernel), then with one where the tensor-core pipeline applies,
   // its operands as bf16 hi + lo and as bf16 alone, with the state kernel handing D' to the output
   // kernel and (modes 3, 4) X in fp32 instead: the same roundings, so the same bits (the workspace
-  // poisoned with 0xff bytes: every read of it must follow a write)
+  // poisoned with 0xff bytes: every read of it must follow a write). Each mode runs twice, the wy
+  // kernel with two v tile buffers and then with one: the same bits again.
   const std::size_t need = fastweight::detail::deltanet_fwd_workspace_bytes(p);
   void* ws = nullptr;
   if (need) FW_TEST_CUDA(cudaMalloc(&ws, need));
   struct Restore {
     bool prev;
-    ~Restore() { fastweight::detail::set_deltanet_fwd_dprime(prev); }
-  } restore{fastweight::detail::set_deltanet_fwd_dprime(true)};
+    int vbufs;
+    ~Restore() {
+      fastweight::detail::set_deltanet_fwd_dprime(prev);
+      fastweight::detail::set_deltanet_wy_vbufs(vbufs);
+    }
+  } restore{fastweight::detail::set_deltanet_fwd_dprime(true), fastweight::detail::set_deltanet_wy_vbufs(0)};
   std::vector<HostTensor> by_mode(2 * 5);  // o, final state of each mode
   for (int m = 0; m < 5; ++m) {
     void* w = m == 0 ? nullptr : ws;
@@ -132,6 +137,7 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
     if (m == 2) EXPECT_LT(fastweight::detail::deltanet_fwd_workspace_bytes(p), need) << "bf16 operands: less workspace";
     std::vector<HostTensor> runs;
     for (int r = 0; r < 2; ++r) {
+      fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
       FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
       FW_TEST_CUDA(cudaMemset(ght.ptr, 0xff, ght.nbytes));
       if (w) FW_TEST_CUDA(cudaMemset(w, 0xff, need));
@@ -141,7 +147,8 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
       runs.push_back(o), runs.push_back(ht);
       go.download(runs[2 * r]), ght.download(runs[2 * r + 1]);
     }
-    EXPECT_EQ(runs[0].bytes, runs[2].bytes) << mode << ": not deterministic";
+    EXPECT_EQ(runs[0].bytes, runs[2].bytes) << mode << ": not deterministic (or the wy buffering changed bits)";
+    EXPECT_EQ(runs[1].bytes, runs[3].bytes) << mode << ": final state not deterministic";
     EXPECT_LT(rel_err(runs[0], ro), tol) << mode << ": o";  // +inf on any NaN: every element written
     EXPECT_LT(rel_err(runs[1], rht), tol) << mode << ": final state";
     if (!need) break;  // no pipeline for this case
@@ -363,19 +370,19 @@ void check_bwd_case(const DnBwdCase& c) {
   FW_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   // Two calls, each on poisoned outputs; the workspace holds 0xff bytes before the first and zeros
   // before the second: the results may depend on neither. The second call also runs the serial
-  // kernels with their other buffering (bf16 operands: the forward state kernel's 2 chunk buffers
-  // instead of 3, the backward serial kernel's q / Xw single-buffered): the same bits.
+  // kernels with their other buffering (the recomputing wy kernel with one v tile buffer instead of
+  // two; bf16 operands: the backward serial kernel's q / Xw single-buffered): the same bits.
   struct RestoreBuffering {
-    int stages;
+    int vbufs;
     bool db2;
     ~RestoreBuffering() {
-      fastweight::detail::set_deltanet_state_stages(stages);
+      fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
     }
-  } restore_buffering{fastweight::detail::set_deltanet_state_stages(0), fastweight::detail::set_deltanet_bwd_serial_db2(true)};
+  } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true)};
   std::vector<HostTensor> run[2];
   for (int r = 0; r < 2; ++r) {
-    fastweight::detail::set_deltanet_state_stages(r == 0 ? 0 : 2);
+    fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
     fastweight::detail::set_deltanet_bwd_serial_db2(r == 0);
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
     FW_TEST_CUDA(cudaMemset(ws, r == 0 ? 0xff : 0x00, need));

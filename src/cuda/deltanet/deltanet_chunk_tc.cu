@@ -31,35 +31,36 @@ constexpr int kMaxK = 128;
 
 // ---- 1. wy --------------------------------------------------------------------------------------
 // smem: f32 L[64][65] | f32 T[64][65] | f32 scr[4][16][17] | f32 rk[64], beta[64] |
-//       bf16 k[64][ldk] | v[2][64][kLd] | A1h, A1l, A2h, A2l [64][kLd] (lo: with LO only). The first
-//       two 64-column v tiles load with k at the start (read after the inverse and Xw: loaded there,
-//       their latency was exposed once per tile); later ones stream through the two buffers.
+//       bf16 k[64][ldk] | v[nvb][64][kLd] | A1h, A1l, A2h, A2l [64][kLd] (lo: with LO only). The
+//       first nvb 64-column v tiles load with k at the start (read after the inverse and Xw: loaded
+//       there, their latency was exposed once per tile); later ones stream through the buffers.
+//       nvb = 2 unless the second buffer costs a CTA per SM (bf16 operands at K <= 64: 3 -> 2).
 struct WyLayout {
   int Kc, ldk;
   std::size_t L, T, scr, rk, beta, k, v, A1h, A1l, A2h, A2l, bytes;
-  __host__ __device__ WyLayout(std::int64_t K, bool lo) {
+  __host__ __device__ WyLayout(std::int64_t K, bool lo, int nvb) {
     const std::size_t t64 = 2 * std::size_t(kT) * kLd, tl = lo ? t64 : 0;
     Kc = k_cols(K), ldk = Kc + 8;
     L = 0, T = L + 4 * 64 * 65, scr = T + 4 * 64 * 65, rk = scr + 4 * 4 * 16 * 17, beta = rk + 4 * 64;
     k = round_up(beta + 4 * 64, 16), v = k + 2 * std::size_t(kT) * ldk;
-    A1h = v + 2 * t64, A1l = A1h + t64, A2h = A1l + tl, A2l = A2h + t64;
+    A1h = v + nvb * t64, A1l = A1h + t64, A2h = A1l + tl, A2l = A2h + t64;
     bytes = A2l + tl;
   }
 };
 
 template <bool LO>
 __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetParams p, const DnChunkBufs w, bool vk,
-                                                               bool vv) {
+                                                               bool vv, int nvb) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const WyLayout lay(p.K, LO);
+  const WyLayout lay(p.K, LO, nvb);
   float(*sL)[65] = reinterpret_cast<float(*)[65]>(base + lay.L);  // (64, 64) Lg W, row i col j
   float(*sT)[65] = reinterpret_cast<float(*)[65]>(base + lay.T);  // (64, 64) T2 = (I + Lg W)^-1
   float(*scr)[16][17] = reinterpret_cast<float(*)[16][17]>(base + lay.scr);
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
   float* s_beta = reinterpret_cast<float*>(base + lay.beta);
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);      // (64 rows, Kc) k
-  bf16* sv = reinterpret_cast<bf16*>(base + lay.v);      // [2] (64 rows, 64 V columns) v tiles
+  bf16* sv = reinterpret_cast<bf16*>(base + lay.v);      // [nvb] (64 rows, 64 V columns) v tiles
   bf16* sA1h = reinterpret_cast<bf16*>(base + lay.A1h);  // (64, 64) T2 diag(rk) hi
   bf16* sA1l = reinterpret_cast<bf16*>(base + lay.A1l);
   bf16* sA2h = reinterpret_cast<bf16*>(base + lay.A2h);  // (64, 64) T2 hi
@@ -74,18 +75,19 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
 
   load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
   cp_async_commit();
-  // v tile j (columns 64 j..) into buffer j % 2, one commit group each (empty past V: uniform counts)
+  // v tile j (columns 64 j..) into buffer j % nvb, one commit group each (empty past V: uniform counts)
   const std::size_t vtile = std::size_t(kT) * kLd;
   auto issue_v = [&](std::int64_t j) {
     const std::int64_t v0 = 64 * j;
     if (v0 < V)
-      load_tile(sv + (j & 1) * vtile, kLd, kT, kT, bf_rows(p.v, b, t0, h) + v0, p.v.s1, nr, int(lmin(64, V - v0)), vv);
+      load_tile(sv + (j % nvb) * vtile, kLd, kT, kT, bf_rows(p.v, b, t0, h) + v0, p.v.s1, nr, int(lmin(64, V - v0)),
+                vv);
     cp_async_commit();
   };
-  issue_v(0);
-  issue_v(1);
+  for (int j = 0; j < nvb; ++j) issue_v(j);
   if (tid < kT) s_beta[tid] = tid < nr ? mlstm_ld(p.beta, p.beta.s0 * b + p.beta.s1 * (t0 + tid) + h) : 0.f;
-  cp_async_wait<2>();  // k (the v tiles may stay in flight)
+  if (nvb == 2) cp_async_wait<2>();  // k (the v tiles may stay in flight)
+  else cp_async_wait<1>();
   __syncthreads();
   if (tid < kT) {  // the L2 factor from the bf16 row (as the single-kernel version)
     const float r = row_l2_factor(sk, ldk, Kc, tid, p.l2);
@@ -152,9 +154,10 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
   }
   // Xu = A2 V, per 64 columns of V
   for (std::int64_t v0 = 0, j = 0; v0 < V; v0 += 64, ++j) {
-    cp_async_wait<1>();  // tile j (tile j + 1's group may stay in flight)
+    if (nvb == 2) cp_async_wait<1>();  // tile j (tile j + 1's group may stay in flight)
+    else cp_async_wait<0>();
     __syncthreads();
-    const bf16* svj = sv + (j & 1) * vtile;
+    const bf16* svj = sv + (j % nvb) * vtile;
     float acc[8][4] = {};
     mma_rk(acc, sA2h, kLd, warp, svj, kLd, 64, lane);
     if constexpr (LO) mma_rk(acc, sA2l, kLd, warp, svj, kLd, 64, lane);
@@ -167,8 +170,8 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
         if (i < nr && c < V)  // row t0 + i
           store_pair(w.xu + (ws_row0 + (e / 2) * ws_8) * V + c, acc[jj][e], acc[jj][e + 1], c + 1 < V, V % 2 == 0);
       }
-    __syncthreads();  // buffer j % 2 is read by every warp: it may be refilled
-    issue_v(j + 2);
+    __syncthreads();  // buffer j % nvb is read by every warp: it may be refilled
+    issue_v(j + nvb);
   }
 }
 
@@ -450,6 +453,11 @@ bool deltanet_dprime(const DeltanetParams& p, const DnChunkBufs& w) {
 
 bool set_deltanet_fwd_dprime(bool enabled) { return g_dprime.exchange(enabled); }
 
+namespace {
+std::atomic<int> g_wy_vbufs{0};  // 0: the planner's choice
+}  // namespace
+int set_deltanet_wy_vbufs(int n) { return g_wy_vbufs.exchange(n == 1 || n == 2 ? n : 0); }
+
 bool deltanet_chunk_tc_applies(const DeltanetParams& p) {
   return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 && p.K >= 1 &&
          p.K <= kMaxK;
@@ -462,10 +470,20 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
     throw Error(cat("deltanet (tensor cores): grid too large (", seqs, " sequence-heads, ", slots, " chunks)"));
   const auto st = reinterpret_cast<cudaStream_t>(stream);
   if (slots > 0) {
-    const WyLayout lw(p.K, p.hilo);
     auto* wy = p.hilo ? &deltanet_wy_kernel<true> : &deltanet_wy_kernel<false>;
-    prepare(wy, lw.bytes);
-    wy<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lw.bytes, st>>>(p, w, rows16_seq(p.k), rows16_seq(p.v));
+    // two v buffers unless the second costs a resident CTA per SM (or does not fit)
+    const auto wy_fn = reinterpret_cast<const void*>(wy);
+    const WyLayout l1(p.K, p.hilo, 1), l2(p.K, p.hilo, 2);
+    int nvb = g_wy_vbufs.load();
+    if (nvb == 0)
+      nvb = l2.bytes <= smem_per_block_optin() &&
+                    resident_ctas_per_sm(wy_fn, kThreads, l2.bytes) >= resident_ctas_per_sm(wy_fn, kThreads, l1.bytes)
+                ? 2
+                : 1;
+    if (nvb == 2 && l2.bytes > smem_per_block_optin()) nvb = 1;  // forced 2 where it does not fit
+    const std::size_t bytes = nvb == 2 ? l2.bytes : l1.bytes;
+    prepare(wy, bytes);
+    wy<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, bytes, st>>>(p, w, rows16_seq(p.k), rows16_seq(p.v), nvb);
     FW_CUDA_CHECK_LAUNCH("deltanet (wy)");
   }
   const bool pxu = state_xu_tiles(p);

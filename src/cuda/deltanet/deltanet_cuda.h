@@ -25,6 +25,9 @@ bool set_deltanet_fwd_dprime(bool enabled);
 // Tests and benchmarks only: the backward serial kernel's q / Xw tiles double-buffered (bf16 operands,
 // where they fit; default on). Returns the previous setting.
 bool set_deltanet_bwd_serial_db2(bool enabled);
+// Tests and benchmarks only: the wy kernel's v tile buffers, 1 or 2 (0: the planner's choice, two
+// unless the second costs a resident CTA per SM). Returns the previous setting.
+int set_deltanet_wy_vbufs(int n);
 // Version 2 on tensor cores (deltanet_fwd_tc.cu): bf16 q, k, v, o and K <= 128;
 // deltanet_fwd_cuda picks it where it applies (no workspace).
 bool deltanet_fwd_tc_applies(const DeltanetParams& p);
