@@ -25,6 +25,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shape", default="8x1024")
     ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--profile", action="store_true", help="also torch.profiler tables of both paths (CUDA)")
     a = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -104,6 +105,35 @@ def main():
         timed("  _C.layernorm_bwd (specs ready)", lambda: _C.layernorm_bwd(*args, (wsp.data_ptr(), nbytes), stream))
         timed("  _stream(x)", lambda: fo._stream(x))
         timed("  x.clone() (one torch op with an allocation)", lambda: x.clone())
+    # the forward under autograd alone, and a trivial Function whose backward runs our raw backward
+    timed("torch: F.layer_norm forward with grad (graph built, no backward)", lambda: F.layer_norm(x, (N,), w, b))
+    timed("fastweight: layer_norm forward with grad (no backward)", lambda: fw.layer_norm(x, w, b))
+
+    class TrivialLn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, b):
+            ctx.save_for_backward(x, w, b)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, w, _ = ctx.saved_tensors
+            return fo._ln_bwd(_C.layernorm_bwd, _C.layernorm_bwd_workspace_size, 1, dy, x, w, ms, rs, 0.0, True)
+
+    timed("trivial Function (clone) whose backward is our _ln_bwd", fwbwd(lambda: TrivialLn.apply(x, w, b)))
+    if a.profile and dev.type == "cuda":  # every thread's CPU ops and the kernels, 50 calls each
+        from torch.profiler import ProfilerActivity, profile
+        for name, f in (("torch", lambda: F.layer_norm(x, (N,), w, b)), ("fastweight", lambda: fw.layer_norm(x, w, b))):
+            run = fwbwd(f)
+            for _ in range(20):
+                run()
+            sync()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(50):
+                    run()
+                sync()
+            print(f"\n### torch.profiler, {name}: forward + backward x 50 (self CPU total, top rows)")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48))
 
 
 if __name__ == "__main__":
