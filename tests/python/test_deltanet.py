@@ -643,3 +643,63 @@ def test_cuda_errors_name_the_argument():
     with pytest.raises(ValueError, match="deltanet_bwd: .*workspace"):
         fastweight._C.deltanet_bwd(q, k, v, beta, do_=do, dq=dq)
     assert torch.isnan(dq).all()
+
+
+def _fla_delta_rule_module():
+    """FLA's fla.ops.delta_rule (its Triton kernels), or a skip where FLA is not installed. fla/__init__
+    also imports fla.models (hence transformers); where that fails, only the ops subpackage is loaded."""
+    import importlib
+    import importlib.util
+    import sys
+    import types
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("flash-linear-attention is not installed")
+    try:
+        return importlib.import_module("fla.ops.delta_rule")
+    except Exception:  # noqa: BLE001
+        spec = importlib.util.find_spec("fla")
+        for m in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+            del sys.modules[m]
+        pkg = types.ModuleType("fla")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        sys.modules["fla"] = pkg
+        return importlib.import_module("fla.ops.delta_rule")
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("varlen", [False, True])
+def test_cuda_shims_match_fla_kernels(varlen):
+    """The drop-in shim against FLA itself on the GPU: fastweight.compat.fla.chunk_delta_rule and FLA's
+    chunk_delta_rule called the same way (bf16, L2 norm in the kernel, initial and final state, varlen) give the same o, final state and gradients of q, k, v, beta and the initial state, to
+    within both kernels' bf16 errors; both are also checked against the float64 loop form, so a call that
+    FLA reads differently from the shim (scale, state layout, offsets) fails here."""
+    fla = _fla_delta_rule_module()
+    seed = _fresh_seed()
+    cu = torch.tensor([0, 100, 300], dtype=torch.int64) if varlen else None
+    q, k, v, beta, h0 = make(B=1 if varlen else 2, T=300, H=2, K=128, V=128, N=2 if varlen else None,
+                             dtype=torch.bfloat16, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(q.shape[:3] + (128,), generator=g, dtype=torch.float64)
+    dht = torch.randn(h0.shape, generator=g, dtype=torch.float64)
+
+    def run(fn, dev):
+        ins = [t.detach().to(dev).requires_grad_() for t in (q, k, v, beta, h0)]
+        if dev == "cpu":  # the float64 loop form
+            o, ht = ref_delta_rule(*ins[:4], h0=ins[4], l2=True, cu_seqlens=cu)
+        else:
+            o, ht = fn(*ins[:4], initial_state=ins[4], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                       cu_seqlens=None if cu is None else cu.cuda())
+        loss = (o.double() * do.to(o.device)).sum() + (ht.double() * dht.to(o.device)).sum()
+        return [o, ht] + list(torch.autograd.grad(loss, ins))
+
+    names = ["o", "final_state", "dq", "dk", "dv", "dbeta", "dinitial_state"]
+    ours, theirs, ref = run(fw_fla.chunk_delta_rule, "cuda"), run(fla.chunk_delta_rule, "cuda"), run(None, "cpu")
+    errs = {n: (rel_err(a, r), rel_err(b, r), rel_err(a, b)) for n, a, b, r in zip(names, ours, theirs, ref)}
+    msg = f"seed {seed}: " + ", ".join(f"{n} ours {e[0]:.1e} FLA {e[1]:.1e} apart {e[2]:.1e}" for n, e in errs.items())
+    assert len(errs) == 7, msg
+    for a, b in zip(ours, theirs):
+        assert a.dtype == b.dtype and a.shape == b.shape, msg
+    assert all(e[0] <= 1e-2 for e in errs.values()), msg   # ours against the float64 loop form
+    assert all(e[1] <= 3e-2 for e in errs.values()), msg   # FLA called as the shim is (its bf16 error)
+    assert all(e[2] <= 3e-2 for e in errs.values()), msg   # the shim against FLA
