@@ -75,6 +75,11 @@ def import_fla(module: str):
             raise first
         pkg = types.ModuleType("fla")
         pkg.__path__ = list(spec.submodule_search_locations)
+        try:  # fla.utils reads fla.__version__
+            import importlib.metadata
+            pkg.__version__ = importlib.metadata.version("flash-linear-attention")
+        except Exception:  # noqa: BLE001
+            pkg.__version__ = "0"
         sys.modules["fla"] = pkg
         return importlib.import_module(module)
 

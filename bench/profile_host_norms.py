@@ -109,12 +109,7 @@ def main():
     timed("torch: F.layer_norm forward with grad (graph built, no backward)", lambda: F.layer_norm(x, (N,), w, b))
     timed("fastweight: layer_norm forward with grad (no backward)", lambda: fw.layer_norm(x, w, b))
 
-    class TrivialLn(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, w, b):
-            ctx.save_for_backward(x, w, b)
-            return x.clone()
-
+    class TrivialLn(Trivial):  # the same forward
         @staticmethod
         def backward(ctx, dy):
             x, w, _ = ctx.saved_tensors

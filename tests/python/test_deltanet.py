@@ -646,24 +646,16 @@ def test_cuda_errors_name_the_argument():
 
 
 def _fla_delta_rule_module():
-    """FLA's fla.ops.delta_rule (its Triton kernels), or a skip where FLA is not installed. fla/__init__
-    also imports fla.models (hence transformers); where that fails, only the ops subpackage is loaded."""
-    import importlib
+    """FLA's fla.ops.delta_rule (its Triton kernels), or a skip where FLA is not installed; loaded by
+    the benchmarks' import_fla (bench/bench_common.py), which copes with fla/__init__'s model imports."""
     import importlib.util
     import sys
-    import types
+    from pathlib import Path
     if importlib.util.find_spec("fla") is None:
         pytest.skip("flash-linear-attention is not installed")
-    try:
-        return importlib.import_module("fla.ops.delta_rule")
-    except Exception:  # noqa: BLE001
-        spec = importlib.util.find_spec("fla")
-        for m in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
-            del sys.modules[m]
-        pkg = types.ModuleType("fla")
-        pkg.__path__ = list(spec.submodule_search_locations)
-        sys.modules["fla"] = pkg
-        return importlib.import_module("fla.ops.delta_rule")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from bench_common import import_fla
+    return import_fla("fla.ops.delta_rule")
 
 
 @gpu
