@@ -9,6 +9,8 @@
 //   fastweight_bench --bulk-vecs=4|8         the bulk forward's vectors per thread where it fits (A/B)
 //   fastweight_bench --no-row1               norm forward without the one-row-per-CTA kernel (A/B)
 //   fastweight_bench --row1-vecs=1|2         its vectors per thread (A/B)
+//   fastweight_bench --row1-cfg=TPR:VB:LATE  force its shape on every aligned 16-bit row it can take:
+//                                            threads per row, vector bytes (8|16), parameters after the sums (0|1)
 //   fastweight_bench --dn-no-db2             DeltaNet backward serial kernel with q / Xw single-buffered (A/B)
 //   fastweight_bench --dn-wy-vbufs=1|2       DeltaNet wy kernel's v tile buffers (A/B)
 //   fastweight_bench --op=mlstm              only the mLSTM rows (bench_mlstm.cpp: every public
@@ -61,6 +63,7 @@ struct Options {
   bool quick = false, cpu = false, no_bulk = false, no_dprime = false, no_row1 = false;
   int bulk_vecs = 0;  // 0: the planner's choice
   int row1_vecs = 0;      // 0: the planner's choice
+  fastweight::detail::Row1Config row1_cfg;  // tpr 0: the planner's choice
   bool dn_no_db2 = false;
   int dn_wy_vbufs = 0;    // 0: the planner's choice
   std::string csv;
@@ -280,6 +283,11 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--bulk-vecs=")) o.bulk_vecs = std::atoi(v);
     else if (a == "--no-row1") o.no_row1 = true;
     else if (const char* v = val("--row1-vecs=")) o.row1_vecs = std::atoi(v);
+    else if (const char* v = val("--row1-cfg=")) {
+      int late = 0;
+      if (std::sscanf(v, "%d:%d:%d", &o.row1_cfg.tpr, &o.row1_cfg.vb, &late) != 3) usage(2);
+      o.row1_cfg.late = late != 0;
+    }
     else if (a == "--dn-no-db2") o.dn_no_db2 = true;
     else if (const char* v = val("--dn-wy-vbufs=")) o.dn_wy_vbufs = std::atoi(v);
     else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); usage(2); }
@@ -292,6 +300,7 @@ int main(int argc, char** argv) {
   if (o.bulk_vecs) fastweight::detail::force_rownorm_fwd_bulk_vecs(o.bulk_vecs);
   if (o.no_row1) fastweight::detail::set_rownorm_fwd_row1(false);
   if (o.row1_vecs) fastweight::detail::force_rownorm_fwd_row1_vecs(o.row1_vecs);
+  if (o.row1_cfg.tpr) fastweight::detail::force_rownorm_fwd_row1_config(o.row1_cfg);
   if (o.dn_no_db2) fastweight::detail::set_deltanet_bwd_serial_db2(false);
   if (o.dn_wy_vbufs) fastweight::detail::set_deltanet_wy_vbufs(o.dn_wy_vbufs);
 #endif

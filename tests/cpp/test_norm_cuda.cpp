@@ -336,6 +336,33 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1,
                                             ::testing::Values<std::int64_t>(264, 520, 1000, 2048, 4096)),
                          rows_case_name);
 
+// The one-row-per-CTA forward in every forced shape (force_rownorm_fwd_row1_config): 64 to 1024
+// threads per row, 8- and 16-byte vectors (1 or 2 per thread, as the shape implies), parameters
+// loaded with x or after the sums; the 8-warp and 32-warp sum trees. Shapes it cannot take go to the
+// planner's kernel (also checked). Padded rows, IO-dtype parameters (the instances' only kind).
+struct NormCudaRow1Shapes : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaRow1Shapes, ForcedShapesMatchReference) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
+  struct Restore {
+    fastweight::detail::Row1Config prev;
+    ~Restore() { fastweight::detail::force_rownorm_fwd_row1_config(prev); }
+  } restore{fastweight::detail::rownorm_fwd_row1_config()};
+  for (int tpr : {64, 128, 256, 512, 1024})
+    for (int vb : {8, 16})
+      for (bool late : {false, true}) {
+        SCOPED_TRACE("row1 shape: " + std::to_string(tpr) + " threads, " + std::to_string(vb) + "-byte vectors" +
+                     (late ? ", parameters after the sums" : ""));
+        fastweight::detail::force_rownorm_fwd_row1_config({tpr, vb, late});
+        check_case(op, dt, n, groups * 9, Layout::padded, Params::io);
+      }
+}
+INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1Shapes,
+                         ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
+                                            ::testing::Values<std::int64_t>(264, 1000, 2048, 4096, 16384)),
+                         rows_case_name);
+
 // Rows whose leading dims do not merge into one stride (Layout::gapped: head norm (rows / NH, NH, N),
 // adaLN (B, S, N) with a gap row after each run of NH / S rows): the general row indexing of every
 // forward (one-row-per-CTA, bulk, persistent / streaming) and backward (cached, ring, long-row) kernel.

@@ -37,6 +37,13 @@ bool rownorm_fwd_row1_enabled();
 // previous setting.
 int force_rownorm_fwd_row1_vecs(int vpt);
 int rownorm_fwd_row1_vecs();
+// Tests and benchmarks only: force the one-row-per-CTA forward's shape on every aligned 16-bit row it
+// can take: tpr threads (a power of two, 32..1024), vb-byte vectors (8 or 16; vectors per thread
+// follow, 1 or 2), late = parameters loaded after the sums. tpr 0: the planner's choice. Returns
+// the previous tpr.
+struct Row1Config { int tpr = 0, vb = 16; bool late = false; };
+Row1Config force_rownorm_fwd_row1_config(Row1Config c);
+Row1Config rownorm_fwd_row1_config();
 
 // Current-device guard and device queries (src/cuda/common/device.cu).
 bool cuda_runtime_available();

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "common/norm_params.h"
@@ -213,26 +214,78 @@ __global__ void __launch_bounds__(kSmallCta, 4) rownorm_fwd_row_kernel(const Row
 // memory, one barrier, and a fixed 8-leaf tree over the warp partials (zeros past the CTA's warps):
 // deterministic, the same bits in every thread.
 inline constexpr int kRow1MaxTpr = 256;
+// The wide instances (up to 1024 threads: FLA's row kernel runs rows of 2048..16384 bf16 with 512)
+inline constexpr int kRow1WideMaxTpr = 1024;
 
-// Sum over the CTA (tpr threads, a power of two in [32, 256]): `s_part` holds 8 floats, those of
+// Sum over the CTA (tpr threads, a power of two in [32, 32 W]): `s_part` holds W floats, those of
 // warps past the CTA's already zero; each s_part is used for one sum only (one barrier per sum).
+// A fixed W-leaf tree: deterministic, the same bits in every thread.
+template <int W = 8>
 __device__ __forceinline__ float row1_cta_sum(float v, float* s_part) {
   v = group_sum_warp(v, 32);
   if ((threadIdx.x & 31) == 0) s_part[threadIdx.x >> 5] = v;
   __syncthreads();
   const float4* q = reinterpret_cast<const float4*>(s_part);
-  const float4 a = q[0], b = q[1];
-  return ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+  float t[W / 4];
+#pragma unroll
+  for (int i = 0; i < W / 4; ++i) {
+    const float4 a = q[i];
+    t[i] = (a.x + a.y) + (a.z + a.w);
+  }
+  return tree_sum<W / 4>(t);
+}
+
+// A VB-byte vector (16: uint4, 8: uint2) of a 16-bit row: load (zeros past n), unpack, pack.
+template <int VB> using Row1Vec = std::conditional_t<VB == 16, uint4, uint2>;
+template <typename T, int VB>
+__device__ __forceinline__ Row1Vec<VB> row1_load(const T* row, int col, int n) {
+  Row1Vec<VB> v{};
+  if (col < n) v = __ldg(reinterpret_cast<const Row1Vec<VB>*>(row + col));
+  return v;
+}
+template <typename T, int VB>
+__device__ __forceinline__ void row1_unpack(const Row1Vec<VB>& raw, float (&f)[VB / 2]) {
+  const unsigned* u = reinterpret_cast<const unsigned*>(&raw);
+#pragma unroll
+  for (int i = 0; i < VB / 4; ++i) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      f[2 * i] = __uint_as_float(u[i] << 16);
+      f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+    } else {
+      const float2 h = __half22float2(*reinterpret_cast<const __half2*>(u + i));
+      f[2 * i] = h.x, f[2 * i + 1] = h.y;
+    }
+  }
+}
+template <typename T, int VB>
+__device__ __forceinline__ void row1_store(T* row, int col, const float (&v)[VB / 2]) {
+  Row1Vec<VB> raw;
+  unsigned* u = reinterpret_cast<unsigned*>(&raw);
+#pragma unroll
+  for (int i = 0; i < VB / 4; ++i) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      const __nv_bfloat162 e = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+      u[i] = *reinterpret_cast<const unsigned*>(&e);
+    } else {
+      const __half2 e = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+      u[i] = *reinterpret_cast<const unsigned*>(&e);
+    }
+  }
+  *reinterpret_cast<Row1Vec<VB>*>(row + col) = raw;
 }
 
 // RAW_PAR: parameters in the IO dtype with aligned rows (or none), kept raw; else read after the sums
 // through load_params_vec (fp32 or unaligned parameters; a separate instance: that path's registers
-// would cost the common one 8, 32 -> 40). VPT: 16-byte vectors per thread (1, or 2 with half the
-// threads), columns (k * tpr + tid) * E + [0, E).
-template <typename T, bool RAW_PAR, int VPT>
-__global__ void __launch_bounds__(kRow1MaxTpr) rownorm_fwd_row1_kernel(const RowNormParams p) {
-  constexpr int E = kVecElems<T>;
-  __shared__ __align__(16) float s_part[2][8];  // (sum, sum of squares) x (warp partials, 8)
+// would cost the common one 8, 32 -> 40). VPT: vectors per thread (1, or 2 with half the threads),
+// columns (k * tpr + tid) * EV + [0, EV). VB: the vectors' bytes (16, or 8 for twice the threads
+// per row). LATE: the raw parameters loaded after the sums (FLA's order; fewer live registers
+// across the barriers) instead of with x. W: warp slots of the sums (8: up to 256 threads, 32: 1024).
+template <typename T, bool RAW_PAR, int VPT, int VB = 16, bool LATE = false, int W = 8>
+__global__ void __launch_bounds__(32 * W) rownorm_fwd_row1_kernel(const RowNormParams p) {
+  constexpr int EV = VB / int(sizeof(T));
+  static_assert(sizeof(T) == 2 && (VB == 16 || VB == 8) && (!LATE || RAW_PAR), "16-bit rows, raw parameters");
+  static_assert(VB == 16 || RAW_PAR, "8-byte vectors: raw parameters only");
+  __shared__ __align__(16) float s_part[2][W];  // (sum, sum of squares) x (warp partials, W)
   const int n = int(p.n), tpr = int(blockDim.x);
   // rows in memory order, each row's parameter group from r (rows < 2^31: 32-bit divisions)
   const std::uint32_t r = blockIdx.x;
@@ -241,54 +294,61 @@ __global__ void __launch_bounds__(kRow1MaxTpr) rownorm_fwd_row1_kernel(const Row
   // of 3 E floats (60 -> 32 registers at bf16, VPT 1: more CTAs per SM); aligned rows: a vector is
   // wholly inside the row or wholly past it (zeros)
   const T* xrow = static_cast<const T*>(p.x) + p.x_rows.offset32(r);
-  uint4 xr[VPT], wr[VPT], br[VPT];
+  const T* wrow = RAW_PAR && p.w ? static_cast<const T*>(p.w) + g * p.w_group_stride : nullptr;
+  const T* brow = RAW_PAR && p.b ? static_cast<const T*>(p.b) + g * p.b_group_stride : nullptr;
+  Row1Vec<VB> xr[VPT], wr[VPT], br[VPT];
+  auto load_par = [&] {
 #pragma unroll
-  for (int k = 0; k < VPT; ++k) {
-    const int col = (k * tpr + int(threadIdx.x)) * E;
-    xr[k] = load_raw<T>(xrow, col, n, true);
-    wr[k] = br[k] = make_uint4(0u, 0u, 0u, 0u);
-    if (RAW_PAR && p.w) wr[k] = load_raw<T>(static_cast<const T*>(p.w) + g * p.w_group_stride, col, n, true);
-    if (RAW_PAR && p.b) br[k] = load_raw<T>(static_cast<const T*>(p.b) + g * p.b_group_stride, col, n, true);
-  }
-  float xf[VPT][E];  // (VPT, E) fp32, 0 past the row end
+    for (int k = 0; k < VPT; ++k) {
+      const int col = (k * tpr + int(threadIdx.x)) * EV;
+      wr[k] = br[k] = Row1Vec<VB>{};
+      if (wrow) wr[k] = row1_load<T, VB>(wrow, col, n);
+      if (brow) br[k] = row1_load<T, VB>(brow, col, n);
+    }
+  };
 #pragma unroll
-  for (int k = 0; k < VPT; ++k) unpack<T>(xr[k], xf[k]);
+  for (int k = 0; k < VPT; ++k) xr[k] = row1_load<T, VB>(xrow, (k * tpr + int(threadIdx.x)) * EV, n);
+  if constexpr (RAW_PAR && !LATE) load_par();
+  float xf[VPT][EV];  // (VPT, EV) fp32, 0 past the row end
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) row1_unpack<T, VB>(xr[k], xf[k]);
   // the slots of warps this CTA does not have stay zero (written before the first barrier, by
   // threads other than the writers of live slots)
   const int nw = tpr >> 5;
-  if (int(threadIdx.x) >= nw && threadIdx.x < 8) s_part[0][threadIdx.x] = s_part[1][threadIdx.x] = 0.f;
+  if (int(threadIdx.x) >= nw && threadIdx.x < W) s_part[0][threadIdx.x] = s_part[1][threadIdx.x] = 0.f;
   const float inv_n = 1.f / float(n);
   float mean = 0.f;
-  if (!p.rms) mean = row1_cta_sum(tree_sum<VPT * E>(&xf[0][0]), s_part[0]) * inv_n;
+  if (!p.rms) mean = row1_cta_sum<W>(tree_sum<VPT * EV>(&xf[0][0]), s_part[0]) * inv_n;
   else __syncthreads();  // the zeros above before the one sum's reads
-  float sq[VPT][E];  // (VPT, E) (x - mean)^2, 0 past the row end
+  float sq[VPT][EV];  // (VPT, EV) (x - mean)^2, 0 past the row end
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
-    const bool in = (k * tpr + int(threadIdx.x)) * E < n;
+    const bool in = (k * tpr + int(threadIdx.x)) * EV < n;
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
+    for (int e = 0; e < EV; ++e) {
       const float d = xf[k][e] - mean;
       sq[k][e] = in ? d * d : 0.f;
     }
   }
-  const float rstd = rsqrtf(row1_cta_sum(tree_sum<VPT * E>(&sq[0][0]), s_part[1]) * inv_n + p.eps);
+  const float rstd = rsqrtf(row1_cta_sum<W>(tree_sum<VPT * EV>(&sq[0][0]), s_part[1]) * inv_n + p.eps);
+  if constexpr (RAW_PAR && LATE) load_par();
   T* yrow = static_cast<T*>(p.y) + p.y_rows.offset32(r);
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
-    const int col = (k * tpr + int(threadIdx.x)) * E;
+    const int col = (k * tpr + int(threadIdx.x)) * EV;
     if (col >= n) continue;
-    float sc[E], bi[E], out[E];
+    float sc[EV], bi[EV], out[EV];
     if constexpr (RAW_PAR) {
-      unpack<T>(wr[k], sc);
-      unpack<T>(br[k], bi);  // zeros without bias
+      row1_unpack<T, VB>(wr[k], sc);
+      row1_unpack<T, VB>(br[k], bi);  // zeros without bias
 #pragma unroll
-      for (int e = 0; e < E; ++e) sc[e] = p.w ? p.weight_offset + sc[e] : 1.f;
+      for (int e = 0; e < EV; ++e) sc[e] = p.w ? p.weight_offset + sc[e] : 1.f;
     } else {
       load_params_vec<T, true>(p, g, col, n, sc, bi);
     }
 #pragma unroll
-    for (int e = 0; e < E; ++e) out[e] = (xf[k][e] - mean) * rstd * sc[e] + bi[e];
-    store_vec<T>(yrow, col, n, true, out);
+    for (int e = 0; e < EV; ++e) out[e] = (xf[k][e] - mean) * rstd * sc[e] + bi[e];
+    row1_store<T, VB>(yrow, col, out);
   }
   if (threadIdx.x == 0) {
     if (p.mean) p.mean[r] = mean;

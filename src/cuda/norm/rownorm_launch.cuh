@@ -1,8 +1,8 @@
 // rownorm_launch.cuh: launch planning for the LayerNorm-family kernels (rownorm_kernel.cuh), one
 // template per IO dtype, instantiated in rownorm_<dtype>.cu so that build options can drop dtypes.
 //
-// Plan, forward: aligned 16-bit rows of 33..256 16-byte vectors in small problems -> one row per CTA
-// of one or two vectors per thread (rownorm_fwd_row1_kernel); other aligned rows with N <= kBulkMaxN
+// Plan, forward: aligned 16-bit rows of 33..256 16-byte vectors (Hopper: 33..512) in small problems ->
+// one row per CTA of one or two vectors per thread (rownorm_fwd_row1_kernel); other aligned rows with N <= kBulkMaxN
 // on a device with bulk copies (sm_90, the kernel compiled for it) -> the bulk-copy kernel (rownorm_fwd_bulk.cuh), one 512-thread CTA per SM, P per
 // group rounded down to one wave; otherwise N <= kCachedMaxNFwd -> cached engines with tpr = next_pow2(ceil(N / elements per
 // thread)) threads per row and max(tpr, 256) threads per CTA; short rows: one row group per CTA (P =
@@ -36,7 +36,9 @@ struct RowPlan {
   bool ring = false;       // backward, cached: the cp.async ring kernel (aligned rows)
   bool bulk = false;       // forward: the bulk-copy kernel (Hopper, aligned rows)
   bool row1 = false;       // forward: one row per CTA, 1 or 2 vectors per thread (aligned 16-bit rows)
-  int row1_vecs = 1;       // its 16-byte vectors per thread
+  int row1_vecs = 1;       // its vectors per thread
+  int row1_vb = 16;        // its vectors' bytes (16, or 8)
+  bool row1_late = false;  // its raw parameters loaded after the sums (the planner's choice)
   int stages = 0;          // its row slots per row group
   int bulk_vecs = 0;       // its 16-byte vectors per thread (4 or 8)
   int threads = 256;
@@ -118,15 +120,37 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       // 2048 x 2048 0.0120 / 0.0100 / 0.0098, (1024, 16, 512) head norm 0.0164 / 0.0161; slower with
       // more rows per group (32768 x 1024 0.0431 / 0.0457, 32768 x 2048 0.0797 / 0.0896), at N = 4096
       // (0.0243 / 0.0287 with 512 threads / 0.0267 with 256) and for fp32 (4096 x 1024 0.0157 / 0.0179).
+      const Row1Config fc = rownorm_fwd_row1_config();
+      if (fc.tpr > 0 && sizeof(T) == 2 && al && rownorm_fwd_row1_enabled() && p.rows <= 0x7fffffff &&
+          (p.n * 2) % fc.vb == 0) {  // forced shape (tests, A/B): vectors per thread follow, 1 or 2
+        const std::int64_t nv = p.n * 2 / fc.vb, vpt = (nv + fc.tpr - 1) / fc.tpr;
+        const bool raw = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
+        if (vpt <= 2 && nv > fc.tpr / 2 && (raw || (fc.vb == 16 && !fc.late && fc.tpr <= kRow1MaxTpr))) {
+          plan.row1 = true, plan.row1_vecs = int(vpt), plan.row1_vb = fc.vb, plan.row1_late = fc.late;
+          plan.persistent = false;
+          plan.L.tpr = plan.threads = fc.tpr;
+          plan.L.P = int(p.rows);
+          return plan;
+        }
+      }
+      // Session 17 (H200, fastweight_bench, ms): the raw parameters loaded after the sums (FLA's order)
+      // instead of with x: 4096 x 2048 (2 vectors, 128 threads) 0.0159 -> 0.0143, 4096 x 1024 0.0104
+      // -> 0.0100 (with x, two vectors per thread took 57-59 registers); and with that, rows of up to
+      // 512 vectors (2 per thread, 256 threads) on Hopper where the bulk kernel's row groups would get
+      // at most 8 rows: 4096 x 4096 0.0243 (bulk) -> 0.0235; not at 32768 x 4096 (0.1439 bulk ->
+      // 0.1449). 512 or 1024 threads per row (FLA's shape) and 8-byte vectors were slower everywhere
+      // (4096 x 2048 with 512 threads of 8 bytes: 0.0258; 4096 x 8192: 0.0556-0.0652 against 0.0416).
       const int nvec = int(p.n / E), forced1 = rownorm_fwd_row1_vecs();
       const int vpt1 = forced1 == 2 || (forced1 == 0 && nvec > 128) ? 2 : 1;
       const int tpr1 = next_pow2((nvec + vpt1 - 1) / vpt1);
       const std::int64_t bulk_groups = std::int64_t(sm_count()) * (kBulkThreads / next_pow2((nvec + 3) / 4));
-      if (sizeof(T) == 2 && al && nvec > 32 && nvec <= (forced1 ? vpt1 : 1) * kRow1MaxTpr &&
+      const bool wide_rows = nvec > kRow1MaxTpr;  // 257..512 vectors: Hopper, against the bulk kernel
+      if (sizeof(T) == 2 && al && nvec > 32 && nvec <= (forced1 ? vpt1 : wide_rows ? 2 : 1) * kRow1MaxTpr &&
           rownorm_fwd_row1_enabled() && p.rows <= 0x7fffffff &&  // a CTA per row, 32-bit rows
-          (forced1 != 0 || p.rows <= 4 * bulk_groups)) {
+          (forced1 != 0 || (wide_rows ? cc_major() >= 9 && p.rows <= 8 * bulk_groups : p.rows <= 4 * bulk_groups))) {
         plan.row1 = true;
         plan.row1_vecs = vpt1;
+        plan.row1_late = true;
         plan.persistent = false;
         plan.L.tpr = plan.threads = tpr1;
         plan.L.P = int(p.rows);
@@ -255,7 +279,26 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   if (plan.row1) {
     if constexpr (sizeof(T) == 2) {  // planned for 16-bit rows only
       const bool raw_par = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
-      if (plan.row1_vecs == 2) {
+      const bool wide = plan.threads > kRow1MaxTpr;
+      if (raw_par && (plan.row1_vb != 16 || plan.row1_late || wide)) {
+        // the forced shapes (force_rownorm_fwd_row1_config): vectors, order, warp slots
+        auto go = [&](auto vpt, auto vb, auto late, auto w) {
+          rownorm_fwd_row1_kernel<T, true, decltype(vpt)::value, decltype(vb)::value, decltype(late)::value,
+                                  decltype(w)::value><<<grid, plan.threads, 0, stream>>>(p);
+        };
+        using I1 = std::integral_constant<int, 1>;
+        using I2 = std::integral_constant<int, 2>;
+        using V8 = std::integral_constant<int, 8>;
+        using V16 = std::integral_constant<int, 16>;
+        using W8 = std::integral_constant<int, 8>;
+        using W32 = std::integral_constant<int, 32>;
+        using L0 = std::false_type;
+        using L1 = std::true_type;
+        auto by_w = [&](auto vpt, auto vb, auto late) { wide ? go(vpt, vb, late, W32{}) : go(vpt, vb, late, W8{}); };
+        auto by_late = [&](auto vpt, auto vb) { plan.row1_late ? by_w(vpt, vb, L1{}) : by_w(vpt, vb, L0{}); };
+        auto by_vb = [&](auto vpt) { plan.row1_vb == 8 ? by_late(vpt, V8{}) : by_late(vpt, V16{}); };
+        plan.row1_vecs == 2 ? by_vb(I2{}) : by_vb(I1{});
+      } else if (plan.row1_vecs == 2) {
         if (raw_par) rownorm_fwd_row1_kernel<T, true, 2><<<grid, plan.threads, 0, stream>>>(p);
         else rownorm_fwd_row1_kernel<T, false, 2><<<grid, plan.threads, 0, stream>>>(p);
       } else {
