@@ -7,6 +7,7 @@
 // float64 loop costs O(B H T K V) on one host core: 0.5 s at T = 8192), timed at the full shape like
 // the norms (CUDA graph, L2 flushed, median of --reps). The row names both shapes.
 #include <algorithm>
+#include <limits>
 #include <cstdio>
 #include <string>
 
@@ -128,9 +129,12 @@ int gpu_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
     try {
       const std::vector<std::int64_t> cu = c.seqs > 0 ? random_offsets(c.seqs, c.T, 5) : std::vector<std::int64_t>{};
       GpuDn check(1, c.T, 2, c.K, c.K, cu);
-      std::printf("deltanet (cuda): verifying at %s\n", check.shape().c_str());
-      const double err_f = check.verify_fwd(true), err_f1 = check.verify_fwd(false), err_b = check.verify_bwd();
-      failures += !(err_f <= 1e-2) + !(err_f1 <= 1e-2) + !(err_b <= 1e-2);
+      const double nan = std::numeric_limits<double>::quiet_NaN();
+      const bool ver = !fb.timing_only;
+      if (ver) std::printf("deltanet (cuda): verifying at %s\n", check.shape().c_str());
+      const double err_f = ver ? check.verify_fwd(true) : nan, err_f1 = ver ? check.verify_fwd(false) : nan,
+                   err_b = ver ? check.verify_bwd() : nan;
+      if (ver) failures += !(err_f <= 1e-2) + !(err_f1 <= 1e-2) + !(err_b <= 1e-2);
       GpuDn run(c.B, c.T, c.H, c.K, c.K, cu);
       const DeltanetFwdArgs a = run.args();
       DevScratch wsf(deltanet_fwd_workspace_size(a));
@@ -139,7 +143,7 @@ int gpu_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
       const DeltanetBwdArgs ab = run.bwd_args();
       DevScratch ws(deltanet_bwd_workspace_size(ab));
       const double ms_b = fb.timer->time_ms([&](Stream st) { deltanet_bwd(ab, ws.p, ws.bytes, st); }, fb.reps);
-      const std::string shp = run.shape() + " l2norm; verified at " + check.shape();
+      const std::string shp = run.shape() + (ver ? " l2norm; verified at " + check.shape() : " l2norm; not verified (--timing-only)");
       rows.push_back({"deltanet_fwd", "bfloat16", shp + "; workspace " + std::to_string(wsf.bytes >> 20) + " MiB", err_f,
                       ms_f, "cuda"});
       rows.push_back({"deltanet_fwd", "bfloat16", shp + "; no workspace (on-chip kernel)", err_f1, ms_f1, "cuda"});
@@ -147,15 +151,15 @@ int gpu_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
                       ms_b, "cuda"});
       // the same with bf16-only tensor-core operands (split_operands = false: FLA's precision)
       check.split = run.split = false;
-      const double e2_f = check.verify_fwd(true), e2_b = check.verify_bwd();
-      failures += !(e2_f <= 2e-2) + !(e2_b <= 2e-2);  // the bf16 bound (hi + lo keeps 1e-2 above)
+      const double e2_f = ver ? check.verify_fwd(true) : nan, e2_b = ver ? check.verify_bwd() : nan;
+      if (ver) failures += !(e2_f <= 2e-2) + !(e2_b <= 2e-2);  // the bf16 bound (hi + lo keeps 1e-2 above)
       const DeltanetFwdArgs a2 = run.args();
       DevScratch wsf2(deltanet_fwd_workspace_size(a2));
       const double ms_f2 = fb.timer->time_ms([&](Stream st) { deltanet_fwd(a2, wsf2.p, wsf2.bytes, st); }, fb.reps);
       const DeltanetBwdArgs ab2 = run.bwd_args();
       DevScratch ws2(deltanet_bwd_workspace_size(ab2));
       const double ms_b2 = fb.timer->time_ms([&](Stream st) { deltanet_bwd(ab2, ws2.p, ws2.bytes, st); }, fb.reps);
-      const std::string shp2 = run.shape() + " l2norm, bf16 operands; verified at " + check.shape();
+      const std::string shp2 = run.shape() + (ver ? " l2norm, bf16 operands; verified at " + check.shape() : " l2norm, bf16 operands; not verified (--timing-only)");
       rows.push_back({"deltanet_fwd", "bfloat16", shp2 + "; workspace " + std::to_string(wsf2.bytes >> 20) + " MiB",
                       e2_f, ms_f2, "cuda"});
       rows.push_back({"deltanet_bwd", "bfloat16", shp2 + "; workspace " + std::to_string(ws2.bytes >> 20) + " MiB",

@@ -20,6 +20,7 @@ struct BenchRow {
 // of reps).
 struct FamilyBench {
   bool quick = false;
+  bool timing_only = false;  // GPU rows timed without the float64 check (A/B runs after CTest): err NaN
   int reps = 30;
   fwbench::GpuTimer* timer = nullptr;
 };

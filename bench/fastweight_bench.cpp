@@ -13,6 +13,8 @@
 //                                            threads per row, vector bytes (8|16), parameters after the sums (0|1)
 //   fastweight_bench --dn-no-db2             DeltaNet backward serial kernel with q / Xw single-buffered (A/B)
 //   fastweight_bench --dn-wy-vbufs=1|2       DeltaNet wy kernel's v tile buffers (A/B)
+//   fastweight_bench --timing-only           DeltaNet GPU rows timed without their float64 check (A/B
+//                                            runs after CTest; the error column reads nan)
 //   fastweight_bench --op=mlstm              only the mLSTM rows (bench_mlstm.cpp: every public
 //                                            mLSTM op on CPU tensors; with a GPU also mlstm_fwd and
 //                                            mlstm_bwd on CUDA tensors)
@@ -60,7 +62,7 @@ struct Options {
   DType dtype = DType::bf16;
   std::int64_t rows = 4096, n = 8192;
   int reps = 30;
-  bool quick = false, cpu = false, no_bulk = false, no_dprime = false, no_row1 = false;
+  bool quick = false, timing_only = false, cpu = false, no_bulk = false, no_dprime = false, no_row1 = false;
   int bulk_vecs = 0;  // 0: the planner's choice
   int row1_vecs = 0;      // 0: the planner's choice
   fastweight::detail::Row1Config row1_cfg;  // tpr 0: the planner's choice
@@ -277,6 +279,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--reps=")) o.reps = std::atoi(v);
     else if (const char* v = val("--csv=")) o.csv = v;
     else if (a == "--quick") o.quick = true;
+    else if (a == "--timing-only") o.timing_only = true;
     else if (a == "--cpu") o.cpu = true;
     else if (a == "--no-bulk") o.no_bulk = true;
     else if (a == "--no-dprime") o.no_dprime = true;
@@ -386,7 +389,7 @@ int main(int argc, char** argv) {
   // mLSTM (issue 3) and DeltaNet (issue 4): the public ops on CPU tensors (the reference path), and
   // with a GPU the ops dispatched to CUDA on CUDA tensors (timed as above).
   FamilyBench fb;
-  fb.quick = o.quick, fb.reps = o.reps;
+  fb.quick = o.quick, fb.timing_only = o.timing_only, fb.reps = o.reps;
 #if FW_WITH_CUDA
   fb.timer = timer;
 #endif
