@@ -197,9 +197,11 @@ def group_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[t
 
 
 class _FlaNorm(nn.Module):
-    """FLA's norm modules' parameters: weight (ones) with elementwise_affine, bias (zeros) with bias too."""
+    """FLA's norm modules' constructor: weight (ones) with elementwise_affine, bias (zeros) with bias too;
+    forward through the subclass's function (_norm)."""
 
-    def __init__(self, hidden_size: int, elementwise_affine: bool, bias: bool, eps: float, device, dtype):
+    def __init__(self, hidden_size: int, elementwise_affine: bool = True, bias: bool = False, eps: float = 1e-5,
+                 device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.hidden_size, self.elementwise_affine, self.eps = hidden_size, elementwise_affine, eps
@@ -228,27 +230,19 @@ class _FlaNorm(nn.Module):
             s += f", is_rms_norm={self.is_rms_norm}"
         return s + f", eps={self.eps})"
 
+    def forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
+        return type(self)._norm(x, self.weight, self.bias, residual, self.eps, prenorm, residual_in_fp32)
+
 
 class LayerNorm(_FlaNorm):
-    """FLA's ``fla.modules.LayerNorm`` (bias off by default, as there)."""
-
-    def __init__(self, hidden_size: int, elementwise_affine: bool = True, bias: bool = False, eps: float = 1e-5,
-                 device=None, dtype=None):
-        super().__init__(hidden_size, elementwise_affine, bias, eps, device, dtype)
-
-    def forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
-        return layer_norm(x, self.weight, self.bias, residual, self.eps, prenorm, residual_in_fp32)
+    """FLA's ``fla.modules.LayerNorm(hidden_size, elementwise_affine=True, bias=False, eps=1e-5, device,
+    dtype)`` (bias off by default, as there)."""
+    _norm = staticmethod(layer_norm)
 
 
 class RMSNorm(_FlaNorm):
-    """FLA's ``fla.modules.RMSNorm`` (an optional bias, off by default)."""
-
-    def __init__(self, hidden_size: int, elementwise_affine: bool = True, bias: bool = False, eps: float = 1e-5,
-                 device=None, dtype=None):
-        super().__init__(hidden_size, elementwise_affine, bias, eps, device, dtype)
-
-    def forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
-        return rms_norm(x, self.weight, self.bias, residual, self.eps, prenorm, residual_in_fp32)
+    """FLA's ``fla.modules.RMSNorm`` (the same constructor; an optional bias, off by default)."""
+    _norm = staticmethod(rms_norm)
 
 
 class GroupNorm(_FlaNorm):
