@@ -217,3 +217,11 @@ def kernel_table(name: str, prepare, run, iters: int = 5) -> None:
     for k, (us, n) in sorted(tot.items(), key=lambda kv: -kv[1][0]):
         print(f"| {k[:90]} | {us / iters:.1f} | {n / iters:g} | {100 * us / iters / max(total, 1e-9):.1f}% |")
     sys.stdout.flush()
+
+
+def profile_or_table(name: str, prepare, run, kernels: int) -> None:
+    """The profile scripts' last step: kernel_table over `kernels` calls, or (0) one profiled run for ncu."""
+    if kernels:
+        kernel_table(name, prepare, run, kernels)
+    else:
+        profile_second_run(name, prepare, run)

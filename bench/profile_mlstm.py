@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import import_fastweight, kernel_table, profile_second_run  # noqa: E402
+from bench_common import import_fastweight, profile_or_table  # noqa: E402
 
 
 def main():
@@ -43,10 +43,7 @@ def main():
         def prepare():
             return [t.detach().clone().requires_grad_(not a.no_backward) for t in (q, k, v, i, f)]
 
-        if a.kernels:
-            kernel_table(name, prepare, run, a.kernels)
-        else:
-            profile_second_run(name, prepare, run)
+        profile_or_table(name, prepare, run, a.kernels)
     return 0
 
 
