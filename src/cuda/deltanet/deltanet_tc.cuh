@@ -67,32 +67,32 @@ __device__ __forceinline__ void mma_split(float (&acc)[J][4], const bf16* Ah, co
   }
 }
 
-// The state slice S (Kc rows x 64 columns) in fp32 registers of NW warps (4 or 8): warp w owns the
-// 16-row groups w + NW gg (Kc <= 128: groups w and w + 4, or group w), acc[gg][j][e] at row
-// 16 (w + NW gg) + frow, column fcol. Loaded from (N, H, K, V) view st at (n, h, rows, columns c0..)
-// (zero where absent or outside K, V); stored likewise.
-template <int NW = 4>
-__device__ __forceinline__ void state_load(float (&acc)[8 / NW][8][4], const StridedView& st, std::int64_t n,
+// The state slice S (Kc rows x 8 NJ columns: 64, or 32 for the state kernel's narrow tiles) in fp32
+// registers of NW warps (4 or 8): warp w owns the 16-row groups w + NW gg (Kc <= 128: groups w and
+// w + 4, or group w), acc[gg][j][e] at row 16 (w + NW gg) + frow, column fcol. Loaded from (N, H, K, V)
+// view st at (n, h, rows, columns c0..) (zero where absent or outside K, V); stored likewise.
+template <int NW = 4, int NJ = 8>
+__device__ __forceinline__ void state_load(float (&acc)[8 / NW][NJ][4], const StridedView& st, std::int64_t n,
                                            std::int64_t h, std::int64_t c0, std::int64_t K, std::int64_t V, int warp,
                                            int lane) {
 #pragma unroll
   for (int gg = 0; gg < 8 / NW; ++gg)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const std::int64_t r = 16 * (warp + NW * gg) + frow(lane, e), c = c0 + fcol(lane, j, e);
         acc[gg][j][e] = st.p && r < K && c < V ? mlstm_ld(st, n * st.s0 + h * st.s1 + r * st.s2 + c) : 0.f;
       }
 }
-template <int NW = 4>
-__device__ __forceinline__ void state_store(const float (&acc)[8 / NW][8][4], const StridedView& st, std::int64_t n,
+template <int NW = 4, int NJ = 8>
+__device__ __forceinline__ void state_store(const float (&acc)[8 / NW][NJ][4], const StridedView& st, std::int64_t n,
                                             std::int64_t h, std::int64_t c0, std::int64_t K, std::int64_t V, int warp,
                                             int lane) {
 #pragma unroll
   for (int gg = 0; gg < 8 / NW; ++gg)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const std::int64_t r = 16 * (warp + NW * gg) + frow(lane, e), c = c0 + fcol(lane, j, e);
@@ -100,17 +100,17 @@ __device__ __forceinline__ void state_store(const float (&acc)[8 / NW][8][4], co
       }
 }
 
-// The state slice as bf16 hi + lo (LO; else hi only) into smem (Kc x 64, stride kLd): the B operand
+// The state slice as bf16 hi + lo (LO; else hi only) into smem (Kc x 8 NJ, stride kLd): the B operand
 // of products with S. Column pairs (e, e + 1) per 4-byte store.
-template <int NW = 4, bool LO = true>
-__device__ __forceinline__ void state_split(const float (&acc)[8 / NW][8][4], bf16* sSh, bf16* sSl, int ngroups,
+template <int NW = 4, bool LO = true, int NJ = 8>
+__device__ __forceinline__ void state_split(const float (&acc)[8 / NW][NJ][4], bf16* sSh, bf16* sSl, int ngroups,
                                             int warp, int lane) {
 #pragma unroll
   for (int gg = 0; gg < 8 / NW; ++gg) {
     const int g = warp + NW * gg;
     if (g >= ngroups) continue;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int e = 0; e < 4; e += 2)
         put_split2<LO>(sSh, sSl, kLd, 16 * g + frow(lane, e), fcol(lane, j, e), acc[gg][j][e], acc[gg][j][e + 1]);
@@ -147,10 +147,10 @@ __device__ __forceinline__ float row_l2_factor(const bf16* s, int ld, int Kc, in
   return rsqrtf(ss + 1e-6f);
 }
 
-// S += K^T U: A = K^T read k-major from the chunk's k tile (64 rows, stride ldk), B = U (64 x 64) as
+// S += K^T U: A = K^T read k-major from the chunk's k tile (64 rows, stride ldk), B = U (64 x 8 NJ) as
 // bf16 hi + lo (stride kLd; LO = false: the hi part only, sUl unused); ngroups = Kc / 16 row groups of S.
-template <int NW = 4, bool LO = true>
-__device__ __forceinline__ void state_update(float (&acc)[8 / NW][8][4], const bf16* sk, int ldk, const bf16* sUh,
+template <int NW = 4, bool LO = true, int NJ = 8>
+__device__ __forceinline__ void state_update(float (&acc)[8 / NW][NJ][4], const bf16* sk, int ldk, const bf16* sUh,
                                              const bf16* sUl, int ngroups, int warp, int lane) {
 #pragma unroll
   for (int gg = 0; gg < 8 / NW; ++gg) {
@@ -161,7 +161,7 @@ __device__ __forceinline__ void state_update(float (&acc)[8 / NW][8][4], const b
       std::uint32_t a[4];
       ldsm_x4_t(a, sk + (ks * 16 + ld_row_a_kmajor(lane)) * ldk + 16 * g + ld_col_a_kmajor(lane));
 #pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
+      for (int jj = 0; jj < NJ / 2; ++jj) {
         std::uint32_t bh[4];
         ldsm_x4_t(bh, sUh + (ks * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
         mma_bf16_16816(acc[gg][2 * jj], a, bh[0], bh[1]);
@@ -215,25 +215,26 @@ __device__ __forceinline__ void chunk_output(float (&o)[8][4], const bf16* sq, c
   chunk_output_o<LO>(o, pf, sq, ldk, Kc, sSh, sSl, sD, warp, lane);
 }
 
-// S (Kc x 64 tile, bf16 hi + lo in smem) -> the workspace's (K, V) hi then lo matrices at gh, columns
-// c0.. (LO = false: the hi matrix alone): 16-byte rows pieces where V % 8 == 0, else elements. All
-// nthreads threads of the CTA.
-template <bool LO = true>
+// S (Kc x TW tile, TW = 64 or 32 columns, bf16 hi + lo in smem) -> the workspace's (K, V) hi then lo
+// matrices at gh, columns c0.. (LO = false: the hi matrix alone): 16-byte rows pieces where V % 8 ==
+// 0, else elements. All nthreads threads of the CTA.
+template <bool LO = true, int TW = 64>
 __device__ __forceinline__ void store_state_split(bf16* gh, const bf16* sSh, const bf16* sSl, std::int64_t K,
                                                   std::int64_t V, std::int64_t c0, int nthreads = kTcThreads) {
   bf16* gl = gh + K * V;
-  const int nc = int(lmin(64, V - c0));
-  if (V % 8 == 0) {  // thread: column piece c of rows r, r + nthreads / 8, ... (nthreads % 8 == 0)
-    const int c = (threadIdx.x % 8) * 8;
+  const int nc = int(lmin(TW, V - c0));
+  constexpr int P = TW / 8;  // 16-byte pieces per row
+  if (V % 8 == 0) {  // thread: column piece c of rows r, r + nthreads / P, ... (nthreads % P == 0)
+    const int c = (threadIdx.x % P) * 8;
     if (c < nc)
-      for (int r = threadIdx.x / 8; r < K; r += nthreads / 8) {
+      for (int r = threadIdx.x / P; r < K; r += nthreads / P) {
         *reinterpret_cast<uint4*>(gh + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSh + r * kLd + c);
         if constexpr (LO)
           *reinterpret_cast<uint4*>(gl + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSl + r * kLd + c);
       }
   } else {
-    for (int e = threadIdx.x; e < K * 64; e += nthreads) {
-      const int r = e / 64, c = e % 64;
+    for (int e = threadIdx.x; e < K * TW; e += nthreads) {
+      const int r = e / TW, c = e % TW;
       if (c >= nc) continue;
       gh[r * V + c0 + c] = sSh[r * kLd + c];
       if constexpr (LO) gl[r * V + c0 + c] = sSl[r * kLd + c];
