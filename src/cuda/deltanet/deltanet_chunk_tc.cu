@@ -466,6 +466,10 @@ std::atomic<int> g_state_tile{0};  // 0: the planner's choice
 }  // namespace
 int set_deltanet_wy_vbufs(int n) { return g_wy_vbufs.exchange(n == 1 || n == 2 ? n : 0); }
 int set_deltanet_state_tile(int cols) { return g_state_tile.exchange(cols == 32 || cols == 64 ? cols : 0); }
+int deltanet_serial_tile(std::int64_t seqs, std::int64_t V) {
+  const int forced = g_state_tile.load();
+  return forced ? forced : 2 * seqs * ((V + kT - 1) / kT) <= sm_count() ? 32 : 64;
+}
 
 bool deltanet_chunk_tc_applies(const DeltanetParams& p) {
   return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 && p.K >= 1 &&
@@ -497,9 +501,7 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   }
   const bool pxu = state_xu_tiles(p);
   const StLayout ls(p.K, p.hilo, pxu);
-  // 32-column tiles where 64-column ones would leave more than half the SMs idle (one CTA per SM)
-  const int forced = g_state_tile.load();
-  const int tw = forced ? forced : 2 * seqs * vt <= sm_count() ? 32 : 64;
+  const int tw = deltanet_serial_tile(seqs, p.V);
   auto* state = p.hilo ? &deltanet_state_kernel<true> : &deltanet_state_kernel<false>;
   if (tw == 32) state = p.hilo ? &deltanet_state_kernel<true, 32> : &deltanet_state_kernel<false, 32>;
   const std::int64_t vtw = (p.V + tw - 1) / tw;

@@ -342,19 +342,20 @@ inline bool rows16_seq(const StridedView& t) {
 // where V % 4 == 0 (the caller commits, waits and synchronises), else plain loads. Staging these tiles
 // replaced per-element loads on the critical path (a third to a half of the stall samples of the
 // kernels that read X, T2 this way).
-template <bool ZERO>
+template <bool ZERO, int TW = 64>  // TW: the tile's columns (64, or 32 for the serial kernels' narrow tiles)
 __device__ __forceinline__ void stage_ws_rows(float* dst, int ld, const float* region, const DeltanetParams& p,
                                               std::int64_t b, std::int64_t t0, std::int64_t h, int nr, std::int64_t c0,
                                               int nthreads) {
   const std::int64_t V = p.V;
-  const int ncv = int(V - c0 < 64 ? V - c0 : 64);
+  const int ncv = int(V - c0 < TW ? V - c0 : TW);
+  constexpr int P = TW / 4;  // 16-byte pieces per row
   if (V % 4 == 0) {  // ncv % 4 == 0 too: whole 16-byte pieces
-    // thread: column piece c of rows i, i + nthreads / 16, ... (nthreads % 16 == 0): one address
+    // thread: column piece c of rows i, i + nthreads / P, ... (nthreads % P == 0): one address
     // computation, then a fixed step (per-piece index and 64-bit row arithmetic were most of the
     // instructions of this loop)
-    const int c = 4 * (int(threadIdx.x) % 16), di = nthreads / 16;
+    const int c = 4 * (int(threadIdx.x) % P), di = nthreads / P;
     const bool cin = c < ncv;
-    int i = int(threadIdx.x) / 16;
+    int i = int(threadIdx.x) / P;
     const std::int64_t step = std::int64_t(di) * p.H * V;
     const float* src = region + dn_ws_row(p, b, t0 + i, h) * V + c0 + c;
     for (; i < 64; i += di, src += step) {
@@ -362,8 +363,8 @@ __device__ __forceinline__ void stage_ws_rows(float* dst, int ld, const float* r
       if (ZERO || in) cp_async16(dst + i * ld + c, in ? src : region, in ? 16 : 0);  // src-size 0: zero fill
     }
   } else {
-    for (int e = threadIdx.x; e < 64 * 64; e += nthreads) {
-      const int i = e / 64, c = e % 64;
+    for (int e = threadIdx.x; e < 64 * TW; e += nthreads) {
+      const int i = e / TW, c = e % TW;
       const bool in = i < nr && c < ncv;
       if (ZERO || in) dst[i * ld + c] = in ? region[dn_ws_row(p, b, t0 + i, h) * V + c0 + c] : 0.f;
     }
