@@ -133,20 +133,21 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
 }
 
 // ---- 2. serial ----------------------------------------------------------------------------------
-// smem: [2] bf16 k [64][ldk] | [2] bf16 dO [64][kLd] | [2] f32 dD0 [64][kLdF] | [2] f32 rq, rk, beta [64] |
-//       [nb2] bf16 q, Xw hi [64][ldk] | bf16 Xw lo [64][ldk] | bf16 dSe hi, lo [Kc][kLd] |
-//       bf16 -W dD hi, lo, s diag(rq) dO hi, lo [64][kLd] (the lo tiles with LO only). q and Xw (the
+// smem: [2] bf16 k [64][ldk] | [2] bf16 dO [64][TW+8] | [2] f32 dD0 [64][TW+4] | [2] f32 rq, rk, beta [64] |
+//       [nb2] bf16 q, Xw hi [64][ldk] | bf16 Xw lo [64][ldk] | bf16 dSe hi, lo [Kc][TW+8] |
+//       bf16 -W dD hi, lo, s diag(rq) dO hi, lo [64][TW+8] (the lo tiles with LO only). q and Xw (the
 //       step's second operands): nb2 = 1, issued at the step's start and waited for in its middle;
 //       nb2 = 2 (bf16 operands, where it fits: 192 KB at K = 128), issued a step ahead with the first
 //       ones, so no load waits inside the step.
 struct BsLayout {
   int Kc, ldk;
   std::size_t k, dO, dd, fac, q, xh, xl, Sh, Sl, Bh, Bl, Uh, Ul, bytes;
-  __host__ __device__ BsLayout(std::int64_t K, bool lo, int nb2 = 1) {
+  // tw: the CTA's V columns (the dO, dSe, B, U tiles tw + 8 bf16 wide, dD0 tw + 4 fp32: kLd / kLdF at 64)
+  __host__ __device__ BsLayout(std::int64_t K, bool lo, int nb2 = 1, int tw = 64) {
     Kc = k_cols(K), ldk = Kc + 8;
-    const std::size_t kt = 2 * std::size_t(kT) * ldk, t64 = 2 * std::size_t(kT) * kLd;
-    const std::size_t st = 2 * std::size_t(Kc) * kLd, tl = lo ? t64 : 0;
-    k = 0, dO = k + 2 * kt, dd = dO + 2 * t64, fac = dd + 2 * 4 * std::size_t(kT) * kLdF;
+    const std::size_t kt = 2 * std::size_t(kT) * ldk, t64 = 2 * std::size_t(kT) * (tw + 8);
+    const std::size_t st = 2 * std::size_t(Kc) * (tw + 8), tl = lo ? t64 : 0;
+    k = 0, dO = k + 2 * kt, dd = dO + 2 * t64, fac = dd + 2 * 4 * std::size_t(kT) * (tw + 4);
     q = fac + 2 * 3 * 4 * kT, xh = q + nb2 * kt, xl = xh + nb2 * kt, Sh = xl + (lo ? kt : 0);
     Sl = Sh + st, Bh = Sl + (lo ? st : 0);
     Bl = Bh + t64, Uh = Bl + tl, Ul = Uh + t64, bytes = Ul + tl;
@@ -164,14 +165,15 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   static_assert(!(LO && DB2), "the hi + lo layout has no room for a second q / Xw buffer");
   static_assert(TW == 64 || TW == 32, "64- or 32-column tiles");
   constexpr int NJ = TW / 8, NJX = TW / 16;  // 8-column tiles of dS per warp, of dD per warp
+  constexpr int LDT = TW + 8, LDF = TW + 4;   // strides of the dO / dSe / B / U (bf16) and dD0 (fp32) tiles
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const BsLayout lay(p.K, LO, DB2 ? 2 : 1);
+  const BsLayout lay(p.K, LO, DB2 ? 2 : 1, TW);
   const int Kc = lay.Kc, ldk = lay.ldk;
-  const std::size_t ktile = std::size_t(kT) * ldk, otile = std::size_t(kT) * kLd;
+  const std::size_t ktile = std::size_t(kT) * ldk, otile = std::size_t(kT) * LDT;
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);     // [2] (64 rows, Kc) k
   bf16* sdo = reinterpret_cast<bf16*>(base + lay.dO);   // [2] (64 rows, TW) dO (this CTA's columns)
-  float* sdd = reinterpret_cast<float*>(base + lay.dd);  // [2] (64, kLdF) dD0
+  float* sdd = reinterpret_cast<float*>(base + lay.dd);  // [2] (64, LDF) dD0
   float* sfac = reinterpret_cast<float*>(base + lay.fac);  // [2] rq[64], rk[64], beta[64]
   bf16* sq = reinterpret_cast<bf16*>(base + lay.q);     // [DB2 ? 2 : 1] (64 rows, Kc) q
   bf16* sxh = reinterpret_cast<bf16*>(base + lay.xh);   // [DB2 ? 2 : 1] (64 rows, Kc) Xw hi
@@ -200,9 +202,9 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     const int nr = int(lmin(kT, sq_.eos - t0));
     const std::int64_t row0 = dn_ws_row(p, b, t0, h);
     load_kc_tile(kunits, sk + buf * ktile, ldk, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk, kBsThreads);
-    load_tile(sdo + buf * otile, kLd, kT, TW, bf_rows(p.do_, b, t0, h) + c0, p.do_.s1, nr, int(lmin(TW, V - c0)), vo,
+    load_tile(sdo + buf * otile, LDT, kT, TW, bf_rows(p.do_, b, t0, h) + c0, p.do_.s1, nr, int(lmin(TW, V - c0)), vo,
               kBsThreads);
-    stage_ws_rows<true, TW>(sdd + buf * kT * kLdF, kLdF, ws + w.Y, p, b, t0, h, nr, c0, kBsThreads);
+    stage_ws_rows<true, TW>(sdd + buf * kT * LDF, LDF, ws + w.Y, p, b, t0, h, nr, c0, kBsThreads);
     if (tid < 3 * kT) {
       const int f = tid / kT, i = tid % kT;
       if (i < nr) cp_async4(sfac + (buf * 3 + f) * kT + i, ws + w.fac + f * w.rows + row0 + i * p.H);
@@ -256,12 +258,12 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     // c. dD = dD0 + diag(rk) K dSe (16 rows x TW / 2 columns per warp) -> the Y region; -W dD and
     //    s diag(rq) dO as hi + lo
     {
-      const float* dd0 = sdd + buf * kT * kLdF;
+      const float* dd0 = sdd + buf * kT * LDF;
       const float* fq = sfac + buf * 3 * kT;
       const bf16* dO = sdo + buf * otile;
       float kd[NJX][4] = {};
-      mma_rk(kd, sk + buf * ktile, ldk, rg, sSh + (TW / 2) * half, kLd, Kc, lane);
-      if constexpr (LO) mma_rk(kd, sk + buf * ktile, ldk, rg, sSl + (TW / 2) * half, kLd, Kc, lane);
+      mma_rk(kd, sk + buf * ktile, ldk, rg, sSh + (TW / 2) * half, LDT, Kc, lane);
+      if constexpr (LO) mma_rk(kd, sk + buf * ktile, ldk, rg, sSl + (TW / 2) * half, LDT, Kc, lane);
       // this thread's dD pairs in the Y region: rows i0, i0 + 8, 8-column steps from one base
       const int i0 = 16 * rg + frow(lane, 0);
       float* yg = ws + w.Y + (dn_ws_row(p, b, t0, h) + i0 * p.H) * V + c0 + (TW / 2) * half + fcol(lane, 0, 0);
@@ -274,12 +276,12 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
           const std::int64_t col = c0 + c;
           const bool in = i < nr && col < V, has1 = col + 1 < V;
           const float rk = fq[kT + i], bt = fq[2 * kT + i], rq = fq[i];
-          const float d0 = in ? fmaf(rk, kd[j][e], dd0[i * kLdF + c]) : 0.f;
-          const float d1 = in && has1 ? fmaf(rk, kd[j][e + 1], dd0[i * kLdF + c + 1]) : 0.f;
+          const float d0 = in ? fmaf(rk, kd[j][e], dd0[i * LDF + c]) : 0.f;
+          const float d1 = in && has1 ? fmaf(rk, kd[j][e + 1], dd0[i * LDF + c + 1]) : 0.f;
           if (in) store_pair(yg + (e / 2) * hv8 + 8 * j, d0, d1, has1, even);
-          put_split2<LO>(sBh, sBl, kLd, i, c, -bt * d0, -bt * d1);
-          const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dO + i * kLd + c));
-          put_split2<LO>(sUh, sUl, kLd, i, c, p.scale * rq * o.x, p.scale * rq * o.y);
+          put_split2<LO>(sBh, sBl, LDT, i, c, -bt * d0, -bt * d1);
+          const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dO + i * LDT + c));
+          put_split2<LO>(sUh, sUl, LDT, i, c, p.scale * rq * o.x, p.scale * rq * o.y);
         }
     }
     if constexpr (!DB2) {
@@ -619,8 +621,8 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   prep<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lp.bytes, st>>>(p, w, ws, vq, vk, vo);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: prep)");
   const bool db2 = bwd_serial_db2(p);
-  const BsLayout ls(p.K, p.hilo, db2 ? 2 : 1);
   const int tw = deltanet_serial_tile(seqs, p.V);  // 32 where 64-column CTAs would leave SMs idle
+  const BsLayout ls(p.K, p.hilo, db2 ? 2 : 1, tw);
   auto* serial = p.hilo ? &deltanet_bwd_state_tc_kernel<true, false>
                         : (db2 ? &deltanet_bwd_state_tc_kernel<false, true> : &deltanet_bwd_state_tc_kernel<false, false>);
   if (tw == 32)

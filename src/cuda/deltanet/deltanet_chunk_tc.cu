@@ -176,24 +176,25 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
 }
 
 // ---- 2. state -----------------------------------------------------------------------------------
-// smem: bf16 k[2][64][ldk] | Xwh[2][64][ldk] | Xwl[2][64][ldk] | Sh, Sl[Kc][kLd] | Dh, Dl[64][kLd] |
-//       f32 rkb[2][64] (rk beta per row) | f32 Xu[2][64][kLdU] (this CTA's 64 columns, prefetched
+// smem: bf16 k[2][64][ldk] | Xwh[2][64][ldk] | Xwl[2][64][ldk] | Sh, Sl[Kc][TW+8] | Dh, Dl[64][TW+8] |
+//       f32 rkb[2][64] (rk beta per row) | f32 Xu[2][64][TW+4] (this CTA's TW columns, prefetched
 //       with the chunk's other operands: read synchronously it exposed a global-load latency per chunk)
 //       (the lo tiles with LO only)
-constexpr int kLdU = kT + 4;  // fp32 row stride of the Xu tiles: 272 B, 16-byte aligned rows
 struct StLayout {
   int Kc, ldk;
   std::size_t k, xh, xl, Sh, Sl, Dh, Dl, rkb, xu, bytes;
   // with_xu = false: no Xu tiles (read from global instead), for devices whose shared memory per
-  // block cannot hold them (sm_80: 163 KB; 195 KB are needed at K = 128)
-  __host__ __device__ StLayout(std::int64_t K, bool lo, bool with_xu = true) {
+  // block cannot hold them (sm_80: 163 KB; 195 KB are needed at K = 128). tw: the CTA's V columns
+  // (the S, D and Xu tiles are tw + 8 bf16 / tw + 4 fp32 wide: 16-byte aligned rows, ldmatrix
+  // conflict-free)
+  __host__ __device__ StLayout(std::int64_t K, bool lo, bool with_xu = true, int tw = 64) {
     Kc = k_cols(K), ldk = Kc + 8;
     const std::size_t kt = 2 * std::size_t(kT) * ldk;  // bytes of one (64, ldk) bf16 tile
-    const std::size_t st = 2 * std::size_t(Kc) * kLd, t64 = 2 * std::size_t(kT) * kLd;
+    const std::size_t st = 2 * std::size_t(Kc) * (tw + 8), t64 = 2 * std::size_t(kT) * (tw + 8);
     k = 0, xh = k + 2 * kt, xl = xh + 2 * kt, Sh = xl + (lo ? 2 * kt : 0), Sl = Sh + st;
     Dh = Sl + (lo ? st : 0), Dl = Dh + t64, rkb = Dl + (lo ? t64 : 0);
     xu = rkb + 2 * 4 * kT;
-    bytes = xu + (with_xu ? 2 * 4 * std::size_t(kT) * kLdU : 0);
+    bytes = xu + (with_xu ? 2 * 4 * std::size_t(kT) * (tw + 4) : 0);
   }
 };
 
@@ -210,20 +211,21 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
                                                                        bool vk, bool vx, bool pxu, bool dp) {
   static_assert(TW == 64 || TW == 32, "64- or 32-column tiles");
   constexpr int NJ = TW / 8, NJX = TW / 16;  // 8-column tiles of S per warp, of X per warp
+  constexpr int LDT = TW + 8, LDU = TW + 4;   // strides of the S / D (bf16) and Xu (fp32) tiles
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const StLayout lay(p.K, LO, pxu);
+  const StLayout lay(p.K, LO, pxu, TW);
   const int Kc = lay.Kc, ldk = lay.ldk;
   const std::size_t tile = std::size_t(kT) * ldk;  // elements of one (64, ldk) tile
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // [2] (64 rows, Kc) k
   bf16* sxh = reinterpret_cast<bf16*>(base + lay.xh);  // [2] (64 rows, Kc) Xw hi
   bf16* sxl = reinterpret_cast<bf16*>(base + lay.xl);  // [2] (64 rows, Kc) Xw lo
-  bf16* sSh = reinterpret_cast<bf16*>(base + lay.Sh);  // (Kc, TW) S hi (stride kLd)
+  bf16* sSh = reinterpret_cast<bf16*>(base + lay.Sh);  // (Kc, TW) S hi (stride LDT)
   bf16* sSl = reinterpret_cast<bf16*>(base + lay.Sl);  // (Kc, TW) S lo
   bf16* sDh = reinterpret_cast<bf16*>(base + lay.Dh);  // (64, TW) diag(rk beta) X hi
   bf16* sDl = reinterpret_cast<bf16*>(base + lay.Dl);
   float* s_rkb = reinterpret_cast<float*>(base + lay.rkb);  // [2][64]
-  float* s_xu = reinterpret_cast<float*>(base + lay.xu);    // [2][64][kLdU] (TW columns used)
+  float* s_xu = reinterpret_cast<float*>(base + lay.xu);    // [2][64][LDU]
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int rg = warp & 3, half = warp >> 2;  // X step: rows 16 rg.., columns (TW / 2) half..
@@ -262,11 +264,11 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
     if (vxu) {  // Xu rows t0.. (stride H V floats), columns c0..c0+TW-1: zero past nr rows and V columns
       static_assert(kStThreads % XT == 0 && kT % XR == 0, "whole rows per pass, whole passes per chunk");
       const float* src = w.xu + (row0 + xu_i * p.H) * V + c0 + xu_c;
-      float* dst = s_xu + (buf * kT + xu_i) * kLdU + xu_c;
+      float* dst = s_xu + (buf * kT + xu_i) * LDU + xu_c;
 #pragma unroll
       for (int q = 0; q < kT / XR; ++q) {
         const int bytes = xu_i + XR * q < nr ? xu_bytes : 0;
-        cp_async16(dst + XR * q * kLdU, bytes ? src + XR * q * hv : w.xu, bytes);
+        cp_async16(dst + XR * q * LDU, bytes ? src + XR * q * hv : w.xu, bytes);
       }
     }
     cp_async_commit();
@@ -295,7 +297,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
       float acc[NJX][4] = {};
       const bf16* xh = sxh + buf * tile;
       const bf16* xl = sxl + buf * tile;
-      mma_split<LO, true>(acc, xh, xl, ldk, rg, sSh + (TW / 2) * half, sSl + (TW / 2) * half, kLd, Kc, lane);
+      mma_split<LO, true>(acc, xh, xl, ldk, rg, sSh + (TW / 2) * half, sSl + (TW / 2) * half, LDT, Kc, lane);
       // vxu (V % 4 == 0: pairs whole): this thread's X pairs at one base, rows i0 and i0 + 8, 8-column
       // steps; dp (deltanet_dprime: V % 8 == 0, vxu): D' = diag(rk beta) X as bf16 in the X region
       const int i0 = 16 * rg + frow(lane, 0), cb = (TW / 2) * half + fcol(lane, 0, 0);
@@ -310,7 +312,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
           float2 x = make_float2(0.f, 0.f);
           if (vxu) {
             if (i < nr && c0 + c < V) {
-              const float2 u = *reinterpret_cast<const float2*>(s_xu + (buf * kT + i) * kLdU + c);
+              const float2 u = *reinterpret_cast<const float2*>(s_xu + (buf * kT + i) * LDU + c);
               x = make_float2(u.x - acc[j][e], u.y - acc[j][e + 1]);
               if (dp) {  // the output kernel's rounding of r * X (the same bits as from X)
                 const float r = s_rkb[buf * kT + i];
@@ -328,7 +330,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
             store_pair(w.X + at, x.x, x.y, has1, even);
           }
           const float r = s_rkb[buf * kT + i];
-          put_split2<LO>(sDh, sDl, kLd, i, c, r * x.x, r * x.y);
+          put_split2<LO>(sDh, sDl, LDT, i, c, r * x.x, r * x.y);
         }
     }
     __syncthreads();
@@ -500,8 +502,8 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
     FW_CUDA_CHECK_LAUNCH("deltanet (wy)");
   }
   const bool pxu = state_xu_tiles(p);
-  const StLayout ls(p.K, p.hilo, pxu);
   const int tw = deltanet_serial_tile(seqs, p.V);
+  const StLayout ls(p.K, p.hilo, pxu, tw);
   auto* state = p.hilo ? &deltanet_state_kernel<true> : &deltanet_state_kernel<false>;
   if (tw == 32) state = p.hilo ? &deltanet_state_kernel<true, 32> : &deltanet_state_kernel<false, 32>;
   const std::int64_t vtw = (p.V + tw - 1) / tw;

@@ -100,11 +100,12 @@ __device__ __forceinline__ void state_store(const float (&acc)[8 / NW][NJ][4], c
       }
 }
 
-// The state slice as bf16 hi + lo (LO; else hi only) into smem (Kc x 8 NJ, stride kLd): the B operand
+// The state slice as bf16 hi + lo (LO; else hi only) into smem (Kc x 8 NJ, stride 8 NJ + 8): the B operand
 // of products with S. Column pairs (e, e + 1) per 4-byte store.
 template <int NW = 4, bool LO = true, int NJ = 8>
 __device__ __forceinline__ void state_split(const float (&acc)[8 / NW][NJ][4], bf16* sSh, bf16* sSl, int ngroups,
                                             int warp, int lane) {
+  constexpr int LD = 8 * NJ + 8;  // the tile's stride: kLd at 64 columns
 #pragma unroll
   for (int gg = 0; gg < 8 / NW; ++gg) {
     const int g = warp + NW * gg;
@@ -113,7 +114,7 @@ __device__ __forceinline__ void state_split(const float (&acc)[8 / NW][NJ][4], b
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int e = 0; e < 4; e += 2)
-        put_split2<LO>(sSh, sSl, kLd, 16 * g + frow(lane, e), fcol(lane, j, e), acc[gg][j][e], acc[gg][j][e + 1]);
+        put_split2<LO>(sSh, sSl, LD, 16 * g + frow(lane, e), fcol(lane, j, e), acc[gg][j][e], acc[gg][j][e + 1]);
   }
 }
 
@@ -148,10 +149,11 @@ __device__ __forceinline__ float row_l2_factor(const bf16* s, int ld, int Kc, in
 }
 
 // S += K^T U: A = K^T read k-major from the chunk's k tile (64 rows, stride ldk), B = U (64 x 8 NJ) as
-// bf16 hi + lo (stride kLd; LO = false: the hi part only, sUl unused); ngroups = Kc / 16 row groups of S.
+// bf16 hi + lo (stride 8 NJ + 8; LO = false: the hi part only, sUl unused); ngroups = Kc / 16 row groups of S.
 template <int NW = 4, bool LO = true, int NJ = 8>
 __device__ __forceinline__ void state_update(float (&acc)[8 / NW][NJ][4], const bf16* sk, int ldk, const bf16* sUh,
                                              const bf16* sUl, int ngroups, int warp, int lane) {
+  constexpr int LD = 8 * NJ + 8;  // U's stride: kLd at 64 columns
 #pragma unroll
   for (int gg = 0; gg < 8 / NW; ++gg) {
     const int g = warp + NW * gg;
@@ -163,12 +165,12 @@ __device__ __forceinline__ void state_update(float (&acc)[8 / NW][NJ][4], const 
 #pragma unroll
       for (int jj = 0; jj < NJ / 2; ++jj) {
         std::uint32_t bh[4];
-        ldsm_x4_t(bh, sUh + (ks * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
+        ldsm_x4_t(bh, sUh + (ks * 16 + ld_row_b_kmajor(lane)) * LD + 16 * jj + ld_col_b_kmajor(lane));
         mma_bf16_16816(acc[gg][2 * jj], a, bh[0], bh[1]);
         mma_bf16_16816(acc[gg][2 * jj + 1], a, bh[2], bh[3]);
         if constexpr (LO) {
           std::uint32_t bl[4];
-          ldsm_x4_t(bl, sUl + (ks * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
+          ldsm_x4_t(bl, sUl + (ks * 16 + ld_row_b_kmajor(lane)) * LD + 16 * jj + ld_col_b_kmajor(lane));
           mma_bf16_16816(acc[gg][2 * jj], a, bl[0], bl[1]);
           mma_bf16_16816(acc[gg][2 * jj + 1], a, bl[2], bl[3]);
         }
@@ -215,7 +217,7 @@ __device__ __forceinline__ void chunk_output(float (&o)[8][4], const bf16* sq, c
   chunk_output_o<LO>(o, pf, sq, ldk, Kc, sSh, sSl, sD, warp, lane);
 }
 
-// S (Kc x TW tile, TW = 64 or 32 columns, bf16 hi + lo in smem) -> the workspace's (K, V) hi then lo
+// S (Kc x TW tile, TW = 64 or 32 columns, stride TW + 8, bf16 hi + lo in smem) -> the workspace's (K, V) hi then lo
 // matrices at gh, columns c0.. (LO = false: the hi matrix alone): 16-byte rows pieces where V % 8 ==
 // 0, else elements. All nthreads threads of the CTA.
 template <bool LO = true, int TW = 64>
@@ -223,21 +225,21 @@ __device__ __forceinline__ void store_state_split(bf16* gh, const bf16* sSh, con
                                                   std::int64_t V, std::int64_t c0, int nthreads = kTcThreads) {
   bf16* gl = gh + K * V;
   const int nc = int(lmin(TW, V - c0));
-  constexpr int P = TW / 8;  // 16-byte pieces per row
+  constexpr int P = TW / 8, LD = TW + 8;  // 16-byte pieces per row; the tile's stride (kLd at 64)
   if (V % 8 == 0) {  // thread: column piece c of rows r, r + nthreads / P, ... (nthreads % P == 0)
     const int c = (threadIdx.x % P) * 8;
     if (c < nc)
       for (int r = threadIdx.x / P; r < K; r += nthreads / P) {
-        *reinterpret_cast<uint4*>(gh + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSh + r * kLd + c);
+        *reinterpret_cast<uint4*>(gh + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSh + r * LD + c);
         if constexpr (LO)
-          *reinterpret_cast<uint4*>(gl + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSl + r * kLd + c);
+          *reinterpret_cast<uint4*>(gl + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSl + r * LD + c);
       }
   } else {
     for (int e = threadIdx.x; e < K * TW; e += nthreads) {
       const int r = e / TW, c = e % TW;
       if (c >= nc) continue;
-      gh[r * V + c0 + c] = sSh[r * kLd + c];
-      if constexpr (LO) gl[r * V + c0 + c] = sSl[r * kLd + c];
+      gh[r * V + c0 + c] = sSh[r * LD + c];
+      if constexpr (LO) gl[r * V + c0 + c] = sSl[r * LD + c];
     }
   }
 }
