@@ -112,18 +112,21 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
   // its operands as bf16 hi + lo and as bf16 alone, with the state kernel handing D' to the output
   // kernel and (modes 3, 4) X in fp32 instead: the same roundings, so the same bits (the workspace
   // poisoned with 0xff bytes: every read of it must follow a write). Each mode runs twice, the wy
-  // kernel with two v tile buffers and then with one: the same bits again.
+  // kernel with two v tile buffers and then with one, the state kernel on 64-column V tiles and then
+  // on 32-column ones: the same bits again.
   const std::size_t need = fastweight::detail::deltanet_fwd_workspace_bytes(p);
   void* ws = nullptr;
   if (need) FW_TEST_CUDA(cudaMalloc(&ws, need));
   struct Restore {
     bool prev;
-    int vbufs;
+    int vbufs, tile;
     ~Restore() {
       fastweight::detail::set_deltanet_fwd_dprime(prev);
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
+      fastweight::detail::set_deltanet_state_tile(tile);
     }
-  } restore{fastweight::detail::set_deltanet_fwd_dprime(true), fastweight::detail::set_deltanet_wy_vbufs(0)};
+  } restore{fastweight::detail::set_deltanet_fwd_dprime(true), fastweight::detail::set_deltanet_wy_vbufs(0),
+            fastweight::detail::set_deltanet_state_tile(0)};
   std::vector<HostTensor> by_mode(2 * 5);  // o, final state of each mode
   for (int m = 0; m < 5; ++m) {
     void* w = m == 0 ? nullptr : ws;
@@ -138,6 +141,7 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
     std::vector<HostTensor> runs;
     for (int r = 0; r < 2; ++r) {
       fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
+      fastweight::detail::set_deltanet_state_tile(r == 0 ? 64 : 32);
       FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
       FW_TEST_CUDA(cudaMemset(ght.ptr, 0xff, ght.nbytes));
       if (w) FW_TEST_CUDA(cudaMemset(w, 0xff, need));
@@ -147,7 +151,7 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
       runs.push_back(o), runs.push_back(ht);
       go.download(runs[2 * r]), ght.download(runs[2 * r + 1]);
     }
-    EXPECT_EQ(runs[0].bytes, runs[2].bytes) << mode << ": not deterministic (or the wy buffering changed bits)";
+    EXPECT_EQ(runs[0].bytes, runs[2].bytes) << mode << ": not deterministic (or the wy buffering / state tile changed bits)";
     EXPECT_EQ(runs[1].bytes, runs[3].bytes) << mode << ": final state not deterministic";
     EXPECT_LT(rel_err(runs[0], ro), tol) << mode << ": o";  // +inf on any NaN: every element written
     EXPECT_LT(rel_err(runs[1], rht), tol) << mode << ": final state";
@@ -371,19 +375,24 @@ void check_bwd_case(const DnBwdCase& c) {
   // Two calls, each on poisoned outputs; the workspace holds 0xff bytes before the first and zeros
   // before the second: the results may depend on neither. The second call also runs the serial
   // kernels with their other buffering (the recomputing wy kernel with one v tile buffer instead of
-  // two; bf16 operands: the backward serial kernel's q / Xw single-buffered): the same bits.
+  // two; bf16 operands: the backward serial kernel's q / Xw single-buffered) and the recomputing state
+  // kernel on 32-column V tiles instead of 64: the same bits.
   struct RestoreBuffering {
     int vbufs;
     bool db2;
+    int tile;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
+      fastweight::detail::set_deltanet_state_tile(tile);
     }
-  } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true)};
+  } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true),
+                      fastweight::detail::set_deltanet_state_tile(0)};
   std::vector<HostTensor> run[2];
   for (int r = 0; r < 2; ++r) {
     fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
     fastweight::detail::set_deltanet_bwd_serial_db2(r == 0);
+    fastweight::detail::set_deltanet_state_tile(r == 0 ? 64 : 32);
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
     FW_TEST_CUDA(cudaMemset(ws, r == 0 ? 0xff : 0x00, need));
     FW_TEST_CUDA(cudaDeviceSynchronize());  // the memsets run on the legacy stream, not on `stream`

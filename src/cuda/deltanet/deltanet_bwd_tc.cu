@@ -133,20 +133,21 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
 }
 
 // ---- 2. serial ----------------------------------------------------------------------------------
-// smem: [2] bf16 k [64][ldk] | [2] bf16 dO [64][kLd] | [2] f32 dD0 [64][kLdF] | [2] f32 rq, rk, beta [64] |
-//       [nb2] bf16 q, Xw hi [64][ldk] | bf16 Xw lo [64][ldk] | bf16 dSe hi, lo [Kc][kLd] |
-//       bf16 -W dD hi, lo, s diag(rq) dO hi, lo [64][kLd] (the lo tiles with LO only). q and Xw (the
+// smem: [2] bf16 k [64][ldk] | [2] bf16 dO [64][TW+8] | [2] f32 dD0 [64][TW+4] | [2] f32 rq, rk, beta [64] |
+//       [nb2] bf16 q, Xw hi [64][ldk] | bf16 Xw lo [64][ldk] | bf16 dSe hi, lo [Kc][TW+8] |
+//       bf16 -W dD hi, lo, s diag(rq) dO hi, lo [64][TW+8] (the lo tiles with LO only). q and Xw (the
 //       step's second operands): nb2 = 1, issued at the step's start and waited for in its middle;
 //       nb2 = 2 (bf16 operands, where it fits: 192 KB at K = 128), issued a step ahead with the first
 //       ones, so no load waits inside the step.
 struct BsLayout {
   int Kc, ldk;
   std::size_t k, dO, dd, fac, q, xh, xl, Sh, Sl, Bh, Bl, Uh, Ul, bytes;
-  __host__ __device__ BsLayout(std::int64_t K, bool lo, int nb2 = 1) {
+  // tw: the CTA's V columns (the dO, dSe, B, U tiles tw + 8 bf16 wide, dD0 tw + 4 fp32: kLd / kLdF at 64)
+  __host__ __device__ BsLayout(std::int64_t K, bool lo, int nb2 = 1, int tw = 64) {
     Kc = k_cols(K), ldk = Kc + 8;
-    const std::size_t kt = 2 * std::size_t(kT) * ldk, t64 = 2 * std::size_t(kT) * kLd;
-    const std::size_t st = 2 * std::size_t(Kc) * kLd, tl = lo ? t64 : 0;
-    k = 0, dO = k + 2 * kt, dd = dO + 2 * t64, fac = dd + 2 * 4 * std::size_t(kT) * kLdF;
+    const std::size_t kt = 2 * std::size_t(kT) * ldk, t64 = 2 * std::size_t(kT) * (tw + 8);
+    const std::size_t st = 2 * std::size_t(Kc) * (tw + 8), tl = lo ? t64 : 0;
+    k = 0, dO = k + 2 * kt, dd = dO + 2 * t64, fac = dd + 2 * 4 * std::size_t(kT) * (tw + 4);
     q = fac + 2 * 3 * 4 * kT, xh = q + nb2 * kt, xl = xh + nb2 * kt, Sh = xl + (lo ? kt : 0);
     Sl = Sh + st, Bh = Sl + (lo ? st : 0);
     Bl = Bh + t64, Uh = Bl + tl, Ul = Uh + t64, bytes = Ul + tl;
@@ -154,34 +155,38 @@ struct BsLayout {
 };
 
 // 8 warps as the forward's state kernel: warp w owns dS's 16-row group w and, in dD, rows 16 (w % 4)..
-// and the 32-column half w / 4.
+// and the (TW / 2)-column half w / 4. TW: the CTA's columns of V, 64 or 32 (as the forward's state
+// kernel: half the products per warp and step, twice the CTAs; the same bits).
 constexpr int kBsThreads = 256;
-template <bool LO, bool DB2>  // DB2: q and Xw double-buffered (bf16 operands only: !LO)
+template <bool LO, bool DB2, int TW = 64>  // DB2: q and Xw double-buffered (bf16 operands only: !LO)
 __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                               float* __restrict__ ws, bool vq, bool vk,
                                                                               bool vo, bool vx) {
   static_assert(!(LO && DB2), "the hi + lo layout has no room for a second q / Xw buffer");
+  static_assert(TW == 64 || TW == 32, "64- or 32-column tiles");
+  constexpr int NJ = TW / 8, NJX = TW / 16;  // 8-column tiles of dS per warp, of dD per warp
+  constexpr int LDT = TW + 8, LDF = TW + 4;   // strides of the dO / dSe / B / U (bf16) and dD0 (fp32) tiles
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const BsLayout lay(p.K, LO, DB2 ? 2 : 1);
+  const BsLayout lay(p.K, LO, DB2 ? 2 : 1, TW);
   const int Kc = lay.Kc, ldk = lay.ldk;
-  const std::size_t ktile = std::size_t(kT) * ldk, otile = std::size_t(kT) * kLd;
+  const std::size_t ktile = std::size_t(kT) * ldk, otile = std::size_t(kT) * LDT;
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);     // [2] (64 rows, Kc) k
-  bf16* sdo = reinterpret_cast<bf16*>(base + lay.dO);   // [2] (64 rows, 64) dO (this CTA's columns)
-  float* sdd = reinterpret_cast<float*>(base + lay.dd);  // [2] (64, kLdF) dD0
+  bf16* sdo = reinterpret_cast<bf16*>(base + lay.dO);   // [2] (64 rows, TW) dO (this CTA's columns)
+  float* sdd = reinterpret_cast<float*>(base + lay.dd);  // [2] (64, LDF) dD0
   float* sfac = reinterpret_cast<float*>(base + lay.fac);  // [2] rq[64], rk[64], beta[64]
   bf16* sq = reinterpret_cast<bf16*>(base + lay.q);     // [DB2 ? 2 : 1] (64 rows, Kc) q
   bf16* sxh = reinterpret_cast<bf16*>(base + lay.xh);   // [DB2 ? 2 : 1] (64 rows, Kc) Xw hi
   bf16* sxl = reinterpret_cast<bf16*>(base + lay.xl);   // (64 rows, Kc) Xw lo
-  bf16 *sSh = reinterpret_cast<bf16*>(base + lay.Sh), *sSl = reinterpret_cast<bf16*>(base + lay.Sl);  // (Kc, 64) dSe
-  bf16 *sBh = reinterpret_cast<bf16*>(base + lay.Bh), *sBl = reinterpret_cast<bf16*>(base + lay.Bl);  // (64, 64) -W dD
+  bf16 *sSh = reinterpret_cast<bf16*>(base + lay.Sh), *sSl = reinterpret_cast<bf16*>(base + lay.Sl);  // (Kc, TW) dSe
+  bf16 *sBh = reinterpret_cast<bf16*>(base + lay.Bh), *sBl = reinterpret_cast<bf16*>(base + lay.Bl);  // (64, TW) -W dD
   bf16 *sUh = reinterpret_cast<bf16*>(base + lay.Uh), *sUl = reinterpret_cast<bf16*>(base + lay.Ul);  // s diag(rq) dO
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int rg = warp & 3, half = warp >> 2;  // dD step: rows 16 rg.., columns 32 half..
+  const int rg = warp & 3, half = warp >> 2;  // dD step: rows 16 rg.., columns (TW / 2) half..
   const DnCta cta = dn_chain_cta(p, reinterpret_cast<int*>(base));
   const std::int64_t n = cta.n, h = cta.h;
-  const std::int64_t c0 = cta.tile * kT, K = p.K, V = p.V;
+  const std::int64_t c0 = cta.tile * TW, K = p.K, V = p.V;
   const DnSeq sq_ = dn_seq(p, n);
   const std::int64_t b = sq_.b;
   const int ngroups = Kc / 16;
@@ -189,7 +194,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   const bf16* xwh = reinterpret_cast<const bf16*>(ws + w.xw);
   const bf16* xwl = xwh + w.rows * K;
 
-  float acc_s[1][8][4];  // dS (fp32), rows 16 w..
+  float acc_s[1][NJ][4];  // dS (fp32), rows 16 w.., the CTA's TW columns
   state_load<8>(acc_s, p.dht, n, h, c0, K, V, warp, lane);
   const TileUnits kunits(Kc, kBsThreads);  // the k, q and Xw tiles' cp.async units
   // what the step's first half needs (k, dO, dD0, factors) into buffer buf
@@ -197,9 +202,9 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     const int nr = int(lmin(kT, sq_.eos - t0));
     const std::int64_t row0 = dn_ws_row(p, b, t0, h);
     load_kc_tile(kunits, sk + buf * ktile, ldk, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk, kBsThreads);
-    load_tile(sdo + buf * otile, kLd, kT, kT, bf_rows(p.do_, b, t0, h) + c0, p.do_.s1, nr, int(lmin(kT, V - c0)), vo,
+    load_tile(sdo + buf * otile, LDT, kT, TW, bf_rows(p.do_, b, t0, h) + c0, p.do_.s1, nr, int(lmin(TW, V - c0)), vo,
               kBsThreads);
-    stage_ws_rows<true>(sdd + buf * kT * kLdF, kLdF, ws + w.Y, p, b, t0, h, nr, c0, kBsThreads);
+    stage_ws_rows<true, TW>(sdd + buf * kT * LDF, LDF, ws + w.Y, p, b, t0, h, nr, c0, kBsThreads);
     if (tid < 3 * kT) {
       const int f = tid / kT, i = tid % kT;
       if (i < nr) cp_async4(sfac + (buf * 3 + f) * kT + i, ws + w.fac + f * w.rows + row0 + i * p.H);
@@ -249,34 +254,34 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
       }
     }
     __syncthreads();
-    store_state_split<LO>(state_mats<LO>(ws + w.dS, slot, p.H, h, K, V), sSh, sSl, K, V, c0, kBsThreads);
-    // c. dD = dD0 + diag(rk) K dSe (16 rows x 32 columns per warp) -> the Y region; -W dD and
+    store_state_split<LO, TW>(state_mats<LO>(ws + w.dS, slot, p.H, h, K, V), sSh, sSl, K, V, c0, kBsThreads);
+    // c. dD = dD0 + diag(rk) K dSe (16 rows x TW / 2 columns per warp) -> the Y region; -W dD and
     //    s diag(rq) dO as hi + lo
     {
-      const float* dd0 = sdd + buf * kT * kLdF;
+      const float* dd0 = sdd + buf * kT * LDF;
       const float* fq = sfac + buf * 3 * kT;
       const bf16* dO = sdo + buf * otile;
-      float kd[4][4] = {};
-      mma_rk(kd, sk + buf * ktile, ldk, rg, sSh + 32 * half, kLd, Kc, lane);
-      if constexpr (LO) mma_rk(kd, sk + buf * ktile, ldk, rg, sSl + 32 * half, kLd, Kc, lane);
+      float kd[NJX][4] = {};
+      mma_rk(kd, sk + buf * ktile, ldk, rg, sSh + (TW / 2) * half, LDT, Kc, lane);
+      if constexpr (LO) mma_rk(kd, sk + buf * ktile, ldk, rg, sSl + (TW / 2) * half, LDT, Kc, lane);
       // this thread's dD pairs in the Y region: rows i0, i0 + 8, 8-column steps from one base
       const int i0 = 16 * rg + frow(lane, 0);
-      float* yg = ws + w.Y + (dn_ws_row(p, b, t0, h) + i0 * p.H) * V + c0 + 32 * half + fcol(lane, 0, 0);
+      float* yg = ws + w.Y + (dn_ws_row(p, b, t0, h) + i0 * p.H) * V + c0 + (TW / 2) * half + fcol(lane, 0, 0);
       const std::int64_t hv8 = 8 * p.H * V;
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < NJX; ++j)
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 of row i
-          const int i = 16 * rg + frow(lane, e), c = 32 * half + fcol(lane, j, e);
+          const int i = 16 * rg + frow(lane, e), c = (TW / 2) * half + fcol(lane, j, e);
           const std::int64_t col = c0 + c;
           const bool in = i < nr && col < V, has1 = col + 1 < V;
           const float rk = fq[kT + i], bt = fq[2 * kT + i], rq = fq[i];
-          const float d0 = in ? fmaf(rk, kd[j][e], dd0[i * kLdF + c]) : 0.f;
-          const float d1 = in && has1 ? fmaf(rk, kd[j][e + 1], dd0[i * kLdF + c + 1]) : 0.f;
+          const float d0 = in ? fmaf(rk, kd[j][e], dd0[i * LDF + c]) : 0.f;
+          const float d1 = in && has1 ? fmaf(rk, kd[j][e + 1], dd0[i * LDF + c + 1]) : 0.f;
           if (in) store_pair(yg + (e / 2) * hv8 + 8 * j, d0, d1, has1, even);
-          put_split2<LO>(sBh, sBl, kLd, i, c, -bt * d0, -bt * d1);
-          const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dO + i * kLd + c));
-          put_split2<LO>(sUh, sUl, kLd, i, c, p.scale * rq * o.x, p.scale * rq * o.y);
+          put_split2<LO>(sBh, sBl, LDT, i, c, -bt * d0, -bt * d1);
+          const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dO + i * LDT + c));
+          put_split2<LO>(sUh, sUl, LDT, i, c, p.scale * rq * o.x, p.scale * rq * o.y);
         }
     }
     if constexpr (!DB2) {
@@ -605,7 +610,7 @@ bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
 }
 
 void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream) {
-  const std::int64_t seqs = p.N * p.H, vt = (p.V + kT - 1) / kT, slots = deltanet_slots(p);
+  const std::int64_t seqs = p.N * p.H, slots = deltanet_slots(p);
   if (seqs == 0 || slots == 0) return;
   if (slots > 0x7fffffff) throw Error(cat("deltanet_bwd: grid too large (", slots, " chunks)"));
   const auto st = reinterpret_cast<cudaStream_t>(stream);
@@ -616,11 +621,17 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   prep<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lp.bytes, st>>>(p, w, ws, vq, vk, vo);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: prep)");
   const bool db2 = bwd_serial_db2(p);
-  const BsLayout ls(p.K, p.hilo, db2 ? 2 : 1);
+  const int tw = deltanet_serial_tile(seqs, p.V);  // 32 where 64-column CTAs would leave SMs idle
+  const BsLayout ls(p.K, p.hilo, db2 ? 2 : 1, tw);
   auto* serial = p.hilo ? &deltanet_bwd_state_tc_kernel<true, false>
                         : (db2 ? &deltanet_bwd_state_tc_kernel<false, true> : &deltanet_bwd_state_tc_kernel<false, false>);
+  if (tw == 32)
+    serial = p.hilo ? &deltanet_bwd_state_tc_kernel<true, false, 32>
+                    : (db2 ? &deltanet_bwd_state_tc_kernel<false, true, 32> : &deltanet_bwd_state_tc_kernel<false, false, 32>);
+  const std::int64_t vtw = (p.V + tw - 1) / tw;
+  if (vtw > 65535) throw Error(cat("deltanet_bwd: grid too large (", vtw, " V tiles)"));
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(serial), kBsThreads, ls.bytes);
-  serial<<<dim3(unsigned(seqs), unsigned(vt)), kBsThreads, ls.bytes, st>>>(p, w, ws, vq, vk, vo, p.K % 8 == 0);
+  serial<<<dim3(unsigned(seqs), unsigned(vtw)), kBsThreads, ls.bytes, st>>>(p, w, ws, vq, vk, vo, p.K % 8 == 0);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial)");
   const BqLayout lq(p.K, p.hilo);
   auto* post = p.hilo ? &deltanet_bwd_post_kernel<true> : &deltanet_bwd_post_kernel<false>;

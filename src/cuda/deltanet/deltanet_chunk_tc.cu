@@ -176,54 +176,62 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
 }
 
 // ---- 2. state -----------------------------------------------------------------------------------
-// smem: bf16 k[2][64][ldk] | Xwh[2][64][ldk] | Xwl[2][64][ldk] | Sh, Sl[Kc][kLd] | Dh, Dl[64][kLd] |
-//       f32 rkb[2][64] (rk beta per row) | f32 Xu[2][64][kLdU] (this CTA's 64 columns, prefetched
+// smem: bf16 k[2][64][ldk] | Xwh[2][64][ldk] | Xwl[2][64][ldk] | Sh, Sl[Kc][TW+8] | Dh, Dl[64][TW+8] |
+//       f32 rkb[2][64] (rk beta per row) | f32 Xu[2][64][TW+4] (this CTA's TW columns, prefetched
 //       with the chunk's other operands: read synchronously it exposed a global-load latency per chunk)
 //       (the lo tiles with LO only)
-constexpr int kLdU = kT + 4;  // fp32 row stride of the Xu tiles: 272 B, 16-byte aligned rows
 struct StLayout {
   int Kc, ldk;
   std::size_t k, xh, xl, Sh, Sl, Dh, Dl, rkb, xu, bytes;
   // with_xu = false: no Xu tiles (read from global instead), for devices whose shared memory per
-  // block cannot hold them (sm_80: 163 KB; 195 KB are needed at K = 128)
-  __host__ __device__ StLayout(std::int64_t K, bool lo, bool with_xu = true) {
+  // block cannot hold them (sm_80: 163 KB; 195 KB are needed at K = 128). tw: the CTA's V columns
+  // (the S, D and Xu tiles are tw + 8 bf16 / tw + 4 fp32 wide: 16-byte aligned rows, ldmatrix
+  // conflict-free)
+  __host__ __device__ StLayout(std::int64_t K, bool lo, bool with_xu = true, int tw = 64) {
     Kc = k_cols(K), ldk = Kc + 8;
     const std::size_t kt = 2 * std::size_t(kT) * ldk;  // bytes of one (64, ldk) bf16 tile
-    const std::size_t st = 2 * std::size_t(Kc) * kLd, t64 = 2 * std::size_t(kT) * kLd;
+    const std::size_t st = 2 * std::size_t(Kc) * (tw + 8), t64 = 2 * std::size_t(kT) * (tw + 8);
     k = 0, xh = k + 2 * kt, xl = xh + 2 * kt, Sh = xl + (lo ? 2 * kt : 0), Sl = Sh + st;
     Dh = Sl + (lo ? st : 0), Dl = Dh + t64, rkb = Dl + (lo ? t64 : 0);
     xu = rkb + 2 * 4 * kT;
-    bytes = xu + (with_xu ? 2 * 4 * std::size_t(kT) * kLdU : 0);
+    bytes = xu + (with_xu ? 2 * 4 * std::size_t(kT) * (tw + 4) : 0);
   }
 };
 
 // 8 warps: the serial chain ran at one warp per scheduler with 4 (ncu: 6.25% occupancy, 3.8 cycles per
 // issue); as K2 of the mLSTM backward (1.36 -> 0.94 ms), warp w owns S's 16-row group w and, in X =
-// Xu - Xw S, rows 16 (w % 4).. and the 32-column half w / 4.
+// Xu - Xw S, rows 16 (w % 4).. and the (TW / 2)-column half w / 4.
+// TW: the CTA's columns of V, 64 or 32. 32 halves each warp's products per chunk step (the step is a
+// latency chain: FLA's fwd_h autotunes 32- or 64-column tiles of 2-4 warps) and doubles the CTAs, for
+// grids that leave SMs idle (long sequences, few heads). The same sums in the same order per element:
+// the same bits as TW = 64.
 constexpr int kStThreads = 256;
-template <bool LO>
+template <bool LO, int TW = 64>
 __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w,
                                                                        bool vk, bool vx, bool pxu, bool dp) {
+  static_assert(TW == 64 || TW == 32, "64- or 32-column tiles");
+  constexpr int NJ = TW / 8, NJX = TW / 16;  // 8-column tiles of S per warp, of X per warp
+  constexpr int LDT = TW + 8, LDU = TW + 4;   // strides of the S / D (bf16) and Xu (fp32) tiles
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const StLayout lay(p.K, LO, pxu);
+  const StLayout lay(p.K, LO, pxu, TW);
   const int Kc = lay.Kc, ldk = lay.ldk;
   const std::size_t tile = std::size_t(kT) * ldk;  // elements of one (64, ldk) tile
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // [2] (64 rows, Kc) k
   bf16* sxh = reinterpret_cast<bf16*>(base + lay.xh);  // [2] (64 rows, Kc) Xw hi
   bf16* sxl = reinterpret_cast<bf16*>(base + lay.xl);  // [2] (64 rows, Kc) Xw lo
-  bf16* sSh = reinterpret_cast<bf16*>(base + lay.Sh);  // (Kc, 64) S hi
-  bf16* sSl = reinterpret_cast<bf16*>(base + lay.Sl);  // (Kc, 64) S lo
-  bf16* sDh = reinterpret_cast<bf16*>(base + lay.Dh);  // (64, 64) diag(rk beta) X hi
+  bf16* sSh = reinterpret_cast<bf16*>(base + lay.Sh);  // (Kc, TW) S hi (stride LDT)
+  bf16* sSl = reinterpret_cast<bf16*>(base + lay.Sl);  // (Kc, TW) S lo
+  bf16* sDh = reinterpret_cast<bf16*>(base + lay.Dh);  // (64, TW) diag(rk beta) X hi
   bf16* sDl = reinterpret_cast<bf16*>(base + lay.Dl);
   float* s_rkb = reinterpret_cast<float*>(base + lay.rkb);  // [2][64]
-  float* s_xu = reinterpret_cast<float*>(base + lay.xu);    // [2][64][kLdU]
+  float* s_xu = reinterpret_cast<float*>(base + lay.xu);    // [2][64][LDU]
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int rg = warp & 3, half = warp >> 2;  // X step: rows 16 rg.., columns 32 half..
+  const int rg = warp & 3, half = warp >> 2;  // X step: rows 16 rg.., columns (TW / 2) half..
   const DnCta cta = dn_chain_cta(p, reinterpret_cast<int*>(base));
   const std::int64_t n = cta.n, h = cta.h;
-  const std::int64_t c0 = cta.tile * kT, K = p.K, V = p.V, rows = p.B * p.T * p.H;
+  const std::int64_t c0 = cta.tile * TW, K = p.K, V = p.V, rows = p.B * p.T * p.H;
   const DnSeq sq = dn_seq(p, n);
   const std::int64_t b = sq.b;
   const int ngroups = Kc / 16;  // 16-row groups of S: warp w owns group w
@@ -231,13 +239,14 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
   const bf16* xwl = xwh + rows * K;
   const bool vxu = pxu && V % 4 == 0;  // prefetched: room for the tiles, Xu rows 16-byte aligned
 
-  float acc_s[1][8][4];  // S (fp32), rows 16 w..
+  float acc_s[1][NJ][4];  // S (fp32), rows 16 w.., the CTA's TW columns
   state_load<8>(acc_s, p.h0, n, h, c0, K, V, warp, lane);
 
-  // This thread's Xu pieces: rows xu_i + 16 q (q < 4) of the chunk, columns xu_c..xu_c + 3 of the
-  // CTA's 64, the same every chunk (only the row base moves): the per-piece index and 64-bit address
+  // This thread's Xu pieces: rows xu_i + XR q (q < 64 / XR) of the chunk, columns xu_c..xu_c + 3 of
+  // the CTA's TW, the same every chunk (only the row base moves): the per-piece index and 64-bit address
   // arithmetic made the chunk's loads ~37% of a step's instructions (ncu, varlen row, bf16 operands).
-  const int xu_i = tid / 16, xu_c = (tid % 16) * 4;
+  constexpr int XT = TW / 4, XR = kStThreads / XT;  // threads per Xu row (4 columns each), rows per pass
+  const int xu_i = tid / XT, xu_c = (tid % XT) * 4;
   const int xu_bytes = 4 * int(lmin(4, V - c0 - xu_c < 0 ? 0 : V - c0 - xu_c));
   const std::int64_t hv = p.H * V;  // floats between consecutive rows of one head in Xu and X
   const TileUnits kunits(Kc, kStThreads);  // the k and Xw tiles' cp.async units
@@ -252,14 +261,14 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
       if (tid < nr) cp_async4(s_rkb + buf * kT + tid, w.rk + row0 + tid * p.H);
       else s_rkb[buf * kT + tid] = 0.f;
     }
-    if (vxu) {  // Xu rows t0.. (stride H V floats), columns c0..c0+63: zero past nr rows and V columns
-      static_assert(kStThreads == 16 * 16, "16 threads of 4 columns per row, 16 rows per pass");
+    if (vxu) {  // Xu rows t0.. (stride H V floats), columns c0..c0+TW-1: zero past nr rows and V columns
+      static_assert(kStThreads % XT == 0 && kT % XR == 0, "whole rows per pass, whole passes per chunk");
       const float* src = w.xu + (row0 + xu_i * p.H) * V + c0 + xu_c;
-      float* dst = s_xu + (buf * kT + xu_i) * kLdU + xu_c;
+      float* dst = s_xu + (buf * kT + xu_i) * LDU + xu_c;
 #pragma unroll
-      for (int q = 0; q < kT / 16; ++q) {
-        const int bytes = xu_i + 16 * q < nr ? xu_bytes : 0;
-        cp_async16(dst + 16 * q * kLdU, bytes ? src + 16 * q * hv : w.xu, bytes);
+      for (int q = 0; q < kT / XR; ++q) {
+        const int bytes = xu_i + XR * q < nr ? xu_bytes : 0;
+        cp_async16(dst + XR * q * LDU, bytes ? src + XR * q * hv : w.xu, bytes);
       }
     }
     cp_async_commit();
@@ -282,28 +291,28 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
     }
     __syncthreads();
     // S entering the chunk to the workspace as hi + lo (DnChunkBufs), copied from smem
-    store_state_split<LO>(state_mats<LO>(w.S, sq.base + ci, p.H, h, K, V), sSh, sSl, K, V, c0, kStThreads);
-    // c. X = Xu - Xw S (this warp's 16 rows x 32 columns); to the workspace; diag(rk beta) X as hi + lo
+    store_state_split<LO, TW>(state_mats<LO>(w.S, sq.base + ci, p.H, h, K, V), sSh, sSl, K, V, c0, kStThreads);
+    // c. X = Xu - Xw S (this warp's 16 rows x TW / 2 columns); to the workspace; diag(rk beta) X as hi + lo
     {
-      float acc[4][4] = {};
+      float acc[NJX][4] = {};
       const bf16* xh = sxh + buf * tile;
       const bf16* xl = sxl + buf * tile;
-      mma_split<LO, true>(acc, xh, xl, ldk, rg, sSh + 32 * half, sSl + 32 * half, kLd, Kc, lane);
+      mma_split<LO, true>(acc, xh, xl, ldk, rg, sSh + (TW / 2) * half, sSl + (TW / 2) * half, LDT, Kc, lane);
       // vxu (V % 4 == 0: pairs whole): this thread's X pairs at one base, rows i0 and i0 + 8, 8-column
       // steps; dp (deltanet_dprime: V % 8 == 0, vxu): D' = diag(rk beta) X as bf16 in the X region
-      const int i0 = 16 * rg + frow(lane, 0), cb = 32 * half + fcol(lane, 0, 0);
+      const int i0 = 16 * rg + frow(lane, 0), cb = (TW / 2) * half + fcol(lane, 0, 0);
       const std::int64_t xo = (dn_ws_row(p, b, t0, h) + i0 * p.H) * V + c0 + cb;
       float* xg = w.X + xo;
       bf16* dg = reinterpret_cast<bf16*>(w.X) + xo;
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < NJX; ++j)
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 of row i
-          const int i = 16 * rg + frow(lane, e), c = 32 * half + fcol(lane, j, e);
+          const int i = 16 * rg + frow(lane, e), c = (TW / 2) * half + fcol(lane, j, e);
           float2 x = make_float2(0.f, 0.f);
           if (vxu) {
             if (i < nr && c0 + c < V) {
-              const float2 u = *reinterpret_cast<const float2*>(s_xu + (buf * kT + i) * kLdU + c);
+              const float2 u = *reinterpret_cast<const float2*>(s_xu + (buf * kT + i) * LDU + c);
               x = make_float2(u.x - acc[j][e], u.y - acc[j][e + 1]);
               if (dp) {  // the output kernel's rounding of r * X (the same bits as from X)
                 const float r = s_rkb[buf * kT + i];
@@ -321,7 +330,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
             store_pair(w.X + at, x.x, x.y, has1, even);
           }
           const float r = s_rkb[buf * kT + i];
-          put_split2<LO>(sDh, sDl, kLd, i, c, r * x.x, r * x.y);
+          put_split2<LO>(sDh, sDl, LDT, i, c, r * x.x, r * x.y);
         }
     }
     __syncthreads();
@@ -454,9 +463,15 @@ bool deltanet_dprime(const DeltanetParams& p, const DnChunkBufs& w) {
 bool set_deltanet_fwd_dprime(bool enabled) { return g_dprime.exchange(enabled); }
 
 namespace {
-std::atomic<int> g_wy_vbufs{0};  // 0: the planner's choice
+std::atomic<int> g_wy_vbufs{0};   // 0: the planner's choice
+std::atomic<int> g_state_tile{0};  // 0: the planner's choice
 }  // namespace
 int set_deltanet_wy_vbufs(int n) { return g_wy_vbufs.exchange(n == 1 || n == 2 ? n : 0); }
+int set_deltanet_state_tile(int cols) { return g_state_tile.exchange(cols == 32 || cols == 64 ? cols : 0); }
+int deltanet_serial_tile(std::int64_t seqs, std::int64_t V) {
+  const int forced = g_state_tile.load();
+  return forced ? forced : 2 * seqs * ((V + kT - 1) / kT) <= sm_count() ? 32 : 64;
+}
 
 bool deltanet_chunk_tc_applies(const DeltanetParams& p) {
   return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 && p.K >= 1 &&
@@ -487,11 +502,15 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
     FW_CUDA_CHECK_LAUNCH("deltanet (wy)");
   }
   const bool pxu = state_xu_tiles(p);
-  const StLayout ls(p.K, p.hilo, pxu);
+  const int tw = deltanet_serial_tile(seqs, p.V);
+  const StLayout ls(p.K, p.hilo, pxu, tw);
   auto* state = p.hilo ? &deltanet_state_kernel<true> : &deltanet_state_kernel<false>;
+  if (tw == 32) state = p.hilo ? &deltanet_state_kernel<true, 32> : &deltanet_state_kernel<false, 32>;
+  const std::int64_t vtw = (p.V + tw - 1) / tw;
+  if (vtw > 65535) throw Error(cat("deltanet (tensor cores): grid too large (", vtw, " V tiles)"));
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(state), kStThreads, ls.bytes);
-  state<<<dim3(unsigned(seqs), unsigned(vt)), kStThreads, ls.bytes, st>>>(p, w, rows16_seq(p.k), p.K % 8 == 0, pxu,
-                                                                          deltanet_dprime(p, w));
+  state<<<dim3(unsigned(seqs), unsigned(vtw)), kStThreads, ls.bytes, st>>>(p, w, rows16_seq(p.k), p.K % 8 == 0, pxu,
+                                                                           deltanet_dprime(p, w));
   FW_CUDA_CHECK_LAUNCH("deltanet (state)");
 }
 

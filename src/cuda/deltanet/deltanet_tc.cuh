@@ -67,32 +67,32 @@ __device__ __forceinline__ void mma_split(float (&acc)[J][4], const bf16* Ah, co
   }
 }
 
-// The state slice S (Kc rows x 64 columns) in fp32 registers of NW warps (4 or 8): warp w owns the
-// 16-row groups w + NW gg (Kc <= 128: groups w and w + 4, or group w), acc[gg][j][e] at row
-// 16 (w + NW gg) + frow, column fcol. Loaded from (N, H, K, V) view st at (n, h, rows, columns c0..)
-// (zero where absent or outside K, V); stored likewise.
-template <int NW = 4>
-__device__ __forceinline__ void state_load(float (&acc)[8 / NW][8][4], const StridedView& st, std::int64_t n,
+// The state slice S (Kc rows x 8 NJ columns: 64, or 32 for the state kernel's narrow tiles) in fp32
+// registers of NW warps (4 or 8): warp w owns the 16-row groups w + NW gg (Kc <= 128: groups w and
+// w + 4, or group w), acc[gg][j][e] at row 16 (w + NW gg) + frow, column fcol. Loaded from (N, H, K, V)
+// view st at (n, h, rows, columns c0..) (zero where absent or outside K, V); stored likewise.
+template <int NW = 4, int NJ = 8>
+__device__ __forceinline__ void state_load(float (&acc)[8 / NW][NJ][4], const StridedView& st, std::int64_t n,
                                            std::int64_t h, std::int64_t c0, std::int64_t K, std::int64_t V, int warp,
                                            int lane) {
 #pragma unroll
   for (int gg = 0; gg < 8 / NW; ++gg)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const std::int64_t r = 16 * (warp + NW * gg) + frow(lane, e), c = c0 + fcol(lane, j, e);
         acc[gg][j][e] = st.p && r < K && c < V ? mlstm_ld(st, n * st.s0 + h * st.s1 + r * st.s2 + c) : 0.f;
       }
 }
-template <int NW = 4>
-__device__ __forceinline__ void state_store(const float (&acc)[8 / NW][8][4], const StridedView& st, std::int64_t n,
+template <int NW = 4, int NJ = 8>
+__device__ __forceinline__ void state_store(const float (&acc)[8 / NW][NJ][4], const StridedView& st, std::int64_t n,
                                             std::int64_t h, std::int64_t c0, std::int64_t K, std::int64_t V, int warp,
                                             int lane) {
 #pragma unroll
   for (int gg = 0; gg < 8 / NW; ++gg)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const std::int64_t r = 16 * (warp + NW * gg) + frow(lane, e), c = c0 + fcol(lane, j, e);
@@ -100,20 +100,21 @@ __device__ __forceinline__ void state_store(const float (&acc)[8 / NW][8][4], co
       }
 }
 
-// The state slice as bf16 hi + lo (LO; else hi only) into smem (Kc x 64, stride kLd): the B operand
+// The state slice as bf16 hi + lo (LO; else hi only) into smem (Kc x 8 NJ, stride 8 NJ + 8): the B operand
 // of products with S. Column pairs (e, e + 1) per 4-byte store.
-template <int NW = 4, bool LO = true>
-__device__ __forceinline__ void state_split(const float (&acc)[8 / NW][8][4], bf16* sSh, bf16* sSl, int ngroups,
+template <int NW = 4, bool LO = true, int NJ = 8>
+__device__ __forceinline__ void state_split(const float (&acc)[8 / NW][NJ][4], bf16* sSh, bf16* sSl, int ngroups,
                                             int warp, int lane) {
+  constexpr int LD = 8 * NJ + 8;  // the tile's stride: kLd at 64 columns
 #pragma unroll
   for (int gg = 0; gg < 8 / NW; ++gg) {
     const int g = warp + NW * gg;
     if (g >= ngroups) continue;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int e = 0; e < 4; e += 2)
-        put_split2<LO>(sSh, sSl, kLd, 16 * g + frow(lane, e), fcol(lane, j, e), acc[gg][j][e], acc[gg][j][e + 1]);
+        put_split2<LO>(sSh, sSl, LD, 16 * g + frow(lane, e), fcol(lane, j, e), acc[gg][j][e], acc[gg][j][e + 1]);
   }
 }
 
@@ -147,11 +148,12 @@ __device__ __forceinline__ float row_l2_factor(const bf16* s, int ld, int Kc, in
   return rsqrtf(ss + 1e-6f);
 }
 
-// S += K^T U: A = K^T read k-major from the chunk's k tile (64 rows, stride ldk), B = U (64 x 64) as
-// bf16 hi + lo (stride kLd; LO = false: the hi part only, sUl unused); ngroups = Kc / 16 row groups of S.
-template <int NW = 4, bool LO = true>
-__device__ __forceinline__ void state_update(float (&acc)[8 / NW][8][4], const bf16* sk, int ldk, const bf16* sUh,
+// S += K^T U: A = K^T read k-major from the chunk's k tile (64 rows, stride ldk), B = U (64 x 8 NJ) as
+// bf16 hi + lo (stride 8 NJ + 8; LO = false: the hi part only, sUl unused); ngroups = Kc / 16 row groups of S.
+template <int NW = 4, bool LO = true, int NJ = 8>
+__device__ __forceinline__ void state_update(float (&acc)[8 / NW][NJ][4], const bf16* sk, int ldk, const bf16* sUh,
                                              const bf16* sUl, int ngroups, int warp, int lane) {
+  constexpr int LD = 8 * NJ + 8;  // U's stride: kLd at 64 columns
 #pragma unroll
   for (int gg = 0; gg < 8 / NW; ++gg) {
     const int g = warp + NW * gg;
@@ -161,14 +163,14 @@ __device__ __forceinline__ void state_update(float (&acc)[8 / NW][8][4], const b
       std::uint32_t a[4];
       ldsm_x4_t(a, sk + (ks * 16 + ld_row_a_kmajor(lane)) * ldk + 16 * g + ld_col_a_kmajor(lane));
 #pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
+      for (int jj = 0; jj < NJ / 2; ++jj) {
         std::uint32_t bh[4];
-        ldsm_x4_t(bh, sUh + (ks * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
+        ldsm_x4_t(bh, sUh + (ks * 16 + ld_row_b_kmajor(lane)) * LD + 16 * jj + ld_col_b_kmajor(lane));
         mma_bf16_16816(acc[gg][2 * jj], a, bh[0], bh[1]);
         mma_bf16_16816(acc[gg][2 * jj + 1], a, bh[2], bh[3]);
         if constexpr (LO) {
           std::uint32_t bl[4];
-          ldsm_x4_t(bl, sUl + (ks * 16 + ld_row_b_kmajor(lane)) * kLd + 16 * jj + ld_col_b_kmajor(lane));
+          ldsm_x4_t(bl, sUl + (ks * 16 + ld_row_b_kmajor(lane)) * LD + 16 * jj + ld_col_b_kmajor(lane));
           mma_bf16_16816(acc[gg][2 * jj], a, bl[0], bl[1]);
           mma_bf16_16816(acc[gg][2 * jj + 1], a, bl[2], bl[3]);
         }
@@ -215,28 +217,29 @@ __device__ __forceinline__ void chunk_output(float (&o)[8][4], const bf16* sq, c
   chunk_output_o<LO>(o, pf, sq, ldk, Kc, sSh, sSl, sD, warp, lane);
 }
 
-// S (Kc x 64 tile, bf16 hi + lo in smem) -> the workspace's (K, V) hi then lo matrices at gh, columns
-// c0.. (LO = false: the hi matrix alone): 16-byte rows pieces where V % 8 == 0, else elements. All
-// nthreads threads of the CTA.
-template <bool LO = true>
+// S (Kc x TW tile, TW = 64 or 32 columns, stride TW + 8, bf16 hi + lo in smem) -> the workspace's (K, V) hi then lo
+// matrices at gh, columns c0.. (LO = false: the hi matrix alone): 16-byte rows pieces where V % 8 ==
+// 0, else elements. All nthreads threads of the CTA.
+template <bool LO = true, int TW = 64>
 __device__ __forceinline__ void store_state_split(bf16* gh, const bf16* sSh, const bf16* sSl, std::int64_t K,
                                                   std::int64_t V, std::int64_t c0, int nthreads = kTcThreads) {
   bf16* gl = gh + K * V;
-  const int nc = int(lmin(64, V - c0));
-  if (V % 8 == 0) {  // thread: column piece c of rows r, r + nthreads / 8, ... (nthreads % 8 == 0)
-    const int c = (threadIdx.x % 8) * 8;
+  const int nc = int(lmin(TW, V - c0));
+  constexpr int P = TW / 8, LD = TW + 8;  // 16-byte pieces per row; the tile's stride (kLd at 64)
+  if (V % 8 == 0) {  // thread: column piece c of rows r, r + nthreads / P, ... (nthreads % P == 0)
+    const int c = (threadIdx.x % P) * 8;
     if (c < nc)
-      for (int r = threadIdx.x / 8; r < K; r += nthreads / 8) {
-        *reinterpret_cast<uint4*>(gh + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSh + r * kLd + c);
+      for (int r = threadIdx.x / P; r < K; r += nthreads / P) {
+        *reinterpret_cast<uint4*>(gh + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSh + r * LD + c);
         if constexpr (LO)
-          *reinterpret_cast<uint4*>(gl + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSl + r * kLd + c);
+          *reinterpret_cast<uint4*>(gl + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSl + r * LD + c);
       }
   } else {
-    for (int e = threadIdx.x; e < K * 64; e += nthreads) {
-      const int r = e / 64, c = e % 64;
+    for (int e = threadIdx.x; e < K * TW; e += nthreads) {
+      const int r = e / TW, c = e % TW;
       if (c >= nc) continue;
-      gh[r * V + c0 + c] = sSh[r * kLd + c];
-      if constexpr (LO) gl[r * V + c0 + c] = sSl[r * kLd + c];
+      gh[r * V + c0 + c] = sSh[r * LD + c];
+      if constexpr (LO) gl[r * V + c0 + c] = sSl[r * LD + c];
     }
   }
 }
@@ -341,19 +344,20 @@ inline bool rows16_seq(const StridedView& t) {
 // where V % 4 == 0 (the caller commits, waits and synchronises), else plain loads. Staging these tiles
 // replaced per-element loads on the critical path (a third to a half of the stall samples of the
 // kernels that read X, T2 this way).
-template <bool ZERO>
+template <bool ZERO, int TW = 64>  // TW: the tile's columns (64, or 32 for the serial kernels' narrow tiles)
 __device__ __forceinline__ void stage_ws_rows(float* dst, int ld, const float* region, const DeltanetParams& p,
                                               std::int64_t b, std::int64_t t0, std::int64_t h, int nr, std::int64_t c0,
                                               int nthreads) {
   const std::int64_t V = p.V;
-  const int ncv = int(V - c0 < 64 ? V - c0 : 64);
+  const int ncv = int(V - c0 < TW ? V - c0 : TW);
+  constexpr int P = TW / 4;  // 16-byte pieces per row
   if (V % 4 == 0) {  // ncv % 4 == 0 too: whole 16-byte pieces
-    // thread: column piece c of rows i, i + nthreads / 16, ... (nthreads % 16 == 0): one address
+    // thread: column piece c of rows i, i + nthreads / P, ... (nthreads % P == 0): one address
     // computation, then a fixed step (per-piece index and 64-bit row arithmetic were most of the
     // instructions of this loop)
-    const int c = 4 * (int(threadIdx.x) % 16), di = nthreads / 16;
+    const int c = 4 * (int(threadIdx.x) % P), di = nthreads / P;
     const bool cin = c < ncv;
-    int i = int(threadIdx.x) / 16;
+    int i = int(threadIdx.x) / P;
     const std::int64_t step = std::int64_t(di) * p.H * V;
     const float* src = region + dn_ws_row(p, b, t0 + i, h) * V + c0 + c;
     for (; i < 64; i += di, src += step) {
@@ -361,8 +365,8 @@ __device__ __forceinline__ void stage_ws_rows(float* dst, int ld, const float* r
       if (ZERO || in) cp_async16(dst + i * ld + c, in ? src : region, in ? 16 : 0);  // src-size 0: zero fill
     }
   } else {
-    for (int e = threadIdx.x; e < 64 * 64; e += nthreads) {
-      const int i = e / 64, c = e % 64;
+    for (int e = threadIdx.x; e < 64 * TW; e += nthreads) {
+      const int i = e / TW, c = e % TW;
       const bool in = i < nr && c < ncv;
       if (ZERO || in) dst[i * ld + c] = in ? region[dn_ws_row(p, b, t0 + i, h) * V + c0 + c] : 0.f;
     }
