@@ -621,7 +621,7 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   prep<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lp.bytes, st>>>(p, w, ws, vq, vk, vo);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: prep)");
   const bool db2 = bwd_serial_db2(p);
-  const int tw = deltanet_serial_tile(seqs, p.V);  // 32 where 64-column CTAs would leave SMs idle
+  const int tw = deltanet_serial_tile(p);  // 32 where 64-column CTAs would leave SMs idle
   const BsLayout ls(p.K, p.hilo, db2 ? 2 : 1, tw);
   auto* serial = p.hilo ? &deltanet_bwd_state_tc_kernel<true, false>
                         : (db2 ? &deltanet_bwd_state_tc_kernel<false, true> : &deltanet_bwd_state_tc_kernel<false, false>);

@@ -468,9 +468,14 @@ std::atomic<int> g_state_tile{0};  // 0: the planner's choice
 }  // namespace
 int set_deltanet_wy_vbufs(int n) { return g_wy_vbufs.exchange(n == 1 || n == 2 ? n : 0); }
 int set_deltanet_state_tile(int cols) { return g_state_tile.exchange(cols == 32 || cols == 64 ? cols : 0); }
-int deltanet_serial_tile(std::int64_t seqs, std::int64_t V) {
+int deltanet_serial_tile(const DeltanetParams& p) {
+  // Measured (H200, docs/perf/deltanet.md session 18): 32 columns take (2,8192,16,128) from 1.27 to
+  // 1.11 ms forward (hi + lo) and lose 19% at (4,4096,16,128), where 64-column CTAs fill the SMs once;
+  // 8 random lengths x 16 heads (256 such CTAs) gain 8% forward, 7% backward.
   const int forced = g_state_tile.load();
-  return forced ? forced : 2 * seqs * ((V + kT - 1) / kT) <= sm_count() ? 32 : 64;
+  const std::int64_t ctas64 = p.N * p.H * ((p.V + kT - 1) / kT);
+  const std::int64_t limit = p.cu_seqlens ? 2 * std::int64_t(sm_count()) : sm_count() / 2;
+  return forced ? forced : ctas64 <= limit ? 32 : 64;
 }
 
 bool deltanet_chunk_tc_applies(const DeltanetParams& p) {
@@ -502,7 +507,7 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
     FW_CUDA_CHECK_LAUNCH("deltanet (wy)");
   }
   const bool pxu = state_xu_tiles(p);
-  const int tw = deltanet_serial_tile(seqs, p.V);
+  const int tw = deltanet_serial_tile(p);
   const StLayout ls(p.K, p.hilo, pxu, tw);
   auto* state = p.hilo ? &deltanet_state_kernel<true> : &deltanet_state_kernel<false>;
   if (tw == 32) state = p.hilo ? &deltanet_state_kernel<true, 32> : &deltanet_state_kernel<false, 32>;

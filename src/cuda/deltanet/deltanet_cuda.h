@@ -31,8 +31,9 @@ int set_deltanet_wy_vbufs(int n);
 // Tests and benchmarks only: the serial kernels' V tile (the forward state kernel, the backward serial
 // kernel), 64 or 32 columns (0: the planner's choice). Returns the previous setting.
 int set_deltanet_state_tile(int cols);
-// The planner's choice: 32 where 64-column CTAs (one per SM) would leave more than half the SMs idle.
-int deltanet_serial_tile(std::int64_t seqs, std::int64_t V);
+// The planner's choice: 32 where 64-column CTAs (one per SM) would leave more than half the SMs idle;
+// with cu_seqlens (lengths unknown on the host, the longest sets the tail) up to two such waves.
+int deltanet_serial_tile(const DeltanetParams& p);
 // Version 2 on tensor cores (deltanet_fwd_tc.cu): bf16 q, k, v, o and K <= 128;
 // deltanet_fwd_cuda picks it where it applies (no workspace).
 bool deltanet_fwd_tc_applies(const DeltanetParams& p);
