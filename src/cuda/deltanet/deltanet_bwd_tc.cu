@@ -196,14 +196,20 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
 
   float acc_s[1][NJ][4];  // dS (fp32), rows 16 w.., the CTA's TW columns
   state_load<8>(acc_s, p.dht, n, h, c0, K, V, warp, lane);
-  const TileUnits kunits(Kc, kBsThreads);  // the k, q and Xw tiles' cp.async units
+  const TileUnits kunits(Kc, kBsThreads), ounits(TW, kBsThreads);  // the k, q, Xw and dO tiles' cp.async units
+  // ... fixed per CTA (whole chunks: ChunkUnits); chunk ci's rows are chunk 0's plus ci * 64
+  const ChunkUnits kcu(kunits, ldk, p.k.s1), qcu(kunits, ldk, p.q.s1), xcu(kunits, ldk, p.H * K),
+      ocu(ounits, LDT, p.do_.s1);
+  const std::int64_t row00 = dn_ws_row(p, b, sq_.bos, h), wrow_step = kT * p.H;
+  const bf16 *k00 = bf_rows(p.k, b, sq_.bos, h), *q00 = bf_rows(p.q, b, sq_.bos, h);
+  const bf16* o00 = bf_rows(p.do_, b, sq_.bos, h) + c0;
+  const int ncv = int(lmin(TW, V - c0));
   // what the step's first half needs (k, dO, dD0, factors) into buffer buf
-  auto issue_first = [&](int buf, std::int64_t t0) {
+  auto issue_first = [&](int buf, std::int64_t ci) {
+    const std::int64_t t0 = sq_.bos + ci * kT, row0 = row00 + ci * wrow_step;
     const int nr = int(lmin(kT, sq_.eos - t0));
-    const std::int64_t row0 = dn_ws_row(p, b, t0, h);
-    load_kc_tile(kunits, sk + buf * ktile, ldk, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk, kBsThreads);
-    load_tile(sdo + buf * otile, LDT, kT, TW, bf_rows(p.do_, b, t0, h) + c0, p.do_.s1, nr, int(lmin(TW, V - c0)), vo,
-              kBsThreads);
+    load_chunk_tile(kcu, kunits, sk + buf * ktile, ldk, k00 + ci * kT * p.k.s1, p.k.s1, nr, int(K), vk, kBsThreads);
+    load_chunk_tile(ocu, ounits, sdo + buf * otile, LDT, o00 + ci * kT * p.do_.s1, p.do_.s1, nr, ncv, vo, kBsThreads);
     stage_ws_rows<true, TW>(sdd + buf * kT * LDF, LDF, ws + w.Y, p, b, t0, h, nr, c0, kBsThreads);
     if (tid < 3 * kT) {
       const int f = tid / kT, i = tid % kT;
@@ -214,18 +220,18 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   };
   // what its second half needs (q, Xw hi + lo) into buffer buf2 (0 without DB2): without DB2 issued
   // once the previous step is done, with DB2 a step ahead, with the first operands
-  auto issue_second = [&](int buf2, std::int64_t t0) {
+  auto issue_second = [&](int buf2, std::int64_t ci) {
+    const std::int64_t t0 = sq_.bos + ci * kT, row0 = row00 + ci * wrow_step;
     const int nr = int(lmin(kT, sq_.eos - t0));
-    const std::int64_t row0 = dn_ws_row(p, b, t0, h);
-    load_kc_tile(kunits, sq + buf2 * ktile, ldk, bf_rows(p.q, b, t0, h), p.q.s1, nr, int(K), vq, kBsThreads);
-    load_kc_tile(kunits, sxh + buf2 * ktile, ldk, xwh + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
-    if constexpr (LO) load_kc_tile(kunits, sxl, ldk, xwl + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
+    load_chunk_tile(qcu, kunits, sq + buf2 * ktile, ldk, q00 + ci * kT * p.q.s1, p.q.s1, nr, int(K), vq, kBsThreads);
+    load_chunk_tile(xcu, kunits, sxh + buf2 * ktile, ldk, xwh + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
+    if constexpr (LO) load_chunk_tile(xcu, kunits, sxl, ldk, xwl + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
     cp_async_commit();
   };
   const std::int64_t nch = (sq_.eos - sq_.bos + kT - 1) / kT;
   if (nch > 0) {
-    issue_first(int((nch - 1) & 1), sq_.bos + (nch - 1) * kT);
-    if constexpr (DB2) issue_second(int((nch - 1) & 1), sq_.bos + (nch - 1) * kT);
+    issue_first(int((nch - 1) & 1), nch - 1);
+    if constexpr (DB2) issue_second(int((nch - 1) & 1), nch - 1);
   }
   for (std::int64_t ci = nch - 1; ci >= 0; --ci) {
     const int buf = int(ci & 1);
@@ -238,16 +244,16 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     //    previous step's final barrier)
     if constexpr (DB2) {
       if (ci > 0) {
-        issue_first(buf ^ 1, t0 - kT);
-        issue_second(buf ^ 1, t0 - kT);
+        issue_first(buf ^ 1, ci - 1);
+        issue_second(buf ^ 1, ci - 1);
         cp_async_wait<2>();  // this chunk's two groups, issued a step ago, have landed
       } else {
         cp_async_wait<0>();
       }
     } else {
-      issue_second(0, t0);
+      issue_second(0, ci);
       if (ci > 0) {
-        issue_first(buf ^ 1, t0 - kT);
+        issue_first(buf ^ 1, ci - 1);
         cp_async_wait<2>();
       } else {
         cp_async_wait<1>();
@@ -266,7 +272,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
       if constexpr (LO) mma_rk(kd, sk + buf * ktile, ldk, rg, sSl + (TW / 2) * half, LDT, Kc, lane);
       // this thread's dD pairs in the Y region: rows i0, i0 + 8, 8-column steps from one base
       const int i0 = 16 * rg + frow(lane, 0);
-      float* yg = ws + w.Y + (dn_ws_row(p, b, t0, h) + i0 * p.H) * V + c0 + (TW / 2) * half + fcol(lane, 0, 0);
+      float* yg = ws + w.Y + (row00 + ci * wrow_step + i0 * p.H) * V + c0 + (TW / 2) * half + fcol(lane, 0, 0);
       const std::int64_t hv8 = 8 * p.H * V;
 #pragma unroll
       for (int j = 0; j < NJX; ++j)

@@ -250,20 +250,26 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
   const int xu_bytes = 4 * int(lmin(4, V - c0 - xu_c < 0 ? 0 : V - c0 - xu_c));
   const std::int64_t hv = p.H * V;  // floats between consecutive rows of one head in Xu and X
   const TileUnits kunits(Kc, kStThreads);  // the k and Xw tiles' cp.async units
-  // chunk t0's k, Xw (hi, lo) into buffer buf (cp.async where aligned), rk beta per row
-  auto issue = [&](int buf, std::int64_t t0) {
-    const int nr = int(lmin(kT, sq.eos - t0));
-    const std::int64_t row0 = dn_ws_row(p, b, t0, h);
-    load_kc_tile(kunits, sk + buf * tile, ldk, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk, kStThreads);
-    load_kc_tile(kunits, sxh + buf * tile, ldk, xwh + row0 * K, p.H * K, nr, int(K), vx, kStThreads);
-    if constexpr (LO) load_kc_tile(kunits, sxl + buf * tile, ldk, xwl + row0 * K, p.H * K, nr, int(K), vx, kStThreads);
+  const ChunkUnits kcu(kunits, ldk, p.k.s1), xcu(kunits, ldk, p.H * K);  // ... fixed per CTA (whole chunks)
+  // chunk ci's rows: chunk 0's plus ci * 64 (equal lengths and cu_seqlens alike)
+  const std::int64_t row00 = dn_ws_row(p, b, sq.bos, h), krow_step = kT * p.k.s1, wrow_step = kT * p.H;
+  const bf16* k00 = bf_rows(p.k, b, sq.bos, h);
+  const float* xu00 = w.xu + (row00 + xu_i * p.H) * V + c0 + xu_c;  // this thread's first Xu piece, chunk 0
+  // chunk ci's k, Xw (hi, lo) into buffer buf (cp.async where aligned), rk beta per row
+  auto issue = [&](int buf, std::int64_t ci) {
+    const int nr = int(lmin(kT, sq.eos - sq.bos - ci * kT));
+    const std::int64_t row0 = row00 + ci * wrow_step;
+    load_chunk_tile(kcu, kunits, sk + buf * tile, ldk, k00 + ci * krow_step, p.k.s1, nr, int(K), vk, kStThreads);
+    load_chunk_tile(xcu, kunits, sxh + buf * tile, ldk, xwh + row0 * K, p.H * K, nr, int(K), vx, kStThreads);
+    if constexpr (LO)
+      load_chunk_tile(xcu, kunits, sxl + buf * tile, ldk, xwl + row0 * K, p.H * K, nr, int(K), vx, kStThreads);
     if (tid < kT) {
       if (tid < nr) cp_async4(s_rkb + buf * kT + tid, w.rk + row0 + tid * p.H);
       else s_rkb[buf * kT + tid] = 0.f;
     }
     if (vxu) {  // Xu rows t0.. (stride H V floats), columns c0..c0+TW-1: zero past nr rows and V columns
       static_assert(kStThreads % XT == 0 && kT % XR == 0, "whole rows per pass, whole passes per chunk");
-      const float* src = w.xu + (row0 + xu_i * p.H) * V + c0 + xu_c;
+      const float* src = xu00 + ci * wrow_step * V;
       float* dst = s_xu + (buf * kT + xu_i) * LDU + xu_c;
 #pragma unroll
       for (int q = 0; q < kT / XR; ++q) {
@@ -274,7 +280,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
     cp_async_commit();
   };
   const std::int64_t nch = (sq.eos - sq.bos + kT - 1) / kT;
-  if (nch > 0) issue(0, sq.bos);
+  if (nch > 0) issue(0, 0);
   for (std::int64_t ci = 0; ci < nch; ++ci) {
     const int buf = int(ci & 1);
     const std::int64_t t0 = sq.bos + ci * kT;
@@ -284,7 +290,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
     // b. the next chunk's operands into the other buffer (its last readers finished before the
     //    previous iteration's final barrier)
     if (ci + 1 < nch) {
-      issue(buf ^ 1, t0 + kT);
+      issue(buf ^ 1, ci + 1);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
@@ -301,7 +307,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
       // vxu (V % 4 == 0: pairs whole): this thread's X pairs at one base, rows i0 and i0 + 8, 8-column
       // steps; dp (deltanet_dprime: V % 8 == 0, vxu): D' = diag(rk beta) X as bf16 in the X region
       const int i0 = 16 * rg + frow(lane, 0), cb = (TW / 2) * half + fcol(lane, 0, 0);
-      const std::int64_t xo = (dn_ws_row(p, b, t0, h) + i0 * p.H) * V + c0 + cb;
+      const std::int64_t xo = (row00 + ci * wrow_step + i0 * p.H) * V + c0 + cb;
       float* xg = w.X + xo;
       bf16* dg = reinterpret_cast<bf16*>(w.X) + xo;
 #pragma unroll
