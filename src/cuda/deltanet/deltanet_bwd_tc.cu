@@ -228,6 +228,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     if constexpr (LO) load_chunk_tile(xcu, kunits, sxl, ldk, xwl + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
     cp_async_commit();
   };
+  const StateStoreUnits<LO, TW> sst(K, V, c0, kBsThreads);  // dSe's pieces to the workspace, fixed per CTA
   const std::int64_t nch = (sq_.eos - sq_.bos + kT - 1) / kT;
   if (nch > 0) {
     issue_first(int((nch - 1) & 1), nch - 1);
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
       }
     }
     __syncthreads();
-    store_state_split<LO, TW>(state_mats<LO>(ws + w.dS, slot, p.H, h, K, V), sSh, sSl, K, V, c0, kBsThreads);
+    sst.store(state_mats<LO>(ws + w.dS, slot, p.H, h, K, V), sSh, sSl, K, V, c0, kBsThreads);
     // c. dD = dD0 + diag(rk) K dSe (16 rows x TW / 2 columns per warp) -> the Y region; -W dD and
     //    s diag(rq) dO as hi + lo
     {

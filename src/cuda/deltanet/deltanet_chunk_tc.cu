@@ -279,6 +279,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
     }
     cp_async_commit();
   };
+  const StateStoreUnits<LO, TW> sst(K, V, c0, kStThreads);  // S's pieces to the workspace, fixed per CTA
   const std::int64_t nch = (sq.eos - sq.bos + kT - 1) / kT;
   if (nch > 0) issue(0, 0);
   for (std::int64_t ci = 0; ci < nch; ++ci) {
@@ -297,7 +298,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
     }
     __syncthreads();
     // S entering the chunk to the workspace as hi + lo (DnChunkBufs), copied from smem
-    store_state_split<LO, TW>(state_mats<LO>(w.S, sq.base + ci, p.H, h, K, V), sSh, sSl, K, V, c0, kStThreads);
+    sst.store(state_mats<LO>(w.S, sq.base + ci, p.H, h, K, V), sSh, sSl, K, V, c0, kStThreads);
     // c. X = Xu - Xw S (this warp's 16 rows x TW / 2 columns); to the workspace; diag(rk beta) X as hi + lo
     {
       float acc[NJX][4] = {};

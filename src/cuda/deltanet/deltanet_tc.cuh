@@ -252,6 +252,33 @@ __device__ __forceinline__ void load_kc_tile(const TileUnits& m, bf16* sm, int l
   else load_tile(sm, ldk, kT, m.C, src, rs, nr, K, false, nthreads);
 }
 
+// store_state_split's V % 8 == 0 path with this thread's pieces fixed per CTA (column piece c of rows
+// r0, r0 + dr, ... < K), for the serial kernels' chunk loops: a 16-byte load and store per piece a step.
+template <bool LO = true, int TW = 64>
+struct StateStoreUnits {
+  int n = 0;                     // pieces of this thread (0: none, or V % 8 != 0: store_state_split)
+  std::int64_t g0 = 0, gs = 0;   // elements from a (K, V) matrix: the first piece; between pieces
+  int s0 = 0, ss = 0;            // elements from the smem tile (stride TW + 8): the first piece; between
+  bool vec = false;
+  __device__ __forceinline__ StateStoreUnits(std::int64_t K, std::int64_t V, std::int64_t c0, int nthreads) {
+    constexpr int P = TW / 8, LD = TW + 8;
+    vec = V % 8 == 0;
+    const int c = (int(threadIdx.x) % P) * 8, r0 = int(threadIdx.x) / P, dr = nthreads / P;
+    if (!vec || c >= lmin(TW, V - c0) || r0 >= K) return;
+    n = int((K - r0 + dr - 1) / dr), g0 = r0 * V + c0 + c, gs = dr * V, s0 = r0 * LD + c, ss = dr * LD;
+  }
+  __device__ __forceinline__ void store(bf16* gh, const bf16* sSh, const bf16* sSl, std::int64_t K, std::int64_t V,
+                                        std::int64_t c0, int nthreads) const {
+    if (!vec) return store_state_split<LO, TW>(gh, sSh, sSl, K, V, c0, nthreads);
+    bf16* gl = gh + K * V;
+#pragma unroll 2
+    for (int q = 0; q < n; ++q) {
+      *reinterpret_cast<uint4*>(gh + g0 + q * gs) = *reinterpret_cast<const uint4*>(sSh + s0 + q * ss);
+      if constexpr (LO) *reinterpret_cast<uint4*>(gl + g0 + q * gs) = *reinterpret_cast<const uint4*>(sSl + s0 + q * ss);
+    }
+  }
+};
+
 // One thread's cp.async units of a (64 rows, m.C columns) bf16 tile that a serial kernel loads every
 // chunk step from rows at a fixed stride rs: the offsets are fixed per CTA, so a whole chunk costs a
 // 64-bit add and a cp.async per unit. Re-deriving each unit's address every step (the row pointer,

@@ -95,6 +95,11 @@ __device__ __forceinline__ void mma_rk(float (&acc)[J][4], const bf16* A, int ld
   };
   if constexpr (J == 8) {
     for (int ks = 0; ks < Kp / 16; ++ks) step(ks);
+  } else if constexpr (J == 2) {
+    // J = 2 (the DeltaNet serial kernels' 32-column tiles, a dependent chain each step): unrolled,
+    // so that the next k-steps' ldmatrix are issued ahead of this one's mma (Kp is a multiple of 64)
+#pragma unroll 4
+    for (int ks = 0; ks < Kp / 16; ++ks) step(ks);
   } else {
 #pragma unroll 1
     for (int ks = 0; ks < Kp / 16; ++ks) step(ks);
