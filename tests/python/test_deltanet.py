@@ -266,6 +266,8 @@ def test_fla_shims_equal_delta_rule():
         assert torch.equal(got[0], want[0])
         got = fn(q, k, v, beta, 0.5, h0, True, True, offsets=cu, checkpoint_level=1)  # older FLA's names
         assert torch.equal(got[0], want[0])
+        got = fn(q, k, v, beta, 0.5, h0, True, True, cu, split_operands=True)  # fastweight's keyword (CPU: no effect)
+        assert torch.equal(got[0], want[0])
         if fn is fw_fla.chunk_delta_rule:  # FLA 0.6: cu_seqlens_cpu (10th positional), chunk_size
             got = fn(q, k, v, beta, 0.5, h0, True, True, cu, cu.cpu(), chunk_size=32)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -420,10 +422,17 @@ def test_cuda_varlen_matches_reference(cu_dtype):
     assert eo < TOL[torch.bfloat16] and eh < 1e-5, f"seed {seed}: o {eo:.2e}, final state {eh:.2e}"
     for n in (0, 2, 5):  # empty sequences: the final state is the initial state
         assert torch.equal(ht[n].cpu(), h0[n])
-    # FLA's name goes the same way
+    # FLA's name goes the same way, with FLA's operand precision (split_operands=False) unless asked
+    fo, fht = fw_fla.chunk_delta_rule(*_cuda(q, k, v, beta), initial_state=h0.cuda(), output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu.cuda(), split_operands=True)
+    assert torch.equal(fo, o) and torch.equal(fht, ht)
+    o1, ht1 = fastweight.delta_rule(*_cuda(q, k, v, beta), initial_state=h0.cuda(), output_final_state=True,
+                                    cu_seqlens=cu.cuda(), use_qk_l2norm_in_kernel=True, split_operands=False)
     fo, fht = fw_fla.chunk_delta_rule(*_cuda(q, k, v, beta), initial_state=h0.cuda(), output_final_state=True,
                                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu.cuda())
-    assert torch.equal(fo, o) and torch.equal(fht, ht)
+    assert torch.equal(fo, o1) and torch.equal(fht, ht1)
+    eo1 = rel_err(o1, ro)
+    assert eo1 < TOL[torch.bfloat16] and not torch.equal(o1, o), f"seed {seed}: bf16 operands o {eo1:.2e}"
 
 
 @gpu

@@ -13,7 +13,11 @@ Names, argument order and defaults are FLA's, as in fla-org/flash-linear-attenti
 (``fused_recurrent_delta_rule``): q, k (B, T, H, K), v (B, T, H, V), beta (B, T, H),
 initial_state (N, H, K, V), cu_seqlens (N+1) with B = 1; both return ``(o, final_state)``, the final
 state float32 (N, H, K, V) or None unless ``output_final_state``. The two names compute the same thing
-(FLA's chunked and recurrent kernels differ only in speed), through ``fastweight.delta_rule``.
+(FLA's chunked and recurrent kernels differ only in speed), through ``fastweight.delta_rule`` with
+``split_operands=False``: FLA's operand precision (the tensor-core products take bfloat16 operands,
+as FLA's Triton kernels do; o ~4e-3 from the float64 loop, FLA's own ~5e-3) and its speed. The one
+keyword FLA does not have, ``split_operands=True``, asks for fastweight's default instead (bfloat16 hi +
+lo operands, ~2e-3, 1.2-1.4x the time).
 
 Compatibility details:
 - ``head_first=True`` (the [B, H, T, ...] layout of older FLA releases, an error in current ones) is
@@ -80,6 +84,7 @@ def _call(fn: str, q, k, v, beta, scale, initial_state, output_final_state, use_
             raise TypeError(f"{fn}(): got both cu_seqlens and offsets (older FLA's name of cu_seqlens)")
         cu_seqlens = cu_seqlens if offsets is None else offsets
     kwargs.pop("checkpoint_level", None)  # memory/speed only
+    split = kwargs.pop("split_operands", False)  # FLA's precision unless asked (fastweight's keyword)
     if kwargs:
         raise TypeError(f"{fn}() got an unexpected keyword argument {next(iter(kwargs))!r}")
     if beta is not None and beta.dim() == 4:
@@ -93,7 +98,7 @@ def _call(fn: str, q, k, v, beta, scale, initial_state, output_final_state, use_
     if beta is None:  # fused_recurrent's default
         beta = torch.ones(q.shape[:-1], dtype=q.dtype, device=q.device)
     o, final_state = delta_rule(q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                                cu_seqlens)
+                                cu_seqlens, split_operands=bool(split))
     return (o.transpose(1, 2) if head_first else o), final_state
 
 
