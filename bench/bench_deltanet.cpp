@@ -123,7 +123,9 @@ int gpu_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
   int failures = 0;
   struct Case { std::int64_t B, T, H, K, seqs; };  // K = V; seqs > 0: varlen (B = 1, T tokens)
   std::vector<Case> cases = {{4, 4096, 16, 128, 0}};
-  if (!fb.quick) cases.push_back({2, 8192, 16, 128, 0}), cases.push_back({8, 2048, 32, 64, 0});
+  if (!fb.quick)
+    cases.push_back({2, 8192, 16, 128, 0}), cases.push_back({8, 2048, 32, 64, 0}),
+        cases.push_back({1, 32768, 16, 128, 0});
   cases.push_back({1, 32768, 16, 128, 8});  // 8 sequences of random lengths (BENCHMARKS.md)
   for (const Case& c : cases) {
     try {

@@ -14,6 +14,8 @@
 //   fastweight_bench --dn-no-db2             DeltaNet backward serial kernel with q / Xw single-buffered (A/B)
 //   fastweight_bench --dn-wy-vbufs=1|2       DeltaNet wy kernel's v tile buffers (A/B)
 //   fastweight_bench --dn-state-tile=32|64   DeltaNet forward state kernel's V tile columns (A/B)
+//   fastweight_bench --dn-bwd-overlap=on|off DeltaNet backward: the recompute's state kernel beside prep +
+//                                            serial on a second stream, or after them (A/B; default: planner)
 //   fastweight_bench --timing-only           DeltaNet GPU rows timed without their float64 check (A/B
 //                                            runs after CTest; the error column reads nan)
 //   fastweight_bench --op=mlstm              only the mLSTM rows (bench_mlstm.cpp: every public
@@ -70,6 +72,7 @@ struct Options {
   bool dn_no_db2 = false;
   int dn_wy_vbufs = 0;    // 0: the planner's choice
   int dn_state_tile = 0;  // 0: the planner's choice
+  int dn_bwd_overlap = 0;  // 0: the planner's choice, 1 on, -1 off
   std::string csv;
 };
 
@@ -296,6 +299,10 @@ int main(int argc, char** argv) {
     else if (a == "--dn-no-db2") o.dn_no_db2 = true;
     else if (const char* v = val("--dn-wy-vbufs=")) o.dn_wy_vbufs = std::atoi(v);
     else if (const char* v = val("--dn-state-tile=")) o.dn_state_tile = std::atoi(v);
+    else if (const char* v = val("--dn-bwd-overlap=")) {
+      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
+      o.dn_bwd_overlap = std::string(v) == "on" ? 1 : -1;
+    }
     else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); usage(2); }
   }
   const bool gpu = !o.cpu && cuda_available();
@@ -310,6 +317,7 @@ int main(int argc, char** argv) {
   if (o.dn_no_db2) fastweight::detail::set_deltanet_bwd_serial_db2(false);
   if (o.dn_wy_vbufs) fastweight::detail::set_deltanet_wy_vbufs(o.dn_wy_vbufs);
   if (o.dn_state_tile) fastweight::detail::set_deltanet_state_tile(o.dn_state_tile);
+  if (o.dn_bwd_overlap) fastweight::detail::set_deltanet_bwd_overlap(o.dn_bwd_overlap);
 #endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");
 

@@ -376,23 +376,27 @@ void check_bwd_case(const DnBwdCase& c) {
   // before the second: the results may depend on neither. The second call also runs the serial
   // kernels with their other buffering (the recomputing wy kernel with one v tile buffer instead of
   // two; bf16 operands: the backward serial kernel's q / Xw single-buffered) and the recomputing state
-  // kernel on 32-column V tiles instead of 64: the same bits.
+  // kernel on 32-column V tiles instead of 64, and the recompute's state kernel after the state
+  // pass's prep + serial kernels on one stream where the first call ran it beside them on a second:
+  // the same bits.
   struct RestoreBuffering {
     int vbufs;
     bool db2;
-    int tile;
+    int tile, overlap;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
       fastweight::detail::set_deltanet_state_tile(tile);
+      fastweight::detail::set_deltanet_bwd_overlap(overlap);
     }
   } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true),
-                      fastweight::detail::set_deltanet_state_tile(0)};
+                      fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_bwd_overlap(0)};
   std::vector<HostTensor> run[2];
   for (int r = 0; r < 2; ++r) {
     fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
     fastweight::detail::set_deltanet_bwd_serial_db2(r == 0);
     fastweight::detail::set_deltanet_state_tile(r == 0 ? 64 : 32);
+    fastweight::detail::set_deltanet_bwd_overlap(r == 0 ? 1 : -1);
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
     FW_TEST_CUDA(cudaMemset(ws, r == 0 ? 0xff : 0x00, need));
     FW_TEST_CUDA(cudaDeviceSynchronize());  // the memsets run on the legacy stream, not on `stream`

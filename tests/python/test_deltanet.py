@@ -593,8 +593,11 @@ def test_cuda_bf16_operands_match_cpu_float64(T, K, V, cu):
 
 @gpu
 @requires_cuda
-def test_cuda_backward_deterministic_and_graph_capture():
-    q, k, v, beta, h0 = _cuda(*make(B=2, T=150, H=2, K=64, V=64, dtype=torch.float32, seed=_fresh_seed()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_backward_deterministic_and_graph_capture(dtype):
+    # bf16: the tensor-core backward, whose recompute runs on a second stream beside the state pass at
+    # this size (forked and joined by events inside the call: captured as graph edges)
+    q, k, v, beta, h0 = _cuda(*make(B=2, T=150, H=2, K=64, V=64, dtype=dtype, seed=_fresh_seed()))
     do, dht = torch.randn_like(v), torch.randn_like(h0)
     bwd = torch.ops.fastweight.deltanet_bwd
 

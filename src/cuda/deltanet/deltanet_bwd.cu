@@ -19,6 +19,10 @@
 //      (likewise on tensor cores after the tensor-core state pass);
 //   4. with the in-kernel L2 norm: a warp per row of q or k maps dq^, dk^ to dq, dk.
 #include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <optional>
+#include <vector>
 
 #include "cuda/common/check.cuh"
 #include "cuda/common/mma.cuh"
@@ -402,6 +406,62 @@ DeltanetBwdParams effective(const DeltanetBwdParams& p) {
 
 }  // namespace
 
+namespace {
+std::atomic<int> g_bwd_overlap{0};  // 0: the planner's choice, 1: always, -1: never
+
+// One more stream per device for the backward's overlap, created on first use and kept (ordered
+// against the caller's stream by events alone: non-blocking, no implicit sync with stream 0).
+cudaStream_t bwd_side_stream() {
+  static std::mutex mu;
+  static std::vector<cudaStream_t> streams;
+  int dev = 0;
+  FW_CUDA_CHECK("deltanet_bwd (side stream)", cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  if (streams.size() <= std::size_t(dev)) streams.resize(std::size_t(dev) + 1, nullptr);
+  if (!streams[dev]) FW_CUDA_CHECK("deltanet_bwd (side stream)", cudaStreamCreateWithFlags(&streams[dev], cudaStreamNonBlocking));
+  return streams[dev];
+}
+
+// The fork of one call: the side stream waits for the caller's stream; done() marks the end of the
+// side work (the event the post kernel waits for). Events are per call (shared ones could be
+// re-recorded by another host thread between a record and its wait). The destructor makes the
+// caller's stream wait for the side work once more (a no-op after the post kernel's wait; the join
+// on every path, an early return or a throw included) and releases the events.
+struct Fork {
+  cudaStream_t main, side;
+  cudaEvent_t e[2] = {nullptr, nullptr};
+  explicit Fork(cudaStream_t m) : main(m), side(bwd_side_stream()) {
+    for (auto& x : e) FW_CUDA_CHECK("deltanet_bwd (events)", cudaEventCreateWithFlags(&x, cudaEventDisableTiming));
+    FW_CUDA_CHECK("deltanet_bwd (fork)", cudaEventRecord(e[0], main));
+    FW_CUDA_CHECK("deltanet_bwd (fork)", cudaStreamWaitEvent(side, e[0], 0));
+  }
+  void* done() {
+    FW_CUDA_CHECK("deltanet_bwd (join)", cudaEventRecord(e[1], side));
+    return e[1];
+  }
+  ~Fork() {
+    if (e[1]) (void)cudaStreamWaitEvent(main, e[1], 0);
+    for (auto& x : e)
+      if (x) (void)cudaEventDestroy(x);
+  }
+  Fork(const Fork&) = delete;
+  Fork& operator=(const Fork&) = delete;
+};
+}  // namespace
+
+int set_deltanet_bwd_overlap(int mode) { return g_bwd_overlap.exchange(mode > 0 ? 1 : mode < 0 ? -1 : 0); }
+
+// The recompute's state kernel (S, X: read from the post kernel on) and the state pass's prep +
+// serial kernels (dD0, dS: neither reads S or X) are independent chains, each a grid of sequences x
+// heads x V tiles that leaves SMs idle on long sequences: (1,32768,16,128) runs two grids of 64 CTAs
+// on 132 SMs one after the other. Beside each other where both fit at once (one CTA per SM each).
+bool deltanet_bwd_overlap(const DeltanetBwdParams& p) {
+  const int mode = g_bwd_overlap.load();
+  if (mode != 0) return mode > 0;
+  const int tw = deltanet_serial_tile(p);
+  return 2 * p.N * p.H * ((p.V + tw - 1) / tw) <= sm_count();
+}
+
 std::size_t deltanet_bwd_workspace_bytes(const DeltanetBwdParams& p_in) {
   const DeltanetBwdParams p = effective(p_in);
   return std::size_t(DnBwdWs(p, deltanet_chunk_tc_applies(p)).total) * sizeof(float);
@@ -417,20 +477,32 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream st
   const DnBwdWs w(p, tc);
   float* ws = static_cast<float*>(workspace);
   const auto st = reinterpret_cast<cudaStream_t>(stream);
-  // 1. recompute: S0 per chunk and X per row (no o, no final state)
+  // 1. recompute: S0 per chunk and X per row (no o, no final state); with the overlap its state
+  //    kernel runs on the side stream beside step 2's prep + serial kernels, joined before post
   DeltanetParams f = p;
   f.o = {}, f.ht = {};
+  const bool state_tc = tc && deltanet_bwd_state_tc_applies(p);
+  const bool overlap = state_tc && seqs > 0 && deltanet_bwd_overlap(p);
+  std::optional<Fork> fork;
+  void* recomputed = nullptr;  // with the overlap: the side work's end, waited for before post
   if (tc) {
-    deltanet_chunk_tc_states(f, DnChunkBufs{ws + w.xw, ws + w.xu, ws + w.rk, ws + w.S, ws + w.X, ws + w.T2}, stream);
+    const DnChunkBufs bufs{ws + w.xw, ws + w.xu, ws + w.rk, ws + w.S, ws + w.X, ws + w.T2};
+    if (overlap) {
+      deltanet_chunk_tc_states(f, bufs, stream, 1);  // wy: Xw, Xu, rk, T2 (both chains read them)
+      fork.emplace(st);
+      deltanet_chunk_tc_states(f, bufs, reinterpret_cast<Stream>(fork->side), 2);
+      recomputed = fork->done();
+    } else {
+      deltanet_chunk_tc_states(f, bufs, stream);
+    }
   } else {
     f.save_S = ws + w.S, f.save_X = ws + w.X;
     deltanet_fwd_v1_cuda(f, stream);
   }
   if (seqs == 0) return;
   // 2. state pass (on tensor cores after the tensor-core recompute)
-  const bool state_tc = tc && deltanet_bwd_state_tc_applies(p);
   if (state_tc) {
-    deltanet_bwd_state_tc(p, w, ws, stream);
+    deltanet_bwd_state_tc(p, w, ws, stream, recomputed);
   } else {
     const std::size_t smem_s = sizeof(SmemState);
     (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_state_kernel), kThreads, smem_s);

@@ -616,7 +616,7 @@ bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
          BsLayout(p.K, p.hilo).bytes <= smem_per_block_optin() && BqLayout(p.K, p.hilo).bytes <= smem_per_block_optin();
 }
 
-void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream) {
+void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream, void* before_post) {
   const std::int64_t seqs = p.N * p.H, slots = deltanet_slots(p);
   if (seqs == 0 || slots == 0) return;
   if (slots > 0x7fffffff) throw Error(cat("deltanet_bwd: grid too large (", slots, " chunks)"));
@@ -640,6 +640,8 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(serial), kBsThreads, ls.bytes);
   serial<<<dim3(unsigned(seqs), unsigned(vtw)), kBsThreads, ls.bytes, st>>>(p, w, ws, vq, vk, vo, p.K % 8 == 0);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial)");
+  if (before_post)
+    FW_CUDA_CHECK("deltanet_bwd (join the recompute)", cudaStreamWaitEvent(st, static_cast<cudaEvent_t>(before_post), 0));
   const BqLayout lq(p.K, p.hilo);
   auto* post = p.hilo ? &deltanet_bwd_post_kernel<true> : &deltanet_bwd_post_kernel<false>;
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(post), kThreads, lq.bytes);

@@ -490,13 +490,13 @@ bool deltanet_chunk_tc_applies(const DeltanetParams& p) {
          p.K <= kMaxK;
 }
 
-void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Stream stream) {
+void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Stream stream, int phases) {
   const std::int64_t seqs = p.N * p.H, vt = (p.V + kT - 1) / kT, slots = deltanet_slots(p);
   if (seqs == 0) return;
   if (seqs > 0x7fffffff || vt > 65535 || p.H > 65535 || slots > 0x7fffffff)
     throw Error(cat("deltanet (tensor cores): grid too large (", seqs, " sequence-heads, ", slots, " chunks)"));
   const auto st = reinterpret_cast<cudaStream_t>(stream);
-  if (slots > 0) {
+  if (slots > 0 && (phases & 1)) {
     auto* wy = p.hilo ? &deltanet_wy_kernel<true> : &deltanet_wy_kernel<false>;
     // two v buffers unless the second costs a resident CTA per SM (or does not fit)
     const auto wy_fn = reinterpret_cast<const void*>(wy);
@@ -513,6 +513,7 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
     wy<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, bytes, st>>>(p, w, rows16_seq(p.k), rows16_seq(p.v), nvb);
     FW_CUDA_CHECK_LAUNCH("deltanet (wy)");
   }
+  if (!(phases & 2)) return;
   const bool pxu = state_xu_tiles(p);
   const int tw = deltanet_serial_tile(p);
   const StLayout ls(p.K, p.hilo, pxu, tw);

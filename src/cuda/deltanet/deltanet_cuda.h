@@ -17,7 +17,8 @@ void deltanet_fwd_cuda(const DeltanetParams& p, void* workspace, Stream stream);
 // The pipeline (deltanet_chunk_tc.cu; bf16 q, k, v, K <= 128): wy + state kernels write w.S, w.X
 // (and p.ht when set); the output kernel writes p.o from them.
 bool deltanet_chunk_tc_applies(const DeltanetParams& p);
-void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Stream stream);
+// phases: 1 the wy kernel, 2 the state kernel, 3 both (the backward runs them apart: see below).
+void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Stream stream, int phases = 3);
 void deltanet_chunk_tc_output(const DeltanetParams& p, const DnChunkBufs& w, Stream stream);
 // The forward pipeline's D' hand-off (DnChunkBufs::dprime) where it applies (default on); the
 // previous setting is returned. Off: X in fp32 as the backward's recompute writes it (tests, A/B).
@@ -50,7 +51,15 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p, void* workspace, Stream strea
 // The state pass on tensor cores (deltanet_bwd_tc.cu): bf16 q, k, v, do, K <= 128, after the
 // tensor-core recompute (T2 in the workspace).
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p);
-void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream);
+// before_post (a cudaEvent_t or null): waited for on `stream` before the post kernel, the first of
+// the pass to read X (the recompute's state kernel, run beside prep + serial: deltanet_bwd_cuda).
+void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream,
+                           void* before_post = nullptr);
+// Tests and benchmarks only: the backward's recompute state kernel beside the prep + serial kernels
+// on a second stream (1), after them on one stream (-1), or the planner's choice (0: beside where both
+// serial grids fit on the SMs at once). The same kernels and bits either way. Returns the previous.
+int set_deltanet_bwd_overlap(int mode);
+bool deltanet_bwd_overlap(const DeltanetBwdParams& p);
 // The chunk pass on tensor cores (deltanet_bwd_tc.cu), after the state pass on tensor cores.
 void deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream);
 
