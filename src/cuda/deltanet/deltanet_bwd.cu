@@ -18,6 +18,8 @@
 //   3. chunk pass: one CTA per (chunk, head, 64 columns of K), chunks in parallel: dq, dk, dbeta
 //      (likewise on tensor cores after the tensor-core state pass);
 //   4. with the in-kernel L2 norm: a warp per row of q or k maps dq^, dk^ to dq, dk.
+// On tensor cores, where the serial grids leave half the SMs idle (long sequences, few heads), 1's
+// state kernel runs on a second stream beside 2's prep + serial kernels (deltanet_bwd_overlap).
 #include <algorithm>
 #include <atomic>
 #include <mutex>
