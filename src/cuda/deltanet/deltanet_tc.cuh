@@ -218,42 +218,24 @@ __device__ __forceinline__ void chunk_output(float (&o)[8][4], const bf16* sq, c
 }
 
 // S (Kc x TW tile, TW = 64 or 32 columns, stride TW + 8, bf16 hi + lo in smem) -> the workspace's (K, V) hi then lo
-// matrices at gh, columns c0.. (LO = false: the hi matrix alone): 16-byte rows pieces where V % 8 ==
-// 0, else elements. All nthreads threads of the CTA.
+// matrices at gh, columns c0.. (LO = false: the hi matrix alone), element by element: the path for
+// V % 8 != 0 (StateStoreUnits stores 16-byte pieces otherwise). All nthreads threads of the CTA.
 template <bool LO = true, int TW = 64>
 __device__ __forceinline__ void store_state_split(bf16* gh, const bf16* sSh, const bf16* sSl, std::int64_t K,
                                                   std::int64_t V, std::int64_t c0, int nthreads = kTcThreads) {
   bf16* gl = gh + K * V;
   const int nc = int(lmin(TW, V - c0));
-  constexpr int P = TW / 8, LD = TW + 8;  // 16-byte pieces per row; the tile's stride (kLd at 64)
-  if (V % 8 == 0) {  // thread: column piece c of rows r, r + nthreads / P, ... (nthreads % P == 0)
-    const int c = (threadIdx.x % P) * 8;
-    if (c < nc)
-      for (int r = threadIdx.x / P; r < K; r += nthreads / P) {
-        *reinterpret_cast<uint4*>(gh + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSh + r * LD + c);
-        if constexpr (LO)
-          *reinterpret_cast<uint4*>(gl + r * V + c0 + c) = *reinterpret_cast<const uint4*>(sSl + r * LD + c);
-      }
-  } else {
-    for (int e = threadIdx.x; e < K * TW; e += nthreads) {
-      const int r = e / TW, c = e % TW;
-      if (c >= nc) continue;
-      gh[r * V + c0 + c] = sSh[r * LD + c];
-      if constexpr (LO) gl[r * V + c0 + c] = sSl[r * LD + c];
-    }
+  constexpr int LD = TW + 8;  // the tile's stride (kLd at 64)
+  for (int e = threadIdx.x; e < K * TW; e += nthreads) {
+    const int r = e / TW, c = e % TW;
+    if (c >= nc) continue;
+    gh[r * V + c0 + c] = sSh[r * LD + c];
+    if constexpr (LO) gl[r * V + c0 + c] = sSl[r * LD + c];
   }
 }
 
-// A (64 rows, m.C = Kc columns) bf16 tile with K valid columns, as load_tile, in a serial kernel's
-// chunk loop: the cp.async units mapped once per CTA (m), element loads where rows are unaligned.
-__device__ __forceinline__ void load_kc_tile(const TileUnits& m, bf16* sm, int ldk, const bf16* src, std::int64_t rs,
-                                             int nr, int K, bool vec, int nthreads) {
-  if (vec) load_tile_vec(m, sm, ldk, kT, src, rs, nr, K);
-  else load_tile(sm, ldk, kT, m.C, src, rs, nr, K, false, nthreads);
-}
-
-// store_state_split's V % 8 == 0 path with this thread's pieces fixed per CTA (column piece c of rows
-// r0, r0 + dr, ... < K), for the serial kernels' chunk loops: a 16-byte load and store per piece a step.
+// S / dSe to the workspace from a serial kernel's chunk loop with this thread's 16-byte pieces fixed
+// per CTA (column piece c of rows r0, r0 + dr, ... < K; V % 8 == 0): a load and a store per piece a step.
 template <bool LO = true, int TW = 64>
 struct StateStoreUnits {
   int n = 0;                     // pieces of this thread (0: none, or V % 8 != 0: store_state_split)
@@ -299,7 +281,7 @@ __device__ __forceinline__ void cp_async16_s(std::uint32_t s, const void* g) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(g));
 }
 // A chunk's (64, m.C) tile: through cu where the whole tile is in bounds (nr = 64 rows, nc >= m.C
-// columns) and the rows are 16-byte aligned (vec); else as load_kc_tile / load_tile.
+// columns) and the rows are 16-byte aligned (vec); else load_tile_vec (aligned) or element loads.
 __device__ __forceinline__ void load_chunk_tile(const ChunkUnits& cu, const TileUnits& m, bf16* sm, int ld,
                                                 const bf16* src, std::int64_t rs, int nr, int nc, bool vec,
                                                 int nthreads) {
