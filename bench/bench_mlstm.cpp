@@ -11,10 +11,12 @@
 #include "bench_util.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <stdexcept>
 
 #include "common/half.h"
 #include "fastweight/fastweight.h"
@@ -90,43 +92,68 @@ struct GpuMlstm {
   }
 };
 
+// "BxNHxSxDQKxDV[+...]" -> shapes; empty: the default timed shape.
+std::vector<std::array<std::int64_t, 5>> timed_shapes(const std::string& spec) {
+  std::vector<std::array<std::int64_t, 5>> out;
+  if (spec.empty()) return {{2, 16, 8192, 128, 128}};
+  std::size_t at = 0;
+  while (at <= spec.size()) {
+    const std::size_t end = std::min(spec.find('+', at), spec.size());
+    std::array<std::int64_t, 5> sh{};
+    const std::string one = spec.substr(at, end - at);
+    if (std::sscanf(one.c_str(), "%ldx%ldx%ldx%ldx%ld", &sh[0], &sh[1], &sh[2], &sh[3], &sh[4]) != 5)
+      throw std::invalid_argument("--mlstm-shapes: not BxNHxSxDQKxDV: " + one);
+    out.push_back(sh);
+    at = end + 1;
+  }
+  return out;
+}
+
 int gpu_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
   int failures = 0;
   // verified at a shorter S: the same kernels and paths (many chunks), seconds less host work
-  const std::int64_t B = 2, NH = 16, S = 8192, DQK = 128, DV = 128, vS = fb.quick ? 512 : 2048;
-  const std::string shp = shape_str(B, NH, S, DQK, DV) + "; verified at " + shape_str(1, 2, vS, DQK, DV);
+  const std::int64_t DQK = 128, DV = 128, vS = fb.quick ? 512 : 2048;
   double err[2] = {INFINITY, INFINITY};  // fwd, bwd
   try {
     std::printf("mlstm (cuda): verifying at %s\n", shape_str(1, 2, vS, DQK, DV).c_str());
     GpuMlstm check(1, 2, vS, DQK, DV);
     err[0] = check.verify_fwd();
     err[1] = check.verify_bwd();
-    std::printf("mlstm (cuda): rel err fwd %.2e, bwd %.2e; timing at %s\n", err[0], err[1],
-                shape_str(B, NH, S, DQK, DV).c_str());
+    std::printf("mlstm (cuda): rel err fwd %.2e, bwd %.2e\n", err[0], err[1]);
   } catch (const std::exception& ex) {
     std::printf("mlstm (cuda) verification: error: %s\n", ex.what());
   }
-  int timed = 0;
+  std::vector<std::array<std::int64_t, 5>> shapes;
   try {
-    GpuMlstm run(B, NH, S, DQK, DV);
-    for (bool bwd : {false, true}) {
-      double ms = 0;
-      if (bwd) {
-        const MlstmBwdArgs a = run.bwd_args();
-        DevScratch ws(mlstm_bwd_workspace_size(a));
-        ms = fb.timer->time_ms([&](Stream st) { mlstm_bwd(a, ws.p, ws.bytes, st); }, fb.reps);
-      } else {
-        const MlstmFwdArgs a = run.fwd_args();
-        DevScratch ws(mlstm_fwd_workspace_size(a));
-        ms = fb.timer->time_ms([&](Stream st) { mlstm_fwd(a, ws.p, ws.bytes, st); }, fb.reps);
-      }
-      if (!(err[bwd] <= 1e-2)) ++failures;
-      rows.push_back({bwd ? "mlstm_bwd" : "mlstm_fwd", "bfloat16", shp, err[bwd], ms, "cuda"});
-      ++timed;
-    }
+    shapes = timed_shapes(fb.mlstm_shapes);
   } catch (const std::exception& ex) {
     std::printf("mlstm (cuda) timing: error: %s\n", ex.what());
-    failures += 2 - timed;
+    return failures + 1;
+  }
+  for (const auto& [B, NH, S, K, V] : shapes) {
+    const std::string shp = shape_str(B, NH, S, K, V) + "; verified at " + shape_str(1, 2, vS, DQK, DV);
+    int timed = 0;
+    try {
+      GpuMlstm run(B, NH, S, K, V);
+      for (bool bwd : {false, true}) {
+        double ms = 0;
+        if (bwd) {
+          const MlstmBwdArgs a = run.bwd_args();
+          DevScratch ws(mlstm_bwd_workspace_size(a));
+          ms = fb.timer->time_ms([&](Stream st) { mlstm_bwd(a, ws.p, ws.bytes, st); }, fb.reps);
+        } else {
+          const MlstmFwdArgs a = run.fwd_args();
+          DevScratch ws(mlstm_fwd_workspace_size(a));
+          ms = fb.timer->time_ms([&](Stream st) { mlstm_fwd(a, ws.p, ws.bytes, st); }, fb.reps);
+        }
+        if (!(err[bwd] <= 1e-2)) ++failures;
+        rows.push_back({bwd ? "mlstm_bwd" : "mlstm_fwd", "bfloat16", shp, err[bwd], ms, "cuda"});
+        ++timed;
+      }
+    } catch (const std::exception& ex) {
+      std::printf("mlstm (cuda) timing at %s: error: %s\n", shape_str(B, NH, S, K, V).c_str(), ex.what());
+      failures += 2 - timed;
+    }
   }
   return failures;
 }

@@ -16,6 +16,11 @@
 //   fastweight_bench --dn-state-tile=32|64   DeltaNet forward state kernel's V tile columns (A/B)
 //   fastweight_bench --dn-bwd-overlap=on|off DeltaNet backward: the recompute's state kernel beside prep +
 //                                            serial on a second stream, or after them (A/B; default: planner)
+//   fastweight_bench --mlstm-bulk-store=off  mLSTM serial kernels' state stores element by element, not by the
+//                                            TMA engine (A/B)
+//   fastweight_bench --mlstm-chunk-units=off mLSTM serial kernels' chunk tiles by the generic loader (A/B)
+//   fastweight_bench --mlstm-shapes=BxNHxSxDQKxDV[+...]  mLSTM GPU rows timed at these shapes (verified
+//                                            at the default small shape, as without it)
 //   fastweight_bench --timing-only           DeltaNet GPU rows timed without their float64 check (A/B
 //                                            runs after CTest; the error column reads nan)
 //   fastweight_bench --op=mlstm              only the mLSTM rows (bench_mlstm.cpp: every public
@@ -50,6 +55,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/deltanet/deltanet_cuda.h"
+#include "cuda/mlstm/mlstm_cuda.h"
 #include "cuda/norm/norm_cuda.h"
 #endif
 
@@ -73,6 +79,8 @@ struct Options {
   int dn_wy_vbufs = 0;    // 0: the planner's choice
   int dn_state_tile = 0;  // 0: the planner's choice
   int dn_bwd_overlap = 0;  // 0: the planner's choice, 1 on, -1 off
+  bool mlstm_no_bulk_store = false, mlstm_no_chunk_units = false;
+  std::string mlstm_shapes;
   std::string csv;
 };
 
@@ -303,6 +311,15 @@ int main(int argc, char** argv) {
       if (std::string(v) != "on" && std::string(v) != "off") usage(2);
       o.dn_bwd_overlap = std::string(v) == "on" ? 1 : -1;
     }
+    else if (const char* v = val("--mlstm-bulk-store=")) {
+      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
+      o.mlstm_no_bulk_store = std::string(v) == "off";
+    }
+    else if (const char* v = val("--mlstm-chunk-units=")) {
+      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
+      o.mlstm_no_chunk_units = std::string(v) == "off";
+    }
+    else if (const char* v = val("--mlstm-shapes=")) o.mlstm_shapes = v;
     else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); usage(2); }
   }
   const bool gpu = !o.cpu && cuda_available();
@@ -318,6 +335,8 @@ int main(int argc, char** argv) {
   if (o.dn_wy_vbufs) fastweight::detail::set_deltanet_wy_vbufs(o.dn_wy_vbufs);
   if (o.dn_state_tile) fastweight::detail::set_deltanet_state_tile(o.dn_state_tile);
   if (o.dn_bwd_overlap) fastweight::detail::set_deltanet_bwd_overlap(o.dn_bwd_overlap);
+  if (o.mlstm_no_bulk_store) fastweight::detail::set_mlstm_bulk_store(false);
+  if (o.mlstm_no_chunk_units) fastweight::detail::set_mlstm_chunk_units(false);
 #endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");
 
@@ -401,7 +420,7 @@ int main(int argc, char** argv) {
   // mLSTM (issue 3) and DeltaNet (issue 4): the public ops on CPU tensors (the reference path), and
   // with a GPU the ops dispatched to CUDA on CUDA tensors (timed as above).
   FamilyBench fb;
-  fb.quick = o.quick, fb.timing_only = o.timing_only, fb.reps = o.reps;
+  fb.quick = o.quick, fb.timing_only = o.timing_only, fb.reps = o.reps, fb.mlstm_shapes = o.mlstm_shapes;
 #if FW_WITH_CUDA
   fb.timer = timer;
 #endif

@@ -88,9 +88,14 @@ TEST_P(MlstmCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
   dcl.download(cl1);
   dnl.download(nl);
   dml.download(ml);
-  // run twice: the same bits
+  // run twice: the same bits, the second time with the states kernel's element stores (not the TMA
+  // engine's) and generic tile loads (set_mlstm_bulk_store, set_mlstm_chunk_units)
+  const bool bulk = fastweight::detail::set_mlstm_bulk_store(false);
+  const bool units = fastweight::detail::set_mlstm_chunk_units(false);
   fastweight::detail::mlstm_fwd_cuda(p, ws, wsb, nullptr);
   FW_TEST_CUDA(cudaDeviceSynchronize());
+  fastweight::detail::set_mlstm_bulk_store(bulk);
+  fastweight::detail::set_mlstm_chunk_units(units);
   HostTensor h2 = h, cl2 = cl;
   dh.download(h2);
   dcl.download(cl2);
@@ -145,6 +150,8 @@ std::vector<FwdCase> fwd_cases() {
   v.push_back({DType::bf16, 2, 1, 77, 256, 512, 64, true, false, false});
   v.push_back({DType::bf16, 1, 3, 1, 128, 128, 64, true, false, false});
   v.push_back({DType::bf16, 1, 2, 1000, 128, 128, 64, true, true, false});
+  // many heads: the states kernel's instance at four CTAs per SM (more than 2 x 132 CTAs)
+  v.push_back({DType::bf16, 2, 20, 130, 128, 128, 64, true, false, false});
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Cases, MlstmCudaFwd, ::testing::ValuesIn(fwd_cases()),
@@ -198,13 +205,22 @@ TEST_P(MlstmCudaBwd, MatchesReferenceAllGradientsAndIsDeterministic) {
   HostTensor dq1 = dq, dk1 = dk;
   gdq.download(dq1), gdk.download(dk1), gdv.download(dv), gdi.download(di), gdf.download(df);
   if (c.states) gdc0.download(dc0), gdn0.download(dn0), gdm0.download(dm0);
-  mlstm_bwd(a, ws, wsb, nullptr);  // again: the same bits
+  // again: the same bits, with the serial kernels' element stores and generic tile loads this time
+  // (set_mlstm_bulk_store, set_mlstm_chunk_units)
+  const bool bulk = fastweight::detail::set_mlstm_bulk_store(false);
+  const bool units = fastweight::detail::set_mlstm_chunk_units(false);
+  mlstm_bwd(a, ws, wsb, nullptr);
   FW_TEST_CUDA(cudaDeviceSynchronize());
-  HostTensor dq2 = dq, dk2 = dk;
-  gdq.download(dq2), gdk.download(dk2);
+  fastweight::detail::set_mlstm_bulk_store(bulk);
+  fastweight::detail::set_mlstm_chunk_units(units);
+  HostTensor dq2 = dq, dk2 = dk, dv2 = dv, di2 = di, df2 = df;
+  gdq.download(dq2), gdk.download(dk2), gdv.download(dv2), gdi.download(di2), gdf.download(df2);
   cudaFree(ws);
   EXPECT_EQ(dq1.bytes, dq2.bytes) << "not deterministic";
   EXPECT_EQ(dk1.bytes, dk2.bytes) << "not deterministic";
+  EXPECT_EQ(dv.bytes, dv2.bytes) << "not deterministic";
+  EXPECT_EQ(di.bytes, di2.bytes) << "not deterministic";
+  EXPECT_EQ(df.bytes, df2.bytes) << "not deterministic";
   // reference: the exact float64 gradient on the (rounded) inputs
   HostTensor rq = to_f64(q), rk = to_f64(k), rv = to_f64(v), ri = to_f64(i), rf = to_f64(f), rdh = to_f64(dh);
   HostTensor rc0 = to_f64(c0), rn0 = to_f64(n0), rm0 = to_f64(m0), rdcl = to_f64(dcl), rdnl = to_f64(dnl),
@@ -285,6 +301,11 @@ std::vector<FwdCase> bwd_cases() {
   v.push_back({DType::bf16, 1, 2, 150, 64, 136, 64, true, true, false});
   v.push_back({DType::bf16, 1, 2, 150, 40, 260, 64, false, true, false});
   v.push_back({DType::f32, 1, 2, 100, 64, 80, 64, true, true, false});
+  // many heads: the register-capped instances of the serial kernels (K0 at four CTAs per SM, K2 at two:
+  // grids above 2 x 132 and 132 CTAs), which store the states by the TMA engine (WarpTileStore); with
+  // DV slabs, the last 8 columns wide, and DQK rows past the end in the second row tile
+  v.push_back({DType::bf16, 2, 20, 130, 128, 128, 64, true, false, false});
+  v.push_back({DType::bf16, 1, 40, 70, 72, 136, 64, true, false, false});
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Cases, MlstmCudaBwd, ::testing::ValuesIn(bwd_cases()),

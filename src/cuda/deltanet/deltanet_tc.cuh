@@ -261,42 +261,6 @@ struct StateStoreUnits {
   }
 };
 
-// One thread's cp.async units of a (64 rows, m.C columns) bf16 tile that a serial kernel loads every
-// chunk step from rows at a fixed stride rs: the offsets are fixed per CTA, so a whole chunk costs a
-// 64-bit add and a cp.async per unit. Re-deriving each unit's address every step (the row pointer,
-// per-unit 64-bit products, a runtime-trip loop) was 36% of the forward state kernel's instructions
-// and 43% of the backward serial kernel's (ncu, (1,32768,16,128), bf16 operands).
-struct ChunkUnits {
-  static constexpr int kMax = 4;  // units per thread unrolled (Kc <= 128 at 256 threads)
-  int n = 0;                      // units per thread; 0: not a whole number of rows per pass (generic path)
-  std::int64_t g0 = 0, gs = 0;    // elements from a chunk's first row: the first unit; between units
-  std::uint32_t s0 = 0, ss = 0;   // bytes from the smem tile: the first unit; between units
-  __device__ __forceinline__ ChunkUnits(const TileUnits& m, int ld, std::int64_t rs) {
-    if (m.du != 0 || kT % m.dr != 0 || kT / m.dr > kMax) return;
-    n = kT / m.dr, g0 = m.r0 * rs + 8 * m.u0, gs = m.dr * rs;
-    s0 = std::uint32_t(2 * (m.r0 * ld + 8 * m.u0)), ss = std::uint32_t(2 * m.dr * ld);
-  }
-};
-__device__ __forceinline__ void cp_async16_s(std::uint32_t s, const void* g) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(g));
-}
-// A chunk's (64, m.C) tile: through cu where the whole tile is in bounds (nr = 64 rows, nc >= m.C
-// columns) and the rows are 16-byte aligned (vec); else load_tile_vec (aligned) or element loads.
-__device__ __forceinline__ void load_chunk_tile(const ChunkUnits& cu, const TileUnits& m, bf16* sm, int ld,
-                                                const bf16* src, std::int64_t rs, int nr, int nc, bool vec,
-                                                int nthreads) {
-  if (vec && cu.n > 0 && nr >= kT && nc >= m.C) {
-    const std::uint32_t s = smem_u32(sm) + cu.s0;
-    const bf16* g = src + cu.g0;
-#pragma unroll
-    for (int q = 0; q < ChunkUnits::kMax; ++q)
-      if (q < cu.n) cp_async16_s(s + q * cu.ss, g + q * cu.gs);
-    return;
-  }
-  if (vec) load_tile_vec(m, sm, ld, kT, src, rs, nr, nc);
-  else load_tile(sm, ld, kT, m.C, src, rs, nr, nc, false, nthreads);
-}
-
 // Columns c, c + 1 of an fp32 row (c even): one 8-byte access when the row length is even (aligned).
 __device__ __forceinline__ void store_pair(float* at, float x0, float x1, bool has1, bool even) {
   if (even) {

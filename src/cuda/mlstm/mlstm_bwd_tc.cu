@@ -574,6 +574,7 @@ struct ScanSmem {
   alignas(16) float fc[kScanThreads / 32][kT], fn[kScanThreads / 32][kT];  // (warp, 64 steps) the current tile's factors
   alignas(16) bf16 ch[2][kT][kLd];  // (2 stages) C_k hi, this tile's (64 DQK rows, 64 DV columns): the tensor-core path
   bf16 cl[2][kT][kLd];  // (2 stages) C_k lo
+  alignas(128) bf16 stage[kScanThreads / 32][WarpTileStore::kElems];  // (warp) its 16 x 32 piece of dC, hi / lo
 };
 
 // Fixed-order block sum over the 8 warps; every thread gets the same bits.
@@ -589,7 +590,8 @@ __device__ __forceinline__ float block_sum8(float v, float* red) {
 // more CTAs than SMs (e.g. (4,16,4096): 256 CTAs, two waves at one per SM).
 template <int MinB>
 __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams B, const K3Flags fl, float* ws,
-                                                         const BwdWs L, const bool for_tc_k3) {
+                                                         const BwdWs L, const bool for_tc_k3, const bool bulk_in,
+                                                         const bool units) {
   const MlstmParams& p = B.f;
   extern __shared__ float4 smem_raw[];
   ScanSmem& sm = *reinterpret_cast<ScanSmem*>(smem_raw);
@@ -622,6 +624,20 @@ __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams
     accn[e] = with_n && B.dn_last.p && r < DQK ? mlstm_ld(B.dn_last, b * B.dn_last.s0 + hd * B.dn_last.s1 + r) : 0.f;
   }
   const std::uint32_t ones = pack_bf16(1.f, 1.f);
+  // dC's pieces by the TMA engine (the tensor-core path at two CTAs per SM, sm_90; the host checked
+  // the alignment), else by store_hilo_row where the warp's 32 columns are in bounds (full); slot k of
+  // this head at k * cstep elements from slot 0
+#if defined(FW_HAS_BULK)
+  const bool bulk = MinB == 2 && bulk_in;  // where it is faster (WarpTileStore)
+#else
+  constexpr bool bulk = false;
+#endif
+  const std::int64_t cstep = 2 * DQK * DV;
+  WarpTileStore wts;
+  if (bulk)
+    wts = WarpTileStore(reinterpret_cast<bf16*>(ws + L.dc) + bh * ns * cstep, true, DQK * DV, DV, r0 + 16 * rg, DQK,
+                        cw, DV);
+  const bool full = MinB == 1 && DV % 2 == 0 && cw + 32 <= DV;  // (MinB 2 stores by bulk: fewer registers)
 
   // <C_k, dC> + <n_k, dn> over this tile (n in the first column of tiles), fixed order
   // <C_k, dC> + <n_k, dn> over this tile (n in the first column of tiles), fixed order. C_k is read a
@@ -645,10 +661,14 @@ __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams
       npf[hr] = with_n && t4 == 0 && r < DQK ? __ldg(nk + r) : 0.f;
     }
   };
+  // the cp.async units of the chunk's tiles fixed per CTA (ChunkUnits, as the states kernel)
+  const TileUnits tu(kT, kScanThreads);
+  const ChunkUnits qcu = units ? ChunkUnits(tu, kLd, p.q.s2) : ChunkUnits(),
+                   hcu = units ? ChunkUnits(tu, kLd, B.dh.s2) : ChunkUnits(), ccu = units ? ChunkUnits(tu, kLd, DV) : ChunkUnits();
   auto issue_c = [&](std::int64_t k, int st) {  // K0's hi (DQK, DV) then lo in the slot: this tile of each
     const bf16* Ch = reinterpret_cast<const bf16*>(ws + L.c + (bh * ns + k) * DQK * DV) + r0 * DV + c0;
-    load_tile(&sm.ch[st][0][0], kLd, kT, kT, Ch, DV, nr, nc, DV % 8 == 0, kScanThreads);
-    load_tile(&sm.cl[st][0][0], kLd, kT, kT, Ch + DQK * DV, DV, nr, nc, DV % 8 == 0, kScanThreads);
+    load_chunk_tile(ccu, tu, &sm.ch[st][0][0], kLd, Ch, DV, nr, nc, DV % 8 == 0, kScanThreads);
+    load_chunk_tile(ccu, tu, &sm.cl[st][0][0], kLd, Ch + DQK * DV, DV, nr, nc, DV % 8 == 0, kScanThreads);
   };
   auto inner = [&](int cst) {  // cst: the stage holding C_k (tensor-core path), else -1 (registers)
     float part = 0.f;
@@ -686,8 +706,8 @@ __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams
   auto issue = [&](std::int64_t kc, int sb, int st) {  // q, dh rows and step scalars of chunk kc, steps sb*64..
     const std::int64_t t = kc * Lc + sb * kT, tend = lmin(S, (kc + 1) * Lc);
     const int nb = int(lmin(kT, tend - t));
-    load_tile(&sm.q[st][0][0], kLd, kT, kT, qb + t * p.q.s2, p.q.s2, nb, nr, fl.q, kScanThreads);
-    load_tile(&sm.dh[st][0][0], kLd, kT, kT, hb + t * B.dh.s2, B.dh.s2, nb, nc, fl.dh, kScanThreads);
+    load_chunk_tile(qcu, tu, &sm.q[st][0][0], kLd, qb + t * p.q.s2, p.q.s2, nb, nr, fl.q, kScanThreads);
+    load_chunk_tile(hcu, tu, &sm.dh[st][0][0], kLd, hb + t * B.dh.s2, B.dh.s2, nb, nc, fl.dh, kScanThreads);
     if (for_tc_k3 && sb == 0) issue_c(kc, st);
     if (tid < nb) {
       cp_async8(&sm.A[st][tid], wA + t + tid);
@@ -703,6 +723,11 @@ __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams
   for (std::int64_t kc = NC - 1; kc >= 0; --kc) {
     const int n = int(lmin(Lc, S - kc * Lc)), nsb = (n + kT - 1) / kT;
     // keep dC_{kc+1}, dn_{kc+1} for K3, and their inner product with the state entering chunk kc
+    if (bulk) {
+      wts.wait_read();
+      WarpTileStore::stage<true>(sm.stage[warp], acc);
+      wts.issue(sm.stage[warp], (kc + 1) * cstep);
+    }
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const std::int64_t r = r0 + 16 * rg + gq + hr * 8;
@@ -710,9 +735,11 @@ __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams
       if (for_tc_k3) {  // bf16 hi (DQK, DV) then lo (DQK, DV) in the slot, as K3 kv-role loads them
         bf16* wh = reinterpret_cast<bf16*>(ws + L.dc + (bh * ns + kc + 1) * DQK * DV) + r * DV;
         bf16* wl = wh + DQK * DV;
+        if (!bulk && full) {
+          store_hilo_row<true>(wh + cw + 2 * t4, DQK * DV, acc, hr);
+        } else if (!bulk) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          store_hilo_pair(wh, wl, cw + 8 * j + 2 * t4, DV, acc[j][2 * hr], acc[j][2 * hr + 1]);
+          for (int j = 0; j < 4; ++j) store_hilo_pair(wh, wl, cw + 8 * j + 2 * t4, DV, acc[j][2 * hr], acc[j][2 * hr + 1]);
         }
       } else {
         float* wd = ws + L.dc + ((bh * ns + kc + 1) * DQK + r) * DV;
@@ -780,6 +807,7 @@ __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams
       st ^= 1;
     }
   }
+  if (bulk) wts.drain();
   // dC_0, dn_0: the initial states' gradients
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
@@ -930,8 +958,9 @@ void mlstm_bwd_k2_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, bool fo
   const bool two = L.heads * kt * vt > sm_count();  // more CTAs than SMs: two per SM, one wave
   const auto kernel = two ? &k2_tc<2> : &k2_tc<1>;
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kScanThreads, smem);
+  const bool bulk = for_tc_k3 && mlstm_bulk_store_on() && WarpTileStore::ok(ws + L.dc, p.DV, p.DQK * p.DV, p.DV);
   kernel<<<dim3(unsigned(L.heads), unsigned(kt), unsigned(vt)), kScanThreads, smem,
-           reinterpret_cast<cudaStream_t>(stream)>>>(B, fl, ws, L, for_tc_k3);
+           reinterpret_cast<cudaStream_t>(stream)>>>(B, fl, ws, L, for_tc_k3, bulk, mlstm_chunk_units_on());
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
 }
 

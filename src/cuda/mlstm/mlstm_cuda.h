@@ -27,6 +27,16 @@ bool mlstm_states_tc_applies(const MlstmParams& p);
 void mlstm_states_tc_f32(const MlstmParams& p, float* ws_c, float* ws_n, float* ws_m, double* gates, Stream stream,
                          bool hilo = false);
 
+// The serial kernels' state stores (the states kernel of the forward and of the backward's K0, the
+// backward's K2) by the TMA engine where it applies (sm_90, 16-byte pieces), else element stores: on
+// by default; returns the previous setting (tests and fastweight_bench --mlstm-bulk-store=off).
+bool set_mlstm_bulk_store(bool on);
+bool mlstm_bulk_store_on();
+// The same kernels' chunk tiles loaded through per-CTA unit offsets (ChunkUnits), else by the generic
+// loader: on by default; returns the previous setting (tests; fastweight_bench --mlstm-chunk-units=off).
+bool set_mlstm_chunk_units(bool on);
+bool mlstm_chunk_units_on();
+
 // Chunkwise backward: the exact gradient (docs/design/mlstm_backward.md). Workspace:
 // mlstm_bwd_workspace_bytes(b).
 std::size_t mlstm_bwd_workspace_bytes(const MlstmBwdParams& b);

@@ -13,6 +13,7 @@
 // Math and notation as mlstm_fwd.cu / mlstm_common.cuh (M_t = max(m_k, A_t), D_ts = exp(a_s - M_t)).
 // Deterministic: fixed reduction orders, no atomics. No allocation, no host sync: graph safe.
 #include <algorithm>
+#include <atomic>
 
 #include "cuda/common/check.cuh"
 #include "cuda/common/mma.cuh"
@@ -47,8 +48,19 @@ struct TcWs {
 
 struct TcFlags {
   bool q, k, v, h2;  // q/k/v: 16-byte rows (cp.async); h2: bf16 pairs may be stored as 32-bit words
+  bool bulk;         // the states kernel (Modes 0, 2) stores C by WarpTileStore (sm_90, aligned pieces)
+  bool units;        // the states kernel loads its chunk tiles through ChunkUnits
 };
 
+std::atomic<bool> g_bulk_store{true}, g_chunk_units{true};
+}  // namespace
+
+bool set_mlstm_bulk_store(bool on) { return g_bulk_store.exchange(on); }
+bool mlstm_bulk_store_on() { return g_bulk_store.load(std::memory_order_relaxed); }
+bool set_mlstm_chunk_units(bool on) { return g_chunk_units.exchange(on); }
+bool mlstm_chunk_units_on() { return g_chunk_units.load(std::memory_order_relaxed); }
+
+namespace {
 // ---- G: gate bookkeeping ---------------------------------------------------------------------------
 __global__ void __launch_bounds__(256) mlstm_tc_gates_kernel(const MlstmParams p, double* __restrict__ wg,
                                                              double* __restrict__ wa, double* __restrict__ wA) {
@@ -79,6 +91,7 @@ struct StatesSmem {
   double a[2][kT];       // (2 stages) (64 steps) a_s
   double end[2][2];      // (2 stages) the chunk's A_{n-1}, g_{n-1}
   alignas(16) float w[kThreads / 32][kT];  // (warp, 64 steps) w_s = exp(a_s - M) of the current tile
+  alignas(128) bf16 stage[kThreads / 32][WarpTileStore::kElems];  // (warp) its 16 x 32 piece of C, hi / lo
 };
 
 // Mode 0: the states go out as the output kernel reads them (C bf16 (DQK, DVp) rows, m float64);
@@ -123,13 +136,32 @@ __global__ void __launch_bounds__(kThreads, MinB) mlstm_tc_states_kernel(const M
   }
   double m = p.m0.p ? double(mlstm_ld(p.m0, b * p.m0.s0 + hd * p.m0.s1)) : 0.0;
   const std::uint32_t ones = pack_bf16(1.f, 1.f);
+  // C's pieces by the TMA engine (Mode 2 at four CTAs per SM, sm_90; the host checked the alignment),
+  // else by store_hilo_row where the warp's 32 columns are in bounds (full); slot kc of this head at
+  // kc * cstep elements from slot 0
+#if defined(FW_HAS_BULK)
+  const bool bulk = Mode == 2 && MinB == 4 && fl.bulk;  // where it is faster (WarpTileStore)
+#else
+  constexpr bool bulk = false;
+#endif
+  const std::int64_t cstep = Mode == 2 ? 2 * DQK * DV : DQK * DVp;
+  WarpTileStore wts;
+  if (bulk)
+    wts = WarpTileStore(static_cast<bf16*>(ws_cv) + bh * ns * cstep, Mode == 2, DQK * DV, Mode == 2 ? DV : DVp,
+                        r0 + 16 * warp, DQK, c0, Mode == 2 ? DV : DVp);
+  const bool full = Mode == 2 ? DV % 2 == 0 && c0 + kSc <= DV : c0 + kSc <= DVp;
 
-  // tile (kc, sb) -> stage: k, v rows, a_s, and at sb == 0 the chunk's end values
+  // tile (kc, sb) -> stage: k, v rows, a_s, and at sb == 0 the chunk's end values; the cp.async units
+  // of the k and v tiles fixed per CTA (ChunkUnits: re-deriving their addresses every step was ~8% of
+  // the backward's K0 instructions, ncu at (2,16,8192,128,128))
+  const TileUnits ku(kT, kThreads), vu(kSc, kThreads);
+  const ChunkUnits kcu = fl.units ? ChunkUnits(ku, kLd, p.k.s2) : ChunkUnits(),
+                   vcu = fl.units ? ChunkUnits(vu, kLd, p.v.s2) : ChunkUnits();
   auto issue = [&](std::int64_t kc, int sb, int st) {
     const std::int64_t t = kc * L + sb * kT, tend = lmin(S, (kc + 1) * L);
     const int nb = int(lmin(kT, tend - t));
-    load_tile(&sm.k[st][0][0], kLd, kT, kT, kb + t * p.k.s2, p.k.s2, nb, nr, fl.k);
-    load_tile(&sm.v[st][0][0], kLd, kT, kSc, vb + t * p.v.s2, p.v.s2, nb, nc, fl.v);
+    load_chunk_tile(kcu, ku, &sm.k[st][0][0], kLd, kb + t * p.k.s2, p.k.s2, nb, nr, fl.k, kThreads);
+    load_chunk_tile(vcu, vu, &sm.v[st][0][0], kLd, vb + t * p.v.s2, p.v.s2, nb, nc, fl.v, kThreads);
     if (tid < nb) cp_async8(&sm.a[st][tid], ga + t + tid);
     if (tid == kT) cp_async8(&sm.end[st][0], wA + bh * S + tend - 1);
     if (tid == kT + 1) cp_async8(&sm.end[st][1], wg + bh * S + tend - 1);
@@ -140,12 +172,23 @@ __global__ void __launch_bounds__(kThreads, MinB) mlstm_tc_states_kernel(const M
   double M = 0.0, G = 0.0;
   for (std::int64_t kc = 0;; ++kc) {
     // The state entering chunk kc (kc == NC: the final one) to the workspace.
+    if (bulk) {
+      wts.wait_read();
+      WarpTileStore::stage<Mode == 2>(sm.stage[warp], acc);
+      wts.issue(sm.stage[warp], kc * cstep);
+    }
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const std::int64_t r = r0 + 16 * warp + gq + hr * 8;
       if (r >= DQK) continue;
+      if (!bulk && Mode != 1 && full) {
+        store_hilo_row<Mode == 2>(static_cast<bf16*>(ws_cv) + bh * ns * cstep + kc * cstep +
+                                      r * (Mode == 2 ? DV : DVp) + c0 + 2 * t4,
+                                  DQK * DV, acc, hr);
+      }
 #pragma unroll
       for (int j = 0; j < kSc / 8; ++j) {
+        if (bulk || (Mode != 1 && full)) break;
         const std::int64_t c = c0 + 8 * j + 2 * t4;
         if constexpr (Mode == 2) {
           bf16* wh = reinterpret_cast<bf16*>(static_cast<float*>(ws_cv) + (bh * ns + kc) * DQK * DV) + r * DV;
@@ -209,6 +252,7 @@ __global__ void __launch_bounds__(kThreads, MinB) mlstm_tc_states_kernel(const M
     }
     m = G + M;
   }
+  if (bulk) wts.drain();
   // The caller's final states, from the fp32 chain.
   if (p.c_last.p)
 #pragma unroll
@@ -414,7 +458,8 @@ void mlstm_fwd_tc_cuda(const MlstmParams& p, void* workspace, std::size_t worksp
     throw Error(cat("mlstm_fwd: grid too large (heads ", heads, ", chunks ", NC, ")"));
   const TcFlags fl{rows16(p.q), rows16(p.k), rows16(p.v),
                    reinterpret_cast<std::uintptr_t>(p.h.p) % 4 == 0 && p.h.s0 % 2 == 0 && p.h.s1 % 2 == 0 &&
-                       p.h.s2 % 2 == 0};
+                       p.h.s2 % 2 == 0,
+                   false, mlstm_chunk_units_on()};  // bulk: Mode 0 stores faster by store_hilo_row
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (NC > 0) {
     mlstm_tc_gates_kernel<<<dim3(unsigned(heads), unsigned(NC)), 256, 0, s>>>(p, wg, wa, wA);
@@ -446,7 +491,9 @@ void mlstm_states_tc_f32(const MlstmParams& p, float* ws_c, float* ws_n, float* 
   if (heads > 0x7fffffff || kt > 65535 || vt > 65535 || NC > 65535)
     throw Error(cat("mlstm: grid too large (heads ", heads, ", chunks ", NC, ")"));
   double *wg = gates, *wa = gates + heads * p.S, *wA = gates + 2 * heads * p.S;
-  const TcFlags fl{rows16(p.q), rows16(p.k), rows16(p.v), false};
+  const TcFlags fl{rows16(p.q), rows16(p.k), rows16(p.v), false,
+                   hilo && mlstm_bulk_store_on() && WarpTileStore::ok(ws_c, p.DV, p.DQK * p.DV, p.DV),
+                   mlstm_chunk_units_on()};
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (NC > 0) {
     mlstm_tc_gates_kernel<<<dim3(unsigned(heads), unsigned(NC)), 256, 0, s>>>(p, wg, wa, wA);

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "common/mlstm_params.h"
+#include "cuda/common/bulk.cuh"
 #include "cuda/common/mma.cuh"
 
 namespace fastweight::detail::mtc {
@@ -74,6 +75,42 @@ __device__ __forceinline__ void load_tile(bf16* sm, int ld, int R, int C, const 
   }
 }
 
+// One thread's cp.async units of a (64 rows, m.C columns) bf16 tile that a serial kernel loads every
+// chunk step from rows at a fixed stride rs: the offsets are fixed per CTA, so a whole chunk costs a
+// 64-bit add and a cp.async per unit. Re-deriving each unit's address every step (the row pointer,
+// per-unit 64-bit products, a runtime-trip loop) was 36% of the forward state kernel's instructions
+// and 43% of the backward serial kernel's (ncu, DeltaNet (1,32768,16,128), bf16 operands).
+struct ChunkUnits {
+  static constexpr int kMax = 4;  // units per thread unrolled (Kc <= 128 at 256 threads)
+  int n = 0;                      // units per thread; 0: not a whole number of rows per pass (generic path)
+  std::int64_t g0 = 0, gs = 0;    // elements from a chunk's first row: the first unit; between units
+  std::uint32_t s0 = 0, ss = 0;   // bytes from the smem tile: the first unit; between units
+  ChunkUnits() = default;         // none: load_chunk_tile takes the generic path
+  __device__ __forceinline__ ChunkUnits(const TileUnits& m, int ld, std::int64_t rs) {
+    if (m.du != 0 || kT % m.dr != 0 || kT / m.dr > kMax) return;
+    n = kT / m.dr, g0 = m.r0 * rs + 8 * m.u0, gs = m.dr * rs;
+    s0 = std::uint32_t(2 * (m.r0 * ld + 8 * m.u0)), ss = std::uint32_t(2 * m.dr * ld);
+  }
+};
+__device__ __forceinline__ void cp_async16_s(std::uint32_t s, const void* g) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(g));
+}
+// A chunk's (64, m.C) tile: through cu where the whole tile is in bounds (nr = 64 rows, nc >= m.C
+// columns) and the rows are 16-byte aligned (vec); else load_tile_vec (aligned) or element loads.
+__device__ __forceinline__ void load_chunk_tile(const ChunkUnits& cu, const TileUnits& m, bf16* sm, int ld,
+                                                const bf16* src, std::int64_t rs, int nr, int nc, bool vec,
+                                                int nthreads) {
+  if (vec && cu.n > 0 && nr >= kT && nc >= m.C) {
+    const std::uint32_t s = smem_u32(sm) + cu.s0;
+    const bf16* g = src + cu.g0;
+#pragma unroll
+    for (int q = 0; q < ChunkUnits::kMax; ++q)
+      if (q < cu.n) cp_async16_s(s + q * cu.ss, g + q * cu.gs);
+    return;
+  }
+  if (vec) load_tile_vec(m, sm, ld, kT, src, rs, nr, nc);
+  else load_tile(sm, ld, kT, m.C, src, rs, nr, nc, false, nthreads);
+}
 
 // acc (warp's 16 rows x 8 J columns: 64 for J = 8, 32 for J = 4) += A (row major, rows 16 mrow.., K = Kp)
 // B (k-major; its first J * 8 columns)
@@ -210,5 +247,106 @@ __device__ __forceinline__ void store_hilo_pair(bf16* wh, bf16* wl, std::int64_t
     if (c + 1 < W) wh[c + 1] = h1, wl[c + 1] = l1;
   }
 }
+
+// Row half hr (rows gq + 8 hr) of a warp's 16 x 32 piece of a state tile (accumulators in mma
+// C-fragment layout) as bf16 hi at ph + 8 j (the pair of columns 8 j + 2 t4, + 1; ph: this lane's
+// j = 0 pair) and, LO, lo = bf16(x - hi) at lo_off further: the bits of store_hilo_pair, for a piece
+// whose 32 columns are in bounds with an even row length (4-byte pairs). One pointer per row half
+// and constant offsets: the per-pair 64-bit addresses and bounds of store_hilo_pair were ~20% of the
+// states kernel's instructions (ncu, (2,16,8192,128,128)).
+template <bool LO>
+__device__ __forceinline__ void store_hilo_row(bf16* ph, std::int64_t lo_off, const float (&acc)[4][4], int hr) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float x0 = acc[j][2 * hr], x1 = acc[j][2 * hr + 1];
+    const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+    *reinterpret_cast<__nv_bfloat162*>(ph + 8 * j) = h;
+    if constexpr (LO) {
+      const float2 hf = __bfloat1622float2(h);
+      *reinterpret_cast<std::uint32_t*>(ph + lo_off + 8 * j) = pack_bf16(x0 - hf.x, x1 - hf.y);
+    }
+  }
+}
+
+// ---- A warp's 16 x 32 piece of a state tile to global memory by the TMA engine ----------------------
+// The serial kernels (the states kernel, the backward's K2) stored their fp32 chain as bf16 pairs: 8
+// or 16 4-byte stores per thread and chunk step, each with its own 64-bit address, and the next
+// writes of their data registers waited on the stores' register reads (ncu at (2,16,8192,128,128),
+// the backward's states kernel: long-scoreboard stalls behind STG ~27% of the samples, the store line
+// 20% of the instructions). Here the warp writes its piece (accumulators acc[4][4] in mma C-fragment
+// layout: rows gq, gq + 8, columns 8 j + 2 t4 (+1)) as bf16 hi (and lo = bf16(x - hi), the bits of
+// store_hilo_pair) to its shared staging, and lane l copies row piece l (l < 16: hi row l; else lo
+// row l - 16) with one cp.async.bulk (sm_90), where the device has bulk copies (FW_HAS_BULK) and every
+// piece is 16-byte aligned (the caller's check, ok()). Measured (H100, A/B in one binary): faster only
+// in the register-capped instances (the states kernel at four CTAs per SM, K2 at two), whose element
+// stores spilled: backward -5..-7% at (4,16,4096,128,128) and (8,16,8192,128,256); slower in the others
+// (the fence, the warp barriers and 16-32 small copies per warp and step): backward +4% at
+// (2,16,8192,128,128), +9% at (1,8,8192,256,512), forward +5..+18%. Those store by store_hilo_row.
+struct WarpTileStore {
+  static constexpr int kLd = 40;                // staging row stride (bf16): 80 B rows, conflict-free pair stores
+  static constexpr int kElems = 2 * 16 * kLd;   // per warp: 16 hi rows, then 16 lo rows
+  bf16* g = nullptr;                            // this lane's row piece in slot 0 (nullptr: none)
+  unsigned bytes = 0;
+  WarpTileStore() = default;
+  // The matrices' rows of `ld` elements, hi at base + slot offset, lo at + lo_off (lo); this warp's
+  // rows r_first.. (< rows), columns c.. (< cols).
+  __device__ __forceinline__ WarpTileStore(bf16* base, bool lo, std::int64_t lo_off, std::int64_t ld,
+                                           std::int64_t r_first, std::int64_t rows, std::int64_t c, std::int64_t cols) {
+    const int lane = int(threadIdx.x & 31), part = lane >> 4;
+    const std::int64_t r = r_first + (lane & 15);
+    if ((part && !lo) || r >= rows || c >= cols) return;
+    g = base + part * lo_off + r * ld + c;
+    bytes = unsigned(2 * lmin(32, cols - c));
+  }
+  // Every piece 16-byte aligned: the base, row stride, lo offset and first column in units of 8 bf16,
+  // and the columns a multiple of 8 (so each piece is too).
+  __host__ __device__ static bool ok(const void* base, std::int64_t ld, std::int64_t lo_off, std::int64_t cols) {
+    return reinterpret_cast<std::uintptr_t>(base) % 16 == 0 && ld % 8 == 0 && lo_off % 8 == 0 && cols % 8 == 0;
+  }
+  // The warp's accumulators into its staging st (after wait_read of the last step's copies).
+  template <bool LO>
+  __device__ __forceinline__ static void stage(bf16* st, const float (&acc)[4][4]) {
+    const int lane = int(threadIdx.x & 31), gq = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float x0 = acc[j][2 * hr], x1 = acc[j][2 * hr + 1];
+        const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+        const int o = (gq + 8 * hr) * kLd + 8 * j + 2 * t4;
+        *reinterpret_cast<__nv_bfloat162*>(st + o) = h;
+        if constexpr (LO) {
+          const float2 hf = __bfloat1622float2(h);
+          *reinterpret_cast<std::uint32_t*>(st + 16 * kLd + o) = pack_bf16(x0 - hf.x, x1 - hf.y);
+        }
+      }
+  }
+  // The staged piece to slot `slot` (elements from slot 0's): fence, warp barrier, one copy per lane.
+  // (Callers take this path only where FW_HAS_BULK; elsewhere these are empty.)
+  __device__ __forceinline__ void issue(const bf16* st, std::int64_t slot) const {
+#if defined(FW_HAS_BULK)
+    bulk_fence_shared();
+    __syncwarp();
+    if (g) {
+      const int lane = int(threadIdx.x & 31);
+      bulk_s2g(g + slot, st + (lane >> 4) * 16 * kLd + (lane & 15) * kLd, bytes);
+      bulk_commit();
+    }
+#endif
+  }
+  // Before the staging is written again: this lane's copies have read it, then the warp agrees.
+  __device__ __forceinline__ void wait_read() const {
+#if defined(FW_HAS_BULK)
+    if (g) bulk_wait_read();
+    __syncwarp();
+#endif
+  }
+  // Before the CTA exits: this lane's copies are complete.
+  __device__ __forceinline__ void drain() const {
+#if defined(FW_HAS_BULK)
+    if (g) bulk_wait_all();
+#endif
+  }
+};
 
 }  // namespace fastweight::detail::mtc
