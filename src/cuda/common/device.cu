@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "cuda/common/check.cuh"
+#include "cuda/common/tensor_map.cuh"
 #include "cuda/norm/norm_cuda.h"
 #include "fastweight/fastweight.h"
 
@@ -33,6 +34,30 @@ const Props& props() {
 
 int sm_count() { return props().sms; }
 int cc_major() { return props().cc_major; }
+
+bool encode_bf16_tile_map(CUtensorMap* map, const void* base, int rank, const std::uint64_t* dims,
+                          const std::uint64_t* strides, const std::uint32_t* box, bool swizzle64) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static const Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return Encode(nullptr);
+    }
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (!encode || cc_major() < 9 || rank < 1 || rank > 5 || reinterpret_cast<std::uintptr_t>(base) % 16 != 0) return false;
+  for (int d = 0; d + 1 < rank; ++d)
+    if (strides[d] % 16 != 0) return false;
+  const cuuint32_t ones[5] = {1, 1, 1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box,
+                ones, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_NONE,
+                CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
 
 int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem) {
   // Memoised per (device, kernel, threads, smem): the queries cost microseconds, the launches they

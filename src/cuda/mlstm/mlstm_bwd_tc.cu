@@ -574,7 +574,7 @@ struct ScanSmem {
   alignas(16) float fc[kScanThreads / 32][kT], fn[kScanThreads / 32][kT];  // (warp, 64 steps) the current tile's factors
   alignas(16) bf16 ch[2][kT][kLd];  // (2 stages) C_k hi, this tile's (64 DQK rows, 64 DV columns): the tensor-core path
   bf16 cl[2][kT][kLd];  // (2 stages) C_k lo
-  alignas(128) bf16 stage[kScanThreads / 32][WarpTileStore::kElems];  // (warp) its 16 x 32 piece of dC, hi / lo
+  alignas(1024) bf16 stage[kScanThreads / 32][WarpTileTma::kElems];  // (warp) its 16 x 32 piece of dC, hi / lo
 };
 
 // Fixed-order block sum over the 8 warps; every thread gets the same bits.
@@ -591,7 +591,7 @@ __device__ __forceinline__ float block_sum8(float v, float* red) {
 template <int MinB>
 __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams B, const K3Flags fl, float* ws,
                                                          const BwdWs L, const bool for_tc_k3, const bool bulk_in,
-                                                         const bool units) {
+                                                         const bool units, const __grid_constant__ CUtensorMap dmap) {
   const MlstmParams& p = B.f;
   extern __shared__ float4 smem_raw[];
   ScanSmem& sm = *reinterpret_cast<ScanSmem*>(smem_raw);
@@ -624,20 +624,14 @@ __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams
     accn[e] = with_n && B.dn_last.p && r < DQK ? mlstm_ld(B.dn_last, b * B.dn_last.s0 + hd * B.dn_last.s1 + r) : 0.f;
   }
   const std::uint32_t ones = pack_bf16(1.f, 1.f);
-  // dC's pieces by the TMA engine (the tensor-core path at two CTAs per SM, sm_90; the host checked
-  // the alignment), else by store_hilo_row where the warp's 32 columns are in bounds (full); slot k of
-  // this head at k * cstep elements from slot 0
+  // dC's pieces by the TMA engine (WarpTileTma: the tensor-core path on sm_90 where the host encoded
+  // dmap), else by store_hilo_row where the warp's 32 columns are in bounds (full)
 #if defined(FW_HAS_BULK)
-  const bool bulk = MinB == 2 && bulk_in;  // where it is faster (WarpTileStore)
+  const bool bulk = bulk_in;
 #else
   constexpr bool bulk = false;
 #endif
-  const std::int64_t cstep = 2 * DQK * DV;
-  WarpTileStore wts;
-  if (bulk)
-    wts = WarpTileStore(reinterpret_cast<bf16*>(ws + L.dc) + bh * ns * cstep, true, DQK * DV, DV, r0 + 16 * rg, DQK,
-                        cw, DV);
-  const bool full = MinB == 1 && DV % 2 == 0 && cw + 32 <= DV;  // (MinB 2 stores by bulk: fewer registers)
+  const bool full = DV % 2 == 0 && cw + 32 <= DV;
 
   // <C_k, dC> + <n_k, dn> over this tile (n in the first column of tiles), fixed order
   // <C_k, dC> + <n_k, dn> over this tile (n in the first column of tiles), fixed order. C_k is read a
@@ -723,11 +717,13 @@ __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams
   for (std::int64_t kc = NC - 1; kc >= 0; --kc) {
     const int n = int(lmin(Lc, S - kc * Lc)), nsb = (n + kT - 1) / kT;
     // keep dC_{kc+1}, dn_{kc+1} for K3, and their inner product with the state entering chunk kc
+#if defined(FW_HAS_BULK)
     if (bulk) {
-      wts.wait_read();
-      WarpTileStore::stage<true>(sm.stage[warp], acc);
-      wts.issue(sm.stage[warp], (kc + 1) * cstep);
+      WarpTileTma::wait_read();
+      WarpTileTma::stage<true>(sm.stage[warp], acc);
+      WarpTileTma::store(&dmap, sm.stage[warp], cw, r0 + 16 * rg, int(bh * ns + kc + 1), r0 + 16 * rg < DQK);
     }
+#endif
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const std::int64_t r = r0 + 16 * rg + gq + hr * 8;
@@ -807,7 +803,9 @@ __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams
       st ^= 1;
     }
   }
-  if (bulk) wts.drain();
+#if defined(FW_HAS_BULK)
+  if (bulk) WarpTileTma::drain();
+#endif
   // dC_0, dn_0: the initial states' gradients
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
@@ -958,9 +956,10 @@ void mlstm_bwd_k2_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, bool fo
   const bool two = L.heads * kt * vt > sm_count();  // more CTAs than SMs: two per SM, one wave
   const auto kernel = two ? &k2_tc<2> : &k2_tc<1>;
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kScanThreads, smem);
-  const bool bulk = for_tc_k3 && mlstm_bulk_store_on() && WarpTileStore::ok(ws + L.dc, p.DV, p.DQK * p.DV, p.DV);
+  CUtensorMap dmap{};  // dC's slots (heads x (NC + 1)) of hi, lo (DQK, DV) bf16 for the TMA stores
+  const bool bulk = for_tc_k3 && mlstm_bulk_store_on() && state_tile_map(&dmap, ws + L.dc, p.DV, p.DV, p.DQK, 2, L.heads * L.ns);
   kernel<<<dim3(unsigned(L.heads), unsigned(kt), unsigned(vt)), kScanThreads, smem,
-           reinterpret_cast<cudaStream_t>(stream)>>>(B, fl, ws, L, for_tc_k3, bulk, mlstm_chunk_units_on());
+           reinterpret_cast<cudaStream_t>(stream)>>>(B, fl, ws, L, for_tc_k3, bulk, mlstm_chunk_units_on(), dmap);
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
 }
 

@@ -27,9 +27,9 @@ bool mlstm_states_tc_applies(const MlstmParams& p);
 void mlstm_states_tc_f32(const MlstmParams& p, float* ws_c, float* ws_n, float* ws_m, double* gates, Stream stream,
                          bool hilo = false);
 
-// The serial kernels' state stores (the states kernel of the forward and of the backward's K0, the
-// backward's K2) by the TMA engine where it applies (sm_90, 16-byte pieces), else element stores: on
-// by default; returns the previous setting (tests and fastweight_bench --mlstm-bulk-store=off).
+// The backward's serial kernels' state stores (K0's C, K2's dC: bf16 hi / lo slots) by the TMA engine
+// where it applies (sm_90, rows a multiple of 16 bytes), else element stores: on by default; returns
+// the previous setting (tests and fastweight_bench --mlstm-bulk-store=off).
 bool set_mlstm_bulk_store(bool on);
 bool mlstm_bulk_store_on();
 // The same kernels' chunk tiles loaded through per-CTA unit offsets (ChunkUnits), else by the generic

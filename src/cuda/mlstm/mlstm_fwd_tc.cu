@@ -48,7 +48,7 @@ struct TcWs {
 
 struct TcFlags {
   bool q, k, v, h2;  // q/k/v: 16-byte rows (cp.async); h2: bf16 pairs may be stored as 32-bit words
-  bool bulk;         // the states kernel (Modes 0, 2) stores C by WarpTileStore (sm_90, aligned pieces)
+  bool bulk;         // the states kernel (Mode 2) stores C by WarpTileTma through its map (sm_90)
   bool units;        // the states kernel loads its chunk tiles through ChunkUnits
 };
 
@@ -91,7 +91,7 @@ struct StatesSmem {
   double a[2][kT];       // (2 stages) (64 steps) a_s
   double end[2][2];      // (2 stages) the chunk's A_{n-1}, g_{n-1}
   alignas(16) float w[kThreads / 32][kT];  // (warp, 64 steps) w_s = exp(a_s - M) of the current tile
-  alignas(128) bf16 stage[kThreads / 32][WarpTileStore::kElems];  // (warp) its 16 x 32 piece of C, hi / lo
+  alignas(1024) bf16 stage[kThreads / 32][WarpTileTma::kElems];  // (warp) its 16 x 32 piece of C, hi / lo
 };
 
 // Mode 0: the states go out as the output kernel reads them (C bf16 (DQK, DVp) rows, m float64);
@@ -101,6 +101,7 @@ struct StatesSmem {
 // SM (e.g. (4,16,4096): 512 CTAs, 1.3 waves at the ~158 registers of MinB = 2).
 template <int Mode, int MinB = 2>
 __global__ void __launch_bounds__(kThreads, MinB) mlstm_tc_states_kernel(const MlstmParams p, const TcFlags fl,
+                                                                      const __grid_constant__ CUtensorMap cmap,
                                                                       void* __restrict__ ws_cv, float* __restrict__ ws_n,
                                                                       void* __restrict__ ws_mv,
                                                                       const double* __restrict__ wg,
@@ -136,19 +137,16 @@ __global__ void __launch_bounds__(kThreads, MinB) mlstm_tc_states_kernel(const M
   }
   double m = p.m0.p ? double(mlstm_ld(p.m0, b * p.m0.s0 + hd * p.m0.s1)) : 0.0;
   const std::uint32_t ones = pack_bf16(1.f, 1.f);
-  // C's pieces by the TMA engine (Mode 2 at four CTAs per SM, sm_90; the host checked the alignment),
-  // else by store_hilo_row where the warp's 32 columns are in bounds (full); slot kc of this head at
-  // kc * cstep elements from slot 0
+  // C's pieces by the TMA engine (WarpTileTma: Mode 2 on sm_90 where the host encoded cmap), else by
+  // store_hilo_row where the warp's 32 columns are in bounds (full); slot kc of this head at kc * cstep
+  // elements from slot 0. Mode 0 (the forward: hi alone, 8 pair stores a step) stores by row: its TMA
+  // stores measured 0-4% slower (H100), where Mode 2's gave the backward -6..-12%.
 #if defined(FW_HAS_BULK)
-  const bool bulk = Mode == 2 && MinB == 4 && fl.bulk;  // where it is faster (WarpTileStore)
+  const bool bulk = Mode == 2 && fl.bulk;
 #else
   constexpr bool bulk = false;
 #endif
   const std::int64_t cstep = Mode == 2 ? 2 * DQK * DV : DQK * DVp;
-  WarpTileStore wts;
-  if (bulk)
-    wts = WarpTileStore(static_cast<bf16*>(ws_cv) + bh * ns * cstep, Mode == 2, DQK * DV, Mode == 2 ? DV : DVp,
-                        r0 + 16 * warp, DQK, c0, Mode == 2 ? DV : DVp);
   const bool full = Mode == 2 ? DV % 2 == 0 && c0 + kSc <= DV : c0 + kSc <= DVp;
 
   // tile (kc, sb) -> stage: k, v rows, a_s, and at sb == 0 the chunk's end values; the cp.async units
@@ -172,11 +170,13 @@ __global__ void __launch_bounds__(kThreads, MinB) mlstm_tc_states_kernel(const M
   double M = 0.0, G = 0.0;
   for (std::int64_t kc = 0;; ++kc) {
     // The state entering chunk kc (kc == NC: the final one) to the workspace.
+#if defined(FW_HAS_BULK)
     if (bulk) {
-      wts.wait_read();
-      WarpTileStore::stage<Mode == 2>(sm.stage[warp], acc);
-      wts.issue(sm.stage[warp], kc * cstep);
+      WarpTileTma::wait_read();
+      WarpTileTma::stage<true>(sm.stage[warp], acc);
+      WarpTileTma::store(&cmap, sm.stage[warp], c0, int(r0 + 16 * warp), int(bh * ns + kc), r0 + 16 * warp < DQK);
     }
+#endif
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const std::int64_t r = r0 + 16 * warp + gq + hr * 8;
@@ -252,7 +252,9 @@ __global__ void __launch_bounds__(kThreads, MinB) mlstm_tc_states_kernel(const M
     }
     m = G + M;
   }
-  if (bulk) wts.drain();
+#if defined(FW_HAS_BULK)
+  if (bulk) WarpTileTma::drain();
+#endif
   // The caller's final states, from the fp32 chain.
   if (p.c_last.p)
 #pragma unroll
@@ -456,10 +458,11 @@ void mlstm_fwd_tc_cuda(const MlstmParams& p, void* workspace, std::size_t worksp
   const std::int64_t st = (p.DV + kSc - 1) / kSc;  // the states kernel's column tiles
   if (heads > 0x7fffffff || kt > 65535 || st > 65535 || NC > 65535 || rbs * vt > 65535)
     throw Error(cat("mlstm_fwd: grid too large (heads ", heads, ", chunks ", NC, ")"));
+  const CUtensorMap cmap{};  // Mode 0 stores element by element (the kernel's comment)
   const TcFlags fl{rows16(p.q), rows16(p.k), rows16(p.v),
                    reinterpret_cast<std::uintptr_t>(p.h.p) % 4 == 0 && p.h.s0 % 2 == 0 && p.h.s1 % 2 == 0 &&
                        p.h.s2 % 2 == 0,
-                   false, mlstm_chunk_units_on()};  // bulk: Mode 0 stores faster by store_hilo_row
+                   false, mlstm_chunk_units_on()};
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (NC > 0) {
     mlstm_tc_gates_kernel<<<dim3(unsigned(heads), unsigned(NC)), 256, 0, s>>>(p, wg, wa, wA);
@@ -469,7 +472,7 @@ void mlstm_fwd_tc_cuda(const MlstmParams& p, void* workspace, std::size_t worksp
   const auto states = heads * kt * st > 2 * sm_count() ? &mlstm_tc_states_kernel<0, 4> : &mlstm_tc_states_kernel<0, 2>;
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(states), kThreads, ssm);
   states<<<dim3(unsigned(heads), unsigned(kt), unsigned(st)), kThreads, ssm, s>>>(
-      p, fl, ws_c, ws_n, ws_m, wg, wa, wA);
+      p, fl, cmap, ws_c, ws_n, ws_m, wg, wa, wA);
   FW_CUDA_CHECK_LAUNCH("mlstm_fwd");
   if (NC == 0) return;
   const OutLayout lay(p.DQK);
@@ -491,8 +494,9 @@ void mlstm_states_tc_f32(const MlstmParams& p, float* ws_c, float* ws_n, float* 
   if (heads > 0x7fffffff || kt > 65535 || vt > 65535 || NC > 65535)
     throw Error(cat("mlstm: grid too large (heads ", heads, ", chunks ", NC, ")"));
   double *wg = gates, *wa = gates + heads * p.S, *wA = gates + 2 * heads * p.S;
+  CUtensorMap cmap{};  // hilo: C's slots (heads x (NC + 1)) of hi, lo (DQK, DV) bf16 for the TMA stores
   const TcFlags fl{rows16(p.q), rows16(p.k), rows16(p.v), false,
-                   hilo && mlstm_bulk_store_on() && WarpTileStore::ok(ws_c, p.DV, p.DQK * p.DV, p.DV),
+                   hilo && mlstm_bulk_store_on() && state_tile_map(&cmap, ws_c, p.DV, p.DV, p.DQK, 2, heads * (NC + 1)),
                    mlstm_chunk_units_on()};
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (NC > 0) {
@@ -504,7 +508,8 @@ void mlstm_states_tc_f32(const MlstmParams& p, float* ws_c, float* ws_n, float* 
   const auto kernel = hilo ? (four ? &mlstm_tc_states_kernel<2, 4> : &mlstm_tc_states_kernel<2, 2>)
                            : (four ? &mlstm_tc_states_kernel<1, 4> : &mlstm_tc_states_kernel<1, 2>);
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kThreads, ssm);
-  kernel<<<dim3(unsigned(heads), unsigned(kt), unsigned(vt)), kThreads, ssm, s>>>(p, fl, ws_c, ws_n, ws_m, wg, wa, wA);
+  kernel<<<dim3(unsigned(heads), unsigned(kt), unsigned(vt)), kThreads, ssm, s>>>(p, fl, cmap, ws_c, ws_n, ws_m, wg, wa,
+                                                                                 wA);
   FW_CUDA_CHECK_LAUNCH("mlstm");
 }
 

@@ -10,6 +10,7 @@
 
 #include "common/mlstm_params.h"
 #include "cuda/common/bulk.cuh"
+#include "cuda/common/tensor_map.cuh"
 #include "cuda/common/mma.cuh"
 
 namespace fastweight::detail::mtc {
@@ -269,41 +270,24 @@ __device__ __forceinline__ void store_hilo_row(bf16* ph, std::int64_t lo_off, co
 }
 
 // ---- A warp's 16 x 32 piece of a state tile to global memory by the TMA engine ----------------------
-// The serial kernels (the states kernel, the backward's K2) stored their fp32 chain as bf16 pairs: 8
-// or 16 4-byte stores per thread and chunk step, each with its own 64-bit address, and the next
-// writes of their data registers waited on the stores' register reads (ncu at (2,16,8192,128,128),
-// the backward's states kernel: long-scoreboard stalls behind STG ~27% of the samples, the store line
-// 20% of the instructions). Here the warp writes its piece (accumulators acc[4][4] in mma C-fragment
-// layout: rows gq, gq + 8, columns 8 j + 2 t4 (+1)) as bf16 hi (and lo = bf16(x - hi), the bits of
-// store_hilo_pair) to its shared staging, and lane l copies row piece l (l < 16: hi row l; else lo
-// row l - 16) with one cp.async.bulk (sm_90), where the device has bulk copies (FW_HAS_BULK) and every
-// piece is 16-byte aligned (the caller's check, ok()). Measured (H100, A/B in one binary): faster only
-// in the register-capped instances (the states kernel at four CTAs per SM, K2 at two), whose element
-// stores spilled: backward -5..-7% at (4,16,4096,128,128) and (8,16,8192,128,256); slower in the others
-// (the fence, the warp barriers and 16-32 small copies per warp and step): backward +4% at
-// (2,16,8192,128,128), +9% at (1,8,8192,256,512), forward +5..+18%. Those store by store_hilo_row.
-struct WarpTileStore {
-  static constexpr int kLd = 40;                // staging row stride (bf16): 80 B rows, conflict-free pair stores
-  static constexpr int kElems = 2 * 16 * kLd;   // per warp: 16 hi rows, then 16 lo rows
-  bf16* g = nullptr;                            // this lane's row piece in slot 0 (nullptr: none)
-  unsigned bytes = 0;
-  WarpTileStore() = default;
-  // The matrices' rows of `ld` elements, hi at base + slot offset, lo at + lo_off (lo); this warp's
-  // rows r_first.. (< rows), columns c.. (< cols).
-  __device__ __forceinline__ WarpTileStore(bf16* base, bool lo, std::int64_t lo_off, std::int64_t ld,
-                                           std::int64_t r_first, std::int64_t rows, std::int64_t c, std::int64_t cols) {
-    const int lane = int(threadIdx.x & 31), part = lane >> 4;
-    const std::int64_t r = r_first + (lane & 15);
-    if ((part && !lo) || r >= rows || c >= cols) return;
-    g = base + part * lo_off + r * ld + c;
-    bytes = unsigned(2 * lmin(32, cols - c));
-  }
-  // Every piece 16-byte aligned: the base, row stride, lo offset and first column in units of 8 bf16,
-  // and the columns a multiple of 8 (so each piece is too).
-  __host__ __device__ static bool ok(const void* base, std::int64_t ld, std::int64_t lo_off, std::int64_t cols) {
-    return reinterpret_cast<std::uintptr_t>(base) % 16 == 0 && ld % 8 == 0 && lo_off % 8 == 0 && cols % 8 == 0;
-  }
-  // The warp's accumulators into its staging st (after wait_read of the last step's copies).
+// The serial kernels (the states kernel, the backward's K2) store the state entering every chunk.
+// Element stores from the mma fragments cost 8-16 stores per thread and step, and the next writes of
+// their data registers waited on the stores' register reads (ncu at (2,16,8192,128,128), the
+// backward's states kernel: long-scoreboard stalls behind STG ~27% of the samples, the store line 20%
+// of the instructions); store_hilo_row halved that. Per-lane cp.async.bulk copies of the pieces'
+// rows were no better: the copy takes uniform registers, so the compiler issued the 32 lanes' copies
+// one after another (a third of the kernel's instructions). Here the warp writes its piece (hi, and lo
+// = bf16(x - hi): the bits of store_hilo_pair) to its staging in the tensor map's 64-byte swizzle
+// (conflict-free pair stores), and lane 0 stores the whole box with one tensor copy, clipped by the
+// TMA engine at the tensor's rows and columns. Against store_hilo_row (H100, one binary): backward
+// -6% at (2,16,8192,128,128) and (1,8,8192,256,512), -11% at (4,16,4096,128,128) and
+// (8,16,8192,128,256); the forward's hi-only states kernel gains nothing (0-4% slower), so it stores
+// by row.
+struct WarpTileTma {
+  static constexpr int kPlane = 16 * 32;     // bf16 per plane of a warp's box (16 rows x 32 columns, dense)
+  static constexpr int kElems = 2 * kPlane;  // per warp: hi plane, lo plane (1024-byte aligned staging)
+  // (row, column pair) -> element offset in a plane: 16-byte chunk c of row r at chunk c ^ ((r >> 1) & 3)
+  __device__ __forceinline__ static int at(int r, int c) { return r * 32 + (((c >> 3) ^ ((r >> 1) & 3)) << 3) + (c & 7); }
   template <bool LO>
   __device__ __forceinline__ static void stage(bf16* st, const float (&acc)[4][4]) {
     const int lane = int(threadIdx.x & 31), gq = lane >> 2, t4 = lane & 3;
@@ -313,40 +297,46 @@ struct WarpTileStore {
       for (int j = 0; j < 4; ++j) {
         const float x0 = acc[j][2 * hr], x1 = acc[j][2 * hr + 1];
         const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-        const int o = (gq + 8 * hr) * kLd + 8 * j + 2 * t4;
+        const int o = at(gq + 8 * hr, 8 * j + 2 * t4);
         *reinterpret_cast<__nv_bfloat162*>(st + o) = h;
         if constexpr (LO) {
           const float2 hf = __bfloat1622float2(h);
-          *reinterpret_cast<std::uint32_t*>(st + 16 * kLd + o) = pack_bf16(x0 - hf.x, x1 - hf.y);
+          *reinterpret_cast<std::uint32_t*>(st + kPlane + o) = pack_bf16(x0 - hf.x, x1 - hf.y);
         }
       }
   }
-  // The staged piece to slot `slot` (elements from slot 0's): fence, warp barrier, one copy per lane.
-  // (Callers take this path only where FW_HAS_BULK; elsewhere these are empty.)
-  __device__ __forceinline__ void issue(const bf16* st, std::int64_t slot) const {
 #if defined(FW_HAS_BULK)
+  // Lane 0: the staged box to (column c, row r, plane 0, slot) of the map (rows r < the tensor's).
+  __device__ __forceinline__ static void store(const CUtensorMap* map, const bf16* st, int c, int r, int slot,
+                                               bool any_row) {
     bulk_fence_shared();
     __syncwarp();
-    if (g) {
-      const int lane = int(threadIdx.x & 31);
-      bulk_s2g(g + slot, st + (lane >> 4) * 16 * kLd + (lane & 15) * kLd, bytes);
+    if ((threadIdx.x & 31) == 0 && any_row) {
+      tma_store_4d(map, st, c, r, 0, slot);
       bulk_commit();
     }
-#endif
   }
-  // Before the staging is written again: this lane's copies have read it, then the warp agrees.
-  __device__ __forceinline__ void wait_read() const {
-#if defined(FW_HAS_BULK)
-    if (g) bulk_wait_read();
+  // Before the staging is written again: lane 0's copy has read it, then the warp agrees.
+  __device__ __forceinline__ static void wait_read() {
+    if ((threadIdx.x & 31) == 0) bulk_wait_read();
     __syncwarp();
-#endif
   }
-  // Before the CTA exits: this lane's copies are complete.
-  __device__ __forceinline__ void drain() const {
-#if defined(FW_HAS_BULK)
-    if (g) bulk_wait_all();
-#endif
+  __device__ __forceinline__ static void drain() {  // before the CTA exits
+    if ((threadIdx.x & 31) == 0) bulk_wait_all();
   }
+#endif
 };
+
+// Host: the state slots (`slots` of them, each `planes` (rows, ld) bf16 matrices of which `cols`
+// columns are stored) as WarpTileTma's 4-D map; false where it does not apply (not sm_90, or the
+// strides and base are not multiples of 16 bytes): the kernels then store element by element.
+inline bool state_tile_map(CUtensorMap* map, const void* base, std::int64_t cols, std::int64_t ld, std::int64_t rows,
+                           int planes, std::int64_t slots) {
+  const std::uint64_t dims[4] = {std::uint64_t(cols), std::uint64_t(rows), std::uint64_t(planes), std::uint64_t(slots)};
+  const std::uint64_t strides[3] = {std::uint64_t(ld) * 2, std::uint64_t(rows * ld) * 2,
+                                    std::uint64_t(planes * rows * ld) * 2};
+  const std::uint32_t box[4] = {32, 16, std::uint32_t(planes), 1};
+  return slots > 0 && slots < (std::int64_t(1) << 31) && encode_bf16_tile_map(map, base, 4, dims, strides, box, true);
+}
 
 }  // namespace fastweight::detail::mtc
