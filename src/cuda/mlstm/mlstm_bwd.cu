@@ -788,17 +788,28 @@ bool split_applies(const MlstmBwdParams& B) {
   return B.f.DV > kSlabDV && mlstm_bwd_k3_tc_applies(slab_problem(B, 0));
 }
 
+bool core_tc(const MlstmBwdParams& B);
+
 // fp32 sums after the core workspace of one slab: acc then tmp, each dq, dk (B NH S DQK), di, df
-// (B NH S), dn0 (B NH DQK), dm0 (B NH); offsets in floats.
+// (B NH S), dn0 (B NH DQK), dm0 (B NH); offsets in floats (part[e] into acc, tpart[e] into tmp).
+// Where the tensor-core K3 roles sum dq and dk (fused), they add into acc directly and tmp holds
+// di .. dm0 alone: at (8,16,8192,128,256) that is 1.07 GB less workspace.
 struct SplitWs {
-  std::int64_t part[6], len[6], acc, tmp, total;
+  std::int64_t part[6], tpart[6], len[6], acc, tmp, total;
+  bool fused;
   explicit SplitWs(const MlstmBwdParams& B) {
     const MlstmParams& p = B.f;
     const std::int64_t core = BwdWs(slab_problem(B, 0).f).total, hs = p.B * p.NH;
     const std::int64_t n[6] = {hs * p.S * p.DQK, hs * p.S * p.DQK, hs * p.S, hs * p.S, hs * p.DQK, hs};
-    std::int64_t o = 0;
-    for (int e = 0; e < 6; ++e) part[e] = o, len[e] = n[e], o += (n[e] + 63) / 64 * 64;
-    acc = core, tmp = core + o, total = core + 2 * o;
+    fused = core_tc(slab_problem(B, 0));
+    std::int64_t o = 0, t = 0;
+    for (int e = 0; e < 6; ++e) {
+      const std::int64_t al = (n[e] + 63) / 64 * 64;
+      part[e] = o, len[e] = n[e], o += al;
+      tpart[e] = t;
+      if (!fused || e >= 2) t += al;
+    }
+    acc = core, tmp = core + o, total = core + o + t;
   }
 };
 
@@ -820,7 +831,6 @@ __global__ void split_store_kernel(const float* __restrict__ acc, const StridedV
 unsigned grid_for(std::int64_t n) { return unsigned(std::min<std::int64_t>((n + 255) / 256, 4096)); }
 
 void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream);
-bool core_tc(const MlstmBwdParams& B);
 
 void bwd_split(const MlstmBwdParams& B, float* ws, Stream stream) {
   const MlstmParams& p = B.f;
@@ -831,7 +841,7 @@ void bwd_split(const MlstmBwdParams& B, float* ws, Stream stream) {
   StridedView* targets[6] = {&proto.dq, &proto.dk, &proto.di, &proto.df, &proto.dn0, &proto.dm0};
   const std::int64_t dims[6][2] = {{p.S, p.DQK}, {p.S, p.DQK}, {1, p.S}, {1, p.S}, {1, p.DQK}, {1, 1}};
   const std::int64_t nsl = (p.DV + kSlabDV - 1) / kSlabDV;
-  const bool fused = core_tc(slab_problem(B, 0));  // dq, dk summed by K3 (e = 0, 1)
+  const bool fused = W.fused;  // dq, dk summed by K3 (e = 0, 1)
   for (std::int64_t j = 0; j < nsl; ++j) {
     MlstmBwdParams sj = slab_problem(B, j);
     StridedView* mine[6] = {&sj.dq, &sj.dk, &sj.di, &sj.df, &sj.dn0, &sj.dm0};
@@ -846,13 +856,13 @@ void bwd_split(const MlstmBwdParams& B, float* ws, Stream stream) {
       }
       // the contiguous fp32 (B, NH, R, D) part as a view: s0 = NH R D, s1 = R D, s2 = D (R = 1: unused)
       const std::int64_t R = dims[e][0], D = dims[e][1];
-      *mine[e] = StridedView{ws + (j == 0 ? W.acc : W.tmp) + W.part[e], DType::f32, p.NH * R * D, R * D, D};
+      *mine[e] = StridedView{ws + (j == 0 ? W.acc + W.part[e] : W.tmp + W.tpart[e]), DType::f32, p.NH * R * D, R * D, D};
     }
     bwd_core(sj, ws, stream);
     if (j == 0) continue;
     for (int e = 0; e < 6; ++e) {
       if (!outs[e] || W.len[e] == 0 || (fused && e < 2)) continue;
-      split_add_kernel<<<grid_for(W.len[e]), 256, 0, s>>>(ws + W.acc + W.part[e], ws + W.tmp + W.part[e], W.len[e]);
+      split_add_kernel<<<grid_for(W.len[e]), 256, 0, s>>>(ws + W.acc + W.part[e], ws + W.tmp + W.tpart[e], W.len[e]);
       FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
     }
   }
