@@ -19,6 +19,8 @@
 //   fastweight_bench --mlstm-bulk-store=off  mLSTM serial kernels' state stores element by element, not by the
 //                                            TMA engine (A/B)
 //   fastweight_bench --mlstm-chunk-units=off mLSTM serial kernels' chunk tiles by the generic loader (A/B)
+//   fastweight_bench --mlstm-slab-overlap=on|off mLSTM backward's DV slabs on two streams or one (A/B;
+//                                            default: planner)
 //   fastweight_bench --mlstm-shapes=BxNHxSxDQKxDV[+...]  mLSTM GPU rows timed at these shapes (verified
 //                                            at the default small shape, as without it)
 //   fastweight_bench --timing-only           DeltaNet GPU rows timed without their float64 check (A/B
@@ -80,6 +82,7 @@ struct Options {
   int dn_state_tile = 0;  // 0: the planner's choice
   int dn_bwd_overlap = 0;  // 0: the planner's choice, 1 on, -1 off
   bool mlstm_no_bulk_store = false, mlstm_no_chunk_units = false;
+  int mlstm_slab_overlap = 0;  // 0: the planner's choice, 1 on, -1 off
   std::string mlstm_shapes;
   std::string csv;
 };
@@ -320,6 +323,10 @@ int main(int argc, char** argv) {
       o.mlstm_no_chunk_units = std::string(v) == "off";
     }
     else if (const char* v = val("--mlstm-shapes=")) o.mlstm_shapes = v;
+    else if (const char* v = val("--mlstm-slab-overlap=")) {
+      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
+      o.mlstm_slab_overlap = std::string(v) == "on" ? 1 : -1;
+    }
     else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); usage(2); }
   }
   const bool gpu = !o.cpu && cuda_available();
@@ -337,6 +344,7 @@ int main(int argc, char** argv) {
   if (o.dn_bwd_overlap) fastweight::detail::set_deltanet_bwd_overlap(o.dn_bwd_overlap);
   if (o.mlstm_no_bulk_store) fastweight::detail::set_mlstm_bulk_store(false);
   if (o.mlstm_no_chunk_units) fastweight::detail::set_mlstm_chunk_units(false);
+  if (o.mlstm_slab_overlap) fastweight::detail::set_mlstm_slab_overlap(o.mlstm_slab_overlap);
 #endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");
 

@@ -205,14 +205,18 @@ TEST_P(MlstmCudaBwd, MatchesReferenceAllGradientsAndIsDeterministic) {
   HostTensor dq1 = dq, dk1 = dk;
   gdq.download(dq1), gdk.download(dk1), gdv.download(dv), gdi.download(di), gdf.download(df);
   if (c.states) gdc0.download(dc0), gdn0.download(dn0), gdm0.download(dm0);
-  // again: the same bits, with the serial kernels' element stores and generic tile loads this time
-  // (set_mlstm_bulk_store, set_mlstm_chunk_units)
+  // again: the same bits, with the serial kernels' element stores and generic tile loads this time,
+  // and the DV slabs one after another on one stream (set_mlstm_bulk_store, set_mlstm_chunk_units,
+  // set_mlstm_slab_overlap; the first run took the planner's choice: two streams for DV > 128 here,
+  // except the 40-head case)
   const bool bulk = fastweight::detail::set_mlstm_bulk_store(false);
   const bool units = fastweight::detail::set_mlstm_chunk_units(false);
+  const int overlap = fastweight::detail::set_mlstm_slab_overlap(-1);
   mlstm_bwd(a, ws, wsb, nullptr);
   FW_TEST_CUDA(cudaDeviceSynchronize());
   fastweight::detail::set_mlstm_bulk_store(bulk);
   fastweight::detail::set_mlstm_chunk_units(units);
+  fastweight::detail::set_mlstm_slab_overlap(overlap);
   HostTensor dq2 = dq, dk2 = dk, dv2 = dv, di2 = di, df2 = df;
   gdq.download(dq2), gdk.download(dk2), gdv.download(dv2), gdi.download(di2), gdf.download(df2);
   cudaFree(ws);

@@ -25,6 +25,10 @@ namespace fastweight::detail {
 int sm_count();
 // Compute capability (major) of the current device (cached).
 int cc_major();
+// One more stream of the current device for a kernel sequence's overlap (the DeltaNet backward's
+// recompute, the mLSTM backward's DV slabs): created on first use and kept, non-blocking, ordered
+// against the caller's stream by events alone.
+cudaStream_t side_stream();
 // The architecture `kernel` runs as on the current device (major * 10 + minor of the code the
 // runtime loaded: a PTX-JIT build of compute_80 on Hopper reports 80). Cached.
 int kernel_binary_version(const void* kernel);

@@ -4,6 +4,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 #include "cuda/common/check.cuh"
 #include "cuda/common/tensor_map.cuh"
@@ -34,6 +35,17 @@ const Props& props() {
 
 int sm_count() { return props().sms; }
 int cc_major() { return props().cc_major; }
+
+cudaStream_t side_stream() {
+  static std::mutex mu;
+  static std::vector<cudaStream_t> streams;
+  int dev = 0;
+  FW_CUDA_CHECK("fastweight (side stream)", cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  if (streams.size() <= std::size_t(dev)) streams.resize(std::size_t(dev) + 1, nullptr);
+  if (!streams[dev]) FW_CUDA_CHECK("fastweight (side stream)", cudaStreamCreateWithFlags(&streams[dev], cudaStreamNonBlocking));
+  return streams[dev];
+}
 
 bool encode_bf16_tile_map(CUtensorMap* map, const void* base, int rank, const std::uint64_t* dims,
                           const std::uint64_t* strides, const std::uint32_t* box, bool swizzle64) {

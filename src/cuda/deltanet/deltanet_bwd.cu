@@ -411,19 +411,6 @@ DeltanetBwdParams effective(const DeltanetBwdParams& p) {
 namespace {
 std::atomic<int> g_bwd_overlap{0};  // 0: the planner's choice, 1: always, -1: never
 
-// One more stream per device for the backward's overlap, created on first use and kept (ordered
-// against the caller's stream by events alone: non-blocking, no implicit sync with stream 0).
-cudaStream_t bwd_side_stream() {
-  static std::mutex mu;
-  static std::vector<cudaStream_t> streams;
-  int dev = 0;
-  FW_CUDA_CHECK("deltanet_bwd (side stream)", cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> lock(mu);
-  if (streams.size() <= std::size_t(dev)) streams.resize(std::size_t(dev) + 1, nullptr);
-  if (!streams[dev]) FW_CUDA_CHECK("deltanet_bwd (side stream)", cudaStreamCreateWithFlags(&streams[dev], cudaStreamNonBlocking));
-  return streams[dev];
-}
-
 // The fork of one call: the side stream waits for the caller's stream; done() marks the end of the
 // side work (the event the post kernel waits for). Events are per call (shared ones could be
 // re-recorded by another host thread between a record and its wait). The destructor makes the
@@ -432,7 +419,7 @@ cudaStream_t bwd_side_stream() {
 struct Fork {
   cudaStream_t main, side;
   cudaEvent_t e[2] = {nullptr, nullptr};
-  explicit Fork(cudaStream_t m) : main(m), side(bwd_side_stream()) {
+  explicit Fork(cudaStream_t m) : main(m), side(side_stream()) {
     for (auto& x : e) FW_CUDA_CHECK("deltanet_bwd (events)", cudaEventCreateWithFlags(&x, cudaEventDisableTiming));
     FW_CUDA_CHECK("deltanet_bwd (fork)", cudaEventRecord(e[0], main));
     FW_CUDA_CHECK("deltanet_bwd (fork)", cudaStreamWaitEvent(side, e[0], 0));

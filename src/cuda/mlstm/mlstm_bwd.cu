@@ -17,6 +17,10 @@
 // M_t = max(m_k, a_0..a_t)): e_t = exp(m_k - M_t), D_ts = exp(a_s - M_t) (s <= t),
 // w_s = exp(a_s - M_L), d_k = exp(m_k - M_L); dnum_t = dh_t / den_t, X_ts = v_s . dnum_t + db_t,
 // P_ts = scale (q_t . k_s) D_ts, Z_ts = P_ts X_ts.
+#include <atomic>
+#include <memory>
+#include <vector>
+
 #include "cuda/common/check.cuh"
 #include "cuda/mlstm/mlstm_common.cuh"
 #include "cuda/mlstm/mlstm_bwd_ws.h"
@@ -790,13 +794,30 @@ bool split_applies(const MlstmBwdParams& B) {
 
 bool core_tc(const MlstmBwdParams& B);
 
+std::atomic<int> g_slab_overlap{0};  // 0: the planner's choice, 1: always, -1: never
+
+// Slabs two at a time, on the caller's stream and a side stream (bwd_split), where the serial scans
+// of one slab leave most SMs idle: K2's grid per slab (heads x DQK tiles x 2) at most one CTA per SM.
+// At (1,8,8192,256,512) K2 runs 64 CTAs and K0 128 per slab, each walking 128 chunks.
+bool slab_overlap(const MlstmBwdParams& B) {
+  const int mode = g_slab_overlap.load();
+  if (mode != 0) return mode > 0;
+  const MlstmParams& p = B.f;
+  try {
+    return p.B * p.NH * ((p.DQK + 63) / 64) * 2 <= sm_count();
+  } catch (const Error&) {
+    return false;  // no device to plan for (a workspace query on a machine without a GPU)
+  }
+}
+
 // fp32 sums after the core workspace of one slab: acc then tmp, each dq, dk (B NH S DQK), di, df
 // (B NH S), dn0 (B NH DQK), dm0 (B NH); offsets in floats (part[e] into acc, tpart[e] into tmp).
 // Where the tensor-core K3 roles sum dq and dk (fused), they add into acc directly and tmp holds
-// di .. dm0 alone: at (8,16,8192,128,256) that is 1.07 GB less workspace.
+// di .. dm0 alone: at (8,16,8192,128,256) that is 1.07 GB less workspace. overlap (fused, two slabs
+// or more, slab_overlap): a second core workspace and tmp at core2, tmp2 for the side stream's slabs.
 struct SplitWs {
-  std::int64_t part[6], tpart[6], len[6], acc, tmp, total;
-  bool fused;
+  std::int64_t part[6], tpart[6], len[6], acc, tmp, core2 = 0, tmp2 = 0, total;
+  bool fused, overlap;
   explicit SplitWs(const MlstmBwdParams& B) {
     const MlstmParams& p = B.f;
     const std::int64_t core = BwdWs(slab_problem(B, 0).f).total, hs = p.B * p.NH;
@@ -810,8 +831,23 @@ struct SplitWs {
       if (!fused || e >= 2) t += al;
     }
     acc = core, tmp = core + o, total = core + o + t;
+    overlap = fused && slab_overlap(B);  // (two slabs or more: bwd_split's caller checked DV > kSlabDV)
+    if (overlap) core2 = total, tmp2 = core2 + core, total = tmp2 + t;
   }
 };
+
+// The order across the two streams of overlapped slabs (bwd_split): slab j's K3 q-role (the dq sum)
+// after slab j - 1's, its kv-role (dk) likewise, and its partial sums' add into acc after slab
+// j - 1's end. Events of the call (bwd_split's), null where there is nothing to wait for or record.
+struct SlabSync {
+  cudaEvent_t q_wait = nullptr, q_done = nullptr, kv_wait = nullptr, kv_done = nullptr;
+};
+void wait_on(cudaStream_t s, cudaEvent_t e) {
+  if (e) FW_CUDA_CHECK("mlstm_bwd (slab order)", cudaStreamWaitEvent(s, e, 0));
+}
+void record(cudaEvent_t e, cudaStream_t s) {
+  if (e) FW_CUDA_CHECK("mlstm_bwd (slab order)", cudaEventRecord(e, s));
+}
 
 __global__ void split_add_kernel(float* __restrict__ acc, const float* __restrict__ tmp, std::int64_t n) {
   for (std::int64_t e = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; e < n; e += std::int64_t(gridDim.x) * blockDim.x)
@@ -830,7 +866,31 @@ __global__ void split_store_kernel(const float* __restrict__ acc, const StridedV
 
 unsigned grid_for(std::int64_t n) { return unsigned(std::min<std::int64_t>((n + 255) / 256, 4096)); }
 
-void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream);
+void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream, const SlabSync* sy = nullptr);
+
+// A call's events for overlapped slabs: per slab q (after its K3 q-role), kv (after its kv-role) and
+// end (after its partial sums are in acc), created and destroyed with the call (shared ones could be
+// re-recorded by another host thread between a record and its wait). The destructor makes the
+// caller's stream wait for the side stream's last slab: the join on every path, a throw included.
+struct SlabEvents {
+  std::vector<cudaEvent_t> ev;
+  cudaStream_t main = nullptr, side = nullptr;
+  cudaEvent_t side_end = nullptr;
+  SlabEvents(std::int64_t nsl, cudaStream_t m, cudaStream_t sd) : ev(std::size_t(3 * nsl + 1), nullptr), main(m), side(sd) {
+    for (auto& e : ev) FW_CUDA_CHECK("mlstm_bwd (events)", cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
+  cudaEvent_t q(std::int64_t j) const { return ev[std::size_t(3 * j)]; }
+  cudaEvent_t kv(std::int64_t j) const { return ev[std::size_t(3 * j + 1)]; }
+  cudaEvent_t end(std::int64_t j) const { return ev[std::size_t(3 * j + 2)]; }
+  cudaEvent_t fork() const { return ev.back(); }
+  ~SlabEvents() {
+    if (side_end) (void)cudaStreamWaitEvent(main, side_end, 0);
+    for (auto& e : ev)
+      if (e) (void)cudaEventDestroy(e);
+  }
+  SlabEvents(const SlabEvents&) = delete;
+  SlabEvents& operator=(const SlabEvents&) = delete;
+};
 
 void bwd_split(const MlstmBwdParams& B, float* ws, Stream stream) {
   const MlstmParams& p = B.f;
@@ -842,7 +902,24 @@ void bwd_split(const MlstmBwdParams& B, float* ws, Stream stream) {
   const std::int64_t dims[6][2] = {{p.S, p.DQK}, {p.S, p.DQK}, {1, p.S}, {1, p.S}, {1, p.DQK}, {1, 1}};
   const std::int64_t nsl = (p.DV + kSlabDV - 1) / kSlabDV;
   const bool fused = W.fused;  // dq, dk summed by K3 (e = 0, 1)
+  // Overlapped: odd slabs on the side stream with the second core workspace and tmp; the side
+  // stream first waits for everything before the call on the caller's stream.
+  std::unique_ptr<SlabEvents> evs;
+  if (W.overlap) {
+    evs = std::make_unique<SlabEvents>(nsl, s, side_stream());
+    record(evs->fork(), s);
+    wait_on(evs->side, evs->fork());
+  }
   for (std::int64_t j = 0; j < nsl; ++j) {
+    const bool odd = W.overlap && j % 2 == 1;
+    const cudaStream_t sj_stream = odd ? evs->side : s;
+    float* const core_ws = odd ? ws + W.core2 : ws;
+    const std::int64_t tmp = odd ? W.tmp2 : W.tmp;
+    SlabSync sy;
+    if (W.overlap) {
+      sy.q_wait = j > 0 ? evs->q(j - 1) : nullptr, sy.q_done = evs->q(j);
+      sy.kv_wait = j > 0 ? evs->kv(j - 1) : nullptr, sy.kv_done = evs->kv(j);
+    }
     MlstmBwdParams sj = slab_problem(B, j);
     StridedView* mine[6] = {&sj.dq, &sj.dk, &sj.di, &sj.df, &sj.dn0, &sj.dm0};
     const float** mine_add[2] = {&sj.dq_add, &sj.dk_add};
@@ -856,16 +933,24 @@ void bwd_split(const MlstmBwdParams& B, float* ws, Stream stream) {
       }
       // the contiguous fp32 (B, NH, R, D) part as a view: s0 = NH R D, s1 = R D, s2 = D (R = 1: unused)
       const std::int64_t R = dims[e][0], D = dims[e][1];
-      *mine[e] = StridedView{ws + (j == 0 ? W.acc + W.part[e] : W.tmp + W.tpart[e]), DType::f32, p.NH * R * D, R * D, D};
+      *mine[e] = StridedView{ws + (j == 0 ? W.acc + W.part[e] : tmp + W.tpart[e]), DType::f32, p.NH * R * D, R * D, D};
     }
-    bwd_core(sj, ws, stream);
-    if (j == 0) continue;
-    for (int e = 0; e < 6; ++e) {
-      if (!outs[e] || W.len[e] == 0 || (fused && e < 2)) continue;
-      split_add_kernel<<<grid_for(W.len[e]), 256, 0, s>>>(ws + W.acc + W.part[e], ws + W.tmp + W.tpart[e], W.len[e]);
-      FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+    bwd_core(sj, core_ws, reinterpret_cast<Stream>(sj_stream), W.overlap ? &sy : nullptr);
+    if (j > 0) {
+      if (W.overlap) wait_on(sj_stream, evs->end(j - 1));  // acc's earlier sums are in (slab order)
+      for (int e = 0; e < 6; ++e) {
+        if (!outs[e] || W.len[e] == 0 || (fused && e < 2)) continue;
+        split_add_kernel<<<grid_for(W.len[e]), 256, 0, sj_stream>>>(ws + W.acc + W.part[e], ws + tmp + W.tpart[e],
+                                                                   W.len[e]);
+        FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+      }
+    }
+    if (W.overlap) {
+      record(evs->end(j), sj_stream);
+      if (odd) evs->side_end = evs->end(j);
     }
   }
+  if (W.overlap) wait_on(s, evs->end(nsl - 1));  // the last slab's sums (and dq / dk) before the stores
   for (int e = 0; e < 6; ++e) {
     if (!outs[e] || W.len[e] == 0 || (fused && e < 2)) continue;
     split_store_kernel<<<grid_for(W.len[e]), 256, 0, s>>>(ws + W.acc + W.part[e], *outs[e], p.NH, dims[e][0],
@@ -875,6 +960,8 @@ void bwd_split(const MlstmBwdParams& B, float* ws, Stream stream) {
 }
 
 }  // namespace
+
+int set_mlstm_slab_overlap(int mode) { return g_slab_overlap.exchange(mode > 0 ? 1 : mode < 0 ? -1 : 0); }
 
 std::size_t mlstm_bwd_workspace_bytes(const MlstmBwdParams& b) {
   return std::size_t(split_applies(b) ? SplitWs(b).total : BwdWs(b.f).total) * 4;
@@ -898,7 +985,7 @@ bool core_tc(const MlstmBwdParams& B) {
 }
 
 // The backward of one problem (DV <= 128 where the tensor-core kernels run) into workspace ws.
-void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream) {
+void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream, const SlabSync* sy) {
   const MlstmParams& p = B.f;
   const BwdWs L(p);
   const std::int64_t heads = p.B * p.NH;
@@ -921,7 +1008,9 @@ void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream) {
     (void)resident_ctas_per_sm(k, kThreads, smem);  // raises the dynamic shared-memory limit
   const unsigned H = unsigned(heads), NC = unsigned(L.NC), RB = unsigned(L.rbs);
   if (tc) {
+    if (sy) wait_on(s, sy->q_wait);
     mlstm_bwd_k3q_tc(B, ws, L, stream);
+    if (sy) record(sy->q_done, s);
   } else if (NC > 0) {
     k1_rows<<<dim3(H, NC, RB), kThreads, smem, s>>>(B, ws, ws, L);
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
@@ -934,7 +1023,9 @@ void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream) {
   }
   if (tc) {
     mlstm_bwd_dn_scan(B, ws, L, stream);
+    if (sy) wait_on(s, sy->kv_wait);
     mlstm_bwd_k3kv_tc(B, ws, L, stream);
+    if (sy) record(sy->kv_done, s);
   } else if (NC > 0) {
     k3_dq<<<dim3(H, NC, RB * unsigned(kt)), kThreads, smem, s>>>(B, ws, L);
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");

@@ -37,6 +37,12 @@ bool mlstm_bulk_store_on();
 bool set_mlstm_chunk_units(bool on);
 bool mlstm_chunk_units_on();
 
+// The backward's DV slabs (DV > 128) two at a time, on the caller's stream and a side stream, each
+// with its own core workspace: 1 always, -1 never, 0 the planner's choice (where K2's grid per slab
+// takes at most one CTA per SM). Returns the previous mode (tests, fastweight_bench
+// --mlstm-slab-overlap=on|off). mlstm_bwd_workspace_bytes depends on it.
+int set_mlstm_slab_overlap(int mode);
+
 // Chunkwise backward: the exact gradient (docs/design/mlstm_backward.md). Workspace:
 // mlstm_bwd_workspace_bytes(b).
 std::size_t mlstm_bwd_workspace_bytes(const MlstmBwdParams& b);
