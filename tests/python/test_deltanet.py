@@ -18,7 +18,7 @@ import torch
 
 import fastweight
 from fastweight.compat import fla as fw_fla
-from fwtest_util import rel_err
+from fwtest_util import rel_err, same_bits_twice_and_in_a_graph
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -601,16 +601,7 @@ def test_cuda_backward_deterministic_and_graph_capture(dtype):
     do, dht = torch.randn_like(v), torch.randn_like(h0)
     bwd = torch.ops.fastweight.deltanet_bwd
 
-    def fn():
-        return bwd(do, q, k, v, beta, h0, None, dht, None, True, True)
-    g1, g2 = fn(), fn()
-    assert all(torch.equal(a, b) for a, b in zip(g1, g2))  # bit-identical
-    graph = torch.cuda.CUDAGraph()  # the workspace comes from torch's caching allocator: capturable
-    with torch.cuda.graph(graph):
-        gg = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(gg, g1))
+    same_bits_twice_and_in_a_graph(lambda: bwd(do, q, k, v, beta, h0, None, dht, None, True, True))
 
 
 @gpu

@@ -15,7 +15,7 @@ import torch
 
 import fastweight
 from fastweight.compat import mlstm_kernels as mk
-from fwtest_util import rel_err
+from fwtest_util import rel_err, same_bits_twice_and_in_a_graph
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -555,16 +555,7 @@ def test_cuda_backward_dv_slabs_deterministic_graph_capture_and_reference():
     dh, dc, dn, dm = (torch.randn(t.shape, generator=g).to(device="cuda", dtype=t.dtype) for t in (v, c0, n0, m0))
     bwd = torch.ops.fastweight.mlstm_bwd
 
-    def fn():
-        return bwd(dh, q, k, v, i, f, c0, n0, m0, dc, dn, dm, 1e-6, 64)
-    g1, g2 = fn(), fn()
-    assert all(torch.equal(a, b) for a, b in zip(g1, g2))  # bit-identical
-    graph = torch.cuda.CUDAGraph()  # the workspace comes from torch's caching allocator: capturable
-    with torch.cuda.graph(graph):
-        gg = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(gg, g1))
+    g1 = same_bits_twice_and_in_a_graph(lambda: bwd(dh, q, k, v, i, f, c0, n0, m0, dc, dn, dm, 1e-6, 64))
     ref_args = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, i, f, c0, n0, m0)]
     rh, (rc, rn, rm) = ref_mlstm(*ref_args)
     loss = sum(((x * w.cpu().double()).sum() for x, w in ((rh, dh), (rc, dc), (rn, dn), (rm, dm))))

@@ -63,14 +63,8 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned by
                "l"(src), "r"(bytes), "r"(smem_u32(bar))
                : "memory");
 }
-// Shared -> global: `bytes` (a multiple of 16; both addresses 16-byte aligned) from shared `src` to
-// global `dst` in this thread's bulk async-group. The shared data must be made visible to the async
-// proxy first (bulk_fence_shared by the threads that wrote it, then a barrier).
-__device__ __forceinline__ void bulk_s2g(void* dst, const void* src, unsigned bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_u32(src)),
-               "r"(bytes)
-               : "memory");
-}
+// The bulk stores' bookkeeping (tensor_map.cuh's tma_store_4d): shared data written by threads made
+// visible to the async proxy (then a barrier), a store group committed, waited for.
 __device__ __forceinline__ void bulk_fence_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Until this thread's bulk stores have read their shared sources (the staging may be written again).

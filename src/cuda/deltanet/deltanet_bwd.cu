@@ -420,18 +420,26 @@ struct Fork {
   cudaStream_t main, side;
   cudaEvent_t e[2] = {nullptr, nullptr};
   explicit Fork(cudaStream_t m) : main(m), side(side_stream()) {
-    for (auto& x : e) FW_CUDA_CHECK("deltanet_bwd (events)", cudaEventCreateWithFlags(&x, cudaEventDisableTiming));
-    FW_CUDA_CHECK("deltanet_bwd (fork)", cudaEventRecord(e[0], main));
-    FW_CUDA_CHECK("deltanet_bwd (fork)", cudaStreamWaitEvent(side, e[0], 0));
+    try {
+      for (auto& x : e) FW_CUDA_CHECK("deltanet_bwd (events)", cudaEventCreateWithFlags(&x, cudaEventDisableTiming));
+      FW_CUDA_CHECK("deltanet_bwd (fork)", cudaEventRecord(e[0], main));
+      FW_CUDA_CHECK("deltanet_bwd (fork)", cudaStreamWaitEvent(side, e[0], 0));
+    } catch (...) {
+      release();  // (no destructor runs for a constructor that throws; nothing was forked)
+      throw;
+    }
   }
   void* done() {
     FW_CUDA_CHECK("deltanet_bwd (join)", cudaEventRecord(e[1], side));
     return e[1];
   }
+  void release() {
+    for (auto& x : e)
+      if (x) (void)cudaEventDestroy(x), x = nullptr;
+  }
   ~Fork() {
     if (e[1]) (void)cudaStreamWaitEvent(main, e[1], 0);
-    for (auto& x : e)
-      if (x) (void)cudaEventDestroy(x);
+    release();
   }
   Fork(const Fork&) = delete;
   Fork& operator=(const Fork&) = delete;

@@ -877,16 +877,24 @@ struct SlabEvents {
   cudaStream_t main = nullptr, side = nullptr;
   cudaEvent_t side_end = nullptr;
   SlabEvents(std::int64_t nsl, cudaStream_t m, cudaStream_t sd) : ev(std::size_t(3 * nsl + 1), nullptr), main(m), side(sd) {
-    for (auto& e : ev) FW_CUDA_CHECK("mlstm_bwd (events)", cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    try {
+      for (auto& e : ev) FW_CUDA_CHECK("mlstm_bwd (events)", cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    } catch (...) {
+      release();  // (no destructor runs for a constructor that throws)
+      throw;
+    }
   }
   cudaEvent_t q(std::int64_t j) const { return ev[std::size_t(3 * j)]; }
   cudaEvent_t kv(std::int64_t j) const { return ev[std::size_t(3 * j + 1)]; }
   cudaEvent_t end(std::int64_t j) const { return ev[std::size_t(3 * j + 2)]; }
   cudaEvent_t fork() const { return ev.back(); }
+  void release() {
+    for (auto& e : ev)
+      if (e) (void)cudaEventDestroy(e), e = nullptr;
+  }
   ~SlabEvents() {
     if (side_end) (void)cudaStreamWaitEvent(main, side_end, 0);
-    for (auto& e : ev)
-      if (e) (void)cudaEventDestroy(e);
+    release();
   }
   SlabEvents(const SlabEvents&) = delete;
   SlabEvents& operator=(const SlabEvents&) = delete;
