@@ -15,6 +15,7 @@
 // where they feed gate gradients); every other scaling (1/den, e_t, w_s, scale) is applied in fp32 to
 // the accumulators or to P, Y. Deterministic (fixed-order sums).
 #include <algorithm>
+#include <atomic>
 
 #include "cuda/common/check.cuh"
 #include "cuda/mlstm/mlstm_bwd_ws.h"
@@ -80,12 +81,13 @@ struct K3Smem {
 //            ~50 us CTA), hi into st and, where the layout has it, lo (its first DQK half above
 //            128: k3_state_half loads the second); its vector (DQK) into nv.
 // The first products need only group 0, so the state lands under them.
-__device__ void k3_issue(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem& sm, const BwdWs& L, const float* ws,
-                         std::int64_t b, std::int64_t hd, std::int64_t t0, int n, const bf16* sthl, const float* nvf,
-                         const float* inv_den, const float* dbv, double* s_g, double* s_a, double* s_M,
-                         int nthreads = kThreads) {
+// DQK, DV: the problem's (p.DQK, p.DV), passed by the kernel as compile-time values where it has them.
+__device__ __forceinline__ void k3_issue(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem& sm, const BwdWs& L,
+                                         const float* ws, std::int64_t b, std::int64_t hd, std::int64_t t0, int n,
+                                         const bf16* sthl, const float* nvf, const float* inv_den, const float* dbv,
+                                         double* s_g, double* s_a, double* s_M, int DQK, int DV, int nthreads) {
   const MlstmParams& p = B.f;
-  const int DQK = int(p.DQK), DV = int(p.DV), ldq = sm.lay.ldq, ldv = sm.lay.ldv, Dq = sm.lay.Dq, Dv = sm.lay.Dv;
+  const int ldq = sm.lay.ldq, ldv = sm.lay.ldv, Dq = sm.lay.Dq, Dv = sm.lay.Dv;
   const int tid = threadIdx.x;
   auto rows = [&](const StridedView& t) {
     return static_cast<const bf16*>(t.p) + b * t.s0 + hd * t.s1 + t0 * t.s2;
@@ -248,22 +250,27 @@ __device__ __forceinline__ void store_rows(const StridedView& out, const float (
 // dh v^T is formed, 64 rows of C_k at a time.
 // NH: DQK halves of 128 (1 or 2), a compile-time count so that DQK <= 128 compiles without the
 // stash and the halves' loops (the runtime count cost k3q 4% there: 224 -> 232 us, session 10).
-template <int NH>
+// FQ, FV: DQK and DV fixed at compile time (the launch checks them), 0: runtime. Fixed, the tile strides,
+// the products' trip counts and the shared-memory offsets are constants: ncu at (2,16,8192,128,128) had
+// IMAD 22% and ISETP 8% of the executed instructions against HMMA 6%.
+template <int NH, int FQ = 0, int FV = 0>
 __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
   const MlstmParams& p = B.f;
   __shared__ double s_g[kT], s_a[kT], s_M[kT];
   extern __shared__ float4 smem_raw[];
-  const K3Smem sm(reinterpret_cast<char*>(smem_raw), p.DQK, p.DV, false);
+  const int DQK = FQ ? FQ : int(p.DQK), DV = FV ? FV : int(p.DV);
+  const K3Smem sm(reinterpret_cast<char*>(smem_raw), DQK, DV, false);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
   const int n = int(lmin(kT, p.S - t0));
   const double mk = double(ws[L.m + bh * L.ns + kc]);
-  const bf16* sthl = reinterpret_cast<const bf16*>(ws + L.c + (bh * L.ns + kc) * p.DQK * p.DV);  // K0's hi, lo
-  k3_issue(B, fl, sm, L, ws, b, hd, t0, n, sthl, ws + L.n + (bh * L.ns + kc) * p.DQK, nullptr, nullptr, s_g, s_a, s_M);
+  const bf16* sthl = reinterpret_cast<const bf16*>(ws + L.c + (bh * L.ns + kc) * DQK * DV);  // K0's hi, lo
+  k3_issue(B, fl, sm, L, ws, b, hd, t0, n, sthl, ws + L.n + (bh * L.ns + kc) * DQK, nullptr, nullptr, s_g, s_a, s_M, DQK,
+           DV, kThreads);
   cp_async_wait<1>();  // group 0: q, k, dh, v, the gates
   k3_gates(n, mk, s_M);
-  const float scale = rsqrtf(float(p.DQK));
-  const int DQK = int(p.DQK), DV = int(p.DV), Dq = sm.lay.Dq, Dv = sm.lay.Dv, ldq = sm.lay.ldq, ldv = sm.lay.ldv;
+  const float scale = rsqrtf(float(DQK));
+  const int Dq = sm.lay.Dq, Dv = sm.lay.Dv, ldq = sm.lay.ldq, ldv = sm.lay.ldv;
   const int tA = 16 * warp + gq, tB = tA + 8;  // this thread's two rows
   const double MA = s_M[tA < n ? tA : 0], MB = s_M[tB < n ? tB : 0];
 
@@ -405,8 +412,7 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
         dq[j][e] = e < 2 ? eA * (dq[j][e] * inv[0] + dbr[0] * nr) : eB * (dq[j][e] * inv[1] + dbr[1] * nr);
       }
     mma_fragb(dq, yf, sm.k + c0, ldq, Nh, lane);  // + Y k
-    store_rows(B.dq, dq, b, hd, t0, tA, tB, n, c0, p.DQK, scale,
-               B.dq_add ? B.dq_add + (bh * p.S + t0) * p.DQK : nullptr);
+    store_rows(B.dq, dq, b, hd, t0, tA, tB, n, c0, DQK, scale, B.dq_add ? B.dq_add + (bh * p.S + t0) * DQK : nullptr);
   }
   zA += __shfl_xor_sync(0xffffffffu, zA, 1), zB += __shfl_xor_sync(0xffffffffu, zB, 1);
   zA += __shfl_xor_sync(0xffffffffu, zA, 2), zB += __shfl_xor_sync(0xffffffffu, zB, 2);
@@ -418,7 +424,7 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
   }
   __syncthreads();
   // p_k = sum_t (scale e_t db_t) q_t, rows in order
-  float* pk = ws + L.pn + (bh * L.NC + kc) * p.DQK;
+  float* pk = ws + L.pn + (bh * L.NC + kc) * DQK;
   for (int c = tid; c < DQK; c += kThreads) {
     float x = 0.f;
     for (int t = 0; t < n; ++t) x = fmaf(sm.db[t], __bfloat162float(sm.q[t * ldq + c]), x);
@@ -432,6 +438,7 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
 // output products split without exchanging fragments; u_s is summed over the halves in smem. One CTA
 // per SM (140 KB): with 4 warps the kernel ran at one warp per scheduler (6.25% occupancy).
 constexpr int kKvThreads = 256;
+template <int FQ = 0, int FV = 0>  // DQK and DV fixed at compile time, as k3q_tc
 __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B, const K3Flags fl, float* ws,
                                                          const BwdWs L) {
   const MlstmParams& p = B.f;
@@ -441,15 +448,16 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
   extern __shared__ float4 smem_raw[];
   // dC_{k+1} as bf16 hi + lo: u_s and da_s are sums of large terms that cancel under strong gates
   // (i = +20, f = -20), where one bf16 rounding of dC put (di, df) 4% off (H100 run 9)
-  const K3Smem sm(reinterpret_cast<char*>(smem_raw), p.DQK, p.DV, true);
+  const int DQK = FQ ? FQ : int(p.DQK), DV = FV ? FV : int(p.DV);
+  const K3Smem sm(reinterpret_cast<char*>(smem_raw), DQK, DV, true);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
   const int rg = warp & 3, cg = warp >> 2;  // row group (16 steps), column half
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
   const int n = int(lmin(kT, p.S - t0));
   const double mk = double(ws[L.m + bh * L.ns + kc]);
-  const bf16* dchl = reinterpret_cast<const bf16*>(ws + L.dc + (bh * L.ns + kc + 1) * p.DQK * p.DV);  // K2's hi, lo
-  k3_issue(B, fl, sm, L, ws, b, hd, t0, n, dchl, ws + L.dn + (bh * L.ns + kc + 1) * p.DQK, ws + L.inv_den + bh * p.S + t0,
-           ws + L.db + bh * p.S + t0, s_g, s_a, s_M, kKvThreads);
+  const bf16* dchl = reinterpret_cast<const bf16*>(ws + L.dc + (bh * L.ns + kc + 1) * DQK * DV);  // K2's hi, lo
+  k3_issue(B, fl, sm, L, ws, b, hd, t0, n, dchl, ws + L.dn + (bh * L.ns + kc + 1) * DQK, ws + L.inv_den + bh * p.S + t0,
+           ws + L.db + bh * p.S + t0, s_g, s_a, s_M, DQK, DV, kKvThreads);
   cp_async_wait<1>();  // group 0: q, k, dh, v, the gates, 1/den, db
   k3_gates(n, mk, s_M);
   const float scale = rsqrtf(float(p.DQK));
@@ -496,7 +504,7 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
     const int q0 = kHalf * hh, Nh = Dq - q0 < kHalf ? Dq - q0 : kHalf;
     if (hh > 0) {
       __syncthreads();  // every warp is done with the other half
-      k3_state_half(sm, dchl, int(p.DQK), int(p.DV), hh, kKvThreads);
+      k3_state_half(sm, dchl, DQK, DV, hh, kKvThreads);
       cp_async_wait<0>();
       __syncthreads();
     }
@@ -516,8 +524,7 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
           acc[j][e] = (e < 2 ? wA : wB) * x;
         }
       mma_fragb(acc, yf, sm.q + q0 + r0, ldq, nq, lane);
-      store_rows(B.dk, acc, b, hd, t0, sA, sB, n, q0 + r0, p.DQK, 1.f,
-                 B.dk_add ? B.dk_add + (bh * p.S + t0) * p.DQK : nullptr);
+      store_rows(B.dk, acc, b, hd, t0, sA, sB, n, q0 + r0, DQK, 1.f, B.dk_add ? B.dk_add + (bh * p.S + t0) * DQK : nullptr);
     }
     if (nv > 0) {
       mma_ab8(dva, sm.k + q0, ldq, sm.st + c0, ldv, Nh, nv, rg, lane);  // k dC: (s, c)
@@ -529,7 +536,7 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
 #pragma unroll
     for (int j = 0; j < 8; ++j) dva[j][0] *= wA, dva[j][1] *= wA, dva[j][2] *= wB, dva[j][3] *= wB;
     mma_fragb(dva, pf, sm.dh + c0, ldv, nv, lane);
-    store_rows(B.dv, dva, b, hd, t0, sA, sB, n, c0, p.DV, 1.f, nullptr);
+    store_rows(B.dv, dva, b, hd, t0, sA, sB, n, c0, DV, 1.f, nullptr);
   }
   // the s-role scalars: da_s = d/di_s = -d/dg_s, and the chunk's dG partial sum_s w_s u_s (u_s: the
   // two halves' parts, added in order)
@@ -899,7 +906,11 @@ __global__ void __launch_bounds__(NT) dn_scan(const MlstmBwdParams B, float* ws,
   if (B.dn0.p && on) mlstm_st(B.dn0, b * B.dn0.s0 + hd * B.dn0.s1 + r, x);
 }
 
+std::atomic<bool> g_k3_fixed{true};  // set_mlstm_k3_fixed
+
 }  // namespace
+
+bool set_mlstm_k3_fixed(bool on) { return g_k3_fixed.exchange(on); }
 
 bool mlstm_bwd_k3_tc_applies(const MlstmBwdParams& b) {
   const MlstmParams& p = b.f;
@@ -915,7 +926,10 @@ void mlstm_bwd_k3q_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream
   if (L.NC == 0 || L.heads == 0) return;
   const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
   const K3Layout lq(p.DQK, p.DV, false);
-  const auto kernel = lq.Dq > kHalf ? &k3q_tc<2> : &k3q_tc<1>;
+  using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs);
+  K kernel = lq.Dq > kHalf ? &k3q_tc<2> : &k3q_tc<1>;
+  if (g_k3_fixed.load(std::memory_order_relaxed) && p.DV == 128 && (p.DQK == 128 || p.DQK == 256))
+    kernel = p.DQK == 128 ? &k3q_tc<1, 128, 128> : &k3q_tc<2, 256, 128>;
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kThreads, lq.bytes);
   kernel<<<dim3(unsigned(L.heads), unsigned(L.NC)), kThreads, lq.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
       B, fl, ws, L);
@@ -936,8 +950,12 @@ void mlstm_bwd_k3kv_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Strea
   if (L.NC == 0 || L.heads == 0) return;
   const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
   const K3Layout lkv(p.DQK, p.DV, true);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&k3kv_tc), kKvThreads, lkv.bytes);
-  k3kv_tc<<<dim3(unsigned(L.heads), unsigned(L.NC)), kKvThreads, lkv.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
+  using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs);
+  K kernel = &k3kv_tc<>;
+  if (g_k3_fixed.load(std::memory_order_relaxed) && p.DV == 128 && (p.DQK == 128 || p.DQK == 256))
+    kernel = p.DQK == 128 ? &k3kv_tc<128, 128> : &k3kv_tc<256, 128>;
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kKvThreads, lkv.bytes);
+  kernel<<<dim3(unsigned(L.heads), unsigned(L.NC)), kKvThreads, lkv.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
       B, fl, ws, L);
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
 }

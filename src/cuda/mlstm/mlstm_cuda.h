@@ -37,6 +37,11 @@ bool mlstm_bulk_store_on();
 bool set_mlstm_chunk_units(bool on);
 bool mlstm_chunk_units_on();
 
+// The backward's K3 roles compiled for fixed head dims where the problem (or its DV slab) has them
+// (DQK 128 or 256 with DV 128), else for runtime dims: on by default; returns the previous setting
+// (tests; fastweight_bench --mlstm-k3-fixed=off).
+bool set_mlstm_k3_fixed(bool on);
+
 // The backward's DV slabs (DV > 128) two at a time, on the caller's stream and a side stream, each
 // with its own core workspace: 1 always, -1 never, 0 the planner's choice (where K2's grid per slab
 // takes at most one CTA per SM). Returns the previous mode (tests, fastweight_bench
