@@ -298,19 +298,27 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
     for (int j = 0; j < 16; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dq[j][e] = 0.f;
-    mma_abt(dq, sm.dh, ldv, sm.st, ldv, Dv, Nh, warp, lane);  // the hi part
-    // + dh lo^T, lo = C_k - bf16(C_k) (K0's): rows c0 + 64 h.. of it in v's place, (64, Dv) bf16
-    auto lo_rows = [&](int h) {
-      __syncthreads();  // every warp is done with v (or with the previous rows)
+    // + dh lo^T, lo = C_k - bf16(C_k) (K0's): rows c0 + 64 h.. of it in v's place, (64, Dv) bf16; the
+    // first 64 rows load under the hi part's products (waited for after them: ncu had the loads'
+    // wait at 18% of the stall samples when each was waited for where it was issued)
+    auto issue_lo = [&](int h) {
+      __syncthreads();  // every warp is done with v (or with the previous rows); the groups before are waited for
       const int r0 = c0 + 64 * h;
       load_tile(sm.v, ldv, kT, Dv, sthl + std::int64_t(DQK + r0) * DV, DV, max(0, DQK - r0), DV, DV % 8 == 0);
       cp_async_commit();
+    };
+    auto land_lo = [&](int h) {
       cp_async_wait<0>();
       __syncthreads();
       return min(64, Nh - 64 * h);
     };
-    mma_abt<0>(dq, sm.dh, ldv, sm.v, ldv, Dv, lo_rows(0), warp, lane);
-    if (Nh > 64) mma_abt<8>(dq, sm.dh, ldv, sm.v, ldv, Dv, lo_rows(1), warp, lane);
+    issue_lo(0);
+    mma_abt(dq, sm.dh, ldv, sm.st, ldv, Dv, Nh, warp, lane);  // the hi part
+    mma_abt<0>(dq, sm.dh, ldv, sm.v, ldv, Dv, land_lo(0), warp, lane);
+    if (Nh > 64) {
+      issue_lo(1);
+      mma_abt<8>(dq, sm.dh, ldv, sm.v, ldv, Dv, land_lo(1), warp, lane);
+    }
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       if (8 * j >= Nh) break;
@@ -327,15 +335,18 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
         for (int e = 0; e < 4; ++e) stash[(j * 4 + e) * 32 + lane] = dq[j][e];
   }
 
-  // this lane's parts of sum_s P and sum_s P (dh . v_s)
+  // this lane's parts of sum_s P and sum_s P (dh . v_s); the decay matrix D kept for Y below (each
+  // entry an exp and a float64 difference, formed twice before)
   float rsA = 0.f, rsB = 0.f, saA = 0.f, saB = 0.f;
+  float dmat[8][4];  // D (t, s) of this lane's accumulator entries
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int t = e < 2 ? tA : tB, s = 8 * j + 2 * t4 + (e & 1);
       const bool on = t < n && s <= t;
-      const float P = on ? scale * sacc[j][e] * __expf(float(s_a[s] - (e < 2 ? MA : MB))) : 0.f;
+      dmat[j][e] = on ? __expf(float(s_a[s] - (e < 2 ? MA : MB))) : 0.f;
+      const float P = on ? scale * sacc[j][e] * dmat[j][e] : 0.f;
       (e < 2 ? rsA : rsB) += P;
       (e < 2 ? saA : saB) += P * wacc[j][e];
     }
@@ -389,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
     for (int e = 0; e < 4; ++e) {
       const int t = e < 2 ? tA : tB, s = 8 * j + 2 * t4 + (e & 1);
       const bool on = t < n && s <= t;
-      const float D = on ? __expf(float(s_a[s] - (e < 2 ? MA : MB))) : 0.f;
+      const float D = dmat[j][e];
       const float X = wacc[j][e] * inv[e >> 1] + dbr[e >> 1];
       y[e] = D * X;
       (e < 2 ? zA : zB) += scale * sacc[j][e] * y[e];  // P X
@@ -423,12 +434,15 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
     sm.db[tA] = scale * eA * dbr[0], sm.db[tB] = scale * eB * dbr[1];  // 0 past n
   }
   __syncthreads();
-  // p_k = sum_t (scale e_t db_t) q_t, rows in order
+  // p_k = sum_t (scale e_t db_t) q_t: four partial sums over rows t = u mod 4, in row order, then
+  // ((0 + 1) + (2 + 3)); all 64 rows (db and the q rows past n are 0). One serial chain of n FMAs
+  // with shared loads was 7% of the stall samples.
   float* pk = ws + L.pn + (bh * L.NC + kc) * DQK;
   for (int c = tid; c < DQK; c += kThreads) {
-    float x = 0.f;
-    for (int t = 0; t < n; ++t) x = fmaf(sm.db[t], __bfloat162float(sm.q[t * ldq + c]), x);
-    pk[c] = x;
+    float x[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int t = 0; t < kT; ++t) x[t & 3] = fmaf(sm.db[t], __bfloat162float(sm.q[t * ldq + c]), x[t & 3]);
+    pk[c] = (x[0] + x[1]) + (x[2] + x[3]);
   }
 }
 
