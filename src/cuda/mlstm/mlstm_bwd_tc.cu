@@ -691,15 +691,27 @@ __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams
     for (int hr = 0; hr < 2; ++hr) {
       const std::int64_t r = r0 + 16 * rg + gq + hr * 8;
       if (r >= DQK) continue;
+      if (cst >= 0 && full) {  // the warp's 32 columns in bounds: hi / lo as bf16 pairs, no column checks
+        const int rl = 16 * rg + gq + hr * 8;
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int cl = 32 * cg + 8 * j + 2 * t4 + e, rl = 16 * rg + gq + hr * 8;
-          const float cv = cst < 0 ? cpf[hr][j][e]
-                                   : __bfloat162float(sm.ch[cst][rl][cl]) + __bfloat162float(sm.cl[cst][rl][cl]);
-          if (c0 + cl < DV) part = fmaf(cv, acc[j][2 * hr + e], part);
+        for (int j = 0; j < 4; ++j) {
+          const int cl = 32 * cg + 8 * j + 2 * t4;
+          const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sm.ch[cst][rl][cl]));
+          const float2 l = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sm.cl[cst][rl][cl]));
+          part = fmaf(h.x + l.x, acc[j][2 * hr], part);
+          part = fmaf(h.y + l.y, acc[j][2 * hr + 1], part);
         }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int cl = 32 * cg + 8 * j + 2 * t4 + e, rl = 16 * rg + gq + hr * 8;
+            const float cv = cst < 0 ? cpf[hr][j][e]
+                                     : __bfloat162float(sm.ch[cst][rl][cl]) + __bfloat162float(sm.cl[cst][rl][cl]);
+            if (c0 + cl < DV) part = fmaf(cv, acc[j][2 * hr + e], part);
+          }
+      }
       if (with_n && t4 == 0) part = fmaf(npf[hr], accn[2 * hr], part);
     }
     return block_sum8(part, sm.red);
