@@ -89,13 +89,16 @@ TEST_P(MlstmCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
   dnl.download(nl);
   dml.download(ml);
   // run twice: the same bits, the second time with the states kernel's element stores (not the TMA
-  // engine's) and generic tile loads (set_mlstm_bulk_store, set_mlstm_chunk_units)
+  // engine's), generic tile loads and one 64-column DV tile per output CTA (set_mlstm_bulk_store,
+  // set_mlstm_chunk_units, set_mlstm_out_tiles; the first run: two tiles where DV > 64)
   const bool bulk = fastweight::detail::set_mlstm_bulk_store(false);
   const bool units = fastweight::detail::set_mlstm_chunk_units(false);
+  const int tiles = fastweight::detail::set_mlstm_out_tiles(1);
   fastweight::detail::mlstm_fwd_cuda(p, ws, wsb, nullptr);
   FW_TEST_CUDA(cudaDeviceSynchronize());
   fastweight::detail::set_mlstm_bulk_store(bulk);
   fastweight::detail::set_mlstm_chunk_units(units);
+  fastweight::detail::set_mlstm_out_tiles(tiles);
   HostTensor h2 = h, cl2 = cl;
   dh.download(h2);
   dcl.download(cl2);

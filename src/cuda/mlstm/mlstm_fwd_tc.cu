@@ -53,6 +53,7 @@ struct TcFlags {
 };
 
 std::atomic<bool> g_bulk_store{true}, g_chunk_units{true};
+std::atomic<int> g_out_tiles{0};  // set_mlstm_out_tiles
 }  // namespace
 
 bool set_mlstm_bulk_store(bool on) { return g_bulk_store.exchange(on); }
@@ -275,22 +276,26 @@ __global__ void __launch_bounds__(kThreads, MinB) mlstm_tc_states_kernel(const M
 }
 
 // ---- B: outputs --------------------------------------------------------------------------------------
-// Dynamic smem, DQKp = DQK rounded up to 16, ldq = DQKp + 8:
-//   f64 a[kMaxL] | f64 M[64] | f64 mt[64] | f32 nk[DQKp] | bf16 q[64][ldq] | k[64][ldq] | c[DQKp][kLd] | v[64][kLd]
+// A CTA per (head, chunk, 64-row block x NT 64-column DV tiles). NT = 2 forms q k^T, P and q . n_k once
+// for 128 DV columns: with one tile per CTA they were formed again for every 64 columns, ~40% of the
+// CTA's products (DQK = DV = 128: q k^T is as large as q C_k), 8x over at DV = 512.
+// Dynamic smem, DQKp = DQK rounded up to 16, ldq = DQKp + 8, ldc = 64 NT + 8:
+//   f64 a[kMaxL] | f64 M[64] | f64 mt[64] | f32 nk[DQKp] | bf16 q[64][ldq] | k[64][ldq] | c[DQKp][ldc] | v[64][ldc]
 struct OutLayout {
-  int DQKp, ldq;
+  int DQKp, ldq, ldc;
   std::size_t a, M, mt, nk, q, k, c, v, bytes;
-  __host__ __device__ explicit OutLayout(std::int64_t DQK) {
-    DQKp = int(round_up(DQK, 16)), ldq = DQKp + 8;
+  __host__ __device__ OutLayout(std::int64_t DQK, int NT) {
+    DQKp = int(round_up(DQK, 16)), ldq = DQKp + 8, ldc = kT * NT + 8;
     a = 0, M = a + 8 * kMaxL, mt = M + 8 * kT, nk = mt + 8 * kT;
     q = round_up(nk + 4 * std::size_t(DQKp), 16);
     k = q + 2 * std::size_t(kT) * ldq;
     c = k + 2 * std::size_t(kT) * ldq;
-    v = c + 2 * std::size_t(DQKp) * kLd;
-    bytes = v + 2 * std::size_t(kT) * kLd;
+    v = c + 2 * std::size_t(DQKp) * ldc;
+    bytes = v + 2 * std::size_t(kT) * ldc;
   }
 };
 
+template <int NT>
 __global__ void __launch_bounds__(kThreads) mlstm_tc_out_kernel(const MlstmParams p, const TcFlags fl,
                                                                 const bf16* __restrict__ ws_c,
                                                                 const float* __restrict__ ws_n,
@@ -300,38 +305,39 @@ __global__ void __launch_bounds__(kThreads) mlstm_tc_out_kernel(const MlstmParam
                                                                 const double* __restrict__ wA) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const OutLayout lay(p.DQK);
+  const OutLayout lay(p.DQK, NT);
   double* s_a = reinterpret_cast<double*>(base + lay.a);   // (rows of the chunk up to this block's end) a_s
   double* s_M = reinterpret_cast<double*>(base + lay.M);   // (64 block rows) M_t
   double* s_mt = reinterpret_cast<double*>(base + lay.mt); // (64 block rows) m_t = g_t + M_t
   float* s_nk = reinterpret_cast<float*>(base + lay.nk);   // (DQKp) n_k
   bf16* sq = reinterpret_cast<bf16*>(base + lay.q);        // (64 rows t, DQKp) q
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);        // (64 steps s, DQKp) k
-  bf16* sc = reinterpret_cast<bf16*>(base + lay.c);        // (DQKp, 64 DV columns) C_k
-  bf16* sv = reinterpret_cast<bf16*>(base + lay.v);        // (64 steps s, 64 DV columns) v
-  const int ldq = lay.ldq, DQKp = lay.DQKp;
+  bf16* sc = reinterpret_cast<bf16*>(base + lay.c);        // (DQKp, 64 NT DV columns) C_k
+  bf16* sv = reinterpret_cast<bf16*>(base + lay.v);        // (64 steps s, 64 NT DV columns) v
+  const int ldq = lay.ldq, DQKp = lay.DQKp, ldc = lay.ldc;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y;
   const int row_blocks = int((p.L + kT - 1) / kT);
-  const int rb = blockIdx.z % row_blocks, c0 = int(blockIdx.z / row_blocks) * kT;
+  const int rb = blockIdx.z % row_blocks, c0 = int(blockIdx.z / row_blocks) * kT * NT;
   const std::int64_t ns = p.chunks() + 1, DQK = p.DQK, DV = p.DV, DVp = round_up(DV, 8);
   const std::int64_t t0 = kc * p.L;
   const int n = int(lmin(p.L, p.S - t0));
   const int row0 = rb * kT;
   if (row0 >= n) return;  // a short last chunk has fewer row blocks (uniform over the CTA)
-  const int nrow = min(kT, n - row0), rowend = row0 + nrow, nc = int(lmin(kT, DV - c0));
+  const int nrow = min(kT, n - row0), rowend = row0 + nrow, nc = int(lmin(kT * NT, DV - c0));
+  const int nt = (nc + kT - 1) / kT;  // this CTA's 64-column tiles (NT, or 1 in the last of an odd count)
 
   const bf16* qb = static_cast<const bf16*>(p.q.p) + b * p.q.s0 + hd * p.q.s1;
   const bf16* kb = static_cast<const bf16*>(p.k.p) + b * p.k.s0 + hd * p.k.s1;
   const bf16* vb = static_cast<const bf16*>(p.v.p) + b * p.v.s0 + hd * p.v.s1 + c0;
   load_tile(sq, ldq, kT, DQKp, qb + (t0 + row0) * p.q.s2, p.q.s2, nrow, int(DQK), fl.q);
-  load_tile(sc, kLd, DQKp, kT, ws_c + (bh * ns + kc) * DQK * DVp + c0, DVp, int(DQK), nc, true);
+  load_tile(sc, ldc, DQKp, kT * NT, ws_c + (bh * ns + kc) * DQK * DVp + c0, DVp, int(DQK), nc, true);
   cp_async_commit();
   auto issue_kv = [&](int sb) {
     const int s0 = sb * kT, nsb = min(kT, rowend - s0);
     load_tile(sk, ldq, kT, DQKp, kb + (t0 + s0) * p.k.s2, p.k.s2, nsb, int(DQK), fl.k);
-    load_tile(sv, kLd, kT, kT, vb + (t0 + s0) * p.v.s2, p.v.s2, nsb, nc, fl.v);
+    load_tile(sv, ldc, kT, kT * NT, vb + (t0 + s0) * p.v.s2, p.v.s2, nsb, nc, fl.v);
     cp_async_commit();
   };
   issue_kv(0);
@@ -350,9 +356,11 @@ __global__ void __launch_bounds__(kThreads) mlstm_tc_out_kernel(const MlstmParam
 
   const float scale = rsqrtf(float(DQK));
   const int tlA = 16 * warp + gq, tlB = tlA + 8;  // this thread's two block rows
-  float acc[8][4] = {};  // (16 rows of the warp, 64 DV columns) numerator
+  float acc[NT][8][4] = {};  // (tile, 16 rows of the warp, 64 DV columns) numerator
   // Inter-chunk part: q C_k on tensor cores, q . n_k in fp32.
-  mma_rk(acc, sq, ldq, warp, sc, kLd, DQKp, lane);
+#pragma unroll
+  for (int u = 0; u < NT; ++u)
+    if (u < nt) mma_rk(acc[u], sq, ldq, warp, sc + kT * u, ldc, DQKp, lane);
   float qn;  // lanes 2r, 2r+1: row r of the warp, even / odd columns
   {
     const bf16* qr = sq + (16 * warp + (lane >> 1)) * ldq;
@@ -365,7 +373,9 @@ __global__ void __launch_bounds__(kThreads) mlstm_tc_out_kernel(const MlstmParam
     const float eA = tlA < nrow ? scale * __expf(float(mk - s_M[tlA])) : 0.f;
     const float eB = tlB < nrow ? scale * __expf(float(mk - s_M[tlB])) : 0.f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j][0] *= eA, acc[j][1] *= eA, acc[j][2] *= eB, acc[j][3] *= eB;
+    for (int u = 0; u < NT; ++u)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[u][j][0] *= eA, acc[u][j][1] *= eA, acc[u][j][2] *= eB, acc[u][j][3] *= eB;
     qnA *= eA, qnB *= eB;
   }
 
@@ -403,7 +413,9 @@ __global__ void __launch_bounds__(kThreads) mlstm_tc_out_kernel(const MlstmParam
       rsA += pv[0] + pv[1], rsB += pv[2] + pv[3];
       pack_a_frags(pa, j, pv);
     }
-    mma_frags_k(acc, pa, sv, kLd, 0, lane);
+#pragma unroll
+    for (int u = 0; u < NT; ++u)
+      if (u < nt) mma_frags_k(acc[u], pa, sv, ldc, kT * u, lane);
     __syncthreads();  // sk / sv are free for the next block
   }
   // the four lanes of a row hold its row sum in parts (fixed xor tree: every lane the same bits)
@@ -419,9 +431,11 @@ __global__ void __launch_bounds__(kThreads) mlstm_tc_out_kernel(const MlstmParam
     const float inv = 1.f / den;
     bf16* hrow = static_cast<bf16*>(p.h.p) + b * p.h.s0 + hd * p.h.s1 + (t0 + row0 + tl) * p.h.s2;
 #pragma unroll
+    for (int u = 0; u < NT; ++u)
+#pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const int c = c0 + 8 * j + 2 * t4;
-      const float x0 = acc[j][2 * hr] * inv, x1 = acc[j][2 * hr + 1] * inv;
+      const int c = c0 + kT * u + 8 * j + 2 * t4;
+      const float x0 = acc[u][j][2 * hr] * inv, x1 = acc[u][j][2 * hr + 1] * inv;
       if (fl.h2 && c + 1 < DV) {
         *reinterpret_cast<std::uint32_t*>(hrow + c) = pack_bf16(x0, x1);
       } else {
@@ -434,6 +448,17 @@ __global__ void __launch_bounds__(kThreads) mlstm_tc_out_kernel(const MlstmParam
 
 
 }  // namespace
+
+int set_mlstm_out_tiles(int nt) { return g_out_tiles.exchange(nt == 1 || nt == 2 ? nt : 0); }
+
+// The output kernel's 64-column DV tiles per CTA: two where DV spans more than one tile and the
+// layout fits the device's shared memory, else one (or as forced).
+int mlstm_out_tiles(const MlstmParams& p) {
+  const int forced = g_out_tiles.load(std::memory_order_relaxed);
+  const bool two_fit = OutLayout(p.DQK, 2).bytes + 1024 <= smem_per_block_optin();
+  if (forced) return forced == 2 && two_fit ? 2 : 1;
+  return p.DV > kT && two_fit ? 2 : 1;
+}
 
 bool mlstm_fwd_tc_applies(const MlstmParams& p) {
   return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 && p.h.dtype == DType::bf16 &&
@@ -475,9 +500,11 @@ void mlstm_fwd_tc_cuda(const MlstmParams& p, void* workspace, std::size_t worksp
       p, fl, cmap, ws_c, ws_n, ws_m, wg, wa, wA);
   FW_CUDA_CHECK_LAUNCH("mlstm_fwd");
   if (NC == 0) return;
-  const OutLayout lay(p.DQK);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&mlstm_tc_out_kernel), kThreads, lay.bytes);
-  mlstm_tc_out_kernel<<<dim3(unsigned(heads), unsigned(NC), unsigned(rbs * vt)), kThreads, lay.bytes, s>>>(
+  const int NT = mlstm_out_tiles(p);
+  const OutLayout lay(p.DQK, NT);
+  const auto out = NT == 2 ? &mlstm_tc_out_kernel<2> : &mlstm_tc_out_kernel<1>;
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(out), kThreads, lay.bytes);
+  out<<<dim3(unsigned(heads), unsigned(NC), unsigned(rbs * ((vt + NT - 1) / NT))), kThreads, lay.bytes, s>>>(
       p, fl, ws_c, ws_n, ws_m, wg, wa, wA);
   FW_CUDA_CHECK_LAUNCH("mlstm_fwd");
 }
