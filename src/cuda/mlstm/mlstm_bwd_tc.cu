@@ -398,9 +398,7 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
     float y[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int t = e < 2 ? tA : tB, s = 8 * j + 2 * t4 + (e & 1);
-      const bool on = t < n && s <= t;
-      const float D = dmat[j][e];
+      const float D = dmat[j][e];  // 0 off the causal triangle and past n
       const float X = wacc[j][e] * inv[e >> 1] + dbr[e >> 1];
       y[e] = D * X;
       (e < 2 ? zA : zB) += scale * sacc[j][e] * y[e];  // P X
@@ -934,6 +932,11 @@ __global__ void __launch_bounds__(NT) dn_scan(const MlstmBwdParams B, float* ws,
 
 std::atomic<bool> g_k3_fixed{true};  // set_mlstm_k3_fixed
 
+// Whether both K3 roles take their fixed-dims instances (k3q_tc<NH, 128 | 256, 128>, k3kv_tc<..>).
+bool k3_fixed_dims(const MlstmParams& p) {
+  return g_k3_fixed.load(std::memory_order_relaxed) && p.DV == 128 && (p.DQK == 128 || p.DQK == 256);
+}
+
 }  // namespace
 
 bool set_mlstm_k3_fixed(bool on) { return g_k3_fixed.exchange(on); }
@@ -954,8 +957,7 @@ void mlstm_bwd_k3q_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream
   const K3Layout lq(p.DQK, p.DV, false);
   using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs);
   K kernel = lq.Dq > kHalf ? &k3q_tc<2> : &k3q_tc<1>;
-  if (g_k3_fixed.load(std::memory_order_relaxed) && p.DV == 128 && (p.DQK == 128 || p.DQK == 256))
-    kernel = p.DQK == 128 ? &k3q_tc<1, 128, 128> : &k3q_tc<2, 256, 128>;
+  if (k3_fixed_dims(p)) kernel = p.DQK == 128 ? &k3q_tc<1, 128, 128> : &k3q_tc<2, 256, 128>;
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kThreads, lq.bytes);
   kernel<<<dim3(unsigned(L.heads), unsigned(L.NC)), kThreads, lq.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
       B, fl, ws, L);
@@ -978,8 +980,7 @@ void mlstm_bwd_k3kv_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Strea
   const K3Layout lkv(p.DQK, p.DV, true);
   using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs);
   K kernel = &k3kv_tc<>;
-  if (g_k3_fixed.load(std::memory_order_relaxed) && p.DV == 128 && (p.DQK == 128 || p.DQK == 256))
-    kernel = p.DQK == 128 ? &k3kv_tc<128, 128> : &k3kv_tc<256, 128>;
+  if (k3_fixed_dims(p)) kernel = p.DQK == 128 ? &k3kv_tc<128, 128> : &k3kv_tc<256, 128>;
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kKvThreads, lkv.bytes);
   kernel<<<dim3(unsigned(L.heads), unsigned(L.NC)), kKvThreads, lkv.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
       B, fl, ws, L);

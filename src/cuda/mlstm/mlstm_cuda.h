@@ -38,10 +38,9 @@ bool set_mlstm_chunk_units(bool on);
 bool mlstm_chunk_units_on();
 
 // The forward's output kernel with 1 or 2 64-column DV tiles per CTA (q k^T formed once per CTA);
-// 0: the planner's choice (mlstm_out_tiles: two where DV > 64 and they fit shared memory). Returns the
-// previous setting (tests; fastweight_bench --mlstm-out-tiles=1|2).
+// 0: the planner's choice (two where DV > 64 and they fit shared memory). Returns the previous
+// setting (tests; fastweight_bench --mlstm-out-tiles=1|2).
 int set_mlstm_out_tiles(int nt);
-int mlstm_out_tiles(const MlstmParams& p);
 
 // The backward's K3 roles compiled for fixed head dims where the problem (or its DV slab) has them
 // (DQK 128 or 256 with DV 128), else for runtime dims: on by default; returns the previous setting

@@ -451,6 +451,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_tc_out_kernel(const MlstmParam
 
 int set_mlstm_out_tiles(int nt) { return g_out_tiles.exchange(nt == 1 || nt == 2 ? nt : 0); }
 
+namespace {
 // The output kernel's 64-column DV tiles per CTA: two where DV spans more than one tile and the
 // layout fits the device's shared memory, else one (or as forced).
 int mlstm_out_tiles(const MlstmParams& p) {
@@ -459,6 +460,7 @@ int mlstm_out_tiles(const MlstmParams& p) {
   if (forced) return forced == 2 && two_fit ? 2 : 1;
   return p.DV > kT && two_fit ? 2 : 1;
 }
+}  // namespace
 
 bool mlstm_fwd_tc_applies(const MlstmParams& p) {
   return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 && p.h.dtype == DType::bf16 &&
