@@ -34,6 +34,7 @@ constexpr int kHalf = 128;   // state rows (DQK) held in shared memory at once
 
 struct K3Flags {
   bool q, k, v, dh;  // 16-byte rows: cp.async
+  bool dv_lo = false;  // kv-role: dv's k dC product with dC's lo part too (set_mlstm_dv_lo)
 };
 
 // Dynamic smem, Dq = DQK and Dv = DV rounded up to 16, ldq = Dq + 8, ldv = Dv + 8 (bf16 elements),
@@ -541,8 +542,12 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
       store_rows(B.dk, acc, b, hd, t0, sA, sB, n, q0 + r0, DQK, 1.f, B.dk_add ? B.dk_add + (bh * p.S + t0) * DQK : nullptr);
     }
     if (nv > 0) {
-      mma_ab8(dva, sm.k + q0, ldq, sm.st + c0, ldv, Nh, nv, rg, lane);  // k dC: (s, c)
-      mma_ab8(dva, sm.k + q0, ldq, sm.lo + c0, ldv, Nh, nv, rg, lane);
+      // k dC: (s, c), from dC's hi part alone: dv = w_s k dC + P^T dnum is a product of O(1) terms
+      // (the forward's h takes C as bf16 hi alike), where the gate gradients' sums cancel; u_s, which
+      // needs the lo part, comes from the v dC^T product above (hi + lo). One of the role's four
+      // state products less.
+      mma_ab8(dva, sm.k + q0, ldq, sm.st + c0, ldv, Nh, nv, rg, lane);
+      if (fl.dv_lo) mma_ab8(dva, sm.k + q0, ldq, sm.lo + c0, ldv, Nh, nv, rg, lane);
     }
   }
   // dv columns c0.. = w_s k dC + P^T dnum
@@ -933,10 +938,12 @@ __global__ void __launch_bounds__(NT) dn_scan(const MlstmBwdParams B, float* ws,
 }
 
 std::atomic<bool> g_k3_fixed{true};  // set_mlstm_k3_fixed
+std::atomic<bool> g_dv_lo{false};    // set_mlstm_dv_lo
 
 }  // namespace
 
 bool set_mlstm_k3_fixed(bool on) { return g_k3_fixed.exchange(on); }
+bool set_mlstm_dv_lo(bool on) { return g_dv_lo.exchange(on); }
 
 bool mlstm_bwd_k3_tc_applies(const MlstmBwdParams& b) {
   const MlstmParams& p = b.f;
@@ -974,7 +981,7 @@ void mlstm_bwd_dn_scan(const MlstmBwdParams& B, float* ws, const BwdWs& L, Strea
 void mlstm_bwd_k3kv_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
   const MlstmParams& p = B.f;
   if (L.NC == 0 || L.heads == 0) return;
-  const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
+  const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh), g_dv_lo.load(std::memory_order_relaxed)};
   const K3Layout lkv(p.DQK, p.DV, true);
   using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs);
   K kernel = &k3kv_tc<>;
