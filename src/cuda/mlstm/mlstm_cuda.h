@@ -47,6 +47,10 @@ int mlstm_out_tiles(const MlstmParams& p);
 // (DQK 128 or 256 with DV 128), else for runtime dims: on by default; returns the previous setting
 // (tests; fastweight_bench --mlstm-k3-fixed=off).
 bool set_mlstm_k3_fixed(bool on);
+// The K3 roles' full chunks (64 rows) by instances compiled for them (the row guards folded), a short
+// last chunk by a second launch: on by default; returns the previous setting (tests;
+// fastweight_bench --mlstm-k3-full=off).
+bool set_mlstm_k3_full(bool on);
 
 // The backward's DV slabs (DV > 128) two at a time, on the caller's stream and a side stream, each
 // with its own core workspace: 1 always, -1 never, 0 the planner's choice (where K2's grid per slab
