@@ -16,6 +16,7 @@
 // the accumulators or to P, Y. Deterministic (fixed-order sums).
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 
 #include "cuda/common/check.cuh"
 #include "cuda/mlstm/mlstm_bwd_ws.h"
@@ -254,16 +255,20 @@ __device__ __forceinline__ void store_rows(const StridedView& out, const float (
 // FQ, FV: DQK and DV fixed at compile time (the launch checks them), 0: runtime. Fixed, the tile strides,
 // the products' trip counts and the shared-memory offsets are constants: ncu at (2,16,8192,128,128) had
 // IMAD 22% and ISETP 8% of the executed instructions against HMMA 6%.
-template <int NH, int FQ = 0, int FV = 0>
-__global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
+// FULL: every chunk of the launch has 64 rows (n a constant: the row guards fold away); the launch
+// takes chunks kc0 + blockIdx.y (mlstm_bwd_k3q_tc: the full chunks in one launch, a short last one in
+// another).
+template <int NH, int FQ = 0, int FV = 0, bool FULL = false>
+__global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L,
+                                                      const int kc0) {
   const MlstmParams& p = B.f;
   __shared__ double s_g[kT], s_a[kT], s_M[kT];
   extern __shared__ float4 smem_raw[];
   const int DQK = FQ ? FQ : int(p.DQK), DV = FV ? FV : int(p.DV);
   const K3Smem sm(reinterpret_cast<char*>(smem_raw), DQK, DV, false);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
-  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
-  const int n = int(lmin(kT, p.S - t0));
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = kc0 + blockIdx.y, t0 = kc * kT;
+  const int n = FULL ? kT : int(lmin(kT, p.S - t0));
   const double mk = double(ws[L.m + bh * L.ns + kc]);
   const bf16* sthl = reinterpret_cast<const bf16*>(ws + L.c + (bh * L.ns + kc) * DQK * DV);  // K0's hi, lo
   k3_issue(B, fl, sm, L, ws, b, hd, t0, n, sthl, ws + L.n + (bh * L.ns + kc) * DQK, nullptr, nullptr, s_g, s_a, s_M, DQK,
@@ -453,9 +458,9 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
 // output products split without exchanging fragments; u_s is summed over the halves in smem. One CTA
 // per SM (140 KB): with 4 warps the kernel ran at one warp per scheduler (6.25% occupancy).
 constexpr int kKvThreads = 256;
-template <int FQ = 0, int FV = 0>  // DQK and DV fixed at compile time, as k3q_tc
+template <int FQ = 0, int FV = 0, bool FULL = false>  // DQK and DV fixed at compile time, full chunks: as k3q_tc
 __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B, const K3Flags fl, float* ws,
-                                                         const BwdWs L) {
+                                                         const BwdWs L, const int kc0) {
   const MlstmParams& p = B.f;
   __shared__ double s_g[kT], s_a[kT], s_M[kT];
   __shared__ float s_red[kKvThreads / 32];
@@ -467,8 +472,8 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
   const K3Smem sm(reinterpret_cast<char*>(smem_raw), DQK, DV, true);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
   const int rg = warp & 3, cg = warp >> 2;  // row group (16 steps), column half
-  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
-  const int n = int(lmin(kT, p.S - t0));
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = kc0 + blockIdx.y, t0 = kc * kT;
+  const int n = FULL ? kT : int(lmin(kT, p.S - t0));
   const double mk = double(ws[L.m + bh * L.ns + kc]);
   const bf16* dchl = reinterpret_cast<const bf16*>(ws + L.dc + (bh * L.ns + kc + 1) * DQK * DV);  // K2's hi, lo
   k3_issue(B, fl, sm, L, ws, b, hd, t0, n, dchl, ws + L.dn + (bh * L.ns + kc + 1) * DQK, ws + L.inv_den + bh * p.S + t0,
@@ -939,11 +944,19 @@ __global__ void __launch_bounds__(NT) dn_scan(const MlstmBwdParams B, float* ws,
 
 std::atomic<bool> g_k3_fixed{true};  // set_mlstm_k3_fixed
 std::atomic<bool> g_dv_lo{false};    // set_mlstm_dv_lo
+std::atomic<bool> g_k3_full{true};   // set_mlstm_k3_full
+
+// The chunks the K3 roles' full-chunk instances take: all but a short last one (none when off).
+std::int64_t k3_full_chunks(const MlstmParams& p, const BwdWs& L) {
+  if (!g_k3_full.load(std::memory_order_relaxed)) return 0;
+  return p.S % kT == 0 ? L.NC : L.NC - 1;
+}
 
 }  // namespace
 
 bool set_mlstm_k3_fixed(bool on) { return g_k3_fixed.exchange(on); }
 bool set_mlstm_dv_lo(bool on) { return g_dv_lo.exchange(on); }
+bool set_mlstm_k3_full(bool on) { return g_k3_full.exchange(on); }
 
 bool mlstm_bwd_k3_tc_applies(const MlstmBwdParams& b) {
   const MlstmParams& p = b.f;
@@ -959,14 +972,23 @@ void mlstm_bwd_k3q_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream
   if (L.NC == 0 || L.heads == 0) return;
   const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
   const K3Layout lq(p.DQK, p.DV, false);
-  using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs);
-  K kernel = lq.Dq > kHalf ? &k3q_tc<2> : &k3q_tc<1>;
-  if (g_k3_fixed.load(std::memory_order_relaxed) && p.DV == 128 && (p.DQK == 128 || p.DQK == 256))
-    kernel = p.DQK == 128 ? &k3q_tc<1, 128, 128> : &k3q_tc<2, 256, 128>;
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kThreads, lq.bytes);
-  kernel<<<dim3(unsigned(L.heads), unsigned(L.NC)), kThreads, lq.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
-      B, fl, ws, L);
-  FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs, const int);
+  const bool fixed = g_k3_fixed.load(std::memory_order_relaxed) && p.DV == 128 && (p.DQK == 128 || p.DQK == 256);
+  auto pick = [&](auto full) -> K {
+    constexpr bool F = decltype(full)::value;
+    if (fixed) return p.DQK == 128 ? &k3q_tc<1, 128, 128, F> : &k3q_tc<2, 256, 128, F>;
+    return lq.Dq > kHalf ? &k3q_tc<2, 0, 0, F> : &k3q_tc<1, 0, 0, F>;
+  };
+  const std::int64_t nfull = k3_full_chunks(p, L);
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  for (int part = 0; part < 2; ++part) {  // the full chunks [0, nfull), then the rest
+    const std::int64_t kc0 = part ? nfull : 0, nch = part ? L.NC - nfull : nfull;
+    if (nch == 0) continue;
+    const K kernel = part ? pick(std::false_type{}) : pick(std::true_type{});
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kThreads, lq.bytes);
+    kernel<<<dim3(unsigned(L.heads), unsigned(nch)), kThreads, lq.bytes, s>>>(B, fl, ws, L, int(kc0));
+    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  }
 }
 
 void mlstm_bwd_dn_scan(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
@@ -983,14 +1005,23 @@ void mlstm_bwd_k3kv_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Strea
   if (L.NC == 0 || L.heads == 0) return;
   const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh), g_dv_lo.load(std::memory_order_relaxed)};
   const K3Layout lkv(p.DQK, p.DV, true);
-  using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs);
-  K kernel = &k3kv_tc<>;
-  if (g_k3_fixed.load(std::memory_order_relaxed) && p.DV == 128 && (p.DQK == 128 || p.DQK == 256))
-    kernel = p.DQK == 128 ? &k3kv_tc<128, 128> : &k3kv_tc<256, 128>;
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kKvThreads, lkv.bytes);
-  kernel<<<dim3(unsigned(L.heads), unsigned(L.NC)), kKvThreads, lkv.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
-      B, fl, ws, L);
-  FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs, const int);
+  const bool fixed = g_k3_fixed.load(std::memory_order_relaxed) && p.DV == 128 && (p.DQK == 128 || p.DQK == 256);
+  auto pick = [&](auto full) -> K {
+    constexpr bool F = decltype(full)::value;
+    if (fixed) return p.DQK == 128 ? &k3kv_tc<128, 128, F> : &k3kv_tc<256, 128, F>;
+    return &k3kv_tc<0, 0, F>;
+  };
+  const std::int64_t nfull = k3_full_chunks(p, L);
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  for (int part = 0; part < 2; ++part) {  // the full chunks [0, nfull), then the rest
+    const std::int64_t kc0 = part ? nfull : 0, nch = part ? L.NC - nfull : nfull;
+    if (nch == 0) continue;
+    const K kernel = part ? pick(std::false_type{}) : pick(std::true_type{});
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kKvThreads, lkv.bytes);
+    kernel<<<dim3(unsigned(L.heads), unsigned(nch)), kKvThreads, lkv.bytes, s>>>(B, fl, ws, L, int(kc0));
+    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  }
 }
 
 bool mlstm_bwd_k2_tc_applies(const MlstmBwdParams& b) {

@@ -50,6 +50,10 @@ bool set_mlstm_k3_fixed(bool on);
 // The K3 kv-role's dv state product with dC's bf16 lo part as well as its hi part (off by default:
 // hi alone); returns the previous setting (A/B: fastweight_bench --mlstm-dv-lo=on).
 bool set_mlstm_dv_lo(bool on);
+// The K3 roles' full chunks (64 rows) by instances compiled for them (the row guards folded), a short
+// last chunk by a second launch: on by default; returns the previous setting (tests;
+// fastweight_bench --mlstm-k3-full=off).
+bool set_mlstm_k3_full(bool on);
 
 // The backward's DV slabs (DV > 128) two at a time, on the caller's stream and a side stream, each
 // with its own core workspace: 1 always, -1 never, 0 the planner's choice (where K2's grid per slab
