@@ -164,6 +164,24 @@ def report(rows: list, out: str, name: str, device: str, shape_head: str, err_he
         print(f"| {r['shape']} | {r['provider']} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | {pk} | {err} |")
 
 
+def report_decode(rows: list, out: str, name: str, device: str) -> None:
+    """bench_decode.py's table: writes <out>/<name>.json and prints eager / graph ms per step."""
+    import json
+    o = Path(out)
+    o.mkdir(parents=True, exist_ok=True)
+    (o / f"{name}.json").write_text(json.dumps(dict(device=device, rows=rows), indent=1))
+    print("| shape (B, heads, DK, DV) | provider | eager ms | graph ms | state GB/s | h / o err vs fastweight |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if "na" in r:
+            print(f"| {r['shape']} | {r['provider']} | n/a ({r['na']}) | | | |")
+            continue
+        gm = f"{r['graph_ms']:.4f}" if "graph_ms" in r else f"n/a ({r.get('graph_na', 'CPU')})"
+        gbs = f"{r['state_gbs']:.0f}" if "state_gbs" in r else "-"
+        err = f"{r['err']:.1e}" if "err" in r else "-"
+        print(f"| {r['shape']} | {r['provider']} | {r['eager_ms']:.4f} | {gm} | {gbs} | {err} |")
+
+
 def run_case(rows: list, row: dict, body) -> None:
     """body(row) fills row; a failure becomes row["na"] (the reason) and the run goes on."""
     try:

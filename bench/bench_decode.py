@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Side by side: one decoding step (one token, fp32 states) of fastweight's mLSTM and DeltaNet against
+the peers' step kernels (shared/BENCHMARKS.md: B in {1, 8, 64, 256}).
+
+    python bench/bench_decode.py [--quick] [--out DIR] [--providers fastweight,mk_triton,...]
+    python bench/bench_decode.py --dry-cpu      # tiny shapes on the CPU: checks the script's logic
+
+Rows (--shapes 'FAMILY,B,NH,DK,DV;...', FAMILY 0 = mLSTM, 1 = DeltaNet):
+  mLSTM (B, NH=8, DQK=256, DV=512): xLSTM 7B's heads; DeltaNet (B, H=16, K=V=128).
+Providers (a failing one shows as n/a with its reason):
+  mLSTM: fastweight (fastweight.mlstm_step, new states returned), fastweight_inplace (inplace=True),
+  mk_triton (mlstm_kernels' mlstm_recurrent_step__triton), mk_native (its mlstm_recurrent_step__native);
+  DeltaNet: fastweight (fastweight.delta_rule_step), fastweight_inplace, fla_recurrent
+  (fla.ops.delta_rule.fused_recurrent_delta_rule with T = 1, the initial state in, the final state out).
+Inputs: q, k, v bf16 (fp32 on the CPU), gates fp32 / beta = sigmoid(noise), states fp32; DeltaNet with
+the in-kernel L2 norm of q and k.
+Timing (median of --reps): eager ms, CUDA events around the Python call as a decoding loop runs it
+(host time shows where the GPU waits for it); graph ms, the same step captured in a CUDA graph and
+replayed (GPU time alone; n/a where capture fails). state GB/s: the state's bytes read and written
+(2 |state|) over the graph time. err: relative difference of the output against fastweight's.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import Ctx, import_fla, report_decode, run_case, timed  # noqa: E402
+
+# (family: 0 mLSTM / 1 DeltaNet, B, heads, DK, DV)
+SHAPES = [(0, b, 8, 256, 512) for b in (1, 8, 64, 256)] + [(1, b, 16, 128, 128) for b in (1, 8, 64, 256)]
+QUICK = [(0, 8, 8, 256, 512), (1, 8, 16, 128, 128)]
+DRY = [(0, 2, 2, 16, 24), (1, 2, 2, 16, 24)]
+PROVIDERS = ["fastweight", "fastweight_inplace", "mk_triton", "mk_native", "fla_recurrent"]
+MLSTM_PROVIDERS = ("fastweight", "fastweight_inplace", "mk_triton", "mk_native")
+DELTANET_PROVIDERS = ("fastweight", "fastweight_inplace", "fla_recurrent")
+
+
+def mlstm_call(name, fw):
+    """(q, k, v, i, f, c, n, m) -> h; the states as each provider takes them (c, n, m untouched out of place)."""
+    if name == "fastweight":
+        return lambda q, k, v, i, f, c, n, m: fw.mlstm_step(q, k, v, i, f, c, n, m)[0]
+    if name == "fastweight_inplace":
+        return lambda q, k, v, i, f, c, n, m: fw.mlstm_step(q, k, v, i, f, c, n, m, inplace=True)[0]
+    from mlstm_kernels.torch.recurrent import registry_step
+    fn = registry_step[{"mk_triton": "triton", "mk_native": "native"}[name]]
+    return lambda q, k, v, i, f, c, n, m: fn(q, k, v, i, f, c, n, m)[0]
+
+
+def deltanet_call(name, fw):
+    """(q, k, v, beta, state) -> o, q, k, v (B, H, D), beta (B, H), state (B, H, K, V) fp32."""
+    if name in ("fastweight", "fastweight_inplace"):
+        inplace = name == "fastweight_inplace"
+        return lambda q, k, v, b, s: fw.delta_rule_step(q, k, v, b, s, use_qk_l2norm_in_kernel=True, inplace=inplace)[0]
+    fn = import_fla("fla.ops.delta_rule").fused_recurrent_delta_rule
+    return lambda q, k, v, b, s: fn(q[:, None], k[:, None], v[:, None], b[:, None], initial_state=s,
+                                    output_final_state=True, use_qk_l2norm_in_kernel=True)[0][:, 0]
+
+
+def graph_ms(torch, fn, reps: int) -> float:
+    """fn captured in a CUDA graph (on a side stream, after warm-up there), replayed: median ms."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return timed(g.replay, True, reps)
+
+
+def main():
+    c = Ctx(__doc__, SHAPES, QUICK, DRY, PROVIDERS)
+    torch, dev, dtype = c.torch, c.dev, c.dtype
+    for (fam, B, NH, DK, DV) in c.shapes:
+        g, mk = c.maker()
+        q, k, v = mk(B, NH, DK), mk(B, NH, DK), mk(B, NH, DV)
+        if fam == 0:
+            i, f = mk(B, NH, 1).float(), (mk(B, NH, 1).float() + 3.0)
+            c0 = torch.randn(B, NH, DK, DV, generator=g).to(dev) * 0.1
+            n0 = torch.randn(B, NH, DK, generator=g).to(dev) * 0.1
+            m0 = torch.randn(B, NH, 1, generator=g).to(dev)
+            state_bytes = 4 * (c0.numel() + n0.numel() + m0.numel())
+            names, shape = [p for p in c.wanted if p in MLSTM_PROVIDERS], f"mLSTM {B},{NH},{DK},{DV}"
+        else:
+            beta = torch.sigmoid(mk(B, NH).float()).to(dtype)
+            s0 = torch.randn(B, NH, DK, DV, generator=g).to(dev) * 0.1
+            state_bytes = 4 * s0.numel()
+            names, shape = [p for p in c.wanted if p in DELTANET_PROVIDERS], f"DeltaNet {B},{NH},{DK},{DV}"
+        ref = {}
+        for name in names:
+            def body(row, name=name):
+                if fam == 0:
+                    call = mlstm_call(name, c.fw)
+                    st = [c0.clone(), n0.clone(), m0.clone()]  # in place: a decoding loop's own states
+                    fn = lambda: call(q, k, v, i, f, *st)  # noqa: E731
+                else:
+                    call = deltanet_call(name, c.fw)
+                    st = [s0.clone()]
+                    fn = lambda: call(q, k, v, beta, *st)  # noqa: E731
+                with torch.no_grad():
+                    for t, t0 in zip(st, (c0, n0, m0) if fam == 0 else (s0,)):
+                        t.copy_(t0)
+                    out = fn().float()
+                    if name == "fastweight":
+                        ref["o"] = out
+                    elif "o" in ref:
+                        row["err"] = float((out - ref["o"]).norm() / ref["o"].norm())
+                    row["eager_ms"] = timed(fn, c.cuda, c.a.reps)
+                    if c.cuda:
+                        try:
+                            row["graph_ms"] = graph_ms(torch, fn, c.a.reps)
+                            row["state_gbs"] = 2 * state_bytes / (row["graph_ms"] * 1e-3) / 1e9
+                        except Exception as e:  # noqa: BLE001
+                            row["graph_na"] = str(e).split("\n")[0][:80]
+            run_case(c.rows, c.row(shape, name), body)
+    report_decode(c.rows, c.a.out, "bench_decode", c.dev)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
