@@ -22,6 +22,9 @@
 //   fastweight_bench --mlstm-slab-overlap=on|off mLSTM backward's DV slabs on two streams or one (A/B;
 //                                            default: planner)
 //   fastweight_bench --mlstm-k3-fixed=off    mLSTM backward's K3 roles for runtime head dims only (A/B)
+//   fastweight_bench --mlstm-dv-lo=on        mLSTM backward's dv state product with dC's lo part too (A/B)
+//   fastweight_bench --mlstm-k3-full=off     mLSTM backward's K3 roles without the full-chunk instances (A/B)
+//   fastweight_bench --mlstm-dv-parts=off    mLSTM backward's K3 roles on 128 DV columns, 128-wide slabs (A/B)
 //   fastweight_bench --mlstm-out-tiles=1|2   mLSTM forward's output kernel: 64-column DV tiles per CTA (A/B)
 //   fastweight_bench --mlstm-shapes=BxNHxSxDQKxDV[+...]  mLSTM GPU rows timed at these shapes (verified
 //                                            at the default small shape, as without it)
@@ -85,6 +88,9 @@ struct Options {
   int dn_bwd_overlap = 0;  // 0: the planner's choice, 1 on, -1 off
   bool mlstm_no_bulk_store = false, mlstm_no_chunk_units = false, mlstm_no_k3_fixed = false;
   int mlstm_out_tiles = 0;
+  bool mlstm_dv_lo = false;
+  bool mlstm_no_k3_full = false;
+  bool mlstm_no_dv_parts = false;
   int mlstm_slab_overlap = 0;  // 0: the planner's choice, 1 on, -1 off
   std::string mlstm_shapes;
   std::string csv;
@@ -329,6 +335,18 @@ int main(int argc, char** argv) {
       if (std::string(v) != "on" && std::string(v) != "off") usage(2);
       o.mlstm_no_k3_fixed = std::string(v) == "off";
     }
+    else if (const char* v = val("--mlstm-dv-lo=")) {
+      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
+      o.mlstm_dv_lo = std::string(v) == "on";
+    }
+    else if (const char* v = val("--mlstm-k3-full=")) {
+      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
+      o.mlstm_no_k3_full = std::string(v) == "off";
+    }
+    else if (const char* v = val("--mlstm-dv-parts=")) {
+      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
+      o.mlstm_no_dv_parts = std::string(v) == "off";
+    }
     else if (const char* v = val("--mlstm-out-tiles=")) {
       o.mlstm_out_tiles = std::atoi(v);
       if (o.mlstm_out_tiles != 1 && o.mlstm_out_tiles != 2) usage(2);
@@ -357,6 +375,9 @@ int main(int argc, char** argv) {
   if (o.mlstm_no_chunk_units) fastweight::detail::set_mlstm_chunk_units(false);
   if (o.mlstm_no_k3_fixed) fastweight::detail::set_mlstm_k3_fixed(false);
   if (o.mlstm_out_tiles) fastweight::detail::set_mlstm_out_tiles(o.mlstm_out_tiles);
+  if (o.mlstm_dv_lo) fastweight::detail::set_mlstm_dv_lo(true);
+  if (o.mlstm_no_k3_full) fastweight::detail::set_mlstm_k3_full(false);
+  if (o.mlstm_no_dv_parts) fastweight::detail::set_mlstm_k3_dv_parts(false);
   if (o.mlstm_slab_overlap) fastweight::detail::set_mlstm_slab_overlap(o.mlstm_slab_overlap);
 #endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");

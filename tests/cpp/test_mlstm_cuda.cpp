@@ -225,24 +225,32 @@ TEST_P(MlstmCudaBwd, MatchesReferenceAllGradientsAndIsDeterministic) {
   HostTensor dq2 = dq, dk2 = dk, dv2 = dv, di2 = di, df2 = df;
   gdq.download(dq2), gdk.download(dk2), gdv.download(dv2), gdi.download(di2), gdf.download(df2);
   // the K3 roles' runtime-dims build where the first run took a fixed-dims one (DQK 128 / 256, DV 128
-  // or slabs of it): against the first run to 1e-3 (the last-bit differences above, carried through
-  // bf16 outputs); not under strong gates, where di and df are cancellations near fp32's resolution
+  // or slabs of it), and 128-column DV slabs where it took 256-column ones in two parts (DQK <= 128,
+  // DV > 128): against the first run to 1e-3 (last-bit differences of FMA contraction and of the
+  // slabs' order of sums, carried through bf16 outputs); not under strong gates, where di and df are
+  // cancellations near fp32's resolution. Its own workspace (the size depends on the slab width).
   HostTensor dq3 = dq, dk3 = dk, dv3 = dv, di3 = di, df3 = df;
   const bool fixed_dims = (c.DQK == 128 || c.DQK == 256) && c.DV >= 128;
-  if (fixed_dims && !c.strong) {
+  const bool dv_parts = c.DQK <= 128 && c.DV > 128;
+  const bool third = (fixed_dims || dv_parts) && !c.strong;
+  cudaFree(ws);
+  if (third) {
     const bool fixed = fastweight::detail::set_mlstm_k3_fixed(false);
-    mlstm_bwd(a, ws, wsb, nullptr);
+    const bool parts = fastweight::detail::set_mlstm_k3_dv_parts(false);
+    const std::size_t wsb3 = mlstm_bwd_workspace_size(a);
+    void* ws3 = nullptr;
+    FW_TEST_CUDA(cudaMalloc(&ws3, wsb3));
+    mlstm_bwd(a, ws3, wsb3, nullptr);
     FW_TEST_CUDA(cudaDeviceSynchronize());
     fastweight::detail::set_mlstm_k3_fixed(fixed);
+    fastweight::detail::set_mlstm_k3_dv_parts(parts);
+    cudaFree(ws3);
     gdq.download(dq3), gdk.download(dk3), gdv.download(dv3), gdi.download(di3), gdf.download(df3);
-  }
-  cudaFree(ws);
-  if (fixed_dims && !c.strong) {
-    EXPECT_LT(rel_err(dq3, dq1), 1e-3) << "dq, runtime-dims K3";
-    EXPECT_LT(rel_err(dk3, dk1), 1e-3) << "dk, runtime-dims K3";
-    EXPECT_LT(rel_err(dv3, dv), 1e-3) << "dv, runtime-dims K3";
-    EXPECT_LT(rel_err(di3, di), 1e-3) << "di, runtime-dims K3";
-    EXPECT_LT(rel_err(df3, df), 1e-3) << "df, runtime-dims K3";
+    EXPECT_LT(rel_err(dq3, dq1), 1e-3) << "dq, runtime-dims K3, 128-column slabs";
+    EXPECT_LT(rel_err(dk3, dk1), 1e-3) << "dk, runtime-dims K3, 128-column slabs";
+    EXPECT_LT(rel_err(dv3, dv), 1e-3) << "dv, runtime-dims K3, 128-column slabs";
+    EXPECT_LT(rel_err(di3, di), 1e-3) << "di, runtime-dims K3, 128-column slabs";
+    EXPECT_LT(rel_err(df3, df), 1e-3) << "df, runtime-dims K3, 128-column slabs";
   }
   EXPECT_EQ(dq1.bytes, dq2.bytes) << "not deterministic";
   EXPECT_EQ(dk1.bytes, dk2.bytes) << "not deterministic";

@@ -764,7 +764,7 @@ __global__ void __launch_bounds__(kThreads) k4_gates(const MlstmBwdParams B, flo
   if (tid == 0 && B.dm0.p) mlstm_st(B.dm0, b * B.dm0.s0 + hd * B.dm0.s1, float(dm0 + s_tot));
 }
 
-// ---- DV above the tensor-core kernels' 128: the backward per DV slab ---------------------------------
+// ---- DV above the tensor-core kernels' width (128, or 256 in two parts): the backward per DV slab ----
 // The backward is linear in the output cotangents (dh, dc_last, dn_last, dm_last), and the slab
 // problem (q, k, v[..., slab], i, f) has the full problem's den, m and n (none depends on v) and
 // h[..., slab] as its output. So the full backward is the sum over slabs of the slab problems'
@@ -774,12 +774,14 @@ __global__ void __launch_bounds__(kThreads) k4_gates(const MlstmBwdParams B, flo
 // (the large ones) are summed by the tensor-core K3 roles as they store them (dq_add, dk_add: the
 // last slab writes partial + its value straight to the output); a pass of their own over the fp32
 // sums cost ~2.8 ms of ~19.5 at (8,16,8192,128,256).
-constexpr std::int64_t kSlabDV = 128;
+// The slab width: 256 where the tensor-core K3 roles take DV in two parts of 128 (DQK <= 128,
+// mlstm_k3_dv_parts), else 128.
+std::int64_t slab_dv(const MlstmBwdParams& B) { return mlstm_k3_dv_parts() && B.f.DQK <= 128 ? 256 : 128; }
 
 MlstmBwdParams slab_problem(const MlstmBwdParams& B, std::int64_t j) {
   MlstmBwdParams s = B;
-  const std::int64_t c0 = j * kSlabDV;
-  s.f.DV = std::min(kSlabDV, B.f.DV - c0);
+  const std::int64_t w = slab_dv(B), c0 = j * w;
+  s.f.DV = std::min(w, B.f.DV - c0);
   auto shift = [&](StridedView& t) {  // columns c0.. of a view whose last dim is DV (contiguous)
     if (t.p) t.p = static_cast<char*>(t.p) + c0 * std::int64_t(dtype_size(t.dtype));
   };
@@ -789,7 +791,7 @@ MlstmBwdParams slab_problem(const MlstmBwdParams& B, std::int64_t j) {
 }
 
 bool split_applies(const MlstmBwdParams& B) {
-  return B.f.DV > kSlabDV && mlstm_bwd_k3_tc_applies(slab_problem(B, 0));
+  return B.f.DV > slab_dv(B) && mlstm_bwd_k3_tc_applies(slab_problem(B, 0));
 }
 
 bool core_tc(const MlstmBwdParams& B);
@@ -797,14 +799,15 @@ bool core_tc(const MlstmBwdParams& B);
 std::atomic<int> g_slab_overlap{0};  // 0: the planner's choice, 1: always, -1: never
 
 // Slabs two at a time, on the caller's stream and a side stream (bwd_split), where the serial scans
-// of one slab leave most SMs idle: K2's grid per slab (heads x DQK tiles x 2) at most one CTA per SM.
+// of one slab leave most SMs idle: K2's grid per slab (heads x DQK tiles x slab_dv / 64) at most one
+// CTA per SM.
 // At (1,8,8192,256,512) K2 runs 64 CTAs and K0 128 per slab, each walking 128 chunks.
 bool slab_overlap(const MlstmBwdParams& B) {
   const int mode = g_slab_overlap.load();
   if (mode != 0) return mode > 0;
   const MlstmParams& p = B.f;
   try {
-    return p.B * p.NH * ((p.DQK + 63) / 64) * 2 <= sm_count();
+    return p.B * p.NH * ((p.DQK + 63) / 64) * (slab_dv(B) / 64) <= sm_count();  // K2's CTAs of one slab
   } catch (const Error&) {
     return false;  // no device to plan for (a workspace query on a machine without a GPU)
   }
@@ -831,7 +834,7 @@ struct SplitWs {
       if (!fused || e >= 2) t += al;
     }
     acc = core, tmp = core + o, total = core + o + t;
-    overlap = fused && slab_overlap(B);  // (two slabs or more: bwd_split's caller checked DV > kSlabDV)
+    overlap = fused && slab_overlap(B);  // (two slabs or more: bwd_split's caller checked DV > slab_dv)
     if (overlap) core2 = total, tmp2 = core2 + core, total = tmp2 + t;
   }
 };
@@ -908,7 +911,7 @@ void bwd_split(const MlstmBwdParams& B, float* ws, Stream stream) {
   MlstmBwdParams proto = B;
   StridedView* targets[6] = {&proto.dq, &proto.dk, &proto.di, &proto.df, &proto.dn0, &proto.dm0};
   const std::int64_t dims[6][2] = {{p.S, p.DQK}, {p.S, p.DQK}, {1, p.S}, {1, p.S}, {1, p.DQK}, {1, 1}};
-  const std::int64_t nsl = (p.DV + kSlabDV - 1) / kSlabDV;
+  const std::int64_t nsl = (p.DV + slab_dv(B) - 1) / slab_dv(B);
   const bool fused = W.fused;  // dq, dk summed by K3 (e = 0, 1)
   // Overlapped: odd slabs on the side stream with the second core workspace and tmp; the side
   // stream first waits for everything before the call on the caller's stream.

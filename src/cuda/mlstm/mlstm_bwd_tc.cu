@@ -1,6 +1,7 @@
 // mlstm_bwd_tc.cu: the chunkwise mLSTM backward (mlstm_bwd.cu, docs/design/mlstm_backward.md) on
 // tensor cores, for bf16 q, k, v, dh, chunk 64, DQK <= 256 (above 128 the states in two DQK halves,
-// one at a time) and DV <= 128 (larger DV: per slab): K3 (two kernels, one CTA per
+// one at a time) and DV <= 128, or DV <= 256 in two 128-column parts where DQK <= 128 (larger DV: per
+// slab): K3 (two kernels, one CTA per
 // (head, chunk): q-role 4 warps of 16 rows, kv-role 8 warps of 16 rows x a 64-column half), K2 and
 // dn_scan. Products by mma.sync m16n8k16 (bf16 -> fp32). Order: K0, K3 q-role, K2 (dC only), dn_scan, K3 kv-role, K4.
 //   q-role  (rows t): S = q k^T, WD = dh v^T, dh C_k^T; the row statistics (den, db, corr, eY: K1 of
@@ -16,6 +17,7 @@
 // the accumulators or to P, Y. Deterministic (fixed-order sums).
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 
 #include "cuda/common/check.cuh"
 #include "cuda/mlstm/mlstm_bwd_ws.h"
@@ -28,12 +30,15 @@ namespace {
 
 using namespace mtc;
 constexpr int kThreads = kTcThreads;
-constexpr int kMaxD = 128;   // DV (larger DV: the slabs of mlstm_bwd.cu)
+constexpr int kMaxD = 128;   // DV columns in shared memory at once (DQK <= 128: up to kMaxDvParts parts of
+                             // them per CTA; larger DV: the slabs of mlstm_bwd.cu)
+constexpr int kMaxDvParts = 2;
 constexpr int kMaxDq = 256;  // DQK (above 128: the state in two DQK halves, one at a time)
 constexpr int kHalf = 128;   // state rows (DQK) held in shared memory at once
 
 struct K3Flags {
   bool q, k, v, dh;  // 16-byte rows: cp.async
+  bool dv_lo = false;  // kv-role: dv's k dC product with dC's lo part too (set_mlstm_dv_lo)
 };
 
 // Dynamic smem, Dq = DQK and Dv = DV rounded up to 16, ldq = Dq + 8, ldv = Dv + 8 (bf16 elements),
@@ -85,7 +90,8 @@ struct K3Smem {
 __device__ __forceinline__ void k3_issue(const MlstmBwdParams& B, const K3Flags& fl, const K3Smem& sm, const BwdWs& L,
                                          const float* ws, std::int64_t b, std::int64_t hd, std::int64_t t0, int n,
                                          const bf16* sthl, const float* nvf, const float* inv_den, const float* dbv,
-                                         double* s_g, double* s_a, double* s_M, int DQK, int DV, int nthreads) {
+                                         double* s_g, double* s_a, double* s_M, int DQK, int DV, int nthreads,
+                                         int ldst = 0) {
   const MlstmParams& p = B.f;
   const int ldq = sm.lay.ldq, ldv = sm.lay.ldv, Dq = sm.lay.Dq, Dv = sm.lay.Dv;
   const int tid = threadIdx.x;
@@ -113,9 +119,10 @@ __device__ __forceinline__ void k3_issue(const MlstmBwdParams& B, const K3Flags&
   }
   cp_async_commit();
   // 16-byte rows where DV % 8 == 0 (the workspace slot is then 16-byte aligned too)
-  const int Sq = sm.lay.Sq, n0 = DQK < Sq ? DQK : Sq;
-  load_tile(sm.st, ldv, Sq, Dv, sthl, DV, n0, DV, DV % 8 == 0, nthreads);
-  if (sm.lo) load_tile(sm.lo, ldv, Sq, Dv, sthl + std::int64_t(DQK) * DV, DV, n0, DV, DV % 8 == 0, nthreads);
+  // ldst: the slot's row stride (the whole DV where the role walks DV in 128-column parts), else DV
+  const int Sq = sm.lay.Sq, n0 = DQK < Sq ? DQK : Sq, ls = ldst ? ldst : DV;
+  load_tile(sm.st, ldv, Sq, Dv, sthl, ls, n0, DV, ls % 8 == 0, nthreads);
+  if (sm.lo) load_tile(sm.lo, ldv, Sq, Dv, sthl + std::int64_t(DQK) * ls, ls, n0, DV, ls % 8 == 0, nthreads);
   for (int r = tid; r < Dq; r += nthreads) {
     if (r < DQK) cp_async4(sm.nv + r, nvf + r);
     else sm.nv[r] = 0.f;
@@ -253,20 +260,28 @@ __device__ __forceinline__ void store_rows(const StridedView& out, const float (
 // FQ, FV: DQK and DV fixed at compile time (the launch checks them), 0: runtime. Fixed, the tile strides,
 // the products' trip counts and the shared-memory offsets are constants: ncu at (2,16,8192,128,128) had
 // IMAD 22% and ISETP 8% of the executed instructions against HMMA 6%.
-template <int NH, int FQ = 0, int FV = 0>
-__global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
+// FULL: every chunk of the launch has 64 rows (n a constant: the row guards fold away); the launch
+// takes chunks kc0 + blockIdx.y (mlstm_bwd_k3q_tc: the full chunks in one launch, a short last one in
+// another).
+template <int NH, int FQ = 0, int FV = 0, bool FULL = false>
+__global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L,
+                                                      const int kc0) {
   const MlstmParams& p = B.f;
   __shared__ double s_g[kT], s_a[kT], s_M[kT];
   extern __shared__ float4 smem_raw[];
-  const int DQK = FQ ? FQ : int(p.DQK), DV = FV ? FV : int(p.DV);
+  // DVt: the problem's DV; DV: the columns held in shared memory at once (<= 128). NH == 1 walks DVt
+  // in parts of 128 columns (dh, v, C_k's rows reloaded per part; WD and dh C_k^T summed over them),
+  // so that q k^T, the row statistics, Y k and p_k are formed once for up to 256 columns.
+  const int DQK = FQ ? FQ : int(p.DQK), DVt = int(p.DV), DV = FV ? FV : (DVt < kMaxD ? DVt : kMaxD);
+  const int nvp = NH == 1 ? (DVt + kMaxD - 1) / kMaxD : 1;
   const K3Smem sm(reinterpret_cast<char*>(smem_raw), DQK, DV, false);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
-  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
-  const int n = int(lmin(kT, p.S - t0));
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = kc0 + blockIdx.y, t0 = kc * kT;
+  const int n = FULL ? kT : int(lmin(kT, p.S - t0));
   const double mk = double(ws[L.m + bh * L.ns + kc]);
-  const bf16* sthl = reinterpret_cast<const bf16*>(ws + L.c + (bh * L.ns + kc) * DQK * DV);  // K0's hi, lo
+  const bf16* sthl = reinterpret_cast<const bf16*>(ws + L.c + (bh * L.ns + kc) * DQK * DVt);  // K0's hi, lo
   k3_issue(B, fl, sm, L, ws, b, hd, t0, n, sthl, ws + L.n + (bh * L.ns + kc) * DQK, nullptr, nullptr, s_g, s_a, s_M, DQK,
-           DV, kThreads);
+           DV, kThreads, DVt);
   cp_async_wait<1>();  // group 0: q, k, dh, v, the gates
   k3_gates(n, mk, s_M);
   const float scale = rsqrtf(float(DQK));
@@ -301,23 +316,39 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
     // + dh lo^T, lo = C_k - bf16(C_k) (K0's): rows c0 + 64 h.. of it in v's place, (64, Dv) bf16; the
     // first 64 rows load under the hi part's products (waited for after them: ncu had the loads'
     // wait at 18% of the stall samples when each was waited for where it was issued)
-    auto issue_lo = [&](int h) {
-      __syncthreads();  // every warp is done with v (or with the previous rows); the groups before are waited for
-      const int r0 = c0 + 64 * h;
-      load_tile(sm.v, ldv, kT, Dv, sthl + std::int64_t(DQK + r0) * DV, DV, max(0, DQK - r0), DV, DV % 8 == 0);
-      cp_async_commit();
-    };
-    auto land_lo = [&](int h) {
-      cp_async_wait<0>();
-      __syncthreads();
-      return min(64, Nh - 64 * h);
-    };
-    issue_lo(0);
-    mma_abt(dq, sm.dh, ldv, sm.st, ldv, Dv, Nh, warp, lane);  // the hi part
-    mma_abt<0>(dq, sm.dh, ldv, sm.v, ldv, Dv, land_lo(0), warp, lane);
-    if (Nh > 64) {
-      issue_lo(1);
-      mma_abt<8>(dq, sm.dh, ldv, sm.v, ldv, Dv, land_lo(1), warp, lane);
+    for (int vp = 0; vp < nvp; ++vp) {  // DV parts (one unless NH == 1 and DV > 128)
+      const int cv = kMaxD * vp, nvc = DVt - cv < kMaxD ? DVt - cv : kMaxD;
+      if (vp > 0) {  // this part's dh, v and C_k hi rows (columns cv..) into dh, v, st; WD += dh v^T
+        __syncthreads();  // every warp is done with dh, v (C_k's lo rows there) and st
+        const std::int64_t ro = b * B.dh.s0 + hd * B.dh.s1 + t0 * B.dh.s2 + cv;
+        const std::int64_t rv = b * p.v.s0 + hd * p.v.s1 + t0 * p.v.s2 + cv;
+        load_tile(sm.dh, ldv, kT, Dv, static_cast<const bf16*>(B.dh.p) + ro, B.dh.s2, n, nvc, fl.dh);
+        load_tile(sm.v, ldv, kT, Dv, static_cast<const bf16*>(p.v.p) + rv, p.v.s2, n, nvc, fl.v);
+        load_tile(sm.st, ldv, sm.lay.Sq, Dv, sthl + cv, DVt, DQK < sm.lay.Sq ? DQK : sm.lay.Sq, nvc, DVt % 8 == 0);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+        mma_rn(wacc, sm.dh, ldv, warp, sm.v, ldv, Dv, lane);
+      }
+      auto issue_lo = [&](int h) {
+        __syncthreads();  // every warp is done with v (or with the previous rows); the groups before are waited for
+        const int r0 = c0 + 64 * h;
+        load_tile(sm.v, ldv, kT, Dv, sthl + std::int64_t(DQK + r0) * DVt + cv, DVt, max(0, DQK - r0), nvc,
+                  DVt % 8 == 0);
+        cp_async_commit();
+      };
+      auto land_lo = [&](int h) {
+        cp_async_wait<0>();
+        __syncthreads();
+        return min(64, Nh - 64 * h);
+      };
+      issue_lo(0);
+      mma_abt(dq, sm.dh, ldv, sm.st, ldv, Dv, Nh, warp, lane);  // the hi part
+      mma_abt<0>(dq, sm.dh, ldv, sm.v, ldv, Dv, land_lo(0), warp, lane);
+      if (Nh > 64) {
+        issue_lo(1);
+        mma_abt<8>(dq, sm.dh, ldv, sm.v, ldv, Dv, land_lo(1), warp, lane);
+      }
     }
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -450,9 +481,9 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
 // output products split without exchanging fragments; u_s is summed over the halves in smem. One CTA
 // per SM (140 KB): with 4 warps the kernel ran at one warp per scheduler (6.25% occupancy).
 constexpr int kKvThreads = 256;
-template <int FQ = 0, int FV = 0>  // DQK and DV fixed at compile time, as k3q_tc
+template <int FQ = 0, int FV = 0, bool FULL = false>  // DQK and DV fixed at compile time, full chunks: as k3q_tc
 __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B, const K3Flags fl, float* ws,
-                                                         const BwdWs L) {
+                                                         const BwdWs L, const int kc0) {
   const MlstmParams& p = B.f;
   __shared__ double s_g[kT], s_a[kT], s_M[kT];
   __shared__ float s_red[kKvThreads / 32];
@@ -460,16 +491,36 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
   extern __shared__ float4 smem_raw[];
   // dC_{k+1} as bf16 hi + lo: u_s and da_s are sums of large terms that cancel under strong gates
   // (i = +20, f = -20), where one bf16 rounding of dC put (di, df) 4% off (H100 run 9)
-  const int DQK = FQ ? FQ : int(p.DQK), DV = FV ? FV : int(p.DV);
+  // DVt: the problem's DV; DV: the columns held in shared memory at once (<= 128). With DQK <= 128 the
+  // role walks DVt in parts of 128 columns (as the q-role): S^T, the fragments and dk's epilogue once,
+  // WD^T and v dC^T summed over the parts, dv per part. The state part loaded first is the last one,
+  // whose v and dh the WD^T pass leaves in shared memory.
+  const int DQK = FQ ? FQ : int(p.DQK), DVt = int(p.DV), DV = FV ? FV : (DVt < kMaxD ? DVt : kMaxD);
   const K3Smem sm(reinterpret_cast<char*>(smem_raw), DQK, DV, true);
+  const int nvp = sm.lay.Dq <= kHalf ? (DVt + kMaxD - 1) / kMaxD : 1;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
   const int rg = warp & 3, cg = warp >> 2;  // row group (16 steps), column half
-  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
-  const int n = int(lmin(kT, p.S - t0));
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = kc0 + blockIdx.y, t0 = kc * kT;
+  const int n = FULL ? kT : int(lmin(kT, p.S - t0));
   const double mk = double(ws[L.m + bh * L.ns + kc]);
-  const bf16* dchl = reinterpret_cast<const bf16*>(ws + L.dc + (bh * L.ns + kc + 1) * DQK * DV);  // K2's hi, lo
-  k3_issue(B, fl, sm, L, ws, b, hd, t0, n, dchl, ws + L.dn + (bh * L.ns + kc + 1) * DQK, ws + L.inv_den + bh * p.S + t0,
-           ws + L.db + bh * p.S + t0, s_g, s_a, s_M, DQK, DV, kKvThreads);
+  const bf16* dchl = reinterpret_cast<const bf16*>(ws + L.dc + (bh * L.ns + kc + 1) * DQK * DVt);  // K2's hi, lo
+  k3_issue(B, fl, sm, L, ws, b, hd, t0, n, dchl + kMaxD * (nvp - 1), ws + L.dn + (bh * L.ns + kc + 1) * DQK,
+           ws + L.inv_den + bh * p.S + t0, ws + L.db + bh * p.S + t0, s_g, s_a, s_M, DQK, DV, kKvThreads, DVt);
+  // DV part vp's v and dh rows (columns 128 vp..) into v, dh; with st, its dC_{k+1} hi / lo rows into st, lo
+  auto load_part = [&](int vp, bool st) {
+    const int cv = kMaxD * vp, nvc = DVt - cv < kMaxD ? DVt - cv : kMaxD;
+    const int ldv_ = sm.lay.ldv, Dv_ = sm.lay.Dv;
+    load_tile(sm.v, ldv_, kT, Dv_, static_cast<const bf16*>(p.v.p) + b * p.v.s0 + hd * p.v.s1 + t0 * p.v.s2 + cv, p.v.s2,
+              n, nvc, fl.v, kKvThreads);
+    load_tile(sm.dh, ldv_, kT, Dv_, static_cast<const bf16*>(B.dh.p) + b * B.dh.s0 + hd * B.dh.s1 + t0 * B.dh.s2 + cv,
+              B.dh.s2, n, nvc, fl.dh, kKvThreads);
+    if (st) {
+      const int n0 = DQK < sm.lay.Sq ? DQK : sm.lay.Sq;
+      load_tile(sm.st, ldv_, sm.lay.Sq, Dv_, dchl + cv, DVt, n0, nvc, DVt % 8 == 0, kKvThreads);
+      load_tile(sm.lo, ldv_, sm.lay.Sq, Dv_, dchl + std::int64_t(DQK) * DVt + cv, DVt, n0, nvc, DVt % 8 == 0, kKvThreads);
+    }
+    cp_async_commit();
+  };
   cp_async_wait<1>();  // group 0: q, k, dh, v, the gates, 1/den, db
   k3_gates(n, mk, s_M);
   const float scale = rsqrtf(float(p.DQK));
@@ -484,6 +535,13 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
     float sacc[8][4] = {}, wacc[8][4] = {};
     mma_rn(sacc, sm.k, ldq, rg, sm.q, ldq, Dq, lane);   // k q^T
     mma_rn(wacc, sm.v, ldv, rg, sm.dh, ldv, Dv, lane);  // v dh^T
+    for (int vp = 1; vp < nvp; ++vp) {  // the other DV parts' v dh^T
+      __syncthreads();  // every warp is done with v, dh
+      load_part(vp, false);
+      cp_async_wait<0>();
+      __syncthreads();
+      mma_rn(wacc, sm.v, ldv, rg, sm.dh, ldv, Dv, lane);
+    }
     const double aA = s_a[sA < n ? sA : 0], aB = s_a[sB < n ? sB : 0];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -512,7 +570,47 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
   const int c0 = 64 * cg, nv = Dv - c0 < 64 ? Dv - c0 : 64;
   const int nh = (Dq + kHalf - 1) / kHalf;
   float dva[8][4] = {};  // dv (s, c0..)
-  for (int hh = 0; hh < nh; ++hh) {
+  if (nvp > 1) {  // DQK <= 128, DV in parts: the last part is in v, dh, st, lo; then the others, down to 0
+    const int r0 = 64 * cg, nq = Dq - r0 < 64 ? Dq - r0 : 64;  // dk columns r0.. of this warp
+    float dka[8][4] = {};  // v dC^T (s, r0..) summed over the parts
+    for (int vp = nvp - 1; vp >= 0; --vp) {
+      const int cv = kMaxD * vp, nvc = DVt - cv < kMaxD ? DVt - cv : kMaxD, nw = nvc - c0 < 64 ? nvc - c0 : 64;
+      if (vp < nvp - 1) {
+        __syncthreads();  // every warp is done with this part's v, dh, st, lo
+        load_part(vp, true);
+        cp_async_wait<0>();
+        __syncthreads();
+      }
+      if (nq > 0) {
+        mma_abt(dka, sm.v, ldv, sm.st + r0 * ldv, ldv, Dv, nq, rg, lane);
+        mma_abt(dka, sm.v, ldv, sm.lo + r0 * ldv, ldv, Dv, nq, rg, lane);
+      }
+      if (nw > 0) {  // dv columns cv + c0.. = w_s k dC + P^T dnum
+        float dvp[8][4] = {};
+        mma_ab8(dvp, sm.k, ldq, sm.st + c0, ldv, Dq, nw, rg, lane);  // dC's hi part (wip/mlstm-dv-hi-s20)
+        if (fl.dv_lo) mma_ab8(dvp, sm.k, ldq, sm.lo + c0, ldv, Dq, nw, rg, lane);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) dvp[j][0] *= wA, dvp[j][1] *= wA, dvp[j][2] *= wB, dvp[j][3] *= wB;
+        mma_fragb(dvp, pf, sm.dh + c0, ldv, nw, lane);
+        store_rows(B.dv, dvp, b, hd, t0, sA, sB, n, cv + c0, DVt, 1.f, nullptr);
+      }
+    }
+    if (nq > 0) {  // dk columns r0.. = w_s (v dC^T + dn) + scale Y^T q; u_s part = k_s . (dC v_s + dn)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (8 * j >= nq) break;
+          const int r = r0 + 8 * j + 2 * t4 + (e & 1), s = e < 2 ? sA : sB;
+          const float x = dka[j][e] + sm.nv[r];
+          (e < 2 ? uA : uB) += __bfloat162float(sm.k[s * ldq + r]) * x;
+          dka[j][e] = (e < 2 ? wA : wB) * x;
+        }
+      mma_fragb(dka, yf, sm.q + r0, ldq, nq, lane);
+      store_rows(B.dk, dka, b, hd, t0, sA, sB, n, r0, DQK, 1.f, B.dk_add ? B.dk_add + (bh * p.S + t0) * DQK : nullptr);
+    }
+  }
+  for (int hh = 0; hh < (nvp > 1 ? 0 : nh); ++hh) {
     const int q0 = kHalf * hh, Nh = Dq - q0 < kHalf ? Dq - q0 : kHalf;
     if (hh > 0) {
       __syncthreads();  // every warp is done with the other half
@@ -539,12 +637,16 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
       store_rows(B.dk, acc, b, hd, t0, sA, sB, n, q0 + r0, DQK, 1.f, B.dk_add ? B.dk_add + (bh * p.S + t0) * DQK : nullptr);
     }
     if (nv > 0) {
-      mma_ab8(dva, sm.k + q0, ldq, sm.st + c0, ldv, Nh, nv, rg, lane);  // k dC: (s, c)
-      mma_ab8(dva, sm.k + q0, ldq, sm.lo + c0, ldv, Nh, nv, rg, lane);
+      // k dC: (s, c), from dC's hi part alone: dv = w_s k dC + P^T dnum is a product of O(1) terms
+      // (the forward's h takes C as bf16 hi alike), where the gate gradients' sums cancel; u_s, which
+      // needs the lo part, comes from the v dC^T product above (hi + lo). One of the role's four
+      // state products less.
+      mma_ab8(dva, sm.k + q0, ldq, sm.st + c0, ldv, Nh, nv, rg, lane);
+      if (fl.dv_lo) mma_ab8(dva, sm.k + q0, ldq, sm.lo + c0, ldv, Nh, nv, rg, lane);
     }
   }
-  // dv columns c0.. = w_s k dC + P^T dnum
-  if (nv > 0) {
+  // dv columns c0.. = w_s k dC + P^T dnum (DV in one part)
+  if (nvp == 1 && nv > 0) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) dva[j][0] *= wA, dva[j][1] *= wA, dva[j][2] *= wB, dva[j][3] *= wB;
     mma_fragb(dva, pf, sm.dh + c0, ldv, nv, lane);
@@ -931,37 +1033,64 @@ __global__ void __launch_bounds__(NT) dn_scan(const MlstmBwdParams B, float* ws,
 }
 
 std::atomic<bool> g_k3_fixed{true};  // set_mlstm_k3_fixed
+std::atomic<bool> g_dv_lo{false};    // set_mlstm_dv_lo
+std::atomic<bool> g_k3_full{true};   // set_mlstm_k3_full
 
-// Whether both K3 roles take their fixed-dims instances (k3q_tc<NH, 128 | 256, 128>, k3kv_tc<..>).
+// The chunks the K3 roles' full-chunk instances take: all but a short last one (none when off).
+std::int64_t k3_full_chunks(const MlstmParams& p, const BwdWs& L) {
+  if (!g_k3_full.load(std::memory_order_relaxed)) return 0;
+  return p.S % kT == 0 ? L.NC : L.NC - 1;
+}
+std::atomic<bool> g_dv_parts{true};  // set_mlstm_k3_dv_parts
+
+// Whether both K3 roles take their fixed-dims instances (k3q_tc<NH, 128 | 256, 128>, k3kv_tc<..>);
+// DV = 256 at DQK = 128 runs as two 128-column parts (g_dv_parts; else K3 is not on tensor cores).
 bool k3_fixed_dims(const MlstmParams& p) {
-  return g_k3_fixed.load(std::memory_order_relaxed) && p.DV == 128 && (p.DQK == 128 || p.DQK == 256);
+  return g_k3_fixed.load(std::memory_order_relaxed) &&
+         ((p.DQK == 128 && (p.DV == 128 || p.DV == 256)) || (p.DQK == 256 && p.DV == 128));
 }
 
 }  // namespace
 
 bool set_mlstm_k3_fixed(bool on) { return g_k3_fixed.exchange(on); }
+bool set_mlstm_dv_lo(bool on) { return g_dv_lo.exchange(on); }
+bool set_mlstm_k3_full(bool on) { return g_k3_full.exchange(on); }
+bool set_mlstm_k3_dv_parts(bool on) { return g_dv_parts.exchange(on); }
+bool mlstm_k3_dv_parts() { return g_dv_parts.load(std::memory_order_relaxed); }
 
 bool mlstm_bwd_k3_tc_applies(const MlstmBwdParams& b) {
   const MlstmParams& p = b.f;
   return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 &&
-         b.dh.dtype == DType::bf16 && p.L == kT && p.DQK >= 1 && p.DQK <= kMaxDq && p.DV >= 1 && p.DV <= kMaxD &&
+         b.dh.dtype == DType::bf16 && p.L == kT && p.DQK >= 1 && p.DQK <= kMaxDq && p.DV >= 1 &&
+         (p.DV <= kMaxD || (mlstm_k3_dv_parts() && p.DQK <= kHalf && p.DV <= kMaxDvParts * kMaxD)) &&
          // shared memory (dynamic + the roles' static ~2 KB) within the device's opt-in limit: DQK = 256
          // takes ~174 KB (Hopper: 227 KB; sm_80: 163 KB, which keeps DQK > 128 on the CUDA cores)
-         std::max(K3Layout(p.DQK, p.DV, true).bytes, K3Layout(p.DQK, p.DV, false).bytes) + 4096 <= smem_per_block_optin();
+         std::max(K3Layout(p.DQK, std::min<std::int64_t>(p.DV, kMaxD), true).bytes,
+                  K3Layout(p.DQK, std::min<std::int64_t>(p.DV, kMaxD), false).bytes) + 4096 <= smem_per_block_optin();
 }
 
 void mlstm_bwd_k3q_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
   const MlstmParams& p = B.f;
   if (L.NC == 0 || L.heads == 0) return;
   const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
-  const K3Layout lq(p.DQK, p.DV, false);
-  using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs);
-  K kernel = lq.Dq > kHalf ? &k3q_tc<2> : &k3q_tc<1>;
-  if (k3_fixed_dims(p)) kernel = p.DQK == 128 ? &k3q_tc<1, 128, 128> : &k3q_tc<2, 256, 128>;
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kThreads, lq.bytes);
-  kernel<<<dim3(unsigned(L.heads), unsigned(L.NC)), kThreads, lq.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
-      B, fl, ws, L);
-  FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  const K3Layout lq(p.DQK, std::min<std::int64_t>(p.DV, kMaxD), false);  // DV in parts of kMaxD above it
+  using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs, const int);
+  const bool fixed = k3_fixed_dims(p);
+  auto pick = [&](auto full) -> K {
+    constexpr bool F = decltype(full)::value;
+    if (fixed) return p.DQK == 128 ? &k3q_tc<1, 128, 128, F> : &k3q_tc<2, 256, 128, F>;
+    return lq.Dq > kHalf ? &k3q_tc<2, 0, 0, F> : &k3q_tc<1, 0, 0, F>;
+  };
+  const std::int64_t nfull = k3_full_chunks(p, L);
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  for (int part = 0; part < 2; ++part) {  // the full chunks [0, nfull), then the rest
+    const std::int64_t kc0 = part ? nfull : 0, nch = part ? L.NC - nfull : nfull;
+    if (nch == 0) continue;
+    const K kernel = part ? pick(std::false_type{}) : pick(std::true_type{});
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kThreads, lq.bytes);
+    kernel<<<dim3(unsigned(L.heads), unsigned(nch)), kThreads, lq.bytes, s>>>(B, fl, ws, L, int(kc0));
+    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  }
 }
 
 void mlstm_bwd_dn_scan(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
@@ -976,15 +1105,25 @@ void mlstm_bwd_dn_scan(const MlstmBwdParams& B, float* ws, const BwdWs& L, Strea
 void mlstm_bwd_k3kv_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
   const MlstmParams& p = B.f;
   if (L.NC == 0 || L.heads == 0) return;
-  const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
-  const K3Layout lkv(p.DQK, p.DV, true);
-  using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs);
-  K kernel = &k3kv_tc<>;
-  if (k3_fixed_dims(p)) kernel = p.DQK == 128 ? &k3kv_tc<128, 128> : &k3kv_tc<256, 128>;
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kKvThreads, lkv.bytes);
-  kernel<<<dim3(unsigned(L.heads), unsigned(L.NC)), kKvThreads, lkv.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
-      B, fl, ws, L);
-  FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh), g_dv_lo.load(std::memory_order_relaxed)};
+  const K3Layout lkv(p.DQK, std::min<std::int64_t>(p.DV, kMaxD), true);
+  using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs, const int);
+  const bool fixed = k3_fixed_dims(p);
+  auto pick = [&](auto full) -> K {
+    constexpr bool F = decltype(full)::value;
+    if (fixed) return p.DQK == 128 ? &k3kv_tc<128, 128, F> : &k3kv_tc<256, 128, F>;
+    return &k3kv_tc<0, 0, F>;
+  };
+  const std::int64_t nfull = k3_full_chunks(p, L);
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  for (int part = 0; part < 2; ++part) {  // the full chunks [0, nfull), then the rest
+    const std::int64_t kc0 = part ? nfull : 0, nch = part ? L.NC - nfull : nfull;
+    if (nch == 0) continue;
+    const K kernel = part ? pick(std::false_type{}) : pick(std::true_type{});
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kKvThreads, lkv.bytes);
+    kernel<<<dim3(unsigned(L.heads), unsigned(nch)), kKvThreads, lkv.bytes, s>>>(B, fl, ws, L, int(kc0));
+    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  }
 }
 
 bool mlstm_bwd_k2_tc_applies(const MlstmBwdParams& b) {

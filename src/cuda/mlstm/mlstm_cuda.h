@@ -46,6 +46,18 @@ int set_mlstm_out_tiles(int nt);
 // (DQK 128 or 256 with DV 128), else for runtime dims: on by default; returns the previous setting
 // (tests; fastweight_bench --mlstm-k3-fixed=off).
 bool set_mlstm_k3_fixed(bool on);
+// The K3 kv-role's dv state product with dC's bf16 lo part as well as its hi part (off by default:
+// hi alone); returns the previous setting (A/B: fastweight_bench --mlstm-dv-lo=on).
+bool set_mlstm_dv_lo(bool on);
+// The K3 roles' full chunks (64 rows) by instances compiled for them (the row guards folded), a short
+// last chunk by a second launch: on by default; returns the previous setting (tests;
+// fastweight_bench --mlstm-k3-full=off).
+bool set_mlstm_k3_full(bool on);
+// The K3 roles over up to 256 DV columns per CTA in parts of 128 (DQK <= 128; the backward's DV slabs
+// then 256 wide), else 128 columns per CTA and 128-wide slabs: on by default; returns the previous
+// setting (tests; fastweight_bench --mlstm-dv-parts=off). mlstm_bwd_workspace_bytes depends on it.
+bool set_mlstm_k3_dv_parts(bool on);
+bool mlstm_k3_dv_parts();
 
 // The backward's DV slabs (DV > 128) two at a time, on the caller's stream and a side stream, each
 // with its own core workspace: 1 always, -1 never, 0 the planner's choice (where K2's grid per slab
