@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cmath>
 #include <ostream>
 #include <random>
@@ -226,9 +227,12 @@ TEST_P(MlstmCudaBwd, MatchesReferenceAllGradientsAndIsDeterministic) {
   gdq.download(dq2), gdk.download(dk2), gdv.download(dv2), gdi.download(di2), gdf.download(df2);
   // the K3 roles' runtime-dims build where the first run took a fixed-dims one (DQK 128 / 256, DV 128
   // or slabs of it), and 128-column DV slabs where it took 256-column ones in two parts (DQK <= 128,
-  // DV > 128): against the first run to 1e-3 (last-bit differences of FMA contraction and of the
-  // slabs' order of sums, carried through bf16 outputs); not under strong gates, where di and df are
-  // cancellations near fp32's resolution. Its own workspace (the size depends on the slab width).
+  // DV > 128); not under strong gates, where di and df are cancellations near fp32's resolution. Its
+  // own workspace (the size depends on the slab width). Held to the float64 reference below at the
+  // first run's tolerance; where only the build differs (no DV parts), also to the first run to 1e-3
+  // (last-bit differences of FMA contraction, carried through bf16 outputs). With DV parts the two
+  // round different intermediates to bf16 (per slab: dh v^T of 128 columns into the bf16 fragments of
+  // Y; in parts: of all DV), so they differ by ~3e-3 in dq, dk (H100), each within tol of float64.
   HostTensor dq3 = dq, dk3 = dk, dv3 = dv, di3 = di, df3 = df;
   const bool fixed_dims = (c.DQK == 128 || c.DQK == 256) && c.DV >= 128;
   const bool dv_parts = c.DQK <= 128 && c.DV > 128;
@@ -246,11 +250,13 @@ TEST_P(MlstmCudaBwd, MatchesReferenceAllGradientsAndIsDeterministic) {
     fastweight::detail::set_mlstm_k3_dv_parts(parts);
     cudaFree(ws3);
     gdq.download(dq3), gdk.download(dk3), gdv.download(dv3), gdi.download(di3), gdf.download(df3);
-    EXPECT_LT(rel_err(dq3, dq1), 1e-3) << "dq, runtime-dims K3, 128-column slabs";
-    EXPECT_LT(rel_err(dk3, dk1), 1e-3) << "dk, runtime-dims K3, 128-column slabs";
-    EXPECT_LT(rel_err(dv3, dv), 1e-3) << "dv, runtime-dims K3, 128-column slabs";
-    EXPECT_LT(rel_err(di3, di), 1e-3) << "di, runtime-dims K3, 128-column slabs";
-    EXPECT_LT(rel_err(df3, df), 1e-3) << "df, runtime-dims K3, 128-column slabs";
+    if (!dv_parts) {
+      EXPECT_LT(rel_err(dq3, dq1), 1e-3) << "dq, runtime-dims K3";
+      EXPECT_LT(rel_err(dk3, dk1), 1e-3) << "dk, runtime-dims K3";
+      EXPECT_LT(rel_err(dv3, dv), 1e-3) << "dv, runtime-dims K3";
+      EXPECT_LT(rel_err(di3, di), 1e-3) << "di, runtime-dims K3";
+      EXPECT_LT(rel_err(df3, df), 1e-3) << "df, runtime-dims K3";
+    }
   }
   EXPECT_EQ(dq1.bytes, dq2.bytes) << "not deterministic";
   EXPECT_EQ(dk1.bytes, dk2.bytes) << "not deterministic";
@@ -280,6 +286,17 @@ TEST_P(MlstmCudaBwd, MatchesReferenceAllGradientsAndIsDeterministic) {
   EXPECT_LT(rel_err(dq1, eq), c.strong ? 5 * tol : tol) << "dq";
   EXPECT_LT(rel_err(dk1, ek), tol) << "dk";
   EXPECT_LT(rel_err(dv, ev), tol) << "dv";
+  if (third) {  // the runtime-dims build, 128-column DV slabs
+    if (dv_parts)
+      std::printf("DV parts: rel err dq %.3g dk %.3g dv %.3g; 128-column slabs: dq %.3g dk %.3g dv %.3g\n",
+                  rel_err(dq1, eq), rel_err(dk1, ek), rel_err(dv, ev), rel_err(dq3, eq), rel_err(dk3, ek),
+                  rel_err(dv3, ev));
+    EXPECT_LT(rel_err(dq3, eq), tol) << "dq, runtime-dims K3, 128-column slabs";
+    EXPECT_LT(rel_err(dk3, ek), tol) << "dk, runtime-dims K3, 128-column slabs";
+    EXPECT_LT(rel_err(dv3, ev), tol) << "dv, runtime-dims K3, 128-column slabs";
+    EXPECT_LT(rel_err(di3, ei), tol) << "di, runtime-dims K3, 128-column slabs";
+    EXPECT_LT(rel_err(df3, ef), tol) << "df, runtime-dims K3, 128-column slabs";
+  }
   if (c.strong) {
     double num = 0.0, den = 0.0;
     for (auto [g, e] : {std::pair<const HostTensor*, const HostTensor*>{&di, &ei}, {&df, &ef}}) {
