@@ -158,7 +158,9 @@ struct BsLayout {
 // and the (TW / 2)-column half w / 4. TW: the CTA's columns of V, 64 or 32 (as the forward's state
 // kernel: half the products per warp and step, twice the CTAs; the same bits).
 constexpr int kBsThreads = 256;
-template <bool LO, bool DB2, int TW = 64>  // DB2: q and Xw double-buffered (bf16 operands only: !LO)
+// DB2: q and Xw double-buffered (bf16 operands only: !LO). FK: K fixed at compile time (as the
+// forward's state kernel), 0: runtime.
+template <bool LO, bool DB2, int TW = 64, int FK = 0>
 __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                               float* __restrict__ ws, bool vq, bool vk,
                                                                               bool vo, bool vx) {
@@ -168,7 +170,8 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   constexpr int LDT = TW + 8, LDF = TW + 4;   // strides of the dO / dSe / B / U (bf16) and dD0 (fp32) tiles
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const BsLayout lay(p.K, LO, DB2 ? 2 : 1, TW);
+  const std::int64_t K = FK ? FK : p.K;
+  const BsLayout lay(K, LO, DB2 ? 2 : 1, TW);
   const int Kc = lay.Kc, ldk = lay.ldk;
   const std::size_t ktile = std::size_t(kT) * ldk, otile = std::size_t(kT) * LDT;
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);     // [2] (64 rows, Kc) k
@@ -186,7 +189,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   const int rg = warp & 3, half = warp >> 2;  // dD step: rows 16 rg.., columns (TW / 2) half..
   const DnCta cta = dn_chain_cta(p, reinterpret_cast<int*>(base));
   const std::int64_t n = cta.n, h = cta.h;
-  const std::int64_t c0 = cta.tile * TW, K = p.K, V = p.V;
+  const std::int64_t c0 = cta.tile * TW, V = p.V;
   const DnSeq sq_ = dn_seq(p, n);
   const std::int64_t b = sq_.b;
   const int ngroups = Kc / 16;
@@ -635,6 +638,16 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   if (tw == 32)
     serial = p.hilo ? &deltanet_bwd_state_tc_kernel<true, false, 32>
                     : (db2 ? &deltanet_bwd_state_tc_kernel<false, true, 32> : &deltanet_bwd_state_tc_kernel<false, false, 32>);
+  if (deltanet_fixed_k(p)) {
+    if (tw == 32)
+      serial = p.hilo ? &deltanet_bwd_state_tc_kernel<true, false, 32, 128>
+                      : (db2 ? &deltanet_bwd_state_tc_kernel<false, true, 32, 128>
+                             : &deltanet_bwd_state_tc_kernel<false, false, 32, 128>);
+    else
+      serial = p.hilo ? &deltanet_bwd_state_tc_kernel<true, false, 64, 128>
+                      : (db2 ? &deltanet_bwd_state_tc_kernel<false, true, 64, 128>
+                             : &deltanet_bwd_state_tc_kernel<false, false, 64, 128>);
+  }
   const std::int64_t vtw = (p.V + tw - 1) / tw;
   if (vtw > 65535) throw Error(cat("deltanet_bwd: grid too large (", vtw, " V tiles)"));
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(serial), kBsThreads, ls.bytes);

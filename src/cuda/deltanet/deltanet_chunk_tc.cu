@@ -206,7 +206,10 @@ struct StLayout {
 // grids that leave SMs idle (long sequences, few heads). The same sums in the same order per element:
 // the same bits as TW = 64.
 constexpr int kStThreads = 256;
-template <bool LO, int TW = 64>
+// FK: K fixed at compile time (128; the launch checks it), 0: runtime. Fixed, the tiles' strides,
+// trip counts and shared-memory offsets are constants (as the mLSTM backward's K3 roles: -34% of
+// their executed instructions there).
+template <bool LO, int TW = 64, int FK = 0>
 __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w,
                                                                        bool vk, bool vx, bool pxu, bool dp) {
   static_assert(TW == 64 || TW == 32, "64- or 32-column tiles");
@@ -214,7 +217,8 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
   constexpr int LDT = TW + 8, LDU = TW + 4;   // strides of the S / D (bf16) and Xu (fp32) tiles
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const StLayout lay(p.K, LO, pxu, TW);
+  const std::int64_t K = FK ? FK : p.K;
+  const StLayout lay(K, LO, pxu, TW);
   const int Kc = lay.Kc, ldk = lay.ldk;
   const std::size_t tile = std::size_t(kT) * ldk;  // elements of one (64, ldk) tile
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // [2] (64 rows, Kc) k
@@ -231,7 +235,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
   const int rg = warp & 3, half = warp >> 2;  // X step: rows 16 rg.., columns (TW / 2) half..
   const DnCta cta = dn_chain_cta(p, reinterpret_cast<int*>(base));
   const std::int64_t n = cta.n, h = cta.h;
-  const std::int64_t c0 = cta.tile * TW, K = p.K, V = p.V, rows = p.B * p.T * p.H;
+  const std::int64_t c0 = cta.tile * TW, V = p.V, rows = p.B * p.T * p.H;
   const DnSeq sq = dn_seq(p, n);
   const std::int64_t b = sq.b;
   const int ngroups = Kc / 16;  // 16-row groups of S: warp w owns group w
@@ -472,7 +476,10 @@ bool set_deltanet_fwd_dprime(bool enabled) { return g_dprime.exchange(enabled); 
 namespace {
 std::atomic<int> g_wy_vbufs{0};   // 0: the planner's choice
 std::atomic<int> g_state_tile{0};  // 0: the planner's choice
+std::atomic<bool> g_fixed_k{true};  // set_deltanet_fixed_k
 }  // namespace
+bool set_deltanet_fixed_k(bool on) { return g_fixed_k.exchange(on); }
+bool deltanet_fixed_k(const DeltanetParams& p) { return g_fixed_k.load(std::memory_order_relaxed) && p.K == 128; }
 int set_deltanet_wy_vbufs(int n) { return g_wy_vbufs.exchange(n == 1 || n == 2 ? n : 0); }
 int set_deltanet_state_tile(int cols) { return g_state_tile.exchange(cols == 32 || cols == 64 ? cols : 0); }
 int deltanet_serial_tile(const DeltanetParams& p) {
@@ -519,6 +526,9 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   const StLayout ls(p.K, p.hilo, pxu, tw);
   auto* state = p.hilo ? &deltanet_state_kernel<true> : &deltanet_state_kernel<false>;
   if (tw == 32) state = p.hilo ? &deltanet_state_kernel<true, 32> : &deltanet_state_kernel<false, 32>;
+  if (deltanet_fixed_k(p))
+    state = tw == 32 ? (p.hilo ? &deltanet_state_kernel<true, 32, 128> : &deltanet_state_kernel<false, 32, 128>)
+                     : (p.hilo ? &deltanet_state_kernel<true, 64, 128> : &deltanet_state_kernel<false, 64, 128>);
   const std::int64_t vtw = (p.V + tw - 1) / tw;
   if (vtw > 65535) throw Error(cat("deltanet (tensor cores): grid too large (", vtw, " V tiles)"));
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(state), kStThreads, ls.bytes);
