@@ -48,12 +48,13 @@ struct WyLayout {
   }
 };
 
-template <bool LO>
+template <bool LO, int FK = 0>  // FK: K fixed at compile time (128), as the state kernel
 __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetParams p, const DnChunkBufs w, bool vk,
                                                                bool vv, int nvb) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const WyLayout lay(p.K, LO, nvb);
+  const std::int64_t K = FK ? FK : p.K;
+  const WyLayout lay(K, LO, nvb);
   float(*sL)[65] = reinterpret_cast<float(*)[65]>(base + lay.L);  // (64, 64) Lg W, row i col j
   float(*sT)[65] = reinterpret_cast<float(*)[65]>(base + lay.T);  // (64, 64) T2 = (I + Lg W)^-1
   float(*scr)[16][17] = reinterpret_cast<float(*)[16][17]>(base + lay.scr);
@@ -66,7 +67,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
   bf16* sA2h = reinterpret_cast<bf16*>(base + lay.A2h);  // (64, 64) T2 hi
   bf16* sA2l = reinterpret_cast<bf16*>(base + lay.A2l);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, Kc = lay.Kc, ldk = lay.ldk;
-  const std::int64_t h = blockIdx.y, K = p.K, V = p.V;
+  const std::int64_t h = blockIdx.y, V = p.V;
   DnSeq sq;
   std::int64_t t0;
   if (!dn_slot(p, blockIdx.x, sq, t0)) return;
@@ -367,12 +368,13 @@ struct OutLayout {
   }
 };
 
-template <bool LO>
+template <bool LO, int FK = 0>  // FK: as the wy kernel
 __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetParams p, const DnChunkBufs w, bool vq,
                                                                 bool vk, bool dp) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const OutLayout lay(p.K, LO, dp);
+  const std::int64_t K = FK ? FK : p.K;
+  const OutLayout lay(K, LO, dp);
   const int Kc = lay.Kc, ldk = lay.ldk;
   bf16* sq = reinterpret_cast<bf16*>(base + lay.q);    // (64 rows, Kc) q
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // (64 rows, Kc) k
@@ -383,7 +385,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetPa
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
   float* sX = reinterpret_cast<float*>(base + lay.X);  // (64, 64) X rows of the chunk, this CTA's columns
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const std::int64_t h = blockIdx.y, c0 = std::int64_t(blockIdx.z) * kT, K = p.K, V = p.V;
+  const std::int64_t h = blockIdx.y, c0 = std::int64_t(blockIdx.z) * kT, V = p.V;
   DnSeq sq_;
   std::int64_t t0;
   if (!dn_slot(p, blockIdx.x, sq_, t0)) return;
@@ -505,6 +507,7 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   const auto st = reinterpret_cast<cudaStream_t>(stream);
   if (slots > 0 && (phases & 1)) {
     auto* wy = p.hilo ? &deltanet_wy_kernel<true> : &deltanet_wy_kernel<false>;
+    if (deltanet_fixed_k(p)) wy = p.hilo ? &deltanet_wy_kernel<true, 128> : &deltanet_wy_kernel<false, 128>;
     // two v buffers unless the second costs a resident CTA per SM (or does not fit)
     const auto wy_fn = reinterpret_cast<const void*>(wy);
     const WyLayout l1(p.K, p.hilo, 1), l2(p.K, p.hilo, 2);
@@ -543,6 +546,7 @@ void deltanet_chunk_tc_output(const DeltanetParams& p, const DnChunkBufs& w, Str
   const bool dp = deltanet_dprime(p, w);
   const OutLayout lo(p.K, p.hilo, dp);
   auto* out = p.hilo ? &deltanet_out_kernel<true> : &deltanet_out_kernel<false>;
+  if (deltanet_fixed_k(p)) out = p.hilo ? &deltanet_out_kernel<true, 128> : &deltanet_out_kernel<false, 128>;
   prepare(out, lo.bytes);
   out<<<dim3(unsigned(slots), unsigned(p.H), unsigned(vt)), kThreads, lo.bytes,
         reinterpret_cast<cudaStream_t>(stream)>>>(p, w, rows16_seq(p.q), rows16_seq(p.k), dp);
