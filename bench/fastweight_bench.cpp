@@ -16,6 +16,7 @@
 //   fastweight_bench --dn-state-tile=32|64   DeltaNet forward state kernel's V tile columns (A/B)
 //   fastweight_bench --dn-bwd-overlap=on|off DeltaNet backward: the recompute's state kernel beside prep +
 //                                            serial on a second stream, or after them (A/B; default: planner)
+//   fastweight_bench --dn-fixed-k=off        DeltaNet serial kernels for a runtime K only (A/B)
 //   fastweight_bench --mlstm-bulk-store=off  mLSTM serial kernels' state stores element by element, not by the
 //                                            TMA engine (A/B)
 //   fastweight_bench --mlstm-chunk-units=off mLSTM serial kernels' chunk tiles by the generic loader (A/B)
@@ -91,6 +92,7 @@ struct Options {
   bool mlstm_dv_lo = false;
   bool mlstm_no_k3_full = false;
   bool mlstm_no_dv_parts = false;
+  bool dn_no_fixed_k = false;
   int mlstm_slab_overlap = 0;  // 0: the planner's choice, 1 on, -1 off
   std::string mlstm_shapes;
   std::string csv;
@@ -347,6 +349,10 @@ int main(int argc, char** argv) {
       if (std::string(v) != "on" && std::string(v) != "off") usage(2);
       o.mlstm_no_dv_parts = std::string(v) == "off";
     }
+    else if (const char* v = val("--dn-fixed-k=")) {
+      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
+      o.dn_no_fixed_k = std::string(v) == "off";
+    }
     else if (const char* v = val("--mlstm-out-tiles=")) {
       o.mlstm_out_tiles = std::atoi(v);
       if (o.mlstm_out_tiles != 1 && o.mlstm_out_tiles != 2) usage(2);
@@ -378,6 +384,7 @@ int main(int argc, char** argv) {
   if (o.mlstm_dv_lo) fastweight::detail::set_mlstm_dv_lo(true);
   if (o.mlstm_no_k3_full) fastweight::detail::set_mlstm_k3_full(false);
   if (o.mlstm_no_dv_parts) fastweight::detail::set_mlstm_k3_dv_parts(false);
+  if (o.dn_no_fixed_k) fastweight::detail::set_deltanet_fixed_k(false);
   if (o.mlstm_slab_overlap) fastweight::detail::set_mlstm_slab_overlap(o.mlstm_slab_overlap);
 #endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");

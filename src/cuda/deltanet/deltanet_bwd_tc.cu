@@ -42,13 +42,14 @@ struct BpLayout {
   }
 };
 
-template <bool LO>
+template <bool LO, int FK = 0>  // FK: K fixed at compile time (128), as the serial kernel
 __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                      float* __restrict__ ws, bool vq, bool vk,
                                                                      bool vo) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const BpLayout lay(p.K);
+  const std::int64_t K = FK ? FK : p.K;
+  const BpLayout lay(K);
   const int Kc = lay.Kc, ldk = lay.ldk;
   bf16* sq = reinterpret_cast<bf16*>(base + lay.q);    // (64 rows, Kc) q
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // (64 rows, Kc) k
@@ -57,7 +58,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
   float* s_beta = reinterpret_cast<float*>(base + lay.beta);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const std::int64_t slot = blockIdx.x, h = blockIdx.y, K = p.K, V = p.V;
+  const std::int64_t slot = blockIdx.x, h = blockIdx.y, V = p.V;
   DnSeq sq_;
   std::int64_t t0;
   if (!dn_slot(p, slot, sq_, t0)) return;
@@ -158,7 +159,9 @@ struct BsLayout {
 // and the (TW / 2)-column half w / 4. TW: the CTA's columns of V, 64 or 32 (as the forward's state
 // kernel: half the products per warp and step, twice the CTAs; the same bits).
 constexpr int kBsThreads = 256;
-template <bool LO, bool DB2, int TW = 64>  // DB2: q and Xw double-buffered (bf16 operands only: !LO)
+// DB2: q and Xw double-buffered (bf16 operands only: !LO). FK: K fixed at compile time (as the
+// forward's state kernel), 0: runtime.
+template <bool LO, bool DB2, int TW = 64, int FK = 0>
 __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                               float* __restrict__ ws, bool vq, bool vk,
                                                                               bool vo, bool vx) {
@@ -168,7 +171,8 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   constexpr int LDT = TW + 8, LDF = TW + 4;   // strides of the dO / dSe / B / U (bf16) and dD0 (fp32) tiles
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const BsLayout lay(p.K, LO, DB2 ? 2 : 1, TW);
+  const std::int64_t K = FK ? FK : p.K;
+  const BsLayout lay(K, LO, DB2 ? 2 : 1, TW);
   const int Kc = lay.Kc, ldk = lay.ldk;
   const std::size_t ktile = std::size_t(kT) * ldk, otile = std::size_t(kT) * LDT;
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);     // [2] (64 rows, Kc) k
@@ -186,7 +190,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   const int rg = warp & 3, half = warp >> 2;  // dD step: rows 16 rg.., columns (TW / 2) half..
   const DnCta cta = dn_chain_cta(p, reinterpret_cast<int*>(base));
   const std::int64_t n = cta.n, h = cta.h;
-  const std::int64_t c0 = cta.tile * TW, K = p.K, V = p.V;
+  const std::int64_t c0 = cta.tile * TW, V = p.V;
   const DnSeq sq_ = dn_seq(p, n);
   const std::int64_t b = sq_.b;
   const int ngroups = Kc / 16;
@@ -324,12 +328,13 @@ struct BqLayout {
 
 // One CTA per (chunk slot, head), the V tiles in turn (k, T2, Lg^T and the factors once per chunk:
 // 361 -> 348 us at (4,4096,16,128) against a CTA per V tile).
-template <bool LO>
+template <bool LO, int FK = 0>  // FK: as the prep kernel
 __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                      float* __restrict__ ws, bool vk) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const BqLayout lay(p.K, LO);
+  const std::int64_t K = FK ? FK : p.K;
+  const BqLayout lay(K, LO);
   const int Kc = lay.Kc, ldk = lay.ldk;
   bf16* sk = reinterpret_cast<bf16*>(base + lay.r1);    // (64 rows, Kc) k
   float* sdd = reinterpret_cast<float*>(base + lay.r1);  // then (64, kLdF) dD
@@ -340,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
   float* s_beta = reinterpret_cast<float*>(base + lay.beta);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const std::int64_t slot = blockIdx.x, h = blockIdx.y, K = p.K, V = p.V;
+  const std::int64_t slot = blockIdx.x, h = blockIdx.y, V = p.V;
   DnSeq sq_;
   std::int64_t t0;
   if (!dn_slot(p, slot, sq_, t0)) return;
@@ -624,6 +629,7 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   const bool vq = rows16_seq(p.q), vk = rows16_seq(p.k), vo = rows16_seq(p.do_);
   const BpLayout lp(p.K);
   auto* prep = p.hilo ? &deltanet_bwd_prep_kernel<true> : &deltanet_bwd_prep_kernel<false>;
+  if (deltanet_fixed_k(p)) prep = p.hilo ? &deltanet_bwd_prep_kernel<true, 128> : &deltanet_bwd_prep_kernel<false, 128>;
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(prep), kThreads, lp.bytes);
   prep<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lp.bytes, st>>>(p, w, ws, vq, vk, vo);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: prep)");
@@ -635,6 +641,16 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   if (tw == 32)
     serial = p.hilo ? &deltanet_bwd_state_tc_kernel<true, false, 32>
                     : (db2 ? &deltanet_bwd_state_tc_kernel<false, true, 32> : &deltanet_bwd_state_tc_kernel<false, false, 32>);
+  if (deltanet_fixed_k(p)) {
+    if (tw == 32)
+      serial = p.hilo ? &deltanet_bwd_state_tc_kernel<true, false, 32, 128>
+                      : (db2 ? &deltanet_bwd_state_tc_kernel<false, true, 32, 128>
+                             : &deltanet_bwd_state_tc_kernel<false, false, 32, 128>);
+    else
+      serial = p.hilo ? &deltanet_bwd_state_tc_kernel<true, false, 64, 128>
+                      : (db2 ? &deltanet_bwd_state_tc_kernel<false, true, 64, 128>
+                             : &deltanet_bwd_state_tc_kernel<false, false, 64, 128>);
+  }
   const std::int64_t vtw = (p.V + tw - 1) / tw;
   if (vtw > 65535) throw Error(cat("deltanet_bwd: grid too large (", vtw, " V tiles)"));
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(serial), kBsThreads, ls.bytes);
@@ -644,6 +660,7 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
     FW_CUDA_CHECK("deltanet_bwd (join the recompute)", cudaStreamWaitEvent(st, static_cast<cudaEvent_t>(before_post), 0));
   const BqLayout lq(p.K, p.hilo);
   auto* post = p.hilo ? &deltanet_bwd_post_kernel<true> : &deltanet_bwd_post_kernel<false>;
+  if (deltanet_fixed_k(p)) post = p.hilo ? &deltanet_bwd_post_kernel<true, 128> : &deltanet_bwd_post_kernel<false, 128>;
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(post), kThreads, lq.bytes);
   post<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lq.bytes, st>>>(p, w, ws, vk);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: post)");

@@ -48,12 +48,13 @@ struct WyLayout {
   }
 };
 
-template <bool LO>
+template <bool LO, int FK = 0>  // FK: K fixed at compile time (128), as the state kernel
 __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetParams p, const DnChunkBufs w, bool vk,
                                                                bool vv, int nvb) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const WyLayout lay(p.K, LO, nvb);
+  const std::int64_t K = FK ? FK : p.K;
+  const WyLayout lay(K, LO, nvb);
   float(*sL)[65] = reinterpret_cast<float(*)[65]>(base + lay.L);  // (64, 64) Lg W, row i col j
   float(*sT)[65] = reinterpret_cast<float(*)[65]>(base + lay.T);  // (64, 64) T2 = (I + Lg W)^-1
   float(*scr)[16][17] = reinterpret_cast<float(*)[16][17]>(base + lay.scr);
@@ -66,7 +67,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
   bf16* sA2h = reinterpret_cast<bf16*>(base + lay.A2h);  // (64, 64) T2 hi
   bf16* sA2l = reinterpret_cast<bf16*>(base + lay.A2l);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, Kc = lay.Kc, ldk = lay.ldk;
-  const std::int64_t h = blockIdx.y, K = p.K, V = p.V;
+  const std::int64_t h = blockIdx.y, V = p.V;
   DnSeq sq;
   std::int64_t t0;
   if (!dn_slot(p, blockIdx.x, sq, t0)) return;
@@ -206,7 +207,10 @@ struct StLayout {
 // grids that leave SMs idle (long sequences, few heads). The same sums in the same order per element:
 // the same bits as TW = 64.
 constexpr int kStThreads = 256;
-template <bool LO, int TW = 64>
+// FK: K fixed at compile time (128; the launch checks it), 0: runtime. Fixed, the tiles' strides,
+// trip counts and shared-memory offsets are constants (as the mLSTM backward's K3 roles: -34% of
+// their executed instructions there).
+template <bool LO, int TW = 64, int FK = 0>
 __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w,
                                                                        bool vk, bool vx, bool pxu, bool dp) {
   static_assert(TW == 64 || TW == 32, "64- or 32-column tiles");
@@ -214,7 +218,8 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
   constexpr int LDT = TW + 8, LDU = TW + 4;   // strides of the S / D (bf16) and Xu (fp32) tiles
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const StLayout lay(p.K, LO, pxu, TW);
+  const std::int64_t K = FK ? FK : p.K;
+  const StLayout lay(K, LO, pxu, TW);
   const int Kc = lay.Kc, ldk = lay.ldk;
   const std::size_t tile = std::size_t(kT) * ldk;  // elements of one (64, ldk) tile
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // [2] (64 rows, Kc) k
@@ -231,7 +236,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
   const int rg = warp & 3, half = warp >> 2;  // X step: rows 16 rg.., columns (TW / 2) half..
   const DnCta cta = dn_chain_cta(p, reinterpret_cast<int*>(base));
   const std::int64_t n = cta.n, h = cta.h;
-  const std::int64_t c0 = cta.tile * TW, K = p.K, V = p.V, rows = p.B * p.T * p.H;
+  const std::int64_t c0 = cta.tile * TW, V = p.V, rows = p.B * p.T * p.H;
   const DnSeq sq = dn_seq(p, n);
   const std::int64_t b = sq.b;
   const int ngroups = Kc / 16;  // 16-row groups of S: warp w owns group w
@@ -363,12 +368,13 @@ struct OutLayout {
   }
 };
 
-template <bool LO>
+template <bool LO, int FK = 0>  // FK: as the wy kernel
 __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetParams p, const DnChunkBufs w, bool vq,
                                                                 bool vk, bool dp) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const OutLayout lay(p.K, LO, dp);
+  const std::int64_t K = FK ? FK : p.K;
+  const OutLayout lay(K, LO, dp);
   const int Kc = lay.Kc, ldk = lay.ldk;
   bf16* sq = reinterpret_cast<bf16*>(base + lay.q);    // (64 rows, Kc) q
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // (64 rows, Kc) k
@@ -379,7 +385,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetPa
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
   float* sX = reinterpret_cast<float*>(base + lay.X);  // (64, 64) X rows of the chunk, this CTA's columns
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const std::int64_t h = blockIdx.y, c0 = std::int64_t(blockIdx.z) * kT, K = p.K, V = p.V;
+  const std::int64_t h = blockIdx.y, c0 = std::int64_t(blockIdx.z) * kT, V = p.V;
   DnSeq sq_;
   std::int64_t t0;
   if (!dn_slot(p, blockIdx.x, sq_, t0)) return;
@@ -472,7 +478,10 @@ bool set_deltanet_fwd_dprime(bool enabled) { return g_dprime.exchange(enabled); 
 namespace {
 std::atomic<int> g_wy_vbufs{0};   // 0: the planner's choice
 std::atomic<int> g_state_tile{0};  // 0: the planner's choice
+std::atomic<bool> g_fixed_k{true};  // set_deltanet_fixed_k
 }  // namespace
+bool set_deltanet_fixed_k(bool on) { return g_fixed_k.exchange(on); }
+bool deltanet_fixed_k(const DeltanetParams& p) { return g_fixed_k.load(std::memory_order_relaxed) && p.K == 128; }
 int set_deltanet_wy_vbufs(int n) { return g_wy_vbufs.exchange(n == 1 || n == 2 ? n : 0); }
 int set_deltanet_state_tile(int cols) { return g_state_tile.exchange(cols == 32 || cols == 64 ? cols : 0); }
 int deltanet_serial_tile(const DeltanetParams& p) {
@@ -498,6 +507,7 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   const auto st = reinterpret_cast<cudaStream_t>(stream);
   if (slots > 0 && (phases & 1)) {
     auto* wy = p.hilo ? &deltanet_wy_kernel<true> : &deltanet_wy_kernel<false>;
+    if (deltanet_fixed_k(p)) wy = p.hilo ? &deltanet_wy_kernel<true, 128> : &deltanet_wy_kernel<false, 128>;
     // two v buffers unless the second costs a resident CTA per SM (or does not fit)
     const auto wy_fn = reinterpret_cast<const void*>(wy);
     const WyLayout l1(p.K, p.hilo, 1), l2(p.K, p.hilo, 2);
@@ -519,6 +529,9 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   const StLayout ls(p.K, p.hilo, pxu, tw);
   auto* state = p.hilo ? &deltanet_state_kernel<true> : &deltanet_state_kernel<false>;
   if (tw == 32) state = p.hilo ? &deltanet_state_kernel<true, 32> : &deltanet_state_kernel<false, 32>;
+  if (deltanet_fixed_k(p))
+    state = tw == 32 ? (p.hilo ? &deltanet_state_kernel<true, 32, 128> : &deltanet_state_kernel<false, 32, 128>)
+                     : (p.hilo ? &deltanet_state_kernel<true, 64, 128> : &deltanet_state_kernel<false, 64, 128>);
   const std::int64_t vtw = (p.V + tw - 1) / tw;
   if (vtw > 65535) throw Error(cat("deltanet (tensor cores): grid too large (", vtw, " V tiles)"));
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(state), kStThreads, ls.bytes);
@@ -533,6 +546,7 @@ void deltanet_chunk_tc_output(const DeltanetParams& p, const DnChunkBufs& w, Str
   const bool dp = deltanet_dprime(p, w);
   const OutLayout lo(p.K, p.hilo, dp);
   auto* out = p.hilo ? &deltanet_out_kernel<true> : &deltanet_out_kernel<false>;
+  if (deltanet_fixed_k(p)) out = p.hilo ? &deltanet_out_kernel<true, 128> : &deltanet_out_kernel<false, 128>;
   prepare(out, lo.bytes);
   out<<<dim3(unsigned(slots), unsigned(p.H), unsigned(vt)), kThreads, lo.bytes,
         reinterpret_cast<cudaStream_t>(stream)>>>(p, w, rows16_seq(p.q), rows16_seq(p.k), dp);

@@ -35,6 +35,11 @@ int set_deltanet_state_tile(int cols);
 // The planner's choice: 32 where 64-column CTAs (one per SM) would leave more than half the SMs idle;
 // with cu_seqlens (lengths unknown on the host, the longest sets the tail) up to two such waves.
 int deltanet_serial_tile(const DeltanetParams& p);
+// The serial kernels (forward state, backward serial) compiled for K = 128 where the problem has it,
+// else for a runtime K: on by default; returns the previous setting (tests; fastweight_bench
+// --dn-fixed-k=off).
+bool set_deltanet_fixed_k(bool on);
+bool deltanet_fixed_k(const DeltanetParams& p);
 // Version 2 on tensor cores (deltanet_fwd_tc.cu): bf16 q, k, v, o and K <= 128;
 // deltanet_fwd_cuda picks it where it applies (no workspace).
 bool deltanet_fwd_tc_applies(const DeltanetParams& p);
