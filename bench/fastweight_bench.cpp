@@ -26,6 +26,7 @@
 //   fastweight_bench --mlstm-dv-lo=on        mLSTM backward's dv state product with dC's lo part too (A/B)
 //   fastweight_bench --mlstm-k3-full=off     mLSTM backward's K3 roles without the full-chunk instances (A/B)
 //   fastweight_bench --mlstm-dv-parts=off    mLSTM backward's K3 roles on 128 DV columns, 128-wide slabs (A/B)
+//   fastweight_bench --mlstm-dv-wide=off     mLSTM backward's K3 parts: two at DQK <= 128, none above (A/B)
 //   fastweight_bench --mlstm-out-tiles=1|2   mLSTM forward's output kernel: 64-column DV tiles per CTA (A/B)
 //   fastweight_bench --mlstm-shapes=BxNHxSxDQKxDV[+...]  mLSTM GPU rows timed at these shapes (verified
 //                                            at the default small shape, as without it)
@@ -92,6 +93,7 @@ struct Options {
   bool mlstm_dv_lo = false;
   bool mlstm_no_k3_full = false;
   bool mlstm_no_dv_parts = false;
+  bool mlstm_no_dv_wide = false;
   bool dn_no_fixed_k = false;
   int mlstm_slab_overlap = 0;  // 0: the planner's choice, 1 on, -1 off
   std::string mlstm_shapes;
@@ -349,6 +351,10 @@ int main(int argc, char** argv) {
       if (std::string(v) != "on" && std::string(v) != "off") usage(2);
       o.mlstm_no_dv_parts = std::string(v) == "off";
     }
+    else if (const char* v = val("--mlstm-dv-wide=")) {
+      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
+      o.mlstm_no_dv_wide = std::string(v) == "off";
+    }
     else if (const char* v = val("--dn-fixed-k=")) {
       if (std::string(v) != "on" && std::string(v) != "off") usage(2);
       o.dn_no_fixed_k = std::string(v) == "off";
@@ -384,6 +390,7 @@ int main(int argc, char** argv) {
   if (o.mlstm_dv_lo) fastweight::detail::set_mlstm_dv_lo(true);
   if (o.mlstm_no_k3_full) fastweight::detail::set_mlstm_k3_full(false);
   if (o.mlstm_no_dv_parts) fastweight::detail::set_mlstm_k3_dv_parts(false);
+  if (o.mlstm_no_dv_wide) fastweight::detail::set_mlstm_k3_dv_wide(false);
   if (o.dn_no_fixed_k) fastweight::detail::set_deltanet_fixed_k(false);
   if (o.mlstm_slab_overlap) fastweight::detail::set_mlstm_slab_overlap(o.mlstm_slab_overlap);
 #endif
