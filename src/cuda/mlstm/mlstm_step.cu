@@ -6,6 +6,9 @@
 //   2. grid (B*NH): n' = fa n + ia k and m'.
 // m' = max(lf + m, i), fa = exp(lf + m - m'), ia = exp(i - m'), lf = logsigmoid(f) (MATH.md §2).
 // No allocation and no host synchronisation: CUDA-graph safe.
+#include <atomic>
+#include <cstdint>
+
 #include "cuda/common/check.cuh"
 #include "cuda/mlstm/mlstm_common.cuh"
 #include "cuda/mlstm/mlstm_cuda.h"
@@ -74,6 +77,76 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParam
   }
 }
 
+// The C pass for fp32 states with 16-byte aligned rows and DV % 4 == 0, DQK <= kVecMaxQ: thread
+// (g, cq) holds columns 4 cq.. of rows g, g + 16, .. in registers, every load issued before any use
+// (mlstm_step_c_kernel's loop read, updated and wrote one row at a time: the store may alias the next
+// row's load in place, so the loads could not run ahead; ~1.2 TB/s of state traffic at B = 256 on an
+// H100, bench_decode.py session 21, against mlstm_kernels' Triton step at 2.9).
+constexpr int kVecQuads = kCols / 4, kVecGroups = kThreads / kVecQuads;  // 16 x 16
+constexpr int kVecMaxQ = 256, kVecRows = kVecMaxQ / kVecGroups;
+__global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmParams p) {
+  __shared__ float s_q[kVecMaxQ], s_k[kVecMaxQ];
+  __shared__ float s_red[2][kThreads / 32];
+  __shared__ float s_part[kVecGroups][kCols];  // q^T C' partial sums of each row group
+  const int tid = threadIdx.x;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
+  const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, vo = b * p.v.s0 + hd * p.v.s1;
+  const int cq = tid % kVecQuads, g = tid / kVecQuads;
+  const std::int64_t c = std::int64_t(blockIdx.y) * kCols + 4 * cq;
+  const float* __restrict__ C = static_cast<const float*>(p.c0.p) + b * p.c0.s0 + hd * p.c0.s1;
+  float* __restrict__ Co = static_cast<float*>(p.c_last.p) + b * p.c_last.s0 + hd * p.c_last.s1;
+  float4 st[kVecRows];
+#pragma unroll
+  for (int i = 0; i < kVecRows; ++i) {
+    const std::int64_t r = g + kVecGroups * i;
+    st[i] = r < p.DQK && c < p.DV ? *reinterpret_cast<const float4*>(C + r * p.c0.s2 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const Gates gt = step_gates(p, b, hd);
+  const std::int64_t no = b * p.n0.s0 + hd * p.n0.s1;
+  float qn = 0.f, qk = 0.f;  // q . n (old), q . k: block sums in a fixed order (deterministic)
+  for (std::int64_t r = tid; r < p.DQK; r += kThreads) {
+    const float qr = mlstm_ld(p.q, qo + r), kr = mlstm_ld(p.k, ko + r);
+    s_q[r] = qr, s_k[r] = kr;
+    qn = fmaf(qr, mlstm_ld(p.n0, no + r), qn);
+    qk = fmaf(qr, kr, qk);
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    qn += __shfl_xor_sync(0xffffffffu, qn, off);
+    qk += __shfl_xor_sync(0xffffffffu, qk, off);
+  }
+  if ((tid & 31) == 0) { s_red[0][tid >> 5] = qn; s_red[1][tid >> 5] = qk; }
+  __syncthreads();
+  qn = qk = 0.f;
+  for (int w = 0; w < kThreads / 32; ++w) { qn += s_red[0][w]; qk += s_red[1][w]; }
+  const float scale = rsqrtf(float(p.DQK));
+  const float den = fmaxf(fabsf(scale * (gt.fa * qn + gt.ia * qk)), float(exp(-gt.m_new))) + p.eps;
+  float vc[4];  // ia v of this thread's columns
+#pragma unroll
+  for (int j = 0; j < 4; ++j) vc[j] = c + j < p.DV ? gt.ia * mlstm_ld(p.v, vo + c + j) : 0.f;
+  float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < kVecRows; ++i) {
+    const std::int64_t r = g + kVecGroups * i;
+    if (r >= p.DQK || c >= p.DV) continue;
+    const float kr = s_k[r], qr = s_q[r];
+    float4 x = st[i];  // C' = fa C + k (ia v)^T
+    x.x = fmaf(gt.fa, x.x, kr * vc[0]), x.y = fmaf(gt.fa, x.y, kr * vc[1]);
+    x.z = fmaf(gt.fa, x.z, kr * vc[2]), x.w = fmaf(gt.fa, x.w, kr * vc[3]);
+    *reinterpret_cast<float4*>(Co + r * p.c_last.s2 + c) = x;  // may be the element just read (in place)
+    part[0] = fmaf(qr, x.x, part[0]), part[1] = fmaf(qr, x.y, part[1]);
+    part[2] = fmaf(qr, x.z, part[2]), part[3] = fmaf(qr, x.w, part[3]);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) s_part[g][4 * cq + j] = part[j];
+  __syncthreads();
+  const std::int64_t cc = std::int64_t(blockIdx.y) * kCols + tid;
+  if (tid < kCols && cc < p.DV) {
+    float hsum = 0.f;
+    for (int gg = 0; gg < kVecGroups; ++gg) hsum += s_part[gg][tid];
+    mlstm_st(p.h, b * p.h.s0 + hd * p.h.s1 + cc, scale * hsum / den);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) mlstm_step_n_kernel(const MlstmParams p) {
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
   const Gates gt = step_gates(p, b, hd);
@@ -85,14 +158,26 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_n_kernel(const MlstmParam
   if (threadIdx.x == 0) mlstm_st(p.m_last, b * p.m_last.s0 + hd * p.m_last.s1, float(gt.m_new));
 }
 
+bool aligned16(const StridedView& t) {
+  return reinterpret_cast<std::uintptr_t>(t.p) % 16 == 0 && t.s0 % 4 == 0 && t.s1 % 4 == 0 && t.s2 % 4 == 0;
+}
+
+std::atomic<bool> g_step_vec{true};  // set_mlstm_step_vec
+
 }  // namespace
+
+bool set_mlstm_step_vec(bool on) { return g_step_vec.exchange(on); }
 
 void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
   const std::int64_t heads = p.B * p.NH, tiles = (p.DV + kCols - 1) / kCols;
   if (heads == 0) return;
   if (heads > 0x7fffffff || tiles > 65535) throw Error(cat("mlstm_step: grid too large (heads ", heads, ")"));
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  mlstm_step_c_kernel<<<dim3(unsigned(heads), unsigned(tiles)), kThreads, 0, s>>>(p);
+  const bool vec = g_step_vec.load(std::memory_order_relaxed) && p.c0.dtype == DType::f32 &&
+                   p.c_last.dtype == DType::f32 && p.DQK <= kVecMaxQ && p.DV % 4 == 0 && aligned16(p.c0) &&
+                   aligned16(p.c_last);
+  if (vec) mlstm_step_c_vec_kernel<<<dim3(unsigned(heads), unsigned(tiles)), kThreads, 0, s>>>(p);
+  else mlstm_step_c_kernel<<<dim3(unsigned(heads), unsigned(tiles)), kThreads, 0, s>>>(p);
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
   mlstm_step_n_kernel<<<unsigned(heads), kThreads, 0, s>>>(p);
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
