@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
   extern __shared__ float4 smem_raw[];
   // DVt: the problem's DV; DV: the columns held in shared memory at once (<= 128). The role walks DVt
   // in parts of 128 columns (dh, v, C_k's rows reloaded per part; WD and dh C_k^T summed over them),
-  // so that q k^T, the row statistics, Y k and p_k are formed once for up to kMaxDvParts parts.
+  // so that q k^T, the row statistics, Y k and p_k are formed once for up to four parts (512 columns).
   const int DQK = FQ ? FQ : int(p.DQK), DVt = int(p.DV), DV = FV ? FV : (DVt < kMaxD ? DVt : kMaxD);
   const int nvp = (DVt + kMaxD - 1) / kMaxD;
   const K3Smem sm(reinterpret_cast<char*>(smem_raw), DQK, DV, false);
