@@ -238,6 +238,30 @@ int run_deltanet_bench(const FamilyBench& fb, std::vector<BenchRow>& rows) {
       ++failures;
     }
   }
+  // the decoding step (fp32, L2 norm on): the loop form over one position, (B, H, D) as (B, 1, H, D)
+  try {
+    const std::int64_t B = 2;
+    std::mt19937_64 rng(11);
+    HostBuf q(DType::f32, {B, H, K}, &rng), k(DType::f32, {B, H, K}, &rng), v(DType::f32, {B, H, V}, &rng);
+    HostBuf beta(DType::f32, {B, H}, &rng, 0.0, 1.0), st(DType::f32, {B, H, K, V}, &rng, -0.5, 0.5);
+    HostBuf o(DType::f32, {B, H, V}), nst(DType::f32, {B, H, K, V});
+    DeltanetStepArgs a{q.ref(), k.ref(), v.ref(), beta.ref(), st.ref(), o.ref(), nst.ref(), kDeltanetDefaultScale, true};
+    const double ms = time_ms([&] { deltanet_step(a); });
+    detail::DeltanetShape sh;
+    sh.B = B, sh.T = 1, sh.H = H, sh.K = K, sh.V = V;
+    detail::DeltanetOptions opt;
+    opt.use_qk_l2norm_in_kernel = true;
+    Vec ro(o.val.size()), rst(nst.val.size());
+    detail::deltanet_recurrent_fwd(sh, {q.val.data(), k.val.data(), v.val.data(), beta.val.data()}, opt, st.val.data(),
+                                   ro.data(), rst.data());
+    Err e;
+    e.add(o.read(), ro), e.add(nst.read(), rst);
+    if (!(e.value() <= 1e-5)) ++failures;
+    rows.push_back({"deltanet_step", "float32", dims(B, 1, H, K, V) + " l2norm", e.value(), ms, "cpu"});
+  } catch (const std::exception& ex) {
+    std::printf("deltanet_step: error: %s\n", ex.what());
+    ++failures;
+  }
 #if FW_WITH_CUDA
   if (fb.timer) failures += gpu_rows(fb, rows);
 #endif
