@@ -17,6 +17,8 @@
 //   fastweight_bench --dn-bwd-overlap=on|off DeltaNet backward: the recompute's state kernel beside prep +
 //                                            serial on a second stream, or after them (A/B; default: planner)
 //   fastweight_bench --dn-fixed-k=off        DeltaNet serial kernels for a runtime K only (A/B)
+//   fastweight_bench --dn-step-kernel=off    DeltaNet decoding step by the forward over T = 1 (A/B)
+//   fastweight_bench --mlstm-step-vec=off    mLSTM decoding step's C pass by the element kernel (A/B)
 //   fastweight_bench --mlstm-bulk-store=off  mLSTM serial kernels' state stores element by element, not by the
 //                                            TMA engine (A/B)
 //   fastweight_bench --mlstm-chunk-units=off mLSTM serial kernels' chunk tiles by the generic loader (A/B)
@@ -95,6 +97,7 @@ struct Options {
   bool mlstm_no_dv_parts = false;
   bool mlstm_no_dv_wide = false;
   bool dn_no_fixed_k = false;
+  bool dn_no_step_kernel = false, mlstm_no_step_vec = false;
   int mlstm_slab_overlap = 0;  // 0: the planner's choice, 1 on, -1 off
   std::string mlstm_shapes;
   std::string csv;
@@ -355,6 +358,14 @@ int main(int argc, char** argv) {
       if (std::string(v) != "on" && std::string(v) != "off") usage(2);
       o.mlstm_no_dv_wide = std::string(v) == "off";
     }
+    else if (const char* v = val("--dn-step-kernel=")) {
+      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
+      o.dn_no_step_kernel = std::string(v) == "off";
+    }
+    else if (const char* v = val("--mlstm-step-vec=")) {
+      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
+      o.mlstm_no_step_vec = std::string(v) == "off";
+    }
     else if (const char* v = val("--dn-fixed-k=")) {
       if (std::string(v) != "on" && std::string(v) != "off") usage(2);
       o.dn_no_fixed_k = std::string(v) == "off";
@@ -392,6 +403,8 @@ int main(int argc, char** argv) {
   if (o.mlstm_no_dv_parts) fastweight::detail::set_mlstm_k3_dv_parts(false);
   if (o.mlstm_no_dv_wide) fastweight::detail::set_mlstm_k3_dv_wide(false);
   if (o.dn_no_fixed_k) fastweight::detail::set_deltanet_fixed_k(false);
+  if (o.dn_no_step_kernel) fastweight::detail::set_deltanet_step_kernel(false);
+  if (o.mlstm_no_step_vec) fastweight::detail::set_mlstm_step_vec(false);
   if (o.mlstm_slab_overlap) fastweight::detail::set_mlstm_slab_overlap(o.mlstm_slab_overlap);
 #endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");
