@@ -29,6 +29,7 @@
 //   fastweight_bench --mlstm-k3-full=off     mLSTM backward's K3 roles without the full-chunk instances (A/B)
 //   fastweight_bench --mlstm-dv-parts=off    mLSTM backward's K3 roles on 128 DV columns, 128-wide slabs (A/B)
 //   fastweight_bench --mlstm-dv-wide=off     mLSTM backward's K3 parts: two at DQK <= 128, none above (A/B)
+//   fastweight_bench --mlstm-k2-beside=on|off mLSTM backward's K2 beside the K3 q-role (A/B; default: planner)
 //   fastweight_bench --mlstm-out-tiles=1|2   mLSTM forward's output kernel: 64-column DV tiles per CTA (A/B)
 //   fastweight_bench --mlstm-shapes=BxNHxSxDQKxDV[+...]  mLSTM GPU rows timed at these shapes (verified
 //                                            at the default small shape, as without it)
@@ -96,6 +97,7 @@ struct Options {
   bool mlstm_no_k3_full = false;
   bool mlstm_no_dv_parts = false;
   bool mlstm_no_dv_wide = false;
+  int mlstm_k2_beside = 0;  // 0: the planner's choice, 1 on, -1 off
   bool dn_no_fixed_k = false;
   bool dn_no_step_kernel = false, mlstm_no_step_vec = false;
   int mlstm_slab_overlap = 0;  // 0: the planner's choice, 1 on, -1 off
@@ -358,6 +360,10 @@ int main(int argc, char** argv) {
       if (std::string(v) != "on" && std::string(v) != "off") usage(2);
       o.mlstm_no_dv_wide = std::string(v) == "off";
     }
+    else if (const char* v = val("--mlstm-k2-beside=")) {
+      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
+      o.mlstm_k2_beside = std::string(v) == "on" ? 1 : -1;
+    }
     else if (const char* v = val("--dn-step-kernel=")) {
       if (std::string(v) != "on" && std::string(v) != "off") usage(2);
       o.dn_no_step_kernel = std::string(v) == "off";
@@ -402,6 +408,7 @@ int main(int argc, char** argv) {
   if (o.mlstm_no_k3_full) fastweight::detail::set_mlstm_k3_full(false);
   if (o.mlstm_no_dv_parts) fastweight::detail::set_mlstm_k3_dv_parts(false);
   if (o.mlstm_no_dv_wide) fastweight::detail::set_mlstm_k3_dv_wide(false);
+  if (o.mlstm_k2_beside) fastweight::detail::set_mlstm_k2_beside(o.mlstm_k2_beside);
   if (o.dn_no_fixed_k) fastweight::detail::set_deltanet_fixed_k(false);
   if (o.dn_no_step_kernel) fastweight::detail::set_deltanet_step_kernel(false);
   if (o.mlstm_no_step_vec) fastweight::detail::set_mlstm_step_vec(false);
