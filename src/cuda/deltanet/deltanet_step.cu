@@ -44,8 +44,9 @@ __global__ void __launch_bounds__(kThreads) deltanet_step_kernel(const DeltanetP
   // the state tile into registers first: every load in flight before any use
   const int cq = tid % kQuads, g = tid / kQuads;
   const std::int64_t c = c0 + 4 * cq;  // this thread's first column
-  const float* __restrict__ S = static_cast<const float*>(p.h0.p) + b * p.h0.s0 + h * p.h0.s1;
-  float* __restrict__ So = static_cast<float*>(p.ht.p) + b * p.ht.s0 + h * p.ht.s1;
+  // no __restrict__: in place, S and So are the same memory (the loads must stay before the stores)
+  const float* S = static_cast<const float*>(p.h0.p) + b * p.h0.s0 + h * p.h0.s1;
+  float* So = static_cast<float*>(p.ht.p) + b * p.ht.s0 + h * p.ht.s1;
   float4 st[kMaxRows];
 #pragma unroll
   for (int i = 0; i < kMaxRows; ++i) {

@@ -93,8 +93,9 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
   const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, vo = b * p.v.s0 + hd * p.v.s1;
   const int cq = tid % kVecQuads, g = tid / kVecQuads;
   const std::int64_t c = std::int64_t(blockIdx.y) * kCols + 4 * cq;
-  const float* __restrict__ C = static_cast<const float*>(p.c0.p) + b * p.c0.s0 + hd * p.c0.s1;
-  float* __restrict__ Co = static_cast<float*>(p.c_last.p) + b * p.c_last.s0 + hd * p.c_last.s1;
+  // no __restrict__: in place, C and Co are the same memory (the loads must stay before the stores)
+  const float* C = static_cast<const float*>(p.c0.p) + b * p.c0.s0 + hd * p.c0.s1;
+  float* Co = static_cast<float*>(p.c_last.p) + b * p.c_last.s0 + hd * p.c_last.s1;
   float4 st[kVecRows];
 #pragma unroll
   for (int i = 0; i < kVecRows; ++i) {
