@@ -305,6 +305,10 @@ int main(int argc, char** argv) {
       const std::size_t l = std::strlen(k);
       return a.compare(0, l, k) == 0 ? argv[i] + l : nullptr;
     };
+    auto on = [](const char* v) {  // an A/B switch's value: on or off, else the usage
+      if (std::strcmp(v, "on") != 0 && std::strcmp(v, "off") != 0) usage(2);
+      return std::strcmp(v, "on") == 0;
+    };
     if (a == "--help" || a == "-h") usage(0);
     else if (const char* v = val("--op=")) o.op = v;
     else if (const char* v = val("--dtype=")) o.dtype = parse_dtype(v);
@@ -328,63 +332,24 @@ int main(int argc, char** argv) {
     else if (a == "--dn-no-db2") o.dn_no_db2 = true;
     else if (const char* v = val("--dn-wy-vbufs=")) o.dn_wy_vbufs = std::atoi(v);
     else if (const char* v = val("--dn-state-tile=")) o.dn_state_tile = std::atoi(v);
-    else if (const char* v = val("--dn-bwd-overlap=")) {
-      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
-      o.dn_bwd_overlap = std::string(v) == "on" ? 1 : -1;
-    }
-    else if (const char* v = val("--mlstm-bulk-store=")) {
-      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
-      o.mlstm_no_bulk_store = std::string(v) == "off";
-    }
-    else if (const char* v = val("--mlstm-chunk-units=")) {
-      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
-      o.mlstm_no_chunk_units = std::string(v) == "off";
-    }
-    else if (const char* v = val("--mlstm-k3-fixed=")) {
-      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
-      o.mlstm_no_k3_fixed = std::string(v) == "off";
-    }
-    else if (const char* v = val("--mlstm-dv-lo=")) {
-      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
-      o.mlstm_dv_lo = std::string(v) == "on";
-    }
-    else if (const char* v = val("--mlstm-k3-full=")) {
-      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
-      o.mlstm_no_k3_full = std::string(v) == "off";
-    }
-    else if (const char* v = val("--mlstm-dv-parts=")) {
-      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
-      o.mlstm_no_dv_parts = std::string(v) == "off";
-    }
-    else if (const char* v = val("--mlstm-dv-wide=")) {
-      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
-      o.mlstm_no_dv_wide = std::string(v) == "off";
-    }
-    else if (const char* v = val("--mlstm-k2-beside=")) {
-      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
-      o.mlstm_k2_beside = std::string(v) == "on" ? 1 : -1;
-    }
-    else if (const char* v = val("--dn-step-kernel=")) {
-      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
-      o.dn_no_step_kernel = std::string(v) == "off";
-    }
-    else if (const char* v = val("--mlstm-step-vec=")) {
-      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
-      o.mlstm_no_step_vec = std::string(v) == "off";
-    }
-    else if (const char* v = val("--dn-fixed-k=")) {
-      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
-      o.dn_no_fixed_k = std::string(v) == "off";
-    }
+    else if (const char* v = val("--dn-bwd-overlap=")) o.dn_bwd_overlap = on(v) ? 1 : -1;
+    else if (const char* v = val("--mlstm-bulk-store=")) o.mlstm_no_bulk_store = !on(v);
+    else if (const char* v = val("--mlstm-chunk-units=")) o.mlstm_no_chunk_units = !on(v);
+    else if (const char* v = val("--mlstm-k3-fixed=")) o.mlstm_no_k3_fixed = !on(v);
+    else if (const char* v = val("--mlstm-dv-lo=")) o.mlstm_dv_lo = on(v);
+    else if (const char* v = val("--mlstm-k3-full=")) o.mlstm_no_k3_full = !on(v);
+    else if (const char* v = val("--mlstm-dv-parts=")) o.mlstm_no_dv_parts = !on(v);
+    else if (const char* v = val("--dn-fixed-k=")) o.dn_no_fixed_k = !on(v);
+    else if (const char* v = val("--mlstm-dv-wide=")) o.mlstm_no_dv_wide = !on(v);
+    else if (const char* v = val("--mlstm-k2-beside=")) o.mlstm_k2_beside = on(v) ? 1 : -1;
+    else if (const char* v = val("--dn-step-kernel=")) o.dn_no_step_kernel = !on(v);
+    else if (const char* v = val("--mlstm-step-vec=")) o.mlstm_no_step_vec = !on(v);
     else if (const char* v = val("--mlstm-out-tiles=")) {
       o.mlstm_out_tiles = std::atoi(v);
       if (o.mlstm_out_tiles != 1 && o.mlstm_out_tiles != 2) usage(2);
     }
     else if (const char* v = val("--mlstm-shapes=")) o.mlstm_shapes = v;
-    else if (const char* v = val("--mlstm-slab-overlap=")) {
-      if (std::string(v) != "on" && std::string(v) != "off") usage(2);
-      o.mlstm_slab_overlap = std::string(v) == "on" ? 1 : -1;
-    }
+    else if (const char* v = val("--mlstm-slab-overlap=")) o.mlstm_slab_overlap = on(v) ? 1 : -1;
     else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); usage(2); }
   }
   const bool gpu = !o.cpu && cuda_available();
