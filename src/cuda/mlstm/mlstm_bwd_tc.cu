@@ -1185,29 +1185,40 @@ void mlstm_bwd_k3_den_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Str
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
 }
 
+namespace {
+// A K3 role over the problem's chunks: the full ones [0, k3_full_chunks) by `full` (the instance
+// compiled for 64 rows), the rest (a short last chunk, or all of them with set_mlstm_k3_full off) by
+// `rest`, each launch taking chunks kc0 + blockIdx.y.
+using K3Kernel = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs, const int);
+void launch_k3(K3Kernel full, K3Kernel rest, int threads, std::size_t smem, const MlstmBwdParams& B, const K3Flags& fl,
+               float* ws, const BwdWs& L, Stream stream) {
+  const std::int64_t nfull = k3_full_chunks(B.f, L);
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  for (int part = 0; part < 2; ++part) {
+    const std::int64_t kc0 = part ? nfull : 0, nch = part ? L.NC - nfull : nfull;
+    if (nch == 0) continue;
+    const K3Kernel kernel = part ? rest : full;
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), threads, smem);
+    kernel<<<dim3(unsigned(L.heads), unsigned(nch)), threads, smem, s>>>(B, fl, ws, L, int(kc0));
+    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  }
+}
+}  // namespace
+
 void mlstm_bwd_k3q_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream, bool inv_done) {
   const MlstmParams& p = B.f;
   if (L.NC == 0 || L.heads == 0) return;
   K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
   fl.inv_done = inv_done;
   const K3Layout lq(p.DQK, std::min<std::int64_t>(p.DV, kMaxD), false);  // DV in parts of kMaxD above it
-  using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs, const int);
+  using K = K3Kernel;
   const bool fixed = k3_fixed_dims(p);
   auto pick = [&](auto full) -> K {
     constexpr bool F = decltype(full)::value;
     if (fixed) return p.DQK == 128 ? &k3q_tc<1, 128, 128, F> : &k3q_tc<2, 256, 128, F>;
     return lq.Dq > kHalf ? &k3q_tc<2, 0, 0, F> : &k3q_tc<1, 0, 0, F>;
   };
-  const std::int64_t nfull = k3_full_chunks(p, L);
-  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  for (int part = 0; part < 2; ++part) {  // the full chunks [0, nfull), then the rest
-    const std::int64_t kc0 = part ? nfull : 0, nch = part ? L.NC - nfull : nfull;
-    if (nch == 0) continue;
-    const K kernel = part ? pick(std::false_type{}) : pick(std::true_type{});
-    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kThreads, lq.bytes);
-    kernel<<<dim3(unsigned(L.heads), unsigned(nch)), kThreads, lq.bytes, s>>>(B, fl, ws, L, int(kc0));
-    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
-  }
+  launch_k3(pick(std::true_type{}), pick(std::false_type{}), kThreads, lq.bytes, B, fl, ws, L, stream);
 }
 
 void mlstm_bwd_dn_scan(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
@@ -1224,23 +1235,14 @@ void mlstm_bwd_k3kv_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Strea
   if (L.NC == 0 || L.heads == 0) return;
   const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh), g_dv_lo.load(std::memory_order_relaxed)};
   const K3Layout lkv(p.DQK, std::min<std::int64_t>(p.DV, kMaxD), true);
-  using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs, const int);
+  using K = K3Kernel;
   const bool fixed = k3_fixed_dims(p);
   auto pick = [&](auto full) -> K {
     constexpr bool F = decltype(full)::value;
     if (fixed) return p.DQK == 128 ? &k3kv_tc<128, 128, F> : &k3kv_tc<256, 128, F>;
     return &k3kv_tc<0, 0, F>;
   };
-  const std::int64_t nfull = k3_full_chunks(p, L);
-  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  for (int part = 0; part < 2; ++part) {  // the full chunks [0, nfull), then the rest
-    const std::int64_t kc0 = part ? nfull : 0, nch = part ? L.NC - nfull : nfull;
-    if (nch == 0) continue;
-    const K kernel = part ? pick(std::false_type{}) : pick(std::true_type{});
-    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kKvThreads, lkv.bytes);
-    kernel<<<dim3(unsigned(L.heads), unsigned(nch)), kKvThreads, lkv.bytes, s>>>(B, fl, ws, L, int(kc0));
-    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
-  }
+  launch_k3(pick(std::true_type{}), pick(std::false_type{}), kKvThreads, lkv.bytes, B, fl, ws, L, stream);
 }
 
 bool mlstm_bwd_k2_tc_applies(const MlstmBwdParams& b) {
