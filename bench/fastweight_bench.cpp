@@ -29,7 +29,6 @@
 //   fastweight_bench --mlstm-k3-full=off     mLSTM backward's K3 roles without the full-chunk instances (A/B)
 //   fastweight_bench --mlstm-dv-parts=off    mLSTM backward's K3 roles on 128 DV columns, 128-wide slabs (A/B)
 //   fastweight_bench --mlstm-dv-wide=off     mLSTM backward's K3 parts: two at DQK <= 128, none above (A/B)
-//   fastweight_bench --mlstm-k2-beside=on|off mLSTM backward's K2 beside the K3 q-role (A/B; default: planner)
 //   fastweight_bench --mlstm-out-tiles=1|2   mLSTM forward's output kernel: 64-column DV tiles per CTA (A/B)
 //   fastweight_bench --mlstm-shapes=BxNHxSxDQKxDV[+...]  mLSTM GPU rows timed at these shapes (verified
 //                                            at the default small shape, as without it)
@@ -97,7 +96,6 @@ struct Options {
   bool mlstm_no_k3_full = false;
   bool mlstm_no_dv_parts = false;
   bool mlstm_no_dv_wide = false;
-  int mlstm_k2_beside = 0;  // 0: the planner's choice, 1 on, -1 off
   bool dn_no_fixed_k = false;
   bool dn_no_step_kernel = false, mlstm_no_step_vec = false;
   int mlstm_slab_overlap = 0;  // 0: the planner's choice, 1 on, -1 off
@@ -341,7 +339,6 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--mlstm-dv-parts=")) o.mlstm_no_dv_parts = !on(v);
     else if (const char* v = val("--dn-fixed-k=")) o.dn_no_fixed_k = !on(v);
     else if (const char* v = val("--mlstm-dv-wide=")) o.mlstm_no_dv_wide = !on(v);
-    else if (const char* v = val("--mlstm-k2-beside=")) o.mlstm_k2_beside = on(v) ? 1 : -1;
     else if (const char* v = val("--dn-step-kernel=")) o.dn_no_step_kernel = !on(v);
     else if (const char* v = val("--mlstm-step-vec=")) o.mlstm_no_step_vec = !on(v);
     else if (const char* v = val("--mlstm-out-tiles=")) {
@@ -373,7 +370,6 @@ int main(int argc, char** argv) {
   if (o.mlstm_no_k3_full) fastweight::detail::set_mlstm_k3_full(false);
   if (o.mlstm_no_dv_parts) fastweight::detail::set_mlstm_k3_dv_parts(false);
   if (o.mlstm_no_dv_wide) fastweight::detail::set_mlstm_k3_dv_wide(false);
-  if (o.mlstm_k2_beside) fastweight::detail::set_mlstm_k2_beside(o.mlstm_k2_beside);
   if (o.dn_no_fixed_k) fastweight::detail::set_deltanet_fixed_k(false);
   if (o.dn_no_step_kernel) fastweight::detail::set_deltanet_step_kernel(false);
   if (o.mlstm_no_step_vec) fastweight::detail::set_mlstm_step_vec(false);

@@ -233,21 +233,17 @@ TEST_P(MlstmCudaBwd, MatchesReferenceAllGradientsAndIsDeterministic) {
   // (last-bit differences of FMA contraction, carried through bf16 outputs). With DV parts the two
   // round different intermediates to bf16 (per slab: dh v^T of 128 columns into the bf16 fragments of
   // Y; in parts: of all DV), so they differ by ~3e-3 in dq, dk (H100), each within tol of float64.
-  // Above DV = 256 a fourth run takes session 20's parts (two at DQK <= 128 and none above). The third
-  // run also has K2 after the q-role, which then writes 1/den itself (set_mlstm_k2_beside(-1)); the
-  // first two take the planner's choice (here: k3_den, then K2 beside the q-role or, with overlapped
-  // slabs, after it: the same bits).
+  // Above DV = 256 a fourth run takes session 20's parts (two at DQK <= 128 and none above).
   HostTensor dq3 = dq, dk3 = dk, dv3 = dv, di3 = di, df3 = df;
   HostTensor dq4 = dq, dk4 = dk, dv4 = dv, di4 = di, df4 = df;
   bool fourth = false;
   const bool fixed_dims = (c.DQK == 128 || c.DQK == 256) && c.DV >= 128;
   const bool dv_parts = c.DV > 128;
-  const bool third = c.dt == DType::bf16 && c.L == 64 && !c.strong;  // also: K2 after the q-role (no k3_den)
+  const bool third = (fixed_dims || dv_parts) && !c.strong;
   cudaFree(ws);
   if (third) {
     const bool fixed = fastweight::detail::set_mlstm_k3_fixed(false);
     const bool parts = fastweight::detail::set_mlstm_k3_dv_parts(false);
-    const int beside = fastweight::detail::set_mlstm_k2_beside(-1);
     const std::size_t wsb3 = mlstm_bwd_workspace_size(a);
     void* ws3 = nullptr;
     FW_TEST_CUDA(cudaMalloc(&ws3, wsb3));
@@ -255,7 +251,6 @@ TEST_P(MlstmCudaBwd, MatchesReferenceAllGradientsAndIsDeterministic) {
     FW_TEST_CUDA(cudaDeviceSynchronize());
     fastweight::detail::set_mlstm_k3_fixed(fixed);
     fastweight::detail::set_mlstm_k3_dv_parts(parts);
-    fastweight::detail::set_mlstm_k2_beside(beside);
     cudaFree(ws3);
     gdq.download(dq3), gdk.download(dk3), gdv.download(dv3), gdi.download(di3), gdf.download(df3);
     if (c.DV > 256) {  // and session 20's parts (two at DQK <= 128, none above): against float64 too

@@ -19,11 +19,9 @@
 // P_ts = scale (q_t . k_s) D_ts, Z_ts = P_ts X_ts.
 #include <atomic>
 #include <memory>
-#include <optional>
 #include <vector>
 
 #include "cuda/common/check.cuh"
-#include "cuda/common/stream_fork.h"
 #include "cuda/mlstm/mlstm_common.cuh"
 #include "cuda/mlstm/mlstm_bwd_ws.h"
 #include "cuda/mlstm/mlstm_cuda.h"
@@ -815,23 +813,6 @@ bool slab_overlap(const MlstmBwdParams& B) {
   }
 }
 
-std::atomic<int> g_k2_beside{0};  // 0: the planner's choice, 1: always, -1: never
-
-// K2 (the reverse scan of dC: a serial chain per (head, DQK tile, DV tile) over the chunks) on a
-// side stream beside the K3 q-role, which fills the GPU with one CTA per (head, chunk) and no longer
-// forms the 1/den K2 needs (k3_den does, ahead of both). Where K2's grid fits in one wave at two CTAs
-// per SM: its chain then sets its time, and the q-role's CTAs take the slots it leaves.
-bool k2_beside(const MlstmBwdParams& B) {
-  const int mode = g_k2_beside.load();
-  if (mode != 0) return mode > 0;
-  const MlstmParams& p = B.f;
-  try {
-    return p.B * p.NH * ((p.DQK + 63) / 64) * ((p.DV + 63) / 64) <= 2 * sm_count();
-  } catch (const Error&) {
-    return false;  // no device to plan for
-  }
-}
-
 // fp32 sums after the core workspace of one slab: acc then tmp, each dq, dk (B NH S DQK), di, df
 // (B NH S), dn0 (B NH DQK), dm0 (B NH); offsets in floats (part[e] into acc, tpart[e] into tmp).
 // Where the tensor-core K3 roles sum dq and dk (fused), they add into acc directly and tmp holds
@@ -992,7 +973,6 @@ void bwd_split(const MlstmBwdParams& B, float* ws, Stream stream) {
 }  // namespace
 
 int set_mlstm_slab_overlap(int mode) { return g_slab_overlap.exchange(mode > 0 ? 1 : mode < 0 ? -1 : 0); }
-int set_mlstm_k2_beside(int mode) { return g_k2_beside.exchange(mode > 0 ? 1 : mode < 0 ? -1 : 0); }
 
 std::size_t mlstm_bwd_workspace_bytes(const MlstmBwdParams& b) {
   return std::size_t(split_applies(b) ? SplitWs(b).total : BwdWs(b.f).total) * 4;
@@ -1038,31 +1018,15 @@ void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream, const SlabSync*
                         reinterpret_cast<const void*>(&k3_dkdv)})
     (void)resident_ctas_per_sm(k, kThreads, smem);  // raises the dynamic shared-memory limit
   const unsigned H = unsigned(heads), NC = unsigned(L.NC), RB = unsigned(L.rbs);
-  // K2 beside the q-role (k2_beside): 1/den first (k3_den), then K2 on the side stream, which it
-  // shares with no other work where the slabs are not overlapped (sy: they are; then K2 follows the
-  // q-role on this stream, still reading k3_den's 1/den: the same bits either way)
-  const bool k2_tc = mlstm_bwd_k2_tc_applies(B);
-  const bool den = tc && k2_tc && k2_beside(B);
-  std::optional<StreamFork> fork;
-  if (den) {
-    mlstm_bwd_k3_den_tc(B, ws, L, stream);
-    if (!sy && NC > 0) {
-      fork.emplace("mlstm_bwd (K2 beside the q-role)", s);
-      mlstm_bwd_k2_tc(B, ws, L, tc, reinterpret_cast<Stream>(fork->side));
-      fork->done();
-    }
-  }
   if (tc) {
     if (sy) wait_on(s, sy->q_wait);
-    mlstm_bwd_k3q_tc(B, ws, L, stream, den);
+    mlstm_bwd_k3q_tc(B, ws, L, stream);
     if (sy) record(sy->q_done, s);
   } else if (NC > 0) {
     k1_rows<<<dim3(H, NC, RB), kThreads, smem, s>>>(B, ws, ws, L);
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
   }
-  if (fork) {
-    fork.reset();  // the caller's stream waits for K2
-  } else if (k2_tc) {
+  if (mlstm_bwd_k2_tc_applies(B)) {
     mlstm_bwd_k2_tc(B, ws, L, tc, stream);
   } else {
     k2_scan<<<dim3(H, unsigned(kt), unsigned(vt)), kThreads, 0, s>>>(B, ws, L);

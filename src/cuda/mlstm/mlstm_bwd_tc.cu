@@ -38,7 +38,6 @@ constexpr int kHalf = 128;   // state rows (DQK) held in shared memory at once
 struct K3Flags {
   bool q, k, v, dh;  // 16-byte rows: cp.async
   bool dv_lo = false;  // kv-role: dv's k dC product with dC's lo part too (set_mlstm_dv_lo)
-  bool inv_done = false;  // q-role: k3_den wrote the rows' 1/den (K2 may be reading it): not again
 };
 
 // Dynamic smem, Dq = DQK and Dv = DV rounded up to 16, ldq = Dq + 8, ldv = Dv + 8 (bf16 elements),
@@ -421,7 +420,7 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
     ey[hr] = si / den + scale * et * qnt * dbr[hr];
     if (t4 == 0) {
       const std::int64_t ri = bh * p.S + t0 + t;
-      if (!fl.inv_done) ws[L.inv_den + ri] = inv[hr];
+      ws[L.inv_den + ri] = inv[hr];
       ws[L.db + ri] = dbr[hr];
       ws[L.corr + ri] = p.eps * dden;
       ws[L.ey + ri] = ey[hr];
@@ -478,83 +477,6 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
 #pragma unroll
     for (int t = 0; t < kT; ++t) x[t & 3] = fmaf(sm.db[t], __bfloat162float(sm.q[t * ldq + c]), x[t & 3]);
     pk[c] = (x[0] + x[1]) + (x[2] + x[3]);
-  }
-}
-
-// ---- 1/den ahead of the q-role (mlstm_bwd_k3_den_tc) --------------------------------------------------
-// K2 needs the rows' 1/den, one of the q-role's statistics. This kernel forms only that (q k^T, the
-// decay entries, sum_s P and q . n_k, in the q-role's fragments and order of sums), so that K2 (a
-// serial chain of few CTAs) can run beside the q-role (which fills the GPU) on a side stream. Grid
-// (heads, chunks), 4 warps of 16 rows; shared memory: q, k (64, Dq) bf16 and n_k (Dq) fp32.
-std::size_t den_smem_bytes(std::int64_t DQK) {
-  const std::size_t Dq = std::size_t(round_up(DQK, 16)), ldq = Dq + 8;
-  return 2 * 2 * std::size_t(kT) * ldq + 4 * Dq;
-}
-template <int FQ = 0>  // DQK fixed at compile time (the q-role's instances), 0: runtime
-__global__ void __launch_bounds__(kThreads) k3_den(const MlstmBwdParams B, const K3Flags fl, float* ws, const BwdWs L) {
-  const MlstmParams& p = B.f;
-  __shared__ double s_g[kT], s_a[kT], s_M[kT];
-  extern __shared__ float4 smem_raw[];
-  const int DQK = FQ ? FQ : int(p.DQK), Dq = int(round_up(DQK, 16)), ldq = Dq + 8;
-  bf16* sq = reinterpret_cast<bf16*>(smem_raw);  // (64, Dq) q
-  bf16* sk = sq + kT * ldq;                      // (64, Dq) k
-  float* snv = reinterpret_cast<float*>(sk + kT * ldq);  // (Dq) n_k
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
-  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * kT;
-  const int n = int(lmin(kT, p.S - t0));
-  const double mk = double(ws[L.m + bh * L.ns + kc]);
-  auto rows = [&](const StridedView& t) { return static_cast<const bf16*>(t.p) + b * t.s0 + hd * t.s1 + t0 * t.s2; };
-  load_tile(sq, ldq, kT, Dq, rows(p.q), p.q.s2, n, DQK, fl.q);
-  load_tile(sk, ldq, kT, Dq, rows(p.k), p.k.s2, n, DQK, fl.k);
-  const double* gw = reinterpret_cast<const double*>(ws + L.gates) + (b * p.NH + hd) * p.S + t0;
-  const std::int64_t hs = L.heads * p.S;  // g, a, A: (heads, S) float64 each (K0's gate pass)
-  if (tid < n) {
-    cp_async8(s_g + tid, gw + tid);
-    cp_async8(s_a + tid, gw + hs + tid);
-    cp_async8(s_M + tid, gw + 2 * hs + tid);
-  }
-  const float* nvf = ws + L.n + (bh * L.ns + kc) * DQK;
-  for (int r = tid; r < Dq; r += kThreads) {
-    if (r < DQK) cp_async4(snv + r, nvf + r);
-    else snv[r] = 0.f;
-  }
-  cp_async_commit();
-  cp_async_wait<0>();
-  k3_gates(n, mk, s_M);  // (synchronises: the tiles are visible)
-  const float scale = rsqrtf(float(DQK));
-  const int tA = 16 * warp + gq, tB = tA + 8;  // this thread's two rows
-  const double MA = s_M[tA < n ? tA : 0], MB = s_M[tB < n ? tB : 0];
-  float sacc[8][4] = {};
-  mma_rn(sacc, sq, ldq, warp, sk, ldq, Dq, lane);  // q k^T: (t, s)
-  float rsA = 0.f, rsB = 0.f;  // this lane's parts of sum_s P
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int t = e < 2 ? tA : tB, s = 8 * j + 2 * t4 + (e & 1);
-      const bool on = t < n && s <= t;
-      const float D = on ? __expf(float(s_a[s] - (e < 2 ? MA : MB))) : 0.f;
-      (e < 2 ? rsA : rsB) += on ? scale * sacc[j][e] * D : 0.f;
-    }
-  float qn;  // lanes 2r, 2r+1: q . n_k of row r of the warp (even / odd columns)
-  {
-    const bf16* qr = sq + (16 * warp + (lane >> 1)) * ldq;
-    float x = 0.f;
-    for (int c = lane & 1; c < Dq; c += 2) x = fmaf(__bfloat162float(qr[c]), snv[c], x);
-    qn = x + __shfl_xor_sync(0xffffffffu, x, 1);
-  }
-  const float qnA = __shfl_sync(0xffffffffu, qn, 2 * gq), qnB = __shfl_sync(0xffffffffu, qn, 2 * (gq + 8));
-#pragma unroll
-  for (int off = 1; off <= 2; off <<= 1)
-    rsA += __shfl_xor_sync(0xffffffffu, rsA, off), rsB += __shfl_xor_sync(0xffffffffu, rsB, off);
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int t = hr ? tB : tA;
-    if (t >= n || t4 != 0) continue;
-    const float et = float(exp(mk - s_M[t]));
-    const float bsum = (hr ? rsB : rsA) + scale * et * (hr ? qnB : qnA);
-    const float em = float(exp(-(s_g[t] + s_M[t])));
-    ws[L.inv_den + bh * p.S + t0 + t] = 1.f / (fmaxf(fabsf(bsum), em) + p.eps);
   }
 }
 
@@ -935,8 +857,7 @@ __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams
     if (tid < nb) {
       cp_async8(&sm.A[st][tid], wA + t + tid);
       cp_async4(&sm.inv[st][tid], ws + L.inv_den + bh * S + t + tid);
-      // db only where dn is carried here (not for the tensor-core K3: the q-role may be writing it)
-      if (!for_tc_k3) cp_async4(&sm.db[st][tid], ws + L.db + bh * S + t + tid);
+      cp_async4(&sm.db[st][tid], ws + L.db + bh * S + t + tid);
     }
     if (tid == kT) cp_async8(&sm.Aend[st], wA + tend - 1);
     if (tid == kT + 1) cp_async4(&sm.mk[st], ws + L.m + bh * ns + kc);
@@ -1171,20 +1092,6 @@ bool mlstm_bwd_k3_tc_applies(const MlstmBwdParams& b) {
                   K3Layout(p.DQK, std::min<std::int64_t>(p.DV, kMaxD), false).bytes) + 4096 <= smem_per_block_optin();
 }
 
-void mlstm_bwd_k3_den_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
-  const MlstmParams& p = B.f;
-  if (L.NC == 0 || L.heads == 0) return;
-  const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
-  using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs);
-  K kernel = &k3_den<>;
-  if (k3_fixed_dims(p)) kernel = p.DQK == 128 ? &k3_den<128> : &k3_den<256>;
-  const std::size_t smem = den_smem_bytes(p.DQK);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kThreads, smem);
-  kernel<<<dim3(unsigned(L.heads), unsigned(L.NC)), kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(B, fl, ws,
-                                                                                                               L);
-  FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
-}
-
 namespace {
 // A K3 role over the problem's chunks: the full ones [0, k3_full_chunks) by `full` (the instance
 // compiled for 64 rows), the rest (a short last chunk, or all of them with set_mlstm_k3_full off) by
@@ -1205,11 +1112,10 @@ void launch_k3(K3Kernel full, K3Kernel rest, int threads, std::size_t smem, cons
 }
 }  // namespace
 
-void mlstm_bwd_k3q_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream, bool inv_done) {
+void mlstm_bwd_k3q_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
   const MlstmParams& p = B.f;
   if (L.NC == 0 || L.heads == 0) return;
-  K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
-  fl.inv_done = inv_done;
+  const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
   const K3Layout lq(p.DQK, std::min<std::int64_t>(p.DV, kMaxD), false);  // DV in parts of kMaxD above it
   using K = K3Kernel;
   const bool fixed = k3_fixed_dims(p);

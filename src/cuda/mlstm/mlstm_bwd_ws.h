@@ -39,10 +39,7 @@ struct BwdWs {  // offsets in floats into the workspace
 // is K0, K3 q-role, K2 without dn, dn_scan, K3 kv-role, K4. Reads and writes the workspace as k3_dq,
 // k1_rows / k3_dkdv do, plus pn.
 bool mlstm_bwd_k3_tc_applies(const MlstmBwdParams& b);
-// inv_done: mlstm_bwd_k3_den_tc wrote the rows' 1/den (the q-role leaves it alone: K2 may be reading it).
-void mlstm_bwd_k3q_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, Stream stream, bool inv_done = false);
-// The rows' 1/den alone (as the q-role forms it), so that K2 can run beside the q-role.
-void mlstm_bwd_k3_den_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, Stream stream);
+void mlstm_bwd_k3q_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, Stream stream);
 void mlstm_bwd_dn_scan(const MlstmBwdParams& b, float* ws, const BwdWs& L, Stream stream);
 void mlstm_bwd_k3kv_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, Stream stream);
 // K2 (the reverse scan of dC and dn) on tensor cores: bf16 q, k, v, dh, after K0 on tensor cores (it

@@ -63,12 +63,6 @@ bool set_mlstm_k3_dv_wide(bool on);
 // The most 128-column DV parts a K3 CTA takes at this DQK under the two settings above.
 int mlstm_k3_dv_parts_max(std::int64_t DQK);
 
-// The backward's K2 (the reverse scan of dC) on a side stream beside the K3 q-role, the rows' 1/den
-// formed ahead of both (bf16 tensor-core path): 1 always, -1 never, 0 the planner's choice (K2's
-// grid within two CTAs per SM). Returns the previous mode (tests; fastweight_bench
-// --mlstm-k2-beside=on|off). The bits do not depend on the side stream, only on this setting.
-int set_mlstm_k2_beside(int mode);
-
 // The backward's DV slabs (DV > 128) two at a time, on the caller's stream and a side stream, each
 // with its own core workspace: 1 always, -1 never, 0 the planner's choice (where K2's grid per slab
 // takes at most one CTA per SM). Returns the previous mode (tests, fastweight_bench
