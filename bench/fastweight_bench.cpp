@@ -18,7 +18,7 @@
 //                                            serial on a second stream, or after them (A/B; default: planner)
 //   fastweight_bench --dn-fixed-k=off        DeltaNet serial kernels for a runtime K only (A/B)
 //   fastweight_bench --dn-step-kernel=off    DeltaNet decoding step by the forward over T = 1 (A/B)
-//   fastweight_bench --mlstm-step-vec=off    mLSTM decoding step's C pass by the element kernel (A/B)
+//   fastweight_bench --mlstm-step-kernel=N   mLSTM decoding step's C pass kernel (A/B; set_mlstm_step_kernel)
 //   fastweight_bench --mlstm-bulk-store=off  mLSTM serial kernels' state stores element by element, not by the
 //                                            TMA engine (A/B)
 //   fastweight_bench --mlstm-chunk-units=off mLSTM serial kernels' chunk tiles by the generic loader (A/B)
@@ -97,7 +97,8 @@ struct Options {
   bool mlstm_no_dv_parts = false;
   bool mlstm_no_dv_wide = false;
   bool dn_no_fixed_k = false;
-  bool dn_no_step_kernel = false, mlstm_no_step_vec = false;
+  bool dn_no_step_kernel = false;
+  int mlstm_step_kernel = -1;  // -1: the default
   int mlstm_slab_overlap = 0;  // 0: the planner's choice, 1 on, -1 off
   std::string mlstm_shapes;
   std::string csv;
@@ -340,7 +341,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--dn-fixed-k=")) o.dn_no_fixed_k = !on(v);
     else if (const char* v = val("--mlstm-dv-wide=")) o.mlstm_no_dv_wide = !on(v);
     else if (const char* v = val("--dn-step-kernel=")) o.dn_no_step_kernel = !on(v);
-    else if (const char* v = val("--mlstm-step-vec=")) o.mlstm_no_step_vec = !on(v);
+    else if (const char* v = val("--mlstm-step-kernel=")) o.mlstm_step_kernel = std::atoi(v);
     else if (const char* v = val("--mlstm-out-tiles=")) {
       o.mlstm_out_tiles = std::atoi(v);
       if (o.mlstm_out_tiles != 1 && o.mlstm_out_tiles != 2) usage(2);
@@ -372,7 +373,7 @@ int main(int argc, char** argv) {
   if (o.mlstm_no_dv_wide) fastweight::detail::set_mlstm_k3_dv_wide(false);
   if (o.dn_no_fixed_k) fastweight::detail::set_deltanet_fixed_k(false);
   if (o.dn_no_step_kernel) fastweight::detail::set_deltanet_step_kernel(false);
-  if (o.mlstm_no_step_vec) fastweight::detail::set_mlstm_step_vec(false);
+  if (o.mlstm_step_kernel >= 0) fastweight::detail::set_mlstm_step_kernel(o.mlstm_step_kernel);
   if (o.mlstm_slab_overlap) fastweight::detail::set_mlstm_slab_overlap(o.mlstm_slab_overlap);
 #endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");

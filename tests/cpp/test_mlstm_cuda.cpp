@@ -395,10 +395,12 @@ std::vector<FwdCase> bwd_cases() {
 INSTANTIATE_TEST_SUITE_P(Cases, MlstmCudaBwd, ::testing::ValuesIn(bwd_cases()),
                          [](const auto& info) { return name_of(info.param); });
 
-// The C pass's register-tile kernel (fp32 states, 16-byte rows, DV % 4 == 0, DQK <= 256) at DV 136 and
-// at xLSTM 7B's (256, 512), the element kernel at DV = 70 and wherever set_mlstm_step_vec is off.
-void check_mlstm_step(std::int64_t DQK, std::int64_t DV, bool vec) {
-  SCOPED_TRACE("DQK " + std::to_string(DQK) + " DV " + std::to_string(DV) + (vec ? " vec" : " element kernel"));
+// Each of the C pass's kernels (set_mlstm_step_kernel: 0 the element kernel, 1 the register tile, 2..5
+// the row-block streaming ones; fp32 states with 16-byte rows and DV % 4 == 0 for 1..5, DQK <= 256
+// for 1) at DV 136, xLSTM 7B's (256, 512), DQK 300 (row blocks beyond 256, a short last one) and at
+// DV = 70, where the element kernel takes every setting.
+void check_mlstm_step(std::int64_t DQK, std::int64_t DV, int kernel) {
+  SCOPED_TRACE("DQK " + std::to_string(DQK) + " DV " + std::to_string(DV) + " kernel " + std::to_string(kernel));
   const std::int64_t B = 2, NH = 3;
   HostTensor q = make_host(DType::bf16, {B, NH, DQK}), k = make_host(DType::bf16, {B, NH, DQK}),
              v = make_host(DType::bf16, {B, NH, DV}), i = make_host(DType::f32, {B, NH, 1}),
@@ -415,12 +417,12 @@ void check_mlstm_step(std::int64_t DQK, std::int64_t DV, bool vec) {
   a.q = dq.ref(q), a.k = dk.ref(k), a.v = dv.ref(v), a.i = di.ref(i), a.f = df.ref(f);
   a.c = dc.ref(c), a.n = dn.ref(n), a.m = dm.ref(m), a.h = dh2.ref(h2);
   a.c_new = dc2.ref(c2), a.n_new = dn2.ref(n2), a.m_new = dm2.ref(m2);
-  const bool prev = fastweight::detail::set_mlstm_step_vec(vec);
+  const int prev = fastweight::detail::set_mlstm_step_kernel(kernel);
   fastweight::detail::mlstm_step_cuda(fastweight::detail::lower_mlstm_step(a), nullptr);
   a.h = dh.ref(h), a.c_new = a.c, a.n_new = a.n, a.m_new = a.m;  // in place
   fastweight::detail::mlstm_step_cuda(fastweight::detail::lower_mlstm_step(a), nullptr);
   FW_TEST_CUDA(cudaDeviceSynchronize());
-  fastweight::detail::set_mlstm_step_vec(prev);
+  fastweight::detail::set_mlstm_step_kernel(prev);
   HostTensor hA = h2, cA = c2, hB = h, cB = c, nB = n, mB = m;
   dh2.download(hA), dc2.download(cA), dh.download(hB), dc.download(cB), dn.download(nB), dm.download(mB);
   EXPECT_EQ(hA.bytes, hB.bytes);
@@ -438,8 +440,8 @@ void check_mlstm_step(std::int64_t DQK, std::int64_t DV, bool vec) {
 
 TEST(MlstmCudaStep, MatchesReferenceInPlaceAndOutOfPlace) {
   FW_REQUIRE_GPU();
-  for (auto [DQK, DV] : {std::pair<std::int64_t, std::int64_t>{72, 136}, {256, 512}, {64, 70}})
-    for (bool vec : {true, false}) check_mlstm_step(DQK, DV, vec);
+  for (auto [DQK, DV] : {std::pair<std::int64_t, std::int64_t>{72, 136}, {256, 512}, {300, 136}, {64, 70}})
+    for (int kernel = 0; kernel <= 5; ++kernel) check_mlstm_step(DQK, DV, kernel);
 }
 
 TEST(MlstmCudaDecay, ForwardAndBackwardMatchReference) {

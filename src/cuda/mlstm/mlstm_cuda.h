@@ -78,9 +78,11 @@ void mlstm_bwd_cuda(const MlstmBwdParams& b, void* workspace, std::size_t worksp
 // (B, NH, D); gates (B, NH[, 1]) through s0/s1; states c0/n0/m0 (in) and c_last/n_last/m_last (out)
 // may be the same memory (in place).
 void mlstm_step_cuda(const MlstmParams& p, Stream stream);
-// The step's C pass by its register-tile kernel where it applies (fp32 states, 16-byte aligned rows,
-// DV % 4 == 0, DQK <= 256; on by default), else the element kernel; returns the previous setting (tests).
-bool set_mlstm_step_vec(bool on);
+// The step's C pass kernel where fp32 states with 16-byte aligned rows and DV % 4 == 0 allow it:
+// 1 the register-tile kernel (DQK <= 256), 2..5 the row-block streaming kernel (64 x 128 threads x 8
+// rows, the same with the next block prefetched, 64 x 256 x 4, 32 x 128 x 4); else (0, or where none
+// applies) the element kernel. Returns the previous setting (tests, fastweight_bench --mlstm-step-kernel).
+int set_mlstm_step_kernel(int kernel);
 
 // Parallel form (mlstm_parallel.cu): forward h (and n, m, b where P has them); backward the
 // gradients P asks for, from the saved h, m, b; the head norm when P.out (forward) / P.dout (backward)

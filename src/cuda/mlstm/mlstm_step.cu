@@ -148,6 +148,93 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
   }
 }
 
+// The C pass streamed over row blocks (fp32 states, 16-byte aligned rows, DV % 4 == 0, any DQK):
+// CTA (head, kC columns), kT threads; thread (g, cq) takes columns 4 cq.. of rows r0 + g + G i (i < kR)
+// of each block of G kR rows (G = kT / (kC / 4)). Few registers per thread, so more CTAs per SM than
+// the register-tile kernel, each with less of the state in flight (mlstm_kernels' Triton step works
+// on 64 x 64 tiles in a loop the same way). kPrefetch: the next block's loads are issued before this
+// block's stores (in place still safe: other rows).
+template <int kC, int kT, int kR, bool kPrefetch>
+__global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams p) {
+  constexpr int kQuads = kC / 4, kGroups = kT / kQuads, kBlock = kGroups * kR;
+  static_assert(kT % kQuads == 0 && kT % 32 == 0, "whole warps of whole rows");
+  __shared__ float s_red[2][kT / 32];
+  __shared__ float s_part[kGroups][kC];  // q^T C' partial sums of each row group
+  const int tid = threadIdx.x, cq = tid % kQuads, g = tid / kQuads;
+  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
+  const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, vo = b * p.v.s0 + hd * p.v.s1;
+  const std::int64_t c = std::int64_t(blockIdx.y) * kC + 4 * cq;
+  const bool col_ok = c < p.DV;
+  // no __restrict__: in place, C and Co are the same memory (the loads must stay before the stores)
+  const float* C = static_cast<const float*>(p.c0.p) + b * p.c0.s0 + hd * p.c0.s1 + c;
+  float* Co = static_cast<float*>(p.c_last.p) + b * p.c_last.s0 + hd * p.c_last.s1 + c;
+  auto load = [&](float4 (&x)[kR], std::int64_t r0) {
+#pragma unroll
+    for (int i = 0; i < kR; ++i) {
+      const std::int64_t r = r0 + g + kGroups * i;
+      x[i] = r < p.DQK && col_ok ? *reinterpret_cast<const float4*>(C + r * p.c0.s2) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  float4 cur[kR];  // [kR] rows of this thread's 4 columns in the current block
+  load(cur, 0);
+  const Gates gt = step_gates(p, b, hd);
+  const std::int64_t no = b * p.n0.s0 + hd * p.n0.s1;
+  float qn = 0.f, qk = 0.f;  // q . n (old), q . k: block sums in a fixed order (deterministic)
+  for (std::int64_t r = tid; r < p.DQK; r += kT) {
+    const float qr = mlstm_ld(p.q, qo + r);
+    qn = fmaf(qr, mlstm_ld(p.n0, no + r), qn);
+    qk = fmaf(qr, mlstm_ld(p.k, ko + r), qk);
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    qn += __shfl_xor_sync(0xffffffffu, qn, off);
+    qk += __shfl_xor_sync(0xffffffffu, qk, off);
+  }
+  if ((tid & 31) == 0) { s_red[0][tid >> 5] = qn; s_red[1][tid >> 5] = qk; }
+  __syncthreads();
+  qn = qk = 0.f;
+  for (int w = 0; w < kT / 32; ++w) { qn += s_red[0][w]; qk += s_red[1][w]; }
+  const float scale = rsqrtf(float(p.DQK));
+  const float den = fmaxf(fabsf(scale * (gt.fa * qn + gt.ia * qk)), float(exp(-gt.m_new))) + p.eps;
+  float vc[4];  // ia v of this thread's columns
+#pragma unroll
+  for (int j = 0; j < 4; ++j) vc[j] = c + j < p.DV ? gt.ia * mlstm_ld(p.v, vo + c + j) : 0.f;
+  float part[4] = {0.f, 0.f, 0.f, 0.f};
+  for (std::int64_t r0 = 0; r0 < p.DQK; r0 += kBlock) {
+    const bool more = r0 + kBlock < p.DQK;
+    float4 nxt[kR];
+    if (kPrefetch && more) load(nxt, r0 + kBlock);
+#pragma unroll
+    for (int i = 0; i < kR; ++i) {
+      const std::int64_t r = r0 + g + kGroups * i;
+      if (r >= p.DQK || !col_ok) continue;
+      const float kr = mlstm_ld(p.k, ko + r), qr = mlstm_ld(p.q, qo + r);
+      float4 x = cur[i];  // C' = fa C + k (ia v)^T
+      x.x = fmaf(gt.fa, x.x, kr * vc[0]), x.y = fmaf(gt.fa, x.y, kr * vc[1]);
+      x.z = fmaf(gt.fa, x.z, kr * vc[2]), x.w = fmaf(gt.fa, x.w, kr * vc[3]);
+      *reinterpret_cast<float4*>(Co + r * p.c_last.s2) = x;  // may be the element just read (in place)
+      part[0] = fmaf(qr, x.x, part[0]), part[1] = fmaf(qr, x.y, part[1]);
+      part[2] = fmaf(qr, x.z, part[2]), part[3] = fmaf(qr, x.w, part[3]);
+    }
+    if (!more) break;
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int i = 0; i < kR; ++i) cur[i] = nxt[i];
+    } else {
+      load(cur, r0 + kBlock);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) s_part[g][4 * cq + j] = part[j];
+  __syncthreads();
+  for (int col = tid; col < kC; col += kT) {
+    const std::int64_t cc = std::int64_t(blockIdx.y) * kC + col;
+    if (cc >= p.DV) continue;
+    float hsum = 0.f;
+    for (int gg = 0; gg < kGroups; ++gg) hsum += s_part[gg][col];
+    mlstm_st(p.h, b * p.h.s0 + hd * p.h.s1 + cc, scale * hsum / den);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) mlstm_step_n_kernel(const MlstmParams p) {
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
   const Gates gt = step_gates(p, b, hd);
@@ -163,21 +250,33 @@ bool aligned16(const StridedView& t) {
   return reinterpret_cast<std::uintptr_t>(t.p) % 16 == 0 && t.s0 % 4 == 0 && t.s1 % 4 == 0 && t.s2 % 4 == 0;
 }
 
-std::atomic<bool> g_step_vec{true};  // set_mlstm_step_vec
+std::atomic<int> g_step_kernel{1};  // set_mlstm_step_kernel
+
+template <int kC, int kT, int kR, bool kPrefetch>
+void launch_tile(const MlstmParams& p, std::int64_t heads, cudaStream_t s) {
+  const std::int64_t tiles = (p.DV + kC - 1) / kC;
+  if (tiles > 65535) throw Error(cat("mlstm_step: grid too large (DV ", p.DV, ")"));
+  mlstm_step_c_tile_kernel<kC, kT, kR, kPrefetch><<<dim3(unsigned(heads), unsigned(tiles)), kT, 0, s>>>(p);
+}
 
 }  // namespace
 
-bool set_mlstm_step_vec(bool on) { return g_step_vec.exchange(on); }
+int set_mlstm_step_kernel(int kernel) { return g_step_kernel.exchange(kernel); }
 
 void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
   const std::int64_t heads = p.B * p.NH, tiles = (p.DV + kCols - 1) / kCols;
   if (heads == 0) return;
   if (heads > 0x7fffffff || tiles > 65535) throw Error(cat("mlstm_step: grid too large (heads ", heads, ")"));
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  const bool vec = g_step_vec.load(std::memory_order_relaxed) && p.c0.dtype == DType::f32 &&
-                   p.c_last.dtype == DType::f32 && p.DQK <= kVecMaxQ && p.DV % 4 == 0 && aligned16(p.c0) &&
-                   aligned16(p.c_last);
-  if (vec) mlstm_step_c_vec_kernel<<<dim3(unsigned(heads), unsigned(tiles)), kThreads, 0, s>>>(p);
+  const int kernel = g_step_kernel.load(std::memory_order_relaxed);
+  const bool f4 = p.c0.dtype == DType::f32 && p.c_last.dtype == DType::f32 && p.DV % 4 == 0 && aligned16(p.c0) &&
+                  aligned16(p.c_last);
+  if (f4 && kernel == 1 && p.DQK <= kVecMaxQ)
+    mlstm_step_c_vec_kernel<<<dim3(unsigned(heads), unsigned(tiles)), kThreads, 0, s>>>(p);
+  else if (f4 && kernel == 2) launch_tile<64, 128, 8, false>(p, heads, s);
+  else if (f4 && kernel == 3) launch_tile<64, 128, 8, true>(p, heads, s);
+  else if (f4 && kernel == 4) launch_tile<64, 256, 4, false>(p, heads, s);
+  else if (f4 && kernel == 5) launch_tile<32, 128, 4, false>(p, heads, s);
   else mlstm_step_c_kernel<<<dim3(unsigned(heads), unsigned(tiles)), kThreads, 0, s>>>(p);
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
   mlstm_step_n_kernel<<<unsigned(heads), kThreads, 0, s>>>(p);
