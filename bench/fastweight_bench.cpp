@@ -19,6 +19,7 @@
 //   fastweight_bench --dn-fixed-k=off        DeltaNet serial kernels for a runtime K only (A/B)
 //   fastweight_bench --dn-step-kernel=off    DeltaNet decoding step by the forward over T = 1 (A/B)
 //   fastweight_bench --mlstm-step-kernel=N   mLSTM decoding step's C pass kernel (A/B; set_mlstm_step_kernel)
+//   fastweight_bench --step-tile-major=off   the decoding steps' grids heads-fastest (A/B; set_step_tile_major)
 //   fastweight_bench --mlstm-bulk-store=off  mLSTM serial kernels' state stores element by element, not by the
 //                                            TMA engine (A/B)
 //   fastweight_bench --mlstm-chunk-units=off mLSTM serial kernels' chunk tiles by the generic loader (A/B)
@@ -65,6 +66,7 @@
 #if FW_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include "cuda/common/step_grid.h"
 #include "cuda/deltanet/deltanet_cuda.h"
 #include "cuda/mlstm/mlstm_cuda.h"
 #include "cuda/norm/norm_cuda.h"
@@ -99,6 +101,7 @@ struct Options {
   bool dn_no_fixed_k = false;
   bool dn_no_step_kernel = false;
   int mlstm_step_kernel = -1;  // -1: the default
+  bool step_heads_major = false;
   int mlstm_slab_overlap = 0;  // 0: the planner's choice, 1 on, -1 off
   std::string mlstm_shapes;
   std::string csv;
@@ -342,6 +345,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--mlstm-dv-wide=")) o.mlstm_no_dv_wide = !on(v);
     else if (const char* v = val("--dn-step-kernel=")) o.dn_no_step_kernel = !on(v);
     else if (const char* v = val("--mlstm-step-kernel=")) o.mlstm_step_kernel = std::atoi(v);
+    else if (const char* v = val("--step-tile-major=")) o.step_heads_major = !on(v);
     else if (const char* v = val("--mlstm-out-tiles=")) {
       o.mlstm_out_tiles = std::atoi(v);
       if (o.mlstm_out_tiles != 1 && o.mlstm_out_tiles != 2) usage(2);
@@ -374,6 +378,7 @@ int main(int argc, char** argv) {
   if (o.dn_no_fixed_k) fastweight::detail::set_deltanet_fixed_k(false);
   if (o.dn_no_step_kernel) fastweight::detail::set_deltanet_step_kernel(false);
   if (o.mlstm_step_kernel >= 0) fastweight::detail::set_mlstm_step_kernel(o.mlstm_step_kernel);
+  if (o.step_heads_major) fastweight::detail::set_step_tile_major(false);
   if (o.mlstm_slab_overlap) fastweight::detail::set_mlstm_slab_overlap(o.mlstm_slab_overlap);
 #endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");

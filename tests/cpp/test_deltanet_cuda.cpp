@@ -28,6 +28,7 @@
 
 #include "api/deltanet_lower.h"
 #include "cuda/common/check.cuh"
+#include "cuda/common/step_grid.h"
 #include "cuda/deltanet/deltanet_cuda.h"
 #include "reference/deltanet_ref.h"
 #include "test_util.h"
@@ -591,8 +592,10 @@ TEST_P(DeltanetCudaStep, MatchesReferenceOutOfPlaceAndInPlace) {
   FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
   FW_TEST_CUDA(cudaMemset(gnst.ptr, 0xff, gnst.nbytes));
   FW_TEST_CUDA(cudaDeviceSynchronize());  // the memsets run on the legacy stream, not on `stream`
+  const bool tile_major = fastweight::detail::set_step_tile_major(false);  // the other grid order: same bits
   deltanet_step(a, s);
   FW_TEST_CUDA(cudaStreamSynchronize(stream));
+  fastweight::detail::set_step_tile_major(tile_major);
   HostTensor o2 = o, n2 = nst;
   go.download(o2), gnst.download(n2);
   // in place: new_state is the state

@@ -11,6 +11,7 @@
 #include <atomic>
 
 #include "cuda/common/check.cuh"
+#include "cuda/common/step_grid.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
 #include "cuda/deltanet/deltanet_cuda.h"
 
@@ -21,19 +22,20 @@ constexpr int kCols = 64;                    // state columns (V) per CTA
 constexpr int kQuads = kCols / 4;            // 16 column quads
 constexpr int kGroups = 16;                  // row groups: thread (g, c) holds rows g, g + 16, ..
 constexpr int kThreads = kQuads * kGroups;   // 256
-constexpr int kMaxRows = kStepMaxK / kGroups;  // rows per thread (16 at K = 256)
 
 // VEC: the state rows are 16-byte aligned fp32 with V % 4 == 0 (float4 loads and stores), else one
-// element at a time with column guards.
-template <bool VEC>
-__global__ void __launch_bounds__(kThreads) deltanet_step_kernel(const DeltanetParams p) {
+// element at a time with column guards. kMaxRows: rows per thread, K <= 16 kMaxRows (8: K <= 128 in
+// fewer registers, so more CTAs per SM; 16: K <= kStepMaxK).
+template <bool VEC, int kMaxRows>
+__global__ void __launch_bounds__(kThreads) deltanet_step_kernel(const DeltanetParams p, const bool tile_major) {
   __shared__ float s_q[kStepMaxK], s_k[kStepMaxK];
   __shared__ float s_red[3][kThreads / 32];
   __shared__ float s_part[2][kGroups][kCols];  // (S^T k, S^T q) partial sums of each row group
   __shared__ float s_e[kCols];                 // beta e of the tile's columns
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const std::int64_t bh = blockIdx.x, b = bh / p.H, h = bh % p.H, K = p.K, V = p.V;
-  const std::int64_t c0 = std::int64_t(blockIdx.y) * kCols;
+  const StepCta cta = step_cta(tile_major, (p.V + kCols - 1) / kCols);
+  const std::int64_t bh = cta.bh, b = bh / p.H, h = bh % p.H, K = p.K, V = p.V;
+  const std::int64_t c0 = cta.tile * kCols;
   // q, k (element (b, h, r) at b s0 + h s2 + r: the T stride s1 is unused); q . q, k . k, q . k
   float qq = 0.f, kk = 0.f, qk = 0.f;
   for (std::int64_t r = tid; r < K; r += kThreads) {
@@ -141,12 +143,17 @@ bool deltanet_step_kernel_applies(const DeltanetParams& p) {
 void deltanet_step_cuda(const DeltanetParams& p, Stream stream) {
   const std::int64_t heads = p.N * p.H, tiles = (p.V + kCols - 1) / kCols;
   if (heads == 0) return;
-  if (heads > 0x7fffffff || tiles > 65535) throw Error(cat("deltanet_step: grid too large (", heads, " heads)"));
-  const bool vec = p.V % 4 == 0 && aligned16(p.h0) && aligned16(p.ht);
-  const dim3 grid{unsigned(heads), unsigned(tiles)};
+  const bool vec = p.V % 4 == 0 && aligned16(p.h0) && aligned16(p.ht), tm = g_step_tile_major.load();
+  const dim3 grid = step_grid("deltanet_step", tm, heads, tiles);
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (vec) deltanet_step_kernel<true><<<grid, kThreads, 0, s>>>(p);
-  else deltanet_step_kernel<false><<<grid, kThreads, 0, s>>>(p);
+  constexpr int kHalf = kStepMaxK / kGroups / 2;
+  if (p.K <= kHalf * kGroups) {
+    if (vec) deltanet_step_kernel<true, kHalf><<<grid, kThreads, 0, s>>>(p, tm);
+    else deltanet_step_kernel<false, kHalf><<<grid, kThreads, 0, s>>>(p, tm);
+  } else {
+    if (vec) deltanet_step_kernel<true, 2 * kHalf><<<grid, kThreads, 0, s>>>(p, tm);
+    else deltanet_step_kernel<false, 2 * kHalf><<<grid, kThreads, 0, s>>>(p, tm);
+  }
   FW_CUDA_CHECK_LAUNCH("deltanet_step");
 }
 

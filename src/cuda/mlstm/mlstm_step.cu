@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "cuda/common/check.cuh"
+#include "cuda/common/step_grid.cuh"
 #include "cuda/mlstm/mlstm_common.cuh"
 #include "cuda/mlstm/mlstm_cuda.h"
 
@@ -31,11 +32,12 @@ __device__ __forceinline__ Gates step_gates(const MlstmParams& p, std::int64_t b
   return {mn, float(exp(lf + m - mn)), float(exp(ig - mn))};
 }
 
-__global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParams p) {
+__global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParams p, const bool tile_major) {
   __shared__ float s_red[2][kThreads / 32];
   __shared__ float s_part[4][kCols];
   const int tid = threadIdx.x;
-  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
+  const StepCta cta = step_cta(tile_major, (p.DV + kCols - 1) / kCols);
+  const std::int64_t bh = cta.bh, b = bh / p.NH, hd = bh % p.NH;
   const Gates gt = step_gates(p, b, hd);
   const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, vo = b * p.v.s0 + hd * p.v.s1;
   const std::int64_t no = b * p.n0.s0 + hd * p.n0.s1;
@@ -58,7 +60,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParam
   const float den = fmaxf(fabsf(scale * (gt.fa * qn + gt.ia * qk)), float(exp(-gt.m_new))) + p.eps;
 
   const int col = tid % kCols, rg = tid / kCols;
-  const std::int64_t c = std::int64_t(blockIdx.y) * kCols + col;
+  const std::int64_t c = cta.tile * kCols + col;
   float part = 0.f;
   if (c < p.DV) {
     const float vc = gt.ia * mlstm_ld(p.v, vo + c);
@@ -84,15 +86,16 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParam
 // H100, bench_decode.py session 21, against mlstm_kernels' Triton step at 2.9).
 constexpr int kVecQuads = kCols / 4, kVecGroups = kThreads / kVecQuads;  // 16 x 16
 constexpr int kVecMaxQ = 256, kVecRows = kVecMaxQ / kVecGroups;
-__global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmParams p) {
+__global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmParams p, const bool tile_major) {
   __shared__ float s_q[kVecMaxQ], s_k[kVecMaxQ];
   __shared__ float s_red[2][kThreads / 32];
   __shared__ float s_part[kVecGroups][kCols];  // q^T C' partial sums of each row group
   const int tid = threadIdx.x;
-  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
+  const StepCta cta = step_cta(tile_major, (p.DV + kCols - 1) / kCols);
+  const std::int64_t bh = cta.bh, b = bh / p.NH, hd = bh % p.NH;
   const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, vo = b * p.v.s0 + hd * p.v.s1;
   const int cq = tid % kVecQuads, g = tid / kVecQuads;
-  const std::int64_t c = std::int64_t(blockIdx.y) * kCols + 4 * cq;
+  const std::int64_t c = cta.tile * kCols + 4 * cq;
   // no __restrict__: in place, C and Co are the same memory (the loads must stay before the stores)
   const float* C = static_cast<const float*>(p.c0.p) + b * p.c0.s0 + hd * p.c0.s1;
   float* Co = static_cast<float*>(p.c_last.p) + b * p.c_last.s0 + hd * p.c_last.s1;
@@ -140,7 +143,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
 #pragma unroll
   for (int j = 0; j < 4; ++j) s_part[g][4 * cq + j] = part[j];
   __syncthreads();
-  const std::int64_t cc = std::int64_t(blockIdx.y) * kCols + tid;
+  const std::int64_t cc = cta.tile * kCols + tid;
   if (tid < kCols && cc < p.DV) {
     float hsum = 0.f;
     for (int gg = 0; gg < kVecGroups; ++gg) hsum += s_part[gg][tid];
@@ -155,15 +158,16 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
 // on 64 x 64 tiles in a loop the same way). kPrefetch: the next block's loads are issued before this
 // block's stores (in place still safe: other rows).
 template <int kC, int kT, int kR, bool kPrefetch>
-__global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams p) {
+__global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams p, const bool tile_major) {
   constexpr int kQuads = kC / 4, kGroups = kT / kQuads, kBlock = kGroups * kR;
   static_assert(kT % kQuads == 0 && kT % 32 == 0, "whole warps of whole rows");
   __shared__ float s_red[2][kT / 32];
   __shared__ float s_part[kGroups][kC];  // q^T C' partial sums of each row group
   const int tid = threadIdx.x, cq = tid % kQuads, g = tid / kQuads;
-  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
+  const StepCta cta = step_cta(tile_major, (p.DV + kC - 1) / kC);
+  const std::int64_t bh = cta.bh, b = bh / p.NH, hd = bh % p.NH;
   const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, vo = b * p.v.s0 + hd * p.v.s1;
-  const std::int64_t c = std::int64_t(blockIdx.y) * kC + 4 * cq;
+  const std::int64_t c = cta.tile * kC + 4 * cq;
   const bool col_ok = c < p.DV;
   // no __restrict__: in place, C and Co are the same memory (the loads must stay before the stores)
   const float* C = static_cast<const float*>(p.c0.p) + b * p.c0.s0 + hd * p.c0.s1 + c;
@@ -227,7 +231,7 @@ __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams
   for (int j = 0; j < 4; ++j) s_part[g][4 * cq + j] = part[j];
   __syncthreads();
   for (int col = tid; col < kC; col += kT) {
-    const std::int64_t cc = std::int64_t(blockIdx.y) * kC + col;
+    const std::int64_t cc = cta.tile * kC + col;
     if (cc >= p.DV) continue;
     float hsum = 0.f;
     for (int gg = 0; gg < kGroups; ++gg) hsum += s_part[gg][col];
@@ -250,13 +254,12 @@ bool aligned16(const StridedView& t) {
   return reinterpret_cast<std::uintptr_t>(t.p) % 16 == 0 && t.s0 % 4 == 0 && t.s1 % 4 == 0 && t.s2 % 4 == 0;
 }
 
-std::atomic<int> g_step_kernel{1};  // set_mlstm_step_kernel
+std::atomic<int> g_step_kernel{-1};  // set_mlstm_step_kernel; -1: the planner
 
 template <int kC, int kT, int kR, bool kPrefetch>
-void launch_tile(const MlstmParams& p, std::int64_t heads, cudaStream_t s) {
-  const std::int64_t tiles = (p.DV + kC - 1) / kC;
-  if (tiles > 65535) throw Error(cat("mlstm_step: grid too large (DV ", p.DV, ")"));
-  mlstm_step_c_tile_kernel<kC, kT, kR, kPrefetch><<<dim3(unsigned(heads), unsigned(tiles)), kT, 0, s>>>(p);
+void launch_tile(const MlstmParams& p, std::int64_t heads, bool tm, cudaStream_t s) {
+  const dim3 grid = step_grid("mlstm_step", tm, heads, (p.DV + kC - 1) / kC);
+  mlstm_step_c_tile_kernel<kC, kT, kR, kPrefetch><<<grid, kT, 0, s>>>(p, tm);
 }
 
 }  // namespace
@@ -266,18 +269,21 @@ int set_mlstm_step_kernel(int kernel) { return g_step_kernel.exchange(kernel); }
 void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
   const std::int64_t heads = p.B * p.NH, tiles = (p.DV + kCols - 1) / kCols;
   if (heads == 0) return;
-  if (heads > 0x7fffffff || tiles > 65535) throw Error(cat("mlstm_step: grid too large (heads ", heads, ")"));
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  const int kernel = g_step_kernel.load(std::memory_order_relaxed);
+  // the planner: the row-block kernel where the grid is a few waves deep (it keeps fewer bytes in flight
+  // per CTA, more CTAs per SM), the register tile (all of a thread's rows in flight at once) below
+  int kernel = g_step_kernel.load(std::memory_order_relaxed);
+  if (kernel < 0) kernel = heads * tiles >= 4 * std::int64_t(sm_count()) ? 2 : 1;
   const bool f4 = p.c0.dtype == DType::f32 && p.c_last.dtype == DType::f32 && p.DV % 4 == 0 && aligned16(p.c0) &&
                   aligned16(p.c_last);
-  if (f4 && kernel == 1 && p.DQK <= kVecMaxQ)
-    mlstm_step_c_vec_kernel<<<dim3(unsigned(heads), unsigned(tiles)), kThreads, 0, s>>>(p);
-  else if (f4 && kernel == 2) launch_tile<64, 128, 8, false>(p, heads, s);
-  else if (f4 && kernel == 3) launch_tile<64, 128, 8, true>(p, heads, s);
-  else if (f4 && kernel == 4) launch_tile<64, 256, 4, false>(p, heads, s);
-  else if (f4 && kernel == 5) launch_tile<32, 128, 4, false>(p, heads, s);
-  else mlstm_step_c_kernel<<<dim3(unsigned(heads), unsigned(tiles)), kThreads, 0, s>>>(p);
+  const bool tm = g_step_tile_major.load(std::memory_order_relaxed);
+  const dim3 grid = step_grid("mlstm_step", tm, heads, tiles);
+  if (f4 && kernel == 1 && p.DQK <= kVecMaxQ) mlstm_step_c_vec_kernel<<<grid, kThreads, 0, s>>>(p, tm);
+  else if (f4 && kernel == 2) launch_tile<64, 128, 8, false>(p, heads, tm, s);
+  else if (f4 && kernel == 3) launch_tile<64, 128, 8, true>(p, heads, tm, s);
+  else if (f4 && kernel == 4) launch_tile<64, 256, 4, false>(p, heads, tm, s);
+  else if (f4 && kernel == 5) launch_tile<32, 128, 4, false>(p, heads, tm, s);
+  else mlstm_step_c_kernel<<<grid, kThreads, 0, s>>>(p, tm);
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
   mlstm_step_n_kernel<<<unsigned(heads), kThreads, 0, s>>>(p);
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
