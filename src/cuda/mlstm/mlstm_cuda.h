@@ -79,10 +79,9 @@ void mlstm_bwd_cuda(const MlstmBwdParams& b, void* workspace, std::size_t worksp
 // may be the same memory (in place).
 void mlstm_step_cuda(const MlstmParams& p, Stream stream);
 // The step's C pass kernel where fp32 states with 16-byte aligned rows and DV % 4 == 0 allow it:
-// 1 the register-tile kernel (DQK <= 256), 2..5 the row-block streaming kernel (64 x 128 threads x 8
-// rows, the same with the next block prefetched, 64 x 256 x 4, 32 x 128 x 4); else (0, or where none
-// applies) the element kernel; -1 (the default) the planner's choice of 1 and 2. Returns the previous
-// setting (tests, fastweight_bench --mlstm-step-kernel).
+// 1 the register-tile kernel (DQK <= 256), 2 the row-block kernel (any DQK); -1 (the default) the
+// planner's choice of the two (2 where its grid is 4+ waves deep); 0, or where neither applies, the
+// element kernel. Returns the previous setting (tests, fastweight_bench --mlstm-step-kernel=N).
 int set_mlstm_step_kernel(int kernel);
 
 // Parallel form (mlstm_parallel.cu): forward h (and n, m, b where P has them); backward the

@@ -1,7 +1,8 @@
 // mlstm_step.cu: one mLSTM decoding step for every (b, head), in two launches so that the states
 // can be updated in place without a race between CTAs:
-//   1. grid (B*NH, DV tiles of 64): C' = fa C + ia k v^T for its columns (each element read and
-//      written by one thread) and h = scale q^T C' / (max(|scale q . n'|, exp(-m')) + eps), with
+//   1. one CTA per (b * NH, DV tile of 64; cuda/common/step_grid.cuh): C' = fa C + ia k v^T for its
+//      columns (each element read and written by one thread; the element kernel, the register tile
+//      or the row-block kernel, see mlstm_step_cuda) and h = scale q^T C' / (max(|scale q . n'|, exp(-m')) + eps), with
 //      q . n' = fa (q . n) + ia (q . k) from the OLD n (kernel 2 has not run yet);
 //   2. grid (B*NH): n' = fa n + ia k and m'.
 // m' = max(lf + m, i), fa = exp(lf + m - m'), ia = exp(i - m'), lf = logsigmoid(f) (MATH.md §2).
@@ -153,11 +154,12 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
 
 // The C pass streamed over row blocks (fp32 states, 16-byte aligned rows, DV % 4 == 0, any DQK):
 // CTA (head, kC columns), kT threads; thread (g, cq) takes columns 4 cq.. of rows r0 + g + G i (i < kR)
-// of each block of G kR rows (G = kT / (kC / 4)). Few registers per thread, so more CTAs per SM than
-// the register-tile kernel, each with less of the state in flight (mlstm_kernels' Triton step works
-// on 64 x 64 tiles in a loop the same way). kPrefetch: the next block's loads are issued before this
-// block's stores (in place still safe: other rows).
-template <int kC, int kT, int kR, bool kPrefetch>
+// of each block of G kR rows (G = kT / (kC / 4)). 72 registers at (64, 128, 8): 7 CTAs per SM against
+// the register tile's 2, each with less of the state in flight (mlstm_kernels' Triton step works on
+// 64 x 64 tiles in a loop the same way). H100, B = 256, xLSTM 7B's heads: 0.764 ms against the
+// register tile's 0.868; prefetching the next block into registers (0.839 before the grid order),
+// 256 threads x 4 rows (0.784) and 32-column CTAs (0.882 before it) were slower.
+template <int kC, int kT, int kR>
 __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams p, const bool tile_major) {
   constexpr int kQuads = kC / 4, kGroups = kT / kQuads, kBlock = kGroups * kR;
   static_assert(kT % kQuads == 0 && kT % 32 == 0, "whole warps of whole rows");
@@ -204,9 +206,6 @@ __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams
   for (int j = 0; j < 4; ++j) vc[j] = c + j < p.DV ? gt.ia * mlstm_ld(p.v, vo + c + j) : 0.f;
   float part[4] = {0.f, 0.f, 0.f, 0.f};
   for (std::int64_t r0 = 0; r0 < p.DQK; r0 += kBlock) {
-    const bool more = r0 + kBlock < p.DQK;
-    float4 nxt[kR];
-    if (kPrefetch && more) load(nxt, r0 + kBlock);
 #pragma unroll
     for (int i = 0; i < kR; ++i) {
       const std::int64_t r = r0 + g + kGroups * i;
@@ -219,13 +218,7 @@ __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams
       part[0] = fmaf(qr, x.x, part[0]), part[1] = fmaf(qr, x.y, part[1]);
       part[2] = fmaf(qr, x.z, part[2]), part[3] = fmaf(qr, x.w, part[3]);
     }
-    if (!more) break;
-    if constexpr (kPrefetch) {
-#pragma unroll
-      for (int i = 0; i < kR; ++i) cur[i] = nxt[i];
-    } else {
-      load(cur, r0 + kBlock);
-    }
+    if (r0 + kBlock < p.DQK) load(cur, r0 + kBlock);  // after this block's stores (in place: no race)
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) s_part[g][4 * cq + j] = part[j];
@@ -256,11 +249,7 @@ bool aligned16(const StridedView& t) {
 
 std::atomic<int> g_step_kernel{-1};  // set_mlstm_step_kernel; -1: the planner
 
-template <int kC, int kT, int kR, bool kPrefetch>
-void launch_tile(const MlstmParams& p, std::int64_t heads, bool tm, cudaStream_t s) {
-  const dim3 grid = step_grid("mlstm_step", tm, heads, (p.DV + kC - 1) / kC);
-  mlstm_step_c_tile_kernel<kC, kT, kR, kPrefetch><<<grid, kT, 0, s>>>(p, tm);
-}
+constexpr int kTileThreads = 128, kTileRows = 8;  // the row-block kernel's one instance (kCols columns)
 
 }  // namespace
 
@@ -273,16 +262,13 @@ void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
   // the planner: the row-block kernel where the grid is a few waves deep (it keeps fewer bytes in flight
   // per CTA, more CTAs per SM), the register tile (all of a thread's rows in flight at once) below
   int kernel = g_step_kernel.load(std::memory_order_relaxed);
-  if (kernel < 0) kernel = heads * tiles >= 4 * std::int64_t(sm_count()) ? 2 : 1;
+  if (kernel < 0) kernel = p.DQK > kVecMaxQ || heads * tiles >= 4 * std::int64_t(sm_count()) ? 2 : 1;
   const bool f4 = p.c0.dtype == DType::f32 && p.c_last.dtype == DType::f32 && p.DV % 4 == 0 && aligned16(p.c0) &&
                   aligned16(p.c_last);
   const bool tm = g_step_tile_major.load(std::memory_order_relaxed);
   const dim3 grid = step_grid("mlstm_step", tm, heads, tiles);
   if (f4 && kernel == 1 && p.DQK <= kVecMaxQ) mlstm_step_c_vec_kernel<<<grid, kThreads, 0, s>>>(p, tm);
-  else if (f4 && kernel == 2) launch_tile<64, 128, 8, false>(p, heads, tm, s);
-  else if (f4 && kernel == 3) launch_tile<64, 128, 8, true>(p, heads, tm, s);
-  else if (f4 && kernel == 4) launch_tile<64, 256, 4, false>(p, heads, tm, s);
-  else if (f4 && kernel == 5) launch_tile<32, 128, 4, false>(p, heads, tm, s);
+  else if (f4 && kernel == 2) mlstm_step_c_tile_kernel<kCols, kTileThreads, kTileRows><<<grid, kTileThreads, 0, s>>>(p, tm);
   else mlstm_step_c_kernel<<<grid, kThreads, 0, s>>>(p, tm);
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
   mlstm_step_n_kernel<<<unsigned(heads), kThreads, 0, s>>>(p);
