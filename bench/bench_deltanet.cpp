@@ -119,6 +119,59 @@ struct GpuDn {
   }
 };
 
+// The decoding step on the GPU (shared/BENCHMARKS.md: B in {1, 8, 64, 256}, H = 16, K = V = 128),
+// bf16 q, k, v, beta, fp32 states, the L2 norm on (bench_decode.py's row); verified at B = 2 against
+// the loop form over one position, timed out of place on zero-filled device tensors.
+int gpu_step_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
+  const std::int64_t H = 16, K = 128, V = 128, vB = 2;
+  double err = INFINITY;
+  int failures = 0;
+  if (fb.timing_only) {
+    err = std::numeric_limits<double>::quiet_NaN();
+  } else {
+    try {
+      std::mt19937_64 rng(13);
+      HostBuf q(DType::bf16, {vB, H, K}, &rng), k(DType::bf16, {vB, H, K}, &rng), v(DType::bf16, {vB, H, V}, &rng);
+      HostBuf beta(DType::bf16, {vB, H}, &rng, 0.0, 1.0), st(DType::f32, {vB, H, K, V}, &rng, -0.5, 0.5);
+      HostBuf o(DType::bf16, {vB, H, V}), nst(DType::f32, {vB, H, K, V});
+      DevBuf gq(q), gk(k), gv(v), gb(beta), gst(st), go(o), gnst(nst);
+      deltanet_step({gq.ref(), gk.ref(), gv.ref(), gb.ref(), gst.ref(), go.ref(), gnst.ref(), kDeltanetDefaultScale, true});
+      cuda_or_throw(cudaDeviceSynchronize(), "deltanet_step");
+      detail::DeltanetShape sh;
+      sh.B = vB, sh.T = 1, sh.H = H, sh.K = K, sh.V = V;
+      detail::DeltanetOptions opt;
+      opt.use_qk_l2norm_in_kernel = true;
+      Vec ro(o.val.size()), rst(nst.val.size());
+      detail::deltanet_recurrent_fwd(sh, {q.val.data(), k.val.data(), v.val.data(), beta.val.data()}, opt,
+                                     st.val.data(), ro.data(), rst.data());
+      Err e;
+      e.add(go.read(), ro), e.add(gnst.read(), rst);
+      err = e.value();
+    } catch (const std::exception& ex) {
+      std::printf("deltanet_step (cuda) verification: error: %s\n", ex.what());
+    }
+  }
+  for (std::int64_t B : fb.quick ? std::vector<std::int64_t>{1, 64} : std::vector<std::int64_t>{1, 8, 64, 256}) {
+    try {
+      DevZeros q(DType::bf16, {B, H, K}), k(DType::bf16, {B, H, K}), v(DType::bf16, {B, H, V}), beta(DType::bf16, {B, H});
+      DevZeros st(DType::f32, {B, H, K, V}), o(DType::bf16, {B, H, V}), nst(DType::f32, {B, H, K, V});
+      const DeltanetStepArgs a{q.ref(), k.ref(), v.ref(), beta.ref(), st.ref(), o.ref(), nst.ref(), kDeltanetDefaultScale,
+                               true};
+      const double ms = fb.timer->time_ms([&](Stream s) { deltanet_step(a, s); }, fb.reps);
+      if (!fb.timing_only && !(err <= 1e-2)) ++failures;
+      const double gbs = 2.0 * double(B * H * K * V) * 4.0 / (ms * 1e6);  // the state read and written
+      char shp[160];
+      std::snprintf(shp, sizeof shp, "(%ld,1,%ld,%ld,%ld) l2norm; state %.0f GB/s; verified at B = %ld", long(B),
+                    long(H), long(K), long(V), gbs, long(vB));
+      rows.push_back({"deltanet_step", "bfloat16", shp, err, ms, "cuda"});
+    } catch (const std::exception& ex) {
+      std::printf("deltanet_step (cuda) timing at B = %ld: error: %s\n", long(B), ex.what());
+      ++failures;
+    }
+  }
+  return failures;
+}
+
 int gpu_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
   int failures = 0;
   struct Case { std::int64_t B, T, H, K, seqs; };  // K = V; seqs > 0: varlen (B = 1, T tokens)
@@ -263,7 +316,7 @@ int run_deltanet_bench(const FamilyBench& fb, std::vector<BenchRow>& rows) {
     ++failures;
   }
 #if FW_WITH_CUDA
-  if (fb.timer) failures += gpu_rows(fb, rows);
+  if (fb.timer) failures += gpu_rows(fb, rows) + gpu_step_rows(fb, rows);
 #endif
   return failures;
 }

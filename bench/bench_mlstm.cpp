@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <stdexcept>
 
@@ -207,6 +208,59 @@ struct GpuParallel {
     return {std::max({eh.value(), en.value(), em.value()}), eb.value()};
   }
 };
+
+// The decoding step on the GPU (shared/BENCHMARKS.md: B in {1, 8, 64, 256}; xLSTM 7B's heads: NH = 8,
+// DQK = 256, DV = 512), bf16 q, k, v, fp32 gates and states (bench_decode.py's row); verified at
+// B = 2 against the float64 step, timed out of place on zero-filled device tensors.
+int gpu_step_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
+  const std::int64_t NH = 8, DQK = 256, DV = 512, vB = 2;
+  double err = INFINITY;
+  int failures = 0;
+  if (fb.timing_only) {
+    err = std::numeric_limits<double>::quiet_NaN();
+  } else {
+    try {
+      std::mt19937_64 rng(14);
+      HostBuf q(DType::bf16, {vB, NH, DQK}, &rng), k(DType::bf16, {vB, NH, DQK}, &rng), v(DType::bf16, {vB, NH, DV}, &rng);
+      HostBuf i(DType::f32, {vB, NH}, &rng, -3, 3), f(DType::f32, {vB, NH}, &rng, 0, 5), h(DType::bf16, {vB, NH, DV});
+      HostBuf c(DType::f32, {vB, NH, DQK, DV}, &rng), n(DType::f32, {vB, NH, DQK}, &rng), m(DType::f32, {vB, NH}, &rng);
+      HostBuf c2(DType::f32, {vB, NH, DQK, DV}), n2(DType::f32, {vB, NH, DQK}), m2(DType::f32, {vB, NH});
+      DevBuf gq(q), gk(k), gv(v), gi(i), gf(f), gh(h), gc(c), gn(n), gm(m), gc2(c2), gn2(n2), gm2(m2);
+      mlstm_step({gq.ref(), gk.ref(), gv.ref(), gi.ref(), gf.ref(), gc.ref(), gn.ref(), gm.ref(), gh.ref(), gc2.ref(),
+                  gn2.ref(), gm2.ref(), 1e-6});
+      cuda_or_throw(cudaDeviceSynchronize(), "mlstm_step");
+      Vec rc = c.val, rn = n.val, rm = m.val, rh(h.val.size());
+      detail::mlstm_step({vB, NH, 1, DQK, DV}, q.val.data(), k.val.data(), v.val.data(), i.val.data(), f.val.data(),
+                         1e-6, {rc.data(), rn.data(), rm.data()}, rh.data());
+      Err e;
+      e.add(gh.read(), rh), e.add(gc2.read(), rc), e.add(gn2.read(), rn), e.add(gm2.read(), rm);
+      err = e.value();
+    } catch (const std::exception& ex) {
+      std::printf("mlstm_step (cuda) verification: error: %s\n", ex.what());
+    }
+  }
+  for (std::int64_t B : fb.quick ? std::vector<std::int64_t>{1, 64} : std::vector<std::int64_t>{1, 8, 64, 256}) {
+    try {
+      DevZeros q(DType::bf16, {B, NH, DQK}), k(DType::bf16, {B, NH, DQK}), v(DType::bf16, {B, NH, DV});
+      DevZeros i(DType::f32, {B, NH}), f(DType::f32, {B, NH}), h(DType::bf16, {B, NH, DV});
+      DevZeros c(DType::f32, {B, NH, DQK, DV}), n(DType::f32, {B, NH, DQK}), m(DType::f32, {B, NH});
+      DevZeros c2(DType::f32, {B, NH, DQK, DV}), n2(DType::f32, {B, NH, DQK}), m2(DType::f32, {B, NH});
+      const MlstmStepArgs a{q.ref(), k.ref(), v.ref(), i.ref(), f.ref(), c.ref(), n.ref(), m.ref(), h.ref(), c2.ref(),
+                            n2.ref(), m2.ref(), 1e-6};
+      const double ms = fb.timer->time_ms([&](Stream s) { mlstm_step(a, s); }, fb.reps);
+      if (!fb.timing_only && !(err <= 1e-2)) ++failures;
+      const double gbs = 2.0 * double(B * NH * DQK * DV) * 4.0 / (ms * 1e6);  // C read and written
+      char shp[160];
+      std::snprintf(shp, sizeof shp, "(%ld,%ld,1,%ld,%ld); state %.0f GB/s; verified at B = %ld", long(B), long(NH),
+                    long(DQK), long(DV), gbs, long(vB));
+      rows.push_back({"mlstm_step", "bfloat16", shp, err, ms, "cuda"});
+    } catch (const std::exception& ex) {
+      std::printf("mlstm_step (cuda) timing at B = %ld: error: %s\n", long(B), ex.what());
+      ++failures;
+    }
+  }
+  return failures;
+}
 
 int gpu_parallel_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
   const std::int64_t B = 2, NH = 8, S = 2048, DQK = 128, DV = 128, vS = 512;
@@ -413,7 +467,7 @@ int run_mlstm_bench(const FamilyBench& fb, std::vector<BenchRow>& rows) {
     ++failures;
   }
 #if FW_WITH_CUDA
-  if (fb.timer) failures += gpu_rows(fb, rows) + gpu_parallel_rows(fb, rows);
+  if (fb.timer) failures += gpu_rows(fb, rows) + gpu_parallel_rows(fb, rows) + gpu_step_rows(fb, rows);
 #endif
   return failures;
 }

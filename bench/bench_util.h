@@ -188,6 +188,28 @@ struct DevScratch {
   DevScratch(const DevScratch&) = delete;
   DevScratch& operator=(const DevScratch&) = delete;
 };
+
+// A zero-filled device tensor without a host copy, for timed rows whose operands reach a GB (the
+// decoding steps' states at B = 256): the times do not depend on the values.
+struct DevZeros {
+  DType dt;
+  std::vector<std::int64_t> shape;
+  DevScratch mem;
+  static std::size_t bytes_of(DType d, const std::vector<std::int64_t>& s) {
+    std::size_t n = dtype_size(d);
+    for (std::int64_t x : s) n *= std::size_t(x);
+    return n;
+  }
+  DevZeros(DType d, std::vector<std::int64_t> s) : dt(d), shape(std::move(s)), mem(bytes_of(dt, shape)) {
+    cuda_or_throw(cudaMemset(mem.p, 0, mem.bytes), "cudaMemset");
+    cuda_or_throw(cudaDeviceSynchronize(), "cudaMemset");
+  }
+  TensorRef ref() const {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    return make_tensor(mem.p, dt, int(shape.size()), shape.data(), DeviceType::cuda, dev);
+  }
+};
 #endif
 
 }  // namespace fwbench

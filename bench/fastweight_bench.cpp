@@ -17,6 +17,9 @@
 //   fastweight_bench --dn-bwd-overlap=on|off DeltaNet backward: the recompute's state kernel beside prep +
 //                                            serial on a second stream, or after them (A/B; default: planner)
 //   fastweight_bench --dn-fixed-k=off        DeltaNet serial kernels for a runtime K only (A/B)
+//   fastweight_bench --dn-step-kernel=off    DeltaNet decoding step by the forward over T = 1 (A/B)
+//   fastweight_bench --mlstm-step-kernel=N   mLSTM decoding step's C pass kernel (A/B; set_mlstm_step_kernel)
+//   fastweight_bench --step-tile-major=off   the decoding steps' grids heads-fastest (A/B; set_step_tile_major)
 //   fastweight_bench --mlstm-bulk-store=off  mLSTM serial kernels' state stores element by element, not by the
 //                                            TMA engine (A/B)
 //   fastweight_bench --mlstm-chunk-units=off mLSTM serial kernels' chunk tiles by the generic loader (A/B)
@@ -26,6 +29,7 @@
 //   fastweight_bench --mlstm-dv-lo=on        mLSTM backward's dv state product with dC's lo part too (A/B)
 //   fastweight_bench --mlstm-k3-full=off     mLSTM backward's K3 roles without the full-chunk instances (A/B)
 //   fastweight_bench --mlstm-dv-parts=off    mLSTM backward's K3 roles on 128 DV columns, 128-wide slabs (A/B)
+//   fastweight_bench --mlstm-dv-wide=off     mLSTM backward's K3 parts: two at DQK <= 128, none above (A/B)
 //   fastweight_bench --mlstm-out-tiles=1|2   mLSTM forward's output kernel: 64-column DV tiles per CTA (A/B)
 //   fastweight_bench --mlstm-shapes=BxNHxSxDQKxDV[+...]  mLSTM GPU rows timed at these shapes (verified
 //                                            at the default small shape, as without it)
@@ -62,6 +66,7 @@
 #if FW_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include "cuda/common/step_grid.h"
 #include "cuda/deltanet/deltanet_cuda.h"
 #include "cuda/mlstm/mlstm_cuda.h"
 #include "cuda/norm/norm_cuda.h"
@@ -92,7 +97,11 @@ struct Options {
   bool mlstm_dv_lo = false;
   bool mlstm_no_k3_full = false;
   bool mlstm_no_dv_parts = false;
+  bool mlstm_no_dv_wide = false;
   bool dn_no_fixed_k = false;
+  bool dn_no_step_kernel = false;
+  int mlstm_step_kernel = -1;  // -1: the default
+  bool step_heads_major = false;
   int mlstm_slab_overlap = 0;  // 0: the planner's choice, 1 on, -1 off
   std::string mlstm_shapes;
   std::string csv;
@@ -333,6 +342,10 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--mlstm-k3-full=")) o.mlstm_no_k3_full = !on(v);
     else if (const char* v = val("--mlstm-dv-parts=")) o.mlstm_no_dv_parts = !on(v);
     else if (const char* v = val("--dn-fixed-k=")) o.dn_no_fixed_k = !on(v);
+    else if (const char* v = val("--mlstm-dv-wide=")) o.mlstm_no_dv_wide = !on(v);
+    else if (const char* v = val("--dn-step-kernel=")) o.dn_no_step_kernel = !on(v);
+    else if (const char* v = val("--mlstm-step-kernel=")) o.mlstm_step_kernel = std::atoi(v);
+    else if (const char* v = val("--step-tile-major=")) o.step_heads_major = !on(v);
     else if (const char* v = val("--mlstm-out-tiles=")) {
       o.mlstm_out_tiles = std::atoi(v);
       if (o.mlstm_out_tiles != 1 && o.mlstm_out_tiles != 2) usage(2);
@@ -361,7 +374,11 @@ int main(int argc, char** argv) {
   if (o.mlstm_dv_lo) fastweight::detail::set_mlstm_dv_lo(true);
   if (o.mlstm_no_k3_full) fastweight::detail::set_mlstm_k3_full(false);
   if (o.mlstm_no_dv_parts) fastweight::detail::set_mlstm_k3_dv_parts(false);
+  if (o.mlstm_no_dv_wide) fastweight::detail::set_mlstm_k3_dv_wide(false);
   if (o.dn_no_fixed_k) fastweight::detail::set_deltanet_fixed_k(false);
+  if (o.dn_no_step_kernel) fastweight::detail::set_deltanet_step_kernel(false);
+  if (o.mlstm_step_kernel >= 0) fastweight::detail::set_mlstm_step_kernel(o.mlstm_step_kernel);
+  if (o.step_heads_major) fastweight::detail::set_step_tile_major(false);
   if (o.mlstm_slab_overlap) fastweight::detail::set_mlstm_slab_overlap(o.mlstm_slab_overlap);
 #endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");

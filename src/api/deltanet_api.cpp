@@ -273,9 +273,11 @@ void deltanet_step(const DeltanetStepArgs& a, [[maybe_unused]] Stream stream) {
     sh.N = sh.B;
     check_cuda_fwd(op, sh, a.q, a.v);
     detail::DeviceGuard guard(a.q.device_index);
-    // The forward over T = 1: every CTA reads its columns of `state` before it writes them to
-    // new_state, and no two CTAs share columns, so in place is safe.
-    detail::deltanet_fwd_cuda(detail::lower_deltanet_step(a), nullptr, stream);
+    // The step kernel, else the forward over T = 1: either way every CTA reads its columns of
+    // `state` before it writes them to new_state, and no two CTAs share columns, so in place is safe.
+    const detail::DeltanetParams p = detail::lower_deltanet_step(a);
+    if (detail::deltanet_step_kernel_applies(p)) detail::deltanet_step_cuda(p, stream);
+    else detail::deltanet_fwd_cuda(p, nullptr, stream);
     return;
 #else
     detail::no_cuda_build(op);

@@ -28,6 +28,7 @@
 
 #include "api/deltanet_lower.h"
 #include "cuda/common/check.cuh"
+#include "cuda/common/step_grid.h"
 #include "cuda/deltanet/deltanet_cuda.h"
 #include "reference/deltanet_ref.h"
 #include "test_util.h"
@@ -591,8 +592,10 @@ TEST_P(DeltanetCudaStep, MatchesReferenceOutOfPlaceAndInPlace) {
   FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
   FW_TEST_CUDA(cudaMemset(gnst.ptr, 0xff, gnst.nbytes));
   FW_TEST_CUDA(cudaDeviceSynchronize());  // the memsets run on the legacy stream, not on `stream`
+  const bool tile_major = fastweight::detail::set_step_tile_major(false);  // the other grid order: same bits
   deltanet_step(a, s);
   FW_TEST_CUDA(cudaStreamSynchronize(stream));
+  fastweight::detail::set_step_tile_major(tile_major);
   HostTensor o2 = o, n2 = nst;
   go.download(o2), gnst.download(n2);
   // in place: new_state is the state
@@ -601,9 +604,21 @@ TEST_P(DeltanetCudaStep, MatchesReferenceOutOfPlaceAndInPlace) {
   a.new_state = a.state;
   deltanet_step(a, s);
   FW_TEST_CUDA(cudaStreamSynchronize(stream));
-  FW_TEST_CUDA(cudaStreamDestroy(stream));
   HostTensor o3 = o, n3 = st;
   go.download(o3), gst.download(n3);
+  // the forward over T = 1 in place of the step kernel (set_deltanet_step_kernel), out of place
+  FW_TEST_CUDA(cudaMemcpy(gst.ptr, st.bytes.data(), gst.nbytes, cudaMemcpyHostToDevice));
+  FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
+  FW_TEST_CUDA(cudaMemset(gnst.ptr, 0xff, gnst.nbytes));
+  FW_TEST_CUDA(cudaDeviceSynchronize());
+  a.new_state = gnst.ref(nst);
+  const bool step_kernel = fastweight::detail::set_deltanet_step_kernel(false);
+  deltanet_step(a, s);
+  FW_TEST_CUDA(cudaStreamSynchronize(stream));
+  fastweight::detail::set_deltanet_step_kernel(step_kernel);
+  FW_TEST_CUDA(cudaStreamDestroy(stream));
+  HostTensor o4 = o, n4 = nst;
+  go.download(o4), gnst.download(n4);
 
   // the loop form over one position: (B, H, D) is the contiguous (B, 1, H, D), the state (N = B, H, K, V)
   HostTensor rq = to_f64(q), rk = to_f64(k), rv = to_f64(v), rb = to_f64(beta), rst = to_f64(st);
@@ -620,6 +635,8 @@ TEST_P(DeltanetCudaStep, MatchesReferenceOutOfPlaceAndInPlace) {
   EXPECT_LT(e_n, tol) << "new_state";
   EXPECT_LT(e_oi, tol) << "o (in place)";
   EXPECT_LT(e_ni, tol) << "state (in place)";
+  EXPECT_LT(rel_err(o4, ro), tol) << "o (the forward over T = 1)";
+  EXPECT_LT(rel_err(n4, rnst), tol) << "new_state (the forward over T = 1)";
   EXPECT_EQ(st_after.bytes, st.bytes) << "out of place: the state was written";
   EXPECT_EQ(o1.bytes, o2.bytes) << "o: not deterministic";
   EXPECT_EQ(n1.bytes, n2.bytes) << "new_state: not deterministic";
@@ -630,7 +647,8 @@ TEST_P(DeltanetCudaStep, MatchesReferenceOutOfPlaceAndInPlace) {
 std::vector<StepCase> step_cases() {
   std::vector<StepCase> v;
   for (DType dt : {DType::f32, DType::bf16})
-    for (auto [K, V] : {std::pair<std::int64_t, std::int64_t>{100, 72}, {128, 128}})
+    // the step kernel's float4 rows (V % 4 == 0) and its element path (V = 70), K up to 256
+    for (auto [K, V] : {std::pair<std::int64_t, std::int64_t>{100, 72}, {128, 128}, {256, 256}, {64, 70}})
       for (bool l2 : {false, true}) v.push_back({dt, 3, 4, K, V, l2});
   return v;
 }

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "api/mlstm_lower.h"
+#include "cuda/common/step_grid.h"
 #include "cuda/mlstm/mlstm_cuda.h"
 #include "reference/mlstm_ref.h"
 #include "test_util.h"
@@ -233,9 +234,12 @@ TEST_P(MlstmCudaBwd, MatchesReferenceAllGradientsAndIsDeterministic) {
   // (last-bit differences of FMA contraction, carried through bf16 outputs). With DV parts the two
   // round different intermediates to bf16 (per slab: dh v^T of 128 columns into the bf16 fragments of
   // Y; in parts: of all DV), so they differ by ~3e-3 in dq, dk (H100), each within tol of float64.
+  // Above DV = 256 a fourth run takes session 20's parts (two at DQK <= 128 and none above).
   HostTensor dq3 = dq, dk3 = dk, dv3 = dv, di3 = di, df3 = df;
+  HostTensor dq4 = dq, dk4 = dk, dv4 = dv, di4 = di, df4 = df;
+  bool fourth = false;
   const bool fixed_dims = (c.DQK == 128 || c.DQK == 256) && c.DV >= 128;
-  const bool dv_parts = c.DQK <= 128 && c.DV > 128;
+  const bool dv_parts = c.DV > 128;
   const bool third = (fixed_dims || dv_parts) && !c.strong;
   cudaFree(ws);
   if (third) {
@@ -250,6 +254,18 @@ TEST_P(MlstmCudaBwd, MatchesReferenceAllGradientsAndIsDeterministic) {
     fastweight::detail::set_mlstm_k3_dv_parts(parts);
     cudaFree(ws3);
     gdq.download(dq3), gdk.download(dk3), gdv.download(dv3), gdi.download(di3), gdf.download(df3);
+    if (c.DV > 256) {  // and session 20's parts (two at DQK <= 128, none above): against float64 too
+      const bool wide = fastweight::detail::set_mlstm_k3_dv_wide(false);
+      const std::size_t wsb4 = mlstm_bwd_workspace_size(a);
+      void* ws4 = nullptr;
+      FW_TEST_CUDA(cudaMalloc(&ws4, wsb4));
+      mlstm_bwd(a, ws4, wsb4, nullptr);
+      FW_TEST_CUDA(cudaDeviceSynchronize());
+      fastweight::detail::set_mlstm_k3_dv_wide(wide);
+      cudaFree(ws4);
+      gdq.download(dq4), gdk.download(dk4), gdv.download(dv4), gdi.download(di4), gdf.download(df4);
+      fourth = true;
+    }
     if (!dv_parts) {
       EXPECT_LT(rel_err(dq3, dq1), 1e-3) << "dq, runtime-dims K3";
       EXPECT_LT(rel_err(dk3, dk1), 1e-3) << "dk, runtime-dims K3";
@@ -296,6 +312,13 @@ TEST_P(MlstmCudaBwd, MatchesReferenceAllGradientsAndIsDeterministic) {
     EXPECT_LT(rel_err(dv3, ev), tol) << "dv, runtime-dims K3, 128-column slabs";
     EXPECT_LT(rel_err(di3, ei), tol) << "di, runtime-dims K3, 128-column slabs";
     EXPECT_LT(rel_err(df3, ef), tol) << "df, runtime-dims K3, 128-column slabs";
+  }
+  if (fourth) {  // parts at most two, at DQK <= 128 only (set_mlstm_k3_dv_wide off)
+    EXPECT_LT(rel_err(dq4, eq), tol) << "dq, K3 parts not wide";
+    EXPECT_LT(rel_err(dk4, ek), tol) << "dk, K3 parts not wide";
+    EXPECT_LT(rel_err(dv4, ev), tol) << "dv, K3 parts not wide";
+    EXPECT_LT(rel_err(di4, ei), tol) << "di, K3 parts not wide";
+    EXPECT_LT(rel_err(df4, ef), tol) << "df, K3 parts not wide";
   }
   if (c.strong) {
     double num = 0.0, den = 0.0;
@@ -363,14 +386,22 @@ std::vector<FwdCase> bwd_cases() {
   // chunk; and DV slabs of 128 with DQK 256 and a 4-column last slab
   v.push_back({DType::bf16, 2, 8, 1100, 128, 128, 64, true, false, false});
   v.push_back({DType::bf16, 1, 2, 300, 256, 260, 64, true, false, true});
+  // DV in up to four 128-column parts per K3 CTA (set_mlstm_k3_dv_wide): DQK 256 with four (the
+  // fixed-dims instances), odd DQK above 128 with three, and DV above 512 (a slab of 512, then 128)
+  v.push_back({DType::bf16, 1, 2, 200, 256, 512, 64, true, false, false});
+  v.push_back({DType::bf16, 1, 1, 130, 200, 384, 64, true, false, false});
+  v.push_back({DType::bf16, 1, 1, 100, 128, 640, 64, true, false, false});
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Cases, MlstmCudaBwd, ::testing::ValuesIn(bwd_cases()),
                          [](const auto& info) { return name_of(info.param); });
 
-TEST(MlstmCudaStep, MatchesReferenceInPlaceAndOutOfPlace) {
-  FW_REQUIRE_GPU();
-  const std::int64_t B = 2, NH = 3, DQK = 72, DV = 136;
+// Each of the C pass's kernels (set_mlstm_step_kernel: 0 the element kernel, 1 the register tile, 2 the
+// row-block kernel; fp32 states with 16-byte rows and DV % 4 == 0 for 1 and 2, DQK <= 256 for 1) at DV 136, xLSTM 7B's (256, 512), DQK 300 (row blocks beyond 256, a short last one) and at
+// DV = 70, where the element kernel takes every setting.
+void check_mlstm_step(std::int64_t DQK, std::int64_t DV, int kernel) {
+  SCOPED_TRACE("DQK " + std::to_string(DQK) + " DV " + std::to_string(DV) + " kernel " + std::to_string(kernel));
+  const std::int64_t B = 2, NH = 3;
   HostTensor q = make_host(DType::bf16, {B, NH, DQK}), k = make_host(DType::bf16, {B, NH, DQK}),
              v = make_host(DType::bf16, {B, NH, DV}), i = make_host(DType::f32, {B, NH, 1}),
              f = make_host(DType::f32, {B, NH, 1}), h = make_host(DType::bf16, {B, NH, DV}),
@@ -386,10 +417,14 @@ TEST(MlstmCudaStep, MatchesReferenceInPlaceAndOutOfPlace) {
   a.q = dq.ref(q), a.k = dk.ref(k), a.v = dv.ref(v), a.i = di.ref(i), a.f = df.ref(f);
   a.c = dc.ref(c), a.n = dn.ref(n), a.m = dm.ref(m), a.h = dh2.ref(h2);
   a.c_new = dc2.ref(c2), a.n_new = dn2.ref(n2), a.m_new = dm2.ref(m2);
+  const int prev = fastweight::detail::set_mlstm_step_kernel(kernel);
   fastweight::detail::mlstm_step_cuda(fastweight::detail::lower_mlstm_step(a), nullptr);
-  a.h = dh.ref(h), a.c_new = a.c, a.n_new = a.n, a.m_new = a.m;  // in place
+  a.h = dh.ref(h), a.c_new = a.c, a.n_new = a.n, a.m_new = a.m;  // in place, heads-fastest grid: same bits
+  const bool tile_major = fastweight::detail::set_step_tile_major(false);
   fastweight::detail::mlstm_step_cuda(fastweight::detail::lower_mlstm_step(a), nullptr);
+  fastweight::detail::set_step_tile_major(tile_major);
   FW_TEST_CUDA(cudaDeviceSynchronize());
+  fastweight::detail::set_mlstm_step_kernel(prev);
   HostTensor hA = h2, cA = c2, hB = h, cB = c, nB = n, mB = m;
   dh2.download(hA), dc2.download(cA), dh.download(hB), dc.download(cB), dn.download(nB), dm.download(mB);
   EXPECT_EQ(hA.bytes, hB.bytes);
@@ -403,6 +438,12 @@ TEST(MlstmCudaStep, MatchesReferenceInPlaceAndOutOfPlace) {
   EXPECT_LT(rel_err(cB, rc), 1e-5);
   EXPECT_LT(rel_err(nB, rn), 1e-5);
   EXPECT_LT(rel_err(mB, rm), 1e-6);
+}
+
+TEST(MlstmCudaStep, MatchesReferenceInPlaceAndOutOfPlace) {
+  FW_REQUIRE_GPU();
+  for (auto [DQK, DV] : {std::pair<std::int64_t, std::int64_t>{72, 136}, {256, 512}, {300, 136}, {64, 70}})
+    for (int kernel = 0; kernel <= 2; ++kernel) check_mlstm_step(DQK, DV, kernel);
 }
 
 TEST(MlstmCudaDecay, ForwardAndBackwardMatchReference) {

@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "cuda/common/check.cuh"
+#include "cuda/common/step_grid.cuh"
+#include "cuda/common/step_grid.h"
 #include "cuda/common/tensor_map.cuh"
 #include "cuda/norm/norm_cuda.h"
 #include "fastweight/fastweight.h"
@@ -32,6 +34,8 @@ const Props& props() {
   return g_props[dev];
 }
 }  // namespace
+
+bool set_step_tile_major(bool on) { return g_step_tile_major.exchange(on); }
 
 int sm_count() { return props().sms; }
 int cc_major() { return props().cc_major; }

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cuda/common/check.cuh"
+#include "cuda/common/stream_fork.h"
 #include "cuda/common/mma.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
 #include "cuda/deltanet/deltanet_cuda.h"
@@ -411,39 +412,6 @@ DeltanetBwdParams effective(const DeltanetBwdParams& p) {
 namespace {
 std::atomic<int> g_bwd_overlap{0};  // 0: the planner's choice, 1: always, -1: never
 
-// The fork of one call: the side stream waits for the caller's stream; done() marks the end of the
-// side work (the event the post kernel waits for). Events are per call (shared ones could be
-// re-recorded by another host thread between a record and its wait). The destructor makes the
-// caller's stream wait for the side work once more (a no-op after the post kernel's wait; the join
-// on every path, an early return or a throw included) and releases the events.
-struct Fork {
-  cudaStream_t main, side;
-  cudaEvent_t e[2] = {nullptr, nullptr};
-  explicit Fork(cudaStream_t m) : main(m), side(side_stream()) {
-    try {
-      for (auto& x : e) FW_CUDA_CHECK("deltanet_bwd (events)", cudaEventCreateWithFlags(&x, cudaEventDisableTiming));
-      FW_CUDA_CHECK("deltanet_bwd (fork)", cudaEventRecord(e[0], main));
-      FW_CUDA_CHECK("deltanet_bwd (fork)", cudaStreamWaitEvent(side, e[0], 0));
-    } catch (...) {
-      release();  // (no destructor runs for a constructor that throws; nothing was forked)
-      throw;
-    }
-  }
-  void* done() {
-    FW_CUDA_CHECK("deltanet_bwd (join)", cudaEventRecord(e[1], side));
-    return e[1];
-  }
-  void release() {
-    for (auto& x : e)
-      if (x) (void)cudaEventDestroy(x), x = nullptr;
-  }
-  ~Fork() {
-    if (e[1]) (void)cudaStreamWaitEvent(main, e[1], 0);
-    release();
-  }
-  Fork(const Fork&) = delete;
-  Fork& operator=(const Fork&) = delete;
-};
 }  // namespace
 
 int set_deltanet_bwd_overlap(int mode) { return g_bwd_overlap.exchange(mode > 0 ? 1 : mode < 0 ? -1 : 0); }
@@ -480,13 +448,13 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream st
   f.o = {}, f.ht = {};
   const bool state_tc = tc && deltanet_bwd_state_tc_applies(p);
   const bool overlap = state_tc && seqs > 0 && deltanet_bwd_overlap(p);
-  std::optional<Fork> fork;
+  std::optional<StreamFork> fork;
   void* recomputed = nullptr;  // with the overlap: the side work's end, waited for before post
   if (tc) {
     const DnChunkBufs bufs{ws + w.xw, ws + w.xu, ws + w.rk, ws + w.S, ws + w.X, ws + w.T2};
     if (overlap) {
       deltanet_chunk_tc_states(f, bufs, stream, 1);  // wy: Xw, Xu, rk, T2 (both chains read them)
-      fork.emplace(st);
+      fork.emplace("deltanet_bwd (fork)", st);
       deltanet_chunk_tc_states(f, bufs, reinterpret_cast<Stream>(fork->side), 2);
       recomputed = fork->done();
     } else {

@@ -68,4 +68,13 @@ bool deltanet_bwd_overlap(const DeltanetBwdParams& p);
 // The chunk pass on tensor cores (deltanet_bwd_tc.cu), after the state pass on tensor cores.
 void deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream);
 
+// The decoding step's own kernel (deltanet_step.cu): T = 1, no cu_seqlens, K <= kStepMaxK, fp32 state
+// and new state (in place allowed). deltanet_step takes it where it applies, else the forward over
+// T = 1. set_deltanet_step_kernel(false) takes the forward always (A/B: bench_decode.py
+// --no-step-kernel); returns the previous setting.
+inline constexpr int kStepMaxK = 256;
+bool set_deltanet_step_kernel(bool on);
+bool deltanet_step_kernel_applies(const DeltanetParams& p);
+void deltanet_step_cuda(const DeltanetParams& p, Stream stream);
+
 }  // namespace fastweight::detail

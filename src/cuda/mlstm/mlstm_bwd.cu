@@ -774,9 +774,9 @@ __global__ void __launch_bounds__(kThreads) k4_gates(const MlstmBwdParams B, flo
 // (the large ones) are summed by the tensor-core K3 roles as they store them (dq_add, dk_add: the
 // last slab writes partial + its value straight to the output); a pass of their own over the fp32
 // sums cost ~2.8 ms of ~19.5 at (8,16,8192,128,256).
-// The slab width: 256 where the tensor-core K3 roles take DV in two parts of 128 (DQK <= 128,
-// mlstm_k3_dv_parts), else 128.
-std::int64_t slab_dv(const MlstmBwdParams& B) { return mlstm_k3_dv_parts() && B.f.DQK <= 128 ? 256 : 128; }
+// The slab width: the DV parts of 128 columns the tensor-core K3 roles take per CTA
+// (mlstm_k3_dv_parts_max: up to 512 columns), else 128.
+std::int64_t slab_dv(const MlstmBwdParams& B) { return 128 * std::int64_t(mlstm_k3_dv_parts_max(B.f.DQK)); }
 
 MlstmBwdParams slab_problem(const MlstmBwdParams& B, std::int64_t j) {
   MlstmBwdParams s = B;

@@ -30,9 +30,8 @@ namespace {
 
 using namespace mtc;
 constexpr int kThreads = kTcThreads;
-constexpr int kMaxD = 128;   // DV columns in shared memory at once (DQK <= 128: up to kMaxDvParts parts of
+constexpr int kMaxD = 128;   // DV columns in shared memory at once (up to mlstm_k3_dv_parts_max parts of
                              // them per CTA; larger DV: the slabs of mlstm_bwd.cu)
-constexpr int kMaxDvParts = 2;
 constexpr int kMaxDq = 256;  // DQK (above 128: the state in two DQK halves, one at a time)
 constexpr int kHalf = 128;   // state rows (DQK) held in shared memory at once
 
@@ -132,11 +131,12 @@ __device__ __forceinline__ void k3_issue(const MlstmBwdParams& B, const K3Flags&
 
 // The state's DQK half hh (rows 128 hh..) into st and, where the layout has it, lo: one cp.async
 // group, after every warp is done with the other half (the caller syncs before and waits after).
-__device__ void k3_state_half(const K3Smem& sm, const bf16* sthl, int DQK, int DV, int hh, int nthreads) {
+// ld: the slot's row stride (the problem's DV), nc: the columns loaded (a DV part's, from sthl on)
+__device__ void k3_state_half(const K3Smem& sm, const bf16* sthl, int DQK, int ld, int nc, int hh, int nthreads) {
   const int r0 = kHalf * hh, nr = DQK - r0 < kHalf ? DQK - r0 : kHalf;
   const int ldv = sm.lay.ldv, Sq = sm.lay.Sq, Dv = sm.lay.Dv;
-  load_tile(sm.st, ldv, Sq, Dv, sthl + std::int64_t(r0) * DV, DV, nr, DV, DV % 8 == 0, nthreads);
-  if (sm.lo) load_tile(sm.lo, ldv, Sq, Dv, sthl + std::int64_t(DQK + r0) * DV, DV, nr, DV, DV % 8 == 0, nthreads);
+  load_tile(sm.st, ldv, Sq, Dv, sthl + std::int64_t(r0) * ld, ld, nr, nc, ld % 8 == 0, nthreads);
+  if (sm.lo) load_tile(sm.lo, ldv, Sq, Dv, sthl + std::int64_t(DQK + r0) * ld, ld, nr, nc, ld % 8 == 0, nthreads);
   cp_async_commit();
 }
 
@@ -269,11 +269,11 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
   const MlstmParams& p = B.f;
   __shared__ double s_g[kT], s_a[kT], s_M[kT];
   extern __shared__ float4 smem_raw[];
-  // DVt: the problem's DV; DV: the columns held in shared memory at once (<= 128). NH == 1 walks DVt
+  // DVt: the problem's DV; DV: the columns held in shared memory at once (<= 128). The role walks DVt
   // in parts of 128 columns (dh, v, C_k's rows reloaded per part; WD and dh C_k^T summed over them),
-  // so that q k^T, the row statistics, Y k and p_k are formed once for up to 256 columns.
+  // so that q k^T, the row statistics, Y k and p_k are formed once for up to four parts (512 columns).
   const int DQK = FQ ? FQ : int(p.DQK), DVt = int(p.DV), DV = FV ? FV : (DVt < kMaxD ? DVt : kMaxD);
-  const int nvp = NH == 1 ? (DVt + kMaxD - 1) / kMaxD : 1;
+  const int nvp = (DVt + kMaxD - 1) / kMaxD;
   const K3Smem sm(reinterpret_cast<char*>(smem_raw), DQK, DV, false);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = kc0 + blockIdx.y, t0 = kc * kT;
@@ -303,12 +303,6 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
   float* stash = sm.stash + warp * (16 * 4 * 32);
   for (int hh = 0; hh < nh; ++hh) {
     const int c0 = kHalf * hh, Nh = Dq - c0 < kHalf ? Dq - c0 : kHalf;
-    if (hh > 0) {
-      __syncthreads();  // every warp is done with st and v (the first half's lo rows)
-      k3_state_half(sm, sthl, DQK, DV, hh, kThreads);
-      cp_async_wait<0>();
-      __syncthreads();
-    }
 #pragma unroll
     for (int j = 0; j < 16; ++j)
 #pragma unroll
@@ -316,9 +310,20 @@ __global__ void __launch_bounds__(kThreads, 2) k3q_tc(const MlstmBwdParams B, co
     // + dh lo^T, lo = C_k - bf16(C_k) (K0's): rows c0 + 64 h.. of it in v's place, (64, Dv) bf16; the
     // first 64 rows load under the hi part's products (waited for after them: ncu had the loads'
     // wait at 18% of the stall samples when each was waited for where it was issued)
-    for (int vp = 0; vp < nvp; ++vp) {  // DV parts (one unless NH == 1 and DV > 128)
+    for (int i = 0; i < nvp; ++i) {  // DV parts (one where DV <= 128)
+      // the second DQK half walks the parts backwards: the last part's dh is still in shared memory
+      const int vp = hh == 0 ? i : nvp - 1 - i;
       const int cv = kMaxD * vp, nvc = DVt - cv < kMaxD ? DVt - cv : kMaxD;
-      if (vp > 0) {  // this part's dh, v and C_k hi rows (columns cv..) into dh, v, st; WD += dh v^T
+      if (hh > 0) {  // this half's C_k hi rows of this part (and the part's dh after the first)
+        __syncthreads();  // every warp is done with st and v (the previous rows of lo) and dh
+        if (i > 0) {
+          const std::int64_t ro = b * B.dh.s0 + hd * B.dh.s1 + t0 * B.dh.s2 + cv;
+          load_tile(sm.dh, ldv, kT, Dv, static_cast<const bf16*>(B.dh.p) + ro, B.dh.s2, n, nvc, fl.dh);
+        }
+        k3_state_half(sm, sthl + cv, DQK, DVt, nvc, hh, kThreads);
+        cp_async_wait<0>();
+        __syncthreads();
+      } else if (vp > 0) {  // this part's dh, v and C_k hi rows (columns cv..) into dh, v, st; WD += dh v^T
         __syncthreads();  // every warp is done with dh, v (C_k's lo rows there) and st
         const std::int64_t ro = b * B.dh.s0 + hd * B.dh.s1 + t0 * B.dh.s2 + cv;
         const std::int64_t rv = b * p.v.s0 + hd * p.v.s1 + t0 * p.v.s2 + cv;
@@ -491,13 +496,13 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
   extern __shared__ float4 smem_raw[];
   // dC_{k+1} as bf16 hi + lo: u_s and da_s are sums of large terms that cancel under strong gates
   // (i = +20, f = -20), where one bf16 rounding of dC put (di, df) 4% off (H100 run 9)
-  // DVt: the problem's DV; DV: the columns held in shared memory at once (<= 128). With DQK <= 128 the
-  // role walks DVt in parts of 128 columns (as the q-role): S^T, the fragments and dk's epilogue once,
-  // WD^T and v dC^T summed over the parts, dv per part. The state part loaded first is the last one,
-  // whose v and dh the WD^T pass leaves in shared memory.
+  // DVt: the problem's DV; DV: the columns held in shared memory at once (<= 128). The role walks DVt
+  // in parts of 128 columns (as the q-role): S^T, the fragments and dk's epilogue once, WD^T and
+  // v dC^T summed over the parts, dv per part (over the DQK halves within it). The state part loaded
+  // first is the last one, whose v and dh the WD^T pass leaves in shared memory.
   const int DQK = FQ ? FQ : int(p.DQK), DVt = int(p.DV), DV = FV ? FV : (DVt < kMaxD ? DVt : kMaxD);
   const K3Smem sm(reinterpret_cast<char*>(smem_raw), DQK, DV, true);
-  const int nvp = sm.lay.Dq <= kHalf ? (DVt + kMaxD - 1) / kMaxD : 1;
+  const int nvp = (DVt + kMaxD - 1) / kMaxD;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
   const int rg = warp & 3, cg = warp >> 2;  // row group (16 steps), column half
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = kc0 + blockIdx.y, t0 = kc * kT;
@@ -570,51 +575,64 @@ __global__ void __launch_bounds__(kKvThreads, 1) k3kv_tc(const MlstmBwdParams B,
   const int c0 = 64 * cg, nv = Dv - c0 < 64 ? Dv - c0 : 64;
   const int nh = (Dq + kHalf - 1) / kHalf;
   float dva[8][4] = {};  // dv (s, c0..)
-  if (nvp > 1) {  // DQK <= 128, DV in parts: the last part is in v, dh, st, lo; then the others, down to 0
-    const int r0 = 64 * cg, nq = Dq - r0 < 64 ? Dq - r0 : 64;  // dk columns r0.. of this warp
-    float dka[8][4] = {};  // v dC^T (s, r0..) summed over the parts
+  if (nvp > 1) {  // DV in parts: the last part is in v, dh, st, lo (its first DQK half); then the others, down to 0
+    const int r0 = 64 * cg;  // dk columns q0 + r0.. of this warp in DQK half q0
+    float dka[2][8][4] = {};  // v dC^T (s, q0 + r0..) per DQK half, summed over the parts
     for (int vp = nvp - 1; vp >= 0; --vp) {
       const int cv = kMaxD * vp, nvc = DVt - cv < kMaxD ? DVt - cv : kMaxD, nw = nvc - c0 < 64 ? nvc - c0 : 64;
-      if (vp < nvp - 1) {
-        __syncthreads();  // every warp is done with this part's v, dh, st, lo
-        load_part(vp, true);
-        cp_async_wait<0>();
-        __syncthreads();
-      }
-      if (nq > 0) {
-        mma_abt(dka, sm.v, ldv, sm.st + r0 * ldv, ldv, Dv, nq, rg, lane);
-        mma_abt(dka, sm.v, ldv, sm.lo + r0 * ldv, ldv, Dv, nq, rg, lane);
+      float dvp[8][4] = {};  // dv columns cv + c0.., summed over the DQK halves
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        if (hh >= nh) break;
+        const int q0 = kHalf * hh, Nh = Dq - q0 < kHalf ? Dq - q0 : kHalf, nq = Nh - r0 < 64 ? Nh - r0 : 64;
+        if (vp < nvp - 1 || hh > 0) {  // this part's v, dh (first half) and dC_{k+1} hi / lo rows of half hh
+          __syncthreads();  // every warp is done with v, dh, st, lo
+          if (hh == 0) load_part(vp, false);
+          k3_state_half(sm, dchl + cv, DQK, DVt, nvc, hh, kKvThreads);
+          cp_async_wait<0>();
+          __syncthreads();
+        }
+        if (nq > 0) {
+          mma_abt(dka[hh], sm.v, ldv, sm.st + r0 * ldv, ldv, Dv, nq, rg, lane);
+          mma_abt(dka[hh], sm.v, ldv, sm.lo + r0 * ldv, ldv, Dv, nq, rg, lane);
+        }
+        if (nw > 0) {  // k dC from dC's hi part (see below)
+          mma_ab8(dvp, sm.k + q0, ldq, sm.st + c0, ldv, Nh, nw, rg, lane);
+          if (fl.dv_lo) mma_ab8(dvp, sm.k + q0, ldq, sm.lo + c0, ldv, Nh, nw, rg, lane);
+        }
       }
       if (nw > 0) {  // dv columns cv + c0.. = w_s k dC + P^T dnum
-        float dvp[8][4] = {};
-        mma_ab8(dvp, sm.k, ldq, sm.st + c0, ldv, Dq, nw, rg, lane);  // dC's hi part (wip/mlstm-dv-hi-s20)
-        if (fl.dv_lo) mma_ab8(dvp, sm.k, ldq, sm.lo + c0, ldv, Dq, nw, rg, lane);
 #pragma unroll
         for (int j = 0; j < 8; ++j) dvp[j][0] *= wA, dvp[j][1] *= wA, dvp[j][2] *= wB, dvp[j][3] *= wB;
         mma_fragb(dvp, pf, sm.dh + c0, ldv, nw, lane);
         store_rows(B.dv, dvp, b, hd, t0, sA, sB, n, cv + c0, DVt, 1.f, nullptr);
       }
     }
-    if (nq > 0) {  // dk columns r0.. = w_s (v dC^T + dn) + scale Y^T q; u_s part = k_s . (dC v_s + dn)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {  // dk columns q0 + r0.. = w_s (v dC^T + dn) + scale Y^T q; u_s part = k_s . (dC v_s + dn)
+      if (hh >= nh) break;
+      const int q0 = kHalf * hh, Nh = Dq - q0 < kHalf ? Dq - q0 : kHalf, nq = Nh - r0 < 64 ? Nh - r0 : 64;
+      if (nq <= 0) continue;
 #pragma unroll
       for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           if (8 * j >= nq) break;
-          const int r = r0 + 8 * j + 2 * t4 + (e & 1), s = e < 2 ? sA : sB;
-          const float x = dka[j][e] + sm.nv[r];
+          const int r = q0 + r0 + 8 * j + 2 * t4 + (e & 1), s = e < 2 ? sA : sB;
+          const float x = dka[hh][j][e] + sm.nv[r];
           (e < 2 ? uA : uB) += __bfloat162float(sm.k[s * ldq + r]) * x;
-          dka[j][e] = (e < 2 ? wA : wB) * x;
+          dka[hh][j][e] = (e < 2 ? wA : wB) * x;
         }
-      mma_fragb(dka, yf, sm.q + r0, ldq, nq, lane);
-      store_rows(B.dk, dka, b, hd, t0, sA, sB, n, r0, DQK, 1.f, B.dk_add ? B.dk_add + (bh * p.S + t0) * DQK : nullptr);
+      mma_fragb(dka[hh], yf, sm.q + q0 + r0, ldq, nq, lane);
+      store_rows(B.dk, dka[hh], b, hd, t0, sA, sB, n, q0 + r0, DQK, 1.f,
+                 B.dk_add ? B.dk_add + (bh * p.S + t0) * DQK : nullptr);
     }
   }
   for (int hh = 0; hh < (nvp > 1 ? 0 : nh); ++hh) {
     const int q0 = kHalf * hh, Nh = Dq - q0 < kHalf ? Dq - q0 : kHalf;
     if (hh > 0) {
       __syncthreads();  // every warp is done with the other half
-      k3_state_half(sm, dchl, DQK, DV, hh, kKvThreads);
+      k3_state_half(sm, dchl, DQK, DV, DV, hh, kKvThreads);
       cp_async_wait<0>();
       __syncthreads();
     }
@@ -1042,12 +1060,13 @@ std::int64_t k3_full_chunks(const MlstmParams& p, const BwdWs& L) {
   return p.S % kT == 0 ? L.NC : L.NC - 1;
 }
 std::atomic<bool> g_dv_parts{true};  // set_mlstm_k3_dv_parts
+std::atomic<bool> g_dv_wide{true};   // set_mlstm_k3_dv_wide
 
-// Whether both K3 roles take their fixed-dims instances (k3q_tc<NH, 128 | 256, 128>, k3kv_tc<..>);
-// DV = 256 at DQK = 128 runs as two 128-column parts (g_dv_parts; else K3 is not on tensor cores).
+// Whether both K3 roles take their fixed-dims instances (k3q_tc<NH, 128 | 256, 128>, k3kv_tc<..>):
+// DQK 128 or 256, DV 128 or its 128-column parts (the launch's caller checked the parts apply).
 bool k3_fixed_dims(const MlstmParams& p) {
-  return g_k3_fixed.load(std::memory_order_relaxed) &&
-         ((p.DQK == 128 && (p.DV == 128 || p.DV == 256)) || (p.DQK == 256 && p.DV == 128));
+  return g_k3_fixed.load(std::memory_order_relaxed) && (p.DQK == 128 || p.DQK == 256) && p.DV % kMaxD == 0 &&
+         p.DV <= kMaxD * mlstm_k3_dv_parts_max(p.DQK);
 }
 
 }  // namespace
@@ -1056,41 +1075,56 @@ bool set_mlstm_k3_fixed(bool on) { return g_k3_fixed.exchange(on); }
 bool set_mlstm_dv_lo(bool on) { return g_dv_lo.exchange(on); }
 bool set_mlstm_k3_full(bool on) { return g_k3_full.exchange(on); }
 bool set_mlstm_k3_dv_parts(bool on) { return g_dv_parts.exchange(on); }
-bool mlstm_k3_dv_parts() { return g_dv_parts.load(std::memory_order_relaxed); }
+bool set_mlstm_k3_dv_wide(bool on) { return g_dv_wide.exchange(on); }
+int mlstm_k3_dv_parts_max(std::int64_t DQK) {
+  if (!g_dv_parts.load(std::memory_order_relaxed)) return 1;
+  return g_dv_wide.load(std::memory_order_relaxed) ? 4 : DQK <= kHalf ? 2 : 1;
+}
 
 bool mlstm_bwd_k3_tc_applies(const MlstmBwdParams& b) {
   const MlstmParams& p = b.f;
   return p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && p.v.dtype == DType::bf16 &&
          b.dh.dtype == DType::bf16 && p.L == kT && p.DQK >= 1 && p.DQK <= kMaxDq && p.DV >= 1 &&
-         (p.DV <= kMaxD || (mlstm_k3_dv_parts() && p.DQK <= kHalf && p.DV <= kMaxDvParts * kMaxD)) &&
+         p.DV <= kMaxD * mlstm_k3_dv_parts_max(p.DQK) &&
          // shared memory (dynamic + the roles' static ~2 KB) within the device's opt-in limit: DQK = 256
          // takes ~174 KB (Hopper: 227 KB; sm_80: 163 KB, which keeps DQK > 128 on the CUDA cores)
          std::max(K3Layout(p.DQK, std::min<std::int64_t>(p.DV, kMaxD), true).bytes,
                   K3Layout(p.DQK, std::min<std::int64_t>(p.DV, kMaxD), false).bytes) + 4096 <= smem_per_block_optin();
 }
 
+namespace {
+// A K3 role over the problem's chunks: the full ones [0, k3_full_chunks) by `full` (the instance
+// compiled for 64 rows), the rest (a short last chunk, or all of them with set_mlstm_k3_full off) by
+// `rest`, each launch taking chunks kc0 + blockIdx.y.
+using K3Kernel = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs, const int);
+void launch_k3(K3Kernel full, K3Kernel rest, int threads, std::size_t smem, const MlstmBwdParams& B, const K3Flags& fl,
+               float* ws, const BwdWs& L, Stream stream) {
+  const std::int64_t nfull = k3_full_chunks(B.f, L);
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  for (int part = 0; part < 2; ++part) {
+    const std::int64_t kc0 = part ? nfull : 0, nch = part ? L.NC - nfull : nfull;
+    if (nch == 0) continue;
+    const K3Kernel kernel = part ? rest : full;
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), threads, smem);
+    kernel<<<dim3(unsigned(L.heads), unsigned(nch)), threads, smem, s>>>(B, fl, ws, L, int(kc0));
+    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
+  }
+}
+}  // namespace
+
 void mlstm_bwd_k3q_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
   const MlstmParams& p = B.f;
   if (L.NC == 0 || L.heads == 0) return;
   const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh)};
   const K3Layout lq(p.DQK, std::min<std::int64_t>(p.DV, kMaxD), false);  // DV in parts of kMaxD above it
-  using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs, const int);
+  using K = K3Kernel;
   const bool fixed = k3_fixed_dims(p);
   auto pick = [&](auto full) -> K {
     constexpr bool F = decltype(full)::value;
     if (fixed) return p.DQK == 128 ? &k3q_tc<1, 128, 128, F> : &k3q_tc<2, 256, 128, F>;
     return lq.Dq > kHalf ? &k3q_tc<2, 0, 0, F> : &k3q_tc<1, 0, 0, F>;
   };
-  const std::int64_t nfull = k3_full_chunks(p, L);
-  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  for (int part = 0; part < 2; ++part) {  // the full chunks [0, nfull), then the rest
-    const std::int64_t kc0 = part ? nfull : 0, nch = part ? L.NC - nfull : nfull;
-    if (nch == 0) continue;
-    const K kernel = part ? pick(std::false_type{}) : pick(std::true_type{});
-    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kThreads, lq.bytes);
-    kernel<<<dim3(unsigned(L.heads), unsigned(nch)), kThreads, lq.bytes, s>>>(B, fl, ws, L, int(kc0));
-    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
-  }
+  launch_k3(pick(std::true_type{}), pick(std::false_type{}), kThreads, lq.bytes, B, fl, ws, L, stream);
 }
 
 void mlstm_bwd_dn_scan(const MlstmBwdParams& B, float* ws, const BwdWs& L, Stream stream) {
@@ -1107,23 +1141,14 @@ void mlstm_bwd_k3kv_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, Strea
   if (L.NC == 0 || L.heads == 0) return;
   const K3Flags fl{rows16(p.q), rows16(p.k), rows16(p.v), rows16(B.dh), g_dv_lo.load(std::memory_order_relaxed)};
   const K3Layout lkv(p.DQK, std::min<std::int64_t>(p.DV, kMaxD), true);
-  using K = void (*)(const MlstmBwdParams, const K3Flags, float*, const BwdWs, const int);
+  using K = K3Kernel;
   const bool fixed = k3_fixed_dims(p);
   auto pick = [&](auto full) -> K {
     constexpr bool F = decltype(full)::value;
     if (fixed) return p.DQK == 128 ? &k3kv_tc<128, 128, F> : &k3kv_tc<256, 128, F>;
     return &k3kv_tc<0, 0, F>;
   };
-  const std::int64_t nfull = k3_full_chunks(p, L);
-  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  for (int part = 0; part < 2; ++part) {  // the full chunks [0, nfull), then the rest
-    const std::int64_t kc0 = part ? nfull : 0, nch = part ? L.NC - nfull : nfull;
-    if (nch == 0) continue;
-    const K kernel = part ? pick(std::false_type{}) : pick(std::true_type{});
-    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kKvThreads, lkv.bytes);
-    kernel<<<dim3(unsigned(L.heads), unsigned(nch)), kKvThreads, lkv.bytes, s>>>(B, fl, ws, L, int(kc0));
-    FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
-  }
+  launch_k3(pick(std::true_type{}), pick(std::false_type{}), kKvThreads, lkv.bytes, B, fl, ws, L, stream);
 }
 
 bool mlstm_bwd_k2_tc_applies(const MlstmBwdParams& b) {

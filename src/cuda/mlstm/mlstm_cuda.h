@@ -53,11 +53,15 @@ bool set_mlstm_dv_lo(bool on);
 // last chunk by a second launch: on by default; returns the previous setting (tests;
 // fastweight_bench --mlstm-k3-full=off).
 bool set_mlstm_k3_full(bool on);
-// The K3 roles over up to 256 DV columns per CTA in parts of 128 (DQK <= 128; the backward's DV slabs
-// then 256 wide), else 128 columns per CTA and 128-wide slabs: on by default; returns the previous
-// setting (tests; fastweight_bench --mlstm-dv-parts=off). mlstm_bwd_workspace_bytes depends on it.
+// The K3 roles over several DV parts of 128 columns per CTA (the backward's DV slabs then as wide),
+// else 128 columns per CTA and 128-wide slabs: on by default; returns the previous setting (tests;
+// fastweight_bench --mlstm-dv-parts=off). mlstm_bwd_workspace_bytes depends on it.
 bool set_mlstm_k3_dv_parts(bool on);
-bool mlstm_k3_dv_parts();
+// With parts on: up to 4 parts (512 columns) at any DQK <= 256 (on by default), else up to 2 at
+// DQK <= 128 and 1 above (session 20's form; tests, fastweight_bench --mlstm-dv-wide=off).
+bool set_mlstm_k3_dv_wide(bool on);
+// The most 128-column DV parts a K3 CTA takes at this DQK under the two settings above.
+int mlstm_k3_dv_parts_max(std::int64_t DQK);
 
 // The backward's DV slabs (DV > 128) two at a time, on the caller's stream and a side stream, each
 // with its own core workspace: 1 always, -1 never, 0 the planner's choice (where K2's grid per slab
@@ -74,6 +78,11 @@ void mlstm_bwd_cuda(const MlstmBwdParams& b, void* workspace, std::size_t worksp
 // (B, NH, D); gates (B, NH[, 1]) through s0/s1; states c0/n0/m0 (in) and c_last/n_last/m_last (out)
 // may be the same memory (in place).
 void mlstm_step_cuda(const MlstmParams& p, Stream stream);
+// The step's C pass kernel where fp32 states with 16-byte aligned rows and DV % 4 == 0 allow it:
+// 1 the register-tile kernel (DQK <= 256), 2 the row-block kernel (any DQK); -1 (the default) the
+// planner's choice of the two (2 where its grid is 4+ waves deep); 0, or where neither applies, the
+// element kernel. Returns the previous setting (tests, fastweight_bench --mlstm-step-kernel=N).
+int set_mlstm_step_kernel(int kernel);
 
 // Parallel form (mlstm_parallel.cu): forward h (and n, m, b where P has them); backward the
 // gradients P asks for, from the saved h, m, b; the head norm when P.out (forward) / P.dout (backward)

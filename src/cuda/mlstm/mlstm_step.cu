@@ -1,12 +1,17 @@
 // mlstm_step.cu: one mLSTM decoding step for every (b, head), in two launches so that the states
 // can be updated in place without a race between CTAs:
-//   1. grid (B*NH, DV tiles of 64): C' = fa C + ia k v^T for its columns (each element read and
-//      written by one thread) and h = scale q^T C' / (max(|scale q . n'|, exp(-m')) + eps), with
+//   1. one CTA per (b * NH, DV tile of 64; cuda/common/step_grid.cuh): C' = fa C + ia k v^T for its
+//      columns (each element read and written by one thread; the element kernel, the register tile
+//      or the row-block kernel, see mlstm_step_cuda) and h = scale q^T C' / (max(|scale q . n'|, exp(-m')) + eps), with
 //      q . n' = fa (q . n) + ia (q . k) from the OLD n (kernel 2 has not run yet);
 //   2. grid (B*NH): n' = fa n + ia k and m'.
 // m' = max(lf + m, i), fa = exp(lf + m - m'), ia = exp(i - m'), lf = logsigmoid(f) (MATH.md §2).
 // No allocation and no host synchronisation: CUDA-graph safe.
+#include <atomic>
+#include <cstdint>
+
 #include "cuda/common/check.cuh"
+#include "cuda/common/step_grid.cuh"
 #include "cuda/mlstm/mlstm_common.cuh"
 #include "cuda/mlstm/mlstm_cuda.h"
 
@@ -28,11 +33,12 @@ __device__ __forceinline__ Gates step_gates(const MlstmParams& p, std::int64_t b
   return {mn, float(exp(lf + m - mn)), float(exp(ig - mn))};
 }
 
-__global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParams p) {
+__global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParams p, const bool tile_major) {
   __shared__ float s_red[2][kThreads / 32];
   __shared__ float s_part[4][kCols];
   const int tid = threadIdx.x;
-  const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
+  const StepCta cta = step_cta(tile_major, (p.DV + kCols - 1) / kCols);
+  const std::int64_t bh = cta.bh, b = bh / p.NH, hd = bh % p.NH;
   const Gates gt = step_gates(p, b, hd);
   const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, vo = b * p.v.s0 + hd * p.v.s1;
   const std::int64_t no = b * p.n0.s0 + hd * p.n0.s1;
@@ -55,7 +61,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParam
   const float den = fmaxf(fabsf(scale * (gt.fa * qn + gt.ia * qk)), float(exp(-gt.m_new))) + p.eps;
 
   const int col = tid % kCols, rg = tid / kCols;
-  const std::int64_t c = std::int64_t(blockIdx.y) * kCols + col;
+  const std::int64_t c = cta.tile * kCols + col;
   float part = 0.f;
   if (c < p.DV) {
     const float vc = gt.ia * mlstm_ld(p.v, vo + c);
@@ -74,6 +80,158 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParam
   }
 }
 
+// The C pass for fp32 states with 16-byte aligned rows and DV % 4 == 0, DQK <= kVecMaxQ: thread
+// (g, cq) holds columns 4 cq.. of rows g, g + 16, .. in registers, every load issued before any use
+// (mlstm_step_c_kernel's loop read, updated and wrote one row at a time: the store may alias the next
+// row's load in place, so the loads could not run ahead; ~1.2 TB/s of state traffic at B = 256 on an
+// H100, bench_decode.py session 21, against mlstm_kernels' Triton step at 2.9).
+constexpr int kVecQuads = kCols / 4, kVecGroups = kThreads / kVecQuads;  // 16 x 16
+constexpr int kVecMaxQ = 256, kVecRows = kVecMaxQ / kVecGroups;
+__global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmParams p, const bool tile_major) {
+  __shared__ float s_q[kVecMaxQ], s_k[kVecMaxQ];
+  __shared__ float s_red[2][kThreads / 32];
+  __shared__ float s_part[kVecGroups][kCols];  // q^T C' partial sums of each row group
+  const int tid = threadIdx.x;
+  const StepCta cta = step_cta(tile_major, (p.DV + kCols - 1) / kCols);
+  const std::int64_t bh = cta.bh, b = bh / p.NH, hd = bh % p.NH;
+  const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, vo = b * p.v.s0 + hd * p.v.s1;
+  const int cq = tid % kVecQuads, g = tid / kVecQuads;
+  const std::int64_t c = cta.tile * kCols + 4 * cq;
+  // no __restrict__: in place, C and Co are the same memory (the loads must stay before the stores)
+  const float* C = static_cast<const float*>(p.c0.p) + b * p.c0.s0 + hd * p.c0.s1;
+  float* Co = static_cast<float*>(p.c_last.p) + b * p.c_last.s0 + hd * p.c_last.s1;
+  float4 st[kVecRows];
+#pragma unroll
+  for (int i = 0; i < kVecRows; ++i) {
+    const std::int64_t r = g + kVecGroups * i;
+    st[i] = r < p.DQK && c < p.DV ? *reinterpret_cast<const float4*>(C + r * p.c0.s2 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const Gates gt = step_gates(p, b, hd);
+  const std::int64_t no = b * p.n0.s0 + hd * p.n0.s1;
+  float qn = 0.f, qk = 0.f;  // q . n (old), q . k: block sums in a fixed order (deterministic)
+  for (std::int64_t r = tid; r < p.DQK; r += kThreads) {
+    const float qr = mlstm_ld(p.q, qo + r), kr = mlstm_ld(p.k, ko + r);
+    s_q[r] = qr, s_k[r] = kr;
+    qn = fmaf(qr, mlstm_ld(p.n0, no + r), qn);
+    qk = fmaf(qr, kr, qk);
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    qn += __shfl_xor_sync(0xffffffffu, qn, off);
+    qk += __shfl_xor_sync(0xffffffffu, qk, off);
+  }
+  if ((tid & 31) == 0) { s_red[0][tid >> 5] = qn; s_red[1][tid >> 5] = qk; }
+  __syncthreads();
+  qn = qk = 0.f;
+  for (int w = 0; w < kThreads / 32; ++w) { qn += s_red[0][w]; qk += s_red[1][w]; }
+  const float scale = rsqrtf(float(p.DQK));
+  const float den = fmaxf(fabsf(scale * (gt.fa * qn + gt.ia * qk)), float(exp(-gt.m_new))) + p.eps;
+  float vc[4];  // ia v of this thread's columns
+#pragma unroll
+  for (int j = 0; j < 4; ++j) vc[j] = c + j < p.DV ? gt.ia * mlstm_ld(p.v, vo + c + j) : 0.f;
+  float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < kVecRows; ++i) {
+    const std::int64_t r = g + kVecGroups * i;
+    if (r >= p.DQK || c >= p.DV) continue;
+    const float kr = s_k[r], qr = s_q[r];
+    float4 x = st[i];  // C' = fa C + k (ia v)^T
+    x.x = fmaf(gt.fa, x.x, kr * vc[0]), x.y = fmaf(gt.fa, x.y, kr * vc[1]);
+    x.z = fmaf(gt.fa, x.z, kr * vc[2]), x.w = fmaf(gt.fa, x.w, kr * vc[3]);
+    *reinterpret_cast<float4*>(Co + r * p.c_last.s2 + c) = x;  // may be the element just read (in place)
+    part[0] = fmaf(qr, x.x, part[0]), part[1] = fmaf(qr, x.y, part[1]);
+    part[2] = fmaf(qr, x.z, part[2]), part[3] = fmaf(qr, x.w, part[3]);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) s_part[g][4 * cq + j] = part[j];
+  __syncthreads();
+  const std::int64_t cc = cta.tile * kCols + tid;
+  if (tid < kCols && cc < p.DV) {
+    float hsum = 0.f;
+    for (int gg = 0; gg < kVecGroups; ++gg) hsum += s_part[gg][tid];
+    mlstm_st(p.h, b * p.h.s0 + hd * p.h.s1 + cc, scale * hsum / den);
+  }
+}
+
+// The C pass streamed over row blocks (fp32 states, 16-byte aligned rows, DV % 4 == 0, any DQK):
+// CTA (head, kC columns), kT threads; thread (g, cq) takes columns 4 cq.. of rows r0 + g + G i (i < kR)
+// of each block of G kR rows (G = kT / (kC / 4)). 72 registers at (64, 128, 8): 7 CTAs per SM against
+// the register tile's 2, each with less of the state in flight (mlstm_kernels' Triton step works on
+// 64 x 64 tiles in a loop the same way). H100, B = 256, xLSTM 7B's heads: 0.764 ms against the
+// register tile's 0.868; prefetching the next block into registers (0.839 before the grid order),
+// 256 threads x 4 rows (0.784) and 32-column CTAs (0.882 before it) were slower.
+template <int kC, int kT, int kR>
+__global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams p, const bool tile_major) {
+  constexpr int kQuads = kC / 4, kGroups = kT / kQuads, kBlock = kGroups * kR;
+  static_assert(kT % kQuads == 0 && kT % 32 == 0, "whole warps of whole rows");
+  __shared__ float s_red[2][kT / 32];
+  __shared__ float s_part[kGroups][kC];  // q^T C' partial sums of each row group
+  const int tid = threadIdx.x, cq = tid % kQuads, g = tid / kQuads;
+  const StepCta cta = step_cta(tile_major, (p.DV + kC - 1) / kC);
+  const std::int64_t bh = cta.bh, b = bh / p.NH, hd = bh % p.NH;
+  const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, vo = b * p.v.s0 + hd * p.v.s1;
+  const std::int64_t c = cta.tile * kC + 4 * cq;
+  const bool col_ok = c < p.DV;
+  // no __restrict__: in place, C and Co are the same memory (the loads must stay before the stores)
+  const float* C = static_cast<const float*>(p.c0.p) + b * p.c0.s0 + hd * p.c0.s1 + c;
+  float* Co = static_cast<float*>(p.c_last.p) + b * p.c_last.s0 + hd * p.c_last.s1 + c;
+  auto load = [&](float4 (&x)[kR], std::int64_t r0) {
+#pragma unroll
+    for (int i = 0; i < kR; ++i) {
+      const std::int64_t r = r0 + g + kGroups * i;
+      x[i] = r < p.DQK && col_ok ? *reinterpret_cast<const float4*>(C + r * p.c0.s2) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  float4 cur[kR];  // [kR] rows of this thread's 4 columns in the current block
+  load(cur, 0);
+  const Gates gt = step_gates(p, b, hd);
+  const std::int64_t no = b * p.n0.s0 + hd * p.n0.s1;
+  float qn = 0.f, qk = 0.f;  // q . n (old), q . k: block sums in a fixed order (deterministic)
+  for (std::int64_t r = tid; r < p.DQK; r += kT) {
+    const float qr = mlstm_ld(p.q, qo + r);
+    qn = fmaf(qr, mlstm_ld(p.n0, no + r), qn);
+    qk = fmaf(qr, mlstm_ld(p.k, ko + r), qk);
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    qn += __shfl_xor_sync(0xffffffffu, qn, off);
+    qk += __shfl_xor_sync(0xffffffffu, qk, off);
+  }
+  if ((tid & 31) == 0) { s_red[0][tid >> 5] = qn; s_red[1][tid >> 5] = qk; }
+  __syncthreads();
+  qn = qk = 0.f;
+  for (int w = 0; w < kT / 32; ++w) { qn += s_red[0][w]; qk += s_red[1][w]; }
+  const float scale = rsqrtf(float(p.DQK));
+  const float den = fmaxf(fabsf(scale * (gt.fa * qn + gt.ia * qk)), float(exp(-gt.m_new))) + p.eps;
+  float vc[4];  // ia v of this thread's columns
+#pragma unroll
+  for (int j = 0; j < 4; ++j) vc[j] = c + j < p.DV ? gt.ia * mlstm_ld(p.v, vo + c + j) : 0.f;
+  float part[4] = {0.f, 0.f, 0.f, 0.f};
+  for (std::int64_t r0 = 0; r0 < p.DQK; r0 += kBlock) {
+#pragma unroll
+    for (int i = 0; i < kR; ++i) {
+      const std::int64_t r = r0 + g + kGroups * i;
+      if (r >= p.DQK || !col_ok) continue;
+      const float kr = mlstm_ld(p.k, ko + r), qr = mlstm_ld(p.q, qo + r);
+      float4 x = cur[i];  // C' = fa C + k (ia v)^T
+      x.x = fmaf(gt.fa, x.x, kr * vc[0]), x.y = fmaf(gt.fa, x.y, kr * vc[1]);
+      x.z = fmaf(gt.fa, x.z, kr * vc[2]), x.w = fmaf(gt.fa, x.w, kr * vc[3]);
+      *reinterpret_cast<float4*>(Co + r * p.c_last.s2) = x;  // may be the element just read (in place)
+      part[0] = fmaf(qr, x.x, part[0]), part[1] = fmaf(qr, x.y, part[1]);
+      part[2] = fmaf(qr, x.z, part[2]), part[3] = fmaf(qr, x.w, part[3]);
+    }
+    if (r0 + kBlock < p.DQK) load(cur, r0 + kBlock);  // after this block's stores (in place: no race)
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) s_part[g][4 * cq + j] = part[j];
+  __syncthreads();
+  for (int col = tid; col < kC; col += kT) {
+    const std::int64_t cc = cta.tile * kC + col;
+    if (cc >= p.DV) continue;
+    float hsum = 0.f;
+    for (int gg = 0; gg < kGroups; ++gg) hsum += s_part[gg][col];
+    mlstm_st(p.h, b * p.h.s0 + hd * p.h.s1 + cc, scale * hsum / den);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) mlstm_step_n_kernel(const MlstmParams p) {
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
   const Gates gt = step_gates(p, b, hd);
@@ -85,14 +243,33 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_n_kernel(const MlstmParam
   if (threadIdx.x == 0) mlstm_st(p.m_last, b * p.m_last.s0 + hd * p.m_last.s1, float(gt.m_new));
 }
 
+bool aligned16(const StridedView& t) {
+  return reinterpret_cast<std::uintptr_t>(t.p) % 16 == 0 && t.s0 % 4 == 0 && t.s1 % 4 == 0 && t.s2 % 4 == 0;
+}
+
+std::atomic<int> g_step_kernel{-1};  // set_mlstm_step_kernel; -1: the planner
+
+constexpr int kTileThreads = 128, kTileRows = 8;  // the row-block kernel's one instance (kCols columns)
+
 }  // namespace
+
+int set_mlstm_step_kernel(int kernel) { return g_step_kernel.exchange(kernel); }
 
 void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
   const std::int64_t heads = p.B * p.NH, tiles = (p.DV + kCols - 1) / kCols;
   if (heads == 0) return;
-  if (heads > 0x7fffffff || tiles > 65535) throw Error(cat("mlstm_step: grid too large (heads ", heads, ")"));
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  mlstm_step_c_kernel<<<dim3(unsigned(heads), unsigned(tiles)), kThreads, 0, s>>>(p);
+  // the planner: the row-block kernel where the grid is a few waves deep (it keeps fewer bytes in flight
+  // per CTA, more CTAs per SM), the register tile (all of a thread's rows in flight at once) below
+  int kernel = g_step_kernel.load(std::memory_order_relaxed);
+  if (kernel < 0) kernel = p.DQK > kVecMaxQ || heads * tiles >= 4 * std::int64_t(sm_count()) ? 2 : 1;
+  const bool f4 = p.c0.dtype == DType::f32 && p.c_last.dtype == DType::f32 && p.DV % 4 == 0 && aligned16(p.c0) &&
+                  aligned16(p.c_last);
+  const bool tm = g_step_tile_major.load(std::memory_order_relaxed);
+  const dim3 grid = step_grid("mlstm_step", tm, heads, tiles);
+  if (f4 && kernel == 1 && p.DQK <= kVecMaxQ) mlstm_step_c_vec_kernel<<<grid, kThreads, 0, s>>>(p, tm);
+  else if (f4 && kernel == 2) mlstm_step_c_tile_kernel<kCols, kTileThreads, kTileRows><<<grid, kTileThreads, 0, s>>>(p, tm);
+  else mlstm_step_c_kernel<<<grid, kThreads, 0, s>>>(p, tm);
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
   mlstm_step_n_kernel<<<unsigned(heads), kThreads, 0, s>>>(p);
   FW_CUDA_CHECK_LAUNCH("mlstm_step");

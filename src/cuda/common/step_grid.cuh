@@ -1,0 +1,29 @@
+// step_grid.cuh: the decoding steps' grids (mlstm_step.cu, deltanet_step.cu): one CTA per (b * heads,
+// state column tile). Tile-major (the default): blockIdx.x = bh * tiles + tile, so that a head's column
+// tiles run side by side and read its state rows together (whole 2 KB rows at xLSTM 7B's DV = 512
+// instead of 256-byte pieces of rows half a megabyte apart); else (blockIdx.x, blockIdx.y) = (bh, tile).
+#pragma once
+#include <atomic>
+#include <cstdint>
+
+#include "cuda/common/check.cuh"
+
+namespace fastweight::detail {
+
+inline std::atomic<bool> g_step_tile_major{true};  // set_step_tile_major (cuda/common/step_grid.h)
+
+struct StepCta {
+  std::int64_t bh, tile;
+};
+__device__ __forceinline__ StepCta step_cta(bool tile_major, std::int64_t tiles) {
+  if (tile_major) return {std::int64_t(blockIdx.x) / tiles, std::int64_t(blockIdx.x) % tiles};
+  return {std::int64_t(blockIdx.x), std::int64_t(blockIdx.y)};
+}
+
+inline dim3 step_grid(const char* op, bool tile_major, std::int64_t heads, std::int64_t tiles) {
+  if (tile_major ? heads * tiles > 0x7fffffff : heads > 0x7fffffff || tiles > 65535)
+    throw Error(cat(op, ": grid too large (", heads, " heads x ", tiles, " column tiles)"));
+  return tile_major ? dim3(unsigned(heads * tiles)) : dim3(unsigned(heads), unsigned(tiles));
+}
+
+}  // namespace fastweight::detail
