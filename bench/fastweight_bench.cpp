@@ -18,7 +18,6 @@
 //                                            serial on a second stream, or after them (A/B; default: planner)
 //   fastweight_bench --dn-fixed-k=off        DeltaNet serial kernels for a runtime K only (A/B)
 //   fastweight_bench --dn-step-kernel=off    DeltaNet decoding step by the forward over T = 1 (A/B)
-//   fastweight_bench --dn-step-cols=32|64    DeltaNet decoding step's state columns per CTA (A/B)
 //   fastweight_bench --mlstm-step-fuse=off   mLSTM decoding step out of place in two launches, as in place (A/B)
 //   fastweight_bench --steps-only            the mLSTM / DeltaNet families' GPU decoding-step rows alone (A/B)
 //   fastweight_bench --mlstm-step-kernel=N   mLSTM decoding step's C pass kernel (A/B; set_mlstm_step_kernel)
@@ -88,7 +87,6 @@ struct Options {
   std::int64_t rows = 4096, n = 8192;
   int reps = 30;
   bool steps_only = false;
-  int dn_step_cols = 0;  // 0: the planner
   bool mlstm_step_no_fuse = false;
   bool quick = false, timing_only = false, cpu = false, no_bulk = false, no_dprime = false, no_row1 = false;
   int bulk_vecs = 0;  // 0: the planner's choice
@@ -328,7 +326,6 @@ int main(int argc, char** argv) {
     else if (a == "--timing-only") o.timing_only = true;
     else if (a == "--steps-only") o.steps_only = true;
     else if (const char* v = val("--mlstm-step-fuse=")) o.mlstm_step_no_fuse = !on(v);
-    else if (const char* v = val("--dn-step-cols=")) o.dn_step_cols = std::atoi(v);
     else if (a == "--cpu") o.cpu = true;
     else if (a == "--no-bulk") o.no_bulk = true;
     else if (a == "--no-dprime") o.no_dprime = true;
@@ -388,7 +385,6 @@ int main(int argc, char** argv) {
   if (o.dn_no_step_kernel) fastweight::detail::set_deltanet_step_kernel(false);
   if (o.mlstm_step_kernel >= 0) fastweight::detail::set_mlstm_step_kernel(o.mlstm_step_kernel);
   if (o.step_heads_major) fastweight::detail::set_step_tile_major(false);
-  if (o.dn_step_cols) fastweight::detail::set_deltanet_step_cols(o.dn_step_cols);
   if (o.mlstm_step_no_fuse) fastweight::detail::set_mlstm_step_fuse_nm(false);
   if (o.mlstm_slab_overlap) fastweight::detail::set_mlstm_slab_overlap(o.mlstm_slab_overlap);
 #endif

@@ -616,19 +616,9 @@ TEST_P(DeltanetCudaStep, MatchesReferenceOutOfPlaceAndInPlace) {
   deltanet_step(a, s);
   FW_TEST_CUDA(cudaStreamSynchronize(stream));
   fastweight::detail::set_deltanet_step_kernel(step_kernel);
+  FW_TEST_CUDA(cudaStreamDestroy(stream));
   HostTensor o4 = o, n4 = nst;
   go.download(o4), gnst.download(n4);
-  // the step kernel at the column count the planner did not take (it takes 32 at these small grids)
-  FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
-  FW_TEST_CUDA(cudaMemset(gnst.ptr, 0xff, gnst.nbytes));
-  FW_TEST_CUDA(cudaDeviceSynchronize());
-  const int cols = fastweight::detail::set_deltanet_step_cols(64);
-  deltanet_step(a, s);
-  FW_TEST_CUDA(cudaStreamSynchronize(stream));
-  fastweight::detail::set_deltanet_step_cols(cols);
-  FW_TEST_CUDA(cudaStreamDestroy(stream));
-  HostTensor o5 = o, n5 = nst;
-  go.download(o5), gnst.download(n5);
 
   // the loop form over one position: (B, H, D) is the contiguous (B, 1, H, D), the state (N = B, H, K, V)
   HostTensor rq = to_f64(q), rk = to_f64(k), rv = to_f64(v), rb = to_f64(beta), rst = to_f64(st);
@@ -647,8 +637,6 @@ TEST_P(DeltanetCudaStep, MatchesReferenceOutOfPlaceAndInPlace) {
   EXPECT_LT(e_ni, tol) << "state (in place)";
   EXPECT_LT(rel_err(o4, ro), tol) << "o (the forward over T = 1)";
   EXPECT_LT(rel_err(n4, rnst), tol) << "new_state (the forward over T = 1)";
-  EXPECT_LT(rel_err(o5, ro), tol) << "o (64-column step kernel)";
-  EXPECT_LT(rel_err(n5, rnst), tol) << "new_state (64-column step kernel)";
   EXPECT_EQ(st_after.bytes, st.bytes) << "out of place: the state was written";
   EXPECT_EQ(o1.bytes, o2.bytes) << "o: not deterministic";
   EXPECT_EQ(n1.bytes, n2.bytes) << "new_state: not deterministic";

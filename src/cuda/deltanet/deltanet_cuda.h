@@ -74,11 +74,6 @@ void deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
 // --no-step-kernel); returns the previous setting.
 inline constexpr int kStepMaxK = 256;
 bool set_deltanet_step_kernel(bool on);
-// The step kernel's state columns per CTA: 32 or 64, else (0, the default) the planner's choice (32
-// where 64-column CTAs would not fill 4 waves of SMs). Returns the previous setting (tests,
-// fastweight_bench --dn-step-cols=32|64). The column sums over K are grouped differently (16 or 32
-// row groups), so the two differ in the last bits.
-int set_deltanet_step_cols(int cols);
 bool deltanet_step_kernel_applies(const DeltanetParams& p);
 void deltanet_step_cuda(const DeltanetParams& p, Stream stream);
 

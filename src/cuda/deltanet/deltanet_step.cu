@@ -18,16 +18,16 @@
 namespace fastweight::detail {
 namespace {
 
-constexpr int kThreads = 256;  // kCols / 4 column quads x kGroups row groups
+constexpr int kCols = 64;                    // state columns (V) per CTA
+constexpr int kQuads = kCols / 4;            // 16 column quads
+constexpr int kGroups = 16;                  // row groups: thread (g, c) holds rows g, g + 16, ..
+constexpr int kThreads = kQuads * kGroups;   // 256
 
 // VEC: the state rows are 16-byte aligned fp32 with V % 4 == 0 (float4 loads and stores), else one
-// element at a time with column guards. kCols: state columns (V) per CTA (64, or 32 where the grid is
-// shallow: twice the CTAs, each half the chain of loads, sums and stores); thread (g, cq) holds
-// columns 4 cq.. of rows g, g + kGroups, .. (kGroups = 16 at 64 columns, 32 at 32). kMaxRows: rows per
-// thread, K <= kGroups kMaxRows (K <= 128 in fewer registers, so more CTAs per SM; or K <= kStepMaxK).
-template <bool VEC, int kCols, int kMaxRows>
+// element at a time with column guards. kMaxRows: rows per thread, K <= 16 kMaxRows (8: K <= 128 in
+// fewer registers, so more CTAs per SM; 16: K <= kStepMaxK).
+template <bool VEC, int kMaxRows>
 __global__ void __launch_bounds__(kThreads) deltanet_step_kernel(const DeltanetParams p, const bool tile_major) {
-  constexpr int kQuads = kCols / 4, kGroups = kThreads / kQuads;
   __shared__ float s_q[kStepMaxK], s_k[kStepMaxK];
   __shared__ float s_red[3][kThreads / 32];
   __shared__ float s_part[2][kGroups][kCols];  // (S^T k, S^T q) partial sums of each row group
@@ -130,12 +130,10 @@ bool aligned16(const StridedView& t) {
 }
 
 std::atomic<bool> g_step_kernel{true};  // set_deltanet_step_kernel
-std::atomic<int> g_step_cols{0};        // set_deltanet_step_cols
 
 }  // namespace
 
 bool set_deltanet_step_kernel(bool on) { return g_step_kernel.exchange(on); }
-int set_deltanet_step_cols(int cols) { return g_step_cols.exchange(cols == 32 || cols == 64 ? cols : 0); }
 
 bool deltanet_step_kernel_applies(const DeltanetParams& p) {
   return g_step_kernel.load(std::memory_order_relaxed) && p.T == 1 && !p.cu_seqlens && p.K >= 1 &&
@@ -143,26 +141,19 @@ bool deltanet_step_kernel_applies(const DeltanetParams& p) {
 }
 
 void deltanet_step_cuda(const DeltanetParams& p, Stream stream) {
-  const std::int64_t heads = p.N * p.H;
+  const std::int64_t heads = p.N * p.H, tiles = (p.V + kCols - 1) / kCols;
   if (heads == 0) return;
-  // 32 columns where 64-column CTAs would not fill 4 waves of SMs (B = 8 at H = 16, V = 128: 256 CTAs)
-  int cols = g_step_cols.load(std::memory_order_relaxed);
-  if (cols == 0) cols = heads * ((p.V + 63) / 64) < 4 * std::int64_t(sm_count()) ? 32 : 64;
-  const std::int64_t tiles = (p.V + cols - 1) / cols;
   const bool vec = p.V % 4 == 0 && aligned16(p.h0) && aligned16(p.ht), tm = g_step_tile_major.load();
   const dim3 grid = step_grid("deltanet_step", tm, heads, tiles);
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  // rows per thread: K / (kThreads / (cols / 4)), at K <= 128 or K <= kStepMaxK
-  const bool small = p.K <= 128;
-  using Kernel = void (*)(const DeltanetParams, const bool);
-  Kernel k = nullptr;
-  if (cols == 32)
-    k = vec ? (small ? &deltanet_step_kernel<true, 32, 4> : &deltanet_step_kernel<true, 32, kStepMaxK / 32>)
-            : (small ? &deltanet_step_kernel<false, 32, 4> : &deltanet_step_kernel<false, 32, kStepMaxK / 32>);
-  else
-    k = vec ? (small ? &deltanet_step_kernel<true, 64, 8> : &deltanet_step_kernel<true, 64, kStepMaxK / 16>)
-            : (small ? &deltanet_step_kernel<false, 64, 8> : &deltanet_step_kernel<false, 64, kStepMaxK / 16>);
-  k<<<grid, kThreads, 0, s>>>(p, tm);
+  constexpr int kHalf = kStepMaxK / kGroups / 2;
+  if (p.K <= kHalf * kGroups) {
+    if (vec) deltanet_step_kernel<true, kHalf><<<grid, kThreads, 0, s>>>(p, tm);
+    else deltanet_step_kernel<false, kHalf><<<grid, kThreads, 0, s>>>(p, tm);
+  } else {
+    if (vec) deltanet_step_kernel<true, 2 * kHalf><<<grid, kThreads, 0, s>>>(p, tm);
+    else deltanet_step_kernel<false, 2 * kHalf><<<grid, kThreads, 0, s>>>(p, tm);
+  }
   FW_CUDA_CHECK_LAUNCH("deltanet_step");
 }
 
