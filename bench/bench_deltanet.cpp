@@ -231,6 +231,12 @@ int gpu_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
 }  // namespace
 
 int run_deltanet_bench(const FamilyBench& fb, std::vector<BenchRow>& rows) {
+  if (fb.steps_only) {
+#if FW_WITH_CUDA
+    if (fb.timer) return gpu_step_rows(fb, rows);
+#endif
+    return 0;
+  }
   const bool quick = fb.quick;
   const std::int64_t T = quick ? 128 : 256, H = 2, K = 64, V = 64;
   int failures = 0;

@@ -299,6 +299,12 @@ int gpu_parallel_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
 }  // namespace
 
 int run_mlstm_bench(const FamilyBench& fb, std::vector<BenchRow>& rows) {
+  if (fb.steps_only) {
+#if FW_WITH_CUDA
+    if (fb.timer) return gpu_step_rows(fb, rows);
+#endif
+    return 0;
+  }
   const bool quick = fb.quick;
   const std::int64_t B = 1, NH = 2, S = quick ? 128 : 256, DQK = 64, DV = 64, L = 64;
   const detail::MlstmShape sh{B, NH, S, DQK, DV};

@@ -22,6 +22,7 @@ struct FamilyBench {
   bool quick = false;
   bool timing_only = false;  // GPU rows timed without the float64 check (A/B runs after CTest): err NaN
   int reps = 30;
+  bool steps_only = false;   // the GPU decoding-step rows alone (A/B runs of the step kernels)
   std::string mlstm_shapes;  // mLSTM GPU rows timed at these "BxNHxSxDQKxDV" shapes, '+'-separated (default: one)
   fwbench::GpuTimer* timer = nullptr;
 };

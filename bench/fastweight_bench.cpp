@@ -18,6 +18,8 @@
 //                                            serial on a second stream, or after them (A/B; default: planner)
 //   fastweight_bench --dn-fixed-k=off        DeltaNet serial kernels for a runtime K only (A/B)
 //   fastweight_bench --dn-step-kernel=off    DeltaNet decoding step by the forward over T = 1 (A/B)
+//   fastweight_bench --mlstm-step-fuse=off   mLSTM decoding step out of place in two launches, as in place (A/B)
+//   fastweight_bench --steps-only            the mLSTM / DeltaNet families' GPU decoding-step rows alone (A/B)
 //   fastweight_bench --mlstm-step-kernel=N   mLSTM decoding step's C pass kernel (A/B; set_mlstm_step_kernel)
 //   fastweight_bench --step-tile-major=off   the decoding steps' grids heads-fastest (A/B; set_step_tile_major)
 //   fastweight_bench --mlstm-bulk-store=off  mLSTM serial kernels' state stores element by element, not by the
@@ -84,6 +86,8 @@ struct Options {
   DType dtype = DType::bf16;
   std::int64_t rows = 4096, n = 8192;
   int reps = 30;
+  bool steps_only = false;
+  bool mlstm_step_no_fuse = false;
   bool quick = false, timing_only = false, cpu = false, no_bulk = false, no_dprime = false, no_row1 = false;
   int bulk_vecs = 0;  // 0: the planner's choice
   int row1_vecs = 0;      // 0: the planner's choice
@@ -320,6 +324,8 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--csv=")) o.csv = v;
     else if (a == "--quick") o.quick = true;
     else if (a == "--timing-only") o.timing_only = true;
+    else if (a == "--steps-only") o.steps_only = true;
+    else if (const char* v = val("--mlstm-step-fuse=")) o.mlstm_step_no_fuse = !on(v);
     else if (a == "--cpu") o.cpu = true;
     else if (a == "--no-bulk") o.no_bulk = true;
     else if (a == "--no-dprime") o.no_dprime = true;
@@ -379,6 +385,7 @@ int main(int argc, char** argv) {
   if (o.dn_no_step_kernel) fastweight::detail::set_deltanet_step_kernel(false);
   if (o.mlstm_step_kernel >= 0) fastweight::detail::set_mlstm_step_kernel(o.mlstm_step_kernel);
   if (o.step_heads_major) fastweight::detail::set_step_tile_major(false);
+  if (o.mlstm_step_no_fuse) fastweight::detail::set_mlstm_step_fuse_nm(false);
   if (o.mlstm_slab_overlap) fastweight::detail::set_mlstm_slab_overlap(o.mlstm_slab_overlap);
 #endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");
@@ -463,6 +470,7 @@ int main(int argc, char** argv) {
   // mLSTM (issue 3) and DeltaNet (issue 4): the public ops on CPU tensors (the reference path), and
   // with a GPU the ops dispatched to CUDA on CUDA tensors (timed as above).
   FamilyBench fb;
+  fb.steps_only = o.steps_only;
   fb.quick = o.quick, fb.timing_only = o.timing_only, fb.reps = o.reps, fb.mlstm_shapes = o.mlstm_shapes;
 #if FW_WITH_CUDA
   fb.timer = timer;

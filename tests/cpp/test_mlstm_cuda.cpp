@@ -425,10 +425,14 @@ void check_mlstm_step(std::int64_t DQK, std::int64_t DV, int kernel) {
   fastweight::detail::set_step_tile_major(tile_major);
   FW_TEST_CUDA(cudaDeviceSynchronize());
   fastweight::detail::set_mlstm_step_kernel(prev);
-  HostTensor hA = h2, cA = c2, hB = h, cB = c, nB = n, mB = m;
-  dh2.download(hA), dc2.download(cA), dh.download(hB), dc.download(cB), dn.download(nB), dm.download(mB);
+  HostTensor hA = h2, cA = c2, nA = n2, mA = m2, hB = h, cB = c, nB = n, mB = m;
+  dh2.download(hA), dc2.download(cA), dn2.download(nA), dm2.download(mA);
+  dh.download(hB), dc.download(cB), dn.download(nB), dm.download(mB);
+  // out of place (n', m' from the C pass: one launch) and in place (a second kernel): the same bits
   EXPECT_EQ(hA.bytes, hB.bytes);
   EXPECT_EQ(rel_err(cA, cB), 0.0);
+  EXPECT_EQ(nA.bytes, nB.bytes);
+  EXPECT_EQ(mA.bytes, mB.bytes);
   // reference
   HostTensor rq = to_f64(q), rk = to_f64(k), rv = to_f64(v), ri = to_f64(i), rf = to_f64(f);
   HostTensor rc = to_f64(c), rn = to_f64(n), rm = to_f64(m), rh = make_host(DType::f64, {B, NH, DV});

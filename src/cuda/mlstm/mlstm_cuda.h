@@ -83,6 +83,9 @@ void mlstm_step_cuda(const MlstmParams& p, Stream stream);
 // planner's choice of the two (2 where its grid is 4+ waves deep); 0, or where neither applies, the
 // element kernel. Returns the previous setting (tests, fastweight_bench --mlstm-step-kernel=N).
 int set_mlstm_step_kernel(int kernel);
+// Out of place (n', m' disjoint from n, m) the C pass also writes n', m' (one launch); off: the second
+// kernel always, as in place. Returns the previous setting (tests, fastweight_bench --mlstm-step-fuse=off).
+bool set_mlstm_step_fuse_nm(bool on);
 
 // Parallel form (mlstm_parallel.cu): forward h (and n, m, b where P has them); backward the
 // gradients P asks for, from the saved h, m, b; the head norm when P.out (forward) / P.dout (backward)

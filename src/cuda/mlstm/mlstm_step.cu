@@ -1,14 +1,16 @@
-// mlstm_step.cu: one mLSTM decoding step for every (b, head), in two launches so that the states
-// can be updated in place without a race between CTAs:
+// mlstm_step.cu: one mLSTM decoding step for every (b, head). In place in two launches, so that the
+// states are updated without a race between CTAs (out of place in one: the C pass writes n', m' too):
 //   1. one CTA per (b * NH, DV tile of 64; cuda/common/step_grid.cuh): C' = fa C + ia k v^T for its
 //      columns (each element read and written by one thread; the element kernel, the register tile
-//      or the row-block kernel, see mlstm_step_cuda) and h = scale q^T C' / (max(|scale q . n'|, exp(-m')) + eps), with
+//      or the row-block kernel, see mlstm_step_cuda) and
+//      h = scale q^T C' / (max(|scale q . n'|, exp(-m')) + eps), with
 //      q . n' = fa (q . n) + ia (q . k) from the OLD n (kernel 2 has not run yet);
 //   2. grid (B*NH): n' = fa n + ia k and m'.
 // m' = max(lf + m, i), fa = exp(lf + m - m'), ia = exp(i - m'), lf = logsigmoid(f) (MATH.md §2).
 // No allocation and no host synchronisation: CUDA-graph safe.
 #include <atomic>
 #include <cstdint>
+#include <utility>
 
 #include "cuda/common/check.cuh"
 #include "cuda/common/step_grid.cuh"
@@ -33,7 +35,17 @@ __device__ __forceinline__ Gates step_gates(const MlstmParams& p, std::int64_t b
   return {mn, float(exp(lf + m - mn)), float(exp(ig - mn))};
 }
 
-__global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParams p, const bool tile_major) {
+// n' = fa n + ia k and m' of head (b, hd), by threads tid, tid + nthreads, .. of a CTA.
+__device__ __forceinline__ void step_nm(const MlstmParams& p, std::int64_t b, std::int64_t hd, const Gates& gt,
+                                        int tid, int nthreads) {
+  const std::int64_t ko = b * p.k.s0 + hd * p.k.s1;
+  const std::int64_t ni = b * p.n0.s0 + hd * p.n0.s1, no = b * p.n_last.s0 + hd * p.n_last.s1;
+  for (std::int64_t r = tid; r < p.DQK; r += nthreads)
+    mlstm_st(p.n_last, no + r, fmaf(gt.fa, mlstm_ld(p.n0, ni + r), gt.ia * mlstm_ld(p.k, ko + r)));
+  if (tid == 0) mlstm_st(p.m_last, b * p.m_last.s0 + hd * p.m_last.s1, float(gt.m_new));
+}
+
+__global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
   __shared__ float s_red[2][kThreads / 32];
   __shared__ float s_part[4][kCols];
   const int tid = threadIdx.x;
@@ -78,6 +90,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParam
     const float hsum = (s_part[0][col] + s_part[1][col]) + (s_part[2][col] + s_part[3][col]);
     mlstm_st(p.h, b * p.h.s0 + hd * p.h.s1 + c, scale * hsum / den);
   }
+  if (fuse_nm && cta.tile == 0) step_nm(p, b, hd, gt, tid, blockDim.x);  // n', m' apart from n, m (out of place)
 }
 
 // The C pass for fp32 states with 16-byte aligned rows and DV % 4 == 0, DQK <= kVecMaxQ: thread
@@ -87,7 +100,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParam
 // H100, bench_decode.py session 21, against mlstm_kernels' Triton step at 2.9).
 constexpr int kVecQuads = kCols / 4, kVecGroups = kThreads / kVecQuads;  // 16 x 16
 constexpr int kVecMaxQ = 256, kVecRows = kVecMaxQ / kVecGroups;
-__global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmParams p, const bool tile_major) {
+__global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
   __shared__ float s_q[kVecMaxQ], s_k[kVecMaxQ];
   __shared__ float s_red[2][kThreads / 32];
   __shared__ float s_part[kVecGroups][kCols];  // q^T C' partial sums of each row group
@@ -150,6 +163,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
     for (int gg = 0; gg < kVecGroups; ++gg) hsum += s_part[gg][tid];
     mlstm_st(p.h, b * p.h.s0 + hd * p.h.s1 + cc, scale * hsum / den);
   }
+  if (fuse_nm && cta.tile == 0) step_nm(p, b, hd, gt, tid, blockDim.x);  // n', m' apart from n, m (out of place)
 }
 
 // The C pass streamed over row blocks (fp32 states, 16-byte aligned rows, DV % 4 == 0, any DQK):
@@ -160,7 +174,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
 // register tile's 0.868; prefetching the next block into registers (0.839 before the grid order),
 // 256 threads x 4 rows (0.784) and 32-column CTAs (0.882 before it) were slower.
 template <int kC, int kT, int kR>
-__global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams p, const bool tile_major) {
+__global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
   constexpr int kQuads = kC / 4, kGroups = kT / kQuads, kBlock = kGroups * kR;
   static_assert(kT % kQuads == 0 && kT % 32 == 0, "whole warps of whole rows");
   __shared__ float s_red[2][kT / 32];
@@ -230,18 +244,27 @@ __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams
     for (int gg = 0; gg < kGroups; ++gg) hsum += s_part[gg][col];
     mlstm_st(p.h, b * p.h.s0 + hd * p.h.s1 + cc, scale * hsum / den);
   }
+  if (fuse_nm && cta.tile == 0) step_nm(p, b, hd, gt, tid, blockDim.x);  // n', m' apart from n, m (out of place)
 }
 
 __global__ void __launch_bounds__(kThreads) mlstm_step_n_kernel(const MlstmParams p) {
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
   const Gates gt = step_gates(p, b, hd);
   __syncthreads();  // every thread has read the old m before thread 0 may overwrite it (in place)
-  const std::int64_t ko = b * p.k.s0 + hd * p.k.s1;
-  const std::int64_t ni = b * p.n0.s0 + hd * p.n0.s1, no = b * p.n_last.s0 + hd * p.n_last.s1;
-  for (std::int64_t r = threadIdx.x; r < p.DQK; r += kThreads)
-    mlstm_st(p.n_last, no + r, fmaf(gt.fa, mlstm_ld(p.n0, ni + r), gt.ia * mlstm_ld(p.k, ko + r)));
-  if (threadIdx.x == 0) mlstm_st(p.m_last, b * p.m_last.s0 + hd * p.m_last.s1, float(gt.m_new));
+  step_nm(p, b, hd, gt, threadIdx.x, kThreads);
 }
+
+// The bytes [begin, end) a (B, NH, D) view spans (elements of at most 8 bytes; strides >= 0).
+std::pair<std::uintptr_t, std::uintptr_t> span(const StridedView& t, std::int64_t B, std::int64_t NH, std::int64_t D) {
+  const auto begin = reinterpret_cast<std::uintptr_t>(t.p);
+  return {begin, begin + std::uintptr_t(((B - 1) * t.s0 + (NH - 1) * t.s1 + (D - 1) * t.s2 + 1) * 8)};
+}
+bool disjoint(const StridedView& a, const StridedView& b, std::int64_t B, std::int64_t NH, std::int64_t D) {
+  const auto x = span(a, B, NH, D), y = span(b, B, NH, D);
+  return x.second <= y.first || y.second <= x.first;
+}
+
+std::atomic<bool> g_step_fuse_nm{true};  // set_mlstm_step_fuse_nm
 
 bool aligned16(const StridedView& t) {
   return reinterpret_cast<std::uintptr_t>(t.p) % 16 == 0 && t.s0 % 4 == 0 && t.s1 % 4 == 0 && t.s2 % 4 == 0;
@@ -254,6 +277,7 @@ constexpr int kTileThreads = 128, kTileRows = 8;  // the row-block kernel's one 
 }  // namespace
 
 int set_mlstm_step_kernel(int kernel) { return g_step_kernel.exchange(kernel); }
+bool set_mlstm_step_fuse_nm(bool on) { return g_step_fuse_nm.exchange(on); }
 
 void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
   const std::int64_t heads = p.B * p.NH, tiles = (p.DV + kCols - 1) / kCols;
@@ -267,10 +291,15 @@ void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
                   aligned16(p.c_last);
   const bool tm = g_step_tile_major.load(std::memory_order_relaxed);
   const dim3 grid = step_grid("mlstm_step", tm, heads, tiles);
-  if (f4 && kernel == 1 && p.DQK <= kVecMaxQ) mlstm_step_c_vec_kernel<<<grid, kThreads, 0, s>>>(p, tm);
-  else if (f4 && kernel == 2) mlstm_step_c_tile_kernel<kCols, kTileThreads, kTileRows><<<grid, kTileThreads, 0, s>>>(p, tm);
-  else mlstm_step_c_kernel<<<grid, kThreads, 0, s>>>(p, tm);
+  // out of place (n', m' apart from n, m, which every CTA of the head reads), the C pass's tile-0 CTAs
+  // write n', m' too: one launch instead of two
+  const bool fuse = g_step_fuse_nm.load(std::memory_order_relaxed) && disjoint(p.n_last, p.n0, p.B, p.NH, p.DQK) &&
+                    disjoint(p.m_last, p.m0, p.B, p.NH, 1);
+  if (f4 && kernel == 1 && p.DQK <= kVecMaxQ) mlstm_step_c_vec_kernel<<<grid, kThreads, 0, s>>>(p, tm, fuse);
+  else if (f4 && kernel == 2) mlstm_step_c_tile_kernel<kCols, kTileThreads, kTileRows><<<grid, kTileThreads, 0, s>>>(p, tm, fuse);
+  else mlstm_step_c_kernel<<<grid, kThreads, 0, s>>>(p, tm, fuse);
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
+  if (fuse) return;
   mlstm_step_n_kernel<<<unsigned(heads), kThreads, 0, s>>>(p);
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
 }
