@@ -16,7 +16,9 @@ Inputs: q, k, v bf16 (fp32 on the CPU), gates fp32 / beta = sigmoid(noise), stat
 the in-kernel L2 norm of q and k.
 Timing (median of --reps): eager ms, CUDA events around the Python call as a decoding loop runs it
 (host time shows where the GPU waits for it); graph ms, the same step captured in a CUDA graph and
-replayed (GPU time alone; n/a where capture fails). state GB/s: the state's bytes read and written
+replayed REPLAYS times back to back between two events, per step (GPU time alone, the graph's
+launch latency amortised as in a decoding loop; n/a where capture fails). Session 21-22's runs timed
+one replay per event pair: at B <= 8 that added 5-10 us of launch latency, run to run uneven. state GB/s: the state's bytes read and written
 (2 |state|) over the graph time. err: relative difference of the output against fastweight's.
 """
 
@@ -58,8 +60,12 @@ def deltanet_call(name, fw):
                                     output_final_state=True, use_qk_l2norm_in_kernel=True)[0][:, 0]
 
 
+REPLAYS = 20  # graph replays per timed sample
+
+
 def graph_ms(torch, fn, reps: int) -> float:
-    """fn captured in a CUDA graph (on a side stream, after warm-up there), replayed: median ms."""
+    """fn captured in a CUDA graph (on a side stream, after warm-up there), replayed REPLAYS times back
+    to back per sample: median ms per replay."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -69,7 +75,10 @@ def graph_ms(torch, fn, reps: int) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return timed(g.replay, True, reps)
+    def replays():
+        for _ in range(REPLAYS):
+            g.replay()
+    return timed(replays, True, max(5, reps // 2)) / REPLAYS
 
 
 def main():
