@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
 }
 
 // ---- 2. state -----------------------------------------------------------------------------------
-// smem: bf16 k[2][64][ldk] | Xwh[2][64][ldk] | Xwl[2][64][ldk] | Sh, Sl[Kc][TW+8] | Dh, Dl[64][TW+8] |
+// smem: bf16 k[2][64][ldk] | Xwh[2][64][ldk] | Xwl[2][64][ldk] | Sh, Sl[Kc][TW+8] | Dh, Dl[nd][64][TW+8] |
 //       f32 rkb[2][64] (rk beta per row) | f32 Xu[2][64][TW+4] (this CTA's TW columns, prefetched
 //       with the chunk's other operands: read synchronously it exposed a global-load latency per chunk)
 //       (the lo tiles with LO only)
@@ -187,13 +187,13 @@ struct StLayout {
   // with_xu = false: no Xu tiles (read from global instead), for devices whose shared memory per
   // block cannot hold them (sm_80: 163 KB; 195 KB are needed at K = 128). tw: the CTA's V columns
   // (the S, D and Xu tiles are tw + 8 bf16 / tw + 4 fp32 wide: 16-byte aligned rows, ldmatrix
-  // conflict-free)
-  __host__ __device__ StLayout(std::int64_t K, bool lo, bool with_xu = true, int tw = 64) {
+  // conflict-free). nd: D tiles, 2 for the two-barrier step (state_two_sync: step ci writes D[ci % 2]).
+  __host__ __device__ StLayout(std::int64_t K, bool lo, bool with_xu = true, int tw = 64, int nd = 1) {
     Kc = k_cols(K), ldk = Kc + 8;
     const std::size_t kt = 2 * std::size_t(kT) * ldk;  // bytes of one (64, ldk) bf16 tile
     const std::size_t st = 2 * std::size_t(Kc) * (tw + 8), t64 = 2 * std::size_t(kT) * (tw + 8);
     k = 0, xh = k + 2 * kt, xl = xh + 2 * kt, Sh = xl + (lo ? 2 * kt : 0), Sl = Sh + st;
-    Dh = Sl + (lo ? st : 0), Dl = Dh + t64, rkb = Dl + (lo ? t64 : 0);
+    Dh = Sl + (lo ? st : 0), Dl = Dh + nd * t64, rkb = Dl + (lo ? nd * t64 : 0);
     xu = rkb + 2 * 4 * kT;
     bytes = xu + (with_xu ? 2 * 4 * std::size_t(kT) * (tw + 4) : 0);
   }
@@ -210,16 +210,19 @@ constexpr int kStThreads = 256;
 // FK: K fixed at compile time (128; the launch checks it), 0: runtime. Fixed, the tiles' strides,
 // trip counts and shared-memory offsets are constants (as the mLSTM backward's K3 roles: -34% of
 // their executed instructions there).
+// two: two barriers per chunk step instead of three (D double-buffered; the next chunk's loads issued
+// after the first barrier, when every warp is past the previous step's reads of that buffer). The same
+// products in the same order: the same bits.
 template <bool LO, int TW = 64, int FK = 0>
 __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w,
-                                                                       bool vk, bool vx, bool pxu, bool dp) {
+                                                                       bool vk, bool vx, bool pxu, bool dp, bool two) {
   static_assert(TW == 64 || TW == 32, "64- or 32-column tiles");
   constexpr int NJ = TW / 8, NJX = TW / 16;  // 8-column tiles of S per warp, of X per warp
   constexpr int LDT = TW + 8, LDU = TW + 4;   // strides of the S / D (bf16) and Xu (fp32) tiles
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const std::int64_t K = FK ? FK : p.K;
-  const StLayout lay(K, LO, pxu, TW);
+  const StLayout lay(K, LO, pxu, TW, two ? 2 : 1);
   const int Kc = lay.Kc, ldk = lay.ldk;
   const std::size_t tile = std::size_t(kT) * ldk;  // elements of one (64, ldk) tile
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // [2] (64 rows, Kc) k
@@ -227,8 +230,8 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
   bf16* sxl = reinterpret_cast<bf16*>(base + lay.xl);  // [2] (64 rows, Kc) Xw lo
   bf16* sSh = reinterpret_cast<bf16*>(base + lay.Sh);  // (Kc, TW) S hi (stride LDT)
   bf16* sSl = reinterpret_cast<bf16*>(base + lay.Sl);  // (Kc, TW) S lo
-  bf16* sDh = reinterpret_cast<bf16*>(base + lay.Dh);  // (64, TW) diag(rk beta) X hi
-  bf16* sDl = reinterpret_cast<bf16*>(base + lay.Dl);
+  bf16* sDh0 = reinterpret_cast<bf16*>(base + lay.Dh);  // [nd] (64, TW) diag(rk beta) X hi
+  bf16* sDl0 = reinterpret_cast<bf16*>(base + lay.Dl);
   float* s_rkb = reinterpret_cast<float*>(base + lay.rkb);  // [2][64]
   float* s_xu = reinterpret_cast<float*>(base + lay.xu);    // [2][64][LDU]
 
@@ -291,17 +294,26 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
     const int buf = int(ci & 1);
     const std::int64_t t0 = sq.bos + ci * kT;
     const int nr = int(lmin(kT, sq.eos - t0));
-    // a. S as hi + lo (B operand of Xw S)
+    bf16* sDh = sDh0 + (two ? buf : 0) * kT * LDT;  // this step's D tile
+    bf16* sDl = sDl0 + (two ? buf : 0) * kT * LDT;
+    // a. S as hi + lo (B operand of Xw S; its last readers, the previous step's X products, finished
+    //    before that step's second barrier)
     state_split<8, LO>(acc_s, sSh, sSl, ngroups, warp, lane);
-    // b. the next chunk's operands into the other buffer (its last readers finished before the
-    //    previous iteration's final barrier)
-    if (ci + 1 < nch) {
-      issue(buf ^ 1, ci + 1);
-      cp_async_wait<1>();
-    } else {
+    // b. the next chunk's operands into the other buffer
+    if (two) {  // this chunk's landed (the only group in flight); then, past the barrier, every warp
+                // is done with the previous step's reads of buffer buf ^ 1 (its X products, S update)
       cp_async_wait<0>();
+      __syncthreads();
+      if (ci + 1 < nch) issue(buf ^ 1, ci + 1);
+    } else {  // its last readers finished before the previous iteration's final barrier
+      if (ci + 1 < nch) {
+        issue(buf ^ 1, ci + 1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
     }
-    __syncthreads();
     // S entering the chunk to the workspace as hi + lo (DnChunkBufs), copied from smem
     sst.store(state_mats<LO>(w.S, sq.base + ci, p.H, h, K, V), sSh, sSl, K, V, c0, kStThreads);
     // c. X = Xu - Xw S (this warp's 16 rows x TW / 2 columns); to the workspace; diag(rk beta) X as hi + lo
@@ -348,7 +360,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
     __syncthreads();
     // d. S += K^T (diag(rk beta) X)
     state_update<8, LO>(acc_s, sk + buf * tile, ldk, sDh, sDl, ngroups, warp, lane);
-    __syncthreads();  // the next iteration rewrites S hi/lo, D and this buffer
+    if (!two) __syncthreads();  // the next iteration rewrites S hi/lo, D and this buffer
   }
   if (p.ht.p) state_store<8>(acc_s, p.ht, n, h, c0, K, V, warp, lane);
 }
@@ -478,12 +490,15 @@ bool set_deltanet_fwd_dprime(bool enabled) { return g_dprime.exchange(enabled); 
 namespace {
 std::atomic<int> g_wy_vbufs{0};   // 0: the planner's choice
 std::atomic<int> g_state_tile{0};  // 0: the planner's choice
+std::atomic<bool> g_state_two_sync{true};  // set_deltanet_state_two_sync
 std::atomic<bool> g_fixed_k{true};  // set_deltanet_fixed_k
 }  // namespace
 bool set_deltanet_fixed_k(bool on) { return g_fixed_k.exchange(on); }
 bool deltanet_fixed_k(const DeltanetParams& p) { return g_fixed_k.load(std::memory_order_relaxed) && p.K == 128; }
 int set_deltanet_wy_vbufs(int n) { return g_wy_vbufs.exchange(n == 1 || n == 2 ? n : 0); }
 int set_deltanet_state_tile(int cols) { return g_state_tile.exchange(cols == 32 || cols == 64 ? cols : 0); }
+bool set_deltanet_state_two_sync(bool on) { return g_state_two_sync.exchange(on); }
+bool deltanet_serial_two_sync() { return g_state_two_sync.load(std::memory_order_relaxed); }
 int deltanet_serial_tile(const DeltanetParams& p) {
   // Measured (H200, docs/perf/deltanet.md session 18): 32 columns take (2,8192,16,128) from 1.27 to
   // 1.11 ms forward (hi + lo) and lose 19% at (4,4096,16,128), where 64-column CTAs fill the SMs once;
@@ -526,7 +541,8 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   if (!(phases & 2)) return;
   const bool pxu = state_xu_tiles(p);
   const int tw = deltanet_serial_tile(p);
-  const StLayout ls(p.K, p.hilo, pxu, tw);
+  const bool two = deltanet_serial_two_sync() && StLayout(p.K, p.hilo, pxu, tw, 2).bytes <= smem_per_block_optin();
+  const StLayout ls(p.K, p.hilo, pxu, tw, two ? 2 : 1);
   auto* state = p.hilo ? &deltanet_state_kernel<true> : &deltanet_state_kernel<false>;
   if (tw == 32) state = p.hilo ? &deltanet_state_kernel<true, 32> : &deltanet_state_kernel<false, 32>;
   if (deltanet_fixed_k(p))
@@ -536,7 +552,7 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   if (vtw > 65535) throw Error(cat("deltanet (tensor cores): grid too large (", vtw, " V tiles)"));
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(state), kStThreads, ls.bytes);
   state<<<dim3(unsigned(seqs), unsigned(vtw)), kStThreads, ls.bytes, st>>>(p, w, rows16_seq(p.k), p.K % 8 == 0, pxu,
-                                                                           deltanet_dprime(p, w));
+                                                                           deltanet_dprime(p, w), two);
   FW_CUDA_CHECK_LAUNCH("deltanet (state)");
 }
 
