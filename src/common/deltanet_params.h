@@ -52,7 +52,7 @@ inline std::int64_t deltanet_slots(const DeltanetParams& p) {
 // Without p.hilo the lo halves are absent: xw (rows, K) bf16, S (slots, H) one (K, V) bf16 matrix.
 struct DnChunkBufs {
   float *xw = nullptr, *xu = nullptr, *rk = nullptr, *S = nullptr, *X = nullptr;
-  float* T2 = nullptr;  // optional (slots, H, 64, 64): T2 itself, for the backward's state pass
+  float* T2 = nullptr;  // optional (slots, H, 64, 64): T2 (fp32; without hi + lo T2^T as bf16), for the backward's post kernel
   // The forward's pipeline (o is all that reads X): where the state kernel can (deltanet_dprime), the
   // X region holds D' = diag(rk beta) X as bf16 (rows, V) instead, the output kernel's operand.
   bool dprime = false;
@@ -81,7 +81,8 @@ struct DnFwdWs {
 //   X, Y (B*T*H, V): per row X = R - Lg D and Y = T^T dD (dR = diag(beta) Y)
 //   dbp (ceil(V/64), B*T*H): dbeta partial sums, one per 64-column tile of V
 //   dqh, dkh (B*T*H, K): dL/d of the L2-normalised q, k (only with the in-kernel L2 norm)
-//   xw, xu, rk, T2: the tensor-core recompute's scratch (DnChunkBufs), when it applies; then S and
+//   xw, xu, rk, T2: the tensor-core recompute's scratch (DnChunkBufs), when it applies (T2 per chunk:
+//   fp32 with hi + lo operands, else T2^T as bf16, the one form the post kernel reads); then S and
 //   dS hold bf16 hi + lo (or hi only) matrices as DnChunkBufs::S instead of fp32, the state pass keeps dD0, then
 //   dD, in Y before it writes Y there (deltanet_bwd_tc.cu), and fac (3, B*T*H) holds rq, rk, beta
 // dqh and dkh share xw's and xu's memory: the chunk pass writes them after the recompute (the only
@@ -100,7 +101,7 @@ struct DnBwdWs {
     xw = dqh = take(std::max(tc ? dn_bf16_floats(p, rows * p.K) : 0, nh));
     xu = dkh = take(std::max(tc ? rows * p.V : 0, nh));
     rk = take(tc ? rows : 0);
-    T2 = take(tc ? deltanet_slots(p) * p.H * 64 * 64 : 0);
+    T2 = take(tc ? deltanet_slots(p) * p.H * 64 * (p.hilo ? 64 : 32) : 0);  // fp32 T2, or bf16 T2^T
     fac = take(tc ? 3 * rows : 0);
     total = o;
   }

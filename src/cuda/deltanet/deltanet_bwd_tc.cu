@@ -367,8 +367,13 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   const bool even = V % 2 == 0;
   // a. k, T2 (16-byte aligned, 64 x 64 fp32); rk from the k tile, beta
   load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
-  const float* T2w = ws + w.T2 + (slot * p.H + h) * 64 * 64;
-  for (int e = tid; e < 64 * 16; e += kThreads) cp_async16(sT2 + 4 * e, T2w + 4 * e, 16);
+  if constexpr (LO) {  // fp32 T2, split into T2^T hi + lo below
+    const float* T2w = ws + w.T2 + (slot * p.H + h) * 64 * 64;
+    for (int e = tid; e < 64 * 16; e += kThreads) cp_async16(sT2 + 4 * e, T2w + 4 * e, 16);
+  } else {  // T2^T as bf16 (the wy kernel's rounding): straight into its tile, 8 16-byte pieces a row
+    const bf16* T2t = reinterpret_cast<const bf16*>(ws + w.T2) + (slot * p.H + h) * 64 * 64;
+    for (int e = tid; e < 64 * 8; e += kThreads) cp_async16(sTh + (e / 8) * kLd + 8 * (e % 8), T2t + 8 * e, 16);
+  }
   cp_async_commit();
   if (tid < kT) {  // the prep kernel's factors
     const std::int64_t row = dn_ws_row(p, b, t0 + tid, h);
@@ -395,7 +400,8 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
       else pack_a_frags(lh, j, x);
     }
   }
-  for (int e = tid; e < 64 * 64; e += kThreads) put_split1<LO>(sTh, sTl, kLd, e % 64, e / 64, sT2[e]);  // [a][j] = T2[j][a]
+  if constexpr (LO)
+    for (int e = tid; e < 64 * 64; e += kThreads) put_split1<LO>(sTh, sTl, kLd, e % 64, e / 64, sT2[e]);  // [a][j] = T2[j][a]
 #pragma unroll 1
   for (std::int64_t c0 = 0, vt = 0; c0 < V; c0 += kT, ++vt) {
     __syncthreads();  // k and T2 are read (first tile), or the previous tile's dD, X, dR

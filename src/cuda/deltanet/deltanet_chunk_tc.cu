@@ -109,9 +109,14 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
   }
   __syncthreads();
   unit_lower_inverse(sL, sT, scr, warp, lane);
-  if (w.T2) {  // for the backward's state pass
-    float* dst = w.T2 + (std::int64_t(blockIdx.x) * p.H + h) * 64 * 64;
-    for (int e = tid; e < 64 * 64; e += kThreads) dst[e] = sT[e / 64][e % 64];
+  if (w.T2) {  // for the backward's state pass: fp32 T2 (LO), else T2^T as bf16, the post kernel's operand
+    if constexpr (LO) {
+      float* dst = w.T2 + (std::int64_t(blockIdx.x) * p.H + h) * 64 * 64;
+      for (int e = tid; e < 64 * 64; e += kThreads) dst[e] = sT[e / 64][e % 64];
+    } else {  // [a][j] = T2[j][a], rounded as the post kernel rounded the fp32 T2 (the same bits)
+      bf16* dst = reinterpret_cast<bf16*>(w.T2) + (std::int64_t(blockIdx.x) * p.H + h) * 64 * 64;
+      for (int e = tid; e < 64 * 64; e += kThreads) dst[e] = __float2bfloat16_rn(sT[e % 64][e / 64]);
+    }
   }
   for (int e = tid; e < 64 * 32; e += kThreads) {  // A1 = T2 diag(rk), A2 = T2, as hi + lo (column pairs)
     const int i = e / 32, j = 2 * (e % 32);
