@@ -86,9 +86,12 @@ struct DnFwdWs {
 //   dS hold bf16 hi + lo (or hi only) matrices as DnChunkBufs::S instead of fp32, the state pass keeps dD0, then
 //   dD, in Y before it writes Y there (deltanet_bwd_tc.cu), and fac (3, B*T*H) holds rq, rk, beta
 // dqh and dkh share xw's and xu's memory: the chunk pass writes them after the recompute (the only
-// reader of xw, xu) is done, in stream order (-268 MB at (4, 4096, 16, 128) with the L2 norm).
+// reader of xw, xu) is done, in stream order (-268 MB at (4, 4096, 16, 128) with the L2 norm). With
+// bf16 operands (FLA's precision) they are bf16 (h16), as FLA's chunk backward hands dq^, dk^ to its
+// L2-norm backward: dqh then fits in xw's bf16 rows (-67 MB at (2, 8192, 16, 128)).
 struct DnBwdWs {
   std::int64_t rows, vt, S, dS, X, Y, dbp, dqh, dkh, xw, xu, rk, T2, fac, total;
+  bool h16 = false;  // dqh, dkh as bf16
   // tc: the recompute runs the tensor-core pipeline (its xw, xu, rk regions; see DnChunkBufs); without
   // p.hilo (bf16-only operands) the whole backward is on tensor cores (deltanet_bwd_cuda sees to it)
   DnBwdWs(const DeltanetParams& p, bool tc) {
@@ -97,7 +100,8 @@ struct DnBwdWs {
     auto take = [&](std::int64_t n) { const std::int64_t at = o; o += (n + 63) / 64 * 64; return at; };
     const std::int64_t states = deltanet_slots(p) * p.H * p.K * p.V, sf = tc ? dn_bf16_floats(p, states) : states;
     S = take(sf), dS = take(sf), X = take(rows * p.V), Y = take(rows * p.V), dbp = take(vt * rows);
-    const std::int64_t nh = p.l2 ? rows * p.K : 0;
+    h16 = tc && !p.hilo;
+    const std::int64_t nh = p.l2 ? (h16 ? (rows * p.K + 1) / 2 : rows * p.K) : 0;
     xw = dqh = take(std::max(tc ? dn_bf16_floats(p, rows * p.K) : 0, nh));
     xu = dkh = take(std::max(tc ? rows * p.V : 0, nh));
     rk = take(tc ? rows : 0);
