@@ -136,8 +136,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
 // ---- 2. serial ----------------------------------------------------------------------------------
 // smem: [2] bf16 k [64][ldk] | [2] bf16 dO [64][TW+8] | [2] f32 dD0 [64][TW+4] | [2] f32 rq, rk, beta [64] |
 //       [nb2] bf16 q, Xw hi [64][ldk] | bf16 Xw lo [64][ldk] | bf16 dSe hi, lo [Kc][TW+8] |
-//       [nbu] bf16 -W dD hi, lo, s diag(rq) dO hi, lo [64][TW+8] (the lo tiles with LO only; nbu = 2
-//       for the two-barrier step, which writes them into buffer ci % 2). q and Xw (the
+//       bf16 -W dD hi, lo, s diag(rq) dO hi, lo [64][TW+8] (the lo tiles with LO only). q and Xw (the
 //       step's second operands): nb2 = 1, issued at the step's start and waited for in its middle;
 //       nb2 = 2 (bf16 operands, where it fits: 192 KB at K = 128), issued a step ahead with the first
 //       ones, so no load waits inside the step.
@@ -145,14 +144,14 @@ struct BsLayout {
   int Kc, ldk;
   std::size_t k, dO, dd, fac, q, xh, xl, Sh, Sl, Bh, Bl, Uh, Ul, bytes;
   // tw: the CTA's V columns (the dO, dSe, B, U tiles tw + 8 bf16 wide, dD0 tw + 4 fp32: kLd / kLdF at 64)
-  __host__ __device__ BsLayout(std::int64_t K, bool lo, int nb2 = 1, int tw = 64, int nbu = 1) {
+  __host__ __device__ BsLayout(std::int64_t K, bool lo, int nb2 = 1, int tw = 64) {
     Kc = k_cols(K), ldk = Kc + 8;
     const std::size_t kt = 2 * std::size_t(kT) * ldk, t64 = 2 * std::size_t(kT) * (tw + 8);
     const std::size_t st = 2 * std::size_t(Kc) * (tw + 8), tl = lo ? t64 : 0;
     k = 0, dO = k + 2 * kt, dd = dO + 2 * t64, fac = dd + 2 * 4 * std::size_t(kT) * (tw + 4);
     q = fac + 2 * 3 * 4 * kT, xh = q + nb2 * kt, xl = xh + nb2 * kt, Sh = xl + (lo ? kt : 0);
     Sl = Sh + st, Bh = Sl + (lo ? st : 0);
-    Bl = Bh + nbu * t64, Uh = Bl + nbu * tl, Ul = Uh + nbu * t64, bytes = Ul + nbu * tl;
+    Bl = Bh + t64, Uh = Bl + tl, Ul = Uh + t64, bytes = Ul + tl;
   }
 };
 
@@ -162,8 +161,8 @@ struct BsLayout {
 constexpr int kBsThreads = 256;
 // DB2: q and Xw double-buffered (bf16 operands only: !LO). FK: K fixed at compile time (as the
 // forward's state kernel), 0: runtime. two (with DB2 only): two barriers per chunk step instead of
-// three, as the forward's state kernel (B and U double-buffered; the previous chunk's operands issued
-// after the first barrier); the same bits.
+// three, as the forward's state kernel (the previous chunk's operands issued after the first barrier,
+// which also keeps the next step's B, U, dSe writes after this step's update); the same bits.
 template <bool LO, bool DB2, int TW = 64, int FK = 0>
 __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                               float* __restrict__ ws, bool vq, bool vk,
@@ -176,7 +175,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   char* base = reinterpret_cast<char*>(smem_raw);
   const std::int64_t K = FK ? FK : p.K;
   two = DB2 && two;
-  const BsLayout lay(K, LO, DB2 ? 2 : 1, TW, two ? 2 : 1);
+  const BsLayout lay(K, LO, DB2 ? 2 : 1, TW);
   const int Kc = lay.Kc, ldk = lay.ldk;
   const std::size_t ktile = std::size_t(kT) * ldk, otile = std::size_t(kT) * LDT;
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);     // [2] (64 rows, Kc) k
@@ -187,8 +186,8 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   bf16* sxh = reinterpret_cast<bf16*>(base + lay.xh);   // [DB2 ? 2 : 1] (64 rows, Kc) Xw hi
   bf16* sxl = reinterpret_cast<bf16*>(base + lay.xl);   // (64 rows, Kc) Xw lo
   bf16 *sSh = reinterpret_cast<bf16*>(base + lay.Sh), *sSl = reinterpret_cast<bf16*>(base + lay.Sl);  // (Kc, TW) dSe
-  bf16 *sBh0 = reinterpret_cast<bf16*>(base + lay.Bh), *sBl0 = reinterpret_cast<bf16*>(base + lay.Bl);  // [nbu] (64, TW) -W dD
-  bf16 *sUh0 = reinterpret_cast<bf16*>(base + lay.Uh), *sUl0 = reinterpret_cast<bf16*>(base + lay.Ul);  // [nbu] s diag(rq) dO
+  bf16 *sBh = reinterpret_cast<bf16*>(base + lay.Bh), *sBl = reinterpret_cast<bf16*>(base + lay.Bl);  // (64, TW) -W dD
+  bf16 *sUh = reinterpret_cast<bf16*>(base + lay.Uh), *sUl = reinterpret_cast<bf16*>(base + lay.Ul);  // s diag(rq) dO
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int rg = warp & 3, half = warp >> 2;  // dD step: rows 16 rg.., columns (TW / 2) half..
@@ -246,8 +245,6 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     const int buf = int(ci & 1);
     const std::int64_t t0 = sq_.bos + ci * kT, slot = sq_.base + ci;
     const int nr = int(lmin(kT, sq_.eos - t0));
-    const std::size_t bu = two ? buf * otile : 0;  // this step's B and U tiles
-    bf16 *sBh = sBh0 + bu, *sBl = sBl0 + bu, *sUh = sUh0 + bu, *sUl = sUl0 + bu;
     // a. dSe as hi + lo (the B operand of K dSe; and for the chunk pass)
     state_split<8, LO>(acc_s, sSh, sSl, ngroups, warp, lane);
     // b. without DB2: this step's second operands and the previous chunk's first ones; with DB2: the
@@ -654,9 +651,8 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: prep)");
   const bool db2 = bwd_serial_db2(p);
   const int tw = deltanet_serial_tile(p);  // 32 where 64-column CTAs would leave SMs idle
-  const bool two = db2 && deltanet_serial_two_sync() &&
-                   BsLayout(p.K, p.hilo, 2, tw, 2).bytes <= smem_per_block_optin();  // B, U double-buffered
-  const BsLayout ls(p.K, p.hilo, db2 ? 2 : 1, tw, two ? 2 : 1);
+  const bool two = db2 && deltanet_serial_two_sync();
+  const BsLayout ls(p.K, p.hilo, db2 ? 2 : 1, tw);
   auto* serial = p.hilo ? &deltanet_bwd_state_tc_kernel<true, false>
                         : (db2 ? &deltanet_bwd_state_tc_kernel<false, true> : &deltanet_bwd_state_tc_kernel<false, false>);
   if (tw == 32)

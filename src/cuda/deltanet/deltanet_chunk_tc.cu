@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
 }
 
 // ---- 2. state -----------------------------------------------------------------------------------
-// smem: bf16 k[2][64][ldk] | Xwh[2][64][ldk] | Xwl[2][64][ldk] | Sh, Sl[Kc][TW+8] | Dh, Dl[nd][64][TW+8] |
+// smem: bf16 k[2][64][ldk] | Xwh[2][64][ldk] | Xwl[2][64][ldk] | Sh, Sl[Kc][TW+8] | Dh, Dl[64][TW+8] |
 //       f32 rkb[2][64] (rk beta per row) | f32 Xu[2][64][TW+4] (this CTA's TW columns, prefetched
 //       with the chunk's other operands: read synchronously it exposed a global-load latency per chunk)
 //       (the lo tiles with LO only)
@@ -192,13 +192,13 @@ struct StLayout {
   // with_xu = false: no Xu tiles (read from global instead), for devices whose shared memory per
   // block cannot hold them (sm_80: 163 KB; 195 KB are needed at K = 128). tw: the CTA's V columns
   // (the S, D and Xu tiles are tw + 8 bf16 / tw + 4 fp32 wide: 16-byte aligned rows, ldmatrix
-  // conflict-free). nd: D tiles, 2 for the two-barrier step (state_two_sync: step ci writes D[ci % 2]).
-  __host__ __device__ StLayout(std::int64_t K, bool lo, bool with_xu = true, int tw = 64, int nd = 1) {
+  // conflict-free)
+  __host__ __device__ StLayout(std::int64_t K, bool lo, bool with_xu = true, int tw = 64) {
     Kc = k_cols(K), ldk = Kc + 8;
     const std::size_t kt = 2 * std::size_t(kT) * ldk;  // bytes of one (64, ldk) bf16 tile
     const std::size_t st = 2 * std::size_t(Kc) * (tw + 8), t64 = 2 * std::size_t(kT) * (tw + 8);
     k = 0, xh = k + 2 * kt, xl = xh + 2 * kt, Sh = xl + (lo ? 2 * kt : 0), Sl = Sh + st;
-    Dh = Sl + (lo ? st : 0), Dl = Dh + nd * t64, rkb = Dl + (lo ? nd * t64 : 0);
+    Dh = Sl + (lo ? st : 0), Dl = Dh + t64, rkb = Dl + (lo ? t64 : 0);
     xu = rkb + 2 * 4 * kT;
     bytes = xu + (with_xu ? 2 * 4 * std::size_t(kT) * (tw + 4) : 0);
   }
@@ -215,9 +215,11 @@ constexpr int kStThreads = 256;
 // FK: K fixed at compile time (128; the launch checks it), 0: runtime. Fixed, the tiles' strides,
 // trip counts and shared-memory offsets are constants (as the mLSTM backward's K3 roles: -34% of
 // their executed instructions there).
-// two: two barriers per chunk step instead of three (D double-buffered; the next chunk's loads issued
-// after the first barrier, when every warp is past the previous step's reads of that buffer). The same
-// products in the same order: the same bits.
+// two: two barriers per chunk step instead of three. The third only kept the next step from writing
+// S, D and the other operand buffer while this step's S update still read them; the next step's first
+// barrier does that too, if the next chunk's loads are issued after it (its S tile write comes before
+// it but S is not read by the update; D is written only after it). The same products in the same
+// order: the same bits.
 template <bool LO, int TW = 64, int FK = 0>
 __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w,
                                                                        bool vk, bool vx, bool pxu, bool dp, bool two) {
@@ -227,7 +229,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const std::int64_t K = FK ? FK : p.K;
-  const StLayout lay(K, LO, pxu, TW, two ? 2 : 1);
+  const StLayout lay(K, LO, pxu, TW);
   const int Kc = lay.Kc, ldk = lay.ldk;
   const std::size_t tile = std::size_t(kT) * ldk;  // elements of one (64, ldk) tile
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // [2] (64 rows, Kc) k
@@ -235,8 +237,8 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
   bf16* sxl = reinterpret_cast<bf16*>(base + lay.xl);  // [2] (64 rows, Kc) Xw lo
   bf16* sSh = reinterpret_cast<bf16*>(base + lay.Sh);  // (Kc, TW) S hi (stride LDT)
   bf16* sSl = reinterpret_cast<bf16*>(base + lay.Sl);  // (Kc, TW) S lo
-  bf16* sDh0 = reinterpret_cast<bf16*>(base + lay.Dh);  // [nd] (64, TW) diag(rk beta) X hi
-  bf16* sDl0 = reinterpret_cast<bf16*>(base + lay.Dl);
+  bf16* sDh = reinterpret_cast<bf16*>(base + lay.Dh);  // (64, TW) diag(rk beta) X hi
+  bf16* sDl = reinterpret_cast<bf16*>(base + lay.Dl);
   float* s_rkb = reinterpret_cast<float*>(base + lay.rkb);  // [2][64]
   float* s_xu = reinterpret_cast<float*>(base + lay.xu);    // [2][64][LDU]
 
@@ -299,8 +301,6 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
     const int buf = int(ci & 1);
     const std::int64_t t0 = sq.bos + ci * kT;
     const int nr = int(lmin(kT, sq.eos - t0));
-    bf16* sDh = sDh0 + (two ? buf : 0) * kT * LDT;  // this step's D tile
-    bf16* sDl = sDl0 + (two ? buf : 0) * kT * LDT;
     // a. S as hi + lo (B operand of Xw S; its last readers, the previous step's X products, finished
     //    before that step's second barrier)
     state_split<8, LO>(acc_s, sSh, sSl, ngroups, warp, lane);
@@ -546,8 +546,8 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   if (!(phases & 2)) return;
   const bool pxu = state_xu_tiles(p);
   const int tw = deltanet_serial_tile(p);
-  const bool two = deltanet_serial_two_sync() && StLayout(p.K, p.hilo, pxu, tw, 2).bytes <= smem_per_block_optin();
-  const StLayout ls(p.K, p.hilo, pxu, tw, two ? 2 : 1);
+  const bool two = deltanet_serial_two_sync();
+  const StLayout ls(p.K, p.hilo, pxu, tw);
   auto* state = p.hilo ? &deltanet_state_kernel<true> : &deltanet_state_kernel<false>;
   if (tw == 32) state = p.hilo ? &deltanet_state_kernel<true, 32> : &deltanet_state_kernel<false, 32>;
   if (deltanet_fixed_k(p))

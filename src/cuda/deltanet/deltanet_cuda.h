@@ -33,8 +33,8 @@ int set_deltanet_wy_vbufs(int n);
 // kernel), 64 or 32 columns (0: the planner's choice). Returns the previous setting.
 int set_deltanet_state_tile(int cols);
 // The serial kernels' chunk step (the forward state kernel; the backward serial kernel with bf16
-// operands) with two barriers (the tiles written inside a step double-buffered, where they fit;
-// default on) or three; the same bits. Returns the previous setting (tests; fastweight_bench
+// operands) with two barriers (the next chunk's loads issued after the first; default on) or three;
+// the same bits. Returns the previous setting (tests; fastweight_bench
 // --dn-two-sync=off).
 bool set_deltanet_state_two_sync(bool on);
 bool deltanet_serial_two_sync();
