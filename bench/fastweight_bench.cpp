@@ -20,7 +20,6 @@
 //   fastweight_bench --dn-step-kernel=off    DeltaNet decoding step by the forward over T = 1 (A/B)
 //   fastweight_bench --mlstm-step-fuse=off   mLSTM decoding step out of place in two launches, as in place (A/B)
 //   fastweight_bench --dn-two-sync=off       DeltaNet serial kernels with three barriers per chunk step (A/B)
-//   fastweight_bench --step-streaming=off    the decoding steps' state loads / stores without cache hints (A/B)
 //   fastweight_bench --steps-only            the mLSTM / DeltaNet families' GPU decoding-step rows alone (A/B)
 //   fastweight_bench --mlstm-step-kernel=N   mLSTM decoding step's C pass kernel (A/B; set_mlstm_step_kernel)
 //   fastweight_bench --step-tile-major=off   the decoding steps' grids heads-fastest (A/B; set_step_tile_major)
@@ -90,7 +89,6 @@ struct Options {
   int reps = 30;
   bool steps_only = false;
   bool dn_three_sync = false;
-  bool step_plain = false;
   bool mlstm_step_no_fuse = false;
   bool quick = false, timing_only = false, cpu = false, no_bulk = false, no_dprime = false, no_row1 = false;
   int bulk_vecs = 0;  // 0: the planner's choice
@@ -330,7 +328,6 @@ int main(int argc, char** argv) {
     else if (a == "--timing-only") o.timing_only = true;
     else if (a == "--steps-only") o.steps_only = true;
     else if (const char* v = val("--dn-two-sync=")) o.dn_three_sync = !on(v);
-    else if (const char* v = val("--step-streaming=")) o.step_plain = !on(v);
     else if (const char* v = val("--mlstm-step-fuse=")) o.mlstm_step_no_fuse = !on(v);
     else if (a == "--cpu") o.cpu = true;
     else if (a == "--no-bulk") o.no_bulk = true;
@@ -392,7 +389,6 @@ int main(int argc, char** argv) {
   if (o.mlstm_step_kernel >= 0) fastweight::detail::set_mlstm_step_kernel(o.mlstm_step_kernel);
   if (o.step_heads_major) fastweight::detail::set_step_tile_major(false);
   if (o.dn_three_sync) fastweight::detail::set_deltanet_state_two_sync(false);
-  if (o.step_plain) fastweight::detail::set_step_streaming(false);
   if (o.mlstm_step_no_fuse) fastweight::detail::set_mlstm_step_fuse_nm(false);
   if (o.mlstm_slab_overlap) fastweight::detail::set_mlstm_slab_overlap(o.mlstm_slab_overlap);
 #endif

@@ -36,7 +36,6 @@ const Props& props() {
 }  // namespace
 
 bool set_step_tile_major(bool on) { return g_step_tile_major.exchange(on); }
-bool set_step_streaming(bool on) { return g_step_streaming.exchange(on); }
 
 int sm_count() { return props().sms; }
 int cc_major() { return props().cc_major; }

@@ -11,21 +11,6 @@
 namespace fastweight::detail {
 
 inline std::atomic<bool> g_step_tile_major{true};  // set_step_tile_major (cuda/common/step_grid.h)
-inline std::atomic<bool> g_step_streaming{true};   // set_step_streaming (cuda/common/step_grid.h)
-
-// A state row's 4 floats (16-byte aligned), read once and written once per step: CS, with the
-// streaming cache hint (ld.global.cs / st.global.cs: evict first; the state is far larger than L2
-// at the batch sizes where the steps are memory-bound), else plain.
-template <bool CS>
-__device__ __forceinline__ float4 ld_state4(const float* at) {
-  if constexpr (CS) return __ldcs(reinterpret_cast<const float4*>(at));
-  else return *reinterpret_cast<const float4*>(at);
-}
-template <bool CS>
-__device__ __forceinline__ void st_state4(float* at, const float4& x) {
-  if constexpr (CS) __stcs(reinterpret_cast<float4*>(at), x);
-  else *reinterpret_cast<float4*>(at) = x;
-}
 
 struct StepCta {
   std::int64_t bh, tile;

@@ -5,7 +5,4 @@
 
 namespace fastweight::detail {
 bool set_step_tile_major(bool on);
-// The state's loads and stores with the streaming cache hint (true, the default) or plain (A/B:
-// fastweight_bench --step-streaming=on|off). Returns the previous setting. Same bits either way.
-bool set_step_streaming(bool on);
 }  // namespace fastweight::detail

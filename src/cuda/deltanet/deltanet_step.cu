@@ -26,7 +26,7 @@ constexpr int kThreads = kQuads * kGroups;   // 256
 // VEC: the state rows are 16-byte aligned fp32 with V % 4 == 0 (float4 loads and stores), else one
 // element at a time with column guards. kMaxRows: rows per thread, K <= 16 kMaxRows (8: K <= 128 in
 // fewer registers, so more CTAs per SM; 16: K <= kStepMaxK).
-template <bool VEC, int kMaxRows, bool CS>  // CS: the state with the streaming cache hint (ld_state4)
+template <bool VEC, int kMaxRows>
 __global__ void __launch_bounds__(kThreads) deltanet_step_kernel(const DeltanetParams p, const bool tile_major) {
   __shared__ float s_q[kStepMaxK], s_k[kStepMaxK];
   __shared__ float s_red[3][kThreads / 32];
@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_step_kernel(const DeltanetP
     st[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (r >= K) continue;
     if constexpr (VEC) {
-      if (c < V) st[i] = ld_state4<CS>(S + r * p.h0.s2 + c);
+      if (c < V) st[i] = *reinterpret_cast<const float4*>(S + r * p.h0.s2 + c);
     } else {
       const float* row = S + r * p.h0.s2;
       if (c < V) st[i].x = row[c];
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_step_kernel(const DeltanetP
     float4 x = st[i];
     x.x = fmaf(kr, be[0], x.x), x.y = fmaf(kr, be[1], x.y), x.z = fmaf(kr, be[2], x.z), x.w = fmaf(kr, be[3], x.w);
     if constexpr (VEC) {
-      if (c < V) st_state4<CS>(So + r * p.ht.s2 + c, x);
+      if (c < V) *reinterpret_cast<float4*>(So + r * p.ht.s2 + c) = x;
     } else {
       float* row = So + r * p.ht.s2;
       if (c < V) row[c] = x.x;
@@ -147,16 +147,13 @@ void deltanet_step_cuda(const DeltanetParams& p, Stream stream) {
   const dim3 grid = step_grid("deltanet_step", tm, heads, tiles);
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   constexpr int kHalf = kStepMaxK / kGroups / 2;
-  const bool cs = vec && g_step_streaming.load(std::memory_order_relaxed);
-  using Kernel = void (*)(const DeltanetParams, const bool);
-  Kernel k = nullptr;
-  if (p.K <= kHalf * kGroups)
-    k = vec ? (cs ? &deltanet_step_kernel<true, kHalf, true> : &deltanet_step_kernel<true, kHalf, false>)
-            : &deltanet_step_kernel<false, kHalf, false>;
-  else
-    k = vec ? (cs ? &deltanet_step_kernel<true, 2 * kHalf, true> : &deltanet_step_kernel<true, 2 * kHalf, false>)
-            : &deltanet_step_kernel<false, 2 * kHalf, false>;
-  k<<<grid, kThreads, 0, s>>>(p, tm);
+  if (p.K <= kHalf * kGroups) {
+    if (vec) deltanet_step_kernel<true, kHalf><<<grid, kThreads, 0, s>>>(p, tm);
+    else deltanet_step_kernel<false, kHalf><<<grid, kThreads, 0, s>>>(p, tm);
+  } else {
+    if (vec) deltanet_step_kernel<true, 2 * kHalf><<<grid, kThreads, 0, s>>>(p, tm);
+    else deltanet_step_kernel<false, 2 * kHalf><<<grid, kThreads, 0, s>>>(p, tm);
+  }
   FW_CUDA_CHECK_LAUNCH("deltanet_step");
 }
 

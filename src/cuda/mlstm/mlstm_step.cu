@@ -110,7 +110,6 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParam
 // H100, bench_decode.py session 21, against mlstm_kernels' Triton step at 2.9).
 constexpr int kVecQuads = kCols / 4, kVecGroups = kThreads / kVecQuads;  // 16 x 16
 constexpr int kVecMaxQ = 256, kVecRows = kVecMaxQ / kVecGroups;
-template <bool CS>  // CS: the state with the streaming cache hint (ld_state4)
 __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
   __shared__ float s_q[kVecMaxQ], s_k[kVecMaxQ];
   __shared__ float s_red[2][kThreads / 32];
@@ -128,7 +127,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
 #pragma unroll
   for (int i = 0; i < kVecRows; ++i) {
     const std::int64_t r = g + kVecGroups * i;
-    st[i] = r < p.DQK && c < p.DV ? ld_state4<CS>(C + r * p.c0.s2 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+    st[i] = r < p.DQK && c < p.DV ? *reinterpret_cast<const float4*>(C + r * p.c0.s2 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   const Gates gt = step_gates(p, b, hd);
   const float den = step_den<kThreads>(p, b, hd, gt, s_red, s_q, s_k);
@@ -145,7 +144,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
     float4 x = st[i];  // C' = fa C + k (ia v)^T
     x.x = fmaf(gt.fa, x.x, kr * vc[0]), x.y = fmaf(gt.fa, x.y, kr * vc[1]);
     x.z = fmaf(gt.fa, x.z, kr * vc[2]), x.w = fmaf(gt.fa, x.w, kr * vc[3]);
-    st_state4<CS>(Co + r * p.c_last.s2 + c, x);  // may be the element just read (in place)
+    *reinterpret_cast<float4*>(Co + r * p.c_last.s2 + c) = x;  // may be the element just read (in place)
     part[0] = fmaf(qr, x.x, part[0]), part[1] = fmaf(qr, x.y, part[1]);
     part[2] = fmaf(qr, x.z, part[2]), part[3] = fmaf(qr, x.w, part[3]);
   }
@@ -168,7 +167,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
 // 64 x 64 tiles in a loop the same way). H100, B = 256, xLSTM 7B's heads: 0.764 ms against the
 // register tile's 0.868; prefetching the next block into registers (0.839 before the grid order),
 // 256 threads x 4 rows (0.784) and 32-column CTAs (0.882 before it) were slower.
-template <int kC, int kT, int kR, bool CS>
+template <int kC, int kT, int kR>
 __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
   constexpr int kQuads = kC / 4, kGroups = kT / kQuads, kBlock = kGroups * kR;
   static_assert(kT % kQuads == 0 && kT % 32 == 0, "whole warps of whole rows");
@@ -187,7 +186,7 @@ __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams
 #pragma unroll
     for (int i = 0; i < kR; ++i) {
       const std::int64_t r = r0 + g + kGroups * i;
-      x[i] = r < p.DQK && col_ok ? ld_state4<CS>(C + r * p.c0.s2) : make_float4(0.f, 0.f, 0.f, 0.f);
+      x[i] = r < p.DQK && col_ok ? *reinterpret_cast<const float4*>(C + r * p.c0.s2) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
   };
   float4 cur[kR];  // [kR] rows of this thread's 4 columns in the current block
@@ -208,7 +207,7 @@ __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams
       float4 x = cur[i];  // C' = fa C + k (ia v)^T
       x.x = fmaf(gt.fa, x.x, kr * vc[0]), x.y = fmaf(gt.fa, x.y, kr * vc[1]);
       x.z = fmaf(gt.fa, x.z, kr * vc[2]), x.w = fmaf(gt.fa, x.w, kr * vc[3]);
-      st_state4<CS>(Co + r * p.c_last.s2, x);  // may be the element just read (in place)
+      *reinterpret_cast<float4*>(Co + r * p.c_last.s2) = x;  // may be the element just read (in place)
       part[0] = fmaf(qr, x.x, part[0]), part[1] = fmaf(qr, x.y, part[1]);
       part[2] = fmaf(qr, x.z, part[2]), part[3] = fmaf(qr, x.w, part[3]);
     }
@@ -275,12 +274,8 @@ void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
   // write n', m' too: one launch instead of two
   const bool fuse = g_step_fuse_nm.load(std::memory_order_relaxed) && disjoint(p.n_last, p.n0, p.B, p.NH, p.DQK) &&
                     disjoint(p.m_last, p.m0, p.B, p.NH, 1);
-  const bool cs = g_step_streaming.load(std::memory_order_relaxed);
-  if (f4 && kernel == 1 && p.DQK <= kVecMaxQ)
-    (cs ? mlstm_step_c_vec_kernel<true> : mlstm_step_c_vec_kernel<false>)<<<grid, kThreads, 0, s>>>(p, tm, fuse);
-  else if (f4 && kernel == 2)
-    (cs ? mlstm_step_c_tile_kernel<kCols, kTileThreads, kTileRows, true>
-        : mlstm_step_c_tile_kernel<kCols, kTileThreads, kTileRows, false>)<<<grid, kTileThreads, 0, s>>>(p, tm, fuse);
+  if (f4 && kernel == 1 && p.DQK <= kVecMaxQ) mlstm_step_c_vec_kernel<<<grid, kThreads, 0, s>>>(p, tm, fuse);
+  else if (f4 && kernel == 2) mlstm_step_c_tile_kernel<kCols, kTileThreads, kTileRows><<<grid, kTileThreads, 0, s>>>(p, tm, fuse);
   else mlstm_step_c_kernel<<<grid, kThreads, 0, s>>>(p, tm, fuse);
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
   if (fuse) return;
