@@ -52,7 +52,7 @@ inline std::int64_t deltanet_slots(const DeltanetParams& p) {
 // Without p.hilo the lo halves are absent: xw (rows, K) bf16, S (slots, H) one (K, V) bf16 matrix.
 struct DnChunkBufs {
   float *xw = nullptr, *xu = nullptr, *rk = nullptr, *S = nullptr, *X = nullptr;
-  float* T2 = nullptr;  // optional (slots, H, 64, 64): T2 itself, for the backward's state pass
+  float* T2 = nullptr;  // optional (slots, H, 64, 64): T2 (fp32; without hi + lo T2^T as bf16), for the backward's post kernel
   // The forward's pipeline (o is all that reads X): where the state kernel can (deltanet_dprime), the
   // X region holds D' = diag(rk beta) X as bf16 (rows, V) instead, the output kernel's operand.
   bool dprime = false;
@@ -81,13 +81,17 @@ struct DnFwdWs {
 //   X, Y (B*T*H, V): per row X = R - Lg D and Y = T^T dD (dR = diag(beta) Y)
 //   dbp (ceil(V/64), B*T*H): dbeta partial sums, one per 64-column tile of V
 //   dqh, dkh (B*T*H, K): dL/d of the L2-normalised q, k (only with the in-kernel L2 norm)
-//   xw, xu, rk, T2: the tensor-core recompute's scratch (DnChunkBufs), when it applies; then S and
+//   xw, xu, rk, T2: the tensor-core recompute's scratch (DnChunkBufs), when it applies (T2 per chunk:
+//   fp32 with hi + lo operands, else T2^T as bf16, the one form the post kernel reads); then S and
 //   dS hold bf16 hi + lo (or hi only) matrices as DnChunkBufs::S instead of fp32, the state pass keeps dD0, then
 //   dD, in Y before it writes Y there (deltanet_bwd_tc.cu), and fac (3, B*T*H) holds rq, rk, beta
 // dqh and dkh share xw's and xu's memory: the chunk pass writes them after the recompute (the only
-// reader of xw, xu) is done, in stream order (-268 MB at (4, 4096, 16, 128) with the L2 norm).
+// reader of xw, xu) is done, in stream order (-268 MB at (4, 4096, 16, 128) with the L2 norm). With
+// bf16 operands (FLA's precision) they are bf16 (h16), as FLA's chunk backward hands dq^, dk^ to its
+// L2-norm backward: dqh then fits in xw's bf16 rows (-67 MB at (2, 8192, 16, 128)).
 struct DnBwdWs {
   std::int64_t rows, vt, S, dS, X, Y, dbp, dqh, dkh, xw, xu, rk, T2, fac, total;
+  bool h16 = false;  // dqh, dkh as bf16
   // tc: the recompute runs the tensor-core pipeline (its xw, xu, rk regions; see DnChunkBufs); without
   // p.hilo (bf16-only operands) the whole backward is on tensor cores (deltanet_bwd_cuda sees to it)
   DnBwdWs(const DeltanetParams& p, bool tc) {
@@ -96,11 +100,12 @@ struct DnBwdWs {
     auto take = [&](std::int64_t n) { const std::int64_t at = o; o += (n + 63) / 64 * 64; return at; };
     const std::int64_t states = deltanet_slots(p) * p.H * p.K * p.V, sf = tc ? dn_bf16_floats(p, states) : states;
     S = take(sf), dS = take(sf), X = take(rows * p.V), Y = take(rows * p.V), dbp = take(vt * rows);
-    const std::int64_t nh = p.l2 ? rows * p.K : 0;
+    h16 = tc && !p.hilo;
+    const std::int64_t nh = p.l2 ? (h16 ? (rows * p.K + 1) / 2 : rows * p.K) : 0;
     xw = dqh = take(std::max(tc ? dn_bf16_floats(p, rows * p.K) : 0, nh));
     xu = dkh = take(std::max(tc ? rows * p.V : 0, nh));
     rk = take(tc ? rows : 0);
-    T2 = take(tc ? deltanet_slots(p) * p.H * 64 * 64 : 0);
+    T2 = take(tc ? deltanet_slots(p) * p.H * 64 * (p.hilo ? 64 : 32) : 0);  // fp32 T2, or bf16 T2^T
     fac = take(tc ? 3 * rows : 0);
     total = o;
   }

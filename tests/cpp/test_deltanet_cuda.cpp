@@ -113,21 +113,23 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
   // its operands as bf16 hi + lo and as bf16 alone, with the state kernel handing D' to the output
   // kernel and (modes 3, 4) X in fp32 instead: the same roundings, so the same bits (the workspace
   // poisoned with 0xff bytes: every read of it must follow a write). Each mode runs twice, the wy
-  // kernel with two v tile buffers and then with one, the state kernel on 64-column V tiles and then
-  // on 32-column ones: the same bits again.
+  // kernel with two v tile buffers and then with one, the state kernel on 64-column V tiles with two
+  // barriers per chunk step and then on 32-column ones with three: the same bits again.
   const std::size_t need = fastweight::detail::deltanet_fwd_workspace_bytes(p);
   void* ws = nullptr;
   if (need) FW_TEST_CUDA(cudaMalloc(&ws, need));
   struct Restore {
     bool prev;
     int vbufs, tile;
+    bool two;
     ~Restore() {
       fastweight::detail::set_deltanet_fwd_dprime(prev);
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_state_tile(tile);
+      fastweight::detail::set_deltanet_state_two_sync(two);
     }
   } restore{fastweight::detail::set_deltanet_fwd_dprime(true), fastweight::detail::set_deltanet_wy_vbufs(0),
-            fastweight::detail::set_deltanet_state_tile(0)};
+            fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_state_two_sync(true)};
   std::vector<HostTensor> by_mode(2 * 5);  // o, final state of each mode
   for (int m = 0; m < 5; ++m) {
     void* w = m == 0 ? nullptr : ws;
@@ -143,6 +145,7 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
     for (int r = 0; r < 2; ++r) {
       fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
       fastweight::detail::set_deltanet_state_tile(r == 0 ? 64 : 32);
+      fastweight::detail::set_deltanet_state_two_sync(r == 0);
       FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
       FW_TEST_CUDA(cudaMemset(ght.ptr, 0xff, ght.nbytes));
       if (w) FW_TEST_CUDA(cudaMemset(w, 0xff, need));
@@ -378,26 +381,31 @@ void check_bwd_case(const DnBwdCase& c) {
   // kernels with their other buffering (the recomputing wy kernel with one v tile buffer instead of
   // two; bf16 operands: the backward serial kernel's q / Xw single-buffered) and the recomputing state
   // kernel on 32-column V tiles instead of 64, and the recompute's state kernel after the state
-  // pass's prep + serial kernels on one stream where the first call ran it beside them on a second:
-  // the same bits.
+  // pass's prep + serial kernels on one stream where the first call ran it beside them on a second,
+  // and the serial kernels' chunk steps with three barriers where the first call's had two: the same
+  // bits.
   struct RestoreBuffering {
     int vbufs;
     bool db2;
     int tile, overlap;
+    bool two;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
       fastweight::detail::set_deltanet_state_tile(tile);
       fastweight::detail::set_deltanet_bwd_overlap(overlap);
+      fastweight::detail::set_deltanet_state_two_sync(two);
     }
   } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true),
-                      fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_bwd_overlap(0)};
+                      fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_bwd_overlap(0),
+                      fastweight::detail::set_deltanet_state_two_sync(true)};
   std::vector<HostTensor> run[2];
   for (int r = 0; r < 2; ++r) {
     fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
     fastweight::detail::set_deltanet_bwd_serial_db2(r == 0);
     fastweight::detail::set_deltanet_state_tile(r == 0 ? 64 : 32);
     fastweight::detail::set_deltanet_bwd_overlap(r == 0 ? 1 : -1);
+    fastweight::detail::set_deltanet_state_two_sync(r == 0);
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
     FW_TEST_CUDA(cudaMemset(ws, r == 0 ? 0xff : 0x00, need));
     FW_TEST_CUDA(cudaDeviceSynchronize());  // the memsets run on the legacy stream, not on `stream`

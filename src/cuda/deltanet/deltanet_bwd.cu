@@ -331,23 +331,25 @@ __global__ void __launch_bounds__(32 * kL2Warps) deltanet_bwd_l2_kernel(const De
   if (!out.p) return;
   const std::int64_t h = row % p.H, bt = row / p.H, t = bt % p.T, b = bt / p.T, K = p.K;
   const std::int64_t ox = dn_row(x, b, t, h), oo = dn_row(out, b, t, h);
-  const float* gx = ws + (isk ? w.dkh : w.dqh) + row * K;
+  const float* gx = ws + (isk ? w.dkh : w.dqh) + row * K;  // fp32 rows, or bf16 (w.h16)
+  const __nv_bfloat16* gx16 = reinterpret_cast<const __nv_bfloat16*>(ws + (isk ? w.dkh : w.dqh)) + row * K;
+  auto dxh = [&](std::int64_t c) { return w.h16 ? __bfloat162float(gx16[c]) : gx[c]; };
   float ss = 0.f, dot = 0.f;
   for (std::int64_t c = lane; c < K; c += 32) {
     const float xc = mlstm_ld(x, ox + c);
-    ss = fmaf(xc, xc, ss), dot = fmaf(xc, gx[c], dot);
+    ss = fmaf(xc, xc, ss), dot = fmaf(xc, dxh(c), dot);
   }
   for (int o = 16; o > 0; o /= 2) {
     ss += __shfl_xor_sync(0xffffffffu, ss, o);
     dot += __shfl_xor_sync(0xffffffffu, dot, o);
   }
   const float r = rsqrtf(ss + 1e-6f), rdot = r * r * dot;  // x^ . dx^ = r (x . dx^); times x^ = r x
-  for (std::int64_t c = lane; c < K; c += 32) mlstm_st(out, oo + c, r * (gx[c] - mlstm_ld(x, ox + c) * rdot));
+  for (std::int64_t c = lane; c < K; c += 32) mlstm_st(out, oo + c, r * (dxh(c) - mlstm_ld(x, ox + c) * rdot));
 }
 
 // The same for bf16 q, k, dq, dk with K <= 128, K % 4 == 0 and 8-byte aligned rows (the common case):
 // one warp per row for q and k together, lane l holds columns 4l..4l+3 of both in registers (one
-// 8-byte load of x, one 16-byte load of dx^, one 8-byte store): one pass, no reload, twice the bytes
+// 8-byte load of x, one 16-byte load of dx^ (8-byte where it is bf16), one 8-byte store): one pass, no reload, twice the bytes
 // in flight per warp. The element-wise kernel above took 0.64 ms at (4,4096,16,128): ~3x its bytes.
 __global__ void __launch_bounds__(32 * kL2Warps) deltanet_bwd_l2_vec_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                             const float* __restrict__ ws) {
@@ -365,8 +367,16 @@ __global__ void __launch_bounds__(32 * kL2Warps) deltanet_bwd_l2_vec_kernel(cons
     const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
     const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
     x[u][0] = lo.x, x[u][1] = lo.y, x[u][2] = hi.x, x[u][3] = hi.y;
-    const float4 gg = *reinterpret_cast<const float4*>(ws + (u ? w.dkh : w.dqh) + row * K + c);
-    g[u][0] = gg.x, g[u][1] = gg.y, g[u][2] = gg.z, g[u][3] = gg.w;
+    if (w.h16) {  // dx^ as bf16: one 8-byte load
+      const uint2 gr = *reinterpret_cast<const uint2*>(reinterpret_cast<const __nv_bfloat16*>(ws + (u ? w.dkh : w.dqh)) +
+                                                       row * K + c);
+      const float2 g0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gr.x));
+      const float2 g1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gr.y));
+      g[u][0] = g0.x, g[u][1] = g0.y, g[u][2] = g1.x, g[u][3] = g1.y;
+    } else {
+      const float4 gg = *reinterpret_cast<const float4*>(ws + (u ? w.dkh : w.dqh) + row * K + c);
+      g[u][0] = gg.x, g[u][1] = gg.y, g[u][2] = gg.z, g[u][3] = gg.w;
+    }
   }
   float ss[2], dot[2];
 #pragma unroll

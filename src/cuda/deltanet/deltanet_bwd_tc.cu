@@ -160,11 +160,13 @@ struct BsLayout {
 // kernel: half the products per warp and step, twice the CTAs; the same bits).
 constexpr int kBsThreads = 256;
 // DB2: q and Xw double-buffered (bf16 operands only: !LO). FK: K fixed at compile time (as the
-// forward's state kernel), 0: runtime.
+// forward's state kernel), 0: runtime. two (with DB2 only): two barriers per chunk step instead of
+// three, as the forward's state kernel (the previous chunk's operands issued after the first barrier,
+// which also keeps the next step's B, U, dSe writes after this step's update); the same bits.
 template <bool LO, bool DB2, int TW = 64, int FK = 0>
 __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                               float* __restrict__ ws, bool vq, bool vk,
-                                                                              bool vo, bool vx) {
+                                                                              bool vo, bool vx, bool two) {
   static_assert(!(LO && DB2), "the hi + lo layout has no room for a second q / Xw buffer");
   static_assert(TW == 64 || TW == 32, "64- or 32-column tiles");
   constexpr int NJ = TW / 8, NJX = TW / 16;  // 8-column tiles of dS per warp, of dD per warp
@@ -172,6 +174,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const std::int64_t K = FK ? FK : p.K;
+  two = DB2 && two;
   const BsLayout lay(K, LO, DB2 ? 2 : 1, TW);
   const int Kc = lay.Kc, ldk = lay.ldk;
   const std::size_t ktile = std::size_t(kT) * ldk, otile = std::size_t(kT) * LDT;
@@ -246,8 +249,15 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     state_split<8, LO>(acc_s, sSh, sSl, ngroups, warp, lane);
     // b. without DB2: this step's second operands and the previous chunk's first ones; with DB2: the
     //    previous chunk's first and second ones (the other buffers' last readers finished before the
-    //    previous step's final barrier)
-    if constexpr (DB2) {
+    //    previous step's final barrier; two: before this step's first barrier, then issued past it)
+    if (two) {
+      cp_async_wait<0>();  // this chunk's two groups (the only ones in flight)
+      __syncthreads();
+      if (ci > 0) {
+        issue_first(buf ^ 1, ci - 1);
+        issue_second(buf ^ 1, ci - 1);
+      }
+    } else if constexpr (DB2) {
       if (ci > 0) {
         issue_first(buf ^ 1, ci - 1);
         issue_second(buf ^ 1, ci - 1);
@@ -264,7 +274,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
         cp_async_wait<1>();
       }
     }
-    __syncthreads();
+    if (!two) __syncthreads();
     sst.store(state_mats<LO>(ws + w.dS, slot, p.H, h, K, V), sSh, sSl, K, V, c0, kBsThreads);
     // c. dD = dD0 + diag(rk) K dSe (16 rows x TW / 2 columns per warp) -> the Y region; -W dD and
     //    s diag(rq) dO as hi + lo
@@ -305,7 +315,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     state_update<8, LO>(acc_s, sq + b2 * ktile, ldk, sUh, sUl, ngroups, warp, lane);
     state_update<8, LO>(acc_s, sxh + b2 * ktile, ldk, sBh, sBl, ngroups, warp, lane);
     if constexpr (LO) state_update<8, false>(acc_s, sxl, ldk, sBh, nullptr, ngroups, warp, lane);
-    __syncthreads();  // the next step rewrites dSe, B, U, q, Xw and this buffer
+    if (!two) __syncthreads();  // the next step rewrites dSe, B, U, q, Xw and this buffer
   }
   if (p.dh0.p) state_store<8>(acc_s, p.dh0, n, h, c0, K, V, warp, lane);
 }
@@ -354,8 +364,13 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   const bool even = V % 2 == 0;
   // a. k, T2 (16-byte aligned, 64 x 64 fp32); rk from the k tile, beta
   load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
-  const float* T2w = ws + w.T2 + (slot * p.H + h) * 64 * 64;
-  for (int e = tid; e < 64 * 16; e += kThreads) cp_async16(sT2 + 4 * e, T2w + 4 * e, 16);
+  if constexpr (LO) {  // fp32 T2, split into T2^T hi + lo below
+    const float* T2w = ws + w.T2 + (slot * p.H + h) * 64 * 64;
+    for (int e = tid; e < 64 * 16; e += kThreads) cp_async16(sT2 + 4 * e, T2w + 4 * e, 16);
+  } else {  // T2^T as bf16 (the wy kernel's rounding): straight into its tile, 8 16-byte pieces a row
+    const bf16* T2t = reinterpret_cast<const bf16*>(ws + w.T2) + (slot * p.H + h) * 64 * 64;
+    for (int e = tid; e < 64 * 8; e += kThreads) cp_async16(sTh + (e / 8) * kLd + 8 * (e % 8), T2t + 8 * e, 16);
+  }
   cp_async_commit();
   if (tid < kT) {  // the prep kernel's factors
     const std::int64_t row = dn_ws_row(p, b, t0 + tid, h);
@@ -382,7 +397,8 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
       else pack_a_frags(lh, j, x);
     }
   }
-  for (int e = tid; e < 64 * 64; e += kThreads) put_split1<LO>(sTh, sTl, kLd, e % 64, e / 64, sT2[e]);  // [a][j] = T2[j][a]
+  if constexpr (LO)
+    for (int e = tid; e < 64 * 64; e += kThreads) put_split1<LO>(sTh, sTl, kLd, e % 64, e / 64, sT2[e]);  // [a][j] = T2[j][a]
 #pragma unroll 1
   for (std::int64_t c0 = 0, vt = 0; c0 < V; c0 += kT, ++vt) {
     __syncthreads();  // k and T2 are read (first tile), or the previous tile's dD, X, dR
@@ -635,6 +651,7 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: prep)");
   const bool db2 = bwd_serial_db2(p);
   const int tw = deltanet_serial_tile(p);  // 32 where 64-column CTAs would leave SMs idle
+  const bool two = db2 && deltanet_serial_two_sync();
   const BsLayout ls(p.K, p.hilo, db2 ? 2 : 1, tw);
   auto* serial = p.hilo ? &deltanet_bwd_state_tc_kernel<true, false>
                         : (db2 ? &deltanet_bwd_state_tc_kernel<false, true> : &deltanet_bwd_state_tc_kernel<false, false>);
@@ -654,7 +671,7 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   const std::int64_t vtw = (p.V + tw - 1) / tw;
   if (vtw > 65535) throw Error(cat("deltanet_bwd: grid too large (", vtw, " V tiles)"));
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(serial), kBsThreads, ls.bytes);
-  serial<<<dim3(unsigned(seqs), unsigned(vtw)), kBsThreads, ls.bytes, st>>>(p, w, ws, vq, vk, vo, p.K % 8 == 0);
+  serial<<<dim3(unsigned(seqs), unsigned(vtw)), kBsThreads, ls.bytes, st>>>(p, w, ws, vq, vk, vo, p.K % 8 == 0, two);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial)");
   if (before_post)
     FW_CUDA_CHECK("deltanet_bwd (join the recompute)", cudaStreamWaitEvent(st, static_cast<cudaEvent_t>(before_post), 0));

@@ -109,9 +109,14 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
   }
   __syncthreads();
   unit_lower_inverse(sL, sT, scr, warp, lane);
-  if (w.T2) {  // for the backward's state pass
-    float* dst = w.T2 + (std::int64_t(blockIdx.x) * p.H + h) * 64 * 64;
-    for (int e = tid; e < 64 * 64; e += kThreads) dst[e] = sT[e / 64][e % 64];
+  if (w.T2) {  // for the backward's state pass: fp32 T2 (LO), else T2^T as bf16, the post kernel's operand
+    if constexpr (LO) {
+      float* dst = w.T2 + (std::int64_t(blockIdx.x) * p.H + h) * 64 * 64;
+      for (int e = tid; e < 64 * 64; e += kThreads) dst[e] = sT[e / 64][e % 64];
+    } else {  // [a][j] = T2[j][a], rounded as the post kernel rounded the fp32 T2 (the same bits)
+      bf16* dst = reinterpret_cast<bf16*>(w.T2) + (std::int64_t(blockIdx.x) * p.H + h) * 64 * 64;
+      for (int e = tid; e < 64 * 64; e += kThreads) dst[e] = __float2bfloat16_rn(sT[e % 64][e / 64]);
+    }
   }
   for (int e = tid; e < 64 * 32; e += kThreads) {  // A1 = T2 diag(rk), A2 = T2, as hi + lo (column pairs)
     const int i = e / 32, j = 2 * (e % 32);
@@ -210,9 +215,14 @@ constexpr int kStThreads = 256;
 // FK: K fixed at compile time (128; the launch checks it), 0: runtime. Fixed, the tiles' strides,
 // trip counts and shared-memory offsets are constants (as the mLSTM backward's K3 roles: -34% of
 // their executed instructions there).
+// two: two barriers per chunk step instead of three. The third only kept the next step from writing
+// S, D and the other operand buffer while this step's S update still read them; the next step's first
+// barrier does that too, if the next chunk's loads are issued after it (its S tile write comes before
+// it but S is not read by the update; D is written only after it). The same products in the same
+// order: the same bits.
 template <bool LO, int TW = 64, int FK = 0>
 __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w,
-                                                                       bool vk, bool vx, bool pxu, bool dp) {
+                                                                       bool vk, bool vx, bool pxu, bool dp, bool two) {
   static_assert(TW == 64 || TW == 32, "64- or 32-column tiles");
   constexpr int NJ = TW / 8, NJX = TW / 16;  // 8-column tiles of S per warp, of X per warp
   constexpr int LDT = TW + 8, LDU = TW + 4;   // strides of the S / D (bf16) and Xu (fp32) tiles
@@ -291,17 +301,24 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
     const int buf = int(ci & 1);
     const std::int64_t t0 = sq.bos + ci * kT;
     const int nr = int(lmin(kT, sq.eos - t0));
-    // a. S as hi + lo (B operand of Xw S)
+    // a. S as hi + lo (B operand of Xw S; its last readers, the previous step's X products, finished
+    //    before that step's second barrier)
     state_split<8, LO>(acc_s, sSh, sSl, ngroups, warp, lane);
-    // b. the next chunk's operands into the other buffer (its last readers finished before the
-    //    previous iteration's final barrier)
-    if (ci + 1 < nch) {
-      issue(buf ^ 1, ci + 1);
-      cp_async_wait<1>();
-    } else {
+    // b. the next chunk's operands into the other buffer
+    if (two) {  // this chunk's landed (the only group in flight); then, past the barrier, every warp
+                // is done with the previous step's reads of buffer buf ^ 1 (its X products, S update)
       cp_async_wait<0>();
+      __syncthreads();
+      if (ci + 1 < nch) issue(buf ^ 1, ci + 1);
+    } else {  // its last readers finished before the previous iteration's final barrier
+      if (ci + 1 < nch) {
+        issue(buf ^ 1, ci + 1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
     }
-    __syncthreads();
     // S entering the chunk to the workspace as hi + lo (DnChunkBufs), copied from smem
     sst.store(state_mats<LO>(w.S, sq.base + ci, p.H, h, K, V), sSh, sSl, K, V, c0, kStThreads);
     // c. X = Xu - Xw S (this warp's 16 rows x TW / 2 columns); to the workspace; diag(rk beta) X as hi + lo
@@ -348,7 +365,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
     __syncthreads();
     // d. S += K^T (diag(rk beta) X)
     state_update<8, LO>(acc_s, sk + buf * tile, ldk, sDh, sDl, ngroups, warp, lane);
-    __syncthreads();  // the next iteration rewrites S hi/lo, D and this buffer
+    if (!two) __syncthreads();  // the next iteration rewrites S hi/lo, D and this buffer
   }
   if (p.ht.p) state_store<8>(acc_s, p.ht, n, h, c0, K, V, warp, lane);
 }
@@ -478,12 +495,15 @@ bool set_deltanet_fwd_dprime(bool enabled) { return g_dprime.exchange(enabled); 
 namespace {
 std::atomic<int> g_wy_vbufs{0};   // 0: the planner's choice
 std::atomic<int> g_state_tile{0};  // 0: the planner's choice
+std::atomic<bool> g_state_two_sync{true};  // set_deltanet_state_two_sync
 std::atomic<bool> g_fixed_k{true};  // set_deltanet_fixed_k
 }  // namespace
 bool set_deltanet_fixed_k(bool on) { return g_fixed_k.exchange(on); }
 bool deltanet_fixed_k(const DeltanetParams& p) { return g_fixed_k.load(std::memory_order_relaxed) && p.K == 128; }
 int set_deltanet_wy_vbufs(int n) { return g_wy_vbufs.exchange(n == 1 || n == 2 ? n : 0); }
 int set_deltanet_state_tile(int cols) { return g_state_tile.exchange(cols == 32 || cols == 64 ? cols : 0); }
+bool set_deltanet_state_two_sync(bool on) { return g_state_two_sync.exchange(on); }
+bool deltanet_serial_two_sync() { return g_state_two_sync.load(std::memory_order_relaxed); }
 int deltanet_serial_tile(const DeltanetParams& p) {
   // Measured (H200, docs/perf/deltanet.md session 18): 32 columns take (2,8192,16,128) from 1.27 to
   // 1.11 ms forward (hi + lo) and lose 19% at (4,4096,16,128), where 64-column CTAs fill the SMs once;
@@ -526,6 +546,7 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   if (!(phases & 2)) return;
   const bool pxu = state_xu_tiles(p);
   const int tw = deltanet_serial_tile(p);
+  const bool two = deltanet_serial_two_sync();
   const StLayout ls(p.K, p.hilo, pxu, tw);
   auto* state = p.hilo ? &deltanet_state_kernel<true> : &deltanet_state_kernel<false>;
   if (tw == 32) state = p.hilo ? &deltanet_state_kernel<true, 32> : &deltanet_state_kernel<false, 32>;
@@ -536,7 +557,7 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   if (vtw > 65535) throw Error(cat("deltanet (tensor cores): grid too large (", vtw, " V tiles)"));
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(state), kStThreads, ls.bytes);
   state<<<dim3(unsigned(seqs), unsigned(vtw)), kStThreads, ls.bytes, st>>>(p, w, rows16_seq(p.k), p.K % 8 == 0, pxu,
-                                                                           deltanet_dprime(p, w));
+                                                                           deltanet_dprime(p, w), two);
   FW_CUDA_CHECK_LAUNCH("deltanet (state)");
 }
 

@@ -164,10 +164,15 @@ __device__ __forceinline__ void dn_row_factors(const DeltanetParams& p, std::int
 // else straight to dq, dk (each only when asked for).
 __device__ __forceinline__ void dn_store_dqk(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, std::int64_t b,
                                              std::int64_t t, std::int64_t h, std::int64_t c, float dq, float dk) {
-  if (p.l2) {
+  if (p.l2) {  // dq^, dk^ for the L2-norm backward: fp32, or bf16 (w.h16)
     const std::int64_t row = dn_ws_row(p, b, t, h);
-    if (p.dq.p) ws[w.dqh + row * p.K + c] = dq;
-    if (p.dk.p) ws[w.dkh + row * p.K + c] = dk;
+    if (w.h16) {
+      if (p.dq.p) reinterpret_cast<__nv_bfloat16*>(ws + w.dqh)[row * p.K + c] = __float2bfloat16_rn(dq);
+      if (p.dk.p) reinterpret_cast<__nv_bfloat16*>(ws + w.dkh)[row * p.K + c] = __float2bfloat16_rn(dk);
+    } else {
+      if (p.dq.p) ws[w.dqh + row * p.K + c] = dq;
+      if (p.dk.p) ws[w.dkh + row * p.K + c] = dk;
+    }
   } else {
     if (p.dq.p) mlstm_st(p.dq, dn_row(p.dq, b, t, h) + c, dq);
     if (p.dk.p) mlstm_st(p.dk, dn_row(p.dk, b, t, h) + c, dk);

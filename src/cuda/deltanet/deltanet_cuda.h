@@ -32,6 +32,12 @@ int set_deltanet_wy_vbufs(int n);
 // Tests and benchmarks only: the serial kernels' V tile (the forward state kernel, the backward serial
 // kernel), 64 or 32 columns (0: the planner's choice). Returns the previous setting.
 int set_deltanet_state_tile(int cols);
+// The serial kernels' chunk step (the forward state kernel; the backward serial kernel with bf16
+// operands) with two barriers (the next chunk's loads issued after the first; default on) or three;
+// the same bits. Returns the previous setting (tests; fastweight_bench
+// --dn-two-sync=off).
+bool set_deltanet_state_two_sync(bool on);
+bool deltanet_serial_two_sync();
 // The planner's choice: 32 where 64-column CTAs (one per SM) would leave more than half the SMs idle;
 // with cu_seqlens (lengths unknown on the host, the longest sets the tail) up to two such waves.
 int deltanet_serial_tile(const DeltanetParams& p);

@@ -45,6 +45,32 @@ __device__ __forceinline__ void step_nm(const MlstmParams& p, std::int64_t b, st
   if (tid == 0) mlstm_st(p.m_last, b * p.m_last.s0 + hd * p.m_last.s1, float(gt.m_new));
 }
 
+// The h denominator max(|scale q . n'|, exp(-m')) + eps, q . n' = fa (q . n) + ia (q . k) from the old
+// n, by the kT threads of a CTA: block sums in a fixed order (deterministic). s_q, s_k (DQK floats),
+// where given, also keep q and k for the caller's rows.
+template <int kT>
+__device__ __forceinline__ float step_den(const MlstmParams& p, std::int64_t b, std::int64_t hd, const Gates& gt,
+                                          float (&s_red)[2][kT / 32], float* s_q = nullptr, float* s_k = nullptr) {
+  const int tid = threadIdx.x;
+  const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, no = b * p.n0.s0 + hd * p.n0.s1;
+  float qn = 0.f, qk = 0.f;
+  for (std::int64_t r = tid; r < p.DQK; r += kT) {
+    const float qr = mlstm_ld(p.q, qo + r), kr = mlstm_ld(p.k, ko + r);
+    if (s_q) s_q[r] = qr, s_k[r] = kr;
+    qn = fmaf(qr, mlstm_ld(p.n0, no + r), qn);
+    qk = fmaf(qr, kr, qk);
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    qn += __shfl_xor_sync(0xffffffffu, qn, off);
+    qk += __shfl_xor_sync(0xffffffffu, qk, off);
+  }
+  if ((tid & 31) == 0) s_red[0][tid >> 5] = qn, s_red[1][tid >> 5] = qk;
+  __syncthreads();
+  qn = qk = 0.f;
+  for (int w = 0; w < kT / 32; ++w) qn += s_red[0][w], qk += s_red[1][w];
+  return fmaxf(fabsf(rsqrtf(float(p.DQK)) * (gt.fa * qn + gt.ia * qk)), float(exp(-gt.m_new))) + p.eps;
+}
+
 __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
   __shared__ float s_red[2][kThreads / 32];
   __shared__ float s_part[4][kCols];
@@ -53,24 +79,8 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParam
   const std::int64_t bh = cta.bh, b = bh / p.NH, hd = bh % p.NH;
   const Gates gt = step_gates(p, b, hd);
   const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, vo = b * p.v.s0 + hd * p.v.s1;
-  const std::int64_t no = b * p.n0.s0 + hd * p.n0.s1;
-  // q . n (old) and q . k over DQK: block reduction in a fixed order (deterministic).
-  float qn = 0.f, qk = 0.f;
-  for (std::int64_t r = tid; r < p.DQK; r += kThreads) {
-    const float qr = mlstm_ld(p.q, qo + r);
-    qn = fmaf(qr, mlstm_ld(p.n0, no + r), qn);
-    qk = fmaf(qr, mlstm_ld(p.k, ko + r), qk);
-  }
-  for (int off = 16; off > 0; off >>= 1) {
-    qn += __shfl_xor_sync(0xffffffffu, qn, off);
-    qk += __shfl_xor_sync(0xffffffffu, qk, off);
-  }
-  if ((tid & 31) == 0) { s_red[0][tid >> 5] = qn; s_red[1][tid >> 5] = qk; }
-  __syncthreads();
-  qn = qk = 0.f;
-  for (int w = 0; w < kThreads / 32; ++w) { qn += s_red[0][w]; qk += s_red[1][w]; }
+  const float den = step_den<kThreads>(p, b, hd, gt, s_red);
   const float scale = rsqrtf(float(p.DQK));
-  const float den = fmaxf(fabsf(scale * (gt.fa * qn + gt.ia * qk)), float(exp(-gt.m_new))) + p.eps;
 
   const int col = tid % kCols, rg = tid / kCols;
   const std::int64_t c = cta.tile * kCols + col;
@@ -107,7 +117,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
   const int tid = threadIdx.x;
   const StepCta cta = step_cta(tile_major, (p.DV + kCols - 1) / kCols);
   const std::int64_t bh = cta.bh, b = bh / p.NH, hd = bh % p.NH;
-  const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, vo = b * p.v.s0 + hd * p.v.s1;
+  const std::int64_t vo = b * p.v.s0 + hd * p.v.s1;
   const int cq = tid % kVecQuads, g = tid / kVecQuads;
   const std::int64_t c = cta.tile * kCols + 4 * cq;
   // no __restrict__: in place, C and Co are the same memory (the loads must stay before the stores)
@@ -120,24 +130,8 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
     st[i] = r < p.DQK && c < p.DV ? *reinterpret_cast<const float4*>(C + r * p.c0.s2 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   const Gates gt = step_gates(p, b, hd);
-  const std::int64_t no = b * p.n0.s0 + hd * p.n0.s1;
-  float qn = 0.f, qk = 0.f;  // q . n (old), q . k: block sums in a fixed order (deterministic)
-  for (std::int64_t r = tid; r < p.DQK; r += kThreads) {
-    const float qr = mlstm_ld(p.q, qo + r), kr = mlstm_ld(p.k, ko + r);
-    s_q[r] = qr, s_k[r] = kr;
-    qn = fmaf(qr, mlstm_ld(p.n0, no + r), qn);
-    qk = fmaf(qr, kr, qk);
-  }
-  for (int off = 16; off > 0; off >>= 1) {
-    qn += __shfl_xor_sync(0xffffffffu, qn, off);
-    qk += __shfl_xor_sync(0xffffffffu, qk, off);
-  }
-  if ((tid & 31) == 0) { s_red[0][tid >> 5] = qn; s_red[1][tid >> 5] = qk; }
-  __syncthreads();
-  qn = qk = 0.f;
-  for (int w = 0; w < kThreads / 32; ++w) { qn += s_red[0][w]; qk += s_red[1][w]; }
+  const float den = step_den<kThreads>(p, b, hd, gt, s_red, s_q, s_k);
   const float scale = rsqrtf(float(p.DQK));
-  const float den = fmaxf(fabsf(scale * (gt.fa * qn + gt.ia * qk)), float(exp(-gt.m_new))) + p.eps;
   float vc[4];  // ia v of this thread's columns
 #pragma unroll
   for (int j = 0; j < 4; ++j) vc[j] = c + j < p.DV ? gt.ia * mlstm_ld(p.v, vo + c + j) : 0.f;
@@ -198,23 +192,8 @@ __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams
   float4 cur[kR];  // [kR] rows of this thread's 4 columns in the current block
   load(cur, 0);
   const Gates gt = step_gates(p, b, hd);
-  const std::int64_t no = b * p.n0.s0 + hd * p.n0.s1;
-  float qn = 0.f, qk = 0.f;  // q . n (old), q . k: block sums in a fixed order (deterministic)
-  for (std::int64_t r = tid; r < p.DQK; r += kT) {
-    const float qr = mlstm_ld(p.q, qo + r);
-    qn = fmaf(qr, mlstm_ld(p.n0, no + r), qn);
-    qk = fmaf(qr, mlstm_ld(p.k, ko + r), qk);
-  }
-  for (int off = 16; off > 0; off >>= 1) {
-    qn += __shfl_xor_sync(0xffffffffu, qn, off);
-    qk += __shfl_xor_sync(0xffffffffu, qk, off);
-  }
-  if ((tid & 31) == 0) { s_red[0][tid >> 5] = qn; s_red[1][tid >> 5] = qk; }
-  __syncthreads();
-  qn = qk = 0.f;
-  for (int w = 0; w < kT / 32; ++w) { qn += s_red[0][w]; qk += s_red[1][w]; }
+  const float den = step_den<kT>(p, b, hd, gt, s_red);
   const float scale = rsqrtf(float(p.DQK));
-  const float den = fmaxf(fabsf(scale * (gt.fa * qn + gt.ia * qk)), float(exp(-gt.m_new))) + p.eps;
   float vc[4];  // ia v of this thread's columns
 #pragma unroll
   for (int j = 0; j < 4; ++j) vc[j] = c + j < p.DV ? gt.ia * mlstm_ld(p.v, vo + c + j) : 0.f;
