@@ -56,6 +56,9 @@ struct DnChunkBufs {
   // The forward's pipeline (o is all that reads X): where the state kernel can (deltanet_dprime), the
   // X region holds D' = diag(rk beta) X as bf16 (rows, V) instead, the output kernel's operand.
   bool dprime = false;
+  // The backward's recompute with bf16 operands (deltanet_bwd_x_bf16): X as bf16 (rows, V) in the X
+  // region (its first half), as the backward's post kernel and chunk pass read it.
+  bool xbf16 = false;
 };
 
 // bf16 matrices per state or Xw row (hi + lo, or hi only), and floats for n of them
@@ -92,6 +95,9 @@ struct DnFwdWs {
 struct DnBwdWs {
   std::int64_t rows, vt, S, dS, X, Y, dbp, dqh, dkh, xw, xu, rk, T2, fac, total;
   bool h16 = false;  // dqh, dkh as bf16
+  // X as bf16 (DnChunkBufs::xbf16) and Y as bf16 -Y at the start of each fp32 row of the Y region (the
+  // post kernel writes it over its own dD rows); set by deltanet_bwd_cuda, sizes unchanged
+  bool xb = false;
   // tc: the recompute runs the tensor-core pipeline (its xw, xu, rk regions; see DnChunkBufs); without
   // p.hilo (bf16-only operands) the whole backward is on tensor cores (deltanet_bwd_cuda sees to it)
   DnBwdWs(const DeltanetParams& p, bool tc) {

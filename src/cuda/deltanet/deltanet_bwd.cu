@@ -449,19 +449,21 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream st
   if (seqs > 0x7fffffff || vt > 65535 || p.H > 65535)
     throw Error(cat("deltanet_bwd: grid too large (", seqs, " sequence-heads, H = ", p.H, ")"));
   const bool tc = deltanet_chunk_tc_applies(p);
-  const DnBwdWs w(p, tc);
+  const bool state_tc = tc && deltanet_bwd_state_tc_applies(p);
+  DnBwdWs w(p, tc);
+  w.xb = state_tc && deltanet_bwd_x_bf16(p);  // X, Y as bf16 (the tensor-core state pass and chunk pass read them)
   float* ws = static_cast<float*>(workspace);
   const auto st = reinterpret_cast<cudaStream_t>(stream);
   // 1. recompute: S0 per chunk and X per row (no o, no final state); with the overlap its state
   //    kernel runs on the side stream beside step 2's prep + serial kernels, joined before post
   DeltanetParams f = p;
   f.o = {}, f.ht = {};
-  const bool state_tc = tc && deltanet_bwd_state_tc_applies(p);
   const bool overlap = state_tc && seqs > 0 && deltanet_bwd_overlap(p);
   std::optional<StreamFork> fork;
   void* recomputed = nullptr;  // with the overlap: the side work's end, waited for before post
   if (tc) {
-    const DnChunkBufs bufs{ws + w.xw, ws + w.xu, ws + w.rk, ws + w.S, ws + w.X, ws + w.T2};
+    DnChunkBufs bufs{ws + w.xw, ws + w.xu, ws + w.rk, ws + w.S, ws + w.X, ws + w.T2};
+    bufs.xbf16 = w.xb;
     if (overlap) {
       deltanet_chunk_tc_states(f, bufs, stream, 1);  // wy: Xw, Xu, rk, T2 (both chains read them)
       fork.emplace("deltanet_bwd (fork)", st);

@@ -350,6 +350,7 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   float* sdd = reinterpret_cast<float*>(base + lay.r1);  // then (64, kLdF) dD
   float* sT2 = reinterpret_cast<float*>(base + lay.r2);  // (64, 64) T2
   float* sX = reinterpret_cast<float*>(base + lay.r2);   // then (64, kLdF) X
+  bf16* sXb = reinterpret_cast<bf16*>(base + lay.r2);    // or, with w.xb, (64, kLd) bf16 X
   bf16 *sTh = reinterpret_cast<bf16*>(base + lay.Th), *sTl = reinterpret_cast<bf16*>(base + lay.Tl);  // T2^T
   bf16 *sBh = reinterpret_cast<bf16*>(base + lay.Bh), *sBl = reinterpret_cast<bf16*>(base + lay.Bl);  // W dD, dR
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
@@ -362,6 +363,7 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   const std::int64_t b = sq_.b;
   const int nr = int(lmin(kT, sq_.eos - t0));
   const bool even = V % 2 == 0;
+  const bool xb = !LO && w.xb;  // X read, Y written as bf16 (DnBwdWs::xb)
   // a. k, T2 (16-byte aligned, 64 x 64 fp32); rk from the k tile, beta
   load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
   if constexpr (LO) {  // fp32 T2, split into T2^T hi + lo below
@@ -404,7 +406,11 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
     __syncthreads();  // k and T2 are read (first tile), or the previous tile's dD, X, dR
     // c. dD and X of this V tile
     stage_ws_rows<true>(sdd, kLdF, ws + w.Y, p, b, t0, h, nr, c0, kThreads);
-    stage_ws_rows<true>(sX, kLdF, ws + w.X, p, b, t0, h, nr, c0, kThreads);
+    if (xb)
+      load_tile(sXb, kLd, kT, kT, reinterpret_cast<const bf16*>(ws + w.X) + dn_ws_row(p, b, t0, h) * V + c0, p.H * V,
+                nr, int(lmin(kT, V - c0)), true);
+    else
+      stage_ws_rows<true>(sX, kLdF, ws + w.X, p, b, t0, h, nr, c0, kThreads);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -425,8 +431,9 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
           put_split2<LO>(sBh, sBl, kLd, 16 * warp + frow(lane, e), fcol(lane, j, e), dr[j][e], dr[j][e + 1]);
     }
     __syncthreads();
-    // e. Y = dD - Lg^T dR -> the Y region (in place: this CTA staged its tile); dv = dR; the dbeta
-    //    partial Y . X
+    // e. Y = dD - Lg^T dR -> the Y region (in place: this CTA staged its tile; with xb -Y as bf16 at
+    //    the start of each fp32 row: its columns c land on fp32 columns c / 2 <= c, staged already);
+    //    dv = dR; the dbeta partial Y . X
     float ly[8][4] = {};
     mma_frags_k(ly, lh, sBh, kLd, 0, lane);
     if constexpr (LO) {
@@ -443,8 +450,15 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
         if (i < nr && col < V) {
           const bool has1 = col + 1 < V;
           const float y0 = sdd[i * kLdF + c] - ly[j][e], y1 = has1 ? sdd[i * kLdF + c + 1] - ly[j][e + 1] : 0.f;
-          db[e >> 1] = fmaf(y0, sX[i * kLdF + c], fmaf(y1, has1 ? sX[i * kLdF + c + 1] : 0.f, db[e >> 1]));
-          store_pair(ws + w.Y + dn_ws_row(p, b, t0 + i, h) * V + col, y0, y1, has1, even);
+          float* yrow = ws + w.Y + dn_ws_row(p, b, t0 + i, h) * V;
+          if (xb) {  // V % 8 == 0: whole pairs
+            db[e >> 1] = fmaf(y0, __bfloat162float(sXb[i * kLd + c]),
+                              fmaf(y1, __bfloat162float(sXb[i * kLd + c + 1]), db[e >> 1]));
+            *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(yrow) + col) = __floats2bfloat162_rn(-y0, -y1);
+          } else {
+            db[e >> 1] = fmaf(y0, sX[i * kLdF + c], fmaf(y1, has1 ? sX[i * kLdF + c + 1] : 0.f, db[e >> 1]));
+            store_pair(yrow + col, y0, y1, has1, even);
+          }
           if (p.dv.p) {  // dR as its hi + lo (~2^-17 relative; dr itself is not kept alive: spills)
             auto dr = [&](int cc) {
               const float x = __bfloat162float(sBh[i * kLd + cc]);
@@ -532,6 +546,11 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
   __syncthreads();
   const bf16* Sg = state_mats<LO>(ws + w.S, slot, p.H, h, K, V) + k0 * V;
   const bf16* Eg = state_mats<LO>(ws + w.dS, slot, p.H, h, K, V) + k0 * V;
+  // with xb the V tiles hold X and -Y instead of D = W X and -dR = -W Y: a1 = (dO X^T) W, a2 = W (-Y X^T) W
+  // and dk0 = W (X dSe^T - Y S0^T), W applied after the V loop
+  const bool xb = !LO && w.xb;
+  const bf16* xg = reinterpret_cast<const bf16*>(ws + w.X) + dn_ws_row(p, b, t0, h) * V;  // row stride H V
+  const bf16* yg = reinterpret_cast<const bf16*>(ws + w.Y + dn_ws_row(p, b, t0, h) * V);  // row stride 2 H V
   float a1[4][4] = {}, a2[4][4] = {}, dq[4][4] = {}, dk[4][4] = {};  // a2 = -dR D^T; (16 x 32) each
   for (std::int64_t v0 = 0; v0 < V; v0 += kT) {
     const int nv = int(lmin(kT, V - v0));
@@ -550,14 +569,22 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
         put_split1<LO>(hi, lo, kLd, i, c, bt * x0), put_split1<LO>(hi, lo, kLd, i, c + 1, bt * x1);
       }
     };
-    stage_ws_rows<false>(stg, 64, ws + w.X, p, b, t0, h, nr, v0, kBcThreads);
-    if constexpr (!LO) stage_ws_rows<false>(stg2, 64, ws + w.Y, p, b, t0, h, nr, v0, kBcThreads);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    split_rows(stg, sDh, sDl, 1.f);
-    if constexpr (!LO) split_rows(stg2, sRh, sRl, -1.f);
-    __syncthreads();
+    if (xb) {  // X and -Y as bf16 (DnBwdWs::xb): the operands themselves, W applied to the products below
+      load_tile(sDh, kLd, kT, kT, xg + v0, p.H * V, nr, nv, true, kBcThreads);
+      load_tile(sRh, kLd, kT, kT, yg + v0, 2 * p.H * V, nr, nv, true, kBcThreads);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+    } else {
+      stage_ws_rows<false>(stg, 64, ws + w.X, p, b, t0, h, nr, v0, kBcThreads);
+      if constexpr (!LO) stage_ws_rows<false>(stg2, 64, ws + w.Y, p, b, t0, h, nr, v0, kBcThreads);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      split_rows(stg, sDh, sDl, 1.f);
+      if constexpr (!LO) split_rows(stg2, sRh, sRl, -1.f);
+      __syncthreads();
+    }
     if constexpr (LO) {  // Y through the one staging buffer
       stage_ws_rows<false>(stg, 64, ws + w.Y, p, b, t0, h, nr, v0, kBcThreads);
       cp_async_commit();
@@ -589,11 +616,13 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = 16 * mw + frow(lane, e), c = 32 * half + fcol(lane, j, e);
-      const float m = c <= i ? p.scale * a1[j][e] : 0.f;
+      const float wc = xb ? s_beta[c] : 1.f, wi = xb ? s_beta[i] : 1.f;
+      const float m = c <= i ? p.scale * (a1[j][e] * wc) : 0.f;
       put_split1<LO>(sP1h, sP1l, kLd, i, c, m * s_rk[c]);
       put_split1<LO>(sP2h, sP2l, kLd, c, i, m * s_rq[i]);
-      sdG[i][c] = c < i ? a2[j][e] : 0.f;  // dG = -strict_lower(dR D^T)
+      sdG[i][c] = c < i ? a2[j][e] * wi * wc : 0.f;  // dG = -strict_lower(dR D^T)
       dq[j][e] *= p.scale;
+      dk[j][e] *= wi;
     }
   __syncthreads();
   for (int e = tid; e < 64 * 64; e += kBcThreads) {

@@ -328,7 +328,8 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
       const bf16* xl = sxl + buf * tile;
       mma_split<LO, true>(acc, xh, xl, ldk, rg, sSh + (TW / 2) * half, sSl + (TW / 2) * half, LDT, Kc, lane);
       // vxu (V % 4 == 0: pairs whole): this thread's X pairs at one base, rows i0 and i0 + 8, 8-column
-      // steps; dp (deltanet_dprime: V % 8 == 0, vxu): D' = diag(rk beta) X as bf16 in the X region
+      // steps; dp (deltanet_dprime: V % 8 == 0, vxu): D' = diag(rk beta) X as bf16 in the X region,
+      // or with w.xbf16 (the backward's recompute) X itself as bf16
       const int i0 = 16 * rg + frow(lane, 0), cb = (TW / 2) * half + fcol(lane, 0, 0);
       const std::int64_t xo = (row00 + ci * wrow_step + i0 * p.H) * V + c0 + cb;
       float* xg = w.X + xo;
@@ -344,7 +345,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
               const float2 u = *reinterpret_cast<const float2*>(s_xu + (buf * kT + i) * LDU + c);
               x = make_float2(u.x - acc[j][e], u.y - acc[j][e + 1]);
               if (dp) {  // the output kernel's rounding of r * X (the same bits as from X)
-                const float r = s_rkb[buf * kT + i];
+                const float r = w.xbf16 ? 1.f : s_rkb[buf * kT + i];
                 *reinterpret_cast<__nv_bfloat162*>(dg + (e / 2) * 8 * hv + 8 * j) =
                     __floats2bfloat162_rn(r * x.x, r * x.y);
               } else {
@@ -493,6 +494,15 @@ bool deltanet_dprime(const DeltanetParams& p, const DnChunkBufs& w) {
 bool set_deltanet_fwd_dprime(bool enabled) { return g_dprime.exchange(enabled); }
 
 namespace {
+std::atomic<bool> g_x_bf16{true};  // set_deltanet_bwd_x_bf16
+}  // namespace
+bool set_deltanet_bwd_x_bf16(bool enabled) { return g_x_bf16.exchange(enabled); }
+// The D' path's conditions (whole bf16x2 pairs, 16-byte rows, the state kernel's Xu tiles), bf16 operands.
+bool deltanet_bwd_x_bf16(const DeltanetParams& p) {
+  return g_x_bf16.load(std::memory_order_relaxed) && !p.hilo && p.V % 8 == 0 && state_xu_tiles(p);
+}
+
+namespace {
 std::atomic<int> g_wy_vbufs{0};   // 0: the planner's choice
 std::atomic<int> g_state_tile{0};  // 0: the planner's choice
 std::atomic<bool> g_state_two_sync{true};  // set_deltanet_state_two_sync
@@ -556,8 +566,11 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   const std::int64_t vtw = (p.V + tw - 1) / tw;
   if (vtw > 65535) throw Error(cat("deltanet (tensor cores): grid too large (", vtw, " V tiles)"));
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(state), kStThreads, ls.bytes);
+  // the backward asks for X as bf16 only where deltanet_bwd_x_bf16 holds (the D' store path, without D's scale)
+  if (w.xbf16 && !(deltanet_bwd_x_bf16(p) && !w.dprime))
+    throw Error("deltanet (tensor cores): X as bf16 asked for where it does not apply (internal)");
   state<<<dim3(unsigned(seqs), unsigned(vtw)), kStThreads, ls.bytes, st>>>(p, w, rows16_seq(p.k), p.K % 8 == 0, pxu,
-                                                                           deltanet_dprime(p, w), two);
+                                                                           deltanet_dprime(p, w) || w.xbf16, two);
   FW_CUDA_CHECK_LAUNCH("deltanet (state)");
 }
 
