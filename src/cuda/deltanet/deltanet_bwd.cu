@@ -437,9 +437,16 @@ bool deltanet_bwd_overlap(const DeltanetBwdParams& p) {
   return 2 * p.N * p.H * ((p.V + tw - 1) / tw) <= sm_count();
 }
 
+namespace {
+// X and Y as bf16 (DnBwdWs::xb): after the tensor-core recompute, with the tensor-core state pass
+bool bwd_x_bf16(const DeltanetBwdParams& p) {
+  return deltanet_chunk_tc_applies(p) && deltanet_bwd_state_tc_applies(p) && deltanet_bwd_x_bf16(p);
+}
+}  // namespace
+
 std::size_t deltanet_bwd_workspace_bytes(const DeltanetBwdParams& p_in) {
   const DeltanetBwdParams p = effective(p_in);
-  return std::size_t(DnBwdWs(p, deltanet_chunk_tc_applies(p)).total) * sizeof(float);
+  return std::size_t(DnBwdWs(p, deltanet_chunk_tc_applies(p), bwd_x_bf16(p)).total) * sizeof(float);
 }
 
 void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream stream) {
@@ -450,8 +457,7 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream st
     throw Error(cat("deltanet_bwd: grid too large (", seqs, " sequence-heads, H = ", p.H, ")"));
   const bool tc = deltanet_chunk_tc_applies(p);
   const bool state_tc = tc && deltanet_bwd_state_tc_applies(p);
-  DnBwdWs w(p, tc);
-  w.xb = state_tc && deltanet_bwd_x_bf16(p);  // X, Y as bf16 (the tensor-core state pass and chunk pass read them)
+  const DnBwdWs w(p, tc, bwd_x_bf16(p));  // X, Y as bf16 (the tensor-core state pass and chunk pass read them)
   float* ws = static_cast<float*>(workspace);
   const auto st = reinterpret_cast<cudaStream_t>(stream);
   // 1. recompute: S0 per chunk and X per row (no o, no final state); with the overlap its state
