@@ -95,8 +95,8 @@ struct DnFwdWs {
 struct DnBwdWs {
   std::int64_t rows, vt, S, dS, X, Y, dbp, dqh, dkh, xw, xu, rk, T2, fac, total;
   bool h16 = false;  // dqh, dkh as bf16
-  // X as bf16 (DnChunkBufs::xbf16; its region half the size) and Y as bf16 -Y at the start of each
-  // fp32 row of the Y region (the post kernel writes it over its own dD rows); deltanet_bwd_cuda's choice
+  // X and the Y region (dD0, dD, then -Y) as bf16 (rows, V) matrices, each region half the size
+  // (DnChunkBufs::xbf16; deltanet_bwd_tc.cu); deltanet_bwd_cuda's choice
   bool xb = false;
   // tc: the recompute runs the tensor-core pipeline (its xw, xu, rk regions; see DnChunkBufs); without
   // p.hilo (bf16-only operands) the whole backward is on tensor cores (deltanet_bwd_cuda sees to it)
@@ -105,7 +105,8 @@ struct DnBwdWs {
     std::int64_t o = 0;
     auto take = [&](std::int64_t n) { const std::int64_t at = o; o += (n + 63) / 64 * 64; return at; };
     const std::int64_t states = deltanet_slots(p) * p.H * p.K * p.V, sf = tc ? dn_bf16_floats(p, states) : states;
-    S = take(sf), dS = take(sf), X = take(xb ? (rows * p.V + 1) / 2 : rows * p.V), Y = take(rows * p.V), dbp = take(vt * rows);
+    const std::int64_t xy = xb ? (rows * p.V + 1) / 2 : rows * p.V;  // X, Y: bf16 or fp32 (rows, V)
+    S = take(sf), dS = take(sf), X = take(xy), Y = take(xy), dbp = take(vt * rows);
     h16 = tc && !p.hilo;
     const std::int64_t nh = p.l2 ? (h16 ? (rows * p.K + 1) / 2 : rows * p.K) : 0;
     xw = dqh = take(std::max(tc ? dn_bf16_floats(p, rows * p.K) : 0, nh));

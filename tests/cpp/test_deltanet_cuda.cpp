@@ -321,6 +321,18 @@ TEST_P(DeltanetCudaBwd, PublicBackwardMatchesReferenceWritesEverythingAndIsDeter
   check_bwd_case(GetParam());
 }
 
+// With bf16 operands and V % 8 == 0 the backward keeps X and the Y region as bf16 (DnBwdWs::xb); the
+// fp32 X / Y path it replaced there (the one V % 8 != 0 takes) must still match with the switch off.
+TEST(DeltanetCudaBwdXf32, Bf16OperandsWithFp32XYMatchReference) {
+  FW_REQUIRE_GPU();
+  struct Restore {
+    bool prev;
+    ~Restore() { fastweight::detail::set_deltanet_bwd_x_bf16(prev); }
+  } restore{fastweight::detail::set_deltanet_bwd_x_bf16(false)};
+  check_bwd_case({DType::bf16, 1, 150, 2, 128, 128, true, true, true, {}, DType::i64, kAllGrads, 0, false});
+  check_bwd_case({DType::bf16, 1, 150, 2, 64, 72, true, true, true, {0, 0, 70, 70, 150}, DType::i32, kAllGrads, 0, false});
+}
+
 // sm_80 opts in to 166912 bytes of shared memory per block: with that cap the bf16 K = 128 backward
 // takes the CUDA-core state and chunk passes after the tensor-core recompute (whose state kernel
 // drops its Xu tiles), the path an A100 takes, and must still match the reference.

@@ -14,7 +14,9 @@
 //   3. post (grid: chunk slots x H x V tiles, in parallel): dR, Y (-> the Y region, in place), dv,
 //      the dbeta partials.
 // Products on tensor cores; where an operand comes from fp32 it is bf16 hi + lo (p.hilo; else bf16
-// only, each kernel a template on it). (Version 1 of this
+// only, each kernel a template on it). With bf16 operands and V % 8 == 0 (DnBwdWs::xb) the Y region
+// is a bf16 (rows, V) matrix throughout (dD0, dD, then -Y: FLA keeps its dv, dv2 in bf16 too) and X
+// is bf16: half the bytes through the prep, serial, post kernels and the chunk pass. (Version 1 of this
 // pass did all of it on the serial chain: 1.55 ms at (4,4096,16,128), ~24 us per chunk step.)
 #include <atomic>
 
@@ -107,6 +109,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
     }
   }
   const bool even = V % 2 == 0;
+  const bool xb = !LO && w.xb;  // dD0 as bf16 (V % 8 == 0: whole pairs)
   for (std::int64_t v0 = 0; v0 < V; v0 += kT) {
     if (v0 > 0) {  // tile v0 was issued two tiles ago (or with q, k)
       if (v0 + kT < V) cp_async_wait<1>();
@@ -123,8 +126,11 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
       for (int e = 0; e < 4; e += 2) {
         const int c = 16 * warp + frow(lane, e);
         const std::int64_t col = v0 + fcol(lane, j, e);
-        if (c < nr && col < V)
-          store_pair(ws + w.Y + dn_ws_row(p, b, t0 + c, h) * V + col, dd[j][e], dd[j][e + 1], col + 1 < V, even);
+        if (c < nr && col < V) {
+          const std::int64_t at = dn_ws_row(p, b, t0 + c, h) * V + col;
+          if (xb) *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(ws + w.Y) + at) = __floats2bfloat162_rn(dd[j][e], dd[j][e + 1]);
+          else store_pair(ws + w.Y + at, dd[j][e], dd[j][e + 1], col + 1 < V, even);
+        }
       }
     if (v0 + 2 * kT < V) {
       __syncthreads();  // every warp is done with this buffer
@@ -134,7 +140,8 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
 }
 
 // ---- 2. serial ----------------------------------------------------------------------------------
-// smem: [2] bf16 k [64][ldk] | [2] bf16 dO [64][TW+8] | [2] f32 dD0 [64][TW+4] | [2] f32 rq, rk, beta [64] |
+// smem: [2] bf16 k [64][ldk] | [2] bf16 dO [64][TW+8] | [2] f32 dD0 [64][TW+4] (with xb bf16 [64][TW+8]) |
+//       [2] f32 rq, rk, beta [64] |
 //       [nb2] bf16 q, Xw hi [64][ldk] | bf16 Xw lo [64][ldk] | bf16 dSe hi, lo [Kc][TW+8] |
 //       bf16 -W dD hi, lo, s diag(rq) dO hi, lo [64][TW+8] (the lo tiles with LO only). q and Xw (the
 //       step's second operands): nb2 = 1, issued at the step's start and waited for in its middle;
@@ -181,6 +188,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);     // [2] (64 rows, Kc) k
   bf16* sdo = reinterpret_cast<bf16*>(base + lay.dO);   // [2] (64 rows, TW) dO (this CTA's columns)
   float* sdd = reinterpret_cast<float*>(base + lay.dd);  // [2] (64, LDF) dD0
+  bf16* sddb = reinterpret_cast<bf16*>(base + lay.dd);   // or, with xb, [2] (64, LDT) bf16 dD0
   float* sfac = reinterpret_cast<float*>(base + lay.fac);  // [2] rq[64], rk[64], beta[64]
   bf16* sq = reinterpret_cast<bf16*>(base + lay.q);     // [DB2 ? 2 : 1] (64 rows, Kc) q
   bf16* sxh = reinterpret_cast<bf16*>(base + lay.xh);   // [DB2 ? 2 : 1] (64 rows, Kc) Xw hi
@@ -198,6 +206,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   const std::int64_t b = sq_.b;
   const int ngroups = Kc / 16;
   const bool even = V % 2 == 0;
+  const bool xb = !LO && w.xb;  // dD0 read, dD written as bf16 (V % 8 == 0)
   const bf16* xwh = reinterpret_cast<const bf16*>(ws + w.xw);
   const bf16* xwl = xwh + w.rows * K;
 
@@ -206,10 +215,11 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   const TileUnits kunits(Kc, kBsThreads), ounits(TW, kBsThreads);  // the k, q, Xw and dO tiles' cp.async units
   // ... fixed per CTA (whole chunks: ChunkUnits); chunk ci's rows are chunk 0's plus ci * 64
   const ChunkUnits kcu(kunits, ldk, p.k.s1), qcu(kunits, ldk, p.q.s1), xcu(kunits, ldk, p.H * K),
-      ocu(ounits, LDT, p.do_.s1);
+      ocu(ounits, LDT, p.do_.s1), ycu(ounits, LDT, p.H * V);
   const std::int64_t row00 = dn_ws_row(p, b, sq_.bos, h), wrow_step = kT * p.H;
   const bf16 *k00 = bf_rows(p.k, b, sq_.bos, h), *q00 = bf_rows(p.q, b, sq_.bos, h);
   const bf16* o00 = bf_rows(p.do_, b, sq_.bos, h) + c0;
+  bf16* y00 = reinterpret_cast<bf16*>(ws + w.Y) + row00 * V + c0;  // with xb: the bf16 Y region, row stride H V
   const int ncv = int(lmin(TW, V - c0));
   // what the step's first half needs (k, dO, dD0, factors) into buffer buf
   auto issue_first = [&](int buf, std::int64_t ci) {
@@ -217,7 +227,10 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     const int nr = int(lmin(kT, sq_.eos - t0));
     load_chunk_tile(kcu, kunits, sk + buf * ktile, ldk, k00 + ci * kT * p.k.s1, p.k.s1, nr, int(K), vk, kBsThreads);
     load_chunk_tile(ocu, ounits, sdo + buf * otile, LDT, o00 + ci * kT * p.do_.s1, p.do_.s1, nr, ncv, vo, kBsThreads);
-    stage_ws_rows<true, TW>(sdd + buf * kT * LDF, LDF, ws + w.Y, p, b, t0, h, nr, c0, kBsThreads);
+    if (xb)
+      load_chunk_tile(ycu, ounits, sddb + buf * otile, LDT, y00 + ci * wrow_step * V, p.H * V, nr, ncv, true, kBsThreads);
+    else
+      stage_ws_rows<true, TW>(sdd + buf * kT * LDF, LDF, ws + w.Y, p, b, t0, h, nr, c0, kBsThreads);
     if (tid < 3 * kT) {
       const int f = tid / kT, i = tid % kT;
       if (i < nr) cp_async4(sfac + (buf * 3 + f) * kT + i, ws + w.fac + f * w.rows + row0 + i * p.H);
@@ -280,6 +293,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     //    s diag(rq) dO as hi + lo
     {
       const float* dd0 = sdd + buf * kT * LDF;
+      const bf16* dd0b = sddb + buf * otile;
       const float* fq = sfac + buf * 3 * kT;
       const bf16* dO = sdo + buf * otile;
       float kd[NJX][4] = {};
@@ -287,7 +301,9 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
       if constexpr (LO) mma_rk(kd, sk + buf * ktile, ldk, rg, sSl + (TW / 2) * half, LDT, Kc, lane);
       // this thread's dD pairs in the Y region: rows i0, i0 + 8, 8-column steps from one base
       const int i0 = 16 * rg + frow(lane, 0);
-      float* yg = ws + w.Y + (row00 + ci * wrow_step + i0 * p.H) * V + c0 + (TW / 2) * half + fcol(lane, 0, 0);
+      const std::int64_t yo = (row00 + ci * wrow_step + i0 * p.H) * V + c0 + (TW / 2) * half + fcol(lane, 0, 0);
+      float* yg = ws + w.Y + yo;
+      bf16* ygb = reinterpret_cast<bf16*>(ws + w.Y) + yo;
       const std::int64_t hv8 = 8 * p.H * V;
 #pragma unroll
       for (int j = 0; j < NJX; ++j)
@@ -297,9 +313,17 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
           const std::int64_t col = c0 + c;
           const bool in = i < nr && col < V, has1 = col + 1 < V;
           const float rk = fq[kT + i], bt = fq[2 * kT + i], rq = fq[i];
-          const float d0 = in ? fmaf(rk, kd[j][e], dd0[i * LDF + c]) : 0.f;
-          const float d1 = in && has1 ? fmaf(rk, kd[j][e + 1], dd0[i * LDF + c + 1]) : 0.f;
-          if (in) store_pair(yg + (e / 2) * hv8 + 8 * j, d0, d1, has1, even);
+          float d0, d1;
+          if (xb) {  // V % 8 == 0: whole pairs
+            const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dd0b + i * LDT + c));
+            d0 = in ? fmaf(rk, kd[j][e], y.x) : 0.f;
+            d1 = in ? fmaf(rk, kd[j][e + 1], y.y) : 0.f;
+            if (in) *reinterpret_cast<__nv_bfloat162*>(ygb + (e / 2) * hv8 + 8 * j) = __floats2bfloat162_rn(d0, d1);
+          } else {
+            d0 = in ? fmaf(rk, kd[j][e], dd0[i * LDF + c]) : 0.f;
+            d1 = in && has1 ? fmaf(rk, kd[j][e + 1], dd0[i * LDF + c + 1]) : 0.f;
+            if (in) store_pair(yg + (e / 2) * hv8 + 8 * j, d0, d1, has1, even);
+          }
           put_split2<LO>(sBh, sBl, LDT, i, c, -bt * d0, -bt * d1);
           const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dO + i * LDT + c));
           put_split2<LO>(sUh, sUl, LDT, i, c, p.scale * rq * o.x, p.scale * rq * o.y);
@@ -348,6 +372,7 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   const int Kc = lay.Kc, ldk = lay.ldk;
   bf16* sk = reinterpret_cast<bf16*>(base + lay.r1);    // (64 rows, Kc) k
   float* sdd = reinterpret_cast<float*>(base + lay.r1);  // then (64, kLdF) dD
+  bf16* sddb = reinterpret_cast<bf16*>(base + lay.r1);   // or, with w.xb, (64, kLd) bf16 dD
   float* sT2 = reinterpret_cast<float*>(base + lay.r2);  // (64, 64) T2
   float* sX = reinterpret_cast<float*>(base + lay.r2);   // then (64, kLdF) X
   bf16* sXb = reinterpret_cast<bf16*>(base + lay.r2);    // or, with w.xb, (64, kLd) bf16 X
@@ -405,18 +430,23 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   for (std::int64_t c0 = 0, vt = 0; c0 < V; c0 += kT, ++vt) {
     __syncthreads();  // k and T2 are read (first tile), or the previous tile's dD, X, dR
     // c. dD and X of this V tile
-    stage_ws_rows<true>(sdd, kLdF, ws + w.Y, p, b, t0, h, nr, c0, kThreads);
-    if (xb)
-      load_tile(sXb, kLd, kT, kT, reinterpret_cast<const bf16*>(ws + w.X) + dn_ws_row(p, b, t0, h) * V + c0, p.H * V,
-                nr, int(lmin(kT, V - c0)), true);
-    else
+    if (xb) {  // bf16 rows (row stride H V)
+      const std::int64_t at = dn_ws_row(p, b, t0, h) * V + c0;
+      const int ncv = int(lmin(kT, V - c0));
+      load_tile(sddb, kLd, kT, kT, reinterpret_cast<const bf16*>(ws + w.Y) + at, p.H * V, nr, ncv, true);
+      load_tile(sXb, kLd, kT, kT, reinterpret_cast<const bf16*>(ws + w.X) + at, p.H * V, nr, ncv, true);
+    } else {
+      stage_ws_rows<true>(sdd, kLdF, ws + w.Y, p, b, t0, h, nr, c0, kThreads);
       stage_ws_rows<true>(sX, kLdF, ws + w.X, p, b, t0, h, nr, c0, kThreads);
+    }
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
+    // dD of the tile's element (i, c)
+    auto dd = [&](int i, int c) { return xb ? __bfloat162float(sddb[i * kLd + c]) : sdd[i * kLdF + c]; };
     for (int e = tid; e < 64 * 32; e += kThreads) {  // W dD as hi + lo, column pairs
       const int i = e / 32, c = 2 * (e % 32);
-      put_split2<LO>(sBh, sBl, kLd, i, c, s_beta[i] * sdd[i * kLdF + c], s_beta[i] * sdd[i * kLdF + c + 1]);
+      put_split2<LO>(sBh, sBl, kLd, i, c, s_beta[i] * dd(i, c), s_beta[i] * dd(i, c + 1));
     }
     __syncthreads();
     // d. dR = T2^T (W dD) (this warp's 16 rows x 64 columns), then as hi + lo in B's place
@@ -431,9 +461,8 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
           put_split2<LO>(sBh, sBl, kLd, 16 * warp + frow(lane, e), fcol(lane, j, e), dr[j][e], dr[j][e + 1]);
     }
     __syncthreads();
-    // e. Y = dD - Lg^T dR -> the Y region (in place: this CTA staged its tile; with xb -Y as bf16 at
-    //    the start of each fp32 row: its columns c land on fp32 columns c / 2 <= c, staged already);
-    //    dv = dR; the dbeta partial Y . X
+    // e. Y = dD - Lg^T dR -> the Y region (in place: this CTA staged its tile; with xb as bf16 -Y, the
+    //    chunk pass's operand); dv = dR; the dbeta partial Y . X
     float ly[8][4] = {};
     mma_frags_k(ly, lh, sBh, kLd, 0, lane);
     if constexpr (LO) {
@@ -449,15 +478,15 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
         const std::int64_t col = c0 + c;
         if (i < nr && col < V) {
           const bool has1 = col + 1 < V;
-          const float y0 = sdd[i * kLdF + c] - ly[j][e], y1 = has1 ? sdd[i * kLdF + c + 1] - ly[j][e + 1] : 0.f;
-          float* yrow = ws + w.Y + dn_ws_row(p, b, t0 + i, h) * V;
+          const float y0 = dd(i, c) - ly[j][e], y1 = has1 ? dd(i, c + 1) - ly[j][e + 1] : 0.f;
+          const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * V + col;
           if (xb) {  // V % 8 == 0: whole pairs
             db[e >> 1] = fmaf(y0, __bfloat162float(sXb[i * kLd + c]),
                               fmaf(y1, __bfloat162float(sXb[i * kLd + c + 1]), db[e >> 1]));
-            *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(yrow) + col) = __floats2bfloat162_rn(-y0, -y1);
+            *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(ws + w.Y) + at) = __floats2bfloat162_rn(-y0, -y1);
           } else {
             db[e >> 1] = fmaf(y0, sX[i * kLdF + c], fmaf(y1, has1 ? sX[i * kLdF + c + 1] : 0.f, db[e >> 1]));
-            store_pair(yrow + col, y0, y1, has1, even);
+            store_pair(ws + w.Y + at, y0, y1, has1, even);
           }
           if (p.dv.p) {  // dR as its hi + lo (~2^-17 relative; dr itself is not kept alive: spills)
             auto dr = [&](int cc) {
@@ -550,7 +579,7 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
   // and dk0 = W (X dSe^T - Y S0^T), W applied after the V loop
   const bool xb = !LO && w.xb;
   const bf16* xg = reinterpret_cast<const bf16*>(ws + w.X) + dn_ws_row(p, b, t0, h) * V;  // row stride H V
-  const bf16* yg = reinterpret_cast<const bf16*>(ws + w.Y + dn_ws_row(p, b, t0, h) * V);  // row stride 2 H V
+  const bf16* yg = reinterpret_cast<const bf16*>(ws + w.Y) + dn_ws_row(p, b, t0, h) * V;  // row stride H V
   float a1[4][4] = {}, a2[4][4] = {}, dq[4][4] = {}, dk[4][4] = {};  // a2 = -dR D^T; (16 x 32) each
   for (std::int64_t v0 = 0; v0 < V; v0 += kT) {
     const int nv = int(lmin(kT, V - v0));
@@ -571,7 +600,7 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
     };
     if (xb) {  // X and -Y as bf16 (DnBwdWs::xb): the operands themselves, W applied to the products below
       load_tile(sDh, kLd, kT, kT, xg + v0, p.H * V, nr, nv, true, kBcThreads);
-      load_tile(sRh, kLd, kT, kT, yg + v0, 2 * p.H * V, nr, nv, true, kBcThreads);
+      load_tile(sRh, kLd, kT, kT, yg + v0, p.H * V, nr, nv, true, kBcThreads);
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();

@@ -23,10 +23,10 @@ void deltanet_chunk_tc_output(const DeltanetParams& p, const DnChunkBufs& w, Str
 // The forward pipeline's D' hand-off (DnChunkBufs::dprime) where it applies (default on); the
 // previous setting is returned. Off: X in fp32 as the backward's recompute writes it (tests, A/B).
 bool set_deltanet_fwd_dprime(bool enabled);
-// The backward with bf16 operands keeps X (the recompute's) and Y (the post kernel's, as -Y) as bf16
-// where the rows allow it (V % 8 == 0; DnBwdWs::xb): the post kernel and the chunk pass read half the
-// bytes and the chunk pass takes them as tensor-core operands straight from memory, the beta factors
-// applied to its fp32 products instead. deltanet_bwd_x_bf16: where it applies; the switch (tests,
+// The backward with bf16 operands keeps X (the recompute's) and the Y region (dD0, dD, -Y) as bf16
+// where the rows allow it (V % 8 == 0; DnBwdWs::xb): the prep, serial, post kernels and the chunk pass
+// move half the bytes, and the chunk pass takes X, -Y as tensor-core operands straight from memory,
+// the beta factors applied to its fp32 products instead. deltanet_bwd_x_bf16: where it applies; the switch (tests,
 // A/B; default on) returns the previous setting.
 bool deltanet_bwd_x_bf16(const DeltanetParams& p);
 bool set_deltanet_bwd_x_bf16(bool enabled);
