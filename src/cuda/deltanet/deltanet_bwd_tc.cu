@@ -7,7 +7,7 @@
 //   dbeta partial = Y . X (this V tile),     dS0 = dSe + s Q^T diag(rq) dO - Xw^T W dD
 // (K^T dR = (T2 K^)^T W dD: FLA's chunk_gated_delta_rule_bwd_dhu form). Only dD and dS0 are on the
 // serial chain, so the pass is three kernels:
-//   1. prep (grid: chunk slots x H, all in parallel): dD0 -> the Y region (fp32 rows), rq, rk, beta;
+//   1. prep (grid: chunk slots x H, all in parallel): dD0 -> the Y region (fp32 rows; bf16 with xb, below), rq, rk, beta;
 //   2. serial (grid: sequences*H x 64-column tiles of V, chunks in reverse; dS in fp32 registers):
 //      dD = dD0 + K^ dSe -> the Y region, dS += Q^T (s diag(rq) dO) - Xw^T (W dD), dSe per chunk as
 //      bf16 hi + lo (for the chunk pass), dinitial_state at the end;
