@@ -329,6 +329,18 @@ TEST(DeltanetCudaBwdXf32, Bf16OperandsWithFp32XYMatchReference) {
     bool prev;
     ~Restore() { fastweight::detail::set_deltanet_bwd_x_bf16(prev); }
   } restore{fastweight::detail::set_deltanet_bwd_x_bf16(false)};
+  {  // the switch does select the path (K = V = 128, bf16 operands: the shape below)
+    fastweight::detail::DeltanetParams p;
+    p.K = 128, p.V = 128, p.hilo = false;
+    EXPECT_FALSE(fastweight::detail::deltanet_bwd_x_bf16(p));
+    fastweight::detail::set_deltanet_bwd_x_bf16(true);
+    EXPECT_TRUE(fastweight::detail::deltanet_bwd_x_bf16(p));
+    p.V = 100;  // rows of V % 8 != 0: never
+    EXPECT_FALSE(fastweight::detail::deltanet_bwd_x_bf16(p));
+    p.V = 128, p.hilo = true;  // hi + lo operands: never
+    EXPECT_FALSE(fastweight::detail::deltanet_bwd_x_bf16(p));
+    fastweight::detail::set_deltanet_bwd_x_bf16(false);
+  }
   check_bwd_case({DType::bf16, 1, 150, 2, 128, 128, true, true, true, {}, DType::i64, kAllGrads, 0, false});
   check_bwd_case({DType::bf16, 1, 150, 2, 64, 72, true, true, true, {0, 0, 70, 70, 150}, DType::i32, kAllGrads, 0, false});
 }
