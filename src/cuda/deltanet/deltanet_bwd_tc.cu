@@ -90,6 +90,14 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
     const std::int64_t row = dn_ws_row(p, b, t0 + tid, h);
     ws[w.fac + row] = s_rq[tid], ws[w.fac + w.rows + row] = s_rk[tid], ws[w.fac + 2 * w.rows + row] = s_beta[tid];
   }
+  if (!LO && w.xb) {  // Q^ = s diag(rq) Q for the serial kernel's dS update (bf16 rows of K)
+    bf16* qh = reinterpret_cast<bf16*>(ws + w.qh);
+    for (int e = tid; e < kT * Kc; e += kThreads) {
+      const int i = e / Kc, c = e % Kc;
+      if (i < nr && c < K)
+        qh[dn_ws_row(p, b, t0 + i, h) * K + c] = __float2bfloat16_rn(p.scale * s_rq[i] * __bfloat162float(sq[i * ldk + c]));
+    }
+  }
   // s M^T (this warp's rows c: key rows; columns i: query rows) as A fragments, hi + lo, in registers:
   // [c][i] = s rq_i rk_c (k_c . q_i) for i >= c
   std::uint32_t mh[4][4], ml[4][4];
@@ -218,6 +226,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
       ocu(ounits, LDT, p.do_.s1), ycu(ounits, LDT, p.H * V);
   const std::int64_t row00 = dn_ws_row(p, b, sq_.bos, h), wrow_step = kT * p.H;
   const bf16 *k00 = bf_rows(p.k, b, sq_.bos, h), *q00 = bf_rows(p.q, b, sq_.bos, h);
+  const bf16* qh00 = reinterpret_cast<const bf16*>(ws + w.qh) + row00 * K;  // with xb: Q^, row stride H K
   const bf16* o00 = bf_rows(p.do_, b, sq_.bos, h) + c0;
   bf16* y00 = reinterpret_cast<bf16*>(ws + w.Y) + row00 * V + c0;  // with xb: the bf16 Y region, row stride H V
   const int ncv = int(lmin(TW, V - c0));
@@ -243,7 +252,10 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   auto issue_second = [&](int buf2, std::int64_t ci) {
     const std::int64_t t0 = sq_.bos + ci * kT, row0 = row00 + ci * wrow_step;
     const int nr = int(lmin(kT, sq_.eos - t0));
-    load_chunk_tile(qcu, kunits, sq + buf2 * ktile, ldk, q00 + ci * kT * p.q.s1, p.q.s1, nr, int(K), vq, kBsThreads);
+    if (xb)
+      load_chunk_tile(xcu, kunits, sq + buf2 * ktile, ldk, qh00 + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
+    else
+      load_chunk_tile(qcu, kunits, sq + buf2 * ktile, ldk, q00 + ci * kT * p.q.s1, p.q.s1, nr, int(K), vq, kBsThreads);
     load_chunk_tile(xcu, kunits, sxh + buf2 * ktile, ldk, xwh + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
     if constexpr (LO) load_chunk_tile(xcu, kunits, sxl, ldk, xwl + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
     cp_async_commit();
@@ -288,14 +300,20 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
       }
     }
     if (!two) __syncthreads();
+    const int b2 = DB2 ? buf : 0;
+    const bf16* dOt = sdo + buf * otile;
+    // with xb the update's first product is Q^^T dO (Q^ = s diag(rq) Q from the prep kernel, dO as it
+    // landed): with DB2 both are in now, so it is issued here, beside the K dSe products, and leaves
+    // the chain after the second barrier; without DB2 Q^ lands there and it runs there (the same
+    // products in the same order either way)
+    if (DB2 && xb) state_update<8, false>(acc_s, sq + b2 * ktile, ldk, dOt, nullptr, ngroups, warp, lane);
     sst.store(state_mats<LO>(ws + w.dS, slot, p.H, h, K, V), sSh, sSl, K, V, c0, kBsThreads);
     // c. dD = dD0 + diag(rk) K dSe (16 rows x TW / 2 columns per warp) -> the Y region; -W dD and
-    //    s diag(rq) dO as hi + lo
+    //    (without xb) s diag(rq) dO as hi + lo
     {
       const float* dd0 = sdd + buf * kT * LDF;
       const bf16* dd0b = sddb + buf * otile;
       const float* fq = sfac + buf * 3 * kT;
-      const bf16* dO = sdo + buf * otile;
       float kd[NJX][4] = {};
       mma_rk(kd, sk + buf * ktile, ldk, rg, sSh + (TW / 2) * half, LDT, Kc, lane);
       if constexpr (LO) mma_rk(kd, sk + buf * ktile, ldk, rg, sSl + (TW / 2) * half, LDT, Kc, lane);
@@ -325,8 +343,10 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
             if (in) store_pair(yg + (e / 2) * hv8 + 8 * j, d0, d1, has1, even);
           }
           put_split2<LO>(sBh, sBl, LDT, i, c, -bt * d0, -bt * d1);
-          const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dO + i * LDT + c));
-          put_split2<LO>(sUh, sUl, LDT, i, c, p.scale * rq * o.x, p.scale * rq * o.y);
+          if (!xb) {
+            const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dOt + i * LDT + c));
+            put_split2<LO>(sUh, sUl, LDT, i, c, p.scale * rq * o.x, p.scale * rq * o.y);
+          }
         }
     }
     if constexpr (!DB2) {
@@ -335,8 +355,8 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     }
     __syncthreads();
     // d. dS += Q^T (s diag(rq) dO) - Xw^T (W dD)   (Xw hi + lo, W dD hi + lo: three products)
-    const int b2 = DB2 ? buf : 0;
-    state_update<8, LO>(acc_s, sq + b2 * ktile, ldk, sUh, sUl, ngroups, warp, lane);
+    if (!xb) state_update<8, LO>(acc_s, sq + b2 * ktile, ldk, sUh, sUl, ngroups, warp, lane);
+    else if (!DB2) state_update<8, false>(acc_s, sq, ldk, dOt, nullptr, ngroups, warp, lane);
     state_update<8, LO>(acc_s, sxh + b2 * ktile, ldk, sBh, sBl, ngroups, warp, lane);
     if constexpr (LO) state_update<8, false>(acc_s, sxl, ldk, sBh, nullptr, ngroups, warp, lane);
     if (!two) __syncthreads();  // the next step rewrites dSe, B, U, q, Xw and this buffer
