@@ -93,8 +93,11 @@ struct DnFwdWs {
 // bf16 operands (FLA's precision) they are bf16 (h16), as FLA's chunk backward hands dq^, dk^ to its
 // L2-norm backward: dqh then fits in xw's bf16 rows (-67 MB at (2, 8192, 16, 128)).
 struct DnBwdWs {
-  std::int64_t rows, vt, S, dS, X, Y, dbp, dqh, dkh, xw, xu, rk, T2, fac, qh, total;
+  std::int64_t rows, vt, S, dS, X, Y, dbp, dqh, dkh, xw, xu, rk, T2, fac, total;
   bool h16 = false;  // dqh, dkh as bf16
+  // With xb, the Q^ region (after fac; a function, not a member: a larger struct of kernel parameters
+  // cost the chunk pass spills)
+  FW_MLSTM_HD std::int64_t qh() const { return fac + (3 * rows + 63) / 64 * 64; }
   // X and the Y region (dD0, dD, then -Y) as bf16 (rows, V) matrices, each region half the size
   // (DnChunkBufs::xbf16; deltanet_bwd_tc.cu), and the serial kernel's dS update from Q^ = s diag(rq) Q
   // (the qh region) and dO itself; deltanet_bwd_cuda's choice
@@ -115,7 +118,7 @@ struct DnBwdWs {
     rk = take(tc ? rows : 0);
     T2 = take(tc ? deltanet_slots(p) * p.H * 64 * (p.hilo ? 64 : 32) : 0);  // fp32 T2, or bf16 T2^T
     fac = take(tc ? 3 * rows : 0);
-    qh = take(xb ? (rows * p.K + 1) / 2 : 0);  // with xb: Q^ = s diag(rq) Q as bf16 (rows, K), the prep kernel's
+    if (xb) take((rows * p.K + 1) / 2);  // Q^ = s diag(rq) Q as bf16 (rows, K), the prep kernel's: at qh()
     total = o;
   }
 };

@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
     ws[w.fac + row] = s_rq[tid], ws[w.fac + w.rows + row] = s_rk[tid], ws[w.fac + 2 * w.rows + row] = s_beta[tid];
   }
   if (!LO && w.xb) {  // Q^ = s diag(rq) Q for the serial kernel's dS update (bf16 rows of K)
-    bf16* qh = reinterpret_cast<bf16*>(ws + w.qh);
+    bf16* qh = reinterpret_cast<bf16*>(ws + w.qh());
     for (int e = tid; e < kT * Kc; e += kThreads) {
       const int i = e / Kc, c = e % Kc;
       if (i < nr && c < K)
@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
       ocu(ounits, LDT, p.do_.s1), ycu(ounits, LDT, p.H * V);
   const std::int64_t row00 = dn_ws_row(p, b, sq_.bos, h), wrow_step = kT * p.H;
   const bf16 *k00 = bf_rows(p.k, b, sq_.bos, h), *q00 = bf_rows(p.q, b, sq_.bos, h);
-  const bf16* qh00 = reinterpret_cast<const bf16*>(ws + w.qh) + row00 * K;  // with xb: Q^, row stride H K
+  const bf16* qhw = reinterpret_cast<const bf16*>(ws + w.qh());  // with xb: Q^ (rows, K), as xwh
   const bf16* o00 = bf_rows(p.do_, b, sq_.bos, h) + c0;
   bf16* y00 = reinterpret_cast<bf16*>(ws + w.Y) + row00 * V + c0;  // with xb: the bf16 Y region, row stride H V
   const int ncv = int(lmin(TW, V - c0));
@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     const std::int64_t t0 = sq_.bos + ci * kT, row0 = row00 + ci * wrow_step;
     const int nr = int(lmin(kT, sq_.eos - t0));
     if (xb)
-      load_chunk_tile(xcu, kunits, sq + buf2 * ktile, ldk, qh00 + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
+      load_chunk_tile(xcu, kunits, sq + buf2 * ktile, ldk, qhw + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
     else
       load_chunk_tile(qcu, kunits, sq + buf2 * ktile, ldk, q00 + ci * kT * p.q.s1, p.q.s1, nr, int(K), vq, kBsThreads);
     load_chunk_tile(xcu, kunits, sxh + buf2 * ktile, ldk, xwh + row0 * K, p.H * K, nr, int(K), vx, kBsThreads);
