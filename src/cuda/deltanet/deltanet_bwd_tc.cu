@@ -302,11 +302,6 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     if (!two) __syncthreads();
     const int b2 = DB2 ? buf : 0;
     const bf16* dOt = sdo + buf * otile;
-    // with xb the update's first product is Q^^T dO (Q^ = s diag(rq) Q from the prep kernel, dO as it
-    // landed): with DB2 both are in now, so it is issued here, beside the K dSe products, and leaves
-    // the chain after the second barrier; without DB2 Q^ lands there and it runs there (the same
-    // products in the same order either way)
-    if (DB2 && xb) state_update<8, false>(acc_s, sq + b2 * ktile, ldk, dOt, nullptr, ngroups, warp, lane);
     sst.store(state_mats<LO>(ws + w.dS, slot, p.H, h, K, V), sSh, sSl, K, V, c0, kBsThreads);
     // c. dD = dD0 + diag(rk) K dSe (16 rows x TW / 2 columns per warp) -> the Y region; -W dD and
     //    (without xb) s diag(rq) dO as hi + lo
@@ -315,8 +310,21 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
       const bf16* dd0b = sddb + buf * otile;
       const float* fq = sfac + buf * 3 * kT;
       float kd[NJX][4] = {};
-      mma_rk(kd, sk + buf * ktile, ldk, rg, sSh + (TW / 2) * half, LDT, Kc, lane);
-      if constexpr (LO) mma_rk(kd, sk + buf * ktile, ldk, rg, sSl + (TW / 2) * half, LDT, Kc, lane);
+      if (DB2 && xb) {
+        // with xb the update's first product is Q^^T dO (Q^ = s diag(rq) Q from the prep kernel, dO as
+        // it landed). With DB2 both are in now: its four k-steps go between K dSe's (one block of
+        // independent products for the scheduler: they fill that chain's latency) and leave the chain
+        // after the second barrier. Without DB2 Q^ lands there and it runs there. The same products in
+        // the same order either way.
+#pragma unroll
+        for (int ks = 0; ks < Kc / 16; ++ks) {
+          mma_rk_step<NJX>(kd, sk + buf * ktile, ldk, rg, sSh + (TW / 2) * half, LDT, ks, lane);
+          if (ks < 4) state_update_step8<NJ>(acc_s, sq + b2 * ktile, ldk, dOt, ngroups, warp, ks, lane);
+        }
+      } else {
+        mma_rk(kd, sk + buf * ktile, ldk, rg, sSh + (TW / 2) * half, LDT, Kc, lane);
+        if constexpr (LO) mma_rk(kd, sk + buf * ktile, ldk, rg, sSl + (TW / 2) * half, LDT, Kc, lane);
+      }
       // this thread's dD pairs in the Y region: rows i0, i0 + 8, 8-column steps from one base
       const int i0 = 16 * rg + frow(lane, 0);
       const std::int64_t yo = (row00 + ci * wrow_step + i0 * p.H) * V + c0 + (TW / 2) * half + fcol(lane, 0, 0);

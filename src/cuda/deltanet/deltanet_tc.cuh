@@ -148,6 +148,24 @@ __device__ __forceinline__ float row_l2_factor(const bf16* s, int ld, int Kc, in
   return rsqrtf(ss + 1e-6f);
 }
 
+// One k-step (16 chunk rows) of state_update below for 8 warps (NW = 8, row group `warp`, bf16 U
+// only); nothing where warp >= ngroups.
+template <int NJ>
+__device__ __forceinline__ void state_update_step8(float (&acc)[1][NJ][4], const bf16* sk, int ldk, const bf16* sUh,
+                                                   int ngroups, int warp, int ks, int lane) {
+  constexpr int LD = 8 * NJ + 8;
+  if (warp >= ngroups) return;
+  std::uint32_t a[4];
+  ldsm_x4_t(a, sk + (ks * 16 + ld_row_a_kmajor(lane)) * ldk + 16 * warp + ld_col_a_kmajor(lane));
+#pragma unroll
+  for (int jj = 0; jj < NJ / 2; ++jj) {
+    std::uint32_t bh[4];
+    ldsm_x4_t(bh, sUh + (ks * 16 + ld_row_b_kmajor(lane)) * LD + 16 * jj + ld_col_b_kmajor(lane));
+    mma_bf16_16816(acc[0][2 * jj], a, bh[0], bh[1]);
+    mma_bf16_16816(acc[0][2 * jj + 1], a, bh[2], bh[3]);
+  }
+}
+
 // S += K^T U: A = K^T read k-major from the chunk's k tile (64 rows, stride ldk), B = U (64 x 8 NJ) as
 // bf16 hi + lo (stride 8 NJ + 8; LO = false: the hi part only, sUl unused); ngroups = Kc / 16 row groups of S.
 template <int NW = 4, bool LO = true, int NJ = 8>

@@ -113,6 +113,21 @@ __device__ __forceinline__ void load_chunk_tile(const ChunkUnits& cu, const Tile
   else load_tile(sm, ld, kT, m.C, src, rs, nr, nc, false, nthreads);
 }
 
+// One k-step (16 of K) of mma_rk below.
+template <int J>
+__device__ __forceinline__ void mma_rk_step(float (&acc)[J][4], const bf16* A, int lda, int mrow, const bf16* Bk,
+                                            int ldb, int ks, int lane) {
+  std::uint32_t a[4];
+  ldsm_x4(a, A + (16 * mrow + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
+#pragma unroll
+  for (int jj = 0; jj < J / 2; ++jj) {
+    std::uint32_t bb[4];
+    ldsm_x4_t(bb, Bk + (ks * 16 + ld_row_b_kmajor(lane)) * ldb + 16 * jj + ld_col_b_kmajor(lane));
+    mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
+    mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
+  }
+}
+
 // acc (warp's 16 rows x 8 J columns: 64 for J = 8, 32 for J = 4) += A (row major, rows 16 mrow.., K = Kp)
 // B (k-major; its first J * 8 columns)
 template <int J>
@@ -120,17 +135,7 @@ __device__ __forceinline__ void mma_rk(float (&acc)[J][4], const bf16* A, int ld
                                        int Kp, int lane) {
   // J = 8 (4-warp kernels): the ks loop as the compiler unrolls it; J = 4 (8-warp kernels, 128
   // registers): not unrolled, so that fragments are not hoisted across steps into spills.
-  auto step = [&](int ks) {
-    std::uint32_t a[4];
-    ldsm_x4(a, A + (16 * mrow + ld_row_a_rowmajor(lane)) * lda + ks * 16 + ld_col_a_rowmajor(lane));
-#pragma unroll
-    for (int jj = 0; jj < J / 2; ++jj) {
-      std::uint32_t bb[4];
-      ldsm_x4_t(bb, Bk + (ks * 16 + ld_row_b_kmajor(lane)) * ldb + 16 * jj + ld_col_b_kmajor(lane));
-      mma_bf16_16816(acc[2 * jj], a, bb[0], bb[1]);
-      mma_bf16_16816(acc[2 * jj + 1], a, bb[2], bb[3]);
-    }
-  };
+  auto step = [&](int ks) { mma_rk_step<J>(acc, A, lda, mrow, Bk, ldb, ks, lane); };
   if constexpr (J == 8) {
     for (int ks = 0; ks < Kp / 16; ++ks) step(ks);
   } else if constexpr (J == 2) {
