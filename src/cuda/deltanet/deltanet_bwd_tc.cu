@@ -319,7 +319,8 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
 #pragma unroll
         for (int ks = 0; ks < Kc / 16; ++ks) {
           mma_rk_step<NJX>(kd, sk + buf * ktile, ldk, rg, sSh + (TW / 2) * half, LDT, ks, lane);
-          if (ks < 4) state_update_step8<NJ>(acc_s, sq + b2 * ktile, ldk, dOt, ngroups, warp, ks, lane);
+          if (ks < 4 && warp < ngroups)  // 8 warps: row group `warp` of dS
+            state_update_step<false, NJ>(acc_s, 0, warp, sq + b2 * ktile, ldk, dOt, nullptr, ks, lane);
         }
       } else {
         mma_rk(kd, sk + buf * ktile, ldk, rg, sSh + (TW / 2) * half, LDT, Kc, lane);

@@ -148,21 +148,25 @@ __device__ __forceinline__ float row_l2_factor(const bf16* s, int ld, int Kc, in
   return rsqrtf(ss + 1e-6f);
 }
 
-// One k-step (16 chunk rows) of state_update below for 8 warps (NW = 8, row group `warp`, bf16 U
-// only); nothing where warp >= ngroups.
-template <int NJ>
-__device__ __forceinline__ void state_update_step8(float (&acc)[1][NJ][4], const bf16* sk, int ldk, const bf16* sUh,
-                                                   int ngroups, int warp, int ks, int lane) {
-  constexpr int LD = 8 * NJ + 8;
-  if (warp >= ngroups) return;
+// One k-step (16 chunk rows) of state_update below: row group g of S into acc[gg].
+template <bool LO, int NJ, int NG>
+__device__ __forceinline__ void state_update_step(float (&acc)[NG][NJ][4], int gg, int g, const bf16* sk, int ldk,
+                                                  const bf16* sUh, const bf16* sUl, int ks, int lane) {
+  constexpr int LD = 8 * NJ + 8;  // U's stride: kLd at 64 columns
   std::uint32_t a[4];
-  ldsm_x4_t(a, sk + (ks * 16 + ld_row_a_kmajor(lane)) * ldk + 16 * warp + ld_col_a_kmajor(lane));
+  ldsm_x4_t(a, sk + (ks * 16 + ld_row_a_kmajor(lane)) * ldk + 16 * g + ld_col_a_kmajor(lane));
 #pragma unroll
   for (int jj = 0; jj < NJ / 2; ++jj) {
     std::uint32_t bh[4];
     ldsm_x4_t(bh, sUh + (ks * 16 + ld_row_b_kmajor(lane)) * LD + 16 * jj + ld_col_b_kmajor(lane));
-    mma_bf16_16816(acc[0][2 * jj], a, bh[0], bh[1]);
-    mma_bf16_16816(acc[0][2 * jj + 1], a, bh[2], bh[3]);
+    mma_bf16_16816(acc[gg][2 * jj], a, bh[0], bh[1]);
+    mma_bf16_16816(acc[gg][2 * jj + 1], a, bh[2], bh[3]);
+    if constexpr (LO) {
+      std::uint32_t bl[4];
+      ldsm_x4_t(bl, sUl + (ks * 16 + ld_row_b_kmajor(lane)) * LD + 16 * jj + ld_col_b_kmajor(lane));
+      mma_bf16_16816(acc[gg][2 * jj], a, bl[0], bl[1]);
+      mma_bf16_16816(acc[gg][2 * jj + 1], a, bl[2], bl[3]);
+    }
   }
 }
 
@@ -171,29 +175,12 @@ __device__ __forceinline__ void state_update_step8(float (&acc)[1][NJ][4], const
 template <int NW = 4, bool LO = true, int NJ = 8>
 __device__ __forceinline__ void state_update(float (&acc)[8 / NW][NJ][4], const bf16* sk, int ldk, const bf16* sUh,
                                              const bf16* sUl, int ngroups, int warp, int lane) {
-  constexpr int LD = 8 * NJ + 8;  // U's stride: kLd at 64 columns
 #pragma unroll
   for (int gg = 0; gg < 8 / NW; ++gg) {
     const int g = warp + NW * gg;
     if (g >= ngroups) continue;
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      std::uint32_t a[4];
-      ldsm_x4_t(a, sk + (ks * 16 + ld_row_a_kmajor(lane)) * ldk + 16 * g + ld_col_a_kmajor(lane));
-#pragma unroll
-      for (int jj = 0; jj < NJ / 2; ++jj) {
-        std::uint32_t bh[4];
-        ldsm_x4_t(bh, sUh + (ks * 16 + ld_row_b_kmajor(lane)) * LD + 16 * jj + ld_col_b_kmajor(lane));
-        mma_bf16_16816(acc[gg][2 * jj], a, bh[0], bh[1]);
-        mma_bf16_16816(acc[gg][2 * jj + 1], a, bh[2], bh[3]);
-        if constexpr (LO) {
-          std::uint32_t bl[4];
-          ldsm_x4_t(bl, sUl + (ks * 16 + ld_row_b_kmajor(lane)) * LD + 16 * jj + ld_col_b_kmajor(lane));
-          mma_bf16_16816(acc[gg][2 * jj], a, bl[0], bl[1]);
-          mma_bf16_16816(acc[gg][2 * jj + 1], a, bl[2], bl[3]);
-        }
-      }
-    }
+    for (int ks = 0; ks < 4; ++ks) state_update_step<LO, NJ>(acc, gg, g, sk, ldk, sUh, sUl, ks, lane);
   }
 }
 
