@@ -21,6 +21,7 @@
 //   fastweight_bench --mlstm-step-fuse=off   mLSTM decoding step out of place in two launches, as in place (A/B)
 //   fastweight_bench --dn-two-sync=off       DeltaNet serial kernels with three barriers per chunk step (A/B)
 //   fastweight_bench --dn-x-bf16=off         DeltaNet backward (bf16 operands) with X, Y in fp32 (A/B)
+//   fastweight_bench --dn-xu-bf16=off        DeltaNet (bf16 operands) with Xu in fp32 (A/B)
 //   fastweight_bench --steps-only            the mLSTM / DeltaNet families' GPU decoding-step rows alone (A/B)
 //   fastweight_bench --mlstm-step-kernel=N   mLSTM decoding step's C pass kernel (A/B; set_mlstm_step_kernel)
 //   fastweight_bench --step-tile-major=off   the decoding steps' grids heads-fastest (A/B; set_step_tile_major)
@@ -91,6 +92,7 @@ struct Options {
   bool steps_only = false;
   bool dn_three_sync = false;
   bool dn_x_f32 = false;
+  bool dn_xu_f32 = false;
   bool mlstm_step_no_fuse = false;
   bool quick = false, timing_only = false, cpu = false, no_bulk = false, no_dprime = false, no_row1 = false;
   int bulk_vecs = 0;  // 0: the planner's choice
@@ -331,6 +333,7 @@ int main(int argc, char** argv) {
     else if (a == "--steps-only") o.steps_only = true;
     else if (const char* v = val("--dn-two-sync=")) o.dn_three_sync = !on(v);
     else if (const char* v = val("--dn-x-bf16=")) o.dn_x_f32 = !on(v);
+    else if (const char* v = val("--dn-xu-bf16=")) o.dn_xu_f32 = !on(v);
     else if (const char* v = val("--mlstm-step-fuse=")) o.mlstm_step_no_fuse = !on(v);
     else if (a == "--cpu") o.cpu = true;
     else if (a == "--no-bulk") o.no_bulk = true;
@@ -393,6 +396,7 @@ int main(int argc, char** argv) {
   if (o.step_heads_major) fastweight::detail::set_step_tile_major(false);
   if (o.dn_three_sync) fastweight::detail::set_deltanet_state_two_sync(false);
   if (o.dn_x_f32) fastweight::detail::set_deltanet_bwd_x_bf16(false);
+  if (o.dn_xu_f32) fastweight::detail::set_deltanet_xu_bf16(false);
   if (o.mlstm_step_no_fuse) fastweight::detail::set_mlstm_step_fuse_nm(false);
   if (o.mlstm_slab_overlap) fastweight::detail::set_mlstm_slab_overlap(o.mlstm_slab_overlap);
 #endif

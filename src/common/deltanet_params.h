@@ -59,6 +59,9 @@ struct DnChunkBufs {
   // The backward's recompute with bf16 operands (deltanet_bwd_x_bf16): X as bf16 (rows, V) in the X
   // region (its first half), as the backward's post kernel and chunk pass read it.
   bool xbf16 = false;
+  // With bf16 operands (deltanet_xu_bf16): Xu as bf16 (rows, V) in the xu region (its first half), as
+  // FLA keeps its u: written by the wy kernel, read by the state kernel.
+  bool xu16 = false;
 };
 
 // bf16 matrices per state or Xw row (hi + lo, or hi only), and floats for n of them
@@ -68,11 +71,12 @@ inline std::int64_t dn_bf16_floats(const DeltanetParams& p, std::int64_t n) { re
 // The forward's workspace with the tensor-core pipeline (offsets in floats, 64-float aligned).
 struct DnFwdWs {
   std::int64_t xw, xu, rk, S, X, total;
-  explicit DnFwdWs(const DeltanetParams& p) {
+  // xu16: Xu as bf16 (DnChunkBufs::xu16), its region half the size
+  explicit DnFwdWs(const DeltanetParams& p, bool xu16 = false) {
     const std::int64_t rows = p.B * p.T * p.H;
     std::int64_t o = 0;
     auto take = [&](std::int64_t n) { const std::int64_t at = o; o += (n + 63) / 64 * 64; return at; };
-    xw = take(dn_bf16_floats(p, rows * p.K)), xu = take(rows * p.V), rk = take(rows);
+    xw = take(dn_bf16_floats(p, rows * p.K)), xu = take(xu16 ? (rows * p.V + 1) / 2 : rows * p.V), rk = take(rows);
     S = take(dn_bf16_floats(p, deltanet_slots(p) * p.H * p.K * p.V));
     X = take(rows * p.V);
     total = o;
@@ -104,7 +108,8 @@ struct DnBwdWs {
   bool xb = false;
   // tc: the recompute runs the tensor-core pipeline (its xw, xu, rk regions; see DnChunkBufs); without
   // p.hilo (bf16-only operands) the whole backward is on tensor cores (deltanet_bwd_cuda sees to it)
-  DnBwdWs(const DeltanetParams& p, bool tc, bool x_bf16 = false) : xb(x_bf16) {
+  // xu16: Xu as bf16 (DnChunkBufs::xu16): the xu region may be half the size
+  DnBwdWs(const DeltanetParams& p, bool tc, bool x_bf16 = false, bool xu16 = false) : xb(x_bf16) {
     rows = p.B * p.T * p.H, vt = (p.V + kDeltanetChunk - 1) / kDeltanetChunk;
     std::int64_t o = 0;
     auto take = [&](std::int64_t n) { const std::int64_t at = o; o += (n + 63) / 64 * 64; return at; };
@@ -114,7 +119,7 @@ struct DnBwdWs {
     h16 = tc && !p.hilo;
     const std::int64_t nh = p.l2 ? (h16 ? (rows * p.K + 1) / 2 : rows * p.K) : 0;
     xw = dqh = take(std::max(tc ? dn_bf16_floats(p, rows * p.K) : 0, nh));
-    xu = dkh = take(std::max(tc ? rows * p.V : 0, nh));
+    xu = dkh = take(std::max(tc ? (xu16 ? (rows * p.V + 1) / 2 : rows * p.V) : 0, nh));
     rk = take(tc ? rows : 0);
     T2 = take(tc ? deltanet_slots(p) * p.H * 64 * (p.hilo ? 64 : 32) : 0);  // fp32 T2, or bf16 T2^T
     fac = take(tc ? 3 * rows : 0);

@@ -321,14 +321,18 @@ TEST_P(DeltanetCudaBwd, PublicBackwardMatchesReferenceWritesEverythingAndIsDeter
   check_bwd_case(GetParam());
 }
 
-// With bf16 operands and V % 8 == 0 the backward keeps X and the Y region as bf16 (DnBwdWs::xb); the
-// fp32 X / Y path it replaced there (the one V % 8 != 0 takes) must still match with the switch off.
+// With bf16 operands and V % 8 == 0 the backward keeps X and the Y region as bf16 (DnBwdWs::xb) and
+// the wy kernel writes Xu as bf16 (DnChunkBufs::xu16); the fp32 X / Y / Xu paths they replaced there
+// (the ones V % 8 != 0 takes) must still match with the switches off.
 TEST(DeltanetCudaBwdXf32, Bf16OperandsWithFp32XYMatchReference) {
   FW_REQUIRE_GPU();
   struct Restore {
-    bool prev;
-    ~Restore() { fastweight::detail::set_deltanet_bwd_x_bf16(prev); }
-  } restore{fastweight::detail::set_deltanet_bwd_x_bf16(false)};
+    bool prev, prev_xu;
+    ~Restore() {
+      fastweight::detail::set_deltanet_bwd_x_bf16(prev);
+      fastweight::detail::set_deltanet_xu_bf16(prev_xu);
+    }
+  } restore{fastweight::detail::set_deltanet_bwd_x_bf16(false), fastweight::detail::set_deltanet_xu_bf16(false)};
   {  // the switch does select the path (K = V = 128, bf16 operands: the shape below)
     fastweight::detail::DeltanetParams p;
     p.K = 128, p.V = 128, p.hilo = false;
@@ -340,6 +344,11 @@ TEST(DeltanetCudaBwdXf32, Bf16OperandsWithFp32XYMatchReference) {
     p.V = 128, p.hilo = true;  // hi + lo operands: never
     EXPECT_FALSE(fastweight::detail::deltanet_bwd_x_bf16(p));
     fastweight::detail::set_deltanet_bwd_x_bf16(false);
+    p.hilo = false, p.q.dtype = p.k.dtype = p.v.dtype = DType::bf16;  // Xu: the tensor-core pipeline's inputs
+    EXPECT_FALSE(fastweight::detail::deltanet_xu_bf16(p));
+    fastweight::detail::set_deltanet_xu_bf16(true);
+    EXPECT_TRUE(fastweight::detail::deltanet_xu_bf16(p));
+    fastweight::detail::set_deltanet_xu_bf16(false);
   }
   check_bwd_case({DType::bf16, 1, 150, 2, 128, 128, true, true, true, {}, DType::i64, kAllGrads, 0, false});
   check_bwd_case({DType::bf16, 1, 150, 2, 64, 72, true, true, true, {0, 0, 70, 70, 150}, DType::i32, kAllGrads, 0, false});

@@ -442,11 +442,15 @@ namespace {
 bool bwd_x_bf16(const DeltanetBwdParams& p) {
   return deltanet_chunk_tc_applies(p) && deltanet_bwd_state_tc_applies(p) && deltanet_bwd_x_bf16(p);
 }
+// The workspace of a call (the size query and the call make the same choices)
+DnBwdWs bwd_ws(const DeltanetBwdParams& p) {
+  return DnBwdWs(p, deltanet_chunk_tc_applies(p), bwd_x_bf16(p), deltanet_xu_bf16(p));
+}
 }  // namespace
 
 std::size_t deltanet_bwd_workspace_bytes(const DeltanetBwdParams& p_in) {
   const DeltanetBwdParams p = effective(p_in);
-  return std::size_t(DnBwdWs(p, deltanet_chunk_tc_applies(p), bwd_x_bf16(p)).total) * sizeof(float);
+  return std::size_t(bwd_ws(p).total) * sizeof(float);
 }
 
 void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream stream) {
@@ -457,7 +461,7 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream st
     throw Error(cat("deltanet_bwd: grid too large (", seqs, " sequence-heads, H = ", p.H, ")"));
   const bool tc = deltanet_chunk_tc_applies(p);
   const bool state_tc = tc && deltanet_bwd_state_tc_applies(p);
-  const DnBwdWs w(p, tc, bwd_x_bf16(p));  // X, Y as bf16 (the tensor-core state pass and chunk pass read them)
+  const DnBwdWs w = bwd_ws(p);  // X, Y (xb) and Xu as bf16 where they apply
   float* ws = static_cast<float*>(workspace);
   const auto st = reinterpret_cast<cudaStream_t>(stream);
   // 1. recompute: S0 per chunk and X per row (no o, no final state); with the overlap its state
@@ -470,6 +474,7 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream st
   if (tc) {
     DnChunkBufs bufs{ws + w.xw, ws + w.xu, ws + w.rk, ws + w.S, ws + w.X, ws + w.T2};
     bufs.xbf16 = w.xb;
+    bufs.xu16 = deltanet_xu_bf16(f);  // as bwd_ws sized the xu region
     if (overlap) {
       deltanet_chunk_tc_states(f, bufs, stream, 1);  // wy: Xw, Xu, rk, T2 (both chains read them)
       fork.emplace("deltanet_bwd (fork)", st);

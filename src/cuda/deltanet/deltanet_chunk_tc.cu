@@ -173,8 +173,14 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
       for (int e = 0; e < 4; e += 2) {
         const int i = 16 * warp + frow(lane, e);
         const std::int64_t c = v0 + fcol(lane, jj, e);
-        if (i < nr && c < V)  // row t0 + i
-          store_pair(w.xu + (ws_row0 + (e / 2) * ws_8) * V + c, acc[jj][e], acc[jj][e + 1], c + 1 < V, V % 2 == 0);
+        if (i < nr && c < V) {  // row t0 + i
+          const std::int64_t at = (ws_row0 + (e / 2) * ws_8) * V + c;
+          if (w.xu16)  // bf16 rows (V % 8 == 0: whole pairs)
+            *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(w.xu) + at) =
+                __floats2bfloat162_rn(acc[jj][e], acc[jj][e + 1]);
+          else
+            store_pair(w.xu + at, acc[jj][e], acc[jj][e + 1], c + 1 < V, V % 2 == 0);
+        }
       }
     __syncthreads();  // buffer j % nvb is read by every warp: it may be refilled
     issue_v(j + nvb);
@@ -241,6 +247,7 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
   bf16* sDl = reinterpret_cast<bf16*>(base + lay.Dl);
   float* s_rkb = reinterpret_cast<float*>(base + lay.rkb);  // [2][64]
   float* s_xu = reinterpret_cast<float*>(base + lay.xu);    // [2][64][LDU]
+  bf16* s_xub = reinterpret_cast<bf16*>(base + lay.xu);     // or, with w.xu16, bf16 [2][64][LDT]
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int rg = warp & 3, half = warp >> 2;  // X step: rows 16 rg.., columns (TW / 2) half..
@@ -270,6 +277,11 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
   const std::int64_t row00 = dn_ws_row(p, b, sq.bos, h), krow_step = kT * p.k.s1, wrow_step = kT * p.H;
   const bf16* k00 = bf_rows(p.k, b, sq.bos, h);
   const float* xu00 = w.xu + (row00 + xu_i * p.H) * V + c0 + xu_c;  // this thread's first Xu piece, chunk 0
+  // with w.xu16 (bf16 Xu, V % 8 == 0): 8 columns a piece, rows xb_i + XRb q
+  constexpr int XTb = TW / 8, XRb = kStThreads / XTb;
+  const int xb_i = tid / XTb, xb_c = (tid % XTb) * 8, xb_bytes = V - c0 - xb_c >= 8 ? 16 : 0;
+  const bf16* xub = reinterpret_cast<const bf16*>(w.xu);
+  const bf16* xub00 = xub + (row00 + xb_i * p.H) * V + c0 + xb_c;
   // chunk ci's k, Xw (hi, lo) into buffer buf (cp.async where aligned), rk beta per row
   auto issue = [&](int buf, std::int64_t ci) {
     const int nr = int(lmin(kT, sq.eos - sq.bos - ci * kT));
@@ -282,7 +294,16 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
       if (tid < nr) cp_async4(s_rkb + buf * kT + tid, w.rk + row0 + tid * p.H);
       else s_rkb[buf * kT + tid] = 0.f;
     }
-    if (vxu) {  // Xu rows t0.. (stride H V floats), columns c0..c0+TW-1: zero past nr rows and V columns
+    if (vxu && w.xu16) {  // bf16 Xu rows, the same tile as bf16 (stride LDT)
+      static_assert(kStThreads % XTb == 0 && kT % XRb == 0, "whole rows per pass, whole passes per chunk");
+      const bf16* src = xub00 + ci * wrow_step * V;
+      bf16* dst = s_xub + (buf * kT + xb_i) * LDT + xb_c;
+#pragma unroll
+      for (int q = 0; q < kT / XRb; ++q) {
+        const int bytes = xb_i + XRb * q < nr ? xb_bytes : 0;
+        cp_async16(dst + XRb * q * LDT, bytes ? src + XRb * q * hv : xub, bytes);
+      }
+    } else if (vxu) {  // Xu rows t0.. (stride H V floats), columns c0..c0+TW-1: zero past nr rows and V columns
       static_assert(kStThreads % XT == 0 && kT % XR == 0, "whole rows per pass, whole passes per chunk");
       const float* src = xu00 + ci * wrow_step * V;
       float* dst = s_xu + (buf * kT + xu_i) * LDU + xu_c;
@@ -342,7 +363,9 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
           float2 x = make_float2(0.f, 0.f);
           if (vxu) {
             if (i < nr && c0 + c < V) {
-              const float2 u = *reinterpret_cast<const float2*>(s_xu + (buf * kT + i) * LDU + c);
+              const float2 u =
+                  w.xu16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(s_xub + (buf * kT + i) * LDT + c))
+                         : *reinterpret_cast<const float2*>(s_xu + (buf * kT + i) * LDU + c);
               x = make_float2(u.x - acc[j][e], u.y - acc[j][e + 1]);
               if (dp) {  // the output kernel's rounding of r * X (the same bits as from X)
                 const float r = w.xbf16 ? 1.f : s_rkb[buf * kT + i];
@@ -503,6 +526,17 @@ bool deltanet_bwd_x_bf16(const DeltanetParams& p) {
 }
 
 namespace {
+std::atomic<bool> g_xu_bf16{true};  // set_deltanet_xu_bf16
+}  // namespace
+bool set_deltanet_xu_bf16(bool enabled) { return g_xu_bf16.exchange(enabled); }
+// bf16 operands, the tensor-core pipeline, the state kernel's Xu tiles (its only bf16 Xu path), whole
+// 16-byte pieces of 8 columns (V % 8 == 0)
+bool deltanet_xu_bf16(const DeltanetParams& p) {
+  return g_xu_bf16.load(std::memory_order_relaxed) && deltanet_chunk_tc_applies(p) && !p.hilo && p.V % 8 == 0 &&
+         state_xu_tiles(p);
+}
+
+namespace {
 std::atomic<int> g_wy_vbufs{0};   // 0: the planner's choice
 std::atomic<int> g_state_tile{0};  // 0: the planner's choice
 std::atomic<bool> g_state_two_sync{true};  // set_deltanet_state_two_sync
@@ -535,6 +569,12 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   if (seqs > 0x7fffffff || vt > 65535 || p.H > 65535 || slots > 0x7fffffff)
     throw Error(cat("deltanet (tensor cores): grid too large (", seqs, " sequence-heads, ", slots, " chunks)"));
   const auto st = reinterpret_cast<cudaStream_t>(stream);
+  // the callers ask for X as bf16 only where deltanet_bwd_x_bf16 holds (the D' store path, without D's
+  // scale), for Xu as bf16 only where deltanet_xu_bf16 does (checked before any launch)
+  if (w.xbf16 && !(deltanet_bwd_x_bf16(p) && !w.dprime))
+    throw Error("deltanet (tensor cores): X as bf16 asked for where it does not apply (internal)");
+  if (w.xu16 && !(state_xu_tiles(p) && !p.hilo && p.V % 8 == 0))
+    throw Error("deltanet (tensor cores): Xu as bf16 asked for where it does not apply (internal)");
   if (slots > 0 && (phases & 1)) {
     auto* wy = p.hilo ? &deltanet_wy_kernel<true> : &deltanet_wy_kernel<false>;
     if (deltanet_fixed_k(p)) wy = p.hilo ? &deltanet_wy_kernel<true, 128> : &deltanet_wy_kernel<false, 128>;
@@ -566,9 +606,6 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   const std::int64_t vtw = (p.V + tw - 1) / tw;
   if (vtw > 65535) throw Error(cat("deltanet (tensor cores): grid too large (", vtw, " V tiles)"));
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(state), kStThreads, ls.bytes);
-  // the backward asks for X as bf16 only where deltanet_bwd_x_bf16 holds (the D' store path, without D's scale)
-  if (w.xbf16 && !(deltanet_bwd_x_bf16(p) && !w.dprime))
-    throw Error("deltanet (tensor cores): X as bf16 asked for where it does not apply (internal)");
   state<<<dim3(unsigned(seqs), unsigned(vtw)), kStThreads, ls.bytes, st>>>(p, w, rows16_seq(p.k), p.K % 8 == 0, pxu,
                                                                            deltanet_dprime(p, w) || w.xbf16, two);
   FW_CUDA_CHECK_LAUNCH("deltanet (state)");

@@ -30,6 +30,12 @@ bool set_deltanet_fwd_dprime(bool enabled);
 // A/B; default on) returns the previous setting.
 bool deltanet_bwd_x_bf16(const DeltanetParams& p);
 bool set_deltanet_bwd_x_bf16(bool enabled);
+// With bf16 operands the wy kernel writes Xu = T2 diag(beta) V as bf16 (FLA's u) where the state kernel
+// reads it through its tiles and V % 8 == 0 (DnChunkBufs::xu16), in the forward and the backward's
+// recompute: half the bytes written and read, half the region. deltanet_xu_bf16: where it applies;
+// the switch (tests, A/B; default on) returns the previous setting.
+bool deltanet_xu_bf16(const DeltanetParams& p);
+bool set_deltanet_xu_bf16(bool enabled);
 // Tests and benchmarks only: the backward serial kernel's q / Xw tiles double-buffered (bf16 operands,
 // where they fit; default on). Returns the previous setting.
 bool set_deltanet_bwd_serial_db2(bool enabled);

@@ -173,14 +173,16 @@ __global__ void __launch_bounds__(kThreads) deltanet_fwd_kernel(const DeltanetPa
 }  // namespace
 
 std::size_t deltanet_fwd_workspace_bytes(const DeltanetParams& p) {
-  return deltanet_chunk_tc_applies(p) ? std::size_t(DnFwdWs(p).total) * sizeof(float) : 0;
+  return deltanet_chunk_tc_applies(p) ? std::size_t(DnFwdWs(p, deltanet_xu_bf16(p)).total) * sizeof(float) : 0;
 }
 
 void deltanet_fwd_cuda(const DeltanetParams& p, void* workspace, Stream stream) {
   if (workspace && deltanet_chunk_tc_applies(p)) {  // the tensor-core pipeline
-    const DnFwdWs l(p);
+    const bool xu16 = deltanet_xu_bf16(p);
+    const DnFwdWs l(p, xu16);
     float* ws = static_cast<float*>(workspace);
-    const DnChunkBufs w{ws + l.xw, ws + l.xu, ws + l.rk, ws + l.S, ws + l.X, nullptr, true};
+    DnChunkBufs w{ws + l.xw, ws + l.xu, ws + l.rk, ws + l.S, ws + l.X, nullptr, true};
+    w.xu16 = xu16;
     deltanet_chunk_tc_states(p, w, stream);
     deltanet_chunk_tc_output(p, w, stream);
     return;
