@@ -294,25 +294,21 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
       if (tid < nr) cp_async4(s_rkb + buf * kT + tid, w.rk + row0 + tid * p.H);
       else s_rkb[buf * kT + tid] = 0.f;
     }
-    if (vxu && w.xu16) {  // bf16 Xu rows, the same tile as bf16 (stride LDT)
-      static_assert(kStThreads % XTb == 0 && kT % XRb == 0, "whole rows per pass, whole passes per chunk");
-      const bf16* src = xub00 + ci * wrow_step * V;
-      bf16* dst = s_xub + (buf * kT + xb_i) * LDT + xb_c;
+    // Xu rows t0.. (stride H V elements), columns c0..c0+TW-1 (this thread's pieces from row i of the
+    // chunk, R rows apart): zero past nr rows and V columns; fp32 tiles (stride LDU) or with w.xu16 bf16
+    // ones (stride LDT)
+    auto xu_pieces = [&](auto* tile_dst, const auto* src00, int i, int R, int ld, int piece_bytes) {
+      const auto* src = src00 + ci * wrow_step * V;
 #pragma unroll
-      for (int q = 0; q < kT / XRb; ++q) {
-        const int bytes = xb_i + XRb * q < nr ? xb_bytes : 0;
-        cp_async16(dst + XRb * q * LDT, bytes ? src + XRb * q * hv : xub, bytes);
+      for (int q = 0; q < kT / R; ++q) {
+        const int bytes = i + R * q < nr ? piece_bytes : 0;
+        cp_async16(tile_dst + R * q * ld, bytes ? src + R * q * hv : src00, bytes);
       }
-    } else if (vxu) {  // Xu rows t0.. (stride H V floats), columns c0..c0+TW-1: zero past nr rows and V columns
-      static_assert(kStThreads % XT == 0 && kT % XR == 0, "whole rows per pass, whole passes per chunk");
-      const float* src = xu00 + ci * wrow_step * V;
-      float* dst = s_xu + (buf * kT + xu_i) * LDU + xu_c;
-#pragma unroll
-      for (int q = 0; q < kT / XR; ++q) {
-        const int bytes = xu_i + XR * q < nr ? xu_bytes : 0;
-        cp_async16(dst + XR * q * LDU, bytes ? src + XR * q * hv : w.xu, bytes);
-      }
-    }
+    };
+    static_assert(kStThreads % XT == 0 && kT % XR == 0 && kStThreads % XTb == 0 && kT % XRb == 0,
+                  "whole rows per pass, whole passes per chunk");
+    if (vxu && w.xu16) xu_pieces(s_xub + (buf * kT + xb_i) * LDT + xb_c, xub00, xb_i, XRb, LDT, xb_bytes);
+    else if (vxu) xu_pieces(s_xu + (buf * kT + xu_i) * LDU + xu_c, xu00, xu_i, XR, LDU, xu_bytes);
     cp_async_commit();
   };
   const StateStoreUnits<LO, TW> sst(K, V, c0, kStThreads);  // S's pieces to the workspace, fixed per CTA
