@@ -5,6 +5,7 @@
 // final state).
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -153,11 +154,31 @@ void check_fwd(const Call& call, const DeltanetFwdArgs& a) {
 }
 }  // namespace
 
+#if FW_WITH_CUDA
+namespace {
+// The workspace layouts depend on the device's shared memory (bf16 X, Y, Xu where the kernels' tiles
+// fit), so a size is computed on q's device, in the size queries and in the calls alike. Without a
+// CUDA runtime (a machine without a GPU) no guard: a layout of hi + lo operands asks nothing of the
+// device, so the size and the workspace checks still answer before the launch fails.
+class SizeDevice {
+ public:
+  explicit SizeDevice(int device) {
+    if (detail::cuda_runtime_available()) guard_.emplace(device);
+  }
+ private:
+  std::optional<detail::DeviceGuard> guard_;
+};
+}  // namespace
+#endif
+
 std::size_t deltanet_fwd_workspace_size(const DeltanetFwdArgs& a) {
   const Call call("deltanet_fwd", a);
   check_fwd(call, a);
 #if FW_WITH_CUDA
-  if (a.q.device == DeviceType::cuda) return detail::deltanet_fwd_workspace_bytes(detail::lower_deltanet_fwd(a));
+  if (a.q.device == DeviceType::cuda) {
+    const SizeDevice on(a.q.device_index);
+    return detail::deltanet_fwd_workspace_bytes(detail::lower_deltanet_fwd(a));
+  }
 #endif
   return 0;
 }
@@ -173,6 +194,7 @@ void deltanet_fwd(const DeltanetFwdArgs& a, [[maybe_unused]] void* workspace,
   if (a.q.device == DeviceType::cuda) {
 #if FW_WITH_CUDA
     const detail::DeltanetParams p = detail::lower_deltanet_fwd(a);
+    const SizeDevice on(a.q.device_index);  // first: the workspace layout depends on the device
     const std::size_t need = detail::deltanet_fwd_workspace_bytes(p);
     if (workspace) detail::check_workspace(op, workspace, workspace_bytes, need);  // null: the on-chip kernel
     detail::DeviceGuard guard(a.q.device_index);
@@ -217,7 +239,10 @@ std::size_t deltanet_bwd_workspace_size(const DeltanetBwdArgs& a) {
   const Call call("deltanet_bwd", a);
   check_bwd(call, a);
 #if FW_WITH_CUDA
-  if (a.q.device == DeviceType::cuda) return detail::deltanet_bwd_workspace_bytes(detail::lower_deltanet_bwd(a));
+  if (a.q.device == DeviceType::cuda) {
+    const SizeDevice on(a.q.device_index);
+    return detail::deltanet_bwd_workspace_bytes(detail::lower_deltanet_bwd(a));
+  }
 #endif
   return 0;
 }
@@ -230,6 +255,7 @@ void deltanet_bwd(const DeltanetBwdArgs& a, [[maybe_unused]] void* workspace, [[
   if (a.q.device == DeviceType::cuda) {
 #if FW_WITH_CUDA
     const detail::DeltanetBwdParams p = detail::lower_deltanet_bwd(a);
+    const SizeDevice on(a.q.device_index);  // first: the workspace layout depends on the device
     detail::check_workspace(call.c.op, workspace, workspace_bytes, detail::deltanet_bwd_workspace_bytes(p));
     detail::DeviceGuard guard(a.q.device_index);
     detail::deltanet_bwd_cuda(p, workspace, stream);

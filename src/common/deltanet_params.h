@@ -106,10 +106,11 @@ struct DnBwdWs {
   // (DnChunkBufs::xbf16; deltanet_bwd_tc.cu), and the serial kernel's dS update from Q^ = s diag(rq) Q
   // (the qh region) and dO itself; deltanet_bwd_cuda's choice
   bool xb = false;
+  bool xu16 = false;  // Xu as bf16 (DnChunkBufs::xu16), the choice that sized the xu region
   // tc: the recompute runs the tensor-core pipeline (its xw, xu, rk regions; see DnChunkBufs); without
   // p.hilo (bf16-only operands) the whole backward is on tensor cores (deltanet_bwd_cuda sees to it)
   // xu16: Xu as bf16 (DnChunkBufs::xu16): the xu region may be half the size
-  DnBwdWs(const DeltanetParams& p, bool tc, bool x_bf16 = false, bool xu16 = false) : xb(x_bf16) {
+  DnBwdWs(const DeltanetParams& p, bool tc, bool x_bf16 = false, bool xu_bf16 = false) : xb(x_bf16), xu16(xu_bf16) {
     rows = p.B * p.T * p.H, vt = (p.V + kDeltanetChunk - 1) / kDeltanetChunk;
     std::int64_t o = 0;
     auto take = [&](std::int64_t n) { const std::int64_t at = o; o += (n + 63) / 64 * 64; return at; };

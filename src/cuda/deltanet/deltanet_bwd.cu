@@ -474,7 +474,7 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream st
   if (tc) {
     DnChunkBufs bufs{ws + w.xw, ws + w.xu, ws + w.rk, ws + w.S, ws + w.X, ws + w.T2};
     bufs.xbf16 = w.xb;
-    bufs.xu16 = deltanet_xu_bf16(f);  // as bwd_ws sized the xu region
+    bufs.xu16 = w.xu16;  // the choice that sized the xu region
     if (overlap) {
       deltanet_chunk_tc_states(f, bufs, stream, 1);  // wy: Xw, Xu, rk, T2 (both chains read them)
       fork.emplace("deltanet_bwd (fork)", st);
