@@ -397,7 +397,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, MlstmCudaBwd, ::testing::ValuesIn(bwd_cases()),
                          [](const auto& info) { return name_of(info.param); });
 
 // Each of the C pass's kernels (set_mlstm_step_kernel: 0 the element kernel, 1 the register tile, 2 the
-// row-block kernel; fp32 states with 16-byte rows and DV % 4 == 0 for 1 and 2, DQK <= 256 for 1) at DV 136, xLSTM 7B's (256, 512), DQK 300 (row blocks beyond 256, a short last one) and at
+// row-block kernel, 3..8 its other shapes; fp32 states with 16-byte rows and DV % 4 == 0 for 1 and 2, DQK <= 256 for 1) at DV 136, xLSTM 7B's (256, 512), DQK 300 (row blocks beyond 256, a short last one) and at
 // DV = 70, where the element kernel takes every setting.
 void check_mlstm_step(std::int64_t DQK, std::int64_t DV, int kernel) {
   SCOPED_TRACE("DQK " + std::to_string(DQK) + " DV " + std::to_string(DV) + " kernel " + std::to_string(kernel));
@@ -447,7 +447,7 @@ void check_mlstm_step(std::int64_t DQK, std::int64_t DV, int kernel) {
 TEST(MlstmCudaStep, MatchesReferenceInPlaceAndOutOfPlace) {
   FW_REQUIRE_GPU();
   for (auto [DQK, DV] : {std::pair<std::int64_t, std::int64_t>{72, 136}, {256, 512}, {300, 136}, {64, 70}})
-    for (int kernel = 0; kernel <= 2; ++kernel) check_mlstm_step(DQK, DV, kernel);
+    for (int kernel = 0; kernel <= 8; ++kernel) check_mlstm_step(DQK, DV, kernel);
 }
 
 TEST(MlstmCudaDecay, ForwardAndBackwardMatchReference) {

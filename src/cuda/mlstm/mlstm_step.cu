@@ -251,7 +251,14 @@ bool aligned16(const StridedView& t) {
 
 std::atomic<int> g_step_kernel{-1};  // set_mlstm_step_kernel; -1: the planner
 
-constexpr int kTileThreads = 128, kTileRows = 8;  // the row-block kernel's one instance (kCols columns)
+constexpr int kTileThreads = 128, kTileRows = 8;  // the row-block kernel's planner instance (kCols columns)
+
+// A row-block instance <kC columns, kT threads, kR rows per thread and block>: its own grid of DV / kC tiles.
+template <int kC, int kT, int kR>
+void launch_row_block(const MlstmParams& p, bool tm, bool fuse, cudaStream_t s) {
+  const dim3 grid = step_grid("mlstm_step", tm, p.B * p.NH, (p.DV + kC - 1) / kC);
+  mlstm_step_c_tile_kernel<kC, kT, kR><<<grid, kT, 0, s>>>(p, tm, fuse);
+}
 
 }  // namespace
 
@@ -274,8 +281,15 @@ void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
   // write n', m' too: one launch instead of two
   const bool fuse = g_step_fuse_nm.load(std::memory_order_relaxed) && disjoint(p.n_last, p.n0, p.B, p.NH, p.DQK) &&
                     disjoint(p.m_last, p.m0, p.B, p.NH, 1);
+  // kernels 3..8: other row-block shapes, for A/B sweeps only (set_mlstm_step_kernel)
   if (f4 && kernel == 1 && p.DQK <= kVecMaxQ) mlstm_step_c_vec_kernel<<<grid, kThreads, 0, s>>>(p, tm, fuse);
-  else if (f4 && kernel == 2) mlstm_step_c_tile_kernel<kCols, kTileThreads, kTileRows><<<grid, kTileThreads, 0, s>>>(p, tm, fuse);
+  else if (f4 && kernel == 2) launch_row_block<kCols, kTileThreads, kTileRows>(p, tm, fuse, s);
+  else if (f4 && kernel == 3) launch_row_block<64, 128, 16>(p, tm, fuse, s);
+  else if (f4 && kernel == 4) launch_row_block<64, 64, 8>(p, tm, fuse, s);
+  else if (f4 && kernel == 5) launch_row_block<128, 128, 8>(p, tm, fuse, s);
+  else if (f4 && kernel == 6) launch_row_block<32, 64, 8>(p, tm, fuse, s);
+  else if (f4 && kernel == 7) launch_row_block<64, 128, 4>(p, tm, fuse, s);
+  else if (f4 && kernel == 8) launch_row_block<128, 256, 8>(p, tm, fuse, s);
   else mlstm_step_c_kernel<<<grid, kThreads, 0, s>>>(p, tm, fuse);
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
   if (fuse) return;
