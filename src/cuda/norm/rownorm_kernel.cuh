@@ -219,12 +219,22 @@ inline constexpr int kRow1WideMaxTpr = 1024;
 
 // Sum over the CTA (tpr threads, a power of two in [32, 32 W]): `s_part` holds W floats, those of
 // warps past the CTA's already zero; each s_part is used for one sum only (one barrier per sum).
-// A fixed W-leaf tree: deterministic, the same bits in every thread.
+// A fixed W-leaf tree: deterministic, the same bits in every thread. W = 8: every thread reads the 8
+// slots (2 16-byte loads, 7 adds). The wide instances (W = 32, 512-1024 threads, FLA's row shape):
+// lane l reads slot l, then an xor butterfly over the 32 lanes (a + b and b + a are the same float, so
+// every lane ends with the same bits): 1 load, 5 shuffles and 5 adds per thread instead of 8 loads
+// and 31 adds (the per-thread instructions that made these instances 2x slower than FLA's kernel).
 template <int W = 8>
 __device__ __forceinline__ float row1_cta_sum(float v, float* s_part) {
   v = group_sum_warp(v, 32);
   if ((threadIdx.x & 31) == 0) s_part[threadIdx.x >> 5] = v;
   __syncthreads();
+  if constexpr (W == 32) {
+    float t = s_part[threadIdx.x & 31];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+    return t;
+  }
   const float4* q = reinterpret_cast<const float4*>(s_part);
   float t[W / 4];
 #pragma unroll
