@@ -223,7 +223,8 @@ inline constexpr int kRow1WideMaxTpr = 1024;
 // slots (2 16-byte loads, 7 adds). The wide instances (W = 32, 512-1024 threads, FLA's row shape):
 // lane l reads slot l, then an xor butterfly over the 32 lanes (a + b and b + a are the same float, so
 // every lane ends with the same bits): 1 load, 5 shuffles and 5 adds per thread instead of 8 loads
-// and 31 adds (the per-thread instructions that made these instances 2x slower than FLA's kernel).
+// and 31 adds. (Measured, H100 session 24: the wide instances stay 9-36% behind the planner's 128-256
+// threads, so this sum was not what made them slow; docs/perf/norms.md.)
 template <int W = 8>
 __device__ __forceinline__ float row1_cta_sum(float v, float* s_part) {
   v = group_sum_warp(v, 32);
