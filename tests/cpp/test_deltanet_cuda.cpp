@@ -114,22 +114,25 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
   // kernel and (modes 3, 4) X in fp32 instead: the same roundings, so the same bits (the workspace
   // poisoned with 0xff bytes: every read of it must follow a write). Each mode runs twice, the wy
   // kernel with two v tile buffers and then with one, the state kernel on 64-column V tiles with two
-  // barriers per chunk step and then on 32-column ones with three: the same bits again.
+  // barriers per chunk step (warp-specialised on sm_90: a producer warp loads and stores) and then on
+  // 32-column ones with three (no producer): the same bits again.
   const std::size_t need = fastweight::detail::deltanet_fwd_workspace_bytes(p);
   void* ws = nullptr;
   if (need) FW_TEST_CUDA(cudaMalloc(&ws, need));
   struct Restore {
     bool prev;
     int vbufs, tile;
-    bool two;
+    bool two, ws;
     ~Restore() {
       fastweight::detail::set_deltanet_fwd_dprime(prev);
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_state_tile(tile);
       fastweight::detail::set_deltanet_state_two_sync(two);
+      fastweight::detail::set_deltanet_state_ws(ws);
     }
   } restore{fastweight::detail::set_deltanet_fwd_dprime(true), fastweight::detail::set_deltanet_wy_vbufs(0),
-            fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_state_two_sync(true)};
+            fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_state_two_sync(true),
+            fastweight::detail::set_deltanet_state_ws(true)};
   std::vector<HostTensor> by_mode(2 * 5);  // o, final state of each mode
   for (int m = 0; m < 5; ++m) {
     void* w = m == 0 ? nullptr : ws;
