@@ -113,9 +113,9 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
   // its operands as bf16 hi + lo and as bf16 alone, with the state kernel handing D' to the output
   // kernel and (modes 3, 4) X in fp32 instead: the same roundings, so the same bits (the workspace
   // poisoned with 0xff bytes: every read of it must follow a write). Each mode runs twice, the wy
-  // kernel with two v tile buffers and then with one, the state kernel on 64-column V tiles with two
-  // barriers per chunk step (warp-specialised on sm_90: a producer warp loads and stores) and then on
-  // 32-column ones with three (no producer): the same bits again.
+  // kernel with two v tile buffers and then with one, the state kernel on 32-column V tiles with two
+  // barriers per chunk step (with bf16 operands on sm_90 warp-specialised: a producer warp loads and
+  // stores) and then on 64-column ones with three (no producer): the same bits again.
   const std::size_t need = fastweight::detail::deltanet_fwd_workspace_bytes(p);
   void* ws = nullptr;
   if (need) FW_TEST_CUDA(cudaMalloc(&ws, need));
@@ -147,7 +147,7 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
     std::vector<HostTensor> runs;
     for (int r = 0; r < 2; ++r) {
       fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
-      fastweight::detail::set_deltanet_state_tile(r == 0 ? 64 : 32);
+      fastweight::detail::set_deltanet_state_tile(r == 0 ? 32 : 64);
       fastweight::detail::set_deltanet_state_two_sync(r == 0);
       FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
       FW_TEST_CUDA(cudaMemset(ght.ptr, 0xff, ght.nbytes));
@@ -416,7 +416,8 @@ void check_bwd_case(const DnBwdCase& c) {
   // before the second: the results may depend on neither. The second call also runs the serial
   // kernels with their other buffering (the recomputing wy kernel with one v tile buffer instead of
   // two; bf16 operands: the backward serial kernel's q / Xw single-buffered) and the recomputing state
-  // kernel on 32-column V tiles instead of 64, and the recompute's state kernel after the state
+  // kernel on 64-column V tiles instead of 32 (the first call's warp-specialised where it applies:
+  // bf16 operands, sm_90), and the recompute's state kernel after the state
   // pass's prep + serial kernels on one stream where the first call ran it beside them on a second,
   // and the serial kernels' chunk steps with three barriers where the first call's had two: the same
   // bits.
@@ -439,7 +440,7 @@ void check_bwd_case(const DnBwdCase& c) {
   for (int r = 0; r < 2; ++r) {
     fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
     fastweight::detail::set_deltanet_bwd_serial_db2(r == 0);
-    fastweight::detail::set_deltanet_state_tile(r == 0 ? 64 : 32);
+    fastweight::detail::set_deltanet_state_tile(r == 0 ? 32 : 64);
     fastweight::detail::set_deltanet_bwd_overlap(r == 0 ? 1 : -1);
     fastweight::detail::set_deltanet_state_two_sync(r == 0);
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));

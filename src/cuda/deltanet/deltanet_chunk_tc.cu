@@ -191,24 +191,26 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
 // smem: bf16 k[2][64][ldk] | Xwh[2][64][ldk] | Xwl[2][64][ldk] | Sh, Sl[Kc][TW+8] | Dh, Dl[64][TW+8] |
 //       f32 rkb[2][64] (rk beta per row) | f32 Xu[2][64][TW+4] (this CTA's TW columns, prefetched
 //       with the chunk's other operands: read synchronously it exposed a global-load latency per chunk)
-//       (the lo tiles with LO only) | with WS: S2h, S2l[Kc][TW+8] (S's second buffer) | u64 mbarriers[8]
+//       (the lo tiles with LO only) | with WS: S2h, S2l[Kc][TW+8] (S's second buffer) | u64 mbarriers[12]
+//       (WS: 4 operand buffers instead of 2: k[4], Xwh[4], rkb[4], Xu[4])
 struct StLayout {
   int Kc, ldk;
   std::size_t k, xh, xl, Sh, Sl, Dh, Dl, rkb, xu, S2h, S2l, bar, bytes;
   // with_xu = false: no Xu tiles (read from global instead), for devices whose shared memory per
   // block cannot hold them (sm_80: 163 KB; 195 KB are needed at K = 128). tw: the CTA's V columns
   // (the S, D and Xu tiles are tw + 8 bf16 / tw + 4 fp32 wide: 16-byte aligned rows, ldmatrix
-  // conflict-free). ws: the warp-specialised form (a second S buffer and the mbarriers).
+  // conflict-free). ws: the warp-specialised form (4 operand buffers, a second S buffer, the mbarriers).
   __host__ __device__ StLayout(std::int64_t K, bool lo, bool with_xu = true, int tw = 64, bool ws = false) {
     Kc = k_cols(K), ldk = Kc + 8;
+    const std::size_t ns = ws ? 4 : 2;                  // operand buffers
     const std::size_t kt = 2 * std::size_t(kT) * ldk;  // bytes of one (64, ldk) bf16 tile
     const std::size_t st = 2 * std::size_t(Kc) * (tw + 8), t64 = 2 * std::size_t(kT) * (tw + 8);
-    k = 0, xh = k + 2 * kt, xl = xh + 2 * kt, Sh = xl + (lo ? 2 * kt : 0), Sl = Sh + st;
+    k = 0, xh = k + ns * kt, xl = xh + ns * kt, Sh = xl + (lo ? ns * kt : 0), Sl = Sh + st;
     Dh = Sl + (lo ? st : 0), Dl = Dh + t64, rkb = Dl + (lo ? t64 : 0);
-    xu = rkb + 2 * 4 * kT;
-    S2h = xu + (with_xu ? 2 * 4 * std::size_t(kT) * (tw + 4) : 0), S2l = S2h + (ws ? st : 0);
+    xu = rkb + ns * 4 * kT;
+    S2h = xu + (with_xu ? ns * 4 * std::size_t(kT) * (tw + 4) : 0), S2l = S2h + (ws ? st : 0);
     bar = round_up(S2l + (ws && lo ? st : 0), 16);
-    bytes = bar + (ws ? 8 * 8 : 0);
+    bytes = bar + (ws ? 12 * 8 : 0);
   }
 };
 
@@ -228,8 +230,12 @@ constexpr int kStThreads = 256;
 // two buffers each): full (operands landed; 32 producer arrivals through cp.async), empty (the
 // consumers are done reading a buffer; 256), sfull (S entering a chunk written; 256), sempty (the
 // producer has stored it; 32). The same products in the same order: the same bits as WS = false.
+// Four operand buffers (a chunk's loads issued three steps ahead): with two, issued one step ahead by
+// one warp, the consumers waited on them for 44% of their stall samples and the kernel was 1.6x slower
+// ((1,32768,16,128) bf16 operands, H100).
 constexpr int kStWsThreads = kStThreads + 32;
-enum : int { kBarFull = 0, kBarEmpty = 2, kBarSFull = 4, kBarSEmpty = 6 };
+constexpr int kStWsBufs = 4;
+enum : int { kBarFull = 0, kBarEmpty = 4, kBarSFull = 8, kBarSEmpty = 10 };
 // The WS synchronisation, no-ops where the architecture has no mbarrier waits (the host launches the
 // WS form only for a binary of sm_90 or later: kernel_binary_version).
 __device__ __forceinline__ void ws_wait(std::uint64_t* bar, unsigned parity) {
@@ -274,6 +280,7 @@ template <bool LO, int TW = 64, int FK = 0, bool WS = false>
 __global__ void __launch_bounds__(WS ? kStWsThreads : kStThreads, 1)
     deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w, bool vk, bool vx, bool pxu, bool dp, bool two) {
   static_assert(TW == 64 || TW == 32, "64- or 32-column tiles");
+  static_assert(!(WS && LO), "WS: bf16 operands (four hi + lo operand buffers do not fit)");
   constexpr int NJ = TW / 8, NJX = TW / 16;  // 8-column tiles of S per warp, of X per warp
   constexpr int LDT = TW + 8, LDU = TW + 4;   // strides of the S / D (bf16) and Xu (fp32) tiles
   extern __shared__ float4 smem_raw[];
@@ -317,10 +324,8 @@ __global__ void __launch_bounds__(WS ? kStWsThreads : kStThreads, 1)
   if constexpr (WS) {
     if (tid == 0) {
 #if defined(FW_HAS_BULK)
-      for (int bb = 0; bb < 2; ++bb) {
-        mbar_init(bars + kBarFull + bb, 32), mbar_init(bars + kBarEmpty + bb, kStThreads);
-        mbar_init(bars + kBarSFull + bb, kStThreads), mbar_init(bars + kBarSEmpty + bb, 32);
-      }
+      for (int bb = 0; bb < kStWsBufs; ++bb) mbar_init(bars + kBarFull + bb, 32), mbar_init(bars + kBarEmpty + bb, kStThreads);
+      for (int bb = 0; bb < 2; ++bb) mbar_init(bars + kBarSFull + bb, kStThreads), mbar_init(bars + kBarSEmpty + bb, 32);
       mbar_init_fence();
 #endif
     }
@@ -369,17 +374,15 @@ __global__ void __launch_bounds__(WS ? kStWsThreads : kStThreads, 1)
         cp_async_mbar_arrive(bars + kBarFull + buf);
 #endif
       };
-      if (nch > 0) load(0, 0);
-      if (nch > 1) load(1, 1);
+      for (int c = 0; c < kStWsBufs && c < nch; ++c) load(c, c);
       for (std::int64_t ci = 0; ci < nch; ++ci) {
-        const int buf = int(ci & 1);
-        const unsigned par = unsigned(ci >> 1) & 1;
-        ws_wait(bars + kBarSFull + buf, par);  // S entering chunk ci, in S buffer buf
-        sst.store(state_mats<LO>(w.S, sq.base + ci, p.H, h, K, V), buf ? sS2h : sSh, buf ? sS2l : sSl, K, V, c0, 32);
-        ws_arrive(bars + kBarSEmpty + buf);
-        if (ci + 2 < nch) {
-          ws_wait(bars + kBarEmpty + buf, par);  // the consumers are done with step ci's buffer
-          load(buf, ci + 2);
+        const int sb = int(ci & 1), buf = int(ci % kStWsBufs);
+        ws_wait(bars + kBarSFull + sb, unsigned(ci >> 1) & 1);  // S entering chunk ci, in S buffer sb
+        sst.store(state_mats<LO>(w.S, sq.base + ci, p.H, h, K, V), sb ? sS2h : sSh, sb ? sS2l : sSl, K, V, c0, 32);
+        ws_arrive(bars + kBarSEmpty + sb);
+        if (ci + kStWsBufs < nch) {
+          ws_wait(bars + kBarEmpty + buf, unsigned(ci / kStWsBufs) & 1);  // the consumers are done with step ci's buffer
+          load(buf, ci + kStWsBufs);
         }
       }
       asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -435,17 +438,17 @@ __global__ void __launch_bounds__(WS ? kStWsThreads : kStThreads, 1)
   const StateStoreUnits<LO, TW> sst(K, V, c0, kStThreads);  // S's pieces to the workspace, fixed per CTA
   if (!WS && nch > 0) issue(0, 0);
   for (std::int64_t ci = 0; ci < nch; ++ci) {
-    const int buf = int(ci & 1);
+    const int buf = WS ? int(ci % kStWsBufs) : int(ci & 1);  // the operand buffer
+    const int sb = int(ci & 1);                                // WS: the S buffer
     const std::int64_t t0 = sq.bos + ci * kT;
     const int nr = int(lmin(kT, sq.eos - t0));
-    bf16* Sh = WS && buf ? sS2h : sSh;  // this step's S tile (WS: two buffers, one while the producer stores the other)
-    bf16* Sl = WS && buf ? sS2l : sSl;
+    bf16* Sh = WS && sb ? sS2h : sSh;  // this step's S tile (WS: two buffers, one while the producer stores the other)
+    bf16* Sl = WS && sb ? sS2l : sSl;
     if constexpr (WS) {
-      const unsigned par = unsigned(ci >> 1) & 1;
-      if (ci >= 2) ws_wait(bars + kBarSEmpty + buf, par ^ 1);  // S of step ci - 2 stored
+      if (ci >= 2) ws_wait(bars + kBarSEmpty + sb, (unsigned(ci >> 1) & 1) ^ 1);  // S of step ci - 2 stored
       state_split<8, LO>(acc_s, Sh, Sl, ngroups, warp, lane);
-      ws_arrive(bars + kBarSFull + buf);
-      ws_wait(bars + kBarFull + buf, par);  // chunk ci's operands landed
+      ws_arrive(bars + kBarSFull + sb);
+      ws_wait(bars + kBarFull + buf, unsigned(ci / kStWsBufs) & 1);  // chunk ci's operands landed
       ws_consumer_sync();                   // every warp's S rows written
     } else {
       // a. S as hi + lo (B operand of Xw S; its last readers, the previous step's X products, finished
@@ -739,9 +742,9 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   // The warp-specialised form, 32-column tiles only: with a ninth warp a scheduler holds three, so ptxas
   // caps the registers at 168 per thread, and the 64-column tiles (186-196 without it) spill, as hi + lo
   // at a runtime K does; [FK = 128][LO]
+  // (and hi + lo: its four operand buffers do not fit)
   static constexpr StateFn kWsStates[2][2] = {{&deltanet_state_kernel<false, 32, 0, true>, nullptr},
-                                               {&deltanet_state_kernel<false, 32, 128, true>,
-                                                &deltanet_state_kernel<true, 32, 128, true>}};
+                                               {&deltanet_state_kernel<false, 32, 128, true>, nullptr}};
   const int fk = deltanet_fixed_k(p), lo = p.hilo;
   const StateFn wsfn = tw == 32 ? kWsStates[fk][lo] : nullptr;
   // where its producer's paths hold: cp.async rows (k, Xw), the Xu tiles with whole 16-byte S pieces,
