@@ -331,45 +331,49 @@ __global__ void __launch_bounds__(WS ? kStWsThreads : kStThreads, 1)
     }
     __syncthreads();
     if (warp == kStThreads / 32) {  // the producer warp
-      // the (64, Kc) k and Xw tiles: lane's 16-byte unit column u, rows r0 + dr q (q < 64 / dr)
+      // One warp issues every chunk's copies, so its address arithmetic is the producer's time: per lane
+      // the first unit of chunk 0 once, then running pointers (with per-unit 64-bit products and
+      // predicates, ~2000 instructions per chunk, the producer was the bottleneck: 1.4x slower).
+      // The (64, Kc) k and Xw tiles: lane's 16-byte unit column u, rows r0 + dr q (q < 64 / dr).
       const int U = Kc / 8, dr = 32 / U, u = lane % U, r0 = lane / U, nq = kT / dr;
       const bool colk = 8 * u < K;  // K % 8 == 0 (vk): whole units; zeros past K up to Kc
       const std::uint32_t su = std::uint32_t(2 * (r0 * ldk + 8 * u)), ss = std::uint32_t(2 * dr * ldk);
       const std::int64_t kq = dr * p.k.s1, xq = dr * p.H * K;  // elements between a lane's units
-      // Xu: lane's piece (4 fp32 or 8 bf16 columns), rows xi + XP q
-      constexpr int XTf = TW / 4, XTb = TW / 8;
-      const int XT = w.xu16 ? XTb : XTf, XP = 32 / XT, xi = lane / XT, xc = (lane % XT) * (w.xu16 ? 8 : 4);
-      const int xbytes = V - c0 - xc >= (w.xu16 ? 8 : 4) ? 16 : 0;  // V % 8 == 0: whole pieces
+      const bf16* gk0 = k00 + r0 * p.k.s1 + 8 * u;             // chunk 0's first unit
+      const bf16* gx0 = xwh + (row00 + r0 * p.H) * K + 8 * u;
+      // Xu: lane's 16-byte piece (4 fp32 or 8 bf16 columns) of rows xi + XP q, as bytes
+      const int eb = w.xu16 ? 2 : 4;  // bytes per Xu element
+      const int XT = TW * eb / 16, XP = 32 / XT, xi = lane / XT, xc = (lane % XT) * (16 / eb);
+      const int xbytes = V - c0 - xc >= 16 / eb ? 16 : 0;  // V % 8 == 0: whole pieces
+      const char* gu0 = reinterpret_cast<const char*>(w.xu) + ((row00 + xi * p.H) * V + c0 + xc) * eb;
+      const std::int64_t uq = std::int64_t(XP) * hv * eb, uc = wrow_step * V * eb;  // bytes: between pieces, chunks
+      const int ldu = w.xu16 ? 2 * LDT : 4 * LDU;                                     // bytes per Xu tile row
+      const std::uint32_t du0 = smem_u32(s_xu) + std::uint32_t(xi * ldu + xc * eb);
+      const float* gr0 = w.rk + row00 + lane * p.H;  // rk beta of rows lane, lane + 32
       const StateStoreUnits<LO, TW> sst(K, V, c0, 32, lane);
       auto load = [&](int buf, std::int64_t ci) {
         const int nr = int(lmin(kT, sq.eos - sq.bos - ci * kT));
-        const std::int64_t row0 = row00 + ci * wrow_step;
-        const bf16* gk = k00 + ci * krow_step + r0 * p.k.s1 + 8 * u;
-        const bf16* gx = xwh + (row0 + r0 * p.H) * K + 8 * u;
-        const std::uint32_t dk = smem_u32(sk + buf * tile) + su, dx = smem_u32(sxh + buf * tile) + su,
-                            dxl = smem_u32(sxl + buf * tile) + su;
-#pragma unroll 4
-        for (int q = 0; q < nq; ++q) {
-          const int by = colk && r0 + dr * q < nr ? 16 : 0;
-          cp_async16_sz(dk + q * ss, by ? gk + q * kq : k00, by);
-          cp_async16_sz(dx + q * ss, by ? gx + q * xq : xwh, by);
-          if constexpr (LO) cp_async16_sz(dxl + q * ss, by ? gx + rows * K + q * xq : xwh, by);
-        }
-        if (w.xu16) {
-          const bf16* src = xub + (row0 + xi * p.H) * V + c0 + xc;
-          for (int q = 0; q < kT / XP; ++q) {
-            const int by = xi + XP * q < nr ? xbytes : 0;
-            cp_async16_sz(smem_u32(s_xub + (buf * kT + xi + XP * q) * LDT + xc), by ? src + XP * q * hv : xub, by);
-          }
+        std::uint32_t dk = smem_u32(sk + buf * tile) + su, dx = smem_u32(sxh + buf * tile) + su;
+        const bf16* gk = gk0 + ci * krow_step;
+        const bf16* gx = gx0 + ci * wrow_step * K;
+        if (nr == kT && colk) {  // a whole chunk (all but a sequence's last): no predicates
+#pragma unroll 8
+          for (int q = 0; q < nq; ++q, dk += ss, dx += ss, gk += kq, gx += xq) cp_async16_s(dk, gk), cp_async16_s(dx, gx);
         } else {
-          const float* src = w.xu + (row0 + xi * p.H) * V + c0 + xc;
-          for (int q = 0; q < kT / XP; ++q) {
-            const int by = xi + XP * q < nr ? xbytes : 0;
-            cp_async16_sz(smem_u32(s_xu + (buf * kT + xi + XP * q) * LDU + xc), by ? src + XP * q * hv : w.xu, by);
+          for (int q = 0; q < nq; ++q, dk += ss, dx += ss, gk += kq, gx += xq) {
+            const int by = colk && r0 + dr * q < nr ? 16 : 0;
+            cp_async16_sz(dk, by ? gk : k00, by), cp_async16_sz(dx, by ? gx : xwh, by);
           }
         }
-        for (int r = lane; r < kT; r += 32)
-          cp_async4_z(s_rkb + buf * kT + r, r < nr ? w.rk + row0 + r * p.H : w.rk, r < nr ? 4 : 0);
+        const char* gu = gu0 + ci * uc;
+        std::uint32_t du = du0 + std::uint32_t(buf * kT * ldu);
+        for (int q = 0; q < kT / XP; ++q, du += XP * ldu, gu += uq) {
+          const int by = xi + XP * q < nr ? xbytes : 0;
+          cp_async16_sz(du, by ? gu : gu0, by);
+        }
+        const float* gr = gr0 + ci * wrow_step;
+        cp_async4_z(s_rkb + buf * kT + lane, lane < nr ? gr : w.rk, lane < nr ? 4 : 0);
+        cp_async4_z(s_rkb + buf * kT + lane + 32, lane + 32 < nr ? gr + 32 * p.H : w.rk, lane + 32 < nr ? 4 : 0);
 #if defined(FW_HAS_BULK)
         cp_async_mbar_arrive(bars + kBarFull + buf);
 #endif
