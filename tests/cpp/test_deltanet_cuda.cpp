@@ -416,8 +416,7 @@ void check_bwd_case(const DnBwdCase& c) {
   // before the second: the results may depend on neither. The second call also runs the serial
   // kernels with their other buffering (the recomputing wy kernel with one v tile buffer instead of
   // two; bf16 operands: the backward serial kernel's q / Xw single-buffered) and the recomputing state
-  // kernel on 64-column V tiles instead of 32 (the first call's warp-specialised where it applies:
-  // bf16 operands, sm_90), and the recompute's state kernel after the state
+  // kernel on 64-column V tiles instead of 32, and the recompute's state kernel after the state
   // pass's prep + serial kernels on one stream where the first call ran it beside them on a second,
   // and the serial kernels' chunk steps with three barriers where the first call's had two: the same
   // bits.
