@@ -189,3 +189,31 @@ def profile_second_run(name: str, prepare, run) -> None:
         if it == 1:
             torch.cuda.cudart().cudaProfilerStop()
     print(f"{name}: done", flush=True)
+
+
+def kernel_table(name: str, prepare, run, iters: int = 5) -> None:
+    """Without ncu: each kernel's GPU time per call of run(prepare()) (torch.profiler / CUPTI), summed by
+    kernel name over `iters` calls after one warm-up, largest first, with its share of the total. Kernels
+    only: the gaps between them (launch, host) are not counted."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    run(prepare())  # warm-up: Triton compiles and autotunes
+    torch.cuda.synchronize()
+    inputs = [prepare() for _ in range(iters)]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for args in inputs:
+            run(args)
+        torch.cuda.synchronize()
+    tot: dict = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            t = tot.setdefault(e.name, [0.0, 0])
+            t[0] += e.device_time
+            t[1] += 1
+    total = sum(v[0] for v in tot.values()) / iters
+    print(f"## {name}: {total / 1e3:.3f} ms of kernels per call ({iters} calls)")
+    print("| kernel | us per call | launches per call | share |\n|---|---|---|---|")
+    for k, (us, n) in sorted(tot.items(), key=lambda kv: -kv[1][0]):
+        print(f"| {k[:90]} | {us / iters:.1f} | {n / iters:g} | {100 * us / iters / max(total, 1e-9):.1f}% |")
+    sys.stdout.flush()

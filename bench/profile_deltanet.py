@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import import_fastweight, profile_second_run  # noqa: E402
+from bench_common import import_fastweight, kernel_table, profile_second_run  # noqa: E402
 
 
 def main():
@@ -21,6 +21,8 @@ def main():
     ap.add_argument("--shape", default="4,4096,16,128", help="B,T,H,K (K = V)")
     ap.add_argument("--providers", default="fastweight,fla_chunk")
     ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="no ncu: print each kernel's GPU time per call over N calls (torch.profiler)")
     ap.add_argument("--varlen", type=int, default=0, help="N sequences packed into T (B = 1), cut as bench_deltanet.py cuts them")
     a = ap.parse_args()
     import torch
@@ -44,8 +46,13 @@ def main():
             if not a.no_backward:
                 torch.autograd.backward([o, ht], [torch.ones_like(o), torch.ones_like(ht)])
 
-        profile_second_run(name, lambda: [t.detach().clone().requires_grad_(not a.no_backward)
-                                          for t in (q, k, v, beta, h0)], run)
+        def prepare():
+            return [t.detach().clone().requires_grad_(not a.no_backward) for t in (q, k, v, beta, h0)]
+
+        if a.kernels:
+            kernel_table(name, prepare, run, a.kernels)
+        else:
+            profile_second_run(name, prepare, run)
     return 0
 
 

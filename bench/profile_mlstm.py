@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import import_fastweight, profile_second_run  # noqa: E402
+from bench_common import import_fastweight, kernel_table, profile_second_run  # noqa: E402
 
 
 def main():
@@ -21,6 +21,8 @@ def main():
     ap.add_argument("--providers", default="fastweight,limit_chunk")
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="no ncu: print each kernel's GPU time per call over N calls (torch.profiler)")
     a = ap.parse_args()
     import torch
     fw = import_fastweight()
@@ -38,8 +40,13 @@ def main():
             if not a.no_backward:
                 h.backward(torch.ones_like(h))
 
-        profile_second_run(name, lambda: [t.detach().clone().requires_grad_(not a.no_backward)
-                                          for t in (q, k, v, i, f)], run)
+        def prepare():
+            return [t.detach().clone().requires_grad_(not a.no_backward) for t in (q, k, v, i, f)]
+
+        if a.kernels:
+            kernel_table(name, prepare, run, a.kernels)
+        else:
+            profile_second_run(name, prepare, run)
     return 0
 
 

@@ -287,7 +287,8 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         if (plan.row1_vecs == 2) rownorm_fwd_row1_kernel<T, true, 2, 16, true, 8, false><<<grid, plan.threads, 0, stream>>>(p);
         else rownorm_fwd_row1_kernel<T, true, 1, 16, true, 8, false><<<grid, plan.threads, 0, stream>>>(p);
       } else if (raw_par && (plan.row1_vb != 16 || plan.row1_late || wide)) {
-        // the forced shapes (force_rownorm_fwd_row1_config): vectors, order, warp slots
+        // the planner's instances (16-byte vectors, parameters after the sums) and the forced shapes
+        // (force_rownorm_fwd_row1_config): vector bytes, parameter order, warp slots
         auto go = [&](auto vpt, auto vb, auto late, auto w) {
           rownorm_fwd_row1_kernel<T, true, decltype(vpt)::value, decltype(vb)::value, decltype(late)::value,
                                   decltype(w)::value><<<grid, plan.threads, 0, stream>>>(p);
