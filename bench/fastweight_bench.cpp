@@ -9,8 +9,9 @@
 //   fastweight_bench --bulk-vecs=4|8         the bulk forward's vectors per thread where it fits (A/B)
 //   fastweight_bench --no-row1               norm forward without the one-row-per-CTA kernel (A/B)
 //   fastweight_bench --row1-vecs=1|2         its vectors per thread (A/B)
-//   fastweight_bench --row1-cfg=TPR:VB:LATE  force its shape on every aligned 16-bit row it can take:
-//                                            threads per row, vector bytes (8|16), parameters after the sums (0|1)
+//   fastweight_bench --row1-cfg=TPR:VB:LATE[:PLAIN]  force its shape on every aligned 16-bit row it can
+//                                            take: threads per row, vector bytes (8|16), parameters after the
+//                                            sums (0|1), ld.global instead of ld.global.nc (0|1)
 //   fastweight_bench --dn-no-db2             DeltaNet backward serial kernel with q / Xw single-buffered (A/B)
 //   fastweight_bench --dn-wy-vbufs=1|2       DeltaNet wy kernel's v tile buffers (A/B)
 //   fastweight_bench --dn-state-tile=32|64   DeltaNet forward state kernel's V tile columns (A/B)
@@ -345,9 +346,9 @@ int main(int argc, char** argv) {
     else if (a == "--no-row1") o.no_row1 = true;
     else if (const char* v = val("--row1-vecs=")) o.row1_vecs = std::atoi(v);
     else if (const char* v = val("--row1-cfg=")) {
-      int late = 0;
-      if (std::sscanf(v, "%d:%d:%d", &o.row1_cfg.tpr, &o.row1_cfg.vb, &late) != 3) usage(2);
-      o.row1_cfg.late = late != 0;
+      int late = 0, plain = 0;  // TPR:VB:LATE[:PLAIN]
+      if (std::sscanf(v, "%d:%d:%d:%d", &o.row1_cfg.tpr, &o.row1_cfg.vb, &late, &plain) < 3) usage(2);
+      o.row1_cfg.late = late != 0, o.row1_cfg.plain = plain != 0;
     }
     else if (a == "--dn-no-db2") o.dn_no_db2 = true;
     else if (const char* v = val("--dn-wy-vbufs=")) o.dn_wy_vbufs = std::atoi(v);
