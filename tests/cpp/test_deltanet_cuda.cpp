@@ -115,7 +115,8 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
   // poisoned with 0xff bytes: every read of it must follow a write). Each mode runs twice, the wy
   // kernel with two v tile buffers and then with one, the state kernel on 32-column V tiles with two
   // barriers per chunk step (with bf16 operands on sm_90 warp-specialised: a producer warp loads and
-  // stores) and then on 64-column ones with three (no producer): the same bits again.
+  // stores; two producer warps in mode 2, one in mode 4) and then on 64-column ones with three (no
+  // producer): the same bits again.
   const std::size_t need = fastweight::detail::deltanet_fwd_workspace_bytes(p);
   void* ws = nullptr;
   if (need) FW_TEST_CUDA(cudaMalloc(&ws, need));
@@ -123,16 +124,18 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
     bool prev;
     int vbufs, tile;
     bool two, ws;
+    int ws_warps;
     ~Restore() {
       fastweight::detail::set_deltanet_fwd_dprime(prev);
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_state_tile(tile);
       fastweight::detail::set_deltanet_state_two_sync(two);
       fastweight::detail::set_deltanet_state_ws(ws);
+      fastweight::detail::set_deltanet_state_ws_warps(ws_warps);
     }
   } restore{fastweight::detail::set_deltanet_fwd_dprime(true), fastweight::detail::set_deltanet_wy_vbufs(0),
             fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_state_two_sync(true),
-            fastweight::detail::set_deltanet_state_ws(true)};
+            fastweight::detail::set_deltanet_state_ws(true), fastweight::detail::set_deltanet_state_ws_warps(2)};
   std::vector<HostTensor> by_mode(2 * 5);  // o, final state of each mode
   for (int m = 0; m < 5; ++m) {
     void* w = m == 0 ? nullptr : ws;
@@ -149,6 +152,7 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
       fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
       fastweight::detail::set_deltanet_state_tile(r == 0 ? 32 : 64);
       fastweight::detail::set_deltanet_state_two_sync(r == 0);
+      fastweight::detail::set_deltanet_state_ws_warps(m == 4 ? 1 : 2);
       FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
       FW_TEST_CUDA(cudaMemset(ght.ptr, 0xff, ght.nbytes));
       if (w) FW_TEST_CUDA(cudaMemset(w, 0xff, need));

@@ -233,7 +233,9 @@ constexpr int kStThreads = 256;
 // Four operand buffers (a chunk's loads issued three steps ahead): with two, issued one step ahead by
 // one warp, the consumers waited on them for 44% of their stall samples and the kernel was 1.6x slower
 // ((1,32768,16,128) bf16 operands, H100).
-constexpr int kStWsThreads = kStThreads + 32;
+// NP: producer warps. With one, version 3 (running pointers) took the forward only 1.6-2.6% below the
+// old form, where the consumers had lost ~35% of their instructions: the one warp's ~300 instructions
+// per chunk may still set the step. With two, warp 0 takes k, rk beta and the S store, warp 1 Xw and Xu.
 constexpr int kStWsBufs = 4;
 enum : int { kBarFull = 0, kBarEmpty = 4, kBarSFull = 8, kBarSEmpty = 10 };
 // The WS synchronisation, no-ops where the architecture has no mbarrier waits (the host launches the
@@ -276,8 +278,8 @@ __device__ __forceinline__ void cp_async4_z(void* s, const void* g, int src_byte
 // it but S is not read by the update; D is written only after it). The same products in the same
 // order: the same bits. (WS: always two; the mbarriers guard the buffers.)
 // WS needs (the host checks): vk, vx, the Xu tiles with V % 8 == 0 (16-byte S pieces).
-template <bool LO, int TW = 64, int FK = 0, bool WS = false>
-__global__ void __launch_bounds__(WS ? kStWsThreads : kStThreads, 1)
+template <bool LO, int TW = 64, int FK = 0, bool WS = false, int NP = 1>
+__global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
     deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w, bool vk, bool vx, bool pxu, bool dp, bool two) {
   static_assert(TW == 64 || TW == 32, "64- or 32-column tiles");
   static_assert(!(WS && LO), "WS: bf16 operands (four hi + lo operand buffers do not fit)");
@@ -324,13 +326,15 @@ __global__ void __launch_bounds__(WS ? kStWsThreads : kStThreads, 1)
   if constexpr (WS) {
     if (tid == 0) {
 #if defined(FW_HAS_BULK)
-      for (int bb = 0; bb < kStWsBufs; ++bb) mbar_init(bars + kBarFull + bb, 32), mbar_init(bars + kBarEmpty + bb, kStThreads);
+      for (int bb = 0; bb < kStWsBufs; ++bb) mbar_init(bars + kBarFull + bb, 32 * NP), mbar_init(bars + kBarEmpty + bb, kStThreads);
       for (int bb = 0; bb < 2; ++bb) mbar_init(bars + kBarSFull + bb, kStThreads), mbar_init(bars + kBarSEmpty + bb, 32);
       mbar_init_fence();
 #endif
     }
     __syncthreads();
-    if (warp == kStThreads / 32) {  // the producer warp
+    if (warp >= kStThreads / 32) {  // the producer warps
+      const int pw = warp - kStThreads / 32;
+      const bool do_k = NP == 1 || pw == 0, do_x = NP == 1 || pw == 1;  // k, rk beta, S / Xw, Xu
       // One warp issues every chunk's copies, so its address arithmetic is the producer's time: per lane
       // the first unit of chunk 0 once, then running pointers (with per-unit 64-bit products and
       // predicates, ~2000 instructions per chunk, the producer was the bottleneck: 1.4x slower).
@@ -357,23 +361,34 @@ __global__ void __launch_bounds__(WS ? kStWsThreads : kStThreads, 1)
         const bf16* gk = gk0 + ci * krow_step;
         const bf16* gx = gx0 + ci * wrow_step * K;
         if (nr == kT && colk) {  // a whole chunk (all but a sequence's last): no predicates
+          if (do_k) {
 #pragma unroll 8
-          for (int q = 0; q < nq; ++q, dk += ss, dx += ss, gk += kq, gx += xq) cp_async16_s(dk, gk), cp_async16_s(dx, gx);
+            for (int q = 0; q < nq; ++q, dk += ss, gk += kq) cp_async16_s(dk, gk);
+          }
+          if (do_x) {
+#pragma unroll 8
+            for (int q = 0; q < nq; ++q, dx += ss, gx += xq) cp_async16_s(dx, gx);
+          }
         } else {
           for (int q = 0; q < nq; ++q, dk += ss, dx += ss, gk += kq, gx += xq) {
             const int by = colk && r0 + dr * q < nr ? 16 : 0;
-            cp_async16_sz(dk, by ? gk : k00, by), cp_async16_sz(dx, by ? gx : xwh, by);
+            if (do_k) cp_async16_sz(dk, by ? gk : k00, by);
+            if (do_x) cp_async16_sz(dx, by ? gx : xwh, by);
           }
         }
-        const char* gu = gu0 + ci * uc;
-        std::uint32_t du = du0 + std::uint32_t(buf * kT * ldu);
-        for (int q = 0; q < kT / XP; ++q, du += XP * ldu, gu += uq) {
-          const int by = xi + XP * q < nr ? xbytes : 0;
-          cp_async16_sz(du, by ? gu : gu0, by);
+        if (do_x) {
+          const char* gu = gu0 + ci * uc;
+          std::uint32_t du = du0 + std::uint32_t(buf * kT * ldu);
+          for (int q = 0; q < kT / XP; ++q, du += XP * ldu, gu += uq) {
+            const int by = xi + XP * q < nr ? xbytes : 0;
+            cp_async16_sz(du, by ? gu : gu0, by);
+          }
         }
-        const float* gr = gr0 + ci * wrow_step;
-        cp_async4_z(s_rkb + buf * kT + lane, lane < nr ? gr : w.rk, lane < nr ? 4 : 0);
-        cp_async4_z(s_rkb + buf * kT + lane + 32, lane + 32 < nr ? gr + 32 * p.H : w.rk, lane + 32 < nr ? 4 : 0);
+        if (do_k) {
+          const float* gr = gr0 + ci * wrow_step;
+          cp_async4_z(s_rkb + buf * kT + lane, lane < nr ? gr : w.rk, lane < nr ? 4 : 0);
+          cp_async4_z(s_rkb + buf * kT + lane + 32, lane + 32 < nr ? gr + 32 * p.H : w.rk, lane + 32 < nr ? 4 : 0);
+        }
 #if defined(FW_HAS_BULK)
         cp_async_mbar_arrive(bars + kBarFull + buf);
 #endif
@@ -381,9 +396,11 @@ __global__ void __launch_bounds__(WS ? kStWsThreads : kStThreads, 1)
       for (int c = 0; c < kStWsBufs && c < nch; ++c) load(c, c);
       for (std::int64_t ci = 0; ci < nch; ++ci) {
         const int sb = int(ci & 1), buf = int(ci % kStWsBufs);
-        ws_wait(bars + kBarSFull + sb, unsigned(ci >> 1) & 1);  // S entering chunk ci, in S buffer sb
-        sst.store(state_mats<LO>(w.S, sq.base + ci, p.H, h, K, V), sb ? sS2h : sSh, sb ? sS2l : sSl, K, V, c0, 32);
-        ws_arrive(bars + kBarSEmpty + sb);
+        if (do_k) {
+          ws_wait(bars + kBarSFull + sb, unsigned(ci >> 1) & 1);  // S entering chunk ci, in S buffer sb
+          sst.store(state_mats<LO>(w.S, sq.base + ci, p.H, h, K, V), sb ? sS2h : sSh, sb ? sS2l : sSl, K, V, c0, 32);
+          ws_arrive(bars + kBarSEmpty + sb);
+        }
         if (ci + kStWsBufs < nch) {
           ws_wait(bars + kBarEmpty + buf, unsigned(ci / kStWsBufs) & 1);  // the consumers are done with step ci's buffer
           load(buf, ci + kStWsBufs);
@@ -677,6 +694,7 @@ std::atomic<int> g_wy_vbufs{0};   // 0: the planner's choice
 std::atomic<int> g_state_tile{0};  // 0: the planner's choice
 std::atomic<bool> g_state_two_sync{true};  // set_deltanet_state_two_sync
 std::atomic<bool> g_state_ws{true};        // set_deltanet_state_ws
+std::atomic<int> g_state_ws_warps{2};      // set_deltanet_state_ws_warps
 std::atomic<bool> g_fixed_k{true};  // set_deltanet_fixed_k
 }  // namespace
 bool set_deltanet_fixed_k(bool on) { return g_fixed_k.exchange(on); }
@@ -685,6 +703,7 @@ int set_deltanet_wy_vbufs(int n) { return g_wy_vbufs.exchange(n == 1 || n == 2 ?
 int set_deltanet_state_tile(int cols) { return g_state_tile.exchange(cols == 32 || cols == 64 ? cols : 0); }
 bool set_deltanet_state_two_sync(bool on) { return g_state_two_sync.exchange(on); }
 bool set_deltanet_state_ws(bool on) { return g_state_ws.exchange(on); }
+int set_deltanet_state_ws_warps(int n) { return g_state_ws_warps.exchange(n == 1 ? 1 : 2); }
 bool deltanet_serial_two_sync() { return g_state_two_sync.load(std::memory_order_relaxed); }
 int deltanet_serial_tile(const DeltanetParams& p) {
   // Measured (H200, docs/perf/deltanet.md session 18): 32 columns take (2,8192,16,128) from 1.27 to
@@ -747,10 +766,12 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   // caps the registers at 168 per thread, and the 64-column tiles (186-196 without it) spill, as hi + lo
   // at a runtime K does; [FK = 128][LO]
   // (and hi + lo: its four operand buffers do not fit)
-  static constexpr StateFn kWsStates[2][2] = {{&deltanet_state_kernel<false, 32, 0, true>, nullptr},
-                                               {&deltanet_state_kernel<false, 32, 128, true>, nullptr}};
-  const int fk = deltanet_fixed_k(p), lo = p.hilo;
-  const StateFn wsfn = tw == 32 ? kWsStates[fk][lo] : nullptr;
+  // [producer warps - 1][FK = 128] (bf16 operands only: hi + lo's four operand buffers do not fit)
+  static constexpr StateFn kWsStates[2][2] = {
+      {&deltanet_state_kernel<false, 32, 0, true, 1>, &deltanet_state_kernel<false, 32, 128, true, 1>},
+      {&deltanet_state_kernel<false, 32, 0, true, 2>, &deltanet_state_kernel<false, 32, 128, true, 2>}};
+  const int fk = deltanet_fixed_k(p), lo = p.hilo, np = g_state_ws_warps.load(std::memory_order_relaxed);
+  const StateFn wsfn = tw == 32 && !lo ? kWsStates[np - 1][fk] : nullptr;
   // where its producer's paths hold: cp.async rows (k, Xw), the Xu tiles with whole 16-byte S pieces,
   // two barriers (the tests' three-barrier run compares bits with it), a binary for sm_90. The forward
   // only (w.dprime: its request): the backward's recompute, beside the state pass's kernels at
@@ -761,7 +782,7 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
                   lws.bytes <= smem_per_block_optin() && kernel_binary_version(reinterpret_cast<const void*>(wsfn)) >= 90;
   const StateFn state = ws ? wsfn : kStates[fk][tw == 32][lo];
   const StLayout ls = ws ? lws : StLayout(p.K, p.hilo, pxu, tw);
-  const int threads = ws ? kStWsThreads : kStThreads;
+  const int threads = ws ? kStThreads + 32 * np : kStThreads;
   const std::int64_t vtw = (p.V + tw - 1) / tw;
   if (vtw > 65535) throw Error(cat("deltanet (tensor cores): grid too large (", vtw, " V tiles)"));
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(state), threads, ls.bytes);

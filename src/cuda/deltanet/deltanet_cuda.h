@@ -56,6 +56,9 @@ bool deltanet_serial_two_sync();
 // warp loads each chunk's operands and stores S while 8 warps compute; the same bits.
 // Default on; returns the previous setting (tests; fastweight_bench --dn-state-ws=off).
 bool set_deltanet_state_ws(bool on);
+// Its producer warps, 1 or 2 (default 2: k, rk beta and the S store on one, Xw and Xu on the other);
+// returns the previous setting (tests; fastweight_bench --dn-state-ws-warps=1).
+int set_deltanet_state_ws_warps(int n);
 // The planner's choice: 32 where 64-column CTAs (one per SM) would leave more than half the SMs idle;
 // with cu_seqlens (lengths unknown on the host, the longest sets the tail) up to two such waves.
 int deltanet_serial_tile(const DeltanetParams& p);
