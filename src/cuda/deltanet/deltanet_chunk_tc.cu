@@ -226,10 +226,10 @@ constexpr int kStThreads = 256;
 // loads (cp.async, completing on an mbarrier per buffer) and stores S to the workspace from a second
 // S buffer, while the 8 consumer warps only compute. The loads and the S store were ~35% of the
 // consumers' stall samples and instructions per chunk step (ncu source counters, (1,32768,16,128),
-// bf16 operands, H100: the issue line 23%, the S store 12%), all on the serial chain. mbarriers (u64,
-// two buffers each): full (operands landed; 32 producer arrivals through cp.async), empty (the
-// consumers are done reading a buffer; 256), sfull (S entering a chunk written; 256), sempty (the
-// producer has stored it; 32). The same products in the same order: the same bits as WS = false.
+// bf16 operands, H100: the issue line 23%, the S store 12%), all on the serial chain. mbarriers (u64):
+// full[4] (a buffer's operands landed; 32 arrivals per producer warp through cp.async), empty[4] (the
+// consumers are done reading a buffer; 256), sfull[2] (S entering a chunk written; 256), sempty[2]
+// (the producer has stored it; 32). The same products in the same order: the same bits as WS = false.
 // Four operand buffers (a chunk's loads issued three steps ahead): with two, issued one step ahead by
 // one warp, the consumers waited on them for 44% of their stall samples and the kernel was 1.6x slower
 // ((1,32768,16,128) bf16 operands, H100).
@@ -262,13 +262,6 @@ __device__ __forceinline__ void cp_async16_sz(std::uint32_t s, const void* g, in
 __device__ __forceinline__ void cp_async4_z(void* s, const void* g, int src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(s)), "l"(g), "r"(src_bytes));
 }
-// 8 warps: the serial chain ran at one warp per scheduler with 4 (ncu: 6.25% occupancy, 3.8 cycles per
-// issue); as K2 of the mLSTM backward (1.36 -> 0.94 ms), warp w owns S's 16-row group w and, in X =
-// Xu - Xw S, rows 16 (w % 4).. and the (TW / 2)-column half w / 4.
-// TW: the CTA's columns of V, 64 or 32. 32 halves each warp's products per chunk step (the step is a
-// latency chain: FLA's fwd_h autotunes 32- or 64-column tiles of 2-4 warps) and doubles the CTAs, for
-// grids that leave SMs idle (long sequences, few heads). The same sums in the same order per element:
-// the same bits as TW = 64.
 // FK: K fixed at compile time (128; the launch checks it), 0: runtime. Fixed, the tiles' strides,
 // trip counts and shared-memory offsets are constants (as the mLSTM backward's K3 roles: -34% of
 // their executed instructions there).
@@ -291,6 +284,7 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
   const StLayout lay(K, LO, pxu, TW, WS);
   const int Kc = lay.Kc, ldk = lay.ldk;
   const std::size_t tile = std::size_t(kT) * ldk;  // elements of one (64, ldk) tile
+  // operand buffers: [2], or with WS [kStWsBufs]
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // [2] (64 rows, Kc) k
   bf16* sxh = reinterpret_cast<bf16*>(base + lay.xh);  // [2] (64 rows, Kc) Xw hi
   bf16* sxl = reinterpret_cast<bf16*>(base + lay.xl);  // [2] (64 rows, Kc) Xw lo
@@ -302,8 +296,8 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
   float* s_xu = reinterpret_cast<float*>(base + lay.xu);    // [2][64][LDU]
   bf16* s_xub = reinterpret_cast<bf16*>(base + lay.xu);     // or, with w.xu16, bf16 [2][64][LDT]
   bf16* sS2h = reinterpret_cast<bf16*>(base + lay.S2h);     // WS: S's buffer 1 (Kc, TW), hi
-  bf16* sS2l = reinterpret_cast<bf16*>(base + lay.S2l);     // ... lo
-  std::uint64_t* bars = reinterpret_cast<std::uint64_t*>(base + lay.bar);  // WS: [8] (kBarFull..)
+  bf16* sS2l = reinterpret_cast<bf16*>(base + lay.S2l);     // ... lo (none: WS is bf16 operands only)
+  std::uint64_t* bars = reinterpret_cast<std::uint64_t*>(base + lay.bar);  // WS: [12] (kBarFull..)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int rg = warp & 3, half = warp >> 2;  // X step: rows 16 rg.., columns (TW / 2) half..
@@ -324,6 +318,9 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
   const std::int64_t nch = (sq.eos - sq.bos + kT - 1) / kT;
 
   if constexpr (WS) {
+#if !defined(FW_HAS_BULK)
+    __trap();  // no mbarriers in this build of the kernel: never run it unsynchronised (the host checks)
+#endif
     if (tid == 0) {
 #if defined(FW_HAS_BULK)
       for (int bb = 0; bb < kStWsBufs; ++bb) mbar_init(bars + kBarFull + bb, 32 * NP), mbar_init(bars + kBarEmpty + bb, kStThreads);
@@ -763,10 +760,8 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
       {{&deltanet_state_kernel<false, 64, 128>, &deltanet_state_kernel<true, 64, 128>},
        {&deltanet_state_kernel<false, 32, 128>, &deltanet_state_kernel<true, 32, 128>}}};
   // The warp-specialised form, 32-column tiles only: with a ninth warp a scheduler holds three, so ptxas
-  // caps the registers at 168 per thread, and the 64-column tiles (186-196 without it) spill, as hi + lo
-  // at a runtime K does; [FK = 128][LO]
-  // (and hi + lo: its four operand buffers do not fit)
-  // [producer warps - 1][FK = 128] (bf16 operands only: hi + lo's four operand buffers do not fit)
+  // caps the registers at 168 per thread, and the 64-column tiles (186-196 without it) spilled; bf16
+  // operands only (hi + lo's four operand buffers do not fit). [producer warps - 1][FK = 128]
   static constexpr StateFn kWsStates[2][2] = {
       {&deltanet_state_kernel<false, 32, 0, true, 1>, &deltanet_state_kernel<false, 32, 128, true, 1>},
       {&deltanet_state_kernel<false, 32, 0, true, 2>, &deltanet_state_kernel<false, 32, 128, true, 2>}};
