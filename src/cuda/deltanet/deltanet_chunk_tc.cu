@@ -321,6 +321,7 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
 #if !defined(FW_HAS_BULK)
     __trap();  // no mbarriers in this build of the kernel: never run it unsynchronised (the host checks)
 #endif
+    if (!vk || !vx || !vxu || V % 8 != 0) __trap();  // the producer's paths (the host checks): fail loudly
     if (tid == 0) {
 #if defined(FW_HAS_BULK)
       for (int bb = 0; bb < kStWsBufs; ++bb) mbar_init(bars + kBarFull + bb, 32 * NP), mbar_init(bars + kBarEmpty + bb, kStThreads);
