@@ -9,8 +9,9 @@
 //   fastweight_bench --bulk-vecs=4|8         the bulk forward's vectors per thread where it fits (A/B)
 //   fastweight_bench --no-row1               norm forward without the one-row-per-CTA kernel (A/B)
 //   fastweight_bench --row1-vecs=1|2         its vectors per thread (A/B)
-//   fastweight_bench --row1-cfg=TPR:VB:LATE  force its shape on every aligned 16-bit row it can take:
-//                                            threads per row, vector bytes (8|16), parameters after the sums (0|1)
+//   fastweight_bench --row1-cfg=TPR:VB:LATE[:PLAIN]  force its shape on every aligned 16-bit row it can
+//                                            take: threads per row, vector bytes (8|16), parameters after the
+//                                            sums (0|1), ld.global instead of ld.global.nc (0|1)
 //   fastweight_bench --dn-no-db2             DeltaNet backward serial kernel with q / Xw single-buffered (A/B)
 //   fastweight_bench --dn-wy-vbufs=1|2       DeltaNet wy kernel's v tile buffers (A/B)
 //   fastweight_bench --dn-state-tile=32|64   DeltaNet forward state kernel's V tile columns (A/B)
@@ -22,6 +23,8 @@
 //   fastweight_bench --dn-two-sync=off       DeltaNet serial kernels with three barriers per chunk step (A/B)
 //   fastweight_bench --dn-x-bf16=off         DeltaNet backward (bf16 operands) with X, Y in fp32 (A/B)
 //   fastweight_bench --dn-xu-bf16=off        DeltaNet (bf16 operands) with Xu in fp32 (A/B)
+//   fastweight_bench --dn-state-ws=off       DeltaNet forward state kernel without its producer warp (A/B)
+//   fastweight_bench --dn-state-ws-warps=1|2 its producer warps (A/B)
 //   fastweight_bench --steps-only            the mLSTM / DeltaNet families' GPU decoding-step rows alone (A/B)
 //   fastweight_bench --mlstm-step-kernel=N   mLSTM decoding step's C pass kernel (A/B; set_mlstm_step_kernel)
 //   fastweight_bench --step-tile-major=off   the decoding steps' grids heads-fastest (A/B; set_step_tile_major)
@@ -91,6 +94,8 @@ struct Options {
   int reps = 30;
   bool steps_only = false;
   bool dn_three_sync = false;
+  bool dn_no_state_ws = false;
+  int dn_state_ws_warps = 0;
   bool dn_x_f32 = false;
   bool dn_xu_f32 = false;
   bool mlstm_step_no_fuse = false;
@@ -332,6 +337,8 @@ int main(int argc, char** argv) {
     else if (a == "--timing-only") o.timing_only = true;
     else if (a == "--steps-only") o.steps_only = true;
     else if (const char* v = val("--dn-two-sync=")) o.dn_three_sync = !on(v);
+    else if (const char* v = val("--dn-state-ws=")) o.dn_no_state_ws = !on(v);
+    else if (const char* v = val("--dn-state-ws-warps=")) o.dn_state_ws_warps = std::atoi(v);
     else if (const char* v = val("--dn-x-bf16=")) o.dn_x_f32 = !on(v);
     else if (const char* v = val("--dn-xu-bf16=")) o.dn_xu_f32 = !on(v);
     else if (const char* v = val("--mlstm-step-fuse=")) o.mlstm_step_no_fuse = !on(v);
@@ -342,9 +349,9 @@ int main(int argc, char** argv) {
     else if (a == "--no-row1") o.no_row1 = true;
     else if (const char* v = val("--row1-vecs=")) o.row1_vecs = std::atoi(v);
     else if (const char* v = val("--row1-cfg=")) {
-      int late = 0;
-      if (std::sscanf(v, "%d:%d:%d", &o.row1_cfg.tpr, &o.row1_cfg.vb, &late) != 3) usage(2);
-      o.row1_cfg.late = late != 0;
+      int late = 0, plain = 0;  // TPR:VB:LATE[:PLAIN]
+      if (std::sscanf(v, "%d:%d:%d:%d", &o.row1_cfg.tpr, &o.row1_cfg.vb, &late, &plain) < 3) usage(2);
+      o.row1_cfg.late = late != 0, o.row1_cfg.plain = plain != 0;
     }
     else if (a == "--dn-no-db2") o.dn_no_db2 = true;
     else if (const char* v = val("--dn-wy-vbufs=")) o.dn_wy_vbufs = std::atoi(v);
@@ -395,6 +402,8 @@ int main(int argc, char** argv) {
   if (o.mlstm_step_kernel >= 0) fastweight::detail::set_mlstm_step_kernel(o.mlstm_step_kernel);
   if (o.step_heads_major) fastweight::detail::set_step_tile_major(false);
   if (o.dn_three_sync) fastweight::detail::set_deltanet_state_two_sync(false);
+  if (o.dn_no_state_ws) fastweight::detail::set_deltanet_state_ws(false);
+  if (o.dn_state_ws_warps) fastweight::detail::set_deltanet_state_ws_warps(o.dn_state_ws_warps);
   if (o.dn_x_f32) fastweight::detail::set_deltanet_bwd_x_bf16(false);
   if (o.dn_xu_f32) fastweight::detail::set_deltanet_xu_bf16(false);
   if (o.mlstm_step_no_fuse) fastweight::detail::set_mlstm_step_fuse_nm(false);

@@ -113,39 +113,54 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
   // its operands as bf16 hi + lo and as bf16 alone, with the state kernel handing D' to the output
   // kernel and (modes 3, 4) X in fp32 instead: the same roundings, so the same bits (the workspace
   // poisoned with 0xff bytes: every read of it must follow a write). Each mode runs twice, the wy
-  // kernel with two v tile buffers and then with one, the state kernel on 64-column V tiles with two
-  // barriers per chunk step and then on 32-column ones with three: the same bits again.
+  // kernel with two v tile buffers and then with one, the state kernel on 32-column V tiles with two
+  // barriers per chunk step (with bf16 operands on sm_90 warp-specialised: a producer warp loads and
+  // stores; two producer warps in mode 2, one in modes 4 and 5) and then on 64-column ones with three
+  // (no producer): the same bits again. Mode 5: bf16 operands with Xu in fp32 (the state kernel's
+  // fp32 Xu tiles; other roundings, so checked against the reference only).
+  const bool prev_xu16 = fastweight::detail::set_deltanet_xu_bf16(false);  // the larger workspace
   const std::size_t need = fastweight::detail::deltanet_fwd_workspace_bytes(p);
+  fastweight::detail::set_deltanet_xu_bf16(prev_xu16);
   void* ws = nullptr;
   if (need) FW_TEST_CUDA(cudaMalloc(&ws, need));
   struct Restore {
     bool prev;
     int vbufs, tile;
-    bool two;
+    bool two, ws;
+    int ws_warps;
+    bool xu16;
     ~Restore() {
       fastweight::detail::set_deltanet_fwd_dprime(prev);
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_state_tile(tile);
       fastweight::detail::set_deltanet_state_two_sync(two);
+      fastweight::detail::set_deltanet_state_ws(ws);
+      fastweight::detail::set_deltanet_state_ws_warps(ws_warps);
+      fastweight::detail::set_deltanet_xu_bf16(xu16);
     }
   } restore{fastweight::detail::set_deltanet_fwd_dprime(true), fastweight::detail::set_deltanet_wy_vbufs(0),
-            fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_state_two_sync(true)};
-  std::vector<HostTensor> by_mode(2 * 5);  // o, final state of each mode
-  for (int m = 0; m < 5; ++m) {
+            fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_state_two_sync(true),
+            fastweight::detail::set_deltanet_state_ws(true), fastweight::detail::set_deltanet_state_ws_warps(2),
+            fastweight::detail::set_deltanet_xu_bf16(true)};
+  std::vector<HostTensor> by_mode(2 * 6);  // o, final state of each mode
+  for (int m = 0; m < 6; ++m) {
     void* w = m == 0 ? nullptr : ws;
     p.hilo = m == 1 || m == 3;
-    fastweight::detail::set_deltanet_fwd_dprime(m < 3);
+    fastweight::detail::set_deltanet_fwd_dprime(m < 3 || m == 5);
+    fastweight::detail::set_deltanet_xu_bf16(m != 5);
     const char* mode = m == 0   ? "on-chip (no workspace)"
                        : m == 1 ? "pipeline (hi + lo)"
                        : m == 2 ? "pipeline (bf16 operands)"
                        : m == 3 ? "pipeline (hi + lo, X in fp32)"
-                                : "pipeline (bf16 operands, X in fp32)";
+                       : m == 4 ? "pipeline (bf16 operands, X in fp32)"
+                                : "pipeline (bf16 operands, Xu in fp32)";
     if (m == 2) EXPECT_LT(fastweight::detail::deltanet_fwd_workspace_bytes(p), need) << "bf16 operands: less workspace";
     std::vector<HostTensor> runs;
     for (int r = 0; r < 2; ++r) {
       fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
-      fastweight::detail::set_deltanet_state_tile(r == 0 ? 64 : 32);
+      fastweight::detail::set_deltanet_state_tile(r == 0 ? 32 : 64);
       fastweight::detail::set_deltanet_state_two_sync(r == 0);
+      fastweight::detail::set_deltanet_state_ws_warps(m >= 4 ? 1 : 2);
       FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
       FW_TEST_CUDA(cudaMemset(ght.ptr, 0xff, ght.nbytes));
       if (w) FW_TEST_CUDA(cudaMemset(w, 0xff, need));
@@ -161,7 +176,7 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
     EXPECT_LT(rel_err(runs[1], rht), tol) << mode << ": final state";
     if (!need) break;  // no pipeline for this case
     by_mode[2 * m] = runs[0], by_mode[2 * m + 1] = runs[1];
-    if (m >= 3) {  // the D' hand-off changes where a rounding happens, not the rounding
+    if (m == 3 || m == 4) {  // the D' hand-off changes where a rounding happens, not the rounding
       EXPECT_EQ(by_mode[2 * m].bytes, by_mode[2 * (m - 2)].bytes) << mode << ": o differs from the D' version";
       EXPECT_EQ(by_mode[2 * m + 1].bytes, by_mode[2 * (m - 2) + 1].bytes) << mode << ": final state differs";
     }
@@ -202,6 +217,10 @@ std::vector<DnCase> cases() {
   v.push_back({DType::bf16, 2, 257, 3, 40, 24, false, false, {}, DType::i64});
   v.push_back({DType::bf16, 1, 150, 2, 33, 47, true, true, {}, DType::i64});  // odd V: element paths
   v.push_back({DType::bf16, 1, 150, 2, 128, 128, true, true, {0, 0, 70, 70, 150}, DType::i32});
+  // 3 and 4 whole chunks: the warp-specialised state kernel's producer fills its 4 buffers up front
+  // and never waits on them being free
+  v.push_back({DType::bf16, 1, 192, 2, 128, 64, true, true, {}, DType::i64});
+  v.push_back({DType::bf16, 2, 256, 1, 64, 32, false, true, {}, DType::i64});
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Cases, DeltanetCudaFwd, ::testing::ValuesIn(cases()),
@@ -413,7 +432,7 @@ void check_bwd_case(const DnBwdCase& c) {
   // before the second: the results may depend on neither. The second call also runs the serial
   // kernels with their other buffering (the recomputing wy kernel with one v tile buffer instead of
   // two; bf16 operands: the backward serial kernel's q / Xw single-buffered) and the recomputing state
-  // kernel on 32-column V tiles instead of 64, and the recompute's state kernel after the state
+  // kernel on 64-column V tiles instead of 32, and the recompute's state kernel after the state
   // pass's prep + serial kernels on one stream where the first call ran it beside them on a second,
   // and the serial kernels' chunk steps with three barriers where the first call's had two: the same
   // bits.
@@ -436,7 +455,7 @@ void check_bwd_case(const DnBwdCase& c) {
   for (int r = 0; r < 2; ++r) {
     fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
     fastweight::detail::set_deltanet_bwd_serial_db2(r == 0);
-    fastweight::detail::set_deltanet_state_tile(r == 0 ? 64 : 32);
+    fastweight::detail::set_deltanet_state_tile(r == 0 ? 32 : 64);
     fastweight::detail::set_deltanet_bwd_overlap(r == 0 ? 1 : -1);
     fastweight::detail::set_deltanet_state_two_sync(r == 0);
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));

@@ -338,7 +338,7 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1,
 
 // The one-row-per-CTA forward in every forced shape (force_rownorm_fwd_row1_config): 64 to 1024
 // threads per row, 8- and 16-byte vectors (1 or 2 per thread, as the shape implies), parameters
-// loaded with x or after the sums; the 8-warp and 32-warp sum trees. Shapes it cannot take go to the
+// loaded with x or after the sums; the 8-warp and 32-warp sum trees; plain ld.global loads. Shapes it cannot take go to the
 // planner's kernel (also checked). Padded rows, IO-dtype parameters (the instances' only kind).
 struct NormCudaRow1Shapes : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaRow1Shapes, ForcedShapesMatchReference) {
@@ -354,8 +354,13 @@ TEST_P(NormCudaRow1Shapes, ForcedShapesMatchReference) {
       for (bool late : {false, true}) {
         SCOPED_TRACE("row1 shape: " + std::to_string(tpr) + " threads, " + std::to_string(vb) + "-byte vectors" +
                      (late ? ", parameters after the sums" : ""));
-        fastweight::detail::force_rownorm_fwd_row1_config({tpr, vb, late});
+        fastweight::detail::force_rownorm_fwd_row1_config({tpr, vb, late, false});
         check_case(op, dt, n, groups * 9, Layout::padded, Params::io);
+        if (vb == 16 && late && tpr <= 256) {  // the plain-load twin of the planner's instances
+          SCOPED_TRACE("plain ld.global");
+          fastweight::detail::force_rownorm_fwd_row1_config({tpr, vb, late, true});
+          check_case(op, dt, n, groups * 9, Layout::padded, Params::io);
+        }
       }
 }
 INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1Shapes,

@@ -55,6 +55,20 @@ __device__ __forceinline__ void mbar_wait(std::uint64_t* bar, unsigned parity) {
         : "memory");
   } while (!done);
 }
+// A plain arrival (release: this thread's earlier shared-memory reads and writes come before it).
+__device__ __forceinline__ void mbar_arrive(std::uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// This thread's arrival on `bar`, made once its earlier cp.async copies have landed (.noinc: the
+// arrival counts against the count given to mbar_init, one per copying thread and phase).
+__device__ __forceinline__ void cp_async_mbar_arrive(std::uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// A barrier of `threads` threads (a multiple of 32) on hardware barrier `id` (1..15; __syncthreads
+// takes 0): a warp-specialised kernel's consumer warps among themselves.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 // `bytes` (a multiple of 16; both addresses 16-byte aligned) from global `src` to shared `dst`,
 // completing on `bar`.
 __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned bytes, std::uint64_t* bar) {

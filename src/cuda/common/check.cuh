@@ -29,8 +29,9 @@ int cc_major();
 // recompute, the mLSTM backward's DV slabs): created on first use and kept, non-blocking, ordered
 // against the caller's stream by events alone.
 cudaStream_t side_stream();
-// The architecture `kernel` runs as on the current device (major * 10 + minor of the code the
-// runtime loaded: a PTX-JIT build of compute_80 on Hopper reports 80). Cached.
+// The architecture `kernel`'s device code was compiled for, as __CUDA_ARCH__ / 10 saw it (major * 10 +
+// minor: the lower of the loaded binary's and its PTX's, so a PTX-JIT build of compute_80 on a newer GPU
+// reports 80 and no sm_90-only path is taken). Cached.
 int kernel_binary_version(const void* kernel);
 // Resident CTAs per SM of `kernel` at this launch shape on the current device; also raises the
 // kernel's dynamic shared-memory limit to `smem` when needed. Cached (thread-safe).

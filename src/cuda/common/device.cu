@@ -106,7 +106,9 @@ int kernel_binary_version(const void* kernel) {
   if (auto it = cache.find({dev, kernel}); it != cache.end()) return it->second;
   cudaFuncAttributes a{};
   FW_CUDA_CHECK("fastweight", cudaFuncGetAttributes(&a, kernel));
-  return cache[{dev, kernel}] = a.binaryVersion;
+  // the PTX's architecture is what __CUDA_ARCH__ was (binaryVersion alone reports the device's for a
+  // JIT-compiled PTX: compute_80 run on sm_100 would pass for 100)
+  return cache[{dev, kernel}] = a.ptxVersion > 0 ? std::min(a.binaryVersion, a.ptxVersion) : a.binaryVersion;
 }
 
 namespace {

@@ -191,22 +191,26 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
 // smem: bf16 k[2][64][ldk] | Xwh[2][64][ldk] | Xwl[2][64][ldk] | Sh, Sl[Kc][TW+8] | Dh, Dl[64][TW+8] |
 //       f32 rkb[2][64] (rk beta per row) | f32 Xu[2][64][TW+4] (this CTA's TW columns, prefetched
 //       with the chunk's other operands: read synchronously it exposed a global-load latency per chunk)
-//       (the lo tiles with LO only)
+//       (the lo tiles with LO only) | with WS: S2h, S2l[Kc][TW+8] (S's second buffer) | u64 mbarriers[12]
+//       (WS: 4 operand buffers instead of 2: k[4], Xwh[4], rkb[4], Xu[4])
 struct StLayout {
   int Kc, ldk;
-  std::size_t k, xh, xl, Sh, Sl, Dh, Dl, rkb, xu, bytes;
+  std::size_t k, xh, xl, Sh, Sl, Dh, Dl, rkb, xu, S2h, S2l, bar, bytes;
   // with_xu = false: no Xu tiles (read from global instead), for devices whose shared memory per
   // block cannot hold them (sm_80: 163 KB; 195 KB are needed at K = 128). tw: the CTA's V columns
   // (the S, D and Xu tiles are tw + 8 bf16 / tw + 4 fp32 wide: 16-byte aligned rows, ldmatrix
-  // conflict-free)
-  __host__ __device__ StLayout(std::int64_t K, bool lo, bool with_xu = true, int tw = 64) {
+  // conflict-free). ws: the warp-specialised form (4 operand buffers, a second S buffer, the mbarriers).
+  __host__ __device__ StLayout(std::int64_t K, bool lo, bool with_xu = true, int tw = 64, bool ws = false) {
     Kc = k_cols(K), ldk = Kc + 8;
+    const std::size_t ns = ws ? 4 : 2;                  // operand buffers
     const std::size_t kt = 2 * std::size_t(kT) * ldk;  // bytes of one (64, ldk) bf16 tile
     const std::size_t st = 2 * std::size_t(Kc) * (tw + 8), t64 = 2 * std::size_t(kT) * (tw + 8);
-    k = 0, xh = k + 2 * kt, xl = xh + 2 * kt, Sh = xl + (lo ? 2 * kt : 0), Sl = Sh + st;
+    k = 0, xh = k + ns * kt, xl = xh + ns * kt, Sh = xl + (lo ? ns * kt : 0), Sl = Sh + st;
     Dh = Sl + (lo ? st : 0), Dl = Dh + t64, rkb = Dl + (lo ? t64 : 0);
-    xu = rkb + 2 * 4 * kT;
-    bytes = xu + (with_xu ? 2 * 4 * std::size_t(kT) * (tw + 4) : 0);
+    xu = rkb + ns * 4 * kT;
+    S2h = xu + (with_xu ? ns * 4 * std::size_t(kT) * (tw + 4) : 0), S2l = S2h + (ws ? st : 0);
+    bar = round_up(S2l + (ws && lo ? st : 0), 16);
+    bytes = bar + (ws ? 12 * 8 : 0);
   }
 };
 
@@ -218,6 +222,46 @@ struct StLayout {
 // grids that leave SMs idle (long sequences, few heads). The same sums in the same order per element:
 // the same bits as TW = 64.
 constexpr int kStThreads = 256;
+// WS: the warp-specialised form (sm_90): a ninth warp, the producer, issues every chunk's operand
+// loads (cp.async, completing on an mbarrier per buffer) and stores S to the workspace from a second
+// S buffer, while the 8 consumer warps only compute. The loads and the S store were ~35% of the
+// consumers' stall samples and instructions per chunk step (ncu source counters, (1,32768,16,128),
+// bf16 operands, H100: the issue line 23%, the S store 12%), all on the serial chain. mbarriers (u64):
+// full[4] (a buffer's operands landed; 32 arrivals per producer warp through cp.async), empty[4] (the
+// consumers are done reading a buffer; 256), sfull[2] (S entering a chunk written; 256), sempty[2]
+// (the producer has stored it; 32). The same products in the same order: the same bits as WS = false.
+// Four operand buffers (a chunk's loads issued three steps ahead): with two, issued one step ahead by
+// one warp, the consumers waited on them for 44% of their stall samples and the kernel was 1.6x slower
+// ((1,32768,16,128) bf16 operands, H100).
+// NP: producer warps. With one, version 3 (running pointers) took the forward only 1.6-2.6% below the
+// old form, where the consumers had lost ~35% of their instructions: the one warp's ~300 instructions
+// per chunk may still set the step. With two, warp 0 takes k, rk beta and the S store, warp 1 Xw and Xu.
+constexpr int kStWsBufs = 4;
+enum : int { kBarFull = 0, kBarEmpty = 4, kBarSFull = 8, kBarSEmpty = 10 };
+// The WS synchronisation, no-ops where the architecture has no mbarrier waits (the host launches the
+// WS form only for a binary of sm_90 or later: kernel_binary_version).
+__device__ __forceinline__ void ws_wait(std::uint64_t* bar, unsigned parity) {
+#if defined(FW_HAS_BULK)
+  mbar_wait(bar, parity);
+#endif
+}
+__device__ __forceinline__ void ws_arrive(std::uint64_t* bar) {
+#if defined(FW_HAS_BULK)
+  mbar_arrive(bar);
+#endif
+}
+__device__ __forceinline__ void ws_consumer_sync() {
+#if defined(FW_HAS_BULK)
+  named_barrier(1, kStThreads);
+#endif
+}
+// 16- and 4-byte copies to a shared address; src_bytes 0 zero-fills (src not read)
+__device__ __forceinline__ void cp_async16_sz(std::uint32_t s, const void* g, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(g), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async4_z(void* s, const void* g, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(s)), "l"(g), "r"(src_bytes));
+}
 // FK: K fixed at compile time (128; the launch checks it), 0: runtime. Fixed, the tiles' strides,
 // trip counts and shared-memory offsets are constants (as the mLSTM backward's K3 roles: -34% of
 // their executed instructions there).
@@ -225,19 +269,22 @@ constexpr int kStThreads = 256;
 // S, D and the other operand buffer while this step's S update still read them; the next step's first
 // barrier does that too, if the next chunk's loads are issued after it (its S tile write comes before
 // it but S is not read by the update; D is written only after it). The same products in the same
-// order: the same bits.
-template <bool LO, int TW = 64, int FK = 0>
-__global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w,
-                                                                       bool vk, bool vx, bool pxu, bool dp, bool two) {
+// order: the same bits. (WS: always two; the mbarriers guard the buffers.)
+// WS needs (the host checks): vk, vx, the Xu tiles with V % 8 == 0 (16-byte S pieces).
+template <bool LO, int TW = 64, int FK = 0, bool WS = false, int NP = 1>
+__global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
+    deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w, bool vk, bool vx, bool pxu, bool dp, bool two) {
   static_assert(TW == 64 || TW == 32, "64- or 32-column tiles");
+  static_assert(!(WS && LO), "WS: bf16 operands (four hi + lo operand buffers do not fit)");
   constexpr int NJ = TW / 8, NJX = TW / 16;  // 8-column tiles of S per warp, of X per warp
   constexpr int LDT = TW + 8, LDU = TW + 4;   // strides of the S / D (bf16) and Xu (fp32) tiles
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const std::int64_t K = FK ? FK : p.K;
-  const StLayout lay(K, LO, pxu, TW);
+  const StLayout lay(K, LO, pxu, TW, WS);
   const int Kc = lay.Kc, ldk = lay.ldk;
   const std::size_t tile = std::size_t(kT) * ldk;  // elements of one (64, ldk) tile
+  // operand buffers: [2], or with WS [kStWsBufs]
   bf16* sk = reinterpret_cast<bf16*>(base + lay.k);    // [2] (64 rows, Kc) k
   bf16* sxh = reinterpret_cast<bf16*>(base + lay.xh);  // [2] (64 rows, Kc) Xw hi
   bf16* sxl = reinterpret_cast<bf16*>(base + lay.xl);  // [2] (64 rows, Kc) Xw lo
@@ -248,6 +295,9 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
   float* s_rkb = reinterpret_cast<float*>(base + lay.rkb);  // [2][64]
   float* s_xu = reinterpret_cast<float*>(base + lay.xu);    // [2][64][LDU]
   bf16* s_xub = reinterpret_cast<bf16*>(base + lay.xu);     // or, with w.xu16, bf16 [2][64][LDT]
+  bf16* sS2h = reinterpret_cast<bf16*>(base + lay.S2h);     // WS: S's buffer 1 (Kc, TW), hi
+  bf16* sS2l = reinterpret_cast<bf16*>(base + lay.S2l);     // ... lo (none: WS is bf16 operands only)
+  std::uint64_t* bars = reinterpret_cast<std::uint64_t*>(base + lay.bar);  // WS: [12] (kBarFull..)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int rg = warp & 3, half = warp >> 2;  // X step: rows 16 rg.., columns (TW / 2) half..
@@ -260,6 +310,104 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
   const bf16* xwh = reinterpret_cast<const bf16*>(w.xw);
   const bf16* xwl = xwh + rows * K;
   const bool vxu = pxu && V % 4 == 0;  // prefetched: room for the tiles, Xu rows 16-byte aligned
+  const std::int64_t hv = p.H * V;  // floats between consecutive rows of one head in Xu and X
+  // chunk ci's rows: chunk 0's plus ci * 64 (equal lengths and cu_seqlens alike)
+  const std::int64_t row00 = dn_ws_row(p, b, sq.bos, h), krow_step = kT * p.k.s1, wrow_step = kT * p.H;
+  const bf16* k00 = bf_rows(p.k, b, sq.bos, h);
+  const bf16* xub = reinterpret_cast<const bf16*>(w.xu);
+  const std::int64_t nch = (sq.eos - sq.bos + kT - 1) / kT;
+
+  if constexpr (WS) {
+#if !defined(FW_HAS_BULK)
+    __trap();  // no mbarriers in this build of the kernel: never run it unsynchronised (the host checks)
+#endif
+    if (!vk || !vx || !vxu || V % 8 != 0) __trap();  // the producer's paths (the host checks): fail loudly
+    if (tid == 0) {
+#if defined(FW_HAS_BULK)
+      for (int bb = 0; bb < kStWsBufs; ++bb) mbar_init(bars + kBarFull + bb, 32 * NP), mbar_init(bars + kBarEmpty + bb, kStThreads);
+      for (int bb = 0; bb < 2; ++bb) mbar_init(bars + kBarSFull + bb, kStThreads), mbar_init(bars + kBarSEmpty + bb, 32);
+      mbar_init_fence();
+#endif
+    }
+    __syncthreads();
+    if (warp >= kStThreads / 32) {  // the producer warps
+      const int pw = warp - kStThreads / 32;
+      const bool do_k = NP == 1 || pw == 0, do_x = NP == 1 || pw == 1;  // k, rk beta, S / Xw, Xu
+      // One warp issues every chunk's copies, so its address arithmetic is the producer's time: per lane
+      // the first unit of chunk 0 once, then running pointers (with per-unit 64-bit products and
+      // predicates, ~2000 instructions per chunk, the producer was the bottleneck: 1.4x slower).
+      // The (64, Kc) k and Xw tiles: lane's 16-byte unit column u, rows r0 + dr q (q < 64 / dr).
+      const int U = Kc / 8, dr = 32 / U, u = lane % U, r0 = lane / U, nq = kT / dr;
+      const bool colk = 8 * u < K;  // K % 8 == 0 (vk): whole units; zeros past K up to Kc
+      const std::uint32_t su = std::uint32_t(2 * (r0 * ldk + 8 * u)), ss = std::uint32_t(2 * dr * ldk);
+      const std::int64_t kq = dr * p.k.s1, xq = dr * p.H * K;  // elements between a lane's units
+      const bf16* gk0 = k00 + r0 * p.k.s1 + 8 * u;             // chunk 0's first unit
+      const bf16* gx0 = xwh + (row00 + r0 * p.H) * K + 8 * u;
+      // Xu: lane's 16-byte piece (4 fp32 or 8 bf16 columns) of rows xi + XP q, as bytes
+      const int eb = w.xu16 ? 2 : 4;  // bytes per Xu element
+      const int XT = TW * eb / 16, XP = 32 / XT, xi = lane / XT, xc = (lane % XT) * (16 / eb);
+      const int xbytes = V - c0 - xc >= 16 / eb ? 16 : 0;  // V % 8 == 0: whole pieces
+      const char* gu0 = reinterpret_cast<const char*>(w.xu) + ((row00 + xi * p.H) * V + c0 + xc) * eb;
+      const std::int64_t uq = std::int64_t(XP) * hv * eb, uc = wrow_step * V * eb;  // bytes: between pieces, chunks
+      const int ldu = w.xu16 ? 2 * LDT : 4 * LDU;                                     // bytes per Xu tile row
+      const std::uint32_t du0 = smem_u32(s_xu) + std::uint32_t(xi * ldu + xc * eb);
+      const float* gr0 = w.rk + row00 + lane * p.H;  // rk beta of rows lane, lane + 32
+      const StateStoreUnits<LO, TW> sst(K, V, c0, 32, lane);
+      auto load = [&](int buf, std::int64_t ci) {
+        const int nr = int(lmin(kT, sq.eos - sq.bos - ci * kT));
+        std::uint32_t dk = smem_u32(sk + buf * tile) + su, dx = smem_u32(sxh + buf * tile) + su;
+        const bf16* gk = gk0 + ci * krow_step;
+        const bf16* gx = gx0 + ci * wrow_step * K;
+        if (nr == kT && colk) {  // a whole chunk (all but a sequence's last): no predicates
+          if (do_k) {
+#pragma unroll 8
+            for (int q = 0; q < nq; ++q, dk += ss, gk += kq) cp_async16_s(dk, gk);
+          }
+          if (do_x) {
+#pragma unroll 8
+            for (int q = 0; q < nq; ++q, dx += ss, gx += xq) cp_async16_s(dx, gx);
+          }
+        } else {
+          for (int q = 0; q < nq; ++q, dk += ss, dx += ss, gk += kq, gx += xq) {
+            const int by = colk && r0 + dr * q < nr ? 16 : 0;
+            if (do_k) cp_async16_sz(dk, by ? gk : k00, by);
+            if (do_x) cp_async16_sz(dx, by ? gx : xwh, by);
+          }
+        }
+        if (do_x) {
+          const char* gu = gu0 + ci * uc;
+          std::uint32_t du = du0 + std::uint32_t(buf * kT * ldu);
+          for (int q = 0; q < kT / XP; ++q, du += XP * ldu, gu += uq) {
+            const int by = xi + XP * q < nr ? xbytes : 0;
+            cp_async16_sz(du, by ? gu : gu0, by);
+          }
+        }
+        if (do_k) {
+          const float* gr = gr0 + ci * wrow_step;
+          cp_async4_z(s_rkb + buf * kT + lane, lane < nr ? gr : w.rk, lane < nr ? 4 : 0);
+          cp_async4_z(s_rkb + buf * kT + lane + 32, lane + 32 < nr ? gr + 32 * p.H : w.rk, lane + 32 < nr ? 4 : 0);
+        }
+#if defined(FW_HAS_BULK)
+        cp_async_mbar_arrive(bars + kBarFull + buf);
+#endif
+      };
+      for (int c = 0; c < kStWsBufs && c < nch; ++c) load(c, c);
+      for (std::int64_t ci = 0; ci < nch; ++ci) {
+        const int sb = int(ci & 1), buf = int(ci % kStWsBufs);
+        if (do_k) {
+          ws_wait(bars + kBarSFull + sb, unsigned(ci >> 1) & 1);  // S entering chunk ci, in S buffer sb
+          sst.store(state_mats<LO>(w.S, sq.base + ci, p.H, h, K, V), sb ? sS2h : sSh, sb ? sS2l : sSl, K, V, c0, 32);
+          ws_arrive(bars + kBarSEmpty + sb);
+        }
+        if (ci + kStWsBufs < nch) {
+          ws_wait(bars + kBarEmpty + buf, unsigned(ci / kStWsBufs) & 1);  // the consumers are done with step ci's buffer
+          load(buf, ci + kStWsBufs);
+        }
+      }
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      return;
+    }
+  }
 
   float acc_s[1][NJ][4];  // S (fp32), rows 16 w.., the CTA's TW columns
   state_load<8>(acc_s, p.h0, n, h, c0, K, V, warp, lane);
@@ -270,17 +418,12 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
   constexpr int XT = TW / 4, XR = kStThreads / XT;  // threads per Xu row (4 columns each), rows per pass
   const int xu_i = tid / XT, xu_c = (tid % XT) * 4;
   const int xu_bytes = 4 * int(lmin(4, V - c0 - xu_c < 0 ? 0 : V - c0 - xu_c));
-  const std::int64_t hv = p.H * V;  // floats between consecutive rows of one head in Xu and X
   const TileUnits kunits(Kc, kStThreads);  // the k and Xw tiles' cp.async units
   const ChunkUnits kcu(kunits, ldk, p.k.s1), xcu(kunits, ldk, p.H * K);  // ... fixed per CTA (whole chunks)
-  // chunk ci's rows: chunk 0's plus ci * 64 (equal lengths and cu_seqlens alike)
-  const std::int64_t row00 = dn_ws_row(p, b, sq.bos, h), krow_step = kT * p.k.s1, wrow_step = kT * p.H;
-  const bf16* k00 = bf_rows(p.k, b, sq.bos, h);
   const float* xu00 = w.xu + (row00 + xu_i * p.H) * V + c0 + xu_c;  // this thread's first Xu piece, chunk 0
   // with w.xu16 (bf16 Xu, V % 8 == 0): 8 columns a piece, rows xb_i + XRb q
   constexpr int XTb = TW / 8, XRb = kStThreads / XTb;
   const int xb_i = tid / XTb, xb_c = (tid % XTb) * 8, xb_bytes = V - c0 - xb_c >= 8 ? 16 : 0;
-  const bf16* xub = reinterpret_cast<const bf16*>(w.xu);
   const bf16* xub00 = xub + (row00 + xb_i * p.H) * V + c0 + xb_c;
   // chunk ci's k, Xw (hi, lo) into buffer buf (cp.async where aligned), rk beta per row
   auto issue = [&](int buf, std::int64_t ci) {
@@ -312,38 +455,48 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
     cp_async_commit();
   };
   const StateStoreUnits<LO, TW> sst(K, V, c0, kStThreads);  // S's pieces to the workspace, fixed per CTA
-  const std::int64_t nch = (sq.eos - sq.bos + kT - 1) / kT;
-  if (nch > 0) issue(0, 0);
+  if (!WS && nch > 0) issue(0, 0);
   for (std::int64_t ci = 0; ci < nch; ++ci) {
-    const int buf = int(ci & 1);
+    const int buf = WS ? int(ci % kStWsBufs) : int(ci & 1);  // the operand buffer
+    const int sb = int(ci & 1);                                // WS: the S buffer
     const std::int64_t t0 = sq.bos + ci * kT;
     const int nr = int(lmin(kT, sq.eos - t0));
-    // a. S as hi + lo (B operand of Xw S; its last readers, the previous step's X products, finished
-    //    before that step's second barrier)
-    state_split<8, LO>(acc_s, sSh, sSl, ngroups, warp, lane);
-    // b. the next chunk's operands into the other buffer
-    if (two) {  // this chunk's landed (the only group in flight); then, past the barrier, every warp
-                // is done with the previous step's reads of buffer buf ^ 1 (its X products, S update)
-      cp_async_wait<0>();
-      __syncthreads();
-      if (ci + 1 < nch) issue(buf ^ 1, ci + 1);
-    } else {  // its last readers finished before the previous iteration's final barrier
-      if (ci + 1 < nch) {
-        issue(buf ^ 1, ci + 1);
-        cp_async_wait<1>();
-      } else {
+    bf16* Sh = WS && sb ? sS2h : sSh;  // this step's S tile (WS: two buffers, one while the producer stores the other)
+    bf16* Sl = WS && sb ? sS2l : sSl;
+    if constexpr (WS) {
+      if (ci >= 2) ws_wait(bars + kBarSEmpty + sb, (unsigned(ci >> 1) & 1) ^ 1);  // S of step ci - 2 stored
+      state_split<8, LO>(acc_s, Sh, Sl, ngroups, warp, lane);
+      ws_arrive(bars + kBarSFull + sb);
+      ws_wait(bars + kBarFull + buf, unsigned(ci / kStWsBufs) & 1);  // chunk ci's operands landed
+      ws_consumer_sync();                   // every warp's S rows written
+    } else {
+      // a. S as hi + lo (B operand of Xw S; its last readers, the previous step's X products, finished
+      //    before that step's second barrier)
+      state_split<8, LO>(acc_s, Sh, Sl, ngroups, warp, lane);
+      // b. the next chunk's operands into the other buffer
+      if (two) {  // this chunk's landed (the only group in flight); then, past the barrier, every warp
+                  // is done with the previous step's reads of buffer buf ^ 1 (its X products, S update)
         cp_async_wait<0>();
+        __syncthreads();
+        if (ci + 1 < nch) issue(buf ^ 1, ci + 1);
+      } else {  // its last readers finished before the previous iteration's final barrier
+        if (ci + 1 < nch) {
+          issue(buf ^ 1, ci + 1);
+          cp_async_wait<1>();
+        } else {
+          cp_async_wait<0>();
+        }
+        __syncthreads();
       }
-      __syncthreads();
+      // S entering the chunk to the workspace as hi + lo (DnChunkBufs), copied from smem
+      sst.store(state_mats<LO>(w.S, sq.base + ci, p.H, h, K, V), Sh, Sl, K, V, c0, kStThreads);
     }
-    // S entering the chunk to the workspace as hi + lo (DnChunkBufs), copied from smem
-    sst.store(state_mats<LO>(w.S, sq.base + ci, p.H, h, K, V), sSh, sSl, K, V, c0, kStThreads);
     // c. X = Xu - Xw S (this warp's 16 rows x TW / 2 columns); to the workspace; diag(rk beta) X as hi + lo
     {
       float acc[NJX][4] = {};
       const bf16* xh = sxh + buf * tile;
       const bf16* xl = sxl + buf * tile;
-      mma_split<LO, true>(acc, xh, xl, ldk, rg, sSh + (TW / 2) * half, sSl + (TW / 2) * half, LDT, Kc, lane);
+      mma_split<LO, true>(acc, xh, xl, ldk, rg, Sh + (TW / 2) * half, Sl + (TW / 2) * half, LDT, Kc, lane);
       // vxu (V % 4 == 0: pairs whole): this thread's X pairs at one base, rows i0 and i0 + 8, 8-column
       // steps; dp (deltanet_dprime: V % 8 == 0, vxu): D' = diag(rk beta) X as bf16 in the X region,
       // or with w.xbf16 (the backward's recompute) X itself as bf16
@@ -382,10 +535,12 @@ __global__ void __launch_bounds__(kStThreads, 1) deltanet_state_kernel(const Del
           put_split2<LO>(sDh, sDl, LDT, i, c, r * x.x, r * x.y);
         }
     }
-    __syncthreads();
+    if constexpr (WS) ws_consumer_sync();
+    else __syncthreads();
     // d. S += K^T (diag(rk beta) X)
     state_update<8, LO>(acc_s, sk + buf * tile, ldk, sDh, sDl, ngroups, warp, lane);
-    if (!two) __syncthreads();  // the next iteration rewrites S hi/lo, D and this buffer
+    if constexpr (WS) ws_arrive(bars + kBarEmpty + buf);  // this warp's reads of buffer buf are done
+    else if (!two) __syncthreads();  // the next iteration rewrites S hi/lo, D and this buffer
   }
   if (p.ht.p) state_store<8>(acc_s, p.ht, n, h, c0, K, V, warp, lane);
 }
@@ -536,6 +691,8 @@ namespace {
 std::atomic<int> g_wy_vbufs{0};   // 0: the planner's choice
 std::atomic<int> g_state_tile{0};  // 0: the planner's choice
 std::atomic<bool> g_state_two_sync{true};  // set_deltanet_state_two_sync
+std::atomic<bool> g_state_ws{true};        // set_deltanet_state_ws
+std::atomic<int> g_state_ws_warps{2};      // set_deltanet_state_ws_warps
 std::atomic<bool> g_fixed_k{true};  // set_deltanet_fixed_k
 }  // namespace
 bool set_deltanet_fixed_k(bool on) { return g_fixed_k.exchange(on); }
@@ -543,6 +700,8 @@ bool deltanet_fixed_k(const DeltanetParams& p) { return g_fixed_k.load(std::memo
 int set_deltanet_wy_vbufs(int n) { return g_wy_vbufs.exchange(n == 1 || n == 2 ? n : 0); }
 int set_deltanet_state_tile(int cols) { return g_state_tile.exchange(cols == 32 || cols == 64 ? cols : 0); }
 bool set_deltanet_state_two_sync(bool on) { return g_state_two_sync.exchange(on); }
+bool set_deltanet_state_ws(bool on) { return g_state_ws.exchange(on); }
+int set_deltanet_state_ws_warps(int n) { return g_state_ws_warps.exchange(n == 1 ? 1 : 2); }
 bool deltanet_serial_two_sync() { return g_state_two_sync.load(std::memory_order_relaxed); }
 int deltanet_serial_tile(const DeltanetParams& p) {
   // Measured (H200, docs/perf/deltanet.md session 18): 32 columns take (2,8192,16,128) from 1.27 to
@@ -593,17 +752,38 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   const bool pxu = state_xu_tiles(p);
   const int tw = deltanet_serial_tile(p);
   const bool two = deltanet_serial_two_sync();
-  const StLayout ls(p.K, p.hilo, pxu, tw);
-  auto* state = p.hilo ? &deltanet_state_kernel<true> : &deltanet_state_kernel<false>;
-  if (tw == 32) state = p.hilo ? &deltanet_state_kernel<true, 32> : &deltanet_state_kernel<false, 32>;
-  if (deltanet_fixed_k(p))
-    state = tw == 32 ? (p.hilo ? &deltanet_state_kernel<true, 32, 128> : &deltanet_state_kernel<false, 32, 128>)
-                     : (p.hilo ? &deltanet_state_kernel<true, 64, 128> : &deltanet_state_kernel<false, 64, 128>);
+  const bool vk = rows16_seq(p.k), vx = p.K % 8 == 0;
+  using StateFn = void (*)(const DeltanetParams, const DnChunkBufs, bool, bool, bool, bool, bool);
+  // [FK = 128][TW = 32][LO]
+  static constexpr StateFn kStates[2][2][2] = {
+      {{&deltanet_state_kernel<false, 64>, &deltanet_state_kernel<true, 64>},
+       {&deltanet_state_kernel<false, 32>, &deltanet_state_kernel<true, 32>}},
+      {{&deltanet_state_kernel<false, 64, 128>, &deltanet_state_kernel<true, 64, 128>},
+       {&deltanet_state_kernel<false, 32, 128>, &deltanet_state_kernel<true, 32, 128>}}};
+  // The warp-specialised form, 32-column tiles only: with a ninth warp a scheduler holds three, so ptxas
+  // caps the registers at 168 per thread, and the 64-column tiles (186-196 without it) spilled; bf16
+  // operands only (hi + lo's four operand buffers do not fit). [producer warps - 1][FK = 128]
+  static constexpr StateFn kWsStates[2][2] = {
+      {&deltanet_state_kernel<false, 32, 0, true, 1>, &deltanet_state_kernel<false, 32, 128, true, 1>},
+      {&deltanet_state_kernel<false, 32, 0, true, 2>, &deltanet_state_kernel<false, 32, 128, true, 2>}};
+  const int fk = deltanet_fixed_k(p), lo = p.hilo, np = g_state_ws_warps.load(std::memory_order_relaxed);
+  const StateFn wsfn = tw == 32 && !lo ? kWsStates[np - 1][fk] : nullptr;
+  // where its producer's paths hold: cp.async rows (k, Xw), the Xu tiles with whole 16-byte S pieces,
+  // two barriers (the tests' three-barrier run compares bits with it), a binary for sm_90. The forward
+  // only (w.dprime: its request): the backward's recompute, beside the state pass's kernels at
+  // (1,32768,16,128), measured 4.461 -> 4.606 ms with it (H100, session 24), the forward 1.881 -> 1.832.
+  const StLayout lws(p.K, p.hilo, pxu, tw, true);
+  const bool ws = wsfn && w.dprime && g_state_ws.load(std::memory_order_relaxed) && two && vk && vx && pxu &&
+                  p.V % 8 == 0 &&
+                  lws.bytes <= smem_per_block_optin() && kernel_binary_version(reinterpret_cast<const void*>(wsfn)) >= 90;
+  const StateFn state = ws ? wsfn : kStates[fk][tw == 32][lo];
+  const StLayout ls = ws ? lws : StLayout(p.K, p.hilo, pxu, tw);
+  const int threads = ws ? kStThreads + 32 * np : kStThreads;
   const std::int64_t vtw = (p.V + tw - 1) / tw;
   if (vtw > 65535) throw Error(cat("deltanet (tensor cores): grid too large (", vtw, " V tiles)"));
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(state), kStThreads, ls.bytes);
-  state<<<dim3(unsigned(seqs), unsigned(vtw)), kStThreads, ls.bytes, st>>>(p, w, rows16_seq(p.k), p.K % 8 == 0, pxu,
-                                                                           deltanet_dprime(p, w) || w.xbf16, two);
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(state), threads, ls.bytes);
+  state<<<dim3(unsigned(seqs), unsigned(vtw)), threads, ls.bytes, st>>>(p, w, vk, vx, pxu,
+                                                                        deltanet_dprime(p, w) || w.xbf16, two);
   FW_CUDA_CHECK_LAUNCH("deltanet (state)");
 }
 

@@ -51,6 +51,14 @@ int set_deltanet_state_tile(int cols);
 // --dn-two-sync=off).
 bool set_deltanet_state_two_sync(bool on);
 bool deltanet_serial_two_sync();
+// The forward state kernel warp-specialised (the forward's call, not the backward's recompute; bf16
+// operands, 32-column tiles, sm_90, two barriers, aligned rows, the Xu tiles, V % 8 == 0): a producer
+// warp loads each chunk's operands and stores S while 8 warps compute; the same bits.
+// Default on; returns the previous setting (tests; fastweight_bench --dn-state-ws=off).
+bool set_deltanet_state_ws(bool on);
+// Its producer warps, 1 or 2 (default 2: k, rk beta and the S store on one, Xw and Xu on the other);
+// returns the previous setting (tests; fastweight_bench --dn-state-ws-warps=1).
+int set_deltanet_state_ws_warps(int n);
 // The planner's choice: 32 where 64-column CTAs (one per SM) would leave more than half the SMs idle;
 // with cu_seqlens (lengths unknown on the host, the longest sets the tail) up to two such waves.
 int deltanet_serial_tile(const DeltanetParams& p);

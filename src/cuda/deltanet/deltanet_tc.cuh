@@ -247,10 +247,12 @@ struct StateStoreUnits {
   std::int64_t g0 = 0, gs = 0;   // elements from a (K, V) matrix: the first piece; between pieces
   int s0 = 0, ss = 0;            // elements from the smem tile (stride TW + 8): the first piece; between
   bool vec = false;
-  __device__ __forceinline__ StateStoreUnits(std::int64_t K, std::int64_t V, std::int64_t c0, int nthreads) {
+  // t: this thread's index among the nthreads that store (a warp-specialised kernel's producer lanes)
+  __device__ __forceinline__ StateStoreUnits(std::int64_t K, std::int64_t V, std::int64_t c0, int nthreads,
+                                             int t = int(threadIdx.x)) {
     constexpr int P = TW / 8, LD = TW + 8;
     vec = V % 8 == 0;
-    const int c = (int(threadIdx.x) % P) * 8, r0 = int(threadIdx.x) / P, dr = nthreads / P;
+    const int c = (t % P) * 8, r0 = t / P, dr = nthreads / P;
     if (!vec || c >= lmin(TW, V - c0) || r0 >= K) return;
     n = int((K - r0 + dr - 1) / dr), g0 = r0 * V + c0 + c, gs = dr * V, s0 = r0 * LD + c, ss = dr * LD;
   }

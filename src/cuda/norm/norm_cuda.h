@@ -39,9 +39,10 @@ int force_rownorm_fwd_row1_vecs(int vpt);
 int rownorm_fwd_row1_vecs();
 // Tests and benchmarks only: force the one-row-per-CTA forward's shape on every aligned 16-bit row it
 // can take: tpr threads (a power of two, 32..1024), vb-byte vectors (8 or 16; vectors per thread
-// follow, 1 or 2), late = parameters loaded after the sums. tpr 0: the planner's choice. Returns
-// the previous tpr.
-struct Row1Config { int tpr = 0, vb = 16; bool late = false; };
+// follow, 1 or 2), late = parameters loaded after the sums, plain = x and the parameters through
+// ld.global instead of ld.global.nc (only with 16-byte vectors, late, up to 256 threads). tpr 0: the
+// planner's choice. Returns the previous setting.
+struct Row1Config { int tpr = 0, vb = 16; bool late = false, plain = false; };
 Row1Config force_rownorm_fwd_row1_config(Row1Config c);
 Row1Config rownorm_fwd_row1_config();
 

@@ -39,7 +39,7 @@ std::atomic<int> g_fwd_bulk_cap{0};
 std::atomic<int> g_fwd_bulk_vecs{0};
 std::atomic<bool> g_fwd_row1{true};
 std::atomic<int> g_fwd_row1_vecs{0};
-std::atomic<int> g_fwd_row1_cfg{0};  // tpr | vb << 16 | late << 24
+std::atomic<int> g_fwd_row1_cfg{0};  // tpr | vb << 16 | late << 24 | plain << 25
 }  // namespace
 bool set_rownorm_fwd_bulk(bool enabled) { return g_fwd_bulk.exchange(enabled); }
 bool rownorm_fwd_bulk_enabled() { return g_fwd_bulk.load(); }
@@ -51,9 +51,11 @@ bool set_rownorm_fwd_row1(bool enabled) { return g_fwd_row1.exchange(enabled); }
 bool rownorm_fwd_row1_enabled() { return g_fwd_row1.load(); }
 int force_rownorm_fwd_row1_vecs(int vpt) { return g_fwd_row1_vecs.exchange(vpt); }
 int rownorm_fwd_row1_vecs() { return g_fwd_row1_vecs.load(); }
-static Row1Config row1_cfg_of(int v) { return Row1Config{v & 0xffff, (v >> 16) & 0xff, ((v >> 24) & 1) != 0}; }
+static Row1Config row1_cfg_of(int v) {
+  return Row1Config{v & 0xffff, (v >> 16) & 0xff, ((v >> 24) & 1) != 0, ((v >> 25) & 1) != 0};
+}
 Row1Config force_rownorm_fwd_row1_config(Row1Config c) {
-  return row1_cfg_of(g_fwd_row1_cfg.exchange(c.tpr > 0 ? c.tpr | c.vb << 16 | int(c.late) << 24 : 0));
+  return row1_cfg_of(g_fwd_row1_cfg.exchange(c.tpr > 0 ? c.tpr | c.vb << 16 | int(c.late) << 24 | int(c.plain) << 25 : 0));
 }
 Row1Config rownorm_fwd_row1_config() { return row1_cfg_of(g_fwd_row1_cfg.load()); }
 

@@ -248,10 +248,15 @@ __device__ __forceinline__ float row1_cta_sum(float v, float* s_part) {
 
 // A VB-byte vector (16: uint4, 8: uint2) of a 16-bit row: load (zeros past n), unpack, pack.
 template <int VB> using Row1Vec = std::conditional_t<VB == 16, uint4, uint2>;
-template <typename T, int VB>
+// NC: through the non-coherent path (ld.global.nc, __ldg); else a plain ld.global (FLA's Triton
+// kernel's load: the one load-path difference between the two PTX listings, session 17)
+template <typename T, int VB, bool NC = true>
 __device__ __forceinline__ Row1Vec<VB> row1_load(const T* row, int col, int n) {
   Row1Vec<VB> v{};
-  if (col < n) v = __ldg(reinterpret_cast<const Row1Vec<VB>*>(row + col));
+  if (col < n) {
+    if constexpr (NC) v = __ldg(reinterpret_cast<const Row1Vec<VB>*>(row + col));
+    else v = *reinterpret_cast<const Row1Vec<VB>*>(row + col);
+  }
   return v;
 }
 template <typename T, int VB>
@@ -291,7 +296,8 @@ __device__ __forceinline__ void row1_store(T* row, int col, const float (&v)[VB 
 // columns (k * tpr + tid) * EV + [0, EV). VB: the vectors' bytes (16, or 8 for twice the threads
 // per row). LATE: the raw parameters loaded after the sums (FLA's order; fewer live registers
 // across the barriers) instead of with x. W: warp slots of the sums (8: up to 256 threads, 32: 1024).
-template <typename T, bool RAW_PAR, int VPT, int VB = 16, bool LATE = false, int W = 8>
+// NC: loads through ld.global.nc (else plain ld.global).
+template <typename T, bool RAW_PAR, int VPT, int VB = 16, bool LATE = false, int W = 8, bool NC = true>
 __global__ void __launch_bounds__(32 * W) rownorm_fwd_row1_kernel(const RowNormParams p) {
   constexpr int EV = VB / int(sizeof(T));
   static_assert(sizeof(T) == 2 && (VB == 16 || VB == 8) && (!LATE || RAW_PAR), "16-bit rows, raw parameters");
@@ -313,12 +319,12 @@ __global__ void __launch_bounds__(32 * W) rownorm_fwd_row1_kernel(const RowNormP
     for (int k = 0; k < VPT; ++k) {
       const int col = (k * tpr + int(threadIdx.x)) * EV;
       wr[k] = br[k] = Row1Vec<VB>{};
-      if (wrow) wr[k] = row1_load<T, VB>(wrow, col, n);
-      if (brow) br[k] = row1_load<T, VB>(brow, col, n);
+      if (wrow) wr[k] = row1_load<T, VB, NC>(wrow, col, n);
+      if (brow) br[k] = row1_load<T, VB, NC>(brow, col, n);
     }
   };
 #pragma unroll
-  for (int k = 0; k < VPT; ++k) xr[k] = row1_load<T, VB>(xrow, (k * tpr + int(threadIdx.x)) * EV, n);
+  for (int k = 0; k < VPT; ++k) xr[k] = row1_load<T, VB, NC>(xrow, (k * tpr + int(threadIdx.x)) * EV, n);
   if constexpr (RAW_PAR && !LATE) load_par();
   float xf[VPT][EV];  // (VPT, EV) fp32, 0 past the row end
 #pragma unroll

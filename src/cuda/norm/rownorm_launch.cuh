@@ -39,6 +39,7 @@ struct RowPlan {
   int row1_vecs = 1;       // its vectors per thread
   int row1_vb = 16;        // its vectors' bytes (16, or 8)
   bool row1_late = false;  // its raw parameters loaded after the sums (the planner's choice)
+  bool row1_plain = false; // its loads through ld.global, not ld.global.nc (forced only, A/B)
   int stages = 0;          // its row slots per row group
   int bulk_vecs = 0;       // its 16-byte vectors per thread (4 or 8)
   int threads = 256;
@@ -125,8 +126,10 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
           (p.n * 2) % fc.vb == 0) {  // forced shape (tests, A/B): vectors per thread follow, 1 or 2
         const std::int64_t nv = p.n * 2 / fc.vb, vpt = (nv + fc.tpr - 1) / fc.tpr;
         const bool raw = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
-        if (vpt <= 2 && nv > fc.tpr / 2 && (raw || (fc.vb == 16 && !fc.late && fc.tpr <= kRow1MaxTpr))) {
+        const bool plain_ok = !fc.plain || (fc.vb == 16 && fc.late && fc.tpr <= kRow1MaxTpr);
+        if (vpt <= 2 && nv > fc.tpr / 2 && plain_ok && (raw || (fc.vb == 16 && !fc.late && !fc.plain && fc.tpr <= kRow1MaxTpr))) {
           plan.row1 = true, plan.row1_vecs = int(vpt), plan.row1_vb = fc.vb, plan.row1_late = fc.late;
+          plan.row1_plain = fc.plain;
           plan.persistent = false;
           plan.L.tpr = plan.threads = fc.tpr;
           plan.L.P = int(p.rows);
@@ -280,7 +283,10 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
     if constexpr (sizeof(T) == 2) {  // planned for 16-bit rows only
       const bool raw_par = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
       const bool wide = plan.threads > kRow1MaxTpr;
-      if (raw_par && (plan.row1_vb != 16 || plan.row1_late || wide)) {
+      if (raw_par && plan.row1_plain) {  // forced: 16-byte vectors, late, <= 256 threads
+        if (plan.row1_vecs == 2) rownorm_fwd_row1_kernel<T, true, 2, 16, true, 8, false><<<grid, plan.threads, 0, stream>>>(p);
+        else rownorm_fwd_row1_kernel<T, true, 1, 16, true, 8, false><<<grid, plan.threads, 0, stream>>>(p);
+      } else if (raw_par && (plan.row1_vb != 16 || plan.row1_late || wide)) {
         // the planner's instances (16-byte vectors, parameters after the sums) and the forced shapes
         // (force_rownorm_fwd_row1_config): vector bytes, parameter order, warp slots
         auto go = [&](auto vpt, auto vb, auto late, auto w) {
