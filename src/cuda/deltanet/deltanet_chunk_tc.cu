@@ -464,11 +464,90 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
     bf16* Sh = WS && sb ? sS2h : sSh;  // this step's S tile (WS: two buffers, one while the producer stores the other)
     bf16* Sl = WS && sb ? sS2l : sSl;
     if constexpr (WS) {
+      // The consumers' step. Everything that does not depend on S is read from shared memory before
+      // the chain needs it: the A fragments of both products (Xw rows, K^T rows) and the epilogue's
+      // Xu pairs and rk beta. Read inside the chain, they queued behind the other warps' ldmatrix
+      // (ncu: the X epilogue ~30% of the consumers' stall samples, short scoreboard on its LDS). The
+      // same products in the same order: the same bits as the other forms.
+      static_assert(NJX == 2 && !LO, "WS: 32-column tiles, bf16 operands");
+      ws_wait(bars + kBarFull + buf, unsigned(ci / kStWsBufs) & 1);  // chunk ci's operands landed
+      const bf16* xh = sxh + buf * tile;
+      const bf16* kb = sk + buf * tile;
+      const bool upd = warp < ngroups;  // this warp's 16 rows of S exist (Kc = 64: warps 0..3)
+      std::uint32_t ax[8][4];  // A of Xw S: Xw rows 16 rg.., k-step ks (columns 16 ks..)
+      std::uint32_t ak[4][4];  // A of K^T D: K^T rows 16 warp.., k-step ks (chunk rows 16 ks..)
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks)
+        if (ks < Kc / 16)
+          ldsm_x4(ax[ks], xh + (16 * rg + ld_row_a_rowmajor(lane)) * ldk + ks * 16 + ld_col_a_rowmajor(lane));
+      if (upd) {
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+          ldsm_x4_t(ak[ks], kb + (ks * 16 + ld_row_a_kmajor(lane)) * ldk + 16 * warp + ld_col_a_kmajor(lane));
+      }
+      const int i0 = 16 * rg + frow(lane, 0), cb = (TW / 2) * half + fcol(lane, 0, 0);
+      float2 u[NJX][2];  // Xu at rows i0, i0 + 8, columns cb + 8 j, + 1
+      float r[2];        // rk beta of rows i0, i0 + 8
+#pragma unroll
+      for (int e2 = 0; e2 < 2; ++e2) {
+        const int i = i0 + 8 * e2;
+        r[e2] = s_rkb[buf * kT + i];
+#pragma unroll
+        for (int j = 0; j < NJX; ++j)
+          u[j][e2] = w.xu16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(s_xub + (buf * kT + i) * LDT + cb + 8 * j))
+                            : *reinterpret_cast<const float2*>(s_xu + (buf * kT + i) * LDU + cb + 8 * j);
+      }
       if (ci >= 2) ws_wait(bars + kBarSEmpty + sb, (unsigned(ci >> 1) & 1) ^ 1);  // S of step ci - 2 stored
       state_split<8, LO>(acc_s, Sh, Sl, ngroups, warp, lane);
       ws_arrive(bars + kBarSFull + sb);
-      ws_wait(bars + kBarFull + buf, unsigned(ci / kStWsBufs) & 1);  // chunk ci's operands landed
-      ws_consumer_sync();                   // every warp's S rows written
+      ws_consumer_sync();  // every warp's S rows written
+      // c. X = Xu - Xw S (this warp's 16 rows x 16 columns): B = S from shared memory, A from registers
+      float acc[NJX][4] = {};
+      const bf16* Sb = Sh + (TW / 2) * half;
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks)
+        if (ks < Kc / 16) {
+          std::uint32_t bb[4];
+          ldsm_x4_t(bb, Sb + (ks * 16 + ld_row_b_kmajor(lane)) * LDT + ld_col_b_kmajor(lane));
+          mma_bf16_16816(acc[0], ax[ks], bb[0], bb[1]);
+          mma_bf16_16816(acc[1], ax[ks], bb[2], bb[3]);
+        }
+      // X (or D' with dp) to the workspace, diag(rk beta) X to the D tile (as the other forms' epilogue)
+      const std::int64_t xo = (row00 + ci * wrow_step + i0 * p.H) * V + c0 + cb;
+      float* xg = w.X + xo;
+      bf16* dg = reinterpret_cast<bf16*>(w.X) + xo;
+#pragma unroll
+      for (int j = 0; j < NJX; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int i = i0 + 8 * (e / 2), c = cb + 8 * j;
+          float2 x = make_float2(0.f, 0.f);
+          if (i < nr && c0 + c < V) {
+            x = make_float2(u[j][e / 2].x - acc[j][e], u[j][e / 2].y - acc[j][e + 1]);
+            if (dp) {
+              const float rr = w.xbf16 ? 1.f : r[e / 2];
+              *reinterpret_cast<__nv_bfloat162*>(dg + (e / 2) * 8 * hv + 8 * j) = __floats2bfloat162_rn(rr * x.x, rr * x.y);
+            } else {
+              *reinterpret_cast<float2*>(xg + (e / 2) * 8 * hv + 8 * j) = x;
+            }
+          }
+          put_split2<LO>(sDh, sDl, LDT, i, c, r[e / 2] * x.x, r[e / 2] * x.y);
+        }
+      ws_consumer_sync();  // the D tile written
+      // d. S += K^T D (this warp's 16 rows x TW columns): B = D from shared memory, A from registers
+      if (upd) {
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+          for (int jj = 0; jj < NJ / 2; ++jj) {
+            std::uint32_t bh[4];
+            ldsm_x4_t(bh, sDh + (ks * 16 + ld_row_b_kmajor(lane)) * LDT + 16 * jj + ld_col_b_kmajor(lane));
+            mma_bf16_16816(acc_s[0][2 * jj], ak[ks], bh[0], bh[1]);
+            mma_bf16_16816(acc_s[0][2 * jj + 1], ak[ks], bh[2], bh[3]);
+          }
+      }
+      ws_arrive(bars + kBarEmpty + buf);  // this warp's reads of buffer buf are done
+      continue;
     } else {
       // a. S as hi + lo (B operand of Xw S; its last readers, the previous step's X products, finished
       //    before that step's second barrier)
@@ -535,12 +614,10 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
           put_split2<LO>(sDh, sDl, LDT, i, c, r * x.x, r * x.y);
         }
     }
-    if constexpr (WS) ws_consumer_sync();
-    else __syncthreads();
+    __syncthreads();
     // d. S += K^T (diag(rk beta) X)
     state_update<8, LO>(acc_s, sk + buf * tile, ldk, sDh, sDl, ngroups, warp, lane);
-    if constexpr (WS) ws_arrive(bars + kBarEmpty + buf);  // this warp's reads of buffer buf are done
-    else if (!two) __syncthreads();  // the next iteration rewrites S hi/lo, D and this buffer
+    if (!two) __syncthreads();  // the next iteration rewrites S hi/lo, D and this buffer
   }
   if (p.ht.p) state_store<8>(acc_s, p.ht, n, h, c0, K, V, warp, lane);
 }
