@@ -181,7 +181,7 @@ constexpr int kBsThreads = 256;
 template <bool LO, bool DB2, int TW = 64, int FK = 0>
 __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                               float* __restrict__ ws, bool vq, bool vk,
-                                                                              bool vo, bool vx, bool two, bool pfon) {
+                                                                              bool vo, bool vx, bool two) {
   static_assert(!(LO && DB2), "the hi + lo layout has no room for a second q / Xw buffer");
   static_assert(TW == 64 || TW == 32, "64- or 32-column tiles");
   constexpr int NJ = TW / 8, NJX = TW / 16;  // 8-column tiles of dS per warp, of dD per warp
@@ -277,7 +277,11 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     //    previous step's final barrier; two: before this step's first barrier, then issued past it)
     if (two) {
       cp_async_wait<0>();  // this chunk's two groups (the only ones in flight)
-      __syncthreads();     // (the previous chunk's operands are issued below, after the prefetch)
+      __syncthreads();
+      if (ci > 0) {
+        issue_first(buf ^ 1, ci - 1);
+        issue_second(buf ^ 1, ci - 1);
+      }
     } else if constexpr (DB2) {
       if (ci > 0) {
         issue_first(buf ^ 1, ci - 1);
@@ -298,47 +302,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     if (!two) __syncthreads();
     const int b2 = DB2 ? buf : 0;
     const bf16* dOt = sdo + buf * otile;
-    // pf (bf16 operands with q / Xw double-buffered and bf16 dD0): what does not depend on dSe is read
-    // from shared memory before the chain needs it: the A fragments of K dSe (k rows 16 rg..) and of
-    // the update's Xw^T (W dD) (Xw^T rows 16 warp..), the epilogue's dD0 pairs and rk, beta. Read
-    // inside the chain, they queued behind the other warps' ldmatrix (the forward's state kernel:
-    // its epilogue's shared loads were ~30% of the stall samples). The same products in the same order.
-    constexpr bool kPf = DB2 && !LO && TW == 32;
-    const bool pf = kPf && xb && pfon;
-    const int i0 = 16 * rg + frow(lane, 0), cb = (TW / 2) * half + fcol(lane, 0, 0);
-    std::uint32_t ak[kPf ? 8 : 1][4], ax[kPf ? 4 : 1][4];
-    float2 y0[kPf ? NJX : 1][2];
-    float frk[2], fbt[2];
-    if constexpr (kPf) {
-      if (pf) {
-        const bf16* kt = sk + buf * ktile;
-        const bf16* xt = sxh + b2 * ktile;
-#pragma unroll
-        for (int ks = 0; ks < 8; ++ks)
-          if (ks < Kc / 16)
-            ldsm_x4(ak[ks], kt + (16 * rg + ld_row_a_rowmajor(lane)) * ldk + ks * 16 + ld_col_a_rowmajor(lane));
-        if (warp < ngroups) {
-#pragma unroll
-          for (int ks = 0; ks < 4; ++ks)
-            ldsm_x4_t(ax[ks], xt + (ks * 16 + ld_row_a_kmajor(lane)) * ldk + 16 * warp + ld_col_a_kmajor(lane));
-        }
-        const float* fq = sfac + buf * 3 * kT;
-        const bf16* dd0b = sddb + buf * otile;
-#pragma unroll
-        for (int e2 = 0; e2 < 2; ++e2) {
-          const int i = i0 + 8 * e2;
-          frk[e2] = fq[kT + i], fbt[e2] = fq[2 * kT + i];
-#pragma unroll
-          for (int j = 0; j < NJX; ++j)
-            y0[j][e2] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dd0b + i * LDT + cb + 8 * j));
-        }
-      }
-    }
-    if (two && ci > 0) {
-      issue_first(buf ^ 1, ci - 1);
-      issue_second(buf ^ 1, ci - 1);
-    }
-    if (!pf) sst.store(state_mats<LO>(ws + w.dS, slot, p.H, h, K, V), sSh, sSl, K, V, c0, kBsThreads);
+    sst.store(state_mats<LO>(ws + w.dS, slot, p.H, h, K, V), sSh, sSl, K, V, c0, kBsThreads);
     // c. dD = dD0 + diag(rk) K dSe (16 rows x TW / 2 columns per warp) -> the Y region; -W dD and
     //    (without xb) s diag(rq) dO as hi + lo
     {
@@ -346,38 +310,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
       const bf16* dd0b = sddb + buf * otile;
       const float* fq = sfac + buf * 3 * kT;
       float kd[NJX][4] = {};
-      if (pf) {
-        if constexpr (kPf) {
-          // K dSe with A from registers, Q^^T dO between its k-steps (as below), then the epilogue
-          // from the prefetched dD0, rk and beta; dSe to the workspace after it (off the product)
-          const bf16* Sb = sSh + (TW / 2) * half;
-#pragma unroll
-          for (int ks = 0; ks < 8; ++ks)
-            if (ks < Kc / 16) {
-              std::uint32_t bb[4];
-              ldsm_x4_t(bb, Sb + (ks * 16 + ld_row_b_kmajor(lane)) * LDT + ld_col_b_kmajor(lane));
-              mma_bf16_16816(kd[0], ak[ks], bb[0], bb[1]);
-              mma_bf16_16816(kd[1], ak[ks], bb[2], bb[3]);
-              if (ks < 4 && warp < ngroups)
-                state_update_step<false, NJ>(acc_s, 0, warp, sq + b2 * ktile, ldk, dOt, nullptr, ks, lane);
-            }
-          const std::int64_t yo = (row00 + ci * wrow_step + i0 * p.H) * V + c0 + cb;
-          bf16* ygb = reinterpret_cast<bf16*>(ws + w.Y) + yo;
-          const std::int64_t hv8 = 8 * p.H * V;
-#pragma unroll
-          for (int j = 0; j < NJX; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; e += 2) {
-              const int i = i0 + 8 * (e / 2), c = cb + 8 * j;
-              const bool in = i < nr && c0 + c < V;
-              const float d0 = in ? fmaf(frk[e / 2], kd[j][e], y0[j][e / 2].x) : 0.f;
-              const float d1 = in ? fmaf(frk[e / 2], kd[j][e + 1], y0[j][e / 2].y) : 0.f;
-              if (in) *reinterpret_cast<__nv_bfloat162*>(ygb + (e / 2) * hv8 + 8 * j) = __floats2bfloat162_rn(d0, d1);
-              put_split2<false>(sBh, sBl, LDT, i, c, -fbt[e / 2] * d0, -fbt[e / 2] * d1);
-            }
-          sst.store(state_mats<LO>(ws + w.dS, slot, p.H, h, K, V), sSh, sSl, K, V, c0, kBsThreads);
-        }
-      } else if (DB2 && xb) {
+      if (DB2 && xb) {
         // with xb the update's first product is Q^^T dO (Q^ = s diag(rq) Q from the prep kernel, dO as
         // it landed). With DB2 both are in now: its four k-steps go between K dSe's (one block of
         // independent products for the scheduler: they fill that chain's latency) and leave the chain
@@ -393,38 +326,37 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
         mma_rk(kd, sk + buf * ktile, ldk, rg, sSh + (TW / 2) * half, LDT, Kc, lane);
         if constexpr (LO) mma_rk(kd, sk + buf * ktile, ldk, rg, sSl + (TW / 2) * half, LDT, Kc, lane);
       }
-      if (!pf) {
-        // this thread's dD pairs in the Y region: rows i0, i0 + 8, 8-column steps from one base
-        const std::int64_t yo = (row00 + ci * wrow_step + i0 * p.H) * V + c0 + (TW / 2) * half + fcol(lane, 0, 0);
-        float* yg = ws + w.Y + yo;
-        bf16* ygb = reinterpret_cast<bf16*>(ws + w.Y) + yo;
-        const std::int64_t hv8 = 8 * p.H * V;
+      // this thread's dD pairs in the Y region: rows i0, i0 + 8, 8-column steps from one base
+      const int i0 = 16 * rg + frow(lane, 0);
+      const std::int64_t yo = (row00 + ci * wrow_step + i0 * p.H) * V + c0 + (TW / 2) * half + fcol(lane, 0, 0);
+      float* yg = ws + w.Y + yo;
+      bf16* ygb = reinterpret_cast<bf16*>(ws + w.Y) + yo;
+      const std::int64_t hv8 = 8 * p.H * V;
 #pragma unroll
-        for (int j = 0; j < NJX; ++j)
+      for (int j = 0; j < NJX; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 of row i
-            const int i = 16 * rg + frow(lane, e), c = (TW / 2) * half + fcol(lane, j, e);
-            const std::int64_t col = c0 + c;
-            const bool in = i < nr && col < V, has1 = col + 1 < V;
-            const float rk = fq[kT + i], bt = fq[2 * kT + i], rq = fq[i];
-            float d0, d1;
-            if (xb) {  // V % 8 == 0: whole pairs
-              const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dd0b + i * LDT + c));
-              d0 = in ? fmaf(rk, kd[j][e], y.x) : 0.f;
-              d1 = in ? fmaf(rk, kd[j][e + 1], y.y) : 0.f;
-              if (in) *reinterpret_cast<__nv_bfloat162*>(ygb + (e / 2) * hv8 + 8 * j) = __floats2bfloat162_rn(d0, d1);
-            } else {
-              d0 = in ? fmaf(rk, kd[j][e], dd0[i * LDF + c]) : 0.f;
-              d1 = in && has1 ? fmaf(rk, kd[j][e + 1], dd0[i * LDF + c + 1]) : 0.f;
-              if (in) store_pair(yg + (e / 2) * hv8 + 8 * j, d0, d1, has1, even);
-            }
-            put_split2<LO>(sBh, sBl, LDT, i, c, -bt * d0, -bt * d1);
-            if (!xb) {
-              const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dOt + i * LDT + c));
-              put_split2<LO>(sUh, sUl, LDT, i, c, p.scale * rq * o.x, p.scale * rq * o.y);
-            }
+        for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 of row i
+          const int i = 16 * rg + frow(lane, e), c = (TW / 2) * half + fcol(lane, j, e);
+          const std::int64_t col = c0 + c;
+          const bool in = i < nr && col < V, has1 = col + 1 < V;
+          const float rk = fq[kT + i], bt = fq[2 * kT + i], rq = fq[i];
+          float d0, d1;
+          if (xb) {  // V % 8 == 0: whole pairs
+            const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dd0b + i * LDT + c));
+            d0 = in ? fmaf(rk, kd[j][e], y.x) : 0.f;
+            d1 = in ? fmaf(rk, kd[j][e + 1], y.y) : 0.f;
+            if (in) *reinterpret_cast<__nv_bfloat162*>(ygb + (e / 2) * hv8 + 8 * j) = __floats2bfloat162_rn(d0, d1);
+          } else {
+            d0 = in ? fmaf(rk, kd[j][e], dd0[i * LDF + c]) : 0.f;
+            d1 = in && has1 ? fmaf(rk, kd[j][e + 1], dd0[i * LDF + c + 1]) : 0.f;
+            if (in) store_pair(yg + (e / 2) * hv8 + 8 * j, d0, d1, has1, even);
           }
-      }
+          put_split2<LO>(sBh, sBl, LDT, i, c, -bt * d0, -bt * d1);
+          if (!xb) {
+            const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dOt + i * LDT + c));
+            put_split2<LO>(sUh, sUl, LDT, i, c, p.scale * rq * o.x, p.scale * rq * o.y);
+          }
+        }
     }
     if constexpr (!DB2) {
       if (ci > 0) cp_async_wait<1>();  // q, Xw (the previous chunk's first operands may stay in flight)
@@ -434,23 +366,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
     // d. dS += Q^T (s diag(rq) dO) - Xw^T (W dD)   (Xw hi + lo, W dD hi + lo: three products)
     if (!xb) state_update<8, LO>(acc_s, sq + b2 * ktile, ldk, sUh, sUl, ngroups, warp, lane);
     else if (!DB2) state_update<8, false>(acc_s, sq, ldk, dOt, nullptr, ngroups, warp, lane);
-    if (pf) {
-      if constexpr (kPf) {  // - Xw^T (W dD) with Xw^T from registers (state_update_step's order)
-        if (warp < ngroups) {
-#pragma unroll
-          for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-            for (int jj = 0; jj < NJ / 2; ++jj) {
-              std::uint32_t bh[4];
-              ldsm_x4_t(bh, sBh + (ks * 16 + ld_row_b_kmajor(lane)) * LDT + 16 * jj + ld_col_b_kmajor(lane));
-              mma_bf16_16816(acc_s[0][2 * jj], ax[ks], bh[0], bh[1]);
-              mma_bf16_16816(acc_s[0][2 * jj + 1], ax[ks], bh[2], bh[3]);
-            }
-        }
-      }
-    } else {
-      state_update<8, LO>(acc_s, sxh + b2 * ktile, ldk, sBh, sBl, ngroups, warp, lane);
-    }
+    state_update<8, LO>(acc_s, sxh + b2 * ktile, ldk, sBh, sBl, ngroups, warp, lane);
     if constexpr (LO) state_update<8, false>(acc_s, sxl, ldk, sBh, nullptr, ngroups, warp, lane);
     if (!two) __syncthreads();  // the next step rewrites dSe, B, U, q, Xw and this buffer
   }
@@ -792,7 +708,6 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
 }
 
 std::atomic<bool> g_serial_db2{true};
-std::atomic<bool> g_serial_pf{true};  // set_deltanet_bwd_serial_prefetch
 // q and Xw double-buffered in the serial kernel: bf16 operands, where the shared memory holds it
 bool bwd_serial_db2(const DeltanetBwdParams& p) {
   return g_serial_db2.load() && !p.hilo && BsLayout(p.K, false, 2).bytes <= smem_per_block_optin();
@@ -801,7 +716,6 @@ bool bwd_serial_db2(const DeltanetBwdParams& p) {
 }  // namespace
 
 bool set_deltanet_bwd_serial_db2(bool enabled) { return g_serial_db2.exchange(enabled); }
-bool set_deltanet_bwd_serial_prefetch(bool on) { return g_serial_pf.exchange(on); }
 
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
   // sm_80 opts in to 163 KB of shared memory per block, the serial kernel's K = 128 layout needs
@@ -844,8 +758,7 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   const std::int64_t vtw = (p.V + tw - 1) / tw;
   if (vtw > 65535) throw Error(cat("deltanet_bwd: grid too large (", vtw, " V tiles)"));
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(serial), kBsThreads, ls.bytes);
-  serial<<<dim3(unsigned(seqs), unsigned(vtw)), kBsThreads, ls.bytes, st>>>(p, w, ws, vq, vk, vo, p.K % 8 == 0, two,
-                                                                            g_serial_pf.load());
+  serial<<<dim3(unsigned(seqs), unsigned(vtw)), kBsThreads, ls.bytes, st>>>(p, w, ws, vq, vk, vo, p.K % 8 == 0, two);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial)");
   if (before_post)
     FW_CUDA_CHECK("deltanet_bwd (join the recompute)", cudaStreamWaitEvent(st, static_cast<cudaEvent_t>(before_post), 0));

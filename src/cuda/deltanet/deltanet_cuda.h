@@ -39,10 +39,6 @@ bool set_deltanet_xu_bf16(bool enabled);
 // Tests and benchmarks only: the backward serial kernel's q / Xw tiles double-buffered (bf16 operands,
 // where they fit; default on). Returns the previous setting.
 bool set_deltanet_bwd_serial_db2(bool enabled);
-// Tests and benchmarks only: that kernel's step (bf16 operands, q / Xw double-buffered, bf16 dD0,
-// 32-column tiles) reads the fragments and values that do not depend on dSe before its chain
-// (default on; the same bits). Returns the previous setting (fastweight_bench --dn-bwd-pf=off).
-bool set_deltanet_bwd_serial_prefetch(bool on);
 // Tests and benchmarks only: the wy kernel's v tile buffers, 1 or 2 (0: the planner's choice, two
 // unless the second costs a resident CTA per SM). Returns the previous setting.
 int set_deltanet_wy_vbufs(int n);
