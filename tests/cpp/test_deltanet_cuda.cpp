@@ -17,7 +17,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdio>
 #include <ostream>
@@ -82,6 +84,48 @@ void fill_inputs(std::mt19937_64& rng, bool l2, std::int64_t K, HostTensor& q, H
   fill_random(v, rng, -1.0, 1.0);
   fill_random(beta, rng, 0.0, 1.0);
   fill_random(h0, rng, -0.5, 0.5);
+}
+
+// wy_inverse as fastweight/deltanet.h defines it, in float64 from the (rounded) k and beta: row
+// (b, t, h) holds column i of its chunk's T = (I + strict_lower(K^ K^T) diag(beta))^-1, i = t's row
+// in the chunk (chunks of 64 from each sequence's start), zero past the chunk's rows.
+HostTensor wy_inverse_reference(const HostTensor& k, const HostTensor& beta, bool l2, const std::vector<std::int64_t>& cu) {
+  const std::int64_t B = k.shape[0], T = k.shape[1], H = k.shape[2], K = k.shape[3];
+  const std::vector<double> kv = k.values(), bv = beta.values();
+  HostTensor out = make_host(DType::f64, {B, T, H, 64});
+  std::vector<std::array<std::int64_t, 3>> seqs;  // (b, bos, eos)
+  if (cu.empty())
+    for (std::int64_t b = 0; b < B; ++b) seqs.push_back({b, 0, T});
+  else
+    for (std::size_t n = 0; n + 1 < cu.size(); ++n) seqs.push_back({0, cu[n], cu[n + 1]});
+  for (const auto& [b, bos, eos] : seqs)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t c0 = bos; c0 < eos; c0 += 64) {
+        const int nr = int(std::min<std::int64_t>(64, eos - c0));
+        auto row = [&](std::int64_t t) { return (b * T + t) * H + h; };
+        std::vector<double> kh(std::size_t(nr * K)), L(std::size_t(nr * nr), 0.0), Tm(std::size_t(nr * nr), 0.0);
+        for (int i = 0; i < nr; ++i) {
+          double ss = 0.0;
+          for (std::int64_t d = 0; d < K; ++d) ss += kv[std::size_t(row(c0 + i) * K + d)] * kv[std::size_t(row(c0 + i) * K + d)];
+          const double r = l2 ? 1.0 / std::sqrt(ss + 1e-6) : 1.0;
+          for (std::int64_t d = 0; d < K; ++d) kh[std::size_t(i * K + d)] = r * kv[std::size_t(row(c0 + i) * K + d)];
+        }
+        for (int i = 0; i < nr; ++i)
+          for (int j = 0; j < i; ++j) {
+            double g = 0.0;
+            for (std::int64_t d = 0; d < K; ++d) g += kh[std::size_t(i * K + d)] * kh[std::size_t(j * K + d)];
+            L[std::size_t(i * nr + j)] = g * bv[std::size_t(row(c0 + j))];
+          }
+        for (int col = 0; col < nr; ++col)  // (I + L) T = I, column by column
+          for (int r = 0; r < nr; ++r) {
+            double x = r == col ? 1.0 : 0.0;
+            for (int c = 0; c < r; ++c) x -= L[std::size_t(r * nr + c)] * Tm[std::size_t(c * nr + col)];
+            Tm[std::size_t(r * nr + col)] = x;
+          }
+        for (int i = 0; i < nr; ++i)
+          for (int j = 0; j < 64; ++j) out.set(row(c0 + i) * 64 + j, j < nr ? Tm[std::size_t(j * nr + i)] : 0.0);
+      }
+  return out;
 }
 
 class DeltanetCudaFwd : public ::testing::TestWithParam<DnCase> {};
@@ -468,6 +512,60 @@ void check_bwd_case(const DnBwdCase& c) {
       gouts[e]->download(run[r].back());
     }
   }
+  // Where the tensor-core pipeline runs: the forward's wy_inverse (through the public forward, with a
+  // workspace) given to the backward, which then reads it instead of forming it: the same bits as
+  // run 0 (same buffering), and a smaller workspace
+  std::vector<HostTensor> run_wy;
+  if (c.dt == DType::bf16 && c.K <= 128) {
+    HostTensor o = make_host(c.dt, {c.B, c.T, c.H, c.V});
+    HostTensor wy = make_host(c.split ? DType::f32 : DType::bf16, {c.B, c.T, c.H, 64});
+    fill_bytes(wy, 0xff);
+    DeviceMirror go(o), gwy(wy);
+    DeltanetFwdArgs f;
+    f.q = a.q, f.k = a.k, f.v = a.v, f.beta = a.beta, f.initial_state = a.initial_state, f.cu_seqlens = a.cu_seqlens;
+    f.o = go.ref(o), f.use_qk_l2norm_in_kernel = c.l2, f.split_operands = c.split, f.wy_inverse = gwy.ref(wy);
+    const std::size_t fneed = deltanet_fwd_workspace_size(f);
+    void* fws = nullptr;
+    FW_TEST_CUDA(cudaMalloc(&fws, std::max<std::size_t>(fneed, 1)));
+    deltanet_fwd(f, fws, fneed, reinterpret_cast<Stream>(stream));
+    FW_TEST_CUDA(cudaStreamSynchronize(stream));
+    FW_TEST_CUDA(cudaFree(fws));
+    gwy.download(wy);
+    // every element written (0xff bytes are NaN), the defined values
+    EXPECT_LT(rel_err(wy, wy_inverse_reference(k, beta, c.l2, c.cu)), c.split ? 1e-4 : 1e-2) << "wy_inverse";
+    {  // the forward's o does not depend on whether it writes wy_inverse
+      HostTensor o2 = o;
+      DeviceMirror go2(o2);
+      DeltanetFwdArgs f2 = f;
+      f2.o = go2.ref(o2), f2.wy_inverse = TensorRef{};
+      void* fws2 = nullptr;
+      const std::size_t fneed2 = deltanet_fwd_workspace_size(f2);
+      FW_TEST_CUDA(cudaMalloc(&fws2, std::max<std::size_t>(fneed2, 1)));
+      deltanet_fwd(f2, fws2, fneed2, reinterpret_cast<Stream>(stream));
+      FW_TEST_CUDA(cudaStreamSynchronize(stream));
+      FW_TEST_CUDA(cudaFree(fws2));
+      go.download(o), go2.download(o2);
+      EXPECT_EQ(o.bytes, o2.bytes) << "o differs with wy_inverse written";
+    }
+    a.wy_inverse = gwy.ref(wy);
+    const std::size_t need_wy = deltanet_bwd_workspace_size(a);
+    EXPECT_LE(need_wy, need) << "the given wy_inverse should not grow the workspace";
+    fastweight::detail::set_deltanet_wy_vbufs(2);
+    fastweight::detail::set_deltanet_bwd_serial_db2(true);
+    fastweight::detail::set_deltanet_state_tile(32);
+    fastweight::detail::set_deltanet_bwd_overlap(1);
+    fastweight::detail::set_deltanet_state_two_sync(true);
+    for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
+    FW_TEST_CUDA(cudaMemset(ws, 0xff, need));
+    FW_TEST_CUDA(cudaDeviceSynchronize());
+    deltanet_bwd(a, ws, need_wy, reinterpret_cast<Stream>(stream));
+    FW_TEST_CUDA(cudaStreamSynchronize(stream));
+    for (int e = 0; e < 5; ++e) {
+      run_wy.push_back(*outs[e]);
+      gouts[e]->download(run_wy.back());
+    }
+    a.wy_inverse = TensorRef{};
+  }
   FW_TEST_CUDA(cudaStreamDestroy(stream));
   FW_TEST_CUDA(cudaFree(ws));
 
@@ -497,6 +595,7 @@ void check_bwd_case(const DnBwdCase& c) {
     const double err = rel_err(run[0][e], ref[e]);  // +inf on any NaN: every element written
     EXPECT_LT(err, tol) << names[e];
     EXPECT_EQ(run[0][e].bytes, run[1][e].bytes) << names[e] << ": not deterministic (or differs with the other buffering)";
+    if (!run_wy.empty()) EXPECT_EQ(run[0][e].bytes, run_wy[e].bytes) << names[e] << ": differs with the forward's wy_inverse";
     EXPECT_TRUE(padding_untouched(run[0][e], 0xff)) << names[e] << ": written outside its view";
     std::printf(" %s %.2e", names[e], err);
     ++checked;

@@ -413,7 +413,10 @@ bool rows8_bf16(const StridedView& v) {
 // recompute's workspace keeps hi + lo, which the CUDA-core passes read.
 DeltanetBwdParams effective(const DeltanetBwdParams& p) {
   DeltanetBwdParams e = p;
-  if (!e.hilo && !deltanet_bwd_state_tc_applies(e)) e.hilo = true;
+  if (!e.hilo && !deltanet_bwd_state_tc_applies(e)) {
+    e.hilo = true;
+    e.wy_t2 = nullptr;  // the forward's bf16 T2 is not this recompute's (fp32): formed again
+  }
   return e;
 }
 
@@ -472,7 +475,9 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream st
   std::optional<StreamFork> fork;
   void* recomputed = nullptr;  // with the overlap: the side work's end, waited for before post
   if (tc) {
-    DnChunkBufs bufs{ws + w.xw, ws + w.xu, ws + w.rk, ws + w.S, ws + w.X, ws + w.T2};
+    // T2: the forward's (p.wy_t2: read, not formed) or this workspace's region (written)
+    DnChunkBufs bufs{ws + w.xw, ws + w.xu, ws + w.rk, ws + w.S, ws + w.X, p.wy_t2 ? static_cast<float*>(p.wy_t2) : ws + w.T2};
+    bufs.t2_given = p.wy_t2 != nullptr;
     bufs.xbf16 = w.xb;
     bufs.xu16 = w.xu16;  // the choice that sized the xu region
     if (overlap) {

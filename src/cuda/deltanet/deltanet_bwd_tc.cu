@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   bf16* sk = reinterpret_cast<bf16*>(base + lay.r1);    // (64 rows, Kc) k
   float* sdd = reinterpret_cast<float*>(base + lay.r1);  // then (64, kLdF) dD
   bf16* sddb = reinterpret_cast<bf16*>(base + lay.r1);   // or, with w.xb, (64, kLd) bf16 dD
-  float* sT2 = reinterpret_cast<float*>(base + lay.r2);  // (64, 64) T2
+  float* sT2 = reinterpret_cast<float*>(base + lay.r2);  // (64, 64) T2^T (fp32: LO only)
   float* sX = reinterpret_cast<float*>(base + lay.r2);   // then (64, kLdF) X
   bf16* sXb = reinterpret_cast<bf16*>(base + lay.r2);    // or, with w.xb, (64, kLd) bf16 X
   bf16 *sTh = reinterpret_cast<bf16*>(base + lay.Th), *sTl = reinterpret_cast<bf16*>(base + lay.Tl);  // T2^T
@@ -420,12 +420,22 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   const bool xb = !LO && w.xb;  // X read, Y written as bf16 (DnBwdWs::xb)
   // a. k, T2 (16-byte aligned, 64 x 64 fp32); rk from the k tile, beta
   load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
-  if constexpr (LO) {  // fp32 T2, split into T2^T hi + lo below
-    const float* T2w = ws + w.T2 + (slot * p.H + h) * 64 * 64;
-    for (int e = tid; e < 64 * 16; e += kThreads) cp_async16(sT2 + 4 * e, T2w + 4 * e, 16);
-  } else {  // T2^T as bf16 (the wy kernel's rounding): straight into its tile, 8 16-byte pieces a row
-    const bf16* T2t = reinterpret_cast<const bf16*>(ws + w.T2) + (slot * p.H + h) * 64 * 64;
-    for (int e = tid; e < 64 * 8; e += kThreads) cp_async16(sTh + (e / 8) * kLd + 8 * (e % 8), T2t + 8 * e, 16);
+  // T2^T's rows (DnChunkBufs::T2: the forward's wy_inverse or the recompute's region), rows past nr
+  // zero (their dR rows multiply zero beta: the same products as with T2's identity rows there)
+  const void* T2src = p.wy_t2 ? p.wy_t2 : static_cast<const void*>(ws + w.T2);
+  const std::int64_t t2r0 = dn_ws_row(p, b, t0, h) * 64, t2rs = p.H * 64;  // row 0, row stride (elements)
+  if constexpr (LO) {  // fp32, split into hi + lo below: 16 16-byte pieces a row
+    const float* T2w = static_cast<const float*>(T2src) + t2r0;
+    for (int e = tid; e < 64 * 16; e += kThreads) {
+      const int a = e / 16;
+      cp_async16(sT2 + 4 * e, a < nr ? T2w + a * t2rs + 4 * (e % 16) : T2w, a < nr ? 16 : 0);
+    }
+  } else {  // bf16: straight into its tile, 8 16-byte pieces a row
+    const bf16* T2t = static_cast<const bf16*>(T2src) + t2r0;
+    for (int e = tid; e < 64 * 8; e += kThreads) {
+      const int a = e / 8;
+      cp_async16(sTh + a * kLd + 8 * (e % 8), a < nr ? T2t + a * t2rs + 8 * (e % 8) : T2t, a < nr ? 16 : 0);
+    }
   }
   cp_async_commit();
   if (tid < kT) {  // the prep kernel's factors
@@ -454,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
     }
   }
   if constexpr (LO)
-    for (int e = tid; e < 64 * 64; e += kThreads) put_split1<LO>(sTh, sTl, kLd, e % 64, e / 64, sT2[e]);  // [a][j] = T2[j][a]
+    for (int e = tid; e < 64 * 64; e += kThreads) put_split1<LO>(sTh, sTl, kLd, e / 64, e % 64, sT2[e]);  // [a][j] = T2[j][a]
 #pragma unroll 1
   for (std::int64_t c0 = 0, vt = 0; c0 < V; c0 += kT, ++vt) {
     __syncthreads();  // k and T2 are read (first tile), or the previous tile's dD, X, dR

@@ -96,26 +96,45 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
     if (tid < nr) w.rk[dn_ws_row(p, b, t0 + tid, h)] = r * s_beta[tid];  // rk beta: all the later kernels need
   }
   __syncthreads();
-  {  // L = Lg W: L_ij = rk_i rk_j (k_i . k_j) beta_j for j < i
-    float g[8][4] = {};
-    mma_rn(g, sk, ldk, warp, sk, ldk, Kc, lane);
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
-        sL[i][c] = c < i ? s_rk[i] * s_rk[c] * s_beta[c] * g[j][e] : 0.f;
+  // T2 per row (DnChunkBufs::T2): chunk row i's 64 entries are column i of T2, [e] = T2[e % 64][e / 64]
+  // (consecutive threads: consecutive global addresses, shared rows 65 floats apart)
+  auto t2_row = [&](int i) { return dn_ws_row(p, b, t0 + i, h) * 64; };
+  if (w.t2_given) {  // the forward's T2 (exact: it is what the forward's products used); identity past nr
+    for (int e = tid; e < 64 * 64; e += kThreads) {
+      const int i = e / 64, j = e % 64;
+      float x = i == j ? 1.f : 0.f;
+      if (i < nr) {
+        if constexpr (LO) x = w.T2[t2_row(i) + j];
+        else x = __bfloat162float(reinterpret_cast<const bf16*>(w.T2)[t2_row(i) + j]);
       }
-  }
-  __syncthreads();
-  unit_lower_inverse(sL, sT, scr, warp, lane);
-  if (w.T2) {  // for the backward's state pass: fp32 T2 (LO), else T2^T as bf16, the post kernel's operand
-    if constexpr (LO) {
-      float* dst = w.T2 + (std::int64_t(blockIdx.x) * p.H + h) * 64 * 64;
-      for (int e = tid; e < 64 * 64; e += kThreads) dst[e] = sT[e / 64][e % 64];
-    } else {  // [a][j] = T2[j][a], rounded as the post kernel rounded the fp32 T2 (the same bits)
-      bf16* dst = reinterpret_cast<bf16*>(w.T2) + (std::int64_t(blockIdx.x) * p.H + h) * 64 * 64;
-      for (int e = tid; e < 64 * 64; e += kThreads) dst[e] = __float2bfloat16_rn(sT[e % 64][e / 64]);
+      sT[j][i] = x;
+    }
+    __syncthreads();
+  } else {
+    {  // L = Lg W: L_ij = rk_i rk_j (k_i . k_j) beta_j for j < i
+      float g[8][4] = {};
+      mma_rn(g, sk, ldk, warp, sk, ldk, Kc, lane);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
+          sL[i][c] = c < i ? s_rk[i] * s_rk[c] * s_beta[c] * g[j][e] : 0.f;
+        }
+    }
+    __syncthreads();
+    unit_lower_inverse(sL, sT, scr, warp, lane);  // (ends with a barrier)
+    if constexpr (!LO) {  // bf16 operands: T2 itself rounded to bf16 (as FLA's A), before any use of it
+      for (int e = tid; e < 64 * 64; e += kThreads) sT[e / 64][e % 64] = __bfloat162float(__float2bfloat16_rn(sT[e / 64][e % 64]));
+      __syncthreads();
+    }
+    if (w.T2) {  // the forward's wy_inverse, or the backward's own region: rows i < nr
+      for (int e = tid; e < 64 * 64; e += kThreads) {
+        const int i = e / 64, j = e % 64;
+        if (i >= nr) continue;
+        if constexpr (LO) w.T2[t2_row(i) + j] = sT[j][i];
+        else reinterpret_cast<bf16*>(w.T2)[t2_row(i) + j] = __float2bfloat16_rn(sT[j][i]);
+      }
     }
   }
   for (int e = tid; e < 64 * 32; e += kThreads) {  // A1 = T2 diag(rk), A2 = T2, as hi + lo (column pairs)
