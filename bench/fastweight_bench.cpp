@@ -25,6 +25,7 @@
 //   fastweight_bench --dn-xu-bf16=off        DeltaNet (bf16 operands) with Xu in fp32 (A/B)
 //   fastweight_bench --dn-state-ws=off       DeltaNet forward state kernel without its producer warp (A/B)
 //   fastweight_bench --dn-state-ws-warps=1|2 its producer warps (A/B)
+//   fastweight_bench --dn-wy-saved=off       DeltaNet backward forms the WY inverse again (no wy_inverse; A/B)
 //   fastweight_bench --steps-only            the mLSTM / DeltaNet families' GPU decoding-step rows alone (A/B)
 //   fastweight_bench --mlstm-step-kernel=N   mLSTM decoding step's C pass kernel (A/B; set_mlstm_step_kernel)
 //   fastweight_bench --step-tile-major=off   the decoding steps' grids heads-fastest (A/B; set_step_tile_major)
@@ -96,6 +97,7 @@ struct Options {
   bool dn_three_sync = false;
   bool dn_no_state_ws = false;
   int dn_state_ws_warps = 0;
+  bool dn_no_wy_saved = false;
   bool dn_x_f32 = false;
   bool dn_xu_f32 = false;
   bool mlstm_step_no_fuse = false;
@@ -339,6 +341,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--dn-two-sync=")) o.dn_three_sync = !on(v);
     else if (const char* v = val("--dn-state-ws=")) o.dn_no_state_ws = !on(v);
     else if (const char* v = val("--dn-state-ws-warps=")) o.dn_state_ws_warps = std::atoi(v);
+    else if (const char* v = val("--dn-wy-saved=")) o.dn_no_wy_saved = !on(v);
     else if (const char* v = val("--dn-x-bf16=")) o.dn_x_f32 = !on(v);
     else if (const char* v = val("--dn-xu-bf16=")) o.dn_xu_f32 = !on(v);
     else if (const char* v = val("--mlstm-step-fuse=")) o.mlstm_step_no_fuse = !on(v);
@@ -493,6 +496,7 @@ int main(int argc, char** argv) {
   FamilyBench fb;
   fb.steps_only = o.steps_only;
   fb.quick = o.quick, fb.timing_only = o.timing_only, fb.reps = o.reps, fb.mlstm_shapes = o.mlstm_shapes;
+  fb.dn_wy_saved = !o.dn_no_wy_saved;
 #if FW_WITH_CUDA
   fb.timer = timer;
 #endif
