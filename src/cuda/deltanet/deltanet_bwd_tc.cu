@@ -92,10 +92,31 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
   }
   if (!LO && w.xb) {  // Q^ = s diag(rq) Q for the serial kernel's dS update (bf16 rows of K)
     bf16* qh = reinterpret_cast<bf16*>(ws + w.qh());
-    for (int e = tid; e < kT * Kc; e += kThreads) {
-      const int i = e / Kc, c = e % Kc;
-      if (i < nr && c < K)
-        qh[dn_ws_row(p, b, t0 + i, h) * K + c] = __float2bfloat16_rn(p.scale * s_rq[i] * __bfloat162float(sq[i * ldk + c]));
+    if (K % 8 == 0) {  // 8 columns per 16-byte load and store (an element at a time it was 64 stores and
+                       // row products per thread), rows 16-byte aligned (K % 8 == 0, the region's base)
+      const int U = Kc / 8;
+      const std::int64_t row0 = dn_ws_row(p, b, t0, h);
+      for (int e = tid; e < kT * U; e += kThreads) {
+        const int i = e / U, c = 8 * (e % U);
+        if (i >= nr || c >= K) continue;
+        const uint4 u = *reinterpret_cast<const uint4*>(sq + i * ldk + c);
+        const std::uint32_t in[4] = {u.x, u.y, u.z, u.w};
+        std::uint32_t out[4];
+        const float f = p.scale * s_rq[i];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&in[x]));
+          const __nv_bfloat162 r = __floats2bfloat162_rn(f * v.x, f * v.y);
+          out[x] = *reinterpret_cast<const std::uint32_t*>(&r);
+        }
+        *reinterpret_cast<uint4*>(qh + (row0 + std::int64_t(i) * p.H) * K + c) = make_uint4(out[0], out[1], out[2], out[3]);
+      }
+    } else {
+      for (int e = tid; e < kT * Kc; e += kThreads) {
+        const int i = e / Kc, c = e % Kc;
+        if (i < nr && c < K)
+          qh[dn_ws_row(p, b, t0 + i, h) * K + c] = __float2bfloat16_rn(p.scale * s_rq[i] * __bfloat162float(sq[i * ldk + c]));
+      }
     }
   }
   // s M^T (this warp's rows c: key rows; columns i: query rows) as A fragments, hi + lo, in registers:
