@@ -257,30 +257,8 @@ constexpr int kStThreads = 256;
 // per chunk may still set the step. With two, warp 0 takes k, rk beta and the S store, warp 1 Xw and Xu.
 constexpr int kStWsBufs = 4;
 enum : int { kBarFull = 0, kBarEmpty = 4, kBarSFull = 8, kBarSEmpty = 10 };
-// The WS synchronisation, no-ops where the architecture has no mbarrier waits (the host launches the
-// WS form only for a binary of sm_90 or later: kernel_binary_version).
-__device__ __forceinline__ void ws_wait(std::uint64_t* bar, unsigned parity) {
-#if defined(FW_HAS_BULK)
-  mbar_wait(bar, parity);
-#endif
-}
-__device__ __forceinline__ void ws_arrive(std::uint64_t* bar) {
-#if defined(FW_HAS_BULK)
-  mbar_arrive(bar);
-#endif
-}
-__device__ __forceinline__ void ws_consumer_sync() {
-#if defined(FW_HAS_BULK)
-  named_barrier(1, kStThreads);
-#endif
-}
-// 16- and 4-byte copies to a shared address; src_bytes 0 zero-fills (src not read)
-__device__ __forceinline__ void cp_async16_sz(std::uint32_t s, const void* g, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(g), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async4_z(void* s, const void* g, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(s)), "l"(g), "r"(src_bytes));
-}
+// The WS synchronisation: ws_wait / ws_arrive / ws_consumer_sync (deltanet_tc.cuh)
+__device__ __forceinline__ void ws_consumer_sync() { ws_named_sync(kStThreads); }
 // FK: K fixed at compile time (128; the launch checks it), 0: runtime. Fixed, the tiles' strides,
 // trip counts and shared-memory offsets are constants (as the mLSTM backward's K3 roles: -34% of
 // their executed instructions there).
@@ -554,17 +532,7 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
         }
       ws_consumer_sync();  // the D tile written
       // d. S += K^T D (this warp's 16 rows x TW columns): B = D from shared memory, A from registers
-      if (upd) {
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-          for (int jj = 0; jj < NJ / 2; ++jj) {
-            std::uint32_t bh[4];
-            ldsm_x4_t(bh, sDh + (ks * 16 + ld_row_b_kmajor(lane)) * LDT + 16 * jj + ld_col_b_kmajor(lane));
-            mma_bf16_16816(acc_s[0][2 * jj], ak[ks], bh[0], bh[1]);
-            mma_bf16_16816(acc_s[0][2 * jj + 1], ak[ks], bh[2], bh[3]);
-          }
-      }
+      if (upd) state_update_regs<NJ>(acc_s[0], ak, sDh, lane);
       ws_arrive(bars + kBarEmpty + buf);  // this warp's reads of buffer buf are done
       continue;
     } else {

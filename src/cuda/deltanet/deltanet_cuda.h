@@ -39,6 +39,10 @@ bool set_deltanet_xu_bf16(bool enabled);
 // Tests and benchmarks only: the backward serial kernel's q / Xw tiles double-buffered (bf16 operands,
 // where they fit; default on). Returns the previous setting.
 bool set_deltanet_bwd_serial_db2(bool enabled);
+// Tests and benchmarks only: that kernel warp-specialised where it applies (bf16 operands, 32-column
+// tiles, sm_90: deltanet_bwd_state_ws_kernel; default on; the same bits). Returns the previous
+// setting (fastweight_bench --dn-bwd-ws=off).
+bool set_deltanet_bwd_serial_ws(bool on);
 // Tests and benchmarks only: the wy kernel's v tile buffers, 1 or 2 (0: the planner's choice, two
 // unless the second costs a resident CTA per SM). Returns the previous setting.
 int set_deltanet_wy_vbufs(int n);
