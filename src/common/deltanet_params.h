@@ -63,7 +63,6 @@ struct DnChunkBufs {
   // or with t2_given read by it (the backward with the forward's) instead of formed; the backward's
   // post kernel reads it.
   float* T2 = nullptr;
-  bool t2_given = false;
   // The forward's pipeline (o is all that reads X): where the state kernel can (deltanet_dprime), the
   // X region holds D' = diag(rk beta) X as bf16 (rows, V) instead, the output kernel's operand.
   bool dprime = false;
@@ -73,6 +72,8 @@ struct DnChunkBufs {
   // With bf16 operands (deltanet_xu_bf16): Xu as bf16 (rows, V) in the xu region (its first half), as
   // FLA keeps its u: written by the wy kernel, read by the state kernel.
   bool xu16 = false;
+  // T2 is the forward's (read, not formed): see T2 (last: positional initialisers keep their meaning)
+  bool t2_given = false;
 };
 
 // bf16 matrices per state or Xw row (hi + lo, or hi only), and floats for n of them

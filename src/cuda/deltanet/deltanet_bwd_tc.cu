@@ -456,6 +456,7 @@ __global__ void __launch_bounds__(kBwWsThreads, 1) deltanet_bwd_state_ws_kernel(
 #if !defined(FW_HAS_BULK)
   __trap();  // no mbarriers in this build of the kernel (the host launches it only on sm_90 binaries)
 #else
+  if (K % 8 != 0 || V % 8 != 0) __trap();  // the producer's whole 16-byte pieces (the host checks): fail loudly
   if (tid == 0) {
     for (int i = 0; i < kBwWsBufs; ++i) mbar_init(bars + kBwFull + i, 128), mbar_init(bars + kBwEmpty + i, kBsThreads);
     for (int i = 0; i < 2; ++i) mbar_init(bars + kBwSFull + i, kBsThreads), mbar_init(bars + kBwSEmpty + i, 32);
