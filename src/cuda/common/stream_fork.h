@@ -15,7 +15,7 @@ namespace fastweight::detail {
 struct StreamFork {
   const char* op;
   cudaStream_t main, side;
-  cudaEvent_t e[2] = {nullptr, nullptr};
+  cudaEvent_t e[3] = {nullptr, nullptr, nullptr};  // fork, done, mark
   StreamFork(const char* op_, cudaStream_t m) : op(op_), main(m), side(side_stream()) {
     try {
       for (auto& x : e) FW_CUDA_CHECK(op, cudaEventCreateWithFlags(&x, cudaEventDisableTiming));
@@ -29,6 +29,12 @@ struct StreamFork {
   void* done() {
     FW_CUDA_CHECK(op, cudaEventRecord(e[1], side));
     return e[1];
+  }
+  // A point of the side work so far (one per fork), for a launcher on the caller's stream that needs
+  // only that part of it
+  void* mark() {
+    FW_CUDA_CHECK(op, cudaEventRecord(e[2], side));
+    return e[2];
   }
   void release() {
     for (auto& x : e)

@@ -938,7 +938,8 @@ bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
          BsLayout(p.K, p.hilo).bytes <= smem_per_block_optin() && BqLayout(p.K, p.hilo).bytes <= smem_per_block_optin();
 }
 
-void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream, void* before_post) {
+void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream, void* before_post,
+                           void* before_serial) {
   const std::int64_t seqs = p.N * p.H, slots = deltanet_slots(p);
   if (seqs == 0 || slots == 0) return;
   if (slots > 0x7fffffff) throw Error(cat("deltanet_bwd: grid too large (", slots, " chunks)"));
@@ -950,6 +951,8 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(prep), kThreads, lp.bytes);
   prep<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lp.bytes, st>>>(p, w, ws, vq, vk, vo);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: prep)");
+  if (before_serial)  // the recompute's wy kernel (Xw), run beside prep
+    FW_CUDA_CHECK("deltanet_bwd (join the recompute's wy)", cudaStreamWaitEvent(st, static_cast<cudaEvent_t>(before_serial), 0));
   const bool db2 = bwd_serial_db2(p);
   const int tw = deltanet_serial_tile(p);  // 32 where 64-column CTAs would leave SMs idle
   const bool two = db2 && deltanet_serial_two_sync();

@@ -87,14 +87,20 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p, void* workspace, Stream strea
 // The state pass on tensor cores (deltanet_bwd_tc.cu): bf16 q, k, v, do, K <= 128, after the
 // tensor-core recompute (T2 in the workspace).
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p);
+// before_serial (likewise): waited for before the serial kernel (the recompute's wy kernel, run on the
+// side stream beside the prep kernel: deltanet_bwd_wy_side).
 // before_post (a cudaEvent_t or null): waited for on `stream` before the post kernel, the first of
 // the pass to read X (the recompute's state kernel, run beside prep + serial: deltanet_bwd_cuda).
 void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream,
-                           void* before_post = nullptr);
+                           void* before_post = nullptr, void* before_serial = nullptr);
 // Tests and benchmarks only: the backward's recompute state kernel beside the prep + serial kernels
 // on a second stream (1), after them on one stream (-1), or the planner's choice (0: beside where both
 // serial grids fit on the SMs at once). The same kernels and bits either way. Returns the previous.
 int set_deltanet_bwd_overlap(int mode);
+// Tests and benchmarks only: with the overlap, the recompute's wy kernel on the side stream too, beside
+// the state pass's prep kernel (which reads none of its outputs; the serial kernel waits for it);
+// default on, the same bits. Returns the previous setting (fastweight_bench --dn-bwd-wy-side=off).
+bool set_deltanet_bwd_wy_side(bool on);
 bool deltanet_bwd_overlap(const DeltanetBwdParams& p);
 // The chunk pass on tensor cores (deltanet_bwd_tc.cu), after the state pass on tensor cores.
 void deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream);
