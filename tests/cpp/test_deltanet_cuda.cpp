@@ -478,23 +478,25 @@ void check_bwd_case(const DnBwdCase& c) {
   // two; bf16 operands: the backward serial kernel's q / Xw single-buffered) and the recomputing state
   // kernel on 64-column V tiles instead of 32, and the recompute's state kernel after the state
   // pass's prep + serial kernels on one stream where the first call ran it beside them on a second,
-  // and the serial kernels' chunk steps with three barriers where the first call's had two: the same
-  // bits.
+  // the serial kernels' chunk steps with three barriers where the first call's had two, and the chunk
+  // pass's K tiles a grid apart where the first call's were neighbours: the same bits.
   struct RestoreBuffering {
     int vbufs;
     bool db2;
     int tile, overlap;
-    bool two;
+    bool two, kfast;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
       fastweight::detail::set_deltanet_state_tile(tile);
       fastweight::detail::set_deltanet_bwd_overlap(overlap);
       fastweight::detail::set_deltanet_state_two_sync(two);
+      fastweight::detail::set_deltanet_bwd_chunk_kfast(kfast);
     }
   } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true),
                       fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_bwd_overlap(0),
-                      fastweight::detail::set_deltanet_state_two_sync(true)};
+                      fastweight::detail::set_deltanet_state_two_sync(true),
+                      fastweight::detail::set_deltanet_bwd_chunk_kfast(true)};
   std::vector<HostTensor> run[2];
   for (int r = 0; r < 2; ++r) {
     fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
@@ -502,6 +504,7 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_state_tile(r == 0 ? 32 : 64);
     fastweight::detail::set_deltanet_bwd_overlap(r == 0 ? 1 : -1);
     fastweight::detail::set_deltanet_state_two_sync(r == 0);
+    fastweight::detail::set_deltanet_bwd_chunk_kfast(r == 0);
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
     FW_TEST_CUDA(cudaMemset(ws, r == 0 ? 0xff : 0x00, need));
     FW_TEST_CUDA(cudaDeviceSynchronize());  // the memsets run on the legacy stream, not on `stream`
@@ -555,6 +558,7 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_state_tile(32);
     fastweight::detail::set_deltanet_bwd_overlap(1);
     fastweight::detail::set_deltanet_state_two_sync(true);
+    fastweight::detail::set_deltanet_bwd_chunk_kfast(true);
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
     FW_TEST_CUDA(cudaMemset(ws, 0xff, need));
     FW_TEST_CUDA(cudaDeviceSynchronize());

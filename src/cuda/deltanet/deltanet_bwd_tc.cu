@@ -782,7 +782,7 @@ constexpr int kBcThreads = 256;
 template <bool LO>
 __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                          float* __restrict__ ws, bool vq, bool vk,
-                                                                         bool vo) {
+                                                                         bool vo, int kfast) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const BcLayout lay(LO);
@@ -798,7 +798,12 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
   float* s_beta = reinterpret_cast<float*>(base + lay.beta);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int mw = warp & 3, half = warp >> 2;  // rows 16 mw.., columns 32 half.. of each 64 x 64 result
-  const std::int64_t h = blockIdx.y, k0 = std::int64_t(blockIdx.z) * kT, K = p.K, V = p.V, slot = blockIdx.x;
+  // kfast (the K tiles' count, or 0): a (slot, head)'s K tiles are neighbours in the grid (blockIdx.x =
+  // slot * kfast + K tile), so that their shared dO, X, Y tiles are read from HBM once and from the L2
+  // by the others; else blockIdx.z is the K tile (a whole grid of slots apart)
+  const int kz = kfast ? int(blockIdx.x % unsigned(kfast)) : int(blockIdx.z);
+  const std::int64_t h = blockIdx.y, k0 = std::int64_t(kz) * kT, K = p.K, V = p.V;
+  const std::int64_t slot = kfast ? std::int64_t(blockIdx.x / unsigned(kfast)) : std::int64_t(blockIdx.x);
   DnSeq sq_;
   std::int64_t t0;
   if (!dn_slot(p, slot, sq_, t0)) return;
@@ -916,11 +921,12 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
       const std::int64_t c = k0 + 32 * half + fcol(lane, j, e);
       if (i < nr && c < K) dn_store_dqk(p, w, ws, b, t0 + i, h, c, dq[j][e], dk[j][e]);
     }
-  if (blockIdx.z == 0) dn_store_dbeta(p, w, ws, b, t0, nr, h, tid);
+  if (kz == 0) dn_store_dbeta(p, w, ws, b, t0, nr, h, tid);
 }
 
 std::atomic<bool> g_serial_db2{true};
 std::atomic<bool> g_serial_ws{true};  // set_deltanet_bwd_serial_ws
+std::atomic<bool> g_chunk_kfast{true};  // set_deltanet_bwd_chunk_kfast
 // q and Xw double-buffered in the serial kernel: bf16 operands, where the shared memory holds it
 bool bwd_serial_db2(const DeltanetBwdParams& p) {
   return g_serial_db2.load() && !p.hilo && BsLayout(p.K, false, 2).bytes <= smem_per_block_optin();
@@ -930,6 +936,7 @@ bool bwd_serial_db2(const DeltanetBwdParams& p) {
 
 bool set_deltanet_bwd_serial_db2(bool enabled) { return g_serial_db2.exchange(enabled); }
 bool set_deltanet_bwd_serial_ws(bool on) { return g_serial_ws.exchange(on); }
+bool set_deltanet_bwd_chunk_kfast(bool on) { return g_chunk_kfast.exchange(on); }
 
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
   // sm_80 opts in to 163 KB of shared memory per block, the serial kernel's K = 128 layout needs
@@ -1006,8 +1013,10 @@ void deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   const BcLayout lay(p.hilo);
   auto* chunk = p.hilo ? &deltanet_bwd_chunk_tc_kernel<true> : &deltanet_bwd_chunk_tc_kernel<false>;
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(chunk), kBcThreads, lay.bytes);
-  chunk<<<dim3(unsigned(slots), unsigned(p.H), unsigned(kt)), kBcThreads, lay.bytes,
-          reinterpret_cast<cudaStream_t>(stream)>>>(p, w, ws, rows16_seq(p.q), rows16_seq(p.k), rows16_seq(p.do_));
+  const bool kfast = g_chunk_kfast.load(std::memory_order_relaxed) && kt > 1 && slots * kt <= 0x7fffffff;
+  const dim3 grid = kfast ? dim3(unsigned(slots * kt), unsigned(p.H), 1u) : dim3(unsigned(slots), unsigned(p.H), unsigned(kt));
+  chunk<<<grid, kBcThreads, lay.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
+      p, w, ws, rows16_seq(p.q), rows16_seq(p.k), rows16_seq(p.do_), kfast ? int(kt) : 0);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (chunk pass, tensor cores)");
 }
 

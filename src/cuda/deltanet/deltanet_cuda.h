@@ -43,6 +43,10 @@ bool set_deltanet_bwd_serial_db2(bool enabled);
 // tiles, sm_90: deltanet_bwd_state_ws_kernel; default on; the same bits). Returns the previous
 // setting (fastweight_bench --dn-bwd-ws=off).
 bool set_deltanet_bwd_serial_ws(bool on);
+// Tests and benchmarks only: the tensor-core chunk pass's grid with a (slot, head)'s K tiles as
+// neighbours (K > 64; default on) instead of a grid of slots apart; the same bits. Returns the
+// previous setting (fastweight_bench --dn-chunk-kfast=off).
+bool set_deltanet_bwd_chunk_kfast(bool on);
 // Tests and benchmarks only: the wy kernel's v tile buffers, 1 or 2 (0: the planner's choice, two
 // unless the second costs a resident CTA per SM). Returns the previous setting.
 int set_deltanet_wy_vbufs(int n);
