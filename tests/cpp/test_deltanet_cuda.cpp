@@ -172,7 +172,7 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
     int vbufs, tile;
     bool two, ws;
     int ws_warps;
-    bool xu16;
+    bool xu16, vfast;
     ~Restore() {
       fastweight::detail::set_deltanet_fwd_dprime(prev);
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
@@ -181,11 +181,12 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
       fastweight::detail::set_deltanet_state_ws(ws);
       fastweight::detail::set_deltanet_state_ws_warps(ws_warps);
       fastweight::detail::set_deltanet_xu_bf16(xu16);
+      fastweight::detail::set_deltanet_out_vfast(vfast);
     }
   } restore{fastweight::detail::set_deltanet_fwd_dprime(true), fastweight::detail::set_deltanet_wy_vbufs(0),
             fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_state_two_sync(true),
             fastweight::detail::set_deltanet_state_ws(true), fastweight::detail::set_deltanet_state_ws_warps(2),
-            fastweight::detail::set_deltanet_xu_bf16(true)};
+            fastweight::detail::set_deltanet_xu_bf16(true), fastweight::detail::set_deltanet_out_vfast(true)};
   std::vector<HostTensor> by_mode(2 * 6);  // o, final state of each mode
   for (int m = 0; m < 6; ++m) {
     void* w = m == 0 ? nullptr : ws;
@@ -205,6 +206,7 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
       fastweight::detail::set_deltanet_state_tile(r == 0 ? 32 : 64);
       fastweight::detail::set_deltanet_state_two_sync(r == 0);
       fastweight::detail::set_deltanet_state_ws_warps(m >= 4 ? 1 : 2);
+      fastweight::detail::set_deltanet_out_vfast(r == 0);  // the output kernel's V tiles neighbours, then a grid apart
       FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
       FW_TEST_CUDA(cudaMemset(ght.ptr, 0xff, ght.nbytes));
       if (w) FW_TEST_CUDA(cudaMemset(w, 0xff, need));

@@ -626,7 +626,7 @@ struct OutLayout {
 
 template <bool LO, int FK = 0>  // FK: as the wy kernel
 __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetParams p, const DnChunkBufs w, bool vq,
-                                                                bool vk, bool dp) {
+                                                                bool vk, bool dp, int vfast) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const std::int64_t K = FK ? FK : p.K;
@@ -641,11 +641,16 @@ __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetPa
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
   float* sX = reinterpret_cast<float*>(base + lay.X);  // (64, 64) X rows of the chunk, this CTA's columns
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const std::int64_t h = blockIdx.y, c0 = std::int64_t(blockIdx.z) * kT, V = p.V;
+  // vfast (the V tiles' count, or 0): a (slot, head)'s V tiles are neighbours in the grid (blockIdx.x =
+  // slot * vfast + V tile), so that their shared q, k tiles are read from HBM once and from the L2 by
+  // the others; else blockIdx.z is the V tile (a whole grid of slots apart)
+  const int vz = vfast ? int(blockIdx.x % unsigned(vfast)) : int(blockIdx.z);
+  const std::int64_t slot = vfast ? std::int64_t(blockIdx.x / unsigned(vfast)) : std::int64_t(blockIdx.x);
+  const std::int64_t h = blockIdx.y, c0 = std::int64_t(vz) * kT, V = p.V;
   DnSeq sq_;
   std::int64_t t0;
-  if (!dn_slot(p, blockIdx.x, sq_, t0)) return;
-  const std::int64_t b = sq_.b, slot = blockIdx.x;
+  if (!dn_slot(p, slot, sq_, t0)) return;
+  const std::int64_t b = sq_.b;
   const int nr = int(lmin(kT, sq_.eos - t0));
 
   load_tile(sq, ldk, kT, Kc, bf_rows(p.q, b, t0, h), p.q.s1, nr, int(K), vq);
@@ -757,6 +762,7 @@ std::atomic<int> g_state_tile{0};  // 0: the planner's choice
 std::atomic<bool> g_state_two_sync{true};  // set_deltanet_state_two_sync
 std::atomic<bool> g_state_ws{true};        // set_deltanet_state_ws
 std::atomic<int> g_state_ws_warps{2};      // set_deltanet_state_ws_warps
+std::atomic<bool> g_out_vfast{true};       // set_deltanet_out_vfast
 std::atomic<bool> g_fixed_k{true};  // set_deltanet_fixed_k
 }  // namespace
 bool set_deltanet_fixed_k(bool on) { return g_fixed_k.exchange(on); }
@@ -766,6 +772,7 @@ int set_deltanet_state_tile(int cols) { return g_state_tile.exchange(cols == 32 
 bool set_deltanet_state_two_sync(bool on) { return g_state_two_sync.exchange(on); }
 bool set_deltanet_state_ws(bool on) { return g_state_ws.exchange(on); }
 int set_deltanet_state_ws_warps(int n) { return g_state_ws_warps.exchange(n == 1 ? 1 : 2); }
+bool set_deltanet_out_vfast(bool on) { return g_out_vfast.exchange(on); }
 bool deltanet_serial_two_sync() { return g_state_two_sync.load(std::memory_order_relaxed); }
 int deltanet_serial_tile(const DeltanetParams& p) {
   // Measured (H200, docs/perf/deltanet.md session 18): 32 columns take (2,8192,16,128) from 1.27 to
@@ -859,8 +866,10 @@ void deltanet_chunk_tc_output(const DeltanetParams& p, const DnChunkBufs& w, Str
   auto* out = p.hilo ? &deltanet_out_kernel<true> : &deltanet_out_kernel<false>;
   if (deltanet_fixed_k(p)) out = p.hilo ? &deltanet_out_kernel<true, 128> : &deltanet_out_kernel<false, 128>;
   prepare(out, lo.bytes);
-  out<<<dim3(unsigned(slots), unsigned(p.H), unsigned(vt)), kThreads, lo.bytes,
-        reinterpret_cast<cudaStream_t>(stream)>>>(p, w, rows16_seq(p.q), rows16_seq(p.k), dp);
+  const bool vfast = g_out_vfast.load(std::memory_order_relaxed) && vt > 1 && slots * vt <= 0x7fffffff;
+  const dim3 grid = vfast ? dim3(unsigned(slots * vt), unsigned(p.H), 1u) : dim3(unsigned(slots), unsigned(p.H), unsigned(vt));
+  out<<<grid, kThreads, lo.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(p, w, rows16_seq(p.q), rows16_seq(p.k), dp,
+                                                                           vfast ? int(vt) : 0);
   FW_CUDA_CHECK_LAUNCH("deltanet (output)");
 }
 

@@ -67,6 +67,10 @@ bool set_deltanet_state_ws(bool on);
 // Its producer warps, 1 or 2 (default 2: k, rk beta and the S store on one, Xw and Xu on the other);
 // returns the previous setting (tests; fastweight_bench --dn-state-ws-warps=1).
 int set_deltanet_state_ws_warps(int n);
+// Tests and benchmarks only: the output kernel's grid with a (slot, head)'s V tiles as neighbours
+// (V > 64; default on) instead of a grid of slots apart; the same bits. Returns the previous setting
+// (fastweight_bench --dn-out-vfast=off).
+bool set_deltanet_out_vfast(bool on);
 // The planner's choice: 32 where 64-column CTAs (one per SM) would leave more than half the SMs idle;
 // with cu_seqlens (lengths unknown on the host, the longest sets the tail) up to two such waves.
 int deltanet_serial_tile(const DeltanetParams& p);
