@@ -620,6 +620,9 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   const int nr = int(lmin(kT, sq_.eos - t0));
   const bool even = V % 2 == 0;
   const bool xb = !LO && w.xb;  // X read, Y written as bf16 (DnBwdWs::xb)
+  // dv as bf16 pairs: even element offsets of column pairs (col is even) and a 4-byte aligned base
+  const bool dv2 = p.dv.p && p.dv.dtype == DType::bf16 && reinterpret_cast<std::uintptr_t>(p.dv.p) % 4 == 0 &&
+                   p.dv.s0 % 2 == 0 && p.dv.s1 % 2 == 0 && p.dv.s2 % 2 == 0;
   // a. k, T2 (16-byte aligned, 64 x 64 fp32); rk from the k tile, beta
   load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
   // T2^T's rows (DnChunkBufs::T2: the forward's wy_inverse or the recompute's region), rows past nr
@@ -736,8 +739,12 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
               else return x;
             };
             const std::int64_t odv = dn_row(p.dv, b, t0 + i, h) + col;
-            mlstm_st(p.dv, odv, dr(c));
-            if (has1) mlstm_st(p.dv, odv + 1, dr(c + 1));
+            if (dv2 && has1) {  // a bf16 pair per 4-byte store (the same roundings)
+              *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.dv.p) + odv) = __floats2bfloat162_rn(dr(c), dr(c + 1));
+            } else {
+              mlstm_st(p.dv, odv, dr(c));
+              if (has1) mlstm_st(p.dv, odv + 1, dr(c + 1));
+            }
           }
         }
       }
