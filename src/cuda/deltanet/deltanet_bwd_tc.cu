@@ -923,10 +923,11 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
 #pragma unroll
   for (int j = 0; j < 4; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
+    for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 (c even) of row i
       const int i = 16 * mw + frow(lane, e);
       const std::int64_t c = k0 + 32 * half + fcol(lane, j, e);
-      if (i < nr && c < K) dn_store_dqk(p, w, ws, b, t0 + i, h, c, dq[j][e], dk[j][e]);
+      if (i < nr && c < K)
+        dn_store_dqk2(p, w, ws, b, t0 + i, h, c, dq[j][e], dq[j][e + 1], dk[j][e], dk[j][e + 1], c + 1 < K);
     }
   if (kz == 0) dn_store_dbeta(p, w, ws, b, t0, nr, h, tid);
 }
