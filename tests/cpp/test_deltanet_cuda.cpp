@@ -486,7 +486,7 @@ void check_bwd_case(const DnBwdCase& c) {
     int vbufs;
     bool db2;
     int tile, overlap;
-    bool two, kfast;
+    bool two, kfast, wy_side;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -494,11 +494,13 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_overlap(overlap);
       fastweight::detail::set_deltanet_state_two_sync(two);
       fastweight::detail::set_deltanet_bwd_chunk_kfast(kfast);
+      fastweight::detail::set_deltanet_bwd_wy_side(wy_side);
     }
   } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true),
                       fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_bwd_overlap(0),
                       fastweight::detail::set_deltanet_state_two_sync(true),
-                      fastweight::detail::set_deltanet_bwd_chunk_kfast(true)};
+                      fastweight::detail::set_deltanet_bwd_chunk_kfast(true),
+                      fastweight::detail::set_deltanet_bwd_wy_side(true)};
   std::vector<HostTensor> run[2];
   for (int r = 0; r < 2; ++r) {
     fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
@@ -519,7 +521,8 @@ void check_bwd_case(const DnBwdCase& c) {
   }
   // Where the tensor-core pipeline runs: the forward's wy_inverse (through the public forward, with a
   // workspace) given to the backward, which then reads it instead of forming it: the same bits as
-  // run 0 (same buffering), and a smaller workspace
+  // run 0 (same buffering; the recompute's wy kernel before the fork instead of beside prep), and a
+  // workspace no larger
   std::vector<HostTensor> run_wy;
   if (c.dt == DType::bf16 && c.K <= 128) {
     HostTensor o = make_host(c.dt, {c.B, c.T, c.H, c.V});
@@ -561,6 +564,7 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_bwd_overlap(1);
     fastweight::detail::set_deltanet_state_two_sync(true);
     fastweight::detail::set_deltanet_bwd_chunk_kfast(true);
+    fastweight::detail::set_deltanet_bwd_wy_side(false);  // the overlap's other schedule (restored on exit)
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
     FW_TEST_CUDA(cudaMemset(ws, 0xff, need));
     FW_TEST_CUDA(cudaDeviceSynchronize());
@@ -694,6 +698,8 @@ std::vector<DnBwdCase> bwd_cases() {
   // only some gradients asked for (no initial state, no dfinal_state)
   v.push_back({DType::f32, 2, 130, 2, 64, 64, false, false, false, none, DType::i64, kDv | kDbeta, 0});
   v.push_back({DType::bf16, 1, 100, 2, 100, 72, true, true, true, none, DType::i64, kDq | kDh0, 0});
+  // without the L2 norm, unpadded: dq, dk stored straight from the chunk pass (bf16 column pairs)
+  v.push_back({DType::bf16, 2, 200, 3, 128, 128, false, true, true, none, DType::i64, kAllGrads, 0});
   // bf16-only tensor-core operands (split_operands = false): the templated kernels' other half
   const std::vector<std::int64_t> off = many_offsets(2000, 9, 6);
   for (DnBwdCase c : std::vector<DnBwdCase>{
@@ -704,7 +710,8 @@ std::vector<DnBwdCase> bwd_cases() {
            {DType::bf16, 1, 150, 2, 100, 72, true, true, true, {0, 0, 70, 70, 150}, DType::i32, kAllGrads, 0},
            {DType::bf16, 1, 4097, 1, 64, 64, true, true, true, none, DType::i64, kAllGrads, 0},
            {DType::bf16, 1, off.back(), 1, 32, 32, true, true, true, off, DType::i64, kAllGrads, 0},
-           {DType::bf16, 1, 100, 2, 100, 72, true, true, true, none, DType::i64, kDq | kDh0, 0}}) {
+           {DType::bf16, 1, 100, 2, 100, 72, true, true, true, none, DType::i64, kDq | kDh0, 0},
+           {DType::bf16, 2, 200, 3, 128, 128, false, true, true, none, DType::i64, kAllGrads, 0}}) {
     c.split = false;
     v.push_back(c);
   }

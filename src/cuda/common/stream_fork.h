@@ -26,8 +26,10 @@ struct StreamFork {
       throw;
     }
   }
+  bool recorded = false;  // done() ran
   void* done() {
     FW_CUDA_CHECK(op, cudaEventRecord(e[1], side));
+    recorded = true;
     return e[1];
   }
   // A point of the side work so far (one per fork), for a launcher on the caller's stream that needs
@@ -41,7 +43,12 @@ struct StreamFork {
       if (x) (void)cudaEventDestroy(x), x = nullptr;
   }
   ~StreamFork() {
-    if (e[1]) (void)cudaStreamWaitEvent(main, e[1], 0);
+    if (e[1]) {
+      // a throw between the fork and done() (side work already queued): end the side work here, so
+      // that the join still waits for it (an event never recorded is no wait at all)
+      if (!recorded) (void)cudaEventRecord(e[1], side);
+      (void)cudaStreamWaitEvent(main, e[1], 0);
+    }
     release();
   }
   StreamFork(const StreamFork&) = delete;

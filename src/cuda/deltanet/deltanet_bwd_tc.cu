@@ -621,7 +621,9 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   const bool even = V % 2 == 0;
   const bool xb = !LO && w.xb;  // X read, Y written as bf16 (DnBwdWs::xb)
   // dv as bf16 pairs: even element offsets of column pairs (col is even) and a 4-byte aligned base
-  const bool dv2 = p.dv.p && p.dv.dtype == DType::bf16 && reinterpret_cast<std::uintptr_t>(p.dv.p) % 4 == 0 &&
+  // (bf16 operands only: with hi + lo and a runtime K the kernel sits at its register cap, and the
+  // pair store cost it spills)
+  const bool dv2 = !LO && p.dv.p && p.dv.dtype == DType::bf16 && reinterpret_cast<std::uintptr_t>(p.dv.p) % 4 == 0 &&
                    p.dv.s0 % 2 == 0 && p.dv.s1 % 2 == 0 && p.dv.s2 % 2 == 0;
   // a. k, T2 (16-byte aligned, 64 x 64 fp32); rk from the k tile, beta
   load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
