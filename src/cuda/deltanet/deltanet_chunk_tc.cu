@@ -257,6 +257,13 @@ constexpr int kStThreads = 256;
 // per chunk may still set the step. With two, warp 0 takes k, rk beta and the S store, warp 1 Xw and Xu.
 constexpr int kStWsBufs = 4;
 enum : int { kBarFull = 0, kBarEmpty = 4, kBarSFull = 8, kBarSEmpty = 10 };
+// A pair of X (columns c, c + 1 of a row, at off from the thread's base) to the workspace: with dp
+// D' = r X as bf16 (the output kernel's rounding of r X: the same bits as from X; r = 1 with xbf16,
+// X itself), else X in fp32. The state kernel's epilogues, both forms.
+__device__ __forceinline__ void store_x_pair(float* xg, bf16* dg, std::int64_t off, float2 x, float r, bool dp) {
+  if (dp) *reinterpret_cast<__nv_bfloat162*>(dg + off) = __floats2bfloat162_rn(r * x.x, r * x.y);
+  else *reinterpret_cast<float2*>(xg + off) = x;
+}
 // The WS synchronisation: ws_wait / ws_arrive / ws_consumer_sync (deltanet_tc.cuh)
 __device__ __forceinline__ void ws_consumer_sync() { ws_named_sync(kStThreads); }
 // FK: K fixed at compile time (128; the launch checks it), 0: runtime. Fixed, the tiles' strides,
@@ -521,12 +528,7 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
           float2 x = make_float2(0.f, 0.f);
           if (i < nr && c0 + c < V) {
             x = make_float2(u[j][e / 2].x - acc[j][e], u[j][e / 2].y - acc[j][e + 1]);
-            if (dp) {
-              const float rr = w.xbf16 ? 1.f : r[e / 2];
-              *reinterpret_cast<__nv_bfloat162*>(dg + (e / 2) * 8 * hv + 8 * j) = __floats2bfloat162_rn(rr * x.x, rr * x.y);
-            } else {
-              *reinterpret_cast<float2*>(xg + (e / 2) * 8 * hv + 8 * j) = x;
-            }
+            store_x_pair(xg, dg, (e / 2) * 8 * hv + 8 * j, x, w.xbf16 ? 1.f : r[e / 2], dp);
           }
           put_split2<LO>(sDh, sDl, LDT, i, c, r[e / 2] * x.x, r[e / 2] * x.y);
         }
@@ -582,13 +584,7 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
                   w.xu16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(s_xub + (buf * kT + i) * LDT + c))
                          : *reinterpret_cast<const float2*>(s_xu + (buf * kT + i) * LDU + c);
               x = make_float2(u.x - acc[j][e], u.y - acc[j][e + 1]);
-              if (dp) {  // the output kernel's rounding of r * X (the same bits as from X)
-                const float r = w.xbf16 ? 1.f : s_rkb[buf * kT + i];
-                *reinterpret_cast<__nv_bfloat162*>(dg + (e / 2) * 8 * hv + 8 * j) =
-                    __floats2bfloat162_rn(r * x.x, r * x.y);
-              } else {
-                *reinterpret_cast<float2*>(xg + (e / 2) * 8 * hv + 8 * j) = x;
-              }
+              store_x_pair(xg, dg, (e / 2) * 8 * hv + 8 * j, x, w.xbf16 ? 1.f : s_rkb[buf * kT + i], dp);
             }
           } else if (i < nr && c0 + c < V) {
             const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * V + c0 + c;
