@@ -25,7 +25,7 @@
 //   fastweight_bench --dn-xu-bf16=off        DeltaNet (bf16 operands) with Xu in fp32 (A/B)
 //   fastweight_bench --dn-state-ws=off       DeltaNet forward state kernel without its producer warp (A/B)
 //   fastweight_bench --dn-state-ws-warps=1|2 its producer warps (A/B)
-//   fastweight_bench --dn-bwd-ws=off         DeltaNet backward serial kernel without its producer warpgroup (A/B)
+//   fastweight_bench --dn-bwd-ws=on|off      DeltaNet backward serial kernel with its producer warpgroup (A/B; default off)
 //   fastweight_bench --dn-bwd-wy-side=off    DeltaNet backward's recompute wy kernel before the fork, not beside prep (A/B)
 //   fastweight_bench --dn-chunk-kfast=off    DeltaNet backward chunk pass's K tiles a grid apart (A/B)
 //   fastweight_bench --dn-out-vfast=off      DeltaNet forward output kernel's V tiles a grid apart (A/B)
@@ -101,7 +101,8 @@ struct Options {
   bool dn_three_sync = false;
   bool dn_no_state_ws = false;
   int dn_state_ws_warps = 0;
-  bool dn_no_wy_saved = false, dn_no_bwd_ws = false, dn_no_wy_side = false, dn_no_kfast = false;
+  int dn_bwd_ws = -1;  // -1: the library's default
+  bool dn_no_wy_saved = false, dn_no_wy_side = false, dn_no_kfast = false;
   bool dn_no_vfast = false;
   bool dn_x_f32 = false;
   bool dn_xu_f32 = false;
@@ -347,7 +348,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--dn-state-ws=")) o.dn_no_state_ws = !on(v);
     else if (const char* v = val("--dn-state-ws-warps=")) o.dn_state_ws_warps = std::atoi(v);
     else if (const char* v = val("--dn-wy-saved=")) o.dn_no_wy_saved = !on(v);
-    else if (const char* v = val("--dn-bwd-ws=")) o.dn_no_bwd_ws = !on(v);
+    else if (const char* v = val("--dn-bwd-ws=")) o.dn_bwd_ws = on(v) ? 1 : 0;
     else if (const char* v = val("--dn-bwd-wy-side=")) o.dn_no_wy_side = !on(v);
     else if (const char* v = val("--dn-chunk-kfast=")) o.dn_no_kfast = !on(v);
     else if (const char* v = val("--dn-out-vfast=")) o.dn_no_vfast = !on(v);
@@ -416,7 +417,7 @@ int main(int argc, char** argv) {
   if (o.dn_three_sync) fastweight::detail::set_deltanet_state_two_sync(false);
   if (o.dn_no_state_ws) fastweight::detail::set_deltanet_state_ws(false);
   if (o.dn_state_ws_warps) fastweight::detail::set_deltanet_state_ws_warps(o.dn_state_ws_warps);
-  if (o.dn_no_bwd_ws) fastweight::detail::set_deltanet_bwd_serial_ws(false);
+  if (o.dn_bwd_ws >= 0) fastweight::detail::set_deltanet_bwd_serial_ws(o.dn_bwd_ws == 1);
   if (o.dn_no_wy_side) fastweight::detail::set_deltanet_bwd_wy_side(false);
   if (o.dn_no_kfast) fastweight::detail::set_deltanet_bwd_chunk_kfast(false);
   if (o.dn_no_vfast) fastweight::detail::set_deltanet_out_vfast(false);

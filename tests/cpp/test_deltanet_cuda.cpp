@@ -481,12 +481,13 @@ void check_bwd_case(const DnBwdCase& c) {
   // kernel on 64-column V tiles instead of 32, and the recompute's state kernel after the state
   // pass's prep + serial kernels on one stream where the first call ran it beside them on a second,
   // the serial kernels' chunk steps with three barriers where the first call's had two, and the chunk
-  // pass's K tiles a grid apart where the first call's were neighbours: the same bits.
+  // pass's K tiles a grid apart where the first call's were neighbours, and (bf16 operands) the backward
+  // serial kernel on the DB2 path where the first call's was warp-specialised: the same bits.
   struct RestoreBuffering {
     int vbufs;
     bool db2;
     int tile, overlap;
-    bool two, kfast, wy_side;
+    bool two, kfast, wy_side, serial_ws;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -495,16 +496,19 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_state_two_sync(two);
       fastweight::detail::set_deltanet_bwd_chunk_kfast(kfast);
       fastweight::detail::set_deltanet_bwd_wy_side(wy_side);
+      fastweight::detail::set_deltanet_bwd_serial_ws(serial_ws);
     }
   } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true),
                       fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_bwd_overlap(0),
                       fastweight::detail::set_deltanet_state_two_sync(true),
                       fastweight::detail::set_deltanet_bwd_chunk_kfast(true),
-                      fastweight::detail::set_deltanet_bwd_wy_side(true)};
+                      fastweight::detail::set_deltanet_bwd_wy_side(true),
+                      fastweight::detail::set_deltanet_bwd_serial_ws(false)};
   std::vector<HostTensor> run[2];
   for (int r = 0; r < 2; ++r) {
     fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
     fastweight::detail::set_deltanet_bwd_serial_db2(r == 0);
+    fastweight::detail::set_deltanet_bwd_serial_ws(r == 0);  // off by default: run 0 keeps it bit-tested
     fastweight::detail::set_deltanet_state_tile(r == 0 ? 32 : 64);
     fastweight::detail::set_deltanet_bwd_overlap(r == 0 ? 1 : -1);
     fastweight::detail::set_deltanet_state_two_sync(r == 0);
@@ -565,6 +569,7 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_state_two_sync(true);
     fastweight::detail::set_deltanet_bwd_chunk_kfast(true);
     fastweight::detail::set_deltanet_bwd_wy_side(false);  // the overlap's other schedule (restored on exit)
+    fastweight::detail::set_deltanet_bwd_serial_ws(false);  // the DB2 path: run 0's WS kernel against it, bit for bit
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
     FW_TEST_CUDA(cudaMemset(ws, 0xff, need));
     FW_TEST_CUDA(cudaDeviceSynchronize());

@@ -935,7 +935,9 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
 }
 
 std::atomic<bool> g_serial_db2{true};
-std::atomic<bool> g_serial_ws{true};  // set_deltanet_bwd_serial_ws
+// off by default: on the H100 it measured no faster than the DB2 + xb path (session 26, (1,32768,16,128)
+// bf16 operands: 4.02 ms on, 3.83 off; the other rows within 2.5%); kept for the A/B and bit-tested
+std::atomic<bool> g_serial_ws{false};  // set_deltanet_bwd_serial_ws
 std::atomic<bool> g_chunk_kfast{true};  // set_deltanet_bwd_chunk_kfast
 // q and Xw double-buffered in the serial kernel: bf16 operands, where the shared memory holds it
 bool bwd_serial_db2(const DeltanetBwdParams& p) {

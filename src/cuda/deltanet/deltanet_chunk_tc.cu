@@ -75,6 +75,19 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
   const int nr = int(lmin(kT, sq.eos - t0));
 
   load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
+  // T2 per row (DnChunkBufs::T2): chunk row i's 64 entries are column i of T2, [e] = T2[e % 64][e / 64]
+  auto t2_row = [&](int i) { return dn_ws_row(p, b, t0 + i, h) * 64; };
+  // (64, 64) the forward's T2 rows as stored (fp32 with LO, else bf16), staged in L's space (unused
+  // then) with k's group: read one scalar per thread and step, their latency cost ~30 serial global
+  // round trips per CTA (the backward ran ~4% slower with the saved T2 than forming it again)
+  constexpr int kT2Pieces = LO ? 16 : 8;  // 16-byte pieces of a T2 row
+  char* t2_stage = base + lay.L;
+  if (w.t2_given)
+    for (int e = tid; e < 64 * kT2Pieces; e += kThreads) {
+      const int i = e / kT2Pieces, q = e % kT2Pieces;
+      if (i < nr)
+        cp_async16(t2_stage + 16 * e, reinterpret_cast<const char*>(w.T2) + (LO ? 4 : 2) * t2_row(i) + 16 * q, 16);
+    }
   cp_async_commit();
   // v tile j (columns 64 j..) into buffer j % nvb, one commit group each (empty past V: uniform counts)
   const std::size_t vtile = std::size_t(kT) * kLd;
@@ -96,16 +109,14 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
     if (tid < nr) w.rk[dn_ws_row(p, b, t0 + tid, h)] = r * s_beta[tid];  // rk beta: all the later kernels need
   }
   __syncthreads();
-  // T2 per row (DnChunkBufs::T2): chunk row i's 64 entries are column i of T2, [e] = T2[e % 64][e / 64]
-  // (consecutive threads: consecutive global addresses, shared rows 65 floats apart)
-  auto t2_row = [&](int i) { return dn_ws_row(p, b, t0 + i, h) * 64; };
   if (w.t2_given) {  // the forward's T2 (exact: it is what the forward's products used); identity past nr
+    // (landed with k; consecutive threads: consecutive staged entries, shared rows 65 floats apart)
     for (int e = tid; e < 64 * 64; e += kThreads) {
       const int i = e / 64, j = e % 64;
       float x = i == j ? 1.f : 0.f;
       if (i < nr) {
-        if constexpr (LO) x = w.T2[t2_row(i) + j];
-        else x = __bfloat162float(reinterpret_cast<const bf16*>(w.T2)[t2_row(i) + j]);
+        if constexpr (LO) x = reinterpret_cast<const float*>(t2_stage)[e];
+        else x = __bfloat162float(reinterpret_cast<const bf16*>(t2_stage)[e]);
       }
       sT[j][i] = x;
     }
@@ -128,12 +139,21 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
       for (int e = tid; e < 64 * 64; e += kThreads) sT[e / 64][e % 64] = __bfloat162float(__float2bfloat16_rn(sT[e / 64][e % 64]));
       __syncthreads();
     }
-    if (w.T2) {  // the forward's wy_inverse, or the backward's own region: rows i < nr
-      for (int e = tid; e < 64 * 64; e += kThreads) {
-        const int i = e / 64, j = e % 64;
+    if (w.T2) {  // the forward's wy_inverse, or the backward's own region: rows i < nr, 16-byte pieces
+      // (2-byte stores cost the forward ~60 us at (1, 32768, 16, 128); sT[j0 + q][i]: 2-way conflicts)
+      constexpr int n = 16 / (LO ? 4 : 2);  // entries per piece
+      for (int e = tid; e < 64 * kT2Pieces; e += kThreads) {
+        const int i = e / kT2Pieces, j0 = n * (e % kT2Pieces);
         if (i >= nr) continue;
-        if constexpr (LO) w.T2[t2_row(i) + j] = sT[j][i];
-        else reinterpret_cast<bf16*>(w.T2)[t2_row(i) + j] = __float2bfloat16_rn(sT[j][i]);
+        if constexpr (LO) {
+          *reinterpret_cast<float4*>(w.T2 + t2_row(i) + j0) =
+              make_float4(sT[j0][i], sT[j0 + 1][i], sT[j0 + 2][i], sT[j0 + 3][i]);
+        } else {  // sT holds bf16 values already: exact
+          uint4 x;
+          x.x = pack_bf16(sT[j0][i], sT[j0 + 1][i]), x.y = pack_bf16(sT[j0 + 2][i], sT[j0 + 3][i]);
+          x.z = pack_bf16(sT[j0 + 4][i], sT[j0 + 5][i]), x.w = pack_bf16(sT[j0 + 6][i], sT[j0 + 7][i]);
+          *reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(w.T2) + t2_row(i) + j0) = x;
+        }
       }
     }
   }

@@ -40,8 +40,8 @@ bool set_deltanet_xu_bf16(bool enabled);
 // where they fit; default on). Returns the previous setting.
 bool set_deltanet_bwd_serial_db2(bool enabled);
 // Tests and benchmarks only: that kernel warp-specialised where it applies (bf16 operands, 32-column
-// tiles, sm_90: deltanet_bwd_state_ws_kernel; default on; the same bits). Returns the previous
-// setting (fastweight_bench --dn-bwd-ws=off).
+// tiles, sm_90: deltanet_bwd_state_ws_kernel; default off: no faster on the H100; the same bits).
+// Returns the previous setting (fastweight_bench --dn-bwd-ws=on).
 bool set_deltanet_bwd_serial_ws(bool on);
 // Tests and benchmarks only: the tensor-core chunk pass's grid with a (slot, head)'s K tiles as
 // neighbours (K > 64; default on) instead of a grid of slots apart; the same bits. Returns the
