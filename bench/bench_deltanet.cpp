@@ -45,6 +45,10 @@ struct GpuDn {
   std::mt19937_64 rng;
   HostBuf q, k, v, beta, h0, o, ht, cub, go, ght, gq, gk, gv, gb, gh0;
   DevBuf dq, dk, dv, dbeta, dh0, dout, dht, dcu, d_go, d_ght, d_gq, d_gk, d_gv, d_gb, d_gh0;
+  // wy_inverse (B, T, H, 64): fp32 with split, bf16 without; with_wy: the forward writes it, the backward
+  // reads it (as a training step does)
+  DevZeros wy32, wy16;
+  bool with_wy = false;
   GpuDn(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t kk, std::int64_t vv,
         std::vector<std::int64_t> offs)
       : B(b), T(t), H(h), K(kk), V(vv), N(offs.empty() ? b : std::int64_t(offs.size()) - 1), cu(std::move(offs)),
@@ -55,7 +59,8 @@ struct GpuDn {
         ght(DType::f32, {N, H, K, V}, &rng, -0.1, 0.1), gq(DType::bf16, {B, T, H, K}), gk(DType::bf16, {B, T, H, K}),
         gv(DType::bf16, {B, T, H, V}), gb(DType::bf16, {B, T, H}), gh0(DType::f32, {N, H, K, V}), dq(q), dk(k),
         dv(v), dbeta(beta), dh0(h0), dout(o), dht(ht), dcu(upload_offsets()), d_go(go), d_ght(ght), d_gq(gq),
-        d_gk(gk), d_gv(gv), d_gb(gb), d_gh0(gh0) {}
+        d_gk(gk), d_gv(gv), d_gb(gb), d_gh0(gh0), wy32(DType::f32, {B, T, H, 64}), wy16(DType::bf16, {B, T, H, 64}) {}
+  TensorRef wy() const { return with_wy ? (split ? wy32.ref() : wy16.ref()) : TensorRef{}; }
   HostBuf& upload_offsets() {  // before dcu copies cub to the device
     for (std::size_t i = 0; i < cu.size(); ++i) cub.set(std::int64_t(i), double(cu[i]));
     return cub;
@@ -65,6 +70,7 @@ struct GpuDn {
     a.q = dq.ref(), a.k = dk.ref(), a.v = dv.ref(), a.beta = dbeta.ref(), a.initial_state = dh0.ref();
     if (!cu.empty()) a.cu_seqlens = dcu.ref();
     a.o = dout.ref(), a.final_state = dht.ref(), a.use_qk_l2norm_in_kernel = true, a.split_operands = split;
+    a.wy_inverse = wy();
     return a;
   }
   DeltanetBwdArgs bwd_args() const {
@@ -74,6 +80,7 @@ struct GpuDn {
     a.do_ = d_go.ref(), a.dfinal_state = d_ght.ref(), a.dq = d_gq.ref(), a.dk = d_gk.ref(), a.dv = d_gv.ref();
     a.dbeta = d_gb.ref(), a.dinitial_state = d_gh0.ref(), a.use_qk_l2norm_in_kernel = true;
     a.split_operands = split;
+    a.wy_inverse = wy();
     return a;
   }
   detail::DeltanetShape ref_shape() const {
@@ -91,8 +98,10 @@ struct GpuDn {
   // max over o and the final state of the relative error against the float64 loop form
   // pipeline: with the workspace (the tensor-core pipeline where it applies), else the on-chip kernel
   double verify_fwd(bool pipeline) {
-    DevScratch ws(pipeline ? deltanet_fwd_workspace_size(args()) : 0);
-    deltanet_fwd(args(), ws.p, ws.bytes, nullptr);
+    DeltanetFwdArgs a = args();
+    if (!pipeline) a.wy_inverse = TensorRef{};  // written by the pipeline only
+    DevScratch ws(pipeline ? deltanet_fwd_workspace_size(a) : 0);
+    deltanet_fwd(a, ws.p, ws.bytes, nullptr);
     cuda_or_throw(cudaDeviceSynchronize(), "deltanet_fwd");
     Vec ro(o.val.size()), rht(ht.val.size());
     detail::deltanet_recurrent_fwd(ref_shape(), ref_inputs(), ref_options(), h0.val.data(), ro.data(), rht.data());
@@ -102,6 +111,7 @@ struct GpuDn {
   }
   // max over dq, dk, dv, dbeta and dinitial_state of the relative error against the loop form's BPTT
   double verify_bwd() {
+    if (with_wy) verify_fwd(true);  // wy_inverse from this forward
     const DeltanetBwdArgs a = bwd_args();
     DevScratch ws(deltanet_bwd_workspace_size(a));
     deltanet_bwd(a, ws.p, ws.bytes, nullptr);
@@ -184,6 +194,7 @@ int gpu_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
     try {
       const std::vector<std::int64_t> cu = c.seqs > 0 ? random_offsets(c.seqs, c.T, 5) : std::vector<std::int64_t>{};
       GpuDn check(1, c.T, 2, c.K, c.K, cu);
+      check.with_wy = fb.dn_wy_saved;
       const double nan = std::numeric_limits<double>::quiet_NaN();
       const bool ver = !fb.timing_only;
       if (ver) std::printf("deltanet (cuda): verifying at %s\n", check.shape().c_str());
@@ -191,10 +202,13 @@ int gpu_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
                    err_b = ver ? check.verify_bwd() : nan;
       if (ver) failures += !(err_f <= 1e-2) + !(err_f1 <= 1e-2) + !(err_b <= 1e-2);
       GpuDn run(c.B, c.T, c.H, c.K, c.K, cu);
-      const DeltanetFwdArgs a = run.args();
+      run.with_wy = fb.dn_wy_saved;
+      const DeltanetFwdArgs a = run.args();  // (with_wy: it leaves wy_inverse for the backward timed below)
       DevScratch wsf(deltanet_fwd_workspace_size(a));
       const double ms_f = fb.timer->time_ms([&](Stream st) { deltanet_fwd(a, wsf.p, wsf.bytes, st); }, fb.reps);
-      const double ms_f1 = fb.timer->time_ms([&](Stream st) { deltanet_fwd(a, st); }, fb.reps);
+      DeltanetFwdArgs a1 = a;
+      a1.wy_inverse = TensorRef{};
+      const double ms_f1 = fb.timer->time_ms([&](Stream st) { deltanet_fwd(a1, st); }, fb.reps);
       const DeltanetBwdArgs ab = run.bwd_args();
       DevScratch ws(deltanet_bwd_workspace_size(ab));
       const double ms_b = fb.timer->time_ms([&](Stream st) { deltanet_bwd(ab, ws.p, ws.bytes, st); }, fb.reps);

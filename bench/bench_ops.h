@@ -24,6 +24,7 @@ struct FamilyBench {
   int reps = 30;
   bool steps_only = false;   // the GPU decoding-step rows alone (A/B runs of the step kernels)
   std::string mlstm_shapes;  // mLSTM GPU rows timed at these "BxNHxSxDQKxDV" shapes, '+'-separated (default: one)
+  bool dn_wy_saved = true;   // DeltaNet: the timed forward writes wy_inverse and the backward reads it (training's way)
   fwbench::GpuTimer* timer = nullptr;
 };
 

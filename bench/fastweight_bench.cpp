@@ -25,6 +25,11 @@
 //   fastweight_bench --dn-xu-bf16=off        DeltaNet (bf16 operands) with Xu in fp32 (A/B)
 //   fastweight_bench --dn-state-ws=off       DeltaNet forward state kernel without its producer warp (A/B)
 //   fastweight_bench --dn-state-ws-warps=1|2 its producer warps (A/B)
+//   fastweight_bench --dn-bwd-ws=on|off      DeltaNet backward serial kernel with its producer warpgroup (A/B; default off)
+//   fastweight_bench --dn-bwd-wy-side=off    DeltaNet backward's recompute wy kernel before the fork, not beside prep (A/B)
+//   fastweight_bench --dn-chunk-kfast=off    DeltaNet backward chunk pass's K tiles a grid apart (A/B)
+//   fastweight_bench --dn-out-vfast=off      DeltaNet forward output kernel's V tiles a grid apart (A/B)
+//   fastweight_bench --dn-wy-saved=off       DeltaNet backward forms the WY inverse again (no wy_inverse; A/B)
 //   fastweight_bench --steps-only            the mLSTM / DeltaNet families' GPU decoding-step rows alone (A/B)
 //   fastweight_bench --mlstm-step-kernel=N   mLSTM decoding step's C pass kernel (A/B; set_mlstm_step_kernel)
 //   fastweight_bench --step-tile-major=off   the decoding steps' grids heads-fastest (A/B; set_step_tile_major)
@@ -96,6 +101,9 @@ struct Options {
   bool dn_three_sync = false;
   bool dn_no_state_ws = false;
   int dn_state_ws_warps = 0;
+  int dn_bwd_ws = -1;  // -1: the library's default
+  bool dn_no_wy_saved = false, dn_no_wy_side = false, dn_no_kfast = false;
+  bool dn_no_vfast = false;
   bool dn_x_f32 = false;
   bool dn_xu_f32 = false;
   bool mlstm_step_no_fuse = false;
@@ -339,6 +347,11 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--dn-two-sync=")) o.dn_three_sync = !on(v);
     else if (const char* v = val("--dn-state-ws=")) o.dn_no_state_ws = !on(v);
     else if (const char* v = val("--dn-state-ws-warps=")) o.dn_state_ws_warps = std::atoi(v);
+    else if (const char* v = val("--dn-wy-saved=")) o.dn_no_wy_saved = !on(v);
+    else if (const char* v = val("--dn-bwd-ws=")) o.dn_bwd_ws = on(v) ? 1 : 0;
+    else if (const char* v = val("--dn-bwd-wy-side=")) o.dn_no_wy_side = !on(v);
+    else if (const char* v = val("--dn-chunk-kfast=")) o.dn_no_kfast = !on(v);
+    else if (const char* v = val("--dn-out-vfast=")) o.dn_no_vfast = !on(v);
     else if (const char* v = val("--dn-x-bf16=")) o.dn_x_f32 = !on(v);
     else if (const char* v = val("--dn-xu-bf16=")) o.dn_xu_f32 = !on(v);
     else if (const char* v = val("--mlstm-step-fuse=")) o.mlstm_step_no_fuse = !on(v);
@@ -404,6 +417,10 @@ int main(int argc, char** argv) {
   if (o.dn_three_sync) fastweight::detail::set_deltanet_state_two_sync(false);
   if (o.dn_no_state_ws) fastweight::detail::set_deltanet_state_ws(false);
   if (o.dn_state_ws_warps) fastweight::detail::set_deltanet_state_ws_warps(o.dn_state_ws_warps);
+  if (o.dn_bwd_ws >= 0) fastweight::detail::set_deltanet_bwd_serial_ws(o.dn_bwd_ws == 1);
+  if (o.dn_no_wy_side) fastweight::detail::set_deltanet_bwd_wy_side(false);
+  if (o.dn_no_kfast) fastweight::detail::set_deltanet_bwd_chunk_kfast(false);
+  if (o.dn_no_vfast) fastweight::detail::set_deltanet_out_vfast(false);
   if (o.dn_x_f32) fastweight::detail::set_deltanet_bwd_x_bf16(false);
   if (o.dn_xu_f32) fastweight::detail::set_deltanet_xu_bf16(false);
   if (o.mlstm_step_no_fuse) fastweight::detail::set_mlstm_step_fuse_nm(false);
@@ -493,6 +510,7 @@ int main(int argc, char** argv) {
   FamilyBench fb;
   fb.steps_only = o.steps_only;
   fb.quick = o.quick, fb.timing_only = o.timing_only, fb.reps = o.reps, fb.mlstm_shapes = o.mlstm_shapes;
+  fb.dn_wy_saved = !o.dn_no_wy_saved;
 #if FW_WITH_CUDA
   fb.timer = timer;
 #endif

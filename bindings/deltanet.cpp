@@ -24,21 +24,23 @@ void set_inputs(Args& a, const char* op, const In& q, const In& k, const In& v, 
 
 fastweight::DeltanetFwdArgs fwd_args(const In& q, const In& k, const In& v, const In& beta, const OptIn& initial_state,
                                      const OptIn& cu_seqlens, const Out& o, const OptOut& final_state,
-                                     std::optional<double> scale, bool use_qk_l2norm_in_kernel, bool split_operands) {
+                                     std::optional<double> scale, bool use_qk_l2norm_in_kernel, bool split_operands,
+                                     const OptOut& wy_inverse) {
   const char* op = "deltanet_fwd";
   fastweight::DeltanetFwdArgs a;
   set_inputs(a, op, q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, split_operands);
   a.o = to_ref(o, op, "o");
   a.final_state = to_ref(final_state, op, "final_state");
+  a.wy_inverse = to_ref(wy_inverse, op, "wy_inverse");
   return a;
 }
 
 std::size_t deltanet_fwd_workspace_size(const In& q, const In& k, const In& v, const In& beta,
                                         const OptIn& initial_state, const OptIn& cu_seqlens, const Out& o,
                                         const OptOut& final_state, std::optional<double> scale,
-                                        bool use_qk_l2norm_in_kernel, bool split_operands) {
+                                        bool use_qk_l2norm_in_kernel, bool split_operands, const OptOut& wy_inverse) {
   const auto a = fwd_args(q, k, v, beta, initial_state, cu_seqlens, o, final_state, scale, use_qk_l2norm_in_kernel,
-                          split_operands);
+                          split_operands, wy_inverse);
   nb::gil_scoped_release release;
   return fastweight::deltanet_fwd_workspace_size(a);
 }
@@ -46,9 +48,9 @@ std::size_t deltanet_fwd_workspace_size(const In& q, const In& k, const In& v, c
 void deltanet_fwd(const In& q, const In& k, const In& v, const In& beta, const OptIn& initial_state,
                   const OptIn& cu_seqlens, const Out& o, const OptOut& final_state, std::optional<double> scale,
                   bool use_qk_l2norm_in_kernel, bool split_operands, const OptWorkspace& workspace,
-                  std::uintptr_t stream) {
+                  std::uintptr_t stream, const OptOut& wy_inverse) {
   const auto a = fwd_args(q, k, v, beta, initial_state, cu_seqlens, o, final_state, scale, use_qk_l2norm_in_kernel,
-                          split_operands);
+                          split_operands, wy_inverse);
   const Workspace ws = to_workspace(workspace, a.q, "deltanet_fwd");
   nb::gil_scoped_release release;
   fastweight::deltanet_fwd(a, ws.data, ws.bytes, to_stream(stream));
@@ -58,7 +60,7 @@ fastweight::DeltanetBwdArgs bwd_args(const In& q, const In& k, const In& v, cons
                                      const OptIn& cu_seqlens, const In& do_, const OptIn& dfinal_state,
                                      const OptOut& dq, const OptOut& dk, const OptOut& dv, const OptOut& dbeta,
                                      const OptOut& dinitial_state, std::optional<double> scale,
-                                     bool use_qk_l2norm_in_kernel, bool split_operands) {
+                                     bool use_qk_l2norm_in_kernel, bool split_operands, const OptIn& wy_inverse) {
   const char* op = "deltanet_bwd";
   fastweight::DeltanetBwdArgs a;
   set_inputs(a, op, q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, split_operands);
@@ -67,6 +69,7 @@ fastweight::DeltanetBwdArgs bwd_args(const In& q, const In& k, const In& v, cons
   a.dq = to_ref(dq, op, "dq"), a.dk = to_ref(dk, op, "dk"), a.dv = to_ref(dv, op, "dv");
   a.dbeta = to_ref(dbeta, op, "dbeta");
   a.dinitial_state = to_ref(dinitial_state, op, "dinitial_state");
+  a.wy_inverse = to_ref(wy_inverse, op, "wy_inverse");
   return a;
 }
 
@@ -74,9 +77,10 @@ std::size_t deltanet_bwd_workspace_size(const In& q, const In& k, const In& v, c
                                         const OptIn& initial_state, const OptIn& cu_seqlens, const In& do_,
                                         const OptIn& dfinal_state, const OptOut& dq, const OptOut& dk,
                                         const OptOut& dv, const OptOut& dbeta, const OptOut& dinitial_state,
-                                        std::optional<double> scale, bool use_qk_l2norm_in_kernel, bool split_operands) {
+                                        std::optional<double> scale, bool use_qk_l2norm_in_kernel, bool split_operands,
+                                        const OptIn& wy_inverse) {
   const auto a = bwd_args(q, k, v, beta, initial_state, cu_seqlens, do_, dfinal_state, dq, dk, dv, dbeta,
-                          dinitial_state, scale, use_qk_l2norm_in_kernel, split_operands);
+                          dinitial_state, scale, use_qk_l2norm_in_kernel, split_operands, wy_inverse);
   nb::gil_scoped_release release;
   return fastweight::deltanet_bwd_workspace_size(a);
 }
@@ -85,9 +89,9 @@ void deltanet_bwd(const In& q, const In& k, const In& v, const In& beta, const O
                   const OptIn& cu_seqlens, const In& do_, const OptIn& dfinal_state, const OptOut& dq,
                   const OptOut& dk, const OptOut& dv, const OptOut& dbeta, const OptOut& dinitial_state,
                   std::optional<double> scale, bool use_qk_l2norm_in_kernel, bool split_operands,
-                  const OptWorkspace& workspace, std::uintptr_t stream) {
+                  const OptWorkspace& workspace, std::uintptr_t stream, const OptIn& wy_inverse) {
   const auto a = bwd_args(q, k, v, beta, initial_state, cu_seqlens, do_, dfinal_state, dq, dk, dv, dbeta,
-                          dinitial_state, scale, use_qk_l2norm_in_kernel, split_operands);
+                          dinitial_state, scale, use_qk_l2norm_in_kernel, split_operands, wy_inverse);
   const Workspace ws = to_workspace(workspace, a.q, "deltanet_bwd");
   nb::gil_scoped_release release;
   fastweight::deltanet_bwd(a, ws.data, ws.bytes, to_stream(stream));
@@ -113,25 +117,29 @@ void bind_deltanet(nb::module_& m) {
   m.def("deltanet_fwd", &deltanet_fwd, "q"_a, "k"_a, "v"_a, "beta"_a, "initial_state"_a.none() = none,
         "cu_seqlens"_a.none() = none, "o"_a, "final_state"_a.none() = none, "scale"_a.none() = none,
         "use_qk_l2norm_in_kernel"_a = false, "split_operands"_a = true, "workspace"_a.none() = none, "stream"_a = 0,
+        "wy_inverse"_a.none() = none,
         "DeltaNet forward (FLA layout): writes o (B, T, H, V) and, when given, the final state (N, H, K, V). "
         "workspace: optional, deltanet_fwd_workspace_size bytes (the tensor-core pipeline; None: on-chip kernel). "
-        "split_operands: the pipeline's fp32-sourced tensor-core operands as bf16 hi + lo (True) or bf16 only.");
+        "split_operands: the pipeline's fp32-sourced tensor-core operands as bf16 hi + lo (True) or bf16 only. "
+        "wy_inverse: optional output (B, T, H, 64) of the pipeline (float32 with split_operands, else bfloat16), "
+        "the WY inverse for the backward (fastweight/deltanet.h).");
   m.def("deltanet_fwd_workspace_size", &deltanet_fwd_workspace_size, "q"_a, "k"_a, "v"_a, "beta"_a,
         "initial_state"_a.none() = none, "cu_seqlens"_a.none() = none, "o"_a, "final_state"_a.none() = none,
         "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false, "split_operands"_a = true,
-        "Bytes of the forward's optional workspace (0: none is used).");
+        "wy_inverse"_a.none() = none, "Bytes of the forward's optional workspace (0: none is used).");
   m.def("deltanet_bwd_workspace_size", &deltanet_bwd_workspace_size, "q"_a, "k"_a, "v"_a, "beta"_a,
         "initial_state"_a.none() = none, "cu_seqlens"_a.none() = none, "do_"_a, "dfinal_state"_a.none() = none,
         "dq"_a.none() = none, "dk"_a.none() = none, "dv"_a.none() = none, "dbeta"_a.none() = none,
         "dinitial_state"_a.none() = none, "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false,
-        "split_operands"_a = true, "Bytes of workspace deltanet_bwd needs for these arguments (0 on the CPU).");
+        "split_operands"_a = true, "wy_inverse"_a.none() = none,
+        "Bytes of workspace deltanet_bwd needs for these arguments (0 on the CPU).");
   m.def("deltanet_bwd", &deltanet_bwd, "q"_a, "k"_a, "v"_a, "beta"_a, "initial_state"_a.none() = none,
         "cu_seqlens"_a.none() = none, "do_"_a, "dfinal_state"_a.none() = none, "dq"_a.none() = none,
         "dk"_a.none() = none, "dv"_a.none() = none, "dbeta"_a.none() = none, "dinitial_state"_a.none() = none,
         "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false, "split_operands"_a = true,
-        "workspace"_a.none() = none, "stream"_a = 0,
+        "workspace"_a.none() = none, "stream"_a = 0, "wy_inverse"_a.none() = none,
         "DeltaNet backward: the exact gradient; writes the given outputs (CUDA tensors need the workspace of "
-        "deltanet_bwd_workspace_size).");
+        "deltanet_bwd_workspace_size). wy_inverse: optional, the forward's (read instead of formed again).");
   m.def("deltanet_step", &deltanet_step, "q"_a, "k"_a, "v"_a, "beta"_a, "state"_a, "o"_a, "new_state"_a,
         "scale"_a.none() = none, "use_qk_l2norm_in_kernel"_a = false, "stream"_a = 0,
         "One decoding step (q, k (B, H, K), v (B, H, V), beta (B, H)); new_state may be state (in place).");

@@ -41,6 +41,16 @@
 // 5e-6, at T = 8192 with the L2 norm), or as bf16 alone (false: FLA's precision, o 3.6e-3, final state
 // 3e-3, half those products and half the state workspace). Ignored elsewhere (CPU, fp16 / fp32, K > 128,
 // the workspace-free forward): those paths keep fp32 or hi + lo.
+// wy_inverse (optional; CUDA tensors with bf16 q, k, v and K <= 128, the forward with a workspace:
+// the tensor-core pipeline): the per-chunk inverse T = (I + strict_lower(K^ K^T) diag(beta))^-1 of the
+// WY form (K^ the chunk's keys after the L2 norm), as FLA's chunk_delta_rule saves its A. An output of
+// the forward, an input of the backward: given the forward's, the backward reads it instead of forming
+// it again (its recompute's inverse: ~0.25 ms at (1, 32768, 16, 128)); the gradients are the same bits
+// either way. Shape (B, T, H, 64), contiguous, 16-byte aligned; float32 with split_operands, else
+// bfloat16 (the value the products use: rounded to bf16 there). Row (b, t, h) holds column i of the
+// chunk's T, i = t's position in its 64-row chunk (chunks start at each sequence's start): entry j is
+// T[j][i] (zero past the chunk's rows). It must come from a forward over the same q, k, v, beta,
+// cu_seqlens and options; the backward cannot tell otherwise.
 #pragma once
 
 #include <cstddef>
@@ -64,6 +74,7 @@ struct DeltanetFwdArgs {
   double scale = kDeltanetDefaultScale;
   bool use_qk_l2norm_in_kernel = false;
   bool split_operands = true;
+  TensorRef wy_inverse;  // optional output (B, T, H, 64), see above (last: aggregate initialisers keep working)
 };
 
 struct DeltanetBwdArgs {
@@ -77,6 +88,7 @@ struct DeltanetBwdArgs {
   double scale = kDeltanetDefaultScale;
   bool use_qk_l2norm_in_kernel = false;
   bool split_operands = true;
+  TensorRef wy_inverse;  // optional: the forward's (B, T, H, 64), see above
 };
 
 // One decoding step for every (b, head): q, k (B, H, K), v (B, H, V), beta (B, H); the state

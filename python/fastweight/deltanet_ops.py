@@ -28,7 +28,9 @@ checked on the host in eager mode at the cost of one synchronisation, as FLA's v
 and clamped by the kernels, while a CUDA graph is captured or torch.compile traces). The forward and the backward take
 their workspaces (``_C.deltanet_fwd_workspace_size`` / ``_C.deltanet_bwd_workspace_size`` bytes) from
 torch's caching allocator, so training on CUDA works and stays CUDA-graph safe; ``delta_rule_step``
-needs none.
+needs none. Where the forward's tensor-core pipeline runs (CUDA, bfloat16, K <= 128) and a gradient
+will be taken, the forward also keeps its WY inverse ((B, T, H, 64), FLA's saved A; float32 with
+split_operands) for the backward, which reads it instead of forming it again: the same gradient bits.
 """
 
 from __future__ import annotations
@@ -59,75 +61,99 @@ def _state_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]):
 # ---- forward / backward custom ops ----------------------------------------------------------------
 # Custom ops cannot return None: an empty tensor (a distinct one per output: outputs must not alias)
 # stands for 'not computed'.
+def _wy_inverse_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Where the forward's tensor-core pipeline runs (CUDA, bfloat16 q, k, v, 1 <= K <= 128): the only
+    place the WY inverse exists (fastweight/deltanet.h, wy_inverse)."""
+    return (q.device.type == "cuda" and q.dtype == k.dtype == v.dtype == torch.bfloat16 and 1 <= q.shape[-1] <= 128
+            and q.numel() > 0)
+
+
+def _wy_spec(wy: Optional[Tensor]):
+    return _spec(wy) if wy is not None and wy.numel() > 0 else None
+
+
 def _deltanet_fwd_run(q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, output_final_state,
-                      split_operands=True):
-    """The forward's _C call, shared by the custom op and the eager path: (o, final state or None)."""
+                      split_operands=True, save_wy=False):
+    """The forward's _C call, shared by the custom op and the eager path: (o, final state or None, WY inverse
+    or None). save_wy: keep the pipeline's WY inverse (FLA's A) for the backward, where it exists."""
     o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     ht = q.new_empty(_state_shape(q, v, cu_seqlens), dtype=_state_dtype(q)) if output_final_state else None
+    wy = None
+    if save_wy and _wy_inverse_applies(q, k, v):
+        wy = q.new_empty((*q.shape[:3], 64), dtype=torch.float32 if split_operands else torch.bfloat16)
     args = (_spec(q), _spec(k), _spec(v), _spec(beta), _spec(initial_state), _spec(cu_seqlens), _spec(o), _spec(ht),
             scale, use_qk_l2norm_in_kernel, split_operands)
     ws = _workspace(q, _C.deltanet_fwd_workspace_size(*args))  # the tensor-core pipeline's scratch (or none)
-    _C.deltanet_fwd(*args, _ws_spec(ws), _stream(q))
-    return o, ht
+    _C.deltanet_fwd(*args, _ws_spec(ws), _stream(q), wy_inverse=_wy_spec(wy))
+    return o, ht, wy
 
 
 def _deltanet_bwd_run(do, q, k, v, beta, initial_state, cu_seqlens, dfinal_state, scale, use_qk_l2norm_in_kernel,
-                      split_operands=True):
-    """The backward's _C call, shared likewise: (dq, dk, dv, dbeta, dh0 or None)."""
+                      split_operands=True, wy=None):
+    """The backward's _C call, shared likewise: (dq, dk, dv, dbeta, dh0 or None). wy: the forward's WY
+    inverse (or None: formed again)."""
     dq, dk, dv, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     args = (_spec(q), _spec(k), _spec(v), _spec(beta), _spec(initial_state), _spec(cu_seqlens), _spec(do),
             _spec(dfinal_state), _spec(dq), _spec(dk), _spec(dv), _spec(dbeta), _spec(dh0), scale,
             use_qk_l2norm_in_kernel, split_operands)
-    ws = _workspace(q, _C.deltanet_bwd_workspace_size(*args))  # torch's caching allocator (0 bytes on the CPU)
-    _C.deltanet_bwd(*args, _ws_spec(ws), _stream(q))
+    wys = _wy_spec(wy)
+    ws = _workspace(q, _C.deltanet_bwd_workspace_size(*args, wy_inverse=wys))  # caching allocator (0 B on the CPU)
+    _C.deltanet_bwd(*args, _ws_spec(ws), _stream(q), wy_inverse=wys)
     return dq, dk, dv, dbeta, dh0
 
 
 @torch.library.custom_op("fastweight::deltanet_fwd", mutates_args=())
 def _deltanet_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                   cu_seqlens: Optional[Tensor], scale: Optional[float], use_qk_l2norm_in_kernel: bool,
-                  output_final_state: bool, split_operands: bool) -> tuple[Tensor, Tensor]:
-    o, ht = _deltanet_fwd_run(q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel,
-                              output_final_state, split_operands)
-    return o, _or_nothing(ht, q)
+                  output_final_state: bool, split_operands: bool, save_wy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    o, ht, wy = _deltanet_fwd_run(q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel,
+                                  output_final_state, split_operands, save_wy)
+    return o, _or_nothing(ht, q), _or_nothing(wy, q)
 
 
 @_deltanet_fwd.register_fake
-def _(q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, output_final_state, split_operands):
+def _(q, k, v, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel, output_final_state, split_operands,
+      save_wy):
     o = q.new_empty(v.shape)
-    if not output_final_state:
-        return o, _nothing(q)
-    return o, q.new_empty(_state_shape(q, v, cu_seqlens), dtype=_state_dtype(q))
+    ht = q.new_empty(_state_shape(q, v, cu_seqlens), dtype=_state_dtype(q)) if output_final_state else _nothing(q)
+    wy = _nothing(q)
+    if save_wy and _wy_inverse_applies(q, k, v):
+        wy = q.new_empty((*q.shape[:3], 64), dtype=torch.float32 if split_operands else torch.bfloat16)
+    return o, ht, wy
 
 
 @torch.library.custom_op("fastweight::deltanet_bwd", mutates_args=())
 def _deltanet_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                   cu_seqlens: Optional[Tensor], dfinal_state: Optional[Tensor], scale: Optional[float],
-                  use_qk_l2norm_in_kernel: bool, split_operands: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  use_qk_l2norm_in_kernel: bool, split_operands: bool,
+                  wy_inverse: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv, dbeta, dh0 = _deltanet_bwd_run(do, q, k, v, beta, initial_state, cu_seqlens, dfinal_state, scale,
-                                               use_qk_l2norm_in_kernel, split_operands)
+                                               use_qk_l2norm_in_kernel, split_operands, wy_inverse)
     return dq, dk, dv, dbeta, _or_nothing(dh0, q)
 
 
 @_deltanet_bwd.register_fake
-def _(do, q, k, v, beta, initial_state, cu_seqlens, dfinal_state, scale, use_qk_l2norm_in_kernel, split_operands):
+def _(do, q, k, v, beta, initial_state, cu_seqlens, dfinal_state, scale, use_qk_l2norm_in_kernel, split_operands,
+      wy_inverse):
     dh0 = torch.empty_like(initial_state) if initial_state is not None else _nothing(q)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta), dh0
 
 
 def _deltanet_setup(ctx, inputs, output):
-    q, k, v, beta, h0, cu_seqlens, scale, l2, output_final_state, split = inputs
-    ctx.save_for_backward(q, k, v, beta, h0, cu_seqlens)
+    q, k, v, beta, h0, cu_seqlens, scale, l2, output_final_state, split, save_wy = inputs
+    ctx.mark_non_differentiable(output[2])
+    wy = output[2] if output[2].numel() > 0 else None  # the forward's WY inverse, where it saved one
+    ctx.save_for_backward(q, k, v, beta, h0, cu_seqlens, wy)
     ctx.scale, ctx.l2, ctx.output_final_state, ctx.split = scale, l2, output_final_state, split
 
 
-def _deltanet_backward(ctx, do, dht):
-    q, k, v, beta, h0, cu_seqlens = ctx.saved_tensors
+def _deltanet_backward(ctx, do, dht, dwy):
+    q, k, v, beta, h0, cu_seqlens, wy = ctx.saved_tensors
     dht = _last_contig(dht) if ctx.output_final_state else None
     dq, dk, dv, dbeta, dh0 = _deltanet_bwd(_last_contig(do), q, k, v, beta, h0, cu_seqlens, dht, ctx.scale, ctx.l2,
-                                           ctx.split)
-    return dq, dk, dv, dbeta, (dh0 if h0 is not None else None), None, None, None, None, None
+                                           ctx.split, wy)
+    return dq, dk, dv, dbeta, (dh0 if h0 is not None else None), None, None, None, None, None, None
 
 
 _deltanet_fwd.register_autograd(_deltanet_backward, setup_context=_deltanet_setup)
@@ -137,18 +163,19 @@ _deltanet_fwd.register_autograd(_deltanet_backward, setup_context=_deltanet_setu
 class _DeltaRuleFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, beta, h0, cu_seqlens, scale, l2, output_final_state, split):
-        o, ht = _deltanet_fwd_run(q, k, v, beta, h0, cu_seqlens, scale, l2, output_final_state, split)
-        ctx.save_for_backward(q, k, v, beta, h0, cu_seqlens)
+        # this path runs only where a gradient is wanted: the WY inverse is kept for the backward
+        o, ht, wy = _deltanet_fwd_run(q, k, v, beta, h0, cu_seqlens, scale, l2, output_final_state, split, True)
+        ctx.save_for_backward(q, k, v, beta, h0, cu_seqlens, wy)
         ctx.scale, ctx.l2, ctx.output_final_state, ctx.split = scale, l2, output_final_state, split
         return o, ht
 
     @staticmethod
     @_fast_once_differentiable
     def backward(ctx, do, dht):
-        q, k, v, beta, h0, cu_seqlens = ctx.saved_tensors
+        q, k, v, beta, h0, cu_seqlens, wy = ctx.saved_tensors
         dht = _last_contig(dht) if ctx.output_final_state else None
         dq, dk, dv, dbeta, dh0 = _deltanet_bwd_run(_last_contig(do), q, k, v, beta, h0, cu_seqlens, dht, ctx.scale,
-                                                   ctx.l2, ctx.split)
+                                                   ctx.l2, ctx.split, wy)
         return dq, dk, dv, dbeta, dh0, None, None, None, None, None
 
 
@@ -210,9 +237,10 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, scale: Optional[fl
     if route == _AUTOGRAD:
         o, ht = _delta_rule_apply(*args)
     elif route == _NO_GRAD:
-        o, ht = _deltanet_fwd_run(*args)
-    else:
-        o, ht = _deltanet_fwd(*args)
+        o, ht, _ = _deltanet_fwd_run(*args)
+    else:  # the custom op keeps the WY inverse only where a gradient will be taken
+        save_wy = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, beta, h0))
+        o, ht, _ = _deltanet_fwd(*args, save_wy)
     return o, (ht if output_final_state else None)
 
 

@@ -140,6 +140,26 @@ void check_cuda_fwd(const char* op, const DeltanetShape& sh, const TensorRef& q,
 }
 #endif
 
+// wy_inverse (fastweight/deltanet.h): only where the tensor-core pipeline runs (CUDA, bf16 q, k, v,
+// K <= 128); (B, T, H, 64) contiguous and 16-byte aligned (the kernels move 16-byte pieces of its
+// rows); float32 with split_operands, else bfloat16.
+void check_wy_inverse(const Call& call, const TensorRef& q, const TensorRef& t, bool split) {
+  if (!t.defined()) return;
+  const char* op = call.c.op;
+  const DeltanetShape& sh = call.sh;
+  call.c.base("wy_inverse", t);
+  FW_CHECK_ARG(q.device == DeviceType::cuda && q.dtype == DType::bf16 && sh.K <= 128, op, "wy_inverse",
+               "exists only in the CUDA tensor-core pipeline (bfloat16 q, k, v with K <= 128), got q ",
+               dtype_name(q.dtype), " on ", q.device_str(), " with K = ", sh.K);
+  const DType want = split ? DType::f32 : DType::bf16;
+  FW_CHECK_ARG(t.dtype == want, op, "wy_inverse", "expected dtype ", dtype_name(want), " (split_operands = ",
+               split ? "true" : "false", "), got ", dtype_name(t.dtype));
+  detail::check_shape(op, "wy_inverse", t, {sh.B, sh.T, sh.H, 64});
+  FW_CHECK_ARG(t.is_contiguous(), op, "wy_inverse", "expected a contiguous tensor of shape ", t.shape_str());
+  FW_CHECK_ARG(reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0, op, "wy_inverse",
+               "expected a 16-byte aligned data pointer");
+}
+
 }  // namespace
 
 // ---- forward --------------------------------------------------------------------------------------
@@ -148,6 +168,7 @@ void check_fwd(const Call& call, const DeltanetFwdArgs& a) {
   const DeltanetShape& sh = call.sh;
   call.c.io("o", a.o, {sh.B, sh.T, sh.H, sh.V});
   if (a.final_state.defined()) call.c.state("final_state", a.final_state, {sh.N, sh.H, sh.K, sh.V});
+  check_wy_inverse(call, a.q, a.wy_inverse, a.split_operands);
 #if FW_WITH_CUDA
   if (a.q.device == DeviceType::cuda) check_cuda_fwd(call.c.op, sh, a.q, a.v);
 #endif
@@ -191,6 +212,8 @@ void deltanet_fwd(const DeltanetFwdArgs& a, [[maybe_unused]] void* workspace,
   const Call call(op, a);
   check_fwd(call, a);
   const DeltanetShape& sh = call.sh;
+  FW_CHECK_ARG(!a.wy_inverse.defined() || workspace, op, "wy_inverse",
+               "is written by the forward with a workspace (the tensor-core pipeline); this call has none");
   if (a.q.device == DeviceType::cuda) {
 #if FW_WITH_CUDA
     const detail::DeltanetParams p = detail::lower_deltanet_fwd(a);
@@ -229,6 +252,7 @@ void check_bwd(const Call& call, const DeltanetBwdArgs& a) {
                  "the gradient of the initial state needs the initial state (initial_state is absent)");
     c.state("dinitial_state", a.dinitial_state, {sh.N, sh.H, sh.K, sh.V});
   }
+  check_wy_inverse(call, a.q, a.wy_inverse, a.split_operands);
 #if FW_WITH_CUDA
   if (a.q.device == DeviceType::cuda) check_cuda_fwd(c.op, sh, a.q, a.v);
 #endif
@@ -334,6 +358,7 @@ DeltanetParams lower_deltanet_fwd(const DeltanetFwdArgs& a) {
   p.h0 = view_of(a.initial_state, 3), p.ht = view_of(a.final_state, 3);
   p.cu_seqlens = a.cu_seqlens.defined() ? a.cu_seqlens.data : nullptr;
   p.cu_i64 = !a.cu_seqlens.defined() || a.cu_seqlens.dtype == DType::i64;
+  p.wy_t2 = a.wy_inverse.defined() ? a.wy_inverse.data : nullptr;
   return p;
 }
 
@@ -341,6 +366,7 @@ DeltanetBwdParams lower_deltanet_bwd(const DeltanetBwdArgs& a) {
   DeltanetFwdArgs f;
   f.q = a.q, f.k = a.k, f.v = a.v, f.beta = a.beta, f.initial_state = a.initial_state, f.cu_seqlens = a.cu_seqlens;
   f.scale = a.scale, f.use_qk_l2norm_in_kernel = a.use_qk_l2norm_in_kernel, f.split_operands = a.split_operands;
+  f.wy_inverse = a.wy_inverse;
   DeltanetBwdParams p;
   static_cast<DeltanetParams&>(p) = lower_deltanet_fwd(f);
   p.do_ = view_of(a.do_, 3), p.dht = view_of(a.dfinal_state, 3);

@@ -27,6 +27,10 @@ struct DeltanetParams {
   // state entering every chunk and X = R - Lg D of every row (D = diag(beta) X); see DnBwdWs.
   float* save_S = nullptr;
   float* save_X = nullptr;
+  // The WY inverse per row (fastweight/deltanet.h, wy_inverse: (B*T*H, 64) contiguous, fp32 with hilo,
+  // else bf16): the forward's pipeline writes it here (optional), the backward's recompute reads it
+  // instead of forming it (optional). Row t of a chunk holds column t of T2 (see DnChunkBufs::T2).
+  void* wy_t2 = nullptr;
 };
 
 // The backward: the forward's inputs (o, ht unused) plus the gradients; absent views are not written.
@@ -52,7 +56,13 @@ inline std::int64_t deltanet_slots(const DeltanetParams& p) {
 // Without p.hilo the lo halves are absent: xw (rows, K) bf16, S (slots, H) one (K, V) bf16 matrix.
 struct DnChunkBufs {
   float *xw = nullptr, *xu = nullptr, *rk = nullptr, *S = nullptr, *X = nullptr;
-  float* T2 = nullptr;  // optional (slots, H, 64, 64): T2 (fp32; without hi + lo T2^T as bf16), for the backward's post kernel
+  // optional (rows, 64), a row per chunk row i: T2^T's row i (column i of T2; zero past the chunk's
+  // rows), fp32 with hi + lo operands, else bf16. T2 = (I + Lg W)^-1 as the products use it: with bf16
+  // operands rounded to bf16 (FLA's A), so that a T2 saved by the forward gives the backward the same
+  // Xw, Xu and states. Written by the wy kernel (the forward's wy_inverse, the backward's own region),
+  // or with t2_given read by it (the backward with the forward's) instead of formed; the backward's
+  // post kernel reads it.
+  float* T2 = nullptr;
   // The forward's pipeline (o is all that reads X): where the state kernel can (deltanet_dprime), the
   // X region holds D' = diag(rk beta) X as bf16 (rows, V) instead, the output kernel's operand.
   bool dprime = false;
@@ -62,6 +72,8 @@ struct DnChunkBufs {
   // With bf16 operands (deltanet_xu_bf16): Xu as bf16 (rows, V) in the xu region (its first half), as
   // FLA keeps its u: written by the wy kernel, read by the state kernel.
   bool xu16 = false;
+  // T2 is the forward's (read, not formed): see T2 (last: positional initialisers keep their meaning)
+  bool t2_given = false;
 };
 
 // bf16 matrices per state or Xw row (hi + lo, or hi only), and floats for n of them
@@ -88,8 +100,8 @@ struct DnFwdWs {
 //   X, Y (B*T*H, V): per row X = R - Lg D and Y = T^T dD (dR = diag(beta) Y)
 //   dbp (ceil(V/64), B*T*H): dbeta partial sums, one per 64-column tile of V
 //   dqh, dkh (B*T*H, K): dL/d of the L2-normalised q, k (only with the in-kernel L2 norm)
-//   xw, xu, rk, T2: the tensor-core recompute's scratch (DnChunkBufs), when it applies (T2 per chunk:
-//   fp32 with hi + lo operands, else T2^T as bf16, the one form the post kernel reads); then S and
+//   xw, xu, rk, T2: the tensor-core recompute's scratch (DnChunkBufs), when it applies (T2 per row as
+//   DnChunkBufs::T2; none when the forward's p.wy_t2 is given: read from there); then S and
 //   dS hold bf16 hi + lo (or hi only) matrices as DnChunkBufs::S instead of fp32, the state pass keeps dD0, then
 //   dD, in Y before it writes Y there (deltanet_bwd_tc.cu), and fac (3, B*T*H) holds rq, rk, beta
 // dqh and dkh share xw's and xu's memory: the chunk pass writes them after the recompute (the only
@@ -122,7 +134,7 @@ struct DnBwdWs {
     xw = dqh = take(std::max(tc ? dn_bf16_floats(p, rows * p.K) : 0, nh));
     xu = dkh = take(std::max(tc ? (xu16 ? (rows * p.V + 1) / 2 : rows * p.V) : 0, nh));
     rk = take(tc ? rows : 0);
-    T2 = take(tc ? deltanet_slots(p) * p.H * 64 * (p.hilo ? 64 : 32) : 0);  // fp32 T2, or bf16 T2^T
+    T2 = take(tc && !p.wy_t2 ? rows * (p.hilo ? 64 : 32) : 0);  // T2^T rows: fp32, or bf16
     fac = take(tc ? 3 * rows : 0);
     if (xb) take((rows * p.K + 1) / 2);  // Q^ = s diag(rq) Q as bf16 (rows, K), the prep kernel's: at qh()
     total = o;

@@ -507,6 +507,64 @@ TEST(DeltanetApi, CudaWorkspaceMustBe16ByteAligned) {
   EXPECT_TRUE(s.untouched());
 }
 
+// wy_inverse (the forward's WY inverse, saved for the backward) exists only in the CUDA tensor-core
+// pipeline: anywhere else, and with a wrong dtype, shape, layout or alignment, it is an ArgumentError
+// naming it, before anything runs. CUDA tensors that are never dereferenced: no GPU needed.
+TEST(DeltanetApi, WyInverseIsCheckedBeforeAnything) {
+  {  // CPU tensors: no pipeline, forward and backward
+    Dn s(DType::f32, {1, 8, 2, 4, 3}, 0, DType::f32);
+    HostTensor wy = make_host(DType::f32, {1, 8, 2, 64});
+    auto a = s.args();
+    a.wy_inverse = wy.ref();
+    expect_rejected({&s.o, &s.ht}, [&] { deltanet_fwd(a); }, {"deltanet_fwd", "wy_inverse", "tensor-core pipeline", "float32"});
+    Grads g = make_grads(s, 0);
+    auto b = bwd_args(s, g);
+    b.wy_inverse = wy.ref();
+    expect_rejected({&g.dq, &g.dk, &g.dv, &g.dbeta, &g.dh0}, [&] { deltanet_bwd(b); },
+                    {"deltanet_bwd", "wy_inverse", "tensor-core pipeline"});
+  }
+  Dn s(DType::bf16, {1, 70, 2, 64, 64}, 0, DType::bf16);
+  HostTensor wy32 = make_host(DType::f32, {1, 70, 2, 64}), wy16 = make_host(DType::bf16, {1, 70, 2, 64}),
+             wy_short = make_host(DType::f32, {1, 70, 2, 32}), wy_big = make_host(DType::f32, {1, 70, 4, 64});
+  auto cuda_args = [&](bool split) {
+    DeltanetFwdArgs a = s.args();
+    a.split_operands = split;
+    for (TensorRef* t : {&a.q, &a.k, &a.v, &a.beta, &a.initial_state, &a.o, &a.final_state}) t->device = DeviceType::cuda;
+    return a;
+  };
+  auto on_cuda = [](TensorRef t) {
+    t.device = DeviceType::cuda;
+    return t;
+  };
+  std::vector<float> ws(64);
+  const char* op = "deltanet_fwd";
+  auto expect_fwd = [&](DeltanetFwdArgs a, TensorRef wy, std::initializer_list<const char*> fragments, bool with_ws = true) {
+    a.wy_inverse = wy;
+    expect_argument_error([&] { with_ws ? deltanet_fwd(a, ws.data(), ws.size() * 4) : deltanet_fwd(a); }, fragments);
+  };
+  expect_fwd(cuda_args(true), on_cuda(wy16.ref()), {op, "wy_inverse", "float32", "split_operands = true", "bfloat16"});
+  expect_fwd(cuda_args(false), on_cuda(wy32.ref()), {op, "wy_inverse", "bfloat16", "split_operands = false"});
+  expect_fwd(cuda_args(true), on_cuda(wy_short.ref()), {op, "wy_inverse", "(1, 70, 2, 64)"});
+  TensorRef strided = on_cuda(wy_big.ref());  // (1, 70, 2, 64) every other head of a larger buffer
+  strided.shape[2] = 2, strided.strides[2] = 2 * 64;
+  expect_fwd(cuda_args(true), strided, {op, "wy_inverse", "contiguous"});
+  TensorRef misaligned = on_cuda(wy32.ref());
+  misaligned.data = static_cast<char*>(misaligned.data) + 4;
+  expect_fwd(cuda_args(true), misaligned, {op, "wy_inverse", "16-byte aligned"});
+  expect_fwd(cuda_args(true), on_cuda(wy32.ref()), {op, "wy_inverse", "workspace"}, false);
+  TensorRef wrong_device = on_cuda(wy32.ref());
+  wrong_device.device_index = 1;
+  expect_fwd(cuda_args(true), wrong_device, {op, "wy_inverse", "device"});
+  {  // K = 160: beyond the pipeline (the CUDA forward itself takes K <= 256)
+    Dn w(DType::bf16, {1, 8, 1, 160, 8}, 0, DType::bf16);
+    DeltanetFwdArgs a = w.args();
+    for (TensorRef* t : {&a.q, &a.k, &a.v, &a.beta, &a.initial_state, &a.o, &a.final_state}) t->device = DeviceType::cuda;
+    HostTensor wy = make_host(DType::f32, {1, 8, 1, 64});
+    expect_fwd(a, on_cuda(wy.ref()), {op, "wy_inverse", "K <= 128", "K = 160"});
+  }
+  EXPECT_TRUE(s.untouched());
+}
+
 // DType::i32 / i64 exist for index tensors only: the float ops keep rejecting them by name.
 TEST(DeltanetApi, IntegerDtypesAreRejectedByTheFloatOps) {
   for (DType it : {DType::i32, DType::i64}) {

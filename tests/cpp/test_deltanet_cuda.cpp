@@ -17,7 +17,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdio>
 #include <ostream>
@@ -84,6 +86,48 @@ void fill_inputs(std::mt19937_64& rng, bool l2, std::int64_t K, HostTensor& q, H
   fill_random(h0, rng, -0.5, 0.5);
 }
 
+// wy_inverse as fastweight/deltanet.h defines it, in float64 from the (rounded) k and beta: row
+// (b, t, h) holds column i of its chunk's T = (I + strict_lower(K^ K^T) diag(beta))^-1, i = t's row
+// in the chunk (chunks of 64 from each sequence's start), zero past the chunk's rows.
+HostTensor wy_inverse_reference(const HostTensor& k, const HostTensor& beta, bool l2, const std::vector<std::int64_t>& cu) {
+  const std::int64_t B = k.shape[0], T = k.shape[1], H = k.shape[2], K = k.shape[3];
+  const std::vector<double> kv = k.values(), bv = beta.values();
+  HostTensor out = make_host(DType::f64, {B, T, H, 64});
+  std::vector<std::array<std::int64_t, 3>> seqs;  // (b, bos, eos)
+  if (cu.empty())
+    for (std::int64_t b = 0; b < B; ++b) seqs.push_back({b, 0, T});
+  else
+    for (std::size_t n = 0; n + 1 < cu.size(); ++n) seqs.push_back({0, cu[n], cu[n + 1]});
+  for (const auto& [b, bos, eos] : seqs)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t c0 = bos; c0 < eos; c0 += 64) {
+        const int nr = int(std::min<std::int64_t>(64, eos - c0));
+        auto row = [&](std::int64_t t) { return (b * T + t) * H + h; };
+        std::vector<double> kh(std::size_t(nr * K)), L(std::size_t(nr * nr), 0.0), Tm(std::size_t(nr * nr), 0.0);
+        for (int i = 0; i < nr; ++i) {
+          double ss = 0.0;
+          for (std::int64_t d = 0; d < K; ++d) ss += kv[std::size_t(row(c0 + i) * K + d)] * kv[std::size_t(row(c0 + i) * K + d)];
+          const double r = l2 ? 1.0 / std::sqrt(ss + 1e-6) : 1.0;
+          for (std::int64_t d = 0; d < K; ++d) kh[std::size_t(i * K + d)] = r * kv[std::size_t(row(c0 + i) * K + d)];
+        }
+        for (int i = 0; i < nr; ++i)
+          for (int j = 0; j < i; ++j) {
+            double g = 0.0;
+            for (std::int64_t d = 0; d < K; ++d) g += kh[std::size_t(i * K + d)] * kh[std::size_t(j * K + d)];
+            L[std::size_t(i * nr + j)] = g * bv[std::size_t(row(c0 + j))];
+          }
+        for (int col = 0; col < nr; ++col)  // (I + L) T = I, column by column
+          for (int r = 0; r < nr; ++r) {
+            double x = r == col ? 1.0 : 0.0;
+            for (int c = 0; c < r; ++c) x -= L[std::size_t(r * nr + c)] * Tm[std::size_t(c * nr + col)];
+            Tm[std::size_t(r * nr + col)] = x;
+          }
+        for (int i = 0; i < nr; ++i)
+          for (int j = 0; j < 64; ++j) out.set(row(c0 + i) * 64 + j, j < nr ? Tm[std::size_t(j * nr + i)] : 0.0);
+      }
+  return out;
+}
+
 class DeltanetCudaFwd : public ::testing::TestWithParam<DnCase> {};
 
 TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
@@ -128,7 +172,7 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
     int vbufs, tile;
     bool two, ws;
     int ws_warps;
-    bool xu16;
+    bool xu16, vfast;
     ~Restore() {
       fastweight::detail::set_deltanet_fwd_dprime(prev);
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
@@ -137,11 +181,12 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
       fastweight::detail::set_deltanet_state_ws(ws);
       fastweight::detail::set_deltanet_state_ws_warps(ws_warps);
       fastweight::detail::set_deltanet_xu_bf16(xu16);
+      fastweight::detail::set_deltanet_out_vfast(vfast);
     }
   } restore{fastweight::detail::set_deltanet_fwd_dprime(true), fastweight::detail::set_deltanet_wy_vbufs(0),
             fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_state_two_sync(true),
             fastweight::detail::set_deltanet_state_ws(true), fastweight::detail::set_deltanet_state_ws_warps(2),
-            fastweight::detail::set_deltanet_xu_bf16(true)};
+            fastweight::detail::set_deltanet_xu_bf16(true), fastweight::detail::set_deltanet_out_vfast(true)};
   std::vector<HostTensor> by_mode(2 * 6);  // o, final state of each mode
   for (int m = 0; m < 6; ++m) {
     void* w = m == 0 ? nullptr : ws;
@@ -161,6 +206,7 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
       fastweight::detail::set_deltanet_state_tile(r == 0 ? 32 : 64);
       fastweight::detail::set_deltanet_state_two_sync(r == 0);
       fastweight::detail::set_deltanet_state_ws_warps(m >= 4 ? 1 : 2);
+      fastweight::detail::set_deltanet_out_vfast(r == 0);  // the output kernel's V tiles neighbours, then a grid apart
       FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
       FW_TEST_CUDA(cudaMemset(ght.ptr, 0xff, ght.nbytes));
       if (w) FW_TEST_CUDA(cudaMemset(w, 0xff, need));
@@ -434,30 +480,39 @@ void check_bwd_case(const DnBwdCase& c) {
   // two; bf16 operands: the backward serial kernel's q / Xw single-buffered) and the recomputing state
   // kernel on 64-column V tiles instead of 32, and the recompute's state kernel after the state
   // pass's prep + serial kernels on one stream where the first call ran it beside them on a second,
-  // and the serial kernels' chunk steps with three barriers where the first call's had two: the same
-  // bits.
+  // the serial kernels' chunk steps with three barriers where the first call's had two, and the chunk
+  // pass's K tiles a grid apart where the first call's were neighbours, and (bf16 operands) the backward
+  // serial kernel on the DB2 path where the first call's was warp-specialised: the same bits.
   struct RestoreBuffering {
     int vbufs;
     bool db2;
     int tile, overlap;
-    bool two;
+    bool two, kfast, wy_side, serial_ws;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
       fastweight::detail::set_deltanet_state_tile(tile);
       fastweight::detail::set_deltanet_bwd_overlap(overlap);
       fastweight::detail::set_deltanet_state_two_sync(two);
+      fastweight::detail::set_deltanet_bwd_chunk_kfast(kfast);
+      fastweight::detail::set_deltanet_bwd_wy_side(wy_side);
+      fastweight::detail::set_deltanet_bwd_serial_ws(serial_ws);
     }
   } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true),
                       fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_bwd_overlap(0),
-                      fastweight::detail::set_deltanet_state_two_sync(true)};
+                      fastweight::detail::set_deltanet_state_two_sync(true),
+                      fastweight::detail::set_deltanet_bwd_chunk_kfast(true),
+                      fastweight::detail::set_deltanet_bwd_wy_side(true),
+                      fastweight::detail::set_deltanet_bwd_serial_ws(false)};
   std::vector<HostTensor> run[2];
   for (int r = 0; r < 2; ++r) {
     fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
     fastweight::detail::set_deltanet_bwd_serial_db2(r == 0);
+    fastweight::detail::set_deltanet_bwd_serial_ws(r == 0);  // off by default: run 0 keeps it bit-tested
     fastweight::detail::set_deltanet_state_tile(r == 0 ? 32 : 64);
     fastweight::detail::set_deltanet_bwd_overlap(r == 0 ? 1 : -1);
     fastweight::detail::set_deltanet_state_two_sync(r == 0);
+    fastweight::detail::set_deltanet_bwd_chunk_kfast(r == 0);
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
     FW_TEST_CUDA(cudaMemset(ws, r == 0 ? 0xff : 0x00, need));
     FW_TEST_CUDA(cudaDeviceSynchronize());  // the memsets run on the legacy stream, not on `stream`
@@ -467,6 +522,64 @@ void check_bwd_case(const DnBwdCase& c) {
       run[r].push_back(*outs[e]);
       gouts[e]->download(run[r].back());
     }
+  }
+  // Where the tensor-core pipeline runs: the forward's wy_inverse (through the public forward, with a
+  // workspace) given to the backward, which then reads it instead of forming it: the same bits as
+  // run 0 (same buffering; the recompute's wy kernel before the fork instead of beside prep), and a
+  // workspace no larger
+  std::vector<HostTensor> run_wy;
+  if (c.dt == DType::bf16 && c.K <= 128) {
+    HostTensor o = make_host(c.dt, {c.B, c.T, c.H, c.V});
+    HostTensor wy = make_host(c.split ? DType::f32 : DType::bf16, {c.B, c.T, c.H, 64});
+    fill_bytes(wy, 0xff);
+    DeviceMirror go(o), gwy(wy);
+    DeltanetFwdArgs f;
+    f.q = a.q, f.k = a.k, f.v = a.v, f.beta = a.beta, f.initial_state = a.initial_state, f.cu_seqlens = a.cu_seqlens;
+    f.o = go.ref(o), f.use_qk_l2norm_in_kernel = c.l2, f.split_operands = c.split, f.wy_inverse = gwy.ref(wy);
+    const std::size_t fneed = deltanet_fwd_workspace_size(f);
+    void* fws = nullptr;
+    FW_TEST_CUDA(cudaMalloc(&fws, std::max<std::size_t>(fneed, 1)));
+    deltanet_fwd(f, fws, fneed, reinterpret_cast<Stream>(stream));
+    FW_TEST_CUDA(cudaStreamSynchronize(stream));
+    FW_TEST_CUDA(cudaFree(fws));
+    gwy.download(wy);
+    // every element written (0xff bytes are NaN), the defined values
+    EXPECT_LT(rel_err(wy, wy_inverse_reference(k, beta, c.l2, c.cu)), c.split ? 1e-4 : 1e-2) << "wy_inverse";
+    {  // the forward's o does not depend on whether it writes wy_inverse
+      HostTensor o2 = o;
+      DeviceMirror go2(o2);
+      DeltanetFwdArgs f2 = f;
+      f2.o = go2.ref(o2), f2.wy_inverse = TensorRef{};
+      void* fws2 = nullptr;
+      const std::size_t fneed2 = deltanet_fwd_workspace_size(f2);
+      FW_TEST_CUDA(cudaMalloc(&fws2, std::max<std::size_t>(fneed2, 1)));
+      deltanet_fwd(f2, fws2, fneed2, reinterpret_cast<Stream>(stream));
+      FW_TEST_CUDA(cudaStreamSynchronize(stream));
+      FW_TEST_CUDA(cudaFree(fws2));
+      go.download(o), go2.download(o2);
+      EXPECT_EQ(o.bytes, o2.bytes) << "o differs with wy_inverse written";
+    }
+    a.wy_inverse = gwy.ref(wy);
+    const std::size_t need_wy = deltanet_bwd_workspace_size(a);
+    EXPECT_LE(need_wy, need) << "the given wy_inverse should not grow the workspace";
+    fastweight::detail::set_deltanet_wy_vbufs(2);
+    fastweight::detail::set_deltanet_bwd_serial_db2(true);
+    fastweight::detail::set_deltanet_state_tile(32);
+    fastweight::detail::set_deltanet_bwd_overlap(1);
+    fastweight::detail::set_deltanet_state_two_sync(true);
+    fastweight::detail::set_deltanet_bwd_chunk_kfast(true);
+    fastweight::detail::set_deltanet_bwd_wy_side(false);  // the overlap's other schedule (restored on exit)
+    fastweight::detail::set_deltanet_bwd_serial_ws(false);  // the DB2 path: run 0's WS kernel against it, bit for bit
+    for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
+    FW_TEST_CUDA(cudaMemset(ws, 0xff, need));
+    FW_TEST_CUDA(cudaDeviceSynchronize());
+    deltanet_bwd(a, ws, need_wy, reinterpret_cast<Stream>(stream));
+    FW_TEST_CUDA(cudaStreamSynchronize(stream));
+    for (int e = 0; e < 5; ++e) {
+      run_wy.push_back(*outs[e]);
+      gouts[e]->download(run_wy.back());
+    }
+    a.wy_inverse = TensorRef{};
   }
   FW_TEST_CUDA(cudaStreamDestroy(stream));
   FW_TEST_CUDA(cudaFree(ws));
@@ -497,6 +610,7 @@ void check_bwd_case(const DnBwdCase& c) {
     const double err = rel_err(run[0][e], ref[e]);  // +inf on any NaN: every element written
     EXPECT_LT(err, tol) << names[e];
     EXPECT_EQ(run[0][e].bytes, run[1][e].bytes) << names[e] << ": not deterministic (or differs with the other buffering)";
+    if (!run_wy.empty()) EXPECT_EQ(run[0][e].bytes, run_wy[e].bytes) << names[e] << ": differs with the forward's wy_inverse";
     EXPECT_TRUE(padding_untouched(run[0][e], 0xff)) << names[e] << ": written outside its view";
     std::printf(" %s %.2e", names[e], err);
     ++checked;
@@ -589,6 +703,8 @@ std::vector<DnBwdCase> bwd_cases() {
   // only some gradients asked for (no initial state, no dfinal_state)
   v.push_back({DType::f32, 2, 130, 2, 64, 64, false, false, false, none, DType::i64, kDv | kDbeta, 0});
   v.push_back({DType::bf16, 1, 100, 2, 100, 72, true, true, true, none, DType::i64, kDq | kDh0, 0});
+  // without the L2 norm, unpadded: dq, dk stored straight from the chunk pass (bf16 column pairs)
+  v.push_back({DType::bf16, 2, 200, 3, 128, 128, false, true, true, none, DType::i64, kAllGrads, 0});
   // bf16-only tensor-core operands (split_operands = false): the templated kernels' other half
   const std::vector<std::int64_t> off = many_offsets(2000, 9, 6);
   for (DnBwdCase c : std::vector<DnBwdCase>{
@@ -599,7 +715,8 @@ std::vector<DnBwdCase> bwd_cases() {
            {DType::bf16, 1, 150, 2, 100, 72, true, true, true, {0, 0, 70, 70, 150}, DType::i32, kAllGrads, 0},
            {DType::bf16, 1, 4097, 1, 64, 64, true, true, true, none, DType::i64, kAllGrads, 0},
            {DType::bf16, 1, off.back(), 1, 32, 32, true, true, true, off, DType::i64, kAllGrads, 0},
-           {DType::bf16, 1, 100, 2, 100, 72, true, true, true, none, DType::i64, kDq | kDh0, 0}}) {
+           {DType::bf16, 1, 100, 2, 100, 72, true, true, true, none, DType::i64, kDq | kDh0, 0},
+           {DType::bf16, 2, 200, 3, 128, 128, false, true, true, none, DType::i64, kAllGrads, 0}}) {
     c.split = false;
     v.push_back(c);
   }

@@ -225,11 +225,12 @@ def test_opcheck():
     q, k, v, beta, h0 = make(B=1, T=9, H=2, K=4, V=3, N=2)
     args = [t.requires_grad_() for t in (q, k, v, beta)]
     fwd = torch.ops.fastweight.deltanet_fwd.default
-    torch.library.opcheck(fwd, (*args, h0.requires_grad_(), cu, None, True, True, True))
-    torch.library.opcheck(fwd, (*args, None, None, 0.5, False, False, False))
+    torch.library.opcheck(fwd, (*args, h0.requires_grad_(), cu, None, True, True, True, True))
+    torch.library.opcheck(fwd, (*args, None, None, 0.5, False, False, False, False))
     do = torch.randn(1, 9, 2, 3, dtype=torch.float64)
     torch.library.opcheck(torch.ops.fastweight.deltanet_bwd.default,
-                          (do, *[a.detach() for a in args], h0.detach(), cu, torch.randn_like(h0), None, False, True))
+                          (do, *[a.detach() for a in args], h0.detach(), cu, torch.randn_like(h0), None, False, True,
+                           None))
 
 
 def test_compile_fullgraph():
@@ -587,7 +588,7 @@ def test_cuda_bf16_operands_match_cpu_float64(T, K, V, cu):
     _cuda_vs_cpu_f64_autograd(seed, torch.bfloat16, q, k, v, beta, h0, True, cu=cu, split=False)
     qc, kc, vc, bc = _cuda(q, k, v, beta)
     a, _ = fastweight.delta_rule(qc, kc, vc, bc, split_operands=False, use_qk_l2norm_in_kernel=True, cu_seqlens=_cuda(cu)[0])
-    b, _ = torch.ops.fastweight.deltanet_fwd(qc, kc, vc, bc, None, _cuda(cu)[0], None, True, False, False)
+    b, _, _ = torch.ops.fastweight.deltanet_fwd(qc, kc, vc, bc, None, _cuda(cu)[0], None, True, False, False, False)
     assert torch.equal(a, b)
 
 
@@ -601,7 +602,7 @@ def test_cuda_backward_deterministic_and_graph_capture(dtype):
     do, dht = torch.randn_like(v), torch.randn_like(h0)
     bwd = torch.ops.fastweight.deltanet_bwd
 
-    same_bits_twice_and_in_a_graph(lambda: bwd(do, q, k, v, beta, h0, None, dht, None, True, True))
+    same_bits_twice_and_in_a_graph(lambda: bwd(do, q, k, v, beta, h0, None, dht, None, True, True, None))
 
 
 @gpu
@@ -646,6 +647,61 @@ def test_cuda_errors_name_the_argument():
     with pytest.raises(ValueError, match="deltanet_bwd: .*workspace"):
         fastweight._C.deltanet_bwd(q, k, v, beta, do_=do, dq=dq)
     assert torch.isnan(dq).all()
+
+
+def test_wy_inverse_exists_only_in_the_cuda_pipeline():
+    """The forward's WY inverse (kept for the backward) is refused, naming it, where the tensor-core
+    pipeline does not run: CPU tensors here (the CUDA-side checks: test_deltanet_api.cpp)."""
+    q, k, v, beta, h0 = make(T=8)
+    o, wy = torch.full_like(v, float("nan")), torch.empty(2, 8, 3, 64)
+    with pytest.raises(ValueError, match="deltanet_fwd: wy_inverse: exists only in the CUDA tensor-core pipeline"):
+        fastweight._C.deltanet_fwd(q, k, v, beta, o=o, wy_inverse=wy)
+    assert torch.isnan(o).all()
+    with pytest.raises(ValueError, match="deltanet_bwd: wy_inverse: exists only in the CUDA tensor-core pipeline"):
+        fastweight._C.deltanet_bwd(q, k, v, beta, do_=torch.randn_like(v), wy_inverse=wy)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("cu", [None, [0, 70, 70, 150]])
+def test_cuda_saved_wy_inverse_gives_the_same_bits(split, cu):
+    """Where the tensor-core pipeline runs, the forward keeps its WY inverse for the backward (FLA's A),
+    which then reads it instead of forming it again: the same gradient bits either way, the same o
+    whether or not the forward writes it, and the autograd paths (eager Function, custom op) keep it."""
+    from fastweight import deltanet_ops as dn
+    from fastweight.ops import _prep_gate
+    seed = _fresh_seed()
+    N = None if cu is None else len(cu) - 1
+    q, k, v, beta, h0 = _cuda(*make(B=1 if cu else 2, T=150, H=2, K=64, V=64, N=N, dtype=torch.bfloat16, seed=seed))
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+    b = _prep_gate(beta, q)
+    o1, ht1, wy = dn._deltanet_fwd_run(q, k, v, b, h0, cu_t, None, True, True, split, True)
+    o2, ht2, none = dn._deltanet_fwd_run(q, k, v, b, h0, cu_t, None, True, True, split, False)
+    assert none is None and wy is not None
+    assert wy.shape == (*q.shape[:3], 64) and wy.dtype == (torch.float32 if split else torch.bfloat16)
+    assert torch.isfinite(wy).all()
+    assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    do = torch.randn(v.shape, generator=gen, device="cuda").to(v.dtype)
+    dht = torch.randn(h0.shape, generator=gen, device="cuda")
+    g_saved = dn._deltanet_bwd_run(do, q, k, v, b, h0, cu_t, dht, None, True, split, wy)
+    g_again = dn._deltanet_bwd_run(do, q, k, v, b, h0, cu_t, dht, None, True, split, None)
+    for x, y in zip(g_saved, g_again):
+        assert torch.equal(x, y)
+    # through autograd: the eager Function and the custom op (save_wy) give the saved-WY gradients
+    for custom in (False, True):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, beta, h0)]
+        if custom:
+            o, ht, _ = torch.ops.fastweight.deltanet_fwd(*leaves[:3], _prep_gate(leaves[3], leaves[0]), leaves[4],
+                                                         cu_t, None, True, True, split, True)
+        else:
+            o, ht = fastweight.delta_rule(*leaves[:4], initial_state=leaves[4], output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t, split_operands=split)
+        torch.autograd.backward([o, ht], [do, dht])
+        for leaf, want in zip(leaves, (g_saved[0], g_saved[1], g_saved[2], None, g_saved[4])):
+            if want is not None:
+                assert torch.equal(leaf.grad, want)
 
 
 def _fla_delta_rule_module():

@@ -365,9 +365,9 @@ def test_delta_rule_eager_path_bitwise_equals_custom_op(dtype, cfg):
             o, ht = fastweight.delta_rule(*leaves[:4], initial_state=leaves[4], output_final_state=final,
                                           use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
         else:
-            o, ht = torch.ops.fastweight.deltanet_fwd(*[ops._last_contig(t) for t in leaves[:3]],
-                                                      ops._prep_gate(leaves[3], leaves[0]), leaves[4], cu, None, l2,
-                                                      final, True)
+            o, ht, _ = torch.ops.fastweight.deltanet_fwd(*[ops._last_contig(t) for t in leaves[:3]],
+                                                         ops._prep_gate(leaves[3], leaves[0]), leaves[4], cu, None, l2,
+                                                         final, True, True)
             ht = ht if final else None
         outs, cots = ([o, ht], [do, dht]) if final else ([o], [do])
         return o, ((ht,) if final else None), _grads_of(leaves, outs, cots)

@@ -15,7 +15,7 @@ namespace fastweight::detail {
 struct StreamFork {
   const char* op;
   cudaStream_t main, side;
-  cudaEvent_t e[2] = {nullptr, nullptr};
+  cudaEvent_t e[3] = {nullptr, nullptr, nullptr};  // fork, done, mark
   StreamFork(const char* op_, cudaStream_t m) : op(op_), main(m), side(side_stream()) {
     try {
       for (auto& x : e) FW_CUDA_CHECK(op, cudaEventCreateWithFlags(&x, cudaEventDisableTiming));
@@ -26,16 +26,29 @@ struct StreamFork {
       throw;
     }
   }
+  bool recorded = false;  // done() ran
   void* done() {
     FW_CUDA_CHECK(op, cudaEventRecord(e[1], side));
+    recorded = true;
     return e[1];
+  }
+  // A point of the side work so far (one per fork), for a launcher on the caller's stream that needs
+  // only that part of it
+  void* mark() {
+    FW_CUDA_CHECK(op, cudaEventRecord(e[2], side));
+    return e[2];
   }
   void release() {
     for (auto& x : e)
       if (x) (void)cudaEventDestroy(x), x = nullptr;
   }
   ~StreamFork() {
-    if (e[1]) (void)cudaStreamWaitEvent(main, e[1], 0);
+    if (e[1]) {
+      // a throw between the fork and done() (side work already queued): end the side work here, so
+      // that the join still waits for it (an event never recorded is no wait at all)
+      if (!recorded) (void)cudaEventRecord(e[1], side);
+      (void)cudaStreamWaitEvent(main, e[1], 0);
+    }
     release();
   }
   StreamFork(const StreamFork&) = delete;

@@ -413,7 +413,10 @@ bool rows8_bf16(const StridedView& v) {
 // recompute's workspace keeps hi + lo, which the CUDA-core passes read.
 DeltanetBwdParams effective(const DeltanetBwdParams& p) {
   DeltanetBwdParams e = p;
-  if (!e.hilo && !deltanet_bwd_state_tc_applies(e)) e.hilo = true;
+  if (!e.hilo && !deltanet_bwd_state_tc_applies(e)) {
+    e.hilo = true;
+    e.wy_t2 = nullptr;  // the forward's bf16 T2 is not this recompute's (fp32): formed again
+  }
   return e;
 }
 
@@ -421,10 +424,12 @@ DeltanetBwdParams effective(const DeltanetBwdParams& p) {
 
 namespace {
 std::atomic<int> g_bwd_overlap{0};  // 0: the planner's choice, 1: always, -1: never
+std::atomic<bool> g_bwd_wy_side{true};  // set_deltanet_bwd_wy_side
 
 }  // namespace
 
 int set_deltanet_bwd_overlap(int mode) { return g_bwd_overlap.exchange(mode > 0 ? 1 : mode < 0 ? -1 : 0); }
+bool set_deltanet_bwd_wy_side(bool on) { return g_bwd_wy_side.exchange(on); }
 
 // The recompute's state kernel (S, X: read from the post kernel on) and the state pass's prep +
 // serial kernels (dD0, dS: neither reads S or X) are independent chains, each a grid of sequences x
@@ -471,11 +476,23 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream st
   const bool overlap = state_tc && seqs > 0 && deltanet_bwd_overlap(p);
   std::optional<StreamFork> fork;
   void* recomputed = nullptr;  // with the overlap: the side work's end, waited for before post
+  void* wy_done = nullptr;     // with the wy kernel on the side stream too: its end, waited for before serial
   if (tc) {
-    DnChunkBufs bufs{ws + w.xw, ws + w.xu, ws + w.rk, ws + w.S, ws + w.X, ws + w.T2};
+    // T2: the forward's (p.wy_t2: read, not formed) or this workspace's region (written)
+    DnChunkBufs bufs{ws + w.xw, ws + w.xu, ws + w.rk, ws + w.S, ws + w.X, p.wy_t2 ? static_cast<float*>(p.wy_t2) : ws + w.T2};
+    bufs.t2_given = p.wy_t2 != nullptr;
     bufs.xbf16 = w.xb;
     bufs.xu16 = w.xu16;  // the choice that sized the xu region
-    if (overlap) {
+    if (overlap && g_bwd_wy_side.load(std::memory_order_relaxed)) {
+      // wy on the side stream as well, beside the prep kernel (which reads none of Xw, Xu, rk, T2; it
+      // forms its own rk); the serial kernel (Xw) waits for wy_done, post for the whole side chain
+      fork.emplace("deltanet_bwd (fork)", st);
+      const auto side = reinterpret_cast<Stream>(fork->side);
+      deltanet_chunk_tc_states(f, bufs, side, 1);
+      wy_done = fork->mark();
+      deltanet_chunk_tc_states(f, bufs, side, 2);
+      recomputed = fork->done();
+    } else if (overlap) {
       deltanet_chunk_tc_states(f, bufs, stream, 1);  // wy: Xw, Xu, rk, T2 (both chains read them)
       fork.emplace("deltanet_bwd (fork)", st);
       deltanet_chunk_tc_states(f, bufs, reinterpret_cast<Stream>(fork->side), 2);
@@ -490,7 +507,7 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream st
   if (seqs == 0) return;
   // 2. state pass (on tensor cores after the tensor-core recompute)
   if (state_tc) {
-    deltanet_bwd_state_tc(p, w, ws, stream, recomputed);
+    deltanet_bwd_state_tc(p, w, ws, stream, recomputed, wy_done);
   } else {
     const std::size_t smem_s = sizeof(SmemState);
     (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_state_kernel), kThreads, smem_s);

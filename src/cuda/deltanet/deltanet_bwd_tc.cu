@@ -92,10 +92,31 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
   }
   if (!LO && w.xb) {  // Q^ = s diag(rq) Q for the serial kernel's dS update (bf16 rows of K)
     bf16* qh = reinterpret_cast<bf16*>(ws + w.qh());
-    for (int e = tid; e < kT * Kc; e += kThreads) {
-      const int i = e / Kc, c = e % Kc;
-      if (i < nr && c < K)
-        qh[dn_ws_row(p, b, t0 + i, h) * K + c] = __float2bfloat16_rn(p.scale * s_rq[i] * __bfloat162float(sq[i * ldk + c]));
+    if (K % 8 == 0) {  // 8 columns per 16-byte load and store (an element at a time it was 64 stores and
+                       // row products per thread), rows 16-byte aligned (K % 8 == 0, the region's base)
+      const int U = Kc / 8;
+      const std::int64_t row0 = dn_ws_row(p, b, t0, h);
+      for (int e = tid; e < kT * U; e += kThreads) {
+        const int i = e / U, c = 8 * (e % U);
+        if (i >= nr || c >= K) continue;
+        const uint4 u = *reinterpret_cast<const uint4*>(sq + i * ldk + c);
+        const std::uint32_t in[4] = {u.x, u.y, u.z, u.w};
+        std::uint32_t out[4];
+        const float f = p.scale * s_rq[i];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&in[x]));
+          const __nv_bfloat162 r = __floats2bfloat162_rn(f * v.x, f * v.y);
+          out[x] = *reinterpret_cast<const std::uint32_t*>(&r);
+        }
+        *reinterpret_cast<uint4*>(qh + (row0 + std::int64_t(i) * p.H) * K + c) = make_uint4(out[0], out[1], out[2], out[3]);
+      }
+    } else {
+      for (int e = tid; e < kT * Kc; e += kThreads) {
+        const int i = e / Kc, c = e % Kc;
+        if (i < nr && c < K)
+          qh[dn_ws_row(p, b, t0 + i, h) * K + c] = __float2bfloat16_rn(p.scale * s_rq[i] * __bfloat162float(sq[i * ldk + c]));
+      }
     }
   }
   // s M^T (this warp's rows c: key rows; columns i: query rows) as A fragments, hi + lo, in registers:
@@ -373,6 +394,187 @@ __global__ void __launch_bounds__(kBsThreads, 1) deltanet_bwd_state_tc_kernel(co
   if (p.dh0.p) state_store<8>(acc_s, p.dh0, n, h, c0, K, V, warp, lane);
 }
 
+// ---- 2'. serial, warp-specialised (sm_90) ----------------------------------------------------------
+// The serial kernel's bf16-operand step (DB2, xb: bf16 dD0 / Y, Q^; 32-column tiles) with its loads
+// and its dSe store taken off the chain, as the forward's WS state kernel (where that and the early
+// reads took the state kernel from ~1098 to ~820 us at (1,32768,16,128), H100). 8 consumer warps (the
+// serial kernel's roles) and 4 producer warps (ptxas: 160 registers, no spill, so no setmaxnreg
+// rebalancing; a 40-register producer spilled): they load a chunk's k and rq / rk / beta (0), Q^ (1),
+// Xw (2), dO and dD0 (3) into one of
+// kBwWsBufs buffers, two chunks ahead, and warp 3 also stores dSe to the workspace from a second dSe
+// tile. The consumers read what does not depend on dSe (the A fragments of K dSe and Xw^T (W dD), the
+// epilogue's dD0, rk, beta) as soon as a chunk's operands land, before its chain. mbarriers: full[3]
+// (128 producer threads through cp.async), empty[3] (256), sfull[2] (dSe written; 256), sempty[2]
+// (stored; 32). The same products in the same order as the serial kernel: the same bits.
+// smem: [kBwWsBufs] { bf16 k, Q^, Xw [64][ldk] | bf16 dO, dD0 [64][40] | f32 rq, rk, beta [64] } |
+//       bf16 dSe [2][Kc][40] | bf16 -W dD [64][40] | u64 mbarriers [10]
+constexpr int kBwWsBufs = 3;
+constexpr int kBwWsThreads = kBsThreads + 128;
+enum : int { kBwFull = 0, kBwEmpty = kBwWsBufs, kBwSFull = 2 * kBwWsBufs, kBwSEmpty = 2 * kBwWsBufs + 2,
+             kBwBars = 2 * kBwWsBufs + 4 };
+struct BwLayout {
+  static constexpr int TW = 32, LDT = TW + 8;
+  int Kc, ldk;
+  std::size_t k, q, xw, dO, y, fac, buf, S, B, bar, bytes;  // k .. fac: offsets within a buffer of buf bytes
+  __host__ __device__ explicit BwLayout(std::int64_t K) {
+    Kc = k_cols(K), ldk = Kc + 8;
+    const std::size_t kt = 2 * std::size_t(kT) * ldk, ot = 2 * std::size_t(kT) * LDT;
+    k = 0, q = k + kt, xw = q + kt, dO = xw + kt, y = dO + ot, fac = y + ot, buf = fac + 3 * 4 * kT;
+    S = kBwWsBufs * buf, B = S + 2 * 2 * std::size_t(Kc) * LDT, bar = round_up(B + ot, 16);
+    bytes = bar + 8 * kBwBars;
+  }
+};
+
+template <int FK = 0>
+__global__ void __launch_bounds__(kBwWsThreads, 1) deltanet_bwd_state_ws_kernel(const DeltanetBwdParams p, const DnBwdWs w,
+                                                                               float* __restrict__ ws) {
+  constexpr int TW = BwLayout::TW, LDT = BwLayout::LDT, NJ = TW / 8, NJX = TW / 16;
+  extern __shared__ float4 smem_raw[];
+  char* base = reinterpret_cast<char*>(smem_raw);
+  const std::int64_t K = FK ? FK : p.K;
+  const BwLayout lay(K);
+  const int Kc = lay.Kc, ldk = lay.ldk;
+  auto at = [&](int bf, std::size_t off) { return base + bf * lay.buf + off; };
+  auto sk = [&](int bf) { return reinterpret_cast<bf16*>(at(bf, lay.k)); };    // (64 rows, Kc) k
+  auto sq = [&](int bf) { return reinterpret_cast<bf16*>(at(bf, lay.q)); };    // (64 rows, Kc) Q^
+  auto sx = [&](int bf) { return reinterpret_cast<bf16*>(at(bf, lay.xw)); };   // (64 rows, Kc) Xw
+  auto so = [&](int bf) { return reinterpret_cast<bf16*>(at(bf, lay.dO)); };   // (64 rows, TW) dO
+  auto sy = [&](int bf) { return reinterpret_cast<bf16*>(at(bf, lay.y)); };    // (64 rows, TW) dD0
+  auto sf = [&](int bf) { return reinterpret_cast<float*>(at(bf, lay.fac)); };  // rq, rk, beta [64]
+  bf16* sS = reinterpret_cast<bf16*>(base + lay.S);  // [2] (Kc, TW) dSe
+  bf16* sB = reinterpret_cast<bf16*>(base + lay.B);  // (64, TW) -W dD
+  const std::size_t stile = std::size_t(Kc) * LDT;
+  std::uint64_t* bars = reinterpret_cast<std::uint64_t*>(base + lay.bar);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const DnCta cta = dn_chain_cta(p, reinterpret_cast<int*>(base));
+  const std::int64_t n = cta.n, h = cta.h, c0 = cta.tile * TW, V = p.V;
+  const DnSeq sq_ = dn_seq(p, n);
+  const std::int64_t b = sq_.b;
+  const int ngroups = Kc / 16;
+  const std::int64_t row00 = dn_ws_row(p, b, sq_.bos, h), wrow_step = kT * p.H;
+  const std::int64_t nch = (sq_.eos - sq_.bos + kT - 1) / kT;
+#if !defined(FW_HAS_BULK)
+  __trap();  // no mbarriers in this build of the kernel (the host launches it only on sm_90 binaries)
+#else
+  if (K % 8 != 0 || V % 8 != 0) __trap();  // the producer's whole 16-byte pieces (the host checks): fail loudly
+  if (tid == 0) {
+    for (int i = 0; i < kBwWsBufs; ++i) mbar_init(bars + kBwFull + i, 128), mbar_init(bars + kBwEmpty + i, kBsThreads);
+    for (int i = 0; i < 2; ++i) mbar_init(bars + kBwSFull + i, kBsThreads), mbar_init(bars + kBwSEmpty + i, 32);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (warp >= kBsThreads / 32) {  // the producer warpgroup
+    const int pw = warp - kBsThreads / 32;
+    const int ncv = int(lmin(TW, V - c0));
+    const bf16* xwh = reinterpret_cast<const bf16*>(ws + w.xw);
+    const bf16* qhw = reinterpret_cast<const bf16*>(ws + w.qh());
+    const bf16* y00 = reinterpret_cast<const bf16*>(ws + w.Y) + row00 * V + c0;
+    auto load = [&](int bf, std::int64_t ci) {
+      const std::int64_t t0 = sq_.bos + ci * kT, row0 = row00 + ci * wrow_step;
+      const int nr = int(lmin(kT, sq_.eos - t0));
+      if (pw == 0) {
+        warp_load_tile(sk(bf), ldk, bf_rows(p.k, b, t0, h), p.k.s1, Kc, nr, int(K), lane);
+        for (int e = lane; e < 3 * kT; e += 32) {
+          const int f = e / kT, i = e % kT;
+          cp_async4_z(sf(bf) + e, i < nr ? ws + w.fac + f * w.rows + row0 + i * p.H : ws, i < nr ? 4 : 0);
+        }
+      } else if (pw == 1) {
+        warp_load_tile(sq(bf), ldk, qhw + row0 * K, p.H * K, Kc, nr, int(K), lane);
+      } else if (pw == 2) {
+        warp_load_tile(sx(bf), ldk, xwh + row0 * K, p.H * K, Kc, nr, int(K), lane);
+      } else {
+        warp_load_tile(so(bf), LDT, bf_rows(p.do_, b, t0, h) + c0, p.do_.s1, TW, nr, ncv, lane);
+        warp_load_tile(sy(bf), LDT, y00 + ci * wrow_step * V, p.H * V, TW, nr, ncv, lane);
+      }
+      cp_async_mbar_arrive(bars + kBwFull + bf);
+    };
+    const StateStoreUnits<false, TW> sst(K, V, c0, 32, lane);
+    for (int c = 0; c < kBwWsBufs && c < nch; ++c) load(c, nch - 1 - c);
+    for (std::int64_t s = 0; s < nch; ++s) {  // step s: chunk nch - 1 - s (chunks in reverse)
+      const int sb = int(s & 1), bf = int(s % kBwWsBufs);
+      if (pw == 3) {
+        ws_wait(bars + kBwSFull + sb, unsigned(s >> 1) & 1);  // dSe of step s, in dSe tile sb
+        sst.store(state_mats<false>(ws + w.dS, sq_.base + nch - 1 - s, p.H, h, K, V), sS + sb * stile, nullptr, K, V,
+                  c0, 32);
+        ws_arrive(bars + kBwSEmpty + sb);
+      }
+      if (s + kBwWsBufs < nch) {
+        ws_wait(bars + kBwEmpty + bf, unsigned(s / kBwWsBufs) & 1);  // the consumers are done with step s's buffer
+        load(bf, nch - 1 - s - kBwWsBufs);
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+  const int rg = warp & 3, half = warp >> 2;  // dD: rows 16 rg.., columns (TW / 2) half..
+  const bool upd = warp < ngroups;            // this warp's 16 rows of dS exist (Kc = 64: warps 0..3)
+  const int i0 = 16 * rg + frow(lane, 0), cb = (TW / 2) * half + fcol(lane, 0, 0);
+  bf16* ygb0 = reinterpret_cast<bf16*>(ws + w.Y) + (row00 + i0 * p.H) * V + c0 + cb;  // row i0 of chunk 0
+  const std::int64_t hv8 = 8 * p.H * V;
+  float acc_s[1][NJ][4];  // dS (fp32), rows 16 w.., the CTA's TW columns
+  state_load<8>(acc_s, p.dht, n, h, c0, K, V, warp, lane);
+  for (std::int64_t s = 0; s < nch; ++s) {
+    const std::int64_t ci = nch - 1 - s, t0 = sq_.bos + ci * kT;
+    const int sb = int(s & 1), bf = int(s % kBwWsBufs), nr = int(lmin(kT, sq_.eos - t0));
+    ws_wait(bars + kBwFull + bf, unsigned(s / kBwWsBufs) & 1);  // chunk ci's operands landed
+    std::uint32_t ak[8][4], ax[4][4];  // A of K dSe (k rows 16 rg..), of Xw^T (W dD) (Xw^T rows 16 warp..)
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks)
+      if (ks < Kc / 16)
+        ldsm_x4(ak[ks], sk(bf) + (16 * rg + ld_row_a_rowmajor(lane)) * ldk + ks * 16 + ld_col_a_rowmajor(lane));
+    if (upd) {
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+        ldsm_x4_t(ax[ks], sx(bf) + (ks * 16 + ld_row_a_kmajor(lane)) * ldk + 16 * warp + ld_col_a_kmajor(lane));
+    }
+    float2 y0[NJX][2];  // dD0 at rows i0, i0 + 8, columns cb + 8 j, + 1
+    float frk[2], fbt[2];
+#pragma unroll
+    for (int e2 = 0; e2 < 2; ++e2) {
+      const int i = i0 + 8 * e2;
+      frk[e2] = sf(bf)[kT + i], fbt[e2] = sf(bf)[2 * kT + i];
+#pragma unroll
+      for (int j = 0; j < NJX; ++j)
+        y0[j][e2] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sy(bf) + i * LDT + cb + 8 * j));
+    }
+    if (s >= 2) ws_wait(bars + kBwSEmpty + sb, (unsigned(s >> 1) & 1) ^ 1);  // dSe of step s - 2 stored
+    bf16* Se = sS + sb * stile;
+    state_split<8, false>(acc_s, Se, nullptr, ngroups, warp, lane);  // dSe (leaving chunk ci)
+    ws_arrive(bars + kBwSFull + sb);
+    ws_named_sync(kBsThreads);  // every warp's dSe rows written
+    // dD = dD0 + diag(rk) K dSe (16 rows x TW / 2 columns); Q^^T dO into dS between its k-steps
+    float kd[NJX][4] = {};
+    const bf16* Sh = Se + (TW / 2) * half;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks)
+      if (ks < Kc / 16) {
+        std::uint32_t bb[4];
+        ldsm_x4_t(bb, Sh + (ks * 16 + ld_row_b_kmajor(lane)) * LDT + ld_col_b_kmajor(lane));
+        mma_bf16_16816(kd[0], ak[ks], bb[0], bb[1]);
+        mma_bf16_16816(kd[1], ak[ks], bb[2], bb[3]);
+        if (ks < 4 && upd) state_update_step<false, NJ>(acc_s, 0, warp, sq(bf), ldk, so(bf), nullptr, ks, lane);
+      }
+    bf16* ygb = ygb0 + ci * wrow_step * V;
+#pragma unroll
+    for (int j = 0; j < NJX; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int i = i0 + 8 * (e / 2), c = cb + 8 * j;
+        const bool in = i < nr && c0 + c < V;
+        const float d0 = in ? fmaf(frk[e / 2], kd[j][e], y0[j][e / 2].x) : 0.f;
+        const float d1 = in ? fmaf(frk[e / 2], kd[j][e + 1], y0[j][e / 2].y) : 0.f;
+        if (in) *reinterpret_cast<__nv_bfloat162*>(ygb + (e / 2) * hv8 + 8 * j) = __floats2bfloat162_rn(d0, d1);
+        put_split2<false>(sB, nullptr, LDT, i, c, -fbt[e / 2] * d0, -fbt[e / 2] * d1);
+      }
+    ws_named_sync(kBsThreads);  // the -W dD tile written
+    // dS -= Xw^T (W dD), Xw^T from registers (state_update_step's order)
+    if (upd) state_update_regs<NJ>(acc_s[0], ax, sB, lane);
+    ws_arrive(bars + kBwEmpty + bf);  // this warp's reads of buffer bf are done
+  }
+  if (p.dh0.p) state_store<8>(acc_s, p.dh0, n, h, c0, K, V, warp, lane);
+#endif
+}
+
 // ---- 3. post ------------------------------------------------------------------------------------
 // smem: R1: bf16 k [64][ldk], then f32 dD [64][kLdF] | R2: f32 T2 [64][64], then f32 X [64][kLdF] |
 //       bf16 T2^T hi, lo [64][kLd] | bf16 W dD hi, lo, then dR hi, lo [64][kLd] | f32 rk, beta [64]
@@ -402,7 +604,7 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   bf16* sk = reinterpret_cast<bf16*>(base + lay.r1);    // (64 rows, Kc) k
   float* sdd = reinterpret_cast<float*>(base + lay.r1);  // then (64, kLdF) dD
   bf16* sddb = reinterpret_cast<bf16*>(base + lay.r1);   // or, with w.xb, (64, kLd) bf16 dD
-  float* sT2 = reinterpret_cast<float*>(base + lay.r2);  // (64, 64) T2
+  float* sT2 = reinterpret_cast<float*>(base + lay.r2);  // (64, 64) T2^T (fp32: LO only)
   float* sX = reinterpret_cast<float*>(base + lay.r2);   // then (64, kLdF) X
   bf16* sXb = reinterpret_cast<bf16*>(base + lay.r2);    // or, with w.xb, (64, kLd) bf16 X
   bf16 *sTh = reinterpret_cast<bf16*>(base + lay.Th), *sTl = reinterpret_cast<bf16*>(base + lay.Tl);  // T2^T
@@ -418,14 +620,29 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   const int nr = int(lmin(kT, sq_.eos - t0));
   const bool even = V % 2 == 0;
   const bool xb = !LO && w.xb;  // X read, Y written as bf16 (DnBwdWs::xb)
+  // dv as bf16 pairs: even element offsets of column pairs (col is even) and a 4-byte aligned base
+  // (bf16 operands only: with hi + lo and a runtime K the kernel sits at its register cap, and the
+  // pair store cost it spills)
+  const bool dv2 = !LO && p.dv.p && p.dv.dtype == DType::bf16 && reinterpret_cast<std::uintptr_t>(p.dv.p) % 4 == 0 &&
+                   p.dv.s0 % 2 == 0 && p.dv.s1 % 2 == 0 && p.dv.s2 % 2 == 0;
   // a. k, T2 (16-byte aligned, 64 x 64 fp32); rk from the k tile, beta
   load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
-  if constexpr (LO) {  // fp32 T2, split into T2^T hi + lo below
-    const float* T2w = ws + w.T2 + (slot * p.H + h) * 64 * 64;
-    for (int e = tid; e < 64 * 16; e += kThreads) cp_async16(sT2 + 4 * e, T2w + 4 * e, 16);
-  } else {  // T2^T as bf16 (the wy kernel's rounding): straight into its tile, 8 16-byte pieces a row
-    const bf16* T2t = reinterpret_cast<const bf16*>(ws + w.T2) + (slot * p.H + h) * 64 * 64;
-    for (int e = tid; e < 64 * 8; e += kThreads) cp_async16(sTh + (e / 8) * kLd + 8 * (e % 8), T2t + 8 * e, 16);
+  // T2^T's rows (DnChunkBufs::T2: the forward's wy_inverse or the recompute's region), rows past nr
+  // zero (their dR rows multiply zero beta: the same products as with T2's identity rows there)
+  const void* T2src = p.wy_t2 ? p.wy_t2 : static_cast<const void*>(ws + w.T2);
+  const std::int64_t t2r0 = dn_ws_row(p, b, t0, h) * 64, t2rs = p.H * 64;  // row 0, row stride (elements)
+  if constexpr (LO) {  // fp32, split into hi + lo below: 16 16-byte pieces a row
+    const float* T2w = static_cast<const float*>(T2src) + t2r0;
+    for (int e = tid; e < 64 * 16; e += kThreads) {
+      const int a = e / 16;
+      cp_async16(sT2 + 4 * e, a < nr ? T2w + a * t2rs + 4 * (e % 16) : T2w, a < nr ? 16 : 0);
+    }
+  } else {  // bf16: straight into its tile, 8 16-byte pieces a row
+    const bf16* T2t = static_cast<const bf16*>(T2src) + t2r0;
+    for (int e = tid; e < 64 * 8; e += kThreads) {
+      const int a = e / 8;
+      cp_async16(sTh + a * kLd + 8 * (e % 8), a < nr ? T2t + a * t2rs + 8 * (e % 8) : T2t, a < nr ? 16 : 0);
+    }
   }
   cp_async_commit();
   if (tid < kT) {  // the prep kernel's factors
@@ -454,7 +671,7 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
     }
   }
   if constexpr (LO)
-    for (int e = tid; e < 64 * 64; e += kThreads) put_split1<LO>(sTh, sTl, kLd, e % 64, e / 64, sT2[e]);  // [a][j] = T2[j][a]
+    for (int e = tid; e < 64 * 64; e += kThreads) put_split1<LO>(sTh, sTl, kLd, e / 64, e % 64, sT2[e]);  // [a][j] = T2[j][a]
 #pragma unroll 1
   for (std::int64_t c0 = 0, vt = 0; c0 < V; c0 += kT, ++vt) {
     __syncthreads();  // k and T2 are read (first tile), or the previous tile's dD, X, dR
@@ -524,8 +741,12 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
               else return x;
             };
             const std::int64_t odv = dn_row(p.dv, b, t0 + i, h) + col;
-            mlstm_st(p.dv, odv, dr(c));
-            if (has1) mlstm_st(p.dv, odv + 1, dr(c + 1));
+            if (dv2 && has1) {  // a bf16 pair per 4-byte store (the same roundings)
+              *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.dv.p) + odv) = __floats2bfloat162_rn(dr(c), dr(c + 1));
+            } else {
+              mlstm_st(p.dv, odv, dr(c));
+              if (has1) mlstm_st(p.dv, odv + 1, dr(c + 1));
+            }
           }
         }
       }
@@ -570,7 +791,7 @@ constexpr int kBcThreads = 256;
 template <bool LO>
 __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                          float* __restrict__ ws, bool vq, bool vk,
-                                                                         bool vo) {
+                                                                         bool vo, int kfast) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const BcLayout lay(LO);
@@ -586,7 +807,12 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
   float* s_beta = reinterpret_cast<float*>(base + lay.beta);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int mw = warp & 3, half = warp >> 2;  // rows 16 mw.., columns 32 half.. of each 64 x 64 result
-  const std::int64_t h = blockIdx.y, k0 = std::int64_t(blockIdx.z) * kT, K = p.K, V = p.V, slot = blockIdx.x;
+  // kfast (the K tiles' count, or 0): a (slot, head)'s K tiles are neighbours in the grid (blockIdx.x =
+  // slot * kfast + K tile), so that their shared dO, X, Y tiles are read from HBM once and from the L2
+  // by the others; else blockIdx.z is the K tile (a whole grid of slots apart)
+  const int kz = kfast ? int(blockIdx.x % unsigned(kfast)) : int(blockIdx.z);
+  const std::int64_t h = blockIdx.y, k0 = std::int64_t(kz) * kT, K = p.K, V = p.V;
+  const std::int64_t slot = kfast ? std::int64_t(blockIdx.x / unsigned(kfast)) : std::int64_t(blockIdx.x);
   DnSeq sq_;
   std::int64_t t0;
   if (!dn_slot(p, slot, sq_, t0)) return;
@@ -699,15 +925,20 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
 #pragma unroll
   for (int j = 0; j < 4; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
+    for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 (c even) of row i
       const int i = 16 * mw + frow(lane, e);
       const std::int64_t c = k0 + 32 * half + fcol(lane, j, e);
-      if (i < nr && c < K) dn_store_dqk(p, w, ws, b, t0 + i, h, c, dq[j][e], dk[j][e]);
+      if (i < nr && c < K)
+        dn_store_dqk2(p, w, ws, b, t0 + i, h, c, dq[j][e], dq[j][e + 1], dk[j][e], dk[j][e + 1], c + 1 < K);
     }
-  if (blockIdx.z == 0) dn_store_dbeta(p, w, ws, b, t0, nr, h, tid);
+  if (kz == 0) dn_store_dbeta(p, w, ws, b, t0, nr, h, tid);
 }
 
 std::atomic<bool> g_serial_db2{true};
+// off by default: on the H100 it measured no faster than the DB2 + xb path (session 26, (1,32768,16,128)
+// bf16 operands: 4.02 ms on, 3.83 off; the other rows within 2.5%); kept for the A/B and bit-tested
+std::atomic<bool> g_serial_ws{false};  // set_deltanet_bwd_serial_ws
+std::atomic<bool> g_chunk_kfast{true};  // set_deltanet_bwd_chunk_kfast
 // q and Xw double-buffered in the serial kernel: bf16 operands, where the shared memory holds it
 bool bwd_serial_db2(const DeltanetBwdParams& p) {
   return g_serial_db2.load() && !p.hilo && BsLayout(p.K, false, 2).bytes <= smem_per_block_optin();
@@ -716,6 +947,8 @@ bool bwd_serial_db2(const DeltanetBwdParams& p) {
 }  // namespace
 
 bool set_deltanet_bwd_serial_db2(bool enabled) { return g_serial_db2.exchange(enabled); }
+bool set_deltanet_bwd_serial_ws(bool on) { return g_serial_ws.exchange(on); }
+bool set_deltanet_bwd_chunk_kfast(bool on) { return g_chunk_kfast.exchange(on); }
 
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
   // sm_80 opts in to 163 KB of shared memory per block, the serial kernel's K = 128 layout needs
@@ -724,7 +957,8 @@ bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
          BsLayout(p.K, p.hilo).bytes <= smem_per_block_optin() && BqLayout(p.K, p.hilo).bytes <= smem_per_block_optin();
 }
 
-void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream, void* before_post) {
+void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream, void* before_post,
+                           void* before_serial) {
   const std::int64_t seqs = p.N * p.H, slots = deltanet_slots(p);
   if (seqs == 0 || slots == 0) return;
   if (slots > 0x7fffffff) throw Error(cat("deltanet_bwd: grid too large (", slots, " chunks)"));
@@ -736,6 +970,8 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(prep), kThreads, lp.bytes);
   prep<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lp.bytes, st>>>(p, w, ws, vq, vk, vo);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: prep)");
+  if (before_serial)  // the recompute's wy kernel (Xw), run beside prep
+    FW_CUDA_CHECK("deltanet_bwd (join the recompute's wy)", cudaStreamWaitEvent(st, static_cast<cudaEvent_t>(before_serial), 0));
   const bool db2 = bwd_serial_db2(p);
   const int tw = deltanet_serial_tile(p);  // 32 where 64-column CTAs would leave SMs idle
   const bool two = db2 && deltanet_serial_two_sync();
@@ -757,8 +993,21 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   }
   const std::int64_t vtw = (p.V + tw - 1) / tw;
   if (vtw > 65535) throw Error(cat("deltanet_bwd: grid too large (", vtw, " V tiles)"));
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(serial), kBsThreads, ls.bytes);
-  serial<<<dim3(unsigned(seqs), unsigned(vtw)), kBsThreads, ls.bytes, st>>>(p, w, ws, vq, vk, vo, p.K % 8 == 0, two);
+  // the warp-specialised form where its producer's paths hold (bf16 operands with bf16 dD0 / Y and
+  // double-buffered operands, 32-column tiles, cp.async rows of k and dO, K % 8 == 0 for the Q^ and Xw
+  // rows, V % 8 == 0 for the dD0 rows and whole dSe pieces) and a binary for sm_90
+  auto* wsfn = deltanet_fixed_k(p) ? &deltanet_bwd_state_ws_kernel<128> : &deltanet_bwd_state_ws_kernel<0>;
+  const BwLayout lw(p.K);
+  const bool use_ws = g_serial_ws.load(std::memory_order_relaxed) && !p.hilo && db2 && w.xb && tw == 32 && vk && vo &&
+                      p.K % 8 == 0 && p.V % 8 == 0 && lw.bytes <= smem_per_block_optin() &&
+                      kernel_binary_version(reinterpret_cast<const void*>(wsfn)) >= 90;
+  if (use_ws) {
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(wsfn), kBwWsThreads, lw.bytes);
+    wsfn<<<dim3(unsigned(seqs), unsigned(vtw)), kBwWsThreads, lw.bytes, st>>>(p, w, ws);
+  } else {
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(serial), kBsThreads, ls.bytes);
+    serial<<<dim3(unsigned(seqs), unsigned(vtw)), kBsThreads, ls.bytes, st>>>(p, w, ws, vq, vk, vo, p.K % 8 == 0, two);
+  }
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial)");
   if (before_post)
     FW_CUDA_CHECK("deltanet_bwd (join the recompute)", cudaStreamWaitEvent(st, static_cast<cudaEvent_t>(before_post), 0));
@@ -776,8 +1025,10 @@ void deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   const BcLayout lay(p.hilo);
   auto* chunk = p.hilo ? &deltanet_bwd_chunk_tc_kernel<true> : &deltanet_bwd_chunk_tc_kernel<false>;
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(chunk), kBcThreads, lay.bytes);
-  chunk<<<dim3(unsigned(slots), unsigned(p.H), unsigned(kt)), kBcThreads, lay.bytes,
-          reinterpret_cast<cudaStream_t>(stream)>>>(p, w, ws, rows16_seq(p.q), rows16_seq(p.k), rows16_seq(p.do_));
+  const bool kfast = g_chunk_kfast.load(std::memory_order_relaxed) && kt > 1 && slots * kt <= 0x7fffffff;
+  const dim3 grid = kfast ? dim3(unsigned(slots * kt), unsigned(p.H), 1u) : dim3(unsigned(slots), unsigned(p.H), unsigned(kt));
+  chunk<<<grid, kBcThreads, lay.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
+      p, w, ws, rows16_seq(p.q), rows16_seq(p.k), rows16_seq(p.do_), kfast ? int(kt) : 0);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (chunk pass, tensor cores)");
 }
 

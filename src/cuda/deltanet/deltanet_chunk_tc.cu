@@ -75,6 +75,19 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
   const int nr = int(lmin(kT, sq.eos - t0));
 
   load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
+  // T2 per row (DnChunkBufs::T2): chunk row i's 64 entries are column i of T2, [e] = T2[e % 64][e / 64]
+  auto t2_row = [&](int i) { return dn_ws_row(p, b, t0 + i, h) * 64; };
+  // (64, 64) the forward's T2 rows as stored (fp32 with LO, else bf16), staged in L's space (unused
+  // then) with k's group: read one scalar per thread and step, their latency cost ~30 serial global
+  // round trips per CTA (the backward ran ~4% slower with the saved T2 than forming it again)
+  constexpr int kT2Pieces = LO ? 16 : 8;  // 16-byte pieces of a T2 row
+  char* t2_stage = base + lay.L;
+  if (w.t2_given)
+    for (int e = tid; e < 64 * kT2Pieces; e += kThreads) {
+      const int i = e / kT2Pieces, q = e % kT2Pieces;
+      if (i < nr)
+        cp_async16(t2_stage + 16 * e, reinterpret_cast<const char*>(w.T2) + (LO ? 4 : 2) * t2_row(i) + 16 * q, 16);
+    }
   cp_async_commit();
   // v tile j (columns 64 j..) into buffer j % nvb, one commit group each (empty past V: uniform counts)
   const std::size_t vtile = std::size_t(kT) * kLd;
@@ -96,26 +109,52 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
     if (tid < nr) w.rk[dn_ws_row(p, b, t0 + tid, h)] = r * s_beta[tid];  // rk beta: all the later kernels need
   }
   __syncthreads();
-  {  // L = Lg W: L_ij = rk_i rk_j (k_i . k_j) beta_j for j < i
-    float g[8][4] = {};
-    mma_rn(g, sk, ldk, warp, sk, ldk, Kc, lane);
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
-        sL[i][c] = c < i ? s_rk[i] * s_rk[c] * s_beta[c] * g[j][e] : 0.f;
+  if (w.t2_given) {  // the forward's T2 (exact: it is what the forward's products used); identity past nr
+    // (landed with k; consecutive threads: consecutive staged entries, shared rows 65 floats apart)
+    for (int e = tid; e < 64 * 64; e += kThreads) {
+      const int i = e / 64, j = e % 64;
+      float x = i == j ? 1.f : 0.f;
+      if (i < nr) {
+        if constexpr (LO) x = reinterpret_cast<const float*>(t2_stage)[e];
+        else x = __bfloat162float(reinterpret_cast<const bf16*>(t2_stage)[e]);
       }
-  }
-  __syncthreads();
-  unit_lower_inverse(sL, sT, scr, warp, lane);
-  if (w.T2) {  // for the backward's state pass: fp32 T2 (LO), else T2^T as bf16, the post kernel's operand
-    if constexpr (LO) {
-      float* dst = w.T2 + (std::int64_t(blockIdx.x) * p.H + h) * 64 * 64;
-      for (int e = tid; e < 64 * 64; e += kThreads) dst[e] = sT[e / 64][e % 64];
-    } else {  // [a][j] = T2[j][a], rounded as the post kernel rounded the fp32 T2 (the same bits)
-      bf16* dst = reinterpret_cast<bf16*>(w.T2) + (std::int64_t(blockIdx.x) * p.H + h) * 64 * 64;
-      for (int e = tid; e < 64 * 64; e += kThreads) dst[e] = __float2bfloat16_rn(sT[e % 64][e / 64]);
+      sT[j][i] = x;
+    }
+    __syncthreads();
+  } else {
+    {  // L = Lg W: L_ij = rk_i rk_j (k_i . k_j) beta_j for j < i
+      float g[8][4] = {};
+      mma_rn(g, sk, ldk, warp, sk, ldk, Kc, lane);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 16 * warp + frow(lane, e), c = fcol(lane, j, e);
+          sL[i][c] = c < i ? s_rk[i] * s_rk[c] * s_beta[c] * g[j][e] : 0.f;
+        }
+    }
+    __syncthreads();
+    unit_lower_inverse(sL, sT, scr, warp, lane);  // (ends with a barrier)
+    if constexpr (!LO) {  // bf16 operands: T2 itself rounded to bf16 (as FLA's A), before any use of it
+      for (int e = tid; e < 64 * 64; e += kThreads) sT[e / 64][e % 64] = __bfloat162float(__float2bfloat16_rn(sT[e / 64][e % 64]));
+      __syncthreads();
+    }
+    if (w.T2) {  // the forward's wy_inverse, or the backward's own region: rows i < nr, 16-byte pieces
+      // (2-byte stores cost the forward ~60 us at (1, 32768, 16, 128); sT[j0 + q][i]: 2-way conflicts)
+      constexpr int n = 16 / (LO ? 4 : 2);  // entries per piece
+      for (int e = tid; e < 64 * kT2Pieces; e += kThreads) {
+        const int i = e / kT2Pieces, j0 = n * (e % kT2Pieces);
+        if (i >= nr) continue;
+        if constexpr (LO) {
+          *reinterpret_cast<float4*>(w.T2 + t2_row(i) + j0) =
+              make_float4(sT[j0][i], sT[j0 + 1][i], sT[j0 + 2][i], sT[j0 + 3][i]);
+        } else {  // sT holds bf16 values already: exact
+          uint4 x;
+          x.x = pack_bf16(sT[j0][i], sT[j0 + 1][i]), x.y = pack_bf16(sT[j0 + 2][i], sT[j0 + 3][i]);
+          x.z = pack_bf16(sT[j0 + 4][i], sT[j0 + 5][i]), x.w = pack_bf16(sT[j0 + 6][i], sT[j0 + 7][i]);
+          *reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(w.T2) + t2_row(i) + j0) = x;
+        }
+      }
     }
   }
   for (int e = tid; e < 64 * 32; e += kThreads) {  // A1 = T2 diag(rk), A2 = T2, as hi + lo (column pairs)
@@ -238,30 +277,15 @@ constexpr int kStThreads = 256;
 // per chunk may still set the step. With two, warp 0 takes k, rk beta and the S store, warp 1 Xw and Xu.
 constexpr int kStWsBufs = 4;
 enum : int { kBarFull = 0, kBarEmpty = 4, kBarSFull = 8, kBarSEmpty = 10 };
-// The WS synchronisation, no-ops where the architecture has no mbarrier waits (the host launches the
-// WS form only for a binary of sm_90 or later: kernel_binary_version).
-__device__ __forceinline__ void ws_wait(std::uint64_t* bar, unsigned parity) {
-#if defined(FW_HAS_BULK)
-  mbar_wait(bar, parity);
-#endif
+// A pair of X (columns c, c + 1 of a row, at off from the thread's base) to the workspace: with dp
+// D' = r X as bf16 (the output kernel's rounding of r X: the same bits as from X; r = 1 with xbf16,
+// X itself), else X in fp32. The state kernel's epilogues, both forms.
+__device__ __forceinline__ void store_x_pair(float* xg, bf16* dg, std::int64_t off, float2 x, float r, bool dp) {
+  if (dp) *reinterpret_cast<__nv_bfloat162*>(dg + off) = __floats2bfloat162_rn(r * x.x, r * x.y);
+  else *reinterpret_cast<float2*>(xg + off) = x;
 }
-__device__ __forceinline__ void ws_arrive(std::uint64_t* bar) {
-#if defined(FW_HAS_BULK)
-  mbar_arrive(bar);
-#endif
-}
-__device__ __forceinline__ void ws_consumer_sync() {
-#if defined(FW_HAS_BULK)
-  named_barrier(1, kStThreads);
-#endif
-}
-// 16- and 4-byte copies to a shared address; src_bytes 0 zero-fills (src not read)
-__device__ __forceinline__ void cp_async16_sz(std::uint32_t s, const void* g, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(g), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async4_z(void* s, const void* g, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(s)), "l"(g), "r"(src_bytes));
-}
+// The WS synchronisation: ws_wait / ws_arrive / ws_consumer_sync (deltanet_tc.cuh)
+__device__ __forceinline__ void ws_consumer_sync() { ws_named_sync(kStThreads); }
 // FK: K fixed at compile time (128; the launch checks it), 0: runtime. Fixed, the tiles' strides,
 // trip counts and shared-memory offsets are constants (as the mLSTM backward's K3 roles: -34% of
 // their executed instructions there).
@@ -524,28 +548,13 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
           float2 x = make_float2(0.f, 0.f);
           if (i < nr && c0 + c < V) {
             x = make_float2(u[j][e / 2].x - acc[j][e], u[j][e / 2].y - acc[j][e + 1]);
-            if (dp) {
-              const float rr = w.xbf16 ? 1.f : r[e / 2];
-              *reinterpret_cast<__nv_bfloat162*>(dg + (e / 2) * 8 * hv + 8 * j) = __floats2bfloat162_rn(rr * x.x, rr * x.y);
-            } else {
-              *reinterpret_cast<float2*>(xg + (e / 2) * 8 * hv + 8 * j) = x;
-            }
+            store_x_pair(xg, dg, (e / 2) * 8 * hv + 8 * j, x, w.xbf16 ? 1.f : r[e / 2], dp);
           }
           put_split2<LO>(sDh, sDl, LDT, i, c, r[e / 2] * x.x, r[e / 2] * x.y);
         }
       ws_consumer_sync();  // the D tile written
       // d. S += K^T D (this warp's 16 rows x TW columns): B = D from shared memory, A from registers
-      if (upd) {
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-          for (int jj = 0; jj < NJ / 2; ++jj) {
-            std::uint32_t bh[4];
-            ldsm_x4_t(bh, sDh + (ks * 16 + ld_row_b_kmajor(lane)) * LDT + 16 * jj + ld_col_b_kmajor(lane));
-            mma_bf16_16816(acc_s[0][2 * jj], ak[ks], bh[0], bh[1]);
-            mma_bf16_16816(acc_s[0][2 * jj + 1], ak[ks], bh[2], bh[3]);
-          }
-      }
+      if (upd) state_update_regs<NJ>(acc_s[0], ak, sDh, lane);
       ws_arrive(bars + kBarEmpty + buf);  // this warp's reads of buffer buf are done
       continue;
     } else {
@@ -595,13 +604,7 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
                   w.xu16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(s_xub + (buf * kT + i) * LDT + c))
                          : *reinterpret_cast<const float2*>(s_xu + (buf * kT + i) * LDU + c);
               x = make_float2(u.x - acc[j][e], u.y - acc[j][e + 1]);
-              if (dp) {  // the output kernel's rounding of r * X (the same bits as from X)
-                const float r = w.xbf16 ? 1.f : s_rkb[buf * kT + i];
-                *reinterpret_cast<__nv_bfloat162*>(dg + (e / 2) * 8 * hv + 8 * j) =
-                    __floats2bfloat162_rn(r * x.x, r * x.y);
-              } else {
-                *reinterpret_cast<float2*>(xg + (e / 2) * 8 * hv + 8 * j) = x;
-              }
+              store_x_pair(xg, dg, (e / 2) * 8 * hv + 8 * j, x, w.xbf16 ? 1.f : s_rkb[buf * kT + i], dp);
             }
           } else if (i < nr && c0 + c < V) {
             const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * V + c0 + c;
@@ -639,7 +642,7 @@ struct OutLayout {
 
 template <bool LO, int FK = 0>  // FK: as the wy kernel
 __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetParams p, const DnChunkBufs w, bool vq,
-                                                                bool vk, bool dp) {
+                                                                bool vk, bool dp, int vfast) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const std::int64_t K = FK ? FK : p.K;
@@ -654,11 +657,16 @@ __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetPa
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
   float* sX = reinterpret_cast<float*>(base + lay.X);  // (64, 64) X rows of the chunk, this CTA's columns
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const std::int64_t h = blockIdx.y, c0 = std::int64_t(blockIdx.z) * kT, V = p.V;
+  // vfast (the V tiles' count, or 0): a (slot, head)'s V tiles are neighbours in the grid (blockIdx.x =
+  // slot * vfast + V tile), so that their shared q, k tiles are read from HBM once and from the L2 by
+  // the others; else blockIdx.z is the V tile (a whole grid of slots apart)
+  const int vz = vfast ? int(blockIdx.x % unsigned(vfast)) : int(blockIdx.z);
+  const std::int64_t slot = vfast ? std::int64_t(blockIdx.x / unsigned(vfast)) : std::int64_t(blockIdx.x);
+  const std::int64_t h = blockIdx.y, c0 = std::int64_t(vz) * kT, V = p.V;
   DnSeq sq_;
   std::int64_t t0;
-  if (!dn_slot(p, blockIdx.x, sq_, t0)) return;
-  const std::int64_t b = sq_.b, slot = blockIdx.x;
+  if (!dn_slot(p, slot, sq_, t0)) return;
+  const std::int64_t b = sq_.b;
   const int nr = int(lmin(kT, sq_.eos - t0));
 
   load_tile(sq, ldk, kT, Kc, bf_rows(p.q, b, t0, h), p.q.s1, nr, int(K), vq);
@@ -770,6 +778,7 @@ std::atomic<int> g_state_tile{0};  // 0: the planner's choice
 std::atomic<bool> g_state_two_sync{true};  // set_deltanet_state_two_sync
 std::atomic<bool> g_state_ws{true};        // set_deltanet_state_ws
 std::atomic<int> g_state_ws_warps{2};      // set_deltanet_state_ws_warps
+std::atomic<bool> g_out_vfast{true};       // set_deltanet_out_vfast
 std::atomic<bool> g_fixed_k{true};  // set_deltanet_fixed_k
 }  // namespace
 bool set_deltanet_fixed_k(bool on) { return g_fixed_k.exchange(on); }
@@ -779,6 +788,7 @@ int set_deltanet_state_tile(int cols) { return g_state_tile.exchange(cols == 32 
 bool set_deltanet_state_two_sync(bool on) { return g_state_two_sync.exchange(on); }
 bool set_deltanet_state_ws(bool on) { return g_state_ws.exchange(on); }
 int set_deltanet_state_ws_warps(int n) { return g_state_ws_warps.exchange(n == 1 ? 1 : 2); }
+bool set_deltanet_out_vfast(bool on) { return g_out_vfast.exchange(on); }
 bool deltanet_serial_two_sync() { return g_state_two_sync.load(std::memory_order_relaxed); }
 int deltanet_serial_tile(const DeltanetParams& p) {
   // Measured (H200, docs/perf/deltanet.md session 18): 32 columns take (2,8192,16,128) from 1.27 to
@@ -872,8 +882,10 @@ void deltanet_chunk_tc_output(const DeltanetParams& p, const DnChunkBufs& w, Str
   auto* out = p.hilo ? &deltanet_out_kernel<true> : &deltanet_out_kernel<false>;
   if (deltanet_fixed_k(p)) out = p.hilo ? &deltanet_out_kernel<true, 128> : &deltanet_out_kernel<false, 128>;
   prepare(out, lo.bytes);
-  out<<<dim3(unsigned(slots), unsigned(p.H), unsigned(vt)), kThreads, lo.bytes,
-        reinterpret_cast<cudaStream_t>(stream)>>>(p, w, rows16_seq(p.q), rows16_seq(p.k), dp);
+  const bool vfast = g_out_vfast.load(std::memory_order_relaxed) && vt > 1 && slots * vt <= 0x7fffffff;
+  const dim3 grid = vfast ? dim3(unsigned(slots * vt), unsigned(p.H), 1u) : dim3(unsigned(slots), unsigned(p.H), unsigned(vt));
+  out<<<grid, kThreads, lo.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(p, w, rows16_seq(p.q), rows16_seq(p.k), dp,
+                                                                           vfast ? int(vt) : 0);
   FW_CUDA_CHECK_LAUNCH("deltanet (output)");
 }
 

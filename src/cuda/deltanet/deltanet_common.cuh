@@ -178,6 +178,38 @@ __device__ __forceinline__ void dn_store_dqk(const DeltanetBwdParams& p, const D
     if (p.dk.p) mlstm_st(p.dk, dn_row(p.dk, b, t, h) + c, dk);
   }
 }
+// Columns c, c + 1 (c even) of row t at once where whole pairs can be stored (has1: c + 1 < K; K even
+// for the workspace rows; for dq, dk bf16 with even strides and a 4-byte aligned base): one 4- or
+// 8-byte store for each of dq, dk, the same roundings; else dn_store_dqk per element.
+__device__ __forceinline__ void dn_store_dqk2(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, std::int64_t b,
+                                              std::int64_t t, std::int64_t h, std::int64_t c, float dq0, float dq1,
+                                              float dk0, float dk1, bool has1) {
+  auto pair_ok = [](const StridedView& v) {
+    return v.dtype == DType::bf16 && reinterpret_cast<std::uintptr_t>(v.p) % 4 == 0 && v.s0 % 2 == 0 && v.s1 % 2 == 0 &&
+           v.s2 % 2 == 0;
+  };
+  if (has1 && p.l2 && p.K % 2 == 0) {
+    const std::int64_t at = dn_ws_row(p, b, t, h) * p.K + c;
+    if (w.h16) {
+      if (p.dq.p) *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(ws + w.dqh) + at) = __floats2bfloat162_rn(dq0, dq1);
+      if (p.dk.p) *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(ws + w.dkh) + at) = __floats2bfloat162_rn(dk0, dk1);
+    } else {
+      if (p.dq.p) *reinterpret_cast<float2*>(ws + w.dqh + at) = make_float2(dq0, dq1);
+      if (p.dk.p) *reinterpret_cast<float2*>(ws + w.dkh + at) = make_float2(dk0, dk1);
+    }
+    return;
+  }
+  if (has1 && !p.l2 && (!p.dq.p || pair_ok(p.dq)) && (!p.dk.p || pair_ok(p.dk))) {
+    if (p.dq.p)
+      *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.dq.p) + dn_row(p.dq, b, t, h) + c) = __floats2bfloat162_rn(dq0, dq1);
+    if (p.dk.p)
+      *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.dk.p) + dn_row(p.dk, b, t, h) + c) = __floats2bfloat162_rn(dk0, dk1);
+    return;
+  }
+  dn_store_dqk(p, w, ws, b, t, h, c, dq0, dk0);
+  if (has1) dn_store_dqk(p, w, ws, b, t, h, c + 1, dq1, dk1);
+}
+
 // dbeta of the chunk's rows t0..t0+nr: the V tiles' partial sums, in order (thread tid: row tid).
 __device__ __forceinline__ void dn_store_dbeta(const DeltanetBwdParams& p, const DnBwdWs& w, const float* ws,
                                                std::int64_t b, std::int64_t t0, int nr, std::int64_t h, int tid) {

@@ -39,6 +39,14 @@ bool set_deltanet_xu_bf16(bool enabled);
 // Tests and benchmarks only: the backward serial kernel's q / Xw tiles double-buffered (bf16 operands,
 // where they fit; default on). Returns the previous setting.
 bool set_deltanet_bwd_serial_db2(bool enabled);
+// Tests and benchmarks only: that kernel warp-specialised where it applies (bf16 operands, 32-column
+// tiles, sm_90: deltanet_bwd_state_ws_kernel; default off: no faster on the H100; the same bits).
+// Returns the previous setting (fastweight_bench --dn-bwd-ws=on).
+bool set_deltanet_bwd_serial_ws(bool on);
+// Tests and benchmarks only: the tensor-core chunk pass's grid with a (slot, head)'s K tiles as
+// neighbours (K > 64; default on) instead of a grid of slots apart; the same bits. Returns the
+// previous setting (fastweight_bench --dn-chunk-kfast=off).
+bool set_deltanet_bwd_chunk_kfast(bool on);
 // Tests and benchmarks only: the wy kernel's v tile buffers, 1 or 2 (0: the planner's choice, two
 // unless the second costs a resident CTA per SM). Returns the previous setting.
 int set_deltanet_wy_vbufs(int n);
@@ -59,6 +67,10 @@ bool set_deltanet_state_ws(bool on);
 // Its producer warps, 1 or 2 (default 2: k, rk beta and the S store on one, Xw and Xu on the other);
 // returns the previous setting (tests; fastweight_bench --dn-state-ws-warps=1).
 int set_deltanet_state_ws_warps(int n);
+// Tests and benchmarks only: the output kernel's grid with a (slot, head)'s V tiles as neighbours
+// (V > 64; default on) instead of a grid of slots apart; the same bits. Returns the previous setting
+// (fastweight_bench --dn-out-vfast=off).
+bool set_deltanet_out_vfast(bool on);
 // The planner's choice: 32 where 64-column CTAs (one per SM) would leave more than half the SMs idle;
 // with cu_seqlens (lengths unknown on the host, the longest sets the tail) up to two such waves.
 int deltanet_serial_tile(const DeltanetParams& p);
@@ -83,14 +95,20 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p, void* workspace, Stream strea
 // The state pass on tensor cores (deltanet_bwd_tc.cu): bf16 q, k, v, do, K <= 128, after the
 // tensor-core recompute (T2 in the workspace).
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p);
+// before_serial (likewise): waited for before the serial kernel (the recompute's wy kernel, run on the
+// side stream beside the prep kernel: deltanet_bwd_wy_side).
 // before_post (a cudaEvent_t or null): waited for on `stream` before the post kernel, the first of
 // the pass to read X (the recompute's state kernel, run beside prep + serial: deltanet_bwd_cuda).
 void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream,
-                           void* before_post = nullptr);
+                           void* before_post = nullptr, void* before_serial = nullptr);
 // Tests and benchmarks only: the backward's recompute state kernel beside the prep + serial kernels
 // on a second stream (1), after them on one stream (-1), or the planner's choice (0: beside where both
 // serial grids fit on the SMs at once). The same kernels and bits either way. Returns the previous.
 int set_deltanet_bwd_overlap(int mode);
+// Tests and benchmarks only: with the overlap, the recompute's wy kernel on the side stream too, beside
+// the state pass's prep kernel (which reads none of its outputs; the serial kernel waits for it);
+// default on, the same bits. Returns the previous setting (fastweight_bench --dn-bwd-wy-side=off).
+bool set_deltanet_bwd_wy_side(bool on);
 bool deltanet_bwd_overlap(const DeltanetBwdParams& p);
 // The chunk pass on tensor cores (deltanet_bwd_tc.cu), after the state pass on tensor cores.
 void deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream);

@@ -181,7 +181,8 @@ void deltanet_fwd_cuda(const DeltanetParams& p, void* workspace, Stream stream) 
     const bool xu16 = deltanet_xu_bf16(p);
     const DnFwdWs l(p, xu16);
     float* ws = static_cast<float*>(workspace);
-    DnChunkBufs w{ws + l.xw, ws + l.xu, ws + l.rk, ws + l.S, ws + l.X, nullptr, true};
+    DnChunkBufs w{ws + l.xw, ws + l.xu, ws + l.rk, ws + l.S, ws + l.X, static_cast<float*>(p.wy_t2)};
+    w.dprime = true;  // (T2: the caller's wy_inverse, written)
     w.xu16 = xu16;
     deltanet_chunk_tc_states(p, w, stream);
     deltanet_chunk_tc_output(p, w, stream);

@@ -170,6 +170,23 @@ __device__ __forceinline__ void state_update_step(float (&acc)[NG][NJ][4], int g
   }
 }
 
+// The same with the A fragments of the four k-steps already in registers (a[ks]: state_update_step's
+// ldmatrix of them, read early by the WS kernels): acc (16 rows x 8 NJ) += A U, U's stride 8 NJ + 8.
+template <int NJ>
+__device__ __forceinline__ void state_update_regs(float (&acc)[NJ][4], const std::uint32_t (&a)[4][4], const bf16* sU,
+                                                  int lane) {
+  constexpr int LD = 8 * NJ + 8;
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int jj = 0; jj < NJ / 2; ++jj) {
+      std::uint32_t bh[4];
+      ldsm_x4_t(bh, sU + (ks * 16 + ld_row_b_kmajor(lane)) * LD + 16 * jj + ld_col_b_kmajor(lane));
+      mma_bf16_16816(acc[2 * jj], a[ks], bh[0], bh[1]);
+      mma_bf16_16816(acc[2 * jj + 1], a[ks], bh[2], bh[3]);
+    }
+}
+
 // S += K^T U: A = K^T read k-major from the chunk's k tile (64 rows, stride ldk), B = U (64 x 8 NJ) as
 // bf16 hi + lo (stride 8 NJ + 8; LO = false: the hi part only, sUl unused); ngroups = Kc / 16 row groups of S.
 template <int NW = 4, bool LO = true, int NJ = 8>
@@ -346,6 +363,53 @@ __device__ __forceinline__ void unit_lower_inverse(const float (*sL)[65], float 
       __syncwarp();
     }
     __syncthreads();
+  }
+}
+
+// ---- warp specialisation (the serial kernels' WS forms, sm_90) -------------------------------------
+// The synchronisation, no-ops where the architecture has no mbarrier waits (the hosts launch the WS
+// forms only for a binary of sm_90 or later: kernel_binary_version).
+__device__ __forceinline__ void ws_wait(std::uint64_t* bar, unsigned parity) {
+#if defined(FW_HAS_BULK)
+  mbar_wait(bar, parity);
+#endif
+}
+__device__ __forceinline__ void ws_arrive(std::uint64_t* bar) {
+#if defined(FW_HAS_BULK)
+  mbar_arrive(bar);
+#endif
+}
+// The consumer warps among themselves (hardware barrier 1)
+__device__ __forceinline__ void ws_named_sync(int threads) {
+#if defined(FW_HAS_BULK)
+  named_barrier(1, threads);
+#endif
+}
+// 16- and 4-byte copies to a shared address; src_bytes 0 zero-fills (src not read)
+__device__ __forceinline__ void cp_async16_sz(std::uint32_t s, const void* g, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(g), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async4_z(void* s, const void* g, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(s)), "l"(g), "r"(src_bytes));
+}
+// A chunk's (64, C) bf16 tile by one warp (a producer's): lane's 16-byte unit u = lane % (C / 8) of
+// rows lane / (C / 8) + (256 / C) q, running pointers; rows past nr and columns past nc zero. C in
+// {32, 64, 128}; nc % 8 == 0 and 16-byte aligned rows (the callers check).
+__device__ __forceinline__ void warp_load_tile(bf16* dst, int ld, const bf16* src, std::int64_t rs, int C, int nr, int nc,
+                                               int lane) {
+  const int U = C / 8, dr = 32 / U, u = lane % U, r0 = lane / U;
+  const bool col = 8 * u < nc;
+  std::uint32_t d = smem_u32(dst) + std::uint32_t(2 * (r0 * ld + 8 * u));
+  const std::uint32_t ds = std::uint32_t(2 * dr * ld);
+  const bf16* g = src + r0 * rs + 8 * u;
+  const std::int64_t gs = dr * rs;
+  if (col && nr >= kT) {  // a whole chunk (all but a sequence's last): no predicates
+    for (int r = r0; r < kT; r += dr, d += ds, g += gs) cp_async16_s(d, g);
+  } else {
+    for (int r = r0; r < kT; r += dr, d += ds, g += gs) {
+      const int by = col && r < nr ? 16 : 0;
+      cp_async16_sz(d, by ? g : src, by);
+    }
   }
 }
 
