@@ -34,7 +34,7 @@ constexpr int kMaxK = 128;
 //       bf16 k[64][ldk] | v[nvb][64][kLd] | (LO) A2h, A2l [64][kLd]. The first nvb 64-column v tiles
 //       load with k at the start (read after the inverse and Xw: loaded there, their latency was
 //       exposed once per tile); later ones stream through the buffers. nvb = 2 unless the second
-//       buffer costs a CTA per SM (bf16 operands at K <= 64: 3 -> 2).
+//       buffer costs a CTA per SM (at K <= 64: bf16 operands 4 -> 3, hi + lo 3 -> 2).
 //       A1h and A2h (LO: A1h and A1l) [64][kLd] take L and scr's place, dead once T2 is formed: the
 //       kernel is latency-bound (load, inverse, products, store per CTA), and at K = 128 with bf16
 //       operands 74 KB instead of 92 KB per CTA fit 3 CTAs per SM instead of 2. L's place also stages
