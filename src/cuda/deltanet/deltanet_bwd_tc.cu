@@ -19,6 +19,7 @@
 // is bf16: half the bytes through the prep, serial, post kernels and the chunk pass. (Version 1 of this
 // pass did all of it on the serial chain: 1.55 ms at (4,4096,16,128), ~24 us per chunk step.)
 #include <atomic>
+#include <type_traits>
 
 #include "cuda/common/check.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
@@ -761,6 +762,7 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
 }
 
 // ---- the chunk pass on tensor cores --------------------------------------------------------------
+
 // One CTA per (chunk slot, head, 64 columns of K), as the version 1 chunk kernel (deltanet_bwd.cu)
 // computes it, with D = W X, dR = W Y. 8 warps: warp w owns rows 16 (w % 4).. and columns 32 (w / 4)..
 // of every 64 x 64 result, so 64 accumulators per thread instead of 128 and two CTAs (16 warps) per
@@ -788,10 +790,117 @@ struct BcLayout {
 };
 
 constexpr int kBcThreads = 256;
+// The L2-norm backward fused into the chunk pass's end (bf16 operands, l2f): dq = rq (g - q rq^2 (q . g))
+// with g = dq^ rounded to bf16, and likewise dk, written straight to dq, dk instead of g to the
+// workspace for deltanet_bwd_l2_vec_kernel (which then does not run): at (1,32768,16,128) that kernel
+// was 264 us of pure HBM traffic (q, k, dq^, dk^ read, dq, dk written). The same sums in the same
+// order as that kernel, so the same bits: per row, 32 partials of 4 columns (its lanes: fmaf chains),
+// then its butterfly (xor 16, 8, 4, 2, 1; each step's pair sums are commutative, so every lane held
+// the same value). A CTA holds one 64-column K tile: 16 of the 32 partials; with two K tiles (l2f 2)
+// the pair is a cluster of 2 (the K tiles are grid neighbours, kfast) and each reads the other's
+// partials from its shared memory (DSMEM); with one (K <= 64, l2f 1) the other 16 are zero, as that
+// kernel's lanes past K.
+// smem (the chunk pass's dead regions): gq (sdG's place) and gk (T(1), T(2)) f32 [64][65] the bf16 g
+// values | part (stg2's place) f32 [q, k][dot, ss][64 rows][16 partials] | rr (T(3)) f32 [q, k][r, r^2 dot][64]
+__device__ __forceinline__ void cluster_sync_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+  __syncthreads();  // never launched as a cluster there (deltanet_bwd_chunk_tc)
+#endif
+}
+// The address of `local` (this CTA's shared memory) in cluster CTA `rank`'s shared memory, read there.
+__device__ __forceinline__ float ld_peer_shared(const float* local, unsigned rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  std::uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_u32(local)), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+#else
+  (void)local, (void)rank;
+  return 0.f;
+#endif
+}
+__device__ __forceinline__ void chunk_l2_epilogue(const DeltanetBwdParams& p, const float (&dq)[4][4],
+                                                  const float (&dk)[4][4], float (*gq)[65], float (*gk)[65],
+                                                  float* part, float* rr, const bf16* sq, const bf16* sk,
+                                                  std::int64_t b, std::int64_t t0, std::int64_t h, int nr,
+                                                  std::int64_t k0, int kz, int l2f, int mw, int half, int tid,
+                                                  int lane) {
+  const std::int64_t K = p.K;
+  __syncthreads();  // every warp's last products have read T(1..3) and sdG is free
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // g = dq^, dk^ as the unfused pass stores them (bf16)
+      const int i = 16 * mw + frow(lane, e), c = 32 * half + fcol(lane, j, e);
+      gq[i][c] = __bfloat162float(__float2bfloat16_rn(dq[j][e]));
+      gk[i][c] = __bfloat162float(__float2bfloat16_rn(dk[j][e]));
+    }
+  __syncthreads();
+  // (u: q or k, row i, partial m: this tile's columns 4 m..4 m + 3), as the L2 kernel's lane 16 kz + m
+  auto load4 = [&](int u, int i, int m, float (&x)[4], float (&g)[4]) {
+    const int c = 4 * m;
+    const bool in = k0 + c < K && (u ? p.dk.p : p.dq.p) != nullptr;
+    const bf16* xs = (u ? sk : sq) + i * kLd + c;
+    const float(*gs)[65] = u ? gk : gq;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      x[q] = in ? __bfloat162float(xs[q]) : 0.f;
+      g[q] = in ? gs[i][c + q] : 0.f;
+    }
+  };
+  for (int e = tid; e < 2 * 64 * 16; e += kBcThreads) {
+    const int u = e / 1024, i = (e / 16) % 64, m = e % 16;
+    float x[4], g[4];
+    load4(u, i, m, x, g);
+    part[((2 * u) * 64 + i) * 16 + m] = fmaf(x[3], g[3], fmaf(x[2], g[2], fmaf(x[1], g[1], x[0] * g[0])));
+    part[((2 * u + 1) * 64 + i) * 16 + m] = fmaf(x[3], x[3], fmaf(x[2], x[2], fmaf(x[1], x[1], x[0] * x[0])));
+  }
+  if (l2f == 2) cluster_sync_all();  // the pair's partials written
+  else __syncthreads();
+  if (tid < 2 * 64) {  // row sums: (u, i) per thread
+    const int u = tid / 64, i = tid % 64;
+    float dot[16], ss[16];
+    const float* pd = part + ((2 * u) * 64 + i) * 16;
+    const float* ps = part + ((2 * u + 1) * 64 + i) * 16;
+#pragma unroll
+    for (int m = 0; m < 16; ++m) {  // xor 16: partial m of K tile 0 plus partial m of K tile 1
+      const float od = pd[m], os = ps[m];
+      const float rd = l2f == 2 ? ld_peer_shared(pd + m, unsigned(kz ^ 1)) : 0.f;
+      const float rs = l2f == 2 ? ld_peer_shared(ps + m, unsigned(kz ^ 1)) : 0.f;
+      dot[m] = od + rd, ss[m] = os + rs;  // (commutative: either tile's order gives the same bits)
+    }
+    auto fold = [&](auto o) {  // the butterfly's next step (o: a compile-time 8, 4, 2, 1: registers)
+#pragma unroll
+      for (int m = 0; m < decltype(o)::value; ++m) dot[m] = dot[m] + dot[m + o], ss[m] = ss[m] + ss[m + o];
+    };
+    fold(std::integral_constant<int, 8>{}), fold(std::integral_constant<int, 4>{});
+    fold(std::integral_constant<int, 2>{}), fold(std::integral_constant<int, 1>{});
+    const float r = rsqrtf(ss[0] + 1e-6f);
+    rr[(2 * u) * 64 + i] = r;
+    rr[(2 * u + 1) * 64 + i] = r * r * dot[0];
+  }
+  if (l2f == 2) cluster_sync_all();  // r visible; the peer is done reading this CTA's partials
+  else __syncthreads();
+  for (int e = tid; e < 2 * 64 * 16; e += kBcThreads) {  // 4 columns (8 bytes) per store, rows in 128-byte runs
+    const int u = e / 1024, i = (e / 16) % 64, m = e % 16;
+    const StridedView& out = u ? p.dk : p.dq;
+    if (i >= nr || k0 + 4 * m >= K || !out.p) continue;
+    float x[4], g[4];
+    load4(u, i, m, x, g);
+    const float r = rr[(2 * u) * 64 + i], rdot = rr[(2 * u + 1) * 64 + i];
+    uint2 o;
+    o.x = pack_bf16(r * (g[0] - x[0] * rdot), r * (g[1] - x[1] * rdot));
+    o.y = pack_bf16(r * (g[2] - x[2] * rdot), r * (g[3] - x[3] * rdot));
+    *reinterpret_cast<uint2*>(static_cast<bf16*>(out.p) + dn_row(out, b, t0 + i, h) + k0 + 4 * m) = o;
+  }
+}
 template <bool LO>
 __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                          float* __restrict__ ws, bool vq, bool vk,
-                                                                         bool vo, int kfast) {
+                                                                         bool vo, int kfast, int l2f) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const BcLayout lay(LO);
@@ -922,15 +1031,20 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
   if constexpr (LO) mma_rk(dk, sP2l, kLd, mw, sq + 32 * half, kLd, 64, lane);
   mma_rk(dk, sPEh, kLd, mw, sk + 32 * half, kLd, 64, lane);
   if constexpr (LO) mma_rk(dk, sPEl, kLd, mw, sk + 32 * half, kLd, 64, lane);
+  if (!LO && l2f) {
+    chunk_l2_epilogue(p, dq, dk, sdG, reinterpret_cast<float(*)[65]>(T(1)), stg2, reinterpret_cast<float*>(T(3)),
+                      sq, sk, b, t0, h, nr, k0, kz, l2f, mw, half, tid, lane);
+  } else {
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 (c even) of row i
-      const int i = 16 * mw + frow(lane, e);
-      const std::int64_t c = k0 + 32 * half + fcol(lane, j, e);
-      if (i < nr && c < K)
-        dn_store_dqk2(p, w, ws, b, t0 + i, h, c, dq[j][e], dq[j][e + 1], dk[j][e], dk[j][e + 1], c + 1 < K);
-    }
+      for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 (c even) of row i
+        const int i = 16 * mw + frow(lane, e);
+        const std::int64_t c = k0 + 32 * half + fcol(lane, j, e);
+        if (i < nr && c < K)
+          dn_store_dqk2(p, w, ws, b, t0 + i, h, c, dq[j][e], dq[j][e + 1], dk[j][e], dk[j][e + 1], c + 1 < K);
+      }
+  }
   if (kz == 0) dn_store_dbeta(p, w, ws, b, t0, nr, h, tid);
 }
 
@@ -939,6 +1053,7 @@ std::atomic<bool> g_serial_db2{true};
 // bf16 operands: 4.02 ms on, 3.83 off; the other rows within 2.5%); kept for the A/B and bit-tested
 std::atomic<bool> g_serial_ws{false};  // set_deltanet_bwd_serial_ws
 std::atomic<bool> g_chunk_kfast{true};  // set_deltanet_bwd_chunk_kfast
+std::atomic<bool> g_chunk_l2f{true};    // set_deltanet_bwd_chunk_l2
 // q and Xw double-buffered in the serial kernel: bf16 operands, where the shared memory holds it
 bool bwd_serial_db2(const DeltanetBwdParams& p) {
   return g_serial_db2.load() && !p.hilo && BsLayout(p.K, false, 2).bytes <= smem_per_block_optin();
@@ -949,6 +1064,7 @@ bool bwd_serial_db2(const DeltanetBwdParams& p) {
 bool set_deltanet_bwd_serial_db2(bool enabled) { return g_serial_db2.exchange(enabled); }
 bool set_deltanet_bwd_serial_ws(bool on) { return g_serial_ws.exchange(on); }
 bool set_deltanet_bwd_chunk_kfast(bool on) { return g_chunk_kfast.exchange(on); }
+bool set_deltanet_bwd_chunk_l2(bool on) { return g_chunk_l2f.exchange(on); }
 
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
   // sm_80 opts in to 163 KB of shared memory per block, the serial kernel's K = 128 layout needs
@@ -1019,17 +1135,38 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: post)");
 }
 
-void deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream) {
+bool deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream, bool l2_vec) {
   const std::int64_t slots = deltanet_slots(p), kt = (p.K + kT - 1) / kT;
-  if (slots == 0 || p.N * p.H == 0) return;
+  if (slots == 0 || p.N * p.H == 0) return false;
   const BcLayout lay(p.hilo);
   auto* chunk = p.hilo ? &deltanet_bwd_chunk_tc_kernel<true> : &deltanet_bwd_chunk_tc_kernel<false>;
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(chunk), kBcThreads, lay.bytes);
   const bool kfast = g_chunk_kfast.load(std::memory_order_relaxed) && kt > 1 && slots * kt <= 0x7fffffff;
   const dim3 grid = kfast ? dim3(unsigned(slots * kt), unsigned(p.H), 1u) : dim3(unsigned(slots), unsigned(p.H), unsigned(kt));
-  chunk<<<grid, kBcThreads, lay.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
-      p, w, ws, rows16_seq(p.q), rows16_seq(p.k), rows16_seq(p.do_), kfast ? int(kt) : 0);
+  // the L2-norm backward fused in (chunk_l2_epilogue): bf16 operands, where the L2 vec kernel would
+  // run, one K tile, or two as a cluster (grid neighbours, an sm_90 binary)
+  int l2f = 0;
+  if (p.l2 && l2_vec && !p.hilo && w.h16 && (p.dq.p || p.dk.p) && g_chunk_l2f.load(std::memory_order_relaxed)) {
+    if (kt == 1) l2f = 1;
+    else if (kt == 2 && kfast && kernel_binary_version(reinterpret_cast<const void*>(chunk)) >= 90) l2f = 2;
+  }
+  const auto st = reinterpret_cast<cudaStream_t>(stream);
+  if (l2f == 2) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid, cfg.blockDim = dim3(kBcThreads), cfg.dynamicSmemBytes = lay.bytes, cfg.stream = st;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
+    cfg.attrs = at, cfg.numAttrs = 1;
+    FW_CUDA_CHECK("deltanet_bwd (chunk pass, tensor cores, L2 norm fused)",
+                  cudaLaunchKernelEx(&cfg, chunk, p, w, ws, rows16_seq(p.q), rows16_seq(p.k), rows16_seq(p.do_),
+                                     int(kt), l2f));
+  } else {
+    chunk<<<grid, kBcThreads, lay.bytes, st>>>(p, w, ws, rows16_seq(p.q), rows16_seq(p.k), rows16_seq(p.do_),
+                                               kfast ? int(kt) : 0, l2f);
+  }
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (chunk pass, tensor cores)");
+  return l2f != 0;
 }
 
 }  // namespace fastweight::detail
