@@ -801,7 +801,8 @@ constexpr int kBcThreads = 256;
 // partials from its shared memory (DSMEM); with one (K <= 64, l2f 1) the other 16 are zero, as that
 // kernel's lanes past K.
 // smem (the chunk pass's dead regions): gq (sdG's place) and gk (T(1), T(2)) f32 [64][65] the bf16 g
-// values | part (stg2's place) f32 [q, k][dot, ss][64 rows][16 partials] | rr (T(3)) f32 [q, k][r, r^2 dot][64]
+// values | part (stg2's place) f32 [q, k][dot, ss][16 partials][64 rows] (rows fastest: the row sums
+// read it conflict-free) | rr (T(3)) f32 [q, k][r, r^2 dot][64]
 __device__ __forceinline__ void cluster_sync_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
@@ -843,33 +844,36 @@ __device__ __forceinline__ void chunk_l2_epilogue(const DeltanetBwdParams& p, co
   auto load4 = [&](int u, int i, int m, float (&x)[4], float (&g)[4]) {
     const int c = 4 * m;
     const bool in = k0 + c < K && (u ? p.dk.p : p.dq.p) != nullptr;
-    const bf16* xs = (u ? sk : sq) + i * kLd + c;
+    const uint2 raw = *reinterpret_cast<const uint2*>((u ? sk : sq) + i * kLd + c);  // 8-byte aligned: kLd % 4 == 0
+    const float2 x01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+    const float2 x23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+    const float xv[4] = {x01.x, x01.y, x23.x, x23.y};
     const float(*gs)[65] = u ? gk : gq;
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      x[q] = in ? __bfloat162float(xs[q]) : 0.f;
+      x[q] = in ? xv[q] : 0.f;
       g[q] = in ? gs[i][c + q] : 0.f;
     }
   };
-  for (int e = tid; e < 2 * 64 * 16; e += kBcThreads) {
-    const int u = e / 1024, i = (e / 16) % 64, m = e % 16;
+  for (int e = tid; e < 2 * 64 * 16; e += kBcThreads) {  // rows fastest (part's layout)
+    const int u = e / 1024, m = (e / 64) % 16, i = e % 64;
     float x[4], g[4];
     load4(u, i, m, x, g);
-    part[((2 * u) * 64 + i) * 16 + m] = fmaf(x[3], g[3], fmaf(x[2], g[2], fmaf(x[1], g[1], x[0] * g[0])));
-    part[((2 * u + 1) * 64 + i) * 16 + m] = fmaf(x[3], x[3], fmaf(x[2], x[2], fmaf(x[1], x[1], x[0] * x[0])));
+    part[((2 * u) * 16 + m) * 64 + i] = fmaf(x[3], g[3], fmaf(x[2], g[2], fmaf(x[1], g[1], x[0] * g[0])));
+    part[((2 * u + 1) * 16 + m) * 64 + i] = fmaf(x[3], x[3], fmaf(x[2], x[2], fmaf(x[1], x[1], x[0] * x[0])));
   }
   if (l2f == 2) cluster_sync_all();  // the pair's partials written
   else __syncthreads();
   if (tid < 2 * 64) {  // row sums: (u, i) per thread
     const int u = tid / 64, i = tid % 64;
     float dot[16], ss[16];
-    const float* pd = part + ((2 * u) * 64 + i) * 16;
-    const float* ps = part + ((2 * u + 1) * 64 + i) * 16;
+    const float* pd = part + (2 * u) * 16 * 64 + i;
+    const float* ps = part + (2 * u + 1) * 16 * 64 + i;
 #pragma unroll
     for (int m = 0; m < 16; ++m) {  // xor 16: partial m of K tile 0 plus partial m of K tile 1
-      const float od = pd[m], os = ps[m];
-      const float rd = l2f == 2 ? ld_peer_shared(pd + m, unsigned(kz ^ 1)) : 0.f;
-      const float rs = l2f == 2 ? ld_peer_shared(ps + m, unsigned(kz ^ 1)) : 0.f;
+      const float od = pd[64 * m], os = ps[64 * m];
+      const float rd = l2f == 2 ? ld_peer_shared(pd + 64 * m, unsigned(kz ^ 1)) : 0.f;
+      const float rs = l2f == 2 ? ld_peer_shared(ps + 64 * m, unsigned(kz ^ 1)) : 0.f;
       dot[m] = od + rd, ss[m] = os + rs;  // (commutative: either tile's order gives the same bits)
     }
     auto fold = [&](auto o) {  // the butterfly's next step (o: a compile-time 8, 4, 2, 1: registers)
