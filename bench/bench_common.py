@@ -230,7 +230,21 @@ def kernel_table(name: str, prepare, run, iters: int = 5) -> None:
             t[0] += e.device_time
             t[1] += 1
     total = sum(v[0] for v in tot.values()) / iters
-    print(f"## {name}: {total / 1e3:.3f} ms of kernels per call ({iters} calls)")
+    # and each call's span on the GPU as the benchmarks time it (CUDA events around the call, median):
+    # above the kernels' sum where the GPU waits for the host (launches, synchronisations), below it
+    # where streams overlap
+    walls = []
+    for args in [prepare() for _ in range(iters)]:
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run(args)
+        b.record()
+        b.synchronize()
+        walls.append(a.elapsed_time(b))
+    walls.sort()
+    print(f"## {name}: {total / 1e3:.3f} ms of kernels per call ({iters} calls); {walls[len(walls) // 2]:.3f} ms per "
+          "call by CUDA events")
     print("| kernel | us per call | launches per call | share |\n|---|---|---|---|")
     for k, (us, n) in sorted(tot.items(), key=lambda kv: -kv[1][0]):
         print(f"| {k[:90]} | {us / iters:.1f} | {n / iters:g} | {100 * us / iters / max(total, 1e-9):.1f}% |")
