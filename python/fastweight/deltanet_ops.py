@@ -189,8 +189,10 @@ _delta_rule_apply = _apply(_DeltaRuleFn)
 # cu_seqlens tensor to every delta_rule call of a step, and a training loop reuses it for the backward:
 # checked once, not once per call (each check is a host synchronisation, after which the GPU idles
 # while the host enqueues the next kernels). The version counter moves with every in-place write to
-# the tensor or a view of it, so a changed tensor is checked again. (FLA caches its varlen chunk
-# indices by the tensor the same way, tensor_cache.)
+# the tensor or a view of it, so a changed tensor is checked again; writes that bypass the counter
+# (through .data, DLPack or a raw pointer) are not seen: the kernels then clamp the offsets (memory
+# stays safe, results do not). (FLA caches its varlen chunk indices by the tensor the same way,
+# tensor_cache, without even the version check.)
 _VALID_OFFSETS: list = []
 _VALID_OFFSETS_KEEP = 8
 
