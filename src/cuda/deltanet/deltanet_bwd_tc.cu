@@ -580,15 +580,24 @@ __global__ void __launch_bounds__(kBwWsThreads, 1) deltanet_bwd_state_ws_kernel(
 // smem: R1: bf16 k [64][ldk], then f32 dD [64][kLdF] | R2: f32 T2 [64][64], then f32 X [64][kLdF] |
 //       bf16 T2^T hi, lo [64][kLd] | bf16 W dD hi, lo, then dR hi, lo [64][kLd] | f32 rk, beta [64]
 //       (the lo tiles with LO only)
+// pf (bf16 operands with bf16 dD / X, V <= 128): bf16 k [64][ldk] | T2^T [64][kLd] | W dD, then dR
+//       [64][kLd] | dD [2][64][kLd] | X [2][64][kLd] | f32 rk, beta [64]: every V tile's dD and X load
+//       with k and T2 at the start. Loaded per tile after the previous tile's products, their latency
+//       was exposed twice per CTA; 72 KB still fit the 3 CTAs per SM the registers allow (158).
 struct BqLayout {
   int Kc, ldk;
-  std::size_t r1, r2, Th, Tl, Bh, Bl, rk, beta, bytes;
-  __host__ __device__ BqLayout(std::int64_t K, bool lo) {
+  std::size_t r1, r2, Th, Tl, Bh, Bl, rk, beta, pd, px, bytes;
+  __host__ __device__ BqLayout(std::int64_t K, bool lo, bool pf = false) {
     Kc = k_cols(K), ldk = Kc + 8;
     const std::size_t t64 = 2 * std::size_t(kT) * kLd, f64 = 4 * std::size_t(kT) * kLdF, tl = lo ? t64 : 0;
     const std::size_t kt = 2 * std::size_t(kT) * ldk;
+    if (pf) {  // (!lo only; r2 and the lo tiles unused)
+      r1 = 0, Th = kt, Bh = Th + t64, pd = Bh + t64, px = pd + 2 * t64, rk = px + 2 * t64;
+      r2 = Tl = Bl = 0, beta = rk + 4 * kT, bytes = beta + 4 * kT;
+      return;
+    }
     r1 = 0, r2 = r1 + (kt > f64 ? kt : f64), Th = r2 + f64, Tl = Th + t64, Bh = Tl + tl, Bl = Bh + t64;
-    rk = Bl + tl, beta = rk + 4 * kT, bytes = beta + 4 * kT;
+    rk = Bl + tl, beta = rk + 4 * kT, bytes = beta + 4 * kT, pd = px = 0;
   }
 };
 
@@ -596,11 +605,12 @@ struct BqLayout {
 // 361 -> 348 us at (4,4096,16,128) against a CTA per V tile).
 template <bool LO, int FK = 0>  // FK: as the prep kernel
 __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const DeltanetBwdParams p, const DnBwdWs w,
-                                                                     float* __restrict__ ws, bool vk) {
+                                                                     float* __restrict__ ws, bool vk, bool pf) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const std::int64_t K = FK ? FK : p.K;
-  const BqLayout lay(K, LO);
+  pf = !LO && pf;
+  const BqLayout lay(K, LO, pf);
   const int Kc = lay.Kc, ldk = lay.ldk;
   bf16* sk = reinterpret_cast<bf16*>(base + lay.r1);    // (64 rows, Kc) k
   float* sdd = reinterpret_cast<float*>(base + lay.r1);  // then (64, kLdF) dD
@@ -608,6 +618,9 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   float* sT2 = reinterpret_cast<float*>(base + lay.r2);  // (64, 64) T2^T (fp32: LO only)
   float* sX = reinterpret_cast<float*>(base + lay.r2);   // then (64, kLdF) X
   bf16* sXb = reinterpret_cast<bf16*>(base + lay.r2);    // or, with w.xb, (64, kLd) bf16 X
+  const std::size_t otile = std::size_t(kT) * kLd;       // pf: [2] (64, kLd) bf16 dD, X (V tile vt in [vt])
+  bf16* spd = reinterpret_cast<bf16*>(base + lay.pd);
+  bf16* spx = reinterpret_cast<bf16*>(base + lay.px);
   bf16 *sTh = reinterpret_cast<bf16*>(base + lay.Th), *sTl = reinterpret_cast<bf16*>(base + lay.Tl);  // T2^T
   bf16 *sBh = reinterpret_cast<bf16*>(base + lay.Bh), *sBl = reinterpret_cast<bf16*>(base + lay.Bl);  // W dD, dR
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
@@ -646,12 +659,25 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
     }
   }
   cp_async_commit();
+  // pf: every V tile's dD, X now, one commit group per tile (V <= 128: at most two)
+  const int nvt = int((V + kT - 1) / kT);
+  if (pf) {
+    for (int vt = 0; vt < nvt; ++vt) {
+      const std::int64_t at = dn_ws_row(p, b, t0, h) * V + vt * kT;
+      const int ncv = int(lmin(kT, V - vt * kT));
+      load_tile(spd + vt * otile, kLd, kT, kT, reinterpret_cast<const bf16*>(ws + w.Y) + at, p.H * V, nr, ncv, true);
+      load_tile(spx + vt * otile, kLd, kT, kT, reinterpret_cast<const bf16*>(ws + w.X) + at, p.H * V, nr, ncv, true);
+      cp_async_commit();
+    }
+  }
   if (tid < kT) {  // the prep kernel's factors
     const std::int64_t row = dn_ws_row(p, b, t0 + tid, h);
     s_rk[tid] = tid < nr ? ws[w.fac + w.rows + row] : 0.f;
     s_beta[tid] = tid < nr ? ws[w.fac + 2 * w.rows + row] : 0.f;
   }
-  cp_async_wait<0>();
+  if (!pf) cp_async_wait<0>();
+  else if (nvt == 2) cp_async_wait<2>();  // k, T2 (the tiles' groups may stay in flight)
+  else cp_async_wait<1>();
   __syncthreads();
   // b. Lg^T (this warp's rows i: [i][c] = rk_i rk_c (k_i . k_c) for c > i) as A fragments, hi + lo;
   //    T2^T as hi + lo
@@ -677,7 +703,11 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   for (std::int64_t c0 = 0, vt = 0; c0 < V; c0 += kT, ++vt) {
     __syncthreads();  // k and T2 are read (first tile), or the previous tile's dD, X, dR
     // c. dD and X of this V tile
-    if (xb) {  // bf16 rows (row stride H V)
+    if (pf) {  // loaded at the start: tile vt's group (a later tile's may stay in flight)
+      sddb = spd + vt * otile, sXb = spx + vt * otile;
+      if (vt + 1 < nvt) cp_async_wait<1>();
+      else cp_async_wait<0>();
+    } else if (xb) {  // bf16 rows (row stride H V)
       const std::int64_t at = dn_ws_row(p, b, t0, h) * V + c0;
       const int ncv = int(lmin(kT, V - c0));
       load_tile(sddb, kLd, kT, kT, reinterpret_cast<const bf16*>(ws + w.Y) + at, p.H * V, nr, ncv, true);
@@ -686,8 +716,10 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
       stage_ws_rows<true>(sdd, kLdF, ws + w.Y, p, b, t0, h, nr, c0, kThreads);
       stage_ws_rows<true>(sX, kLdF, ws + w.X, p, b, t0, h, nr, c0, kThreads);
     }
-    cp_async_commit();
-    cp_async_wait<0>();
+    if (!pf) {
+      cp_async_commit();
+      cp_async_wait<0>();
+    }
     __syncthreads();
     // dD of the tile's element (i, c)
     auto dd = [&](int i, int c) { return xb ? __bfloat162float(sddb[i * kLd + c]) : sdd[i * kLdF + c]; };
@@ -1053,6 +1085,7 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
 }
 
 std::atomic<bool> g_serial_db2{true};
+std::atomic<bool> g_post_pf{true};  // set_deltanet_bwd_post_prefetch
 // off by default: on the H100 it measured no faster than the DB2 + xb path (session 26, (1,32768,16,128)
 // bf16 operands: 4.02 ms on, 3.83 off; the other rows within 2.5%); kept for the A/B and bit-tested
 std::atomic<bool> g_serial_ws{false};  // set_deltanet_bwd_serial_ws
@@ -1069,6 +1102,7 @@ bool set_deltanet_bwd_serial_db2(bool enabled) { return g_serial_db2.exchange(en
 bool set_deltanet_bwd_serial_ws(bool on) { return g_serial_ws.exchange(on); }
 bool set_deltanet_bwd_chunk_kfast(bool on) { return g_chunk_kfast.exchange(on); }
 bool set_deltanet_bwd_chunk_l2(bool on) { return g_chunk_l2f.exchange(on); }
+bool set_deltanet_bwd_post_prefetch(bool on) { return g_post_pf.exchange(on); }
 
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
   // sm_80 opts in to 163 KB of shared memory per block, the serial kernel's K = 128 layout needs
@@ -1131,11 +1165,18 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial)");
   if (before_post)
     FW_CUDA_CHECK("deltanet_bwd (join the recompute)", cudaStreamWaitEvent(st, static_cast<cudaEvent_t>(before_post), 0));
-  const BqLayout lq(p.K, p.hilo);
   auto* post = p.hilo ? &deltanet_bwd_post_kernel<true> : &deltanet_bwd_post_kernel<false>;
   if (deltanet_fixed_k(p)) post = p.hilo ? &deltanet_bwd_post_kernel<true, 128> : &deltanet_bwd_post_kernel<false, 128>;
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(post), kThreads, lq.bytes);
-  post<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lq.bytes, st>>>(p, w, ws, vk);
+  const auto post_fn = reinterpret_cast<const void*>(post);
+  // pf (every V tile's dD, X loaded at the start): bf16 operands with bf16 dD / X and at most two V
+  // tiles, where it fits and costs no resident CTA per SM
+  const BqLayout lq0(p.K, p.hilo), lqp(p.K, false, true);
+  const bool pf = g_post_pf.load(std::memory_order_relaxed) && !p.hilo && w.xb && p.V <= 2 * kT &&
+                  lqp.bytes <= smem_per_block_optin() &&
+                  resident_ctas_per_sm(post_fn, kThreads, lqp.bytes) >= resident_ctas_per_sm(post_fn, kThreads, lq0.bytes);
+  const std::size_t qbytes = pf ? lqp.bytes : lq0.bytes;
+  (void)resident_ctas_per_sm(post_fn, kThreads, qbytes);
+  post<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, qbytes, st>>>(p, w, ws, vk, pf);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: post)");
 }
 

@@ -51,6 +51,10 @@ bool set_deltanet_bwd_chunk_kfast(bool on);
 // applies (bf16 operands, K <= 128; two K tiles as a cluster of 2 on sm_90) instead of its own kernel;
 // default on, the same bits. Returns the previous setting (fastweight_bench --dn-chunk-l2=off).
 bool set_deltanet_bwd_chunk_l2(bool on);
+// Tests and benchmarks only: the post kernel loads every V tile's dD and X with k and T2 at its start
+// (bf16 operands, bf16 dD / X, V <= 128, where it costs no resident CTA) instead of tile by tile;
+// default on, the same bits. Returns the previous setting (fastweight_bench --dn-post-pf=off).
+bool set_deltanet_bwd_post_prefetch(bool on);
 // Tests and benchmarks only: the wy kernel's v tile buffers, 1 or 2 (0: the planner's choice, two
 // unless the second costs a resident CTA per SM). Returns the previous setting.
 int set_deltanet_wy_vbufs(int n);
