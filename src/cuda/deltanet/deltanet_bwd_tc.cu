@@ -583,7 +583,7 @@ __global__ void __launch_bounds__(kBwWsThreads, 1) deltanet_bwd_state_ws_kernel(
 // pf (bf16 operands with bf16 dD / X, V <= 128): bf16 k [64][ldk] | T2^T [64][kLd] | W dD, then dR
 //       [64][kLd] | dD [2][64][kLd] | X [2][64][kLd] | f32 rk, beta [64]: every V tile's dD and X load
 //       with k and T2 at the start. Loaded per tile after the previous tile's products, their latency
-//       was exposed twice per CTA; 72 KB still fit the 3 CTAs per SM the registers allow (158).
+//       was exposed twice per CTA; 72 KB still fit the 3 CTAs per SM the registers allow (160-162).
 struct BqLayout {
   int Kc, ldk;
   std::size_t r1, r2, Th, Tl, Bh, Bl, rk, beta, pd, px, bytes;
@@ -609,7 +609,7 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const std::int64_t K = FK ? FK : p.K;
-  pf = !LO && pf;
+  pf = !LO && pf && w.xb;  // (the host's rule too)
   const BqLayout lay(K, LO, pf);
   const int Kc = lay.Kc, ldk = lay.ldk;
   bf16* sk = reinterpret_cast<bf16*>(base + lay.r1);    // (64 rows, Kc) k
