@@ -19,6 +19,8 @@
 // is bf16: half the bytes through the prep, serial, post kernels and the chunk pass. (Version 1 of this
 // pass did all of it on the serial chain: 1.55 ms at (4,4096,16,128), ~24 us per chunk step.)
 #include <atomic>
+#include <map>
+#include <mutex>
 #include <type_traits>
 
 #include "cuda/common/check.cuh"
@@ -1180,6 +1182,23 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: post)");
 }
 
+// Whether pairs of the chunk pass's CTAs can be resident as clusters of 2 on this device (a GPU whose
+// partitions, e.g. MIG slices, cannot place them would fail the launch): asked once per device and
+// shared-memory size; the fused L2 epilogue falls back to the L2 kernel where not.
+static bool chunk_pair_clusters_fit(const void* kernel, const cudaLaunchConfig_t& cfg) {
+  static std::mutex mu;
+  static std::map<std::pair<int, std::size_t>, bool> known;
+  int dev = 0;
+  FW_CUDA_CHECK("deltanet_bwd (chunk pass)", cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(dev, cfg.dynamicSmemBytes);
+  if (auto it = known.find(key); it != known.end()) return it->second;
+  int clusters = 0;
+  const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+  if (e != cudaSuccess) (void)cudaGetLastError();  // not an error of the caller's: the unfused path runs
+  return known[key] = e == cudaSuccess && clusters > 0;
+}
+
 bool deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream, bool l2_vec) {
   const std::int64_t slots = deltanet_slots(p), kt = (p.K + kT - 1) / kT;
   if (slots == 0 || p.N * p.H == 0) return false;
@@ -1196,13 +1215,14 @@ bool deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
     else if (kt == 2 && kfast && kernel_binary_version(reinterpret_cast<const void*>(chunk)) >= 90) l2f = 2;
   }
   const auto st = reinterpret_cast<cudaStream_t>(stream);
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute at[1];
+  cfg.gridDim = grid, cfg.blockDim = dim3(kBcThreads), cfg.dynamicSmemBytes = lay.bytes, cfg.stream = st;
+  at[0].id = cudaLaunchAttributeClusterDimension;
+  at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
+  cfg.attrs = at, cfg.numAttrs = 1;
+  if (l2f == 2 && !chunk_pair_clusters_fit(reinterpret_cast<const void*>(chunk), cfg)) l2f = 0;  // unfused instead
   if (l2f == 2) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = grid, cfg.blockDim = dim3(kBcThreads), cfg.dynamicSmemBytes = lay.bytes, cfg.stream = st;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
-    cfg.attrs = at, cfg.numAttrs = 1;
     FW_CUDA_CHECK("deltanet_bwd (chunk pass, tensor cores, L2 norm fused)",
                   cudaLaunchKernelEx(&cfg, chunk, p, w, ws, rows16_seq(p.q), rows16_seq(p.k), rows16_seq(p.do_),
                                      int(kt), l2f));
