@@ -44,7 +44,7 @@ struct WyLayout {
   std::size_t T, L, scr, rk, beta, k, v, A1h, A1l, A2h, A2l, bytes;
   static_assert(2 * 2 * kT * kLd <= 4 * 64 * 65 + 4 * 4 * 16 * 17, "two A tiles must fit in L and scr's place");
   __host__ __device__ WyLayout(std::int64_t K, bool lo, int nvb) {
-    const std::size_t t64 = 2 * std::size_t(kT) * kLd, tl = lo ? t64 : 0;
+    const std::size_t t64 = 2 * std::size_t(kT) * kLd;
     Kc = k_cols(K), ldk = Kc + 8;
     T = 0, L = T + 4 * 64 * 65, scr = L + 4 * 64 * 65, rk = scr + 4 * 4 * 16 * 17, beta = rk + 4 * 64;
     k = round_up(beta + 4 * 64, 16), v = k + 2 * std::size_t(kT) * ldk;
