@@ -489,7 +489,10 @@ void check_bwd_case(const DnBwdCase& c) {
     int vbufs;
     bool db2;
     int tile, overlap;
-    bool two, kfast, wy_side, serial_ws, chunk_l2, post_pf;
+    bool two, kfast, wy_side, serial_ws;
+    int chunk_l2;
+    bool post_pf;
+    int wy_ctas;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -501,6 +504,7 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_serial_ws(serial_ws);
       fastweight::detail::set_deltanet_bwd_chunk_l2(chunk_l2);
       fastweight::detail::set_deltanet_bwd_post_prefetch(post_pf);
+      fastweight::detail::set_deltanet_bwd_wy_ctas(wy_ctas);
     }
   } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true),
                       fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_bwd_overlap(0),
@@ -508,8 +512,9 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_chunk_kfast(true),
                       fastweight::detail::set_deltanet_bwd_wy_side(true),
                       fastweight::detail::set_deltanet_bwd_serial_ws(false),
-                      fastweight::detail::set_deltanet_bwd_chunk_l2(true),
-                      fastweight::detail::set_deltanet_bwd_post_prefetch(true)};
+                      fastweight::detail::set_deltanet_bwd_chunk_l2(2),
+                      fastweight::detail::set_deltanet_bwd_post_prefetch(true),
+                      fastweight::detail::set_deltanet_bwd_wy_ctas(0)};
   std::vector<HostTensor> run[2];
   for (int r = 0; r < 2; ++r) {
     fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
@@ -519,8 +524,9 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_bwd_overlap(r == 0 ? 1 : -1);
     fastweight::detail::set_deltanet_state_two_sync(r == 0);
     fastweight::detail::set_deltanet_bwd_chunk_kfast(r == 0);
-    fastweight::detail::set_deltanet_bwd_chunk_l2(r == 0);  // the L2-norm backward fused, then its own kernel
+    fastweight::detail::set_deltanet_bwd_chunk_l2(r == 0 ? 2 : 0);  // the L2-norm backward fused (pairs too), then its own kernel
     fastweight::detail::set_deltanet_bwd_post_prefetch(r == 0);  // post's V tiles at its start, then one by one
+    fastweight::detail::set_deltanet_bwd_wy_ctas(r == 0 ? 0 : 1);  // the wy kernel's cap: launch only
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
     FW_TEST_CUDA(cudaMemset(ws, r == 0 ? 0xff : 0x00, need));
     FW_TEST_CUDA(cudaDeviceSynchronize());  // the memsets run on the legacy stream, not on `stream`
@@ -578,7 +584,7 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_bwd_chunk_kfast(true);
     fastweight::detail::set_deltanet_bwd_wy_side(false);  // the overlap's other schedule (restored on exit)
     fastweight::detail::set_deltanet_bwd_serial_ws(false);  // the DB2 path: run 0's WS kernel against it, bit for bit
-    fastweight::detail::set_deltanet_bwd_chunk_l2(true);    // as run 0 (run 1 turned it off)
+    fastweight::detail::set_deltanet_bwd_chunk_l2(1);       // the default (K <= 64 fused, else its own kernel)
     fastweight::detail::set_deltanet_bwd_post_prefetch(true);
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
     FW_TEST_CUDA(cudaMemset(ws, 0xff, need));

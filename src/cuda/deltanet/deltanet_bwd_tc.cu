@@ -21,6 +21,7 @@
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #include "cuda/common/check.cuh"
@@ -935,10 +936,12 @@ __device__ __forceinline__ void chunk_l2_epilogue(const DeltanetBwdParams& p, co
     *reinterpret_cast<uint2*>(static_cast<bf16*>(out.p) + dn_row(out, b, t0 + i, h) + k0 + 4 * m) = o;
   }
 }
-template <bool LO>
+// L2F: the fused L2-norm epilogue's K tiles (0: none, the plain stores; a template argument: compiled in,
+// its code took the plain kernel from 122 to 128 registers, and the pass measured 2-4% slower at K = 128)
+template <bool LO, int L2F = 0>
 __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                          float* __restrict__ ws, bool vq, bool vk,
-                                                                         bool vo, int kfast, int l2f) {
+                                                                         bool vo, int kfast) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const BcLayout lay(LO);
@@ -1069,9 +1072,9 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
   if constexpr (LO) mma_rk(dk, sP2l, kLd, mw, sq + 32 * half, kLd, 64, lane);
   mma_rk(dk, sPEh, kLd, mw, sk + 32 * half, kLd, 64, lane);
   if constexpr (LO) mma_rk(dk, sPEl, kLd, mw, sk + 32 * half, kLd, 64, lane);
-  if (!LO && l2f) {
+  if constexpr (!LO && L2F != 0) {
     chunk_l2_epilogue(p, dq, dk, sdG, reinterpret_cast<float(*)[65]>(T(1)), stg2, reinterpret_cast<float*>(T(3)),
-                      sq, sk, b, t0, h, nr, k0, kz, l2f, mw, half, tid, lane);
+                      sq, sk, b, t0, h, nr, k0, kz, L2F, mw, half, tid, lane);
   } else {
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -1087,12 +1090,14 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
 }
 
 std::atomic<bool> g_serial_db2{true};
-std::atomic<bool> g_post_pf{true};  // set_deltanet_bwd_post_prefetch
+// off by default: on the H100 it measured 0.5-1.5% slower at K = V = 128 (session 27), even with no
+// CTA per SM lost; kept for the A/B and bit-tested
+std::atomic<bool> g_post_pf{false};  // set_deltanet_bwd_post_prefetch
 // off by default: on the H100 it measured no faster than the DB2 + xb path (session 26, (1,32768,16,128)
 // bf16 operands: 4.02 ms on, 3.83 off; the other rows within 2.5%); kept for the A/B and bit-tested
 std::atomic<bool> g_serial_ws{false};  // set_deltanet_bwd_serial_ws
 std::atomic<bool> g_chunk_kfast{true};  // set_deltanet_bwd_chunk_kfast
-std::atomic<bool> g_chunk_l2f{true};    // set_deltanet_bwd_chunk_l2
+std::atomic<int> g_chunk_l2f{1};       // set_deltanet_bwd_chunk_l2
 // q and Xw double-buffered in the serial kernel: bf16 operands, where the shared memory holds it
 bool bwd_serial_db2(const DeltanetBwdParams& p) {
   return g_serial_db2.load() && !p.hilo && BsLayout(p.K, false, 2).bytes <= smem_per_block_optin();
@@ -1103,7 +1108,7 @@ bool bwd_serial_db2(const DeltanetBwdParams& p) {
 bool set_deltanet_bwd_serial_db2(bool enabled) { return g_serial_db2.exchange(enabled); }
 bool set_deltanet_bwd_serial_ws(bool on) { return g_serial_ws.exchange(on); }
 bool set_deltanet_bwd_chunk_kfast(bool on) { return g_chunk_kfast.exchange(on); }
-bool set_deltanet_bwd_chunk_l2(bool on) { return g_chunk_l2f.exchange(on); }
+int set_deltanet_bwd_chunk_l2(int mode) { return g_chunk_l2f.exchange(mode < 0 ? 0 : mode > 2 ? 2 : mode); }
 bool set_deltanet_bwd_post_prefetch(bool on) { return g_post_pf.exchange(on); }
 
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
@@ -1209,26 +1214,38 @@ bool deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   const dim3 grid = kfast ? dim3(unsigned(slots * kt), unsigned(p.H), 1u) : dim3(unsigned(slots), unsigned(p.H), unsigned(kt));
   // the L2-norm backward fused in (chunk_l2_epilogue): bf16 operands, where the L2 vec kernel would
   // run, one K tile, or two as a cluster (grid neighbours, an sm_90 binary)
+  // (mode 1, the default: one K tile only; the pair measured 2-4% slower at K = 128, H100 session 27)
   int l2f = 0;
-  if (p.l2 && l2_vec && !p.hilo && w.h16 && (p.dq.p || p.dk.p) && g_chunk_l2f.load(std::memory_order_relaxed)) {
+  const int l2mode = g_chunk_l2f.load(std::memory_order_relaxed);
+  if (p.l2 && l2_vec && !p.hilo && w.h16 && (p.dq.p || p.dk.p) && l2mode > 0) {
     if (kt == 1) l2f = 1;
-    else if (kt == 2 && kfast && kernel_binary_version(reinterpret_cast<const void*>(chunk)) >= 90) l2f = 2;
+    else if (kt == 2 && kfast && l2mode == 2 && kernel_binary_version(reinterpret_cast<const void*>(chunk)) >= 90) l2f = 2;
   }
   const auto st = reinterpret_cast<cudaStream_t>(stream);
-  cudaLaunchConfig_t cfg{};
-  cudaLaunchAttribute at[1];
-  cfg.gridDim = grid, cfg.blockDim = dim3(kBcThreads), cfg.dynamicSmemBytes = lay.bytes, cfg.stream = st;
-  at[0].id = cudaLaunchAttributeClusterDimension;
-  at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
-  cfg.attrs = at, cfg.numAttrs = 1;
-  if (l2f == 2 && !chunk_pair_clusters_fit(reinterpret_cast<const void*>(chunk), cfg)) l2f = 0;  // unfused instead
+  const auto args = [&] { return std::make_tuple(p, w, ws, rows16_seq(p.q), rows16_seq(p.k), rows16_seq(p.do_), kfast ? int(kt) : 0); };
   if (l2f == 2) {
-    FW_CUDA_CHECK("deltanet_bwd (chunk pass, tensor cores, L2 norm fused)",
-                  cudaLaunchKernelEx(&cfg, chunk, p, w, ws, rows16_seq(p.q), rows16_seq(p.k), rows16_seq(p.do_),
-                                     int(kt), l2f));
-  } else {
-    chunk<<<grid, kBcThreads, lay.bytes, st>>>(p, w, ws, rows16_seq(p.q), rows16_seq(p.k), rows16_seq(p.do_),
-                                               kfast ? int(kt) : 0, l2f);
+    auto* pair = &deltanet_bwd_chunk_tc_kernel<false, 2>;
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(pair), kBcThreads, lay.bytes);
+    cudaLaunchConfig_t cfg{};
+    cudaLaunchAttribute at[1];
+    cfg.gridDim = grid, cfg.blockDim = dim3(kBcThreads), cfg.dynamicSmemBytes = lay.bytes, cfg.stream = st;
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
+    cfg.attrs = at, cfg.numAttrs = 1;
+    if (chunk_pair_clusters_fit(reinterpret_cast<const void*>(pair), cfg)) {
+      std::apply([&](auto... a) {
+        FW_CUDA_CHECK("deltanet_bwd (chunk pass, tensor cores, L2 norm fused)", cudaLaunchKernelEx(&cfg, pair, a...));
+      }, args());
+    } else {
+      l2f = 0;  // unfused instead
+    }
+  }
+  if (l2f == 1) {
+    auto* one = &deltanet_bwd_chunk_tc_kernel<false, 1>;
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(one), kBcThreads, lay.bytes);
+    std::apply([&](auto... a) { one<<<grid, kBcThreads, lay.bytes, st>>>(a...); }, args());
+  } else if (l2f == 0) {
+    std::apply([&](auto... a) { chunk<<<grid, kBcThreads, lay.bytes, st>>>(a...); }, args());
   }
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (chunk pass, tensor cores)");
   return l2f != 0;
