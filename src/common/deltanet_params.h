@@ -74,8 +74,6 @@ struct DnChunkBufs {
   bool xu16 = false;
   // T2 is the forward's (read, not formed): see T2 (last: positional initialisers keep their meaning)
   bool t2_given = false;
-  // The host's launch only: at most this many resident wy CTAs per SM (0: no cap; the backward's A/B)
-  int wy_ctas = 0;
 };
 
 // bf16 matrices per state or Xw row (hi + lo, or hi only), and floats for n of them

@@ -425,12 +425,10 @@ DeltanetBwdParams effective(const DeltanetBwdParams& p) {
 namespace {
 std::atomic<int> g_bwd_overlap{0};  // 0: the planner's choice, 1: always, -1: never
 std::atomic<bool> g_bwd_wy_side{true};  // set_deltanet_bwd_wy_side
-std::atomic<int> g_bwd_wy_ctas{0};      // set_deltanet_bwd_wy_ctas
 }  // namespace
 
 int set_deltanet_bwd_overlap(int mode) { return g_bwd_overlap.exchange(mode > 0 ? 1 : mode < 0 ? -1 : 0); }
 bool set_deltanet_bwd_wy_side(bool on) { return g_bwd_wy_side.exchange(on); }
-int set_deltanet_bwd_wy_ctas(int n) { return g_bwd_wy_ctas.exchange(n < 0 ? 0 : n); }
 
 // The recompute's state kernel (S, X: read from the post kernel on) and the state pass's prep +
 // serial kernels (dD0, dS: neither reads S or X) are independent chains, each a grid of sequences x
@@ -484,7 +482,6 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream st
     bufs.t2_given = p.wy_t2 != nullptr;
     bufs.xbf16 = w.xb;
     bufs.xu16 = w.xu16;  // the choice that sized the xu region
-    bufs.wy_ctas = g_bwd_wy_ctas.load(std::memory_order_relaxed);
     if (overlap && g_bwd_wy_side.load(std::memory_order_relaxed)) {
       // wy on the side stream as well, beside the prep kernel (which reads none of Xw, Xu, rk, T2; it
       // forms its own rk); the serial kernel (Xw) waits for wy_done, post for the whole side chain

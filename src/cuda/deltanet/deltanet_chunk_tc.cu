@@ -838,11 +838,8 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
                 ? 2
                 : 1;
     if (nvb == 2 && l2.bytes > smem_per_block_optin()) nvb = 1;  // forced 2 where it does not fit
-    std::size_t bytes = nvb == 2 ? l2.bytes : l1.bytes;
+    const std::size_t bytes = nvb == 2 ? l2.bytes : l1.bytes;
     prepare(wy, bytes);
-    while (w.wy_ctas > 0 && resident_ctas_per_sm(wy_fn, kThreads, bytes) > w.wy_ctas &&
-           bytes + 4096 <= smem_per_block_optin())
-      bytes += 4096;  // the cap (DnChunkBufs::wy_ctas): shared memory no CTA uses
     wy<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, bytes, st>>>(p, w, rows16_seq(p.k), rows16_seq(p.v), nvb);
     FW_CUDA_CHECK_LAUNCH("deltanet (wy)");
   }

@@ -118,10 +118,6 @@ int set_deltanet_bwd_overlap(int mode);
 // the state pass's prep kernel (which reads none of its outputs; the serial kernel waits for it);
 // default on, the same bits. Returns the previous setting (fastweight_bench --dn-bwd-wy-side=off).
 bool set_deltanet_bwd_wy_side(bool on);
-// Tests and benchmarks only: at most n resident CTAs per SM for the backward's recompute wy kernel (its
-// shared memory padded; 0, the default: as the forward's). Returns the previous setting
-// (fastweight_bench --dn-bwd-wy-ctas=N).
-int set_deltanet_bwd_wy_ctas(int n);
 bool deltanet_bwd_overlap(const DeltanetBwdParams& p);
 // The chunk pass on tensor cores (deltanet_bwd_tc.cu), after the state pass on tensor cores. l2_vec:
 // the L2-norm backward's vec kernel would apply (deltanet_bwd_cuda); returns whether that backward
