@@ -24,7 +24,8 @@ into account (exact gradients). Custom ops with fake kernels: ``torch.compile(fu
 works; in plain eager mode ``delta_rule`` skips the dispatcher (a torch.autograd.Function over the
 same _C calls: the same bits, half the host time; see fastweight.ops). CPU tensors run the float64 reference behind the C++ API. CUDA tensors run the CUDA kernels
 (chunks of 64, fp32 accumulation and states; K <= 256, ValueError beyond; cu_seqlens on q's device,
-checked on the host in eager mode at the cost of one synchronisation, as FLA's varlen path; trusted,
+checked on the host in eager mode at the cost of one synchronisation the first time a tensor is seen
+and after any in-place change to it, as FLA's varlen path caches its chunk indices; trusted,
 and clamped by the kernels, while a CUDA graph is captured or torch.compile traces). The forward and the backward take
 their workspaces (``_C.deltanet_fwd_workspace_size`` / ``_C.deltanet_bwd_workspace_size`` bytes) from
 torch's caching allocator, so training on CUDA works and stays CUDA-graph safe; ``delta_rule_step``
@@ -35,6 +36,7 @@ split_operands) for the backward, which reads it instead of forming it again: th
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -183,12 +185,39 @@ _delta_rule_apply = _apply(_DeltaRuleFn)
 
 
 # ---- functional API ---------------------------------------------------------------------------------
+# The last offsets tensors found valid: (weak reference, version counter, T). A model's layers pass one
+# cu_seqlens tensor to every delta_rule call of a step, and a training loop reuses it for the backward:
+# checked once, not once per call (each check is a host synchronisation, after which the GPU idles
+# while the host enqueues the next kernels). The version counter moves with every in-place write to
+# the tensor or a view of it, so a changed tensor is checked again; writes that bypass the counter
+# (through .data, DLPack or a raw pointer) are not seen: the kernels then clamp the offsets (memory
+# stays safe, results do not). (FLA caches its varlen chunk indices by the tensor the same way,
+# tensor_cache, without even the version check.)
+_VALID_OFFSETS: list = []
+_VALID_OFFSETS_KEEP = 8
+
+
+def _offsets_known_valid(cu_seqlens: Tensor, T: int) -> bool:
+    for ref, version, t in _VALID_OFFSETS:
+        if ref() is cu_seqlens and version == cu_seqlens._version and t == T:
+            return True
+    return False
+
+
+def _remember_valid_offsets(cu_seqlens: Tensor, T: int) -> None:
+    if cu_seqlens.is_inference():  # no version counter: checked every time
+        return
+    _VALID_OFFSETS[:] = [e for e in _VALID_OFFSETS if e[0]() is not None and e[0]() is not cu_seqlens]
+    _VALID_OFFSETS.append((weakref.ref(cu_seqlens), cu_seqlens._version, T))
+    del _VALID_OFFSETS[:-_VALID_OFFSETS_KEEP]
+
+
 def _check_device_offsets(cu_seqlens: Optional[Tensor], q: Tensor) -> None:
-    """CUDA offsets are checked here, on the host, in eager mode: one synchronisation per call (FLA's
-    varlen path synchronises too). The kernels cannot raise, so they only clamp offsets (memory stays
-    safe, results do not); the C++ layer checks CPU offsets itself. Skipped while a CUDA graph is
-    captured or torch.compile traces: there the offsets are trusted. Malformed tensors (dtype, shape,
-    batch) are left to the C++ checks, which name them."""
+    """CUDA offsets are checked here, on the host, in eager mode: one synchronisation the first time a
+    tensor is seen (and again after any in-place change to it; see _VALID_OFFSETS). The kernels cannot
+    raise, so they only clamp offsets (memory stays safe, results do not); the C++ layer checks CPU
+    offsets itself. Skipped while a CUDA graph is captured or torch.compile traces: there the offsets
+    are trusted. Malformed tensors (dtype, shape, batch) are left to the C++ checks, which name them."""
     # fewer than 2 offsets (no sequence): the library refuses that by shape alone, with its own message
     if cu_seqlens is None or not cu_seqlens.is_cuda or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         return
@@ -196,12 +225,16 @@ def _check_device_offsets(cu_seqlens: Optional[Tensor], q: Tensor) -> None:
         return
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return
+    T = q.shape[1]
+    if _offsets_known_valid(cu_seqlens, T):
+        return
     c = cu_seqlens.to(torch.int64)
-    T, N = q.shape[1], c.numel() - 1
+    N = c.numel() - 1
     bad = (c[0] != 0) | (c[-1] != T)
     if N > 0:
         bad = bad | (c[1:] < c[:-1]).any()
     if not bool(bad):
+        _remember_valid_offsets(cu_seqlens, T)
         return
     off = c.tolist()
     where = "fastweight.delta_rule: cu_seqlens: "

@@ -482,12 +482,16 @@ void check_bwd_case(const DnBwdCase& c) {
   // pass's prep + serial kernels on one stream where the first call ran it beside them on a second,
   // the serial kernels' chunk steps with three barriers where the first call's had two, and the chunk
   // pass's K tiles a grid apart where the first call's were neighbours, and (bf16 operands) the backward
-  // serial kernel on the DB2 path where the first call's was warp-specialised: the same bits.
+  // serial kernel on the DB2 path where the first call's was warp-specialised, and the L2-norm
+  // backward in its own kernel where the first call's was fused into the chunk pass, and the post
+  // kernel's V tiles loaded one by one where the first call's loaded them all at its start: the same bits.
   struct RestoreBuffering {
     int vbufs;
     bool db2;
     int tile, overlap;
     bool two, kfast, wy_side, serial_ws;
+    int chunk_l2;
+    bool post_pf;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -497,13 +501,17 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_chunk_kfast(kfast);
       fastweight::detail::set_deltanet_bwd_wy_side(wy_side);
       fastweight::detail::set_deltanet_bwd_serial_ws(serial_ws);
+      fastweight::detail::set_deltanet_bwd_chunk_l2(chunk_l2);
+      fastweight::detail::set_deltanet_bwd_post_prefetch(post_pf);
     }
   } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true),
                       fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_bwd_overlap(0),
                       fastweight::detail::set_deltanet_state_two_sync(true),
                       fastweight::detail::set_deltanet_bwd_chunk_kfast(true),
                       fastweight::detail::set_deltanet_bwd_wy_side(true),
-                      fastweight::detail::set_deltanet_bwd_serial_ws(false)};
+                      fastweight::detail::set_deltanet_bwd_serial_ws(false),
+                      fastweight::detail::set_deltanet_bwd_chunk_l2(2),
+                      fastweight::detail::set_deltanet_bwd_post_prefetch(true)};
   std::vector<HostTensor> run[2];
   for (int r = 0; r < 2; ++r) {
     fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
@@ -513,6 +521,8 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_bwd_overlap(r == 0 ? 1 : -1);
     fastweight::detail::set_deltanet_state_two_sync(r == 0);
     fastweight::detail::set_deltanet_bwd_chunk_kfast(r == 0);
+    fastweight::detail::set_deltanet_bwd_chunk_l2(r == 0 ? 2 : 0);  // the L2-norm backward fused (pairs too), then its own kernel
+    fastweight::detail::set_deltanet_bwd_post_prefetch(r == 0);  // post's V tiles at its start, then one by one
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
     FW_TEST_CUDA(cudaMemset(ws, r == 0 ? 0xff : 0x00, need));
     FW_TEST_CUDA(cudaDeviceSynchronize());  // the memsets run on the legacy stream, not on `stream`
@@ -570,6 +580,8 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_bwd_chunk_kfast(true);
     fastweight::detail::set_deltanet_bwd_wy_side(false);  // the overlap's other schedule (restored on exit)
     fastweight::detail::set_deltanet_bwd_serial_ws(false);  // the DB2 path: run 0's WS kernel against it, bit for bit
+    fastweight::detail::set_deltanet_bwd_chunk_l2(1);       // the default (K <= 64 fused, else its own kernel)
+    fastweight::detail::set_deltanet_bwd_post_prefetch(true);
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
     FW_TEST_CUDA(cudaMemset(ws, 0xff, need));
     FW_TEST_CUDA(cudaDeviceSynchronize());

@@ -449,6 +449,49 @@ def test_cuda_bad_offsets_are_refused_before_any_launch():
     o, _ = fastweight.delta_rule(q, k, v, beta, cu_seqlens=torch.tensor([0, 3, 8], device="cuda"))  # valid: runs
     torch.cuda.synchronize()
     assert torch.isfinite(o).all()
+    # a tensor found valid is not checked again (no synchronisation) until it changes in place: a
+    # write to it, or to a view of it, is caught on the next call
+    cu = torch.tensor([0, 3, 8], device="cuda")
+    fastweight.delta_rule(q, k, v, beta, cu_seqlens=cu)
+    cu[1] = 9
+    with pytest.raises(ValueError, match="cu_seqlens: .*non-decreasing"):
+        fastweight.delta_rule(q, k, v, beta, cu_seqlens=cu)
+    cu[1] = 3
+    fastweight.delta_rule(q, k, v, beta, cu_seqlens=cu)
+    cu[:2].fill_(1)
+    with pytest.raises(ValueError, match="cu_seqlens: .*starting at 0"):
+        fastweight.delta_rule(q, k, v, beta, cu_seqlens=cu)
+    # valid for T = 8 is not valid for another T
+    cu = torch.tensor([0, 3, 8], device="cuda")
+    fastweight.delta_rule(q, k, v, beta, cu_seqlens=cu)
+    q2, k2, v2, beta2, _ = _cuda(*make(B=1, T=9, H=2, K=4, V=3, dtype=torch.float32, seed=_fresh_seed()))
+    with pytest.raises(ValueError, match="cu_seqlens: .*T = 9"):
+        fastweight.delta_rule(q2, k2, v2, beta2, cu_seqlens=cu)
+
+
+def test_valid_offsets_cache_follows_identity_version_and_length():
+    # the cache behind the check above (no GPU needed): identity, version counter and T all count
+    from fastweight import deltanet_ops as dops
+    dops._VALID_OFFSETS.clear()
+    a, b = torch.tensor([0, 3, 8]), torch.tensor([0, 3, 8])
+    assert not dops._offsets_known_valid(a, 8)
+    dops._remember_valid_offsets(a, 8)
+    assert dops._offsets_known_valid(a, 8)
+    assert not dops._offsets_known_valid(b, 8)  # equal values, another tensor
+    assert not dops._offsets_known_valid(a, 9)
+    a[1] = 4  # in place: the version counter moves
+    assert not dops._offsets_known_valid(a, 8)
+    dops._remember_valid_offsets(a, 8)
+    a[1:].add_(0)  # through a view: the shared version counter moves too
+    assert not dops._offsets_known_valid(a, 8)
+    with torch.inference_mode():
+        c = torch.tensor([0, 8])
+    dops._remember_valid_offsets(c, 8)  # no version counter: never cached
+    assert not dops._offsets_known_valid(c, 8)
+    for _ in range(20):  # bounded, and dead tensors drop out
+        dops._remember_valid_offsets(torch.tensor([0, 8]), 8)
+    assert len(dops._VALID_OFFSETS) <= dops._VALID_OFFSETS_KEEP
+    dops._VALID_OFFSETS.clear()
 
 
 @gpu

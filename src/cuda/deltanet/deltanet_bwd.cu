@@ -425,7 +425,6 @@ DeltanetBwdParams effective(const DeltanetBwdParams& p) {
 namespace {
 std::atomic<int> g_bwd_overlap{0};  // 0: the planner's choice, 1: always, -1: never
 std::atomic<bool> g_bwd_wy_side{true};  // set_deltanet_bwd_wy_side
-
 }  // namespace
 
 int set_deltanet_bwd_overlap(int mode) { return g_bwd_overlap.exchange(mode > 0 ? 1 : mode < 0 ? -1 : 0); }
@@ -514,12 +513,15 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream st
     deltanet_bwd_state_kernel<<<dim3(unsigned(seqs), unsigned(vt)), kThreads, smem_s, st>>>(p, w, ws);
     FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass)");
   }
-  // 3. chunk pass
+  // 3. chunk pass (the L2-norm backward's vec kernel's conditions: it may run fused into the pass)
   const std::int64_t slots = deltanet_slots(p);
+  const bool l2_vec = p.K <= 128 && p.K % 4 == 0 && rows8_bf16(p.q) && rows8_bf16(p.k) && rows8_bf16(p.dq) &&
+                      rows8_bf16(p.dk);
+  bool l2_done = false;
   if ((p.dq.p || p.dk.p || p.dbeta.p) && slots > 0) {
     if (slots > 0x7fffffff) throw Error(cat("deltanet_bwd: grid too large (", slots, " chunks)"));
     if (state_tc) {
-      deltanet_bwd_chunk_tc(p, w, ws, stream);
+      l2_done = deltanet_bwd_chunk_tc(p, w, ws, stream, l2_vec);
     } else {
       const std::size_t smem_c = sizeof(SmemChunk);
       (void)resident_ctas_per_sm(reinterpret_cast<const void*>(&deltanet_bwd_chunk_kernel), kThreads, smem_c);
@@ -529,9 +531,8 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream st
     }
   }
   // 4. L2-norm backward
-  if (p.l2 && (p.dq.p || p.dk.p) && w.rows > 0) {
-    const bool vec = p.K <= 128 && p.K % 4 == 0 && rows8_bf16(p.q) && rows8_bf16(p.k) && rows8_bf16(p.dq) &&
-                     rows8_bf16(p.dk) && reinterpret_cast<std::uintptr_t>(ws + w.dqh) % 16 == 0 &&
+  if (p.l2 && (p.dq.p || p.dk.p) && w.rows > 0 && !l2_done) {
+    const bool vec = l2_vec && reinterpret_cast<std::uintptr_t>(ws + w.dqh) % 16 == 0 &&
                      reinterpret_cast<std::uintptr_t>(ws + w.dkh) % 16 == 0;
     const std::int64_t blocks = ((vec ? 1 : 2) * w.rows + kL2Warps - 1) / kL2Warps;
     if (blocks > 0x7fffffff) throw Error(cat("deltanet_bwd: grid too large (", w.rows, " rows)"));

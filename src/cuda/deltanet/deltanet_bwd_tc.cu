@@ -19,6 +19,10 @@
 // is bf16: half the bytes through the prep, serial, post kernels and the chunk pass. (Version 1 of this
 // pass did all of it on the serial chain: 1.55 ms at (4,4096,16,128), ~24 us per chunk step.)
 #include <atomic>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
 
 #include "cuda/common/check.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
@@ -579,15 +583,24 @@ __global__ void __launch_bounds__(kBwWsThreads, 1) deltanet_bwd_state_ws_kernel(
 // smem: R1: bf16 k [64][ldk], then f32 dD [64][kLdF] | R2: f32 T2 [64][64], then f32 X [64][kLdF] |
 //       bf16 T2^T hi, lo [64][kLd] | bf16 W dD hi, lo, then dR hi, lo [64][kLd] | f32 rk, beta [64]
 //       (the lo tiles with LO only)
+// pf (bf16 operands with bf16 dD / X, V <= 128): bf16 k [64][ldk] | T2^T [64][kLd] | W dD, then dR
+//       [64][kLd] | dD [2][64][kLd] | X [2][64][kLd] | f32 rk, beta [64]: every V tile's dD and X load
+//       with k and T2 at the start. Loaded per tile after the previous tile's products, their latency
+//       was exposed twice per CTA; 72 KB still fit the 3 CTAs per SM the registers allow (160-162).
 struct BqLayout {
   int Kc, ldk;
-  std::size_t r1, r2, Th, Tl, Bh, Bl, rk, beta, bytes;
-  __host__ __device__ BqLayout(std::int64_t K, bool lo) {
+  std::size_t r1, r2, Th, Tl, Bh, Bl, rk, beta, pd, px, bytes;
+  __host__ __device__ BqLayout(std::int64_t K, bool lo, bool pf = false) {
     Kc = k_cols(K), ldk = Kc + 8;
     const std::size_t t64 = 2 * std::size_t(kT) * kLd, f64 = 4 * std::size_t(kT) * kLdF, tl = lo ? t64 : 0;
     const std::size_t kt = 2 * std::size_t(kT) * ldk;
+    if (pf) {  // (!lo only; r2 and the lo tiles unused)
+      r1 = 0, Th = kt, Bh = Th + t64, pd = Bh + t64, px = pd + 2 * t64, rk = px + 2 * t64;
+      r2 = Tl = Bl = 0, beta = rk + 4 * kT, bytes = beta + 4 * kT;
+      return;
+    }
     r1 = 0, r2 = r1 + (kt > f64 ? kt : f64), Th = r2 + f64, Tl = Th + t64, Bh = Tl + tl, Bl = Bh + t64;
-    rk = Bl + tl, beta = rk + 4 * kT, bytes = beta + 4 * kT;
+    rk = Bl + tl, beta = rk + 4 * kT, bytes = beta + 4 * kT, pd = px = 0;
   }
 };
 
@@ -595,11 +608,12 @@ struct BqLayout {
 // 361 -> 348 us at (4,4096,16,128) against a CTA per V tile).
 template <bool LO, int FK = 0>  // FK: as the prep kernel
 __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const DeltanetBwdParams p, const DnBwdWs w,
-                                                                     float* __restrict__ ws, bool vk) {
+                                                                     float* __restrict__ ws, bool vk, bool pf) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const std::int64_t K = FK ? FK : p.K;
-  const BqLayout lay(K, LO);
+  pf = !LO && pf && w.xb;  // (the host's rule too)
+  const BqLayout lay(K, LO, pf);
   const int Kc = lay.Kc, ldk = lay.ldk;
   bf16* sk = reinterpret_cast<bf16*>(base + lay.r1);    // (64 rows, Kc) k
   float* sdd = reinterpret_cast<float*>(base + lay.r1);  // then (64, kLdF) dD
@@ -607,6 +621,9 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   float* sT2 = reinterpret_cast<float*>(base + lay.r2);  // (64, 64) T2^T (fp32: LO only)
   float* sX = reinterpret_cast<float*>(base + lay.r2);   // then (64, kLdF) X
   bf16* sXb = reinterpret_cast<bf16*>(base + lay.r2);    // or, with w.xb, (64, kLd) bf16 X
+  const std::size_t otile = std::size_t(kT) * kLd;       // pf: [2] (64, kLd) bf16 dD, X (V tile vt in [vt])
+  bf16* spd = reinterpret_cast<bf16*>(base + lay.pd);
+  bf16* spx = reinterpret_cast<bf16*>(base + lay.px);
   bf16 *sTh = reinterpret_cast<bf16*>(base + lay.Th), *sTl = reinterpret_cast<bf16*>(base + lay.Tl);  // T2^T
   bf16 *sBh = reinterpret_cast<bf16*>(base + lay.Bh), *sBl = reinterpret_cast<bf16*>(base + lay.Bl);  // W dD, dR
   float* s_rk = reinterpret_cast<float*>(base + lay.rk);
@@ -645,12 +662,25 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
     }
   }
   cp_async_commit();
+  // pf: every V tile's dD, X now, one commit group per tile (V <= 128: at most two)
+  const int nvt = int((V + kT - 1) / kT);
+  if (pf) {
+    for (int vt = 0; vt < nvt; ++vt) {
+      const std::int64_t at = dn_ws_row(p, b, t0, h) * V + vt * kT;
+      const int ncv = int(lmin(kT, V - vt * kT));
+      load_tile(spd + vt * otile, kLd, kT, kT, reinterpret_cast<const bf16*>(ws + w.Y) + at, p.H * V, nr, ncv, true);
+      load_tile(spx + vt * otile, kLd, kT, kT, reinterpret_cast<const bf16*>(ws + w.X) + at, p.H * V, nr, ncv, true);
+      cp_async_commit();
+    }
+  }
   if (tid < kT) {  // the prep kernel's factors
     const std::int64_t row = dn_ws_row(p, b, t0 + tid, h);
     s_rk[tid] = tid < nr ? ws[w.fac + w.rows + row] : 0.f;
     s_beta[tid] = tid < nr ? ws[w.fac + 2 * w.rows + row] : 0.f;
   }
-  cp_async_wait<0>();
+  if (!pf) cp_async_wait<0>();
+  else if (nvt == 2) cp_async_wait<2>();  // k, T2 (the tiles' groups may stay in flight)
+  else cp_async_wait<1>();
   __syncthreads();
   // b. Lg^T (this warp's rows i: [i][c] = rk_i rk_c (k_i . k_c) for c > i) as A fragments, hi + lo;
   //    T2^T as hi + lo
@@ -676,7 +706,11 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   for (std::int64_t c0 = 0, vt = 0; c0 < V; c0 += kT, ++vt) {
     __syncthreads();  // k and T2 are read (first tile), or the previous tile's dD, X, dR
     // c. dD and X of this V tile
-    if (xb) {  // bf16 rows (row stride H V)
+    if (pf) {  // loaded at the start: tile vt's group (a later tile's may stay in flight)
+      sddb = spd + vt * otile, sXb = spx + vt * otile;
+      if (vt + 1 < nvt) cp_async_wait<1>();
+      else cp_async_wait<0>();
+    } else if (xb) {  // bf16 rows (row stride H V)
       const std::int64_t at = dn_ws_row(p, b, t0, h) * V + c0;
       const int ncv = int(lmin(kT, V - c0));
       load_tile(sddb, kLd, kT, kT, reinterpret_cast<const bf16*>(ws + w.Y) + at, p.H * V, nr, ncv, true);
@@ -685,8 +719,10 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
       stage_ws_rows<true>(sdd, kLdF, ws + w.Y, p, b, t0, h, nr, c0, kThreads);
       stage_ws_rows<true>(sX, kLdF, ws + w.X, p, b, t0, h, nr, c0, kThreads);
     }
-    cp_async_commit();
-    cp_async_wait<0>();
+    if (!pf) {
+      cp_async_commit();
+      cp_async_wait<0>();
+    }
     __syncthreads();
     // dD of the tile's element (i, c)
     auto dd = [&](int i, int c) { return xb ? __bfloat162float(sddb[i * kLd + c]) : sdd[i * kLdF + c]; };
@@ -761,6 +797,7 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
 }
 
 // ---- the chunk pass on tensor cores --------------------------------------------------------------
+
 // One CTA per (chunk slot, head, 64 columns of K), as the version 1 chunk kernel (deltanet_bwd.cu)
 // computes it, with D = W X, dR = W Y. 8 warps: warp w owns rows 16 (w % 4).. and columns 32 (w / 4)..
 // of every 64 x 64 result, so 64 accumulators per thread instead of 128 and two CTAs (16 warps) per
@@ -788,7 +825,120 @@ struct BcLayout {
 };
 
 constexpr int kBcThreads = 256;
-template <bool LO>
+// The L2-norm backward fused into the chunk pass's end (bf16 operands, l2f): dq = rq (g - q rq^2 (q . g))
+// with g = dq^ rounded to bf16, and likewise dk, written straight to dq, dk instead of g to the
+// workspace for deltanet_bwd_l2_vec_kernel (which then does not run): at (1,32768,16,128) that kernel
+// was 264 us of pure HBM traffic (q, k, dq^, dk^ read, dq, dk written). The same sums in the same
+// order as that kernel, so the same bits: per row, 32 partials of 4 columns (its lanes: fmaf chains),
+// then its butterfly (xor 16, 8, 4, 2, 1; each step's pair sums are commutative, so every lane held
+// the same value). A CTA holds one 64-column K tile: 16 of the 32 partials; with two K tiles (l2f 2)
+// the pair is a cluster of 2 (the K tiles are grid neighbours, kfast) and each reads the other's
+// partials from its shared memory (DSMEM); with one (K <= 64, l2f 1) the other 16 are zero, as that
+// kernel's lanes past K.
+// smem (the chunk pass's dead regions): gq (sdG's place) and gk (T(1), T(2)) f32 [64][65] the bf16 g
+// values | part (stg2's place) f32 [q, k][dot, ss][16 partials][64 rows] (rows fastest: the row sums
+// read it conflict-free) | rr (T(3)) f32 [q, k][r, r^2 dot][64]
+__device__ __forceinline__ void cluster_sync_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+  __syncthreads();  // never launched as a cluster there (deltanet_bwd_chunk_tc)
+#endif
+}
+// The address of `local` (this CTA's shared memory) in cluster CTA `rank`'s shared memory, read there.
+__device__ __forceinline__ float ld_peer_shared(const float* local, unsigned rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  std::uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_u32(local)), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+#else
+  (void)local, (void)rank;
+  return 0.f;
+#endif
+}
+__device__ __forceinline__ void chunk_l2_epilogue(const DeltanetBwdParams& p, const float (&dq)[4][4],
+                                                  const float (&dk)[4][4], float (*gq)[65], float (*gk)[65],
+                                                  float* part, float* rr, const bf16* sq, const bf16* sk,
+                                                  std::int64_t b, std::int64_t t0, std::int64_t h, int nr,
+                                                  std::int64_t k0, int kz, int l2f, int mw, int half, int tid,
+                                                  int lane) {
+  const std::int64_t K = p.K;
+  __syncthreads();  // every warp's last products have read T(1..3) and sdG is free
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // g = dq^, dk^ as the unfused pass stores them (bf16)
+      const int i = 16 * mw + frow(lane, e), c = 32 * half + fcol(lane, j, e);
+      gq[i][c] = __bfloat162float(__float2bfloat16_rn(dq[j][e]));
+      gk[i][c] = __bfloat162float(__float2bfloat16_rn(dk[j][e]));
+    }
+  __syncthreads();
+  // (u: q or k, row i, partial m: this tile's columns 4 m..4 m + 3), as the L2 kernel's lane 16 kz + m
+  auto load4 = [&](int u, int i, int m, float (&x)[4], float (&g)[4]) {
+    const int c = 4 * m;
+    const bool in = k0 + c < K && (u ? p.dk.p : p.dq.p) != nullptr;
+    const uint2 raw = *reinterpret_cast<const uint2*>((u ? sk : sq) + i * kLd + c);  // 8-byte aligned: kLd % 4 == 0
+    const float2 x01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+    const float2 x23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+    const float xv[4] = {x01.x, x01.y, x23.x, x23.y};
+    const float(*gs)[65] = u ? gk : gq;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      x[q] = in ? xv[q] : 0.f;
+      g[q] = in ? gs[i][c + q] : 0.f;
+    }
+  };
+  for (int e = tid; e < 2 * 64 * 16; e += kBcThreads) {  // rows fastest (part's layout)
+    const int u = e / 1024, m = (e / 64) % 16, i = e % 64;
+    float x[4], g[4];
+    load4(u, i, m, x, g);
+    part[((2 * u) * 16 + m) * 64 + i] = fmaf(x[3], g[3], fmaf(x[2], g[2], fmaf(x[1], g[1], x[0] * g[0])));
+    part[((2 * u + 1) * 16 + m) * 64 + i] = fmaf(x[3], x[3], fmaf(x[2], x[2], fmaf(x[1], x[1], x[0] * x[0])));
+  }
+  if (l2f == 2) cluster_sync_all();  // the pair's partials written
+  else __syncthreads();
+  if (tid < 2 * 64) {  // row sums: (u, i) per thread
+    const int u = tid / 64, i = tid % 64;
+    float dot[16], ss[16];
+    const float* pd = part + (2 * u) * 16 * 64 + i;
+    const float* ps = part + (2 * u + 1) * 16 * 64 + i;
+#pragma unroll
+    for (int m = 0; m < 16; ++m) {  // xor 16: partial m of K tile 0 plus partial m of K tile 1
+      const float od = pd[64 * m], os = ps[64 * m];
+      const float rd = l2f == 2 ? ld_peer_shared(pd + 64 * m, unsigned(kz ^ 1)) : 0.f;
+      const float rs = l2f == 2 ? ld_peer_shared(ps + 64 * m, unsigned(kz ^ 1)) : 0.f;
+      dot[m] = od + rd, ss[m] = os + rs;  // (commutative: either tile's order gives the same bits)
+    }
+    auto fold = [&](auto o) {  // the butterfly's next step (o: a compile-time 8, 4, 2, 1: registers)
+#pragma unroll
+      for (int m = 0; m < decltype(o)::value; ++m) dot[m] = dot[m] + dot[m + o], ss[m] = ss[m] + ss[m + o];
+    };
+    fold(std::integral_constant<int, 8>{}), fold(std::integral_constant<int, 4>{});
+    fold(std::integral_constant<int, 2>{}), fold(std::integral_constant<int, 1>{});
+    const float r = rsqrtf(ss[0] + 1e-6f);
+    rr[(2 * u) * 64 + i] = r;
+    rr[(2 * u + 1) * 64 + i] = r * r * dot[0];
+  }
+  if (l2f == 2) cluster_sync_all();  // r visible; the peer is done reading this CTA's partials
+  else __syncthreads();
+  for (int e = tid; e < 2 * 64 * 16; e += kBcThreads) {  // 4 columns (8 bytes) per store, rows in 128-byte runs
+    const int u = e / 1024, i = (e / 16) % 64, m = e % 16;
+    const StridedView& out = u ? p.dk : p.dq;
+    if (i >= nr || k0 + 4 * m >= K || !out.p) continue;
+    float x[4], g[4];
+    load4(u, i, m, x, g);
+    const float r = rr[(2 * u) * 64 + i], rdot = rr[(2 * u + 1) * 64 + i];
+    uint2 o;
+    o.x = pack_bf16(r * (g[0] - x[0] * rdot), r * (g[1] - x[1] * rdot));
+    o.y = pack_bf16(r * (g[2] - x[2] * rdot), r * (g[3] - x[3] * rdot));
+    *reinterpret_cast<uint2*>(static_cast<bf16*>(out.p) + dn_row(out, b, t0 + i, h) + k0 + 4 * m) = o;
+  }
+}
+// L2F: the fused L2-norm epilogue's K tiles (0: none, the plain stores; a template argument: compiled in,
+// its code took the plain kernel from 122 to 128 registers, and the pass measured 2-4% slower at K = 128)
+template <bool LO, int L2F = 0>
 __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                          float* __restrict__ ws, bool vq, bool vk,
                                                                          bool vo, int kfast) {
@@ -922,23 +1072,32 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
   if constexpr (LO) mma_rk(dk, sP2l, kLd, mw, sq + 32 * half, kLd, 64, lane);
   mma_rk(dk, sPEh, kLd, mw, sk + 32 * half, kLd, 64, lane);
   if constexpr (LO) mma_rk(dk, sPEl, kLd, mw, sk + 32 * half, kLd, 64, lane);
+  if constexpr (!LO && L2F != 0) {
+    chunk_l2_epilogue(p, dq, dk, sdG, reinterpret_cast<float(*)[65]>(T(1)), stg2, reinterpret_cast<float*>(T(3)),
+                      sq, sk, b, t0, h, nr, k0, kz, L2F, mw, half, tid, lane);
+  } else {
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 (c even) of row i
-      const int i = 16 * mw + frow(lane, e);
-      const std::int64_t c = k0 + 32 * half + fcol(lane, j, e);
-      if (i < nr && c < K)
-        dn_store_dqk2(p, w, ws, b, t0 + i, h, c, dq[j][e], dq[j][e + 1], dk[j][e], dk[j][e + 1], c + 1 < K);
-    }
+      for (int e = 0; e < 4; e += 2) {  // columns c, c + 1 (c even) of row i
+        const int i = 16 * mw + frow(lane, e);
+        const std::int64_t c = k0 + 32 * half + fcol(lane, j, e);
+        if (i < nr && c < K)
+          dn_store_dqk2(p, w, ws, b, t0 + i, h, c, dq[j][e], dq[j][e + 1], dk[j][e], dk[j][e + 1], c + 1 < K);
+      }
+  }
   if (kz == 0) dn_store_dbeta(p, w, ws, b, t0, nr, h, tid);
 }
 
 std::atomic<bool> g_serial_db2{true};
+// off by default: on the H100 it measured 0.5-1.5% slower at K = V = 128 (session 27), even with no
+// CTA per SM lost; kept for the A/B and bit-tested
+std::atomic<bool> g_post_pf{false};  // set_deltanet_bwd_post_prefetch
 // off by default: on the H100 it measured no faster than the DB2 + xb path (session 26, (1,32768,16,128)
 // bf16 operands: 4.02 ms on, 3.83 off; the other rows within 2.5%); kept for the A/B and bit-tested
 std::atomic<bool> g_serial_ws{false};  // set_deltanet_bwd_serial_ws
 std::atomic<bool> g_chunk_kfast{true};  // set_deltanet_bwd_chunk_kfast
+std::atomic<int> g_chunk_l2f{1};       // set_deltanet_bwd_chunk_l2
 // q and Xw double-buffered in the serial kernel: bf16 operands, where the shared memory holds it
 bool bwd_serial_db2(const DeltanetBwdParams& p) {
   return g_serial_db2.load() && !p.hilo && BsLayout(p.K, false, 2).bytes <= smem_per_block_optin();
@@ -949,6 +1108,8 @@ bool bwd_serial_db2(const DeltanetBwdParams& p) {
 bool set_deltanet_bwd_serial_db2(bool enabled) { return g_serial_db2.exchange(enabled); }
 bool set_deltanet_bwd_serial_ws(bool on) { return g_serial_ws.exchange(on); }
 bool set_deltanet_bwd_chunk_kfast(bool on) { return g_chunk_kfast.exchange(on); }
+int set_deltanet_bwd_chunk_l2(int mode) { return g_chunk_l2f.exchange(mode < 0 ? 0 : mode > 2 ? 2 : mode); }
+bool set_deltanet_bwd_post_prefetch(bool on) { return g_post_pf.exchange(on); }
 
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
   // sm_80 opts in to 163 KB of shared memory per block, the serial kernel's K = 128 layout needs
@@ -1011,25 +1172,83 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial)");
   if (before_post)
     FW_CUDA_CHECK("deltanet_bwd (join the recompute)", cudaStreamWaitEvent(st, static_cast<cudaEvent_t>(before_post), 0));
-  const BqLayout lq(p.K, p.hilo);
   auto* post = p.hilo ? &deltanet_bwd_post_kernel<true> : &deltanet_bwd_post_kernel<false>;
   if (deltanet_fixed_k(p)) post = p.hilo ? &deltanet_bwd_post_kernel<true, 128> : &deltanet_bwd_post_kernel<false, 128>;
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(post), kThreads, lq.bytes);
-  post<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lq.bytes, st>>>(p, w, ws, vk);
+  const auto post_fn = reinterpret_cast<const void*>(post);
+  // pf (every V tile's dD, X loaded at the start): bf16 operands with bf16 dD / X and at most two V
+  // tiles, where it fits and costs no resident CTA per SM
+  const BqLayout lq0(p.K, p.hilo), lqp(p.K, false, true);
+  const bool pf = g_post_pf.load(std::memory_order_relaxed) && !p.hilo && w.xb && p.V <= 2 * kT &&
+                  lqp.bytes <= smem_per_block_optin() &&
+                  resident_ctas_per_sm(post_fn, kThreads, lqp.bytes) >= resident_ctas_per_sm(post_fn, kThreads, lq0.bytes);
+  const std::size_t qbytes = pf ? lqp.bytes : lq0.bytes;
+  (void)resident_ctas_per_sm(post_fn, kThreads, qbytes);
+  post<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, qbytes, st>>>(p, w, ws, vk, pf);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: post)");
 }
 
-void deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream) {
+// Whether pairs of the chunk pass's CTAs can be resident as clusters of 2 on this device (a GPU whose
+// partitions, e.g. MIG slices, cannot place them would fail the launch): asked once per device and
+// shared-memory size; the fused L2 epilogue falls back to the L2 kernel where not.
+static bool chunk_pair_clusters_fit(const void* kernel, const cudaLaunchConfig_t& cfg) {
+  static std::mutex mu;
+  static std::map<std::pair<int, std::size_t>, bool> known;
+  int dev = 0;
+  FW_CUDA_CHECK("deltanet_bwd (chunk pass)", cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(dev, cfg.dynamicSmemBytes);
+  if (auto it = known.find(key); it != known.end()) return it->second;
+  int clusters = 0;
+  const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+  if (e != cudaSuccess) (void)cudaGetLastError();  // not an error of the caller's: the unfused path runs
+  return known[key] = e == cudaSuccess && clusters > 0;
+}
+
+bool deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream, bool l2_vec) {
   const std::int64_t slots = deltanet_slots(p), kt = (p.K + kT - 1) / kT;
-  if (slots == 0 || p.N * p.H == 0) return;
+  if (slots == 0 || p.N * p.H == 0) return false;
   const BcLayout lay(p.hilo);
   auto* chunk = p.hilo ? &deltanet_bwd_chunk_tc_kernel<true> : &deltanet_bwd_chunk_tc_kernel<false>;
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(chunk), kBcThreads, lay.bytes);
   const bool kfast = g_chunk_kfast.load(std::memory_order_relaxed) && kt > 1 && slots * kt <= 0x7fffffff;
   const dim3 grid = kfast ? dim3(unsigned(slots * kt), unsigned(p.H), 1u) : dim3(unsigned(slots), unsigned(p.H), unsigned(kt));
-  chunk<<<grid, kBcThreads, lay.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
-      p, w, ws, rows16_seq(p.q), rows16_seq(p.k), rows16_seq(p.do_), kfast ? int(kt) : 0);
+  // the L2-norm backward fused in (chunk_l2_epilogue): bf16 operands, where the L2 vec kernel would
+  // run, one K tile, or two as a cluster (grid neighbours, an sm_90 binary)
+  // (mode 1, the default: one K tile only; the pair measured 2-4% slower at K = 128, H100 session 27)
+  int l2f = 0;
+  const int l2mode = g_chunk_l2f.load(std::memory_order_relaxed);
+  if (p.l2 && l2_vec && !p.hilo && w.h16 && (p.dq.p || p.dk.p) && l2mode > 0) {
+    if (kt == 1) l2f = 1;
+    else if (kt == 2 && kfast && l2mode == 2 && kernel_binary_version(reinterpret_cast<const void*>(chunk)) >= 90) l2f = 2;
+  }
+  const auto st = reinterpret_cast<cudaStream_t>(stream);
+  const auto args = [&] { return std::make_tuple(p, w, ws, rows16_seq(p.q), rows16_seq(p.k), rows16_seq(p.do_), kfast ? int(kt) : 0); };
+  if (l2f == 2) {
+    auto* pair = &deltanet_bwd_chunk_tc_kernel<false, 2>;
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(pair), kBcThreads, lay.bytes);
+    cudaLaunchConfig_t cfg{};
+    cudaLaunchAttribute at[1];
+    cfg.gridDim = grid, cfg.blockDim = dim3(kBcThreads), cfg.dynamicSmemBytes = lay.bytes, cfg.stream = st;
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
+    cfg.attrs = at, cfg.numAttrs = 1;
+    if (chunk_pair_clusters_fit(reinterpret_cast<const void*>(pair), cfg)) {
+      std::apply([&](auto... a) {
+        FW_CUDA_CHECK("deltanet_bwd (chunk pass, tensor cores, L2 norm fused)", cudaLaunchKernelEx(&cfg, pair, a...));
+      }, args());
+    } else {
+      l2f = 0;  // unfused instead
+    }
+  }
+  if (l2f == 1) {
+    auto* one = &deltanet_bwd_chunk_tc_kernel<false, 1>;
+    (void)resident_ctas_per_sm(reinterpret_cast<const void*>(one), kBcThreads, lay.bytes);
+    std::apply([&](auto... a) { one<<<grid, kBcThreads, lay.bytes, st>>>(a...); }, args());
+  } else if (l2f == 0) {
+    std::apply([&](auto... a) { chunk<<<grid, kBcThreads, lay.bytes, st>>>(a...); }, args());
+  }
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (chunk pass, tensor cores)");
+  return l2f != 0;
 }
 
 }  // namespace fastweight::detail

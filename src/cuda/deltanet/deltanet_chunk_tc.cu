@@ -30,21 +30,28 @@ constexpr int kThreads = kTcThreads;  // 4 warps; warp w owns tile rows 16w..16w
 constexpr int kMaxK = 128;
 
 // ---- 1. wy --------------------------------------------------------------------------------------
-// smem: f32 L[64][65] | f32 T[64][65] | f32 scr[4][16][17] | f32 rk[64], beta[64] |
-//       bf16 k[64][ldk] | v[nvb][64][kLd] | A1h, A1l, A2h, A2l [64][kLd] (lo: with LO only). The
-//       first nvb 64-column v tiles load with k at the start (read after the inverse and Xw: loaded
-//       there, their latency was exposed once per tile); later ones stream through the buffers.
-//       nvb = 2 unless the second buffer costs a CTA per SM (bf16 operands at K <= 64: 3 -> 2).
+// smem: f32 T[64][65] | f32 L[64][65] | f32 scr[4][16][17] | f32 rk[64], beta[64] |
+//       bf16 k[64][ldk] | v[nvb][64][kLd] | (LO) A2h, A2l [64][kLd]. The first nvb 64-column v tiles
+//       load with k at the start (read after the inverse and Xw: loaded there, their latency was
+//       exposed once per tile); later ones stream through the buffers. nvb = 2 unless the second
+//       buffer costs a CTA per SM (at K <= 64: bf16 operands 4 -> 3, hi + lo 3 -> 2).
+//       A1h and A2h (LO: A1h and A1l) [64][kLd] take L and scr's place, dead once T2 is formed: the
+//       kernel is latency-bound (load, inverse, products, store per CTA), and at K = 128 with bf16
+//       operands 74 KB instead of 92 KB per CTA fit 3 CTAs per SM instead of 2. L's place also stages
+//       a given T2 (t2_given) before its transpose into T.
 struct WyLayout {
   int Kc, ldk;
-  std::size_t L, T, scr, rk, beta, k, v, A1h, A1l, A2h, A2l, bytes;
+  std::size_t T, L, scr, rk, beta, k, v, A1h, A1l, A2h, A2l, bytes;
+  static_assert(2 * 2 * kT * kLd <= 4 * 64 * 65 + 4 * 4 * 16 * 17, "two A tiles must fit in L and scr's place");
   __host__ __device__ WyLayout(std::int64_t K, bool lo, int nvb) {
-    const std::size_t t64 = 2 * std::size_t(kT) * kLd, tl = lo ? t64 : 0;
+    const std::size_t t64 = 2 * std::size_t(kT) * kLd;
     Kc = k_cols(K), ldk = Kc + 8;
-    L = 0, T = L + 4 * 64 * 65, scr = T + 4 * 64 * 65, rk = scr + 4 * 4 * 16 * 17, beta = rk + 4 * 64;
+    T = 0, L = T + 4 * 64 * 65, scr = L + 4 * 64 * 65, rk = scr + 4 * 4 * 16 * 17, beta = rk + 4 * 64;
     k = round_up(beta + 4 * 64, 16), v = k + 2 * std::size_t(kT) * ldk;
-    A1h = v + nvb * t64, A1l = A1h + t64, A2h = A1l + tl, A2l = A2h + t64;
-    bytes = A2l + tl;
+    const std::size_t end = v + nvb * t64;
+    A1h = L, A1l = L + t64;                              // LO: A1h, A1l in L and scr's place
+    A2h = lo ? end : L + t64, A2l = A2h + t64;           // bf16 operands: A1h, A2h there, no lo tiles
+    bytes = lo ? A2l + t64 : end;
   }
 };
 
@@ -135,10 +142,8 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
     }
     __syncthreads();
     unit_lower_inverse(sL, sT, scr, warp, lane);  // (ends with a barrier)
-    if constexpr (!LO) {  // bf16 operands: T2 itself rounded to bf16 (as FLA's A), before any use of it
-      for (int e = tid; e < 64 * 64; e += kThreads) sT[e / 64][e % 64] = __bfloat162float(__float2bfloat16_rn(sT[e / 64][e % 64]));
-      __syncthreads();
-    }
+    // bf16 operands: T2 itself is rounded to bf16 (as FLA's A) before any use of it, at each use below
+    // (t2r; a pass over sT of its own was ~9% of the forward kernel's instructions)
     if (w.T2) {  // the forward's wy_inverse, or the backward's own region: rows i < nr, 16-byte pieces
       // (2-byte stores cost the forward ~60 us at (1, 32768, 16, 128); sT[j0 + q][i]: 2-way conflicts)
       constexpr int n = 16 / (LO ? 4 : 2);  // entries per piece
@@ -148,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
         if constexpr (LO) {
           *reinterpret_cast<float4*>(w.T2 + t2_row(i) + j0) =
               make_float4(sT[j0][i], sT[j0 + 1][i], sT[j0 + 2][i], sT[j0 + 3][i]);
-        } else {  // sT holds bf16 values already: exact
+        } else {  // T2 rounded to bf16 (pack_bf16)
           uint4 x;
           x.x = pack_bf16(sT[j0][i], sT[j0 + 1][i]), x.y = pack_bf16(sT[j0 + 2][i], sT[j0 + 3][i]);
           x.z = pack_bf16(sT[j0 + 4][i], sT[j0 + 5][i]), x.w = pack_bf16(sT[j0 + 6][i], sT[j0 + 7][i]);
@@ -157,10 +162,13 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
       }
     }
   }
+  // T2's entry as used: fp32 with LO, else rounded to bf16 (a given T2 is bf16 already: the same value)
+  auto t2r = [](float x) { return LO ? x : __bfloat162float(__float2bfloat16_rn(x)); };
   for (int e = tid; e < 64 * 32; e += kThreads) {  // A1 = T2 diag(rk), A2 = T2, as hi + lo (column pairs)
     const int i = e / 32, j = 2 * (e % 32);
-    put_split2<LO>(sA1h, sA1l, kLd, i, j, sT[i][j] * s_rk[j], sT[i][j + 1] * s_rk[j + 1]);
-    put_split2<LO>(sA2h, sA2l, kLd, i, j, sT[i][j], sT[i][j + 1]);
+    const float x0 = t2r(sT[i][j]), x1 = t2r(sT[i][j + 1]);
+    put_split2<LO>(sA1h, sA1l, kLd, i, j, x0 * s_rk[j], x1 * s_rk[j + 1]);
+    put_split2<LO>(sA2h, sA2l, kLd, i, j, x0, x1);
   }
   __syncthreads();
   // Xw = A1 K, per 64 columns of K, to bf16 hi + lo (rows of this chunk only)

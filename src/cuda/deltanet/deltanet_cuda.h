@@ -47,6 +47,15 @@ bool set_deltanet_bwd_serial_ws(bool on);
 // neighbours (K > 64; default on) instead of a grid of slots apart; the same bits. Returns the
 // previous setting (fastweight_bench --dn-chunk-kfast=off).
 bool set_deltanet_bwd_chunk_kfast(bool on);
+// Tests and benchmarks only: the L2-norm backward fused into the tensor-core chunk pass where it
+// applies (bf16 operands) instead of its own kernel, the same bits: 0 never, 1 (the default) where K
+// is one 64-column tile, 2 also two K tiles as a cluster of 2 (sm_90). Returns the previous setting
+// (fastweight_bench --dn-chunk-l2=off|on|pair).
+int set_deltanet_bwd_chunk_l2(int mode);
+// Tests and benchmarks only: the post kernel loads every V tile's dD and X with k and T2 at its start
+// (bf16 operands, bf16 dD / X, V <= 128, where it costs no resident CTA) instead of tile by tile;
+// default off, the same bits. Returns the previous setting (fastweight_bench --dn-post-pf=on).
+bool set_deltanet_bwd_post_prefetch(bool on);
 // Tests and benchmarks only: the wy kernel's v tile buffers, 1 or 2 (0: the planner's choice, two
 // unless the second costs a resident CTA per SM). Returns the previous setting.
 int set_deltanet_wy_vbufs(int n);
@@ -110,8 +119,10 @@ int set_deltanet_bwd_overlap(int mode);
 // default on, the same bits. Returns the previous setting (fastweight_bench --dn-bwd-wy-side=off).
 bool set_deltanet_bwd_wy_side(bool on);
 bool deltanet_bwd_overlap(const DeltanetBwdParams& p);
-// The chunk pass on tensor cores (deltanet_bwd_tc.cu), after the state pass on tensor cores.
-void deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream);
+// The chunk pass on tensor cores (deltanet_bwd_tc.cu), after the state pass on tensor cores. l2_vec:
+// the L2-norm backward's vec kernel would apply (deltanet_bwd_cuda); returns whether that backward
+// ran fused into the pass (dq, dk written; the L2 kernel must not run).
+bool deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream, bool l2_vec);
 
 // The decoding step's own kernel (deltanet_step.cu): T = 1, no cu_seqlens, K <= kStepMaxK, fp32 state
 // and new state (in place allowed). deltanet_step takes it where it applies, else the forward over
