@@ -74,6 +74,9 @@ struct DnChunkBufs {
   bool xu16 = false;
   // T2 is the forward's (read, not formed): see T2 (last: positional initialisers keep their meaning)
   bool t2_given = false;
+  // The state kernel's V tile width, 32 or 64 (0: deltanet_serial_tile's; the backward's recompute
+  // takes the backward's, deltanet_bwd_serial_tile)
+  int tile = 0;
 };
 
 // bf16 matrices per state or Xw row (hi + lo, or hi only), and floats for n of them

@@ -437,8 +437,19 @@ bool set_deltanet_bwd_wy_side(bool on) { return g_bwd_wy_side.exchange(on); }
 bool deltanet_bwd_overlap(const DeltanetBwdParams& p) {
   const int mode = g_bwd_overlap.load();
   if (mode != 0) return mode > 0;
-  const int tw = deltanet_serial_tile(p);
+  const int tw = deltanet_bwd_serial_tile(p);
   return 2 * p.N * p.H * ((p.V + tw - 1) / tw) <= sm_count();
+}
+
+// Measured (H100, session 27, bf16 operands): (2,8192,16,128) backward 1.771 -> 1.689 ms with 64
+// columns (128 CTAs: the chains overlap; 256 with 32 do not fit), while the forward keeps 32 there
+// (0.63 against 0.75 ms); at (1,32768,16,128), where 32 columns overlap already, 64 lost 11%.
+int deltanet_bwd_serial_tile(const DeltanetBwdParams& p) {
+  const int tw = deltanet_serial_tile(p);
+  if (tw != 32 || deltanet_state_tile_forced() || g_bwd_overlap.load() < 0) return tw;
+  const std::int64_t sms = sm_count();
+  const auto ctas = [&](std::int64_t t) { return 2 * p.N * p.H * ((p.V + t - 1) / t); };
+  return ctas(32) > sms && ctas(64) <= sms ? 64 : 32;
 }
 
 namespace {
@@ -482,6 +493,7 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream st
     bufs.t2_given = p.wy_t2 != nullptr;
     bufs.xbf16 = w.xb;
     bufs.xu16 = w.xu16;  // the choice that sized the xu region
+    bufs.tile = deltanet_bwd_serial_tile(p);
     if (overlap && g_bwd_wy_side.load(std::memory_order_relaxed)) {
       // wy on the side stream as well, beside the prep kernel (which reads none of Xw, Xu, rk, T2; it
       // forms its own rk); the serial kernel (Xw) waits for wy_done, post for the whole side chain

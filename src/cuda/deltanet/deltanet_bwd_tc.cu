@@ -1134,7 +1134,7 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   if (before_serial)  // the recompute's wy kernel (Xw), run beside prep
     FW_CUDA_CHECK("deltanet_bwd (join the recompute's wy)", cudaStreamWaitEvent(st, static_cast<cudaEvent_t>(before_serial), 0));
   const bool db2 = bwd_serial_db2(p);
-  const int tw = deltanet_serial_tile(p);  // 32 where 64-column CTAs would leave SMs idle
+  const int tw = deltanet_bwd_serial_tile(p);  // 32 where 64-column CTAs would leave SMs idle
   const bool two = db2 && deltanet_serial_two_sync();
   const BsLayout ls(p.K, p.hilo, db2 ? 2 : 1, tw);
   auto* serial = p.hilo ? &deltanet_bwd_state_tc_kernel<true, false>

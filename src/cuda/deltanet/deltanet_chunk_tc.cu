@@ -793,6 +793,7 @@ bool set_deltanet_fixed_k(bool on) { return g_fixed_k.exchange(on); }
 bool deltanet_fixed_k(const DeltanetParams& p) { return g_fixed_k.load(std::memory_order_relaxed) && p.K == 128; }
 int set_deltanet_wy_vbufs(int n) { return g_wy_vbufs.exchange(n == 1 || n == 2 ? n : 0); }
 int set_deltanet_state_tile(int cols) { return g_state_tile.exchange(cols == 32 || cols == 64 ? cols : 0); }
+int deltanet_state_tile_forced() { return g_state_tile.load(); }
 bool set_deltanet_state_two_sync(bool on) { return g_state_two_sync.exchange(on); }
 bool set_deltanet_state_ws(bool on) { return g_state_ws.exchange(on); }
 int set_deltanet_state_ws_warps(int n) { return g_state_ws_warps.exchange(n == 1 ? 1 : 2); }
@@ -845,7 +846,7 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   }
   if (!(phases & 2)) return;
   const bool pxu = state_xu_tiles(p);
-  const int tw = deltanet_serial_tile(p);
+  const int tw = w.tile ? w.tile : deltanet_serial_tile(p);
   const bool two = deltanet_serial_two_sync();
   const bool vk = rows16_seq(p.k), vx = p.K % 8 == 0;
   using StateFn = void (*)(const DeltanetParams, const DnChunkBufs, bool, bool, bool, bool, bool);

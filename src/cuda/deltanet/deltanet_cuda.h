@@ -83,6 +83,11 @@ bool set_deltanet_out_vfast(bool on);
 // The planner's choice: 32 where 64-column CTAs (one per SM) would leave more than half the SMs idle;
 // with cu_seqlens (lengths unknown on the host, the longest sets the tail) up to two such waves.
 int deltanet_serial_tile(const DeltanetParams& p);
+// The forced tile of set_deltanet_state_tile (0: none).
+int deltanet_state_tile_forced();
+// The backward's (its serial kernel's and its recompute's): the forward's, but 64 where 64-column
+// tiles let the two chains run beside each other (deltanet_bwd_overlap) and 32-column ones do not.
+int deltanet_bwd_serial_tile(const DeltanetBwdParams& p);
 // The serial kernels (forward state, backward serial) compiled for K = 128 where the problem has it,
 // else for a runtime K: on by default; returns the previous setting (tests; fastweight_bench
 // --dn-fixed-k=off).
