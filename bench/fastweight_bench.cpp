@@ -24,6 +24,8 @@
 //   fastweight_bench --dn-x-bf16=off         DeltaNet backward (bf16 operands) with X, Y in fp32 (A/B)
 //   fastweight_bench --dn-xu-bf16=off        DeltaNet (bf16 operands) with Xu in fp32 (A/B)
 //   fastweight_bench --dn-state-ws=off       DeltaNet forward state kernel without its producer warp (A/B)
+//   fastweight_bench --dn-recompute-ws=0|1|2 DeltaNet backward's recompute on the warp-specialised state kernel:
+//                                            never, where it is alone on the GPU (default), always (A/B)
 //   fastweight_bench --dn-state-ws-warps=1|2 its producer warps (A/B)
 //   fastweight_bench --dn-bwd-ws=on|off      DeltaNet backward serial kernel with its producer warpgroup (A/B; default off)
 //   fastweight_bench --dn-bwd-wy-side=off    DeltaNet backward's recompute wy kernel before the fork, not beside prep (A/B)
@@ -103,6 +105,7 @@ struct Options {
   bool steps_only = false;
   bool dn_three_sync = false;
   bool dn_no_state_ws = false;
+  int dn_recompute_ws = -1;  // -1: the library's default
   int dn_state_ws_warps = 0;
   int dn_bwd_ws = -1;  // -1: the library's default
   bool dn_no_wy_saved = false, dn_no_wy_side = false, dn_no_kfast = false;
@@ -350,6 +353,7 @@ int main(int argc, char** argv) {
     else if (a == "--steps-only") o.steps_only = true;
     else if (const char* v = val("--dn-two-sync=")) o.dn_three_sync = !on(v);
     else if (const char* v = val("--dn-state-ws=")) o.dn_no_state_ws = !on(v);
+    else if (const char* v = val("--dn-recompute-ws=")) o.dn_recompute_ws = std::atoi(v);
     else if (const char* v = val("--dn-state-ws-warps=")) o.dn_state_ws_warps = std::atoi(v);
     else if (const char* v = val("--dn-wy-saved=")) o.dn_no_wy_saved = !on(v);
     else if (const char* v = val("--dn-bwd-ws=")) o.dn_bwd_ws = on(v) ? 1 : 0;
@@ -422,6 +426,7 @@ int main(int argc, char** argv) {
   if (o.step_heads_major) fastweight::detail::set_step_tile_major(false);
   if (o.dn_three_sync) fastweight::detail::set_deltanet_state_two_sync(false);
   if (o.dn_no_state_ws) fastweight::detail::set_deltanet_state_ws(false);
+  if (o.dn_recompute_ws >= 0) fastweight::detail::set_deltanet_bwd_recompute_ws(o.dn_recompute_ws);
   if (o.dn_state_ws_warps) fastweight::detail::set_deltanet_state_ws_warps(o.dn_state_ws_warps);
   if (o.dn_bwd_ws >= 0) fastweight::detail::set_deltanet_bwd_serial_ws(o.dn_bwd_ws == 1);
   if (o.dn_no_wy_side) fastweight::detail::set_deltanet_bwd_wy_side(false);

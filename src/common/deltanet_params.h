@@ -77,6 +77,9 @@ struct DnChunkBufs {
   // The state kernel's V tile width, 32 or 64 (0: deltanet_serial_tile's; the backward's recompute
   // takes the backward's, deltanet_bwd_serial_tile)
   int tile = 0;
+  // The backward's recompute may take the warp-specialised state kernel (where its paths hold; the
+  // forward's request, dprime, always may): its epilogue stores X as bf16 (xbf16) as the other's does
+  bool state_ws = false;
 };
 
 // bf16 matrices per state or Xw row (hi + lo, or hi only), and floats for n of them

@@ -492,6 +492,7 @@ void check_bwd_case(const DnBwdCase& c) {
     bool two, kfast, wy_side, serial_ws;
     int chunk_l2;
     bool post_pf;
+    int recompute_ws;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -503,6 +504,7 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_serial_ws(serial_ws);
       fastweight::detail::set_deltanet_bwd_chunk_l2(chunk_l2);
       fastweight::detail::set_deltanet_bwd_post_prefetch(post_pf);
+      fastweight::detail::set_deltanet_bwd_recompute_ws(recompute_ws);
     }
   } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true),
                       fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_bwd_overlap(0),
@@ -511,7 +513,8 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_wy_side(true),
                       fastweight::detail::set_deltanet_bwd_serial_ws(false),
                       fastweight::detail::set_deltanet_bwd_chunk_l2(2),
-                      fastweight::detail::set_deltanet_bwd_post_prefetch(true)};
+                      fastweight::detail::set_deltanet_bwd_post_prefetch(true),
+                      fastweight::detail::set_deltanet_bwd_recompute_ws(2)};
   std::vector<HostTensor> run[2];
   for (int r = 0; r < 2; ++r) {
     fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
@@ -523,6 +526,7 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_bwd_chunk_kfast(r == 0);
     fastweight::detail::set_deltanet_bwd_chunk_l2(r == 0 ? 2 : 0);  // the L2-norm backward fused (pairs too), then its own kernel
     fastweight::detail::set_deltanet_bwd_post_prefetch(r == 0);  // post's V tiles at its start, then one by one
+    fastweight::detail::set_deltanet_bwd_recompute_ws(r == 0 ? 2 : 0);  // the recompute warp-specialised, then not
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
     FW_TEST_CUDA(cudaMemset(ws, r == 0 ? 0xff : 0x00, need));
     FW_TEST_CUDA(cudaDeviceSynchronize());  // the memsets run on the legacy stream, not on `stream`

@@ -425,10 +425,12 @@ DeltanetBwdParams effective(const DeltanetBwdParams& p) {
 namespace {
 std::atomic<int> g_bwd_overlap{0};  // 0: the planner's choice, 1: always, -1: never
 std::atomic<bool> g_bwd_wy_side{true};  // set_deltanet_bwd_wy_side
+std::atomic<int> g_bwd_recompute_ws{1};  // set_deltanet_bwd_recompute_ws
 }  // namespace
 
 int set_deltanet_bwd_overlap(int mode) { return g_bwd_overlap.exchange(mode > 0 ? 1 : mode < 0 ? -1 : 0); }
 bool set_deltanet_bwd_wy_side(bool on) { return g_bwd_wy_side.exchange(on); }
+int set_deltanet_bwd_recompute_ws(int mode) { return g_bwd_recompute_ws.exchange(mode < 0 ? 0 : mode > 2 ? 2 : mode); }
 
 // The recompute's state kernel (S, X: read from the post kernel on) and the state pass's prep +
 // serial kernels (dD0, dS: neither reads S or X) are independent chains, each a grid of sequences x
@@ -494,6 +496,10 @@ void deltanet_bwd_cuda(const DeltanetBwdParams& p_in, void* workspace, Stream st
     bufs.xbf16 = w.xb;
     bufs.xu16 = w.xu16;  // the choice that sized the xu region
     bufs.tile = deltanet_bwd_serial_tile(p);
+    // the warp-specialised state kernel where the recompute's chain is alone on the GPU (varlen, many
+    // sequences: nothing beside it; its forward ran 399 us against the plain kernel's 503 at 8 in 32768)
+    const int rws = g_bwd_recompute_ws.load(std::memory_order_relaxed);
+    bufs.state_ws = rws == 2 || (rws == 1 && !overlap);
     if (overlap && g_bwd_wy_side.load(std::memory_order_relaxed)) {
       // wy on the side stream as well, beside the prep kernel (which reads none of Xw, Xu, rk, T2; it
       // forms its own rk); the serial kernel (Xw) waits for wy_done, post for the whole side chain

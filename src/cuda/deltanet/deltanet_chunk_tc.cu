@@ -866,10 +866,10 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   const StateFn wsfn = tw == 32 && !lo ? kWsStates[np - 1][fk] : nullptr;
   // where its producer's paths hold: cp.async rows (k, Xw), the Xu tiles with whole 16-byte S pieces,
   // two barriers (the tests' three-barrier run compares bits with it), a binary for sm_90. The forward
-  // only (w.dprime: its request): the backward's recompute, beside the state pass's kernels at
-  // (1,32768,16,128), measured 4.461 -> 4.606 ms with it (H100, session 24), the forward 1.881 -> 1.832.
+  // (w.dprime: its request), and the backward's recompute where it asks (w.state_ws: not beside the
+  // state pass's kernels, where at (1,32768,16,128) it measured 4.461 -> 4.606 ms, H100, session 24).
   const StLayout lws(p.K, p.hilo, pxu, tw, true);
-  const bool ws = wsfn && w.dprime && g_state_ws.load(std::memory_order_relaxed) && two && vk && vx && pxu &&
+  const bool ws = wsfn && (w.dprime || w.state_ws) && g_state_ws.load(std::memory_order_relaxed) && two && vk && vx && pxu &&
                   p.V % 8 == 0 &&
                   lws.bytes <= smem_per_block_optin() && kernel_binary_version(reinterpret_cast<const void*>(wsfn)) >= 90;
   const StateFn state = ws ? wsfn : kStates[fk][tw == 32][lo];

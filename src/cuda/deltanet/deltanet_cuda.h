@@ -123,6 +123,11 @@ int set_deltanet_bwd_overlap(int mode);
 // the state pass's prep kernel (which reads none of its outputs; the serial kernel waits for it);
 // default on, the same bits. Returns the previous setting (fastweight_bench --dn-bwd-wy-side=off).
 bool set_deltanet_bwd_wy_side(bool on);
+// Tests and benchmarks only: the backward's recompute on the warp-specialised state kernel (where its
+// paths hold, as the forward's): 0 never, 1 (the default) where the recompute does not run beside the
+// state pass (deltanet_bwd_overlap), 2 always; the same bits. Returns the previous setting
+// (fastweight_bench --dn-recompute-ws=0|1|2).
+int set_deltanet_bwd_recompute_ws(int mode);
 bool deltanet_bwd_overlap(const DeltanetBwdParams& p);
 // The chunk pass on tensor cores (deltanet_bwd_tc.cu), after the state pass on tensor cores. l2_vec:
 // the L2-norm backward's vec kernel would apply (deltanet_bwd_cuda); returns whether that backward
