@@ -98,6 +98,8 @@ class Ctx:
         ap.add_argument("--reps", type=int, default=10)
         ap.add_argument("--out", default=str(REPO / "bench" / "out"))
         ap.add_argument("--shapes", default="", help="only these shapes, e.g. '8,16,8192,128,256;2,16,8192,128,128'")
+        ap.add_argument("--graph", action="store_true",
+                        help="also time (K): fwd and fwd+bwd captured in a CUDA graph, replayed back to back")
         self.a = ap.parse_args(argv)
         import torch
         self.torch = torch
@@ -134,8 +136,35 @@ def step(inputs, fwdbwd):
     return run
 
 
-def measure(row: dict, torch, cuda: bool, reps: int, fwd, fwdbwd) -> None:
-    """Fills row with fwd_ms (no grad), peak_gib (one fwd+bwd, GPU) and fwdbwd_ms."""
+REPLAYS = 20  # graph replays per timed sample
+
+
+def graph_ms(torch, fn, reps: int) -> float:
+    """fn captured in a CUDA graph (on a side stream, after warm-up there), replayed REPLAYS times back
+    to back per sample: median ms per replay (BENCHMARKS.md's (K): the kernels alone, no host time)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+
+    def replays():
+        for _ in range(REPLAYS):
+            g.replay()
+    ms = timed(replays, True, max(5, reps // 2)) / REPLAYS
+    del g
+    return ms
+
+
+def measure(row: dict, torch, cuda: bool, reps: int, fwd, fwdbwd, graph: bool = False) -> None:
+    """Fills row with fwd_ms (no grad), peak_gib (one fwd+bwd, GPU) and fwdbwd_ms: (U), each call timed
+    alone between two events (the host's time included where the GPU waits for it). With graph (GPU):
+    also fwd_graph_ms and fwdbwd_graph_ms, (K): the same calls captured in a CUDA graph and replayed back
+    to back; a provider whose call cannot be captured (a host synchronisation in it) gets graph_na."""
     with torch.no_grad():
         row["fwd_ms"] = timed(fwd, cuda, reps)
     if cuda:
@@ -145,6 +174,15 @@ def measure(row: dict, torch, cuda: bool, reps: int, fwd, fwdbwd) -> None:
         torch.cuda.synchronize()
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     row["fwdbwd_ms"] = timed(fwdbwd, cuda, reps)
+    if cuda and graph:
+        try:
+            with torch.no_grad():
+                row["fwd_graph_ms"] = graph_ms(torch, fwd, reps)
+            row["fwdbwd_graph_ms"] = graph_ms(torch, fwdbwd, reps)
+        except Exception as e:  # noqa: BLE001
+            row["graph_na"] = short(e)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def report(rows: list, out: str, name: str, device: str, shape_head: str, err_head: str) -> None:
@@ -153,15 +191,21 @@ def report(rows: list, out: str, name: str, device: str, shape_head: str, err_he
     o = Path(out)
     o.mkdir(parents=True, exist_ok=True)
     (o / f"{name}.json").write_text(json.dumps(dict(device=device, rows=rows), indent=1))
-    print(f"| {shape_head} | provider | fwd ms | fwd+bwd ms | peak GiB | {err_head} |")
-    print("|---|---|---|---|---|---|")
+    graph = any("fwd_graph_ms" in r or "graph_na" in r for r in rows)  # (K) columns where asked
+    gh, gs = (" graph fwd ms | graph fwd+bwd ms |", "---|---|") if graph else ("", "")
+    print(f"| {shape_head} | provider | fwd ms | fwd+bwd ms |{gh} peak GiB | {err_head} |")
+    print(f"|---|---|---|---|{gs}---|---|")
     for r in rows:
         if "na" in r:
-            print(f"| {r['shape']} | {r['provider']} | n/a ({r['na']}) | | | |")
+            print(f"| {r['shape']} | {r['provider']} | n/a ({r['na']}) | |{' | |' if graph else ''} | |")
             continue
         pk = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"
         err = f"{r['err']:.1e}" if "err" in r else "-"
-        print(f"| {r['shape']} | {r['provider']} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | {pk} | {err} |")
+        g = ""
+        if graph:
+            g = (f" {r['fwd_graph_ms']:.3f} | {r['fwdbwd_graph_ms']:.3f} |" if "fwdbwd_graph_ms" in r
+                 else f" n/a ({r.get('graph_na', 'not timed')}) | |")
+        print(f"| {r['shape']} | {r['provider']} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} |{g} {pk} | {err} |")
 
 
 def report_decode(rows: list, out: str, name: str, device: str) -> None:

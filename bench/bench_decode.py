@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import Ctx, import_fla, report_decode, run_case, timed  # noqa: E402
+from bench_common import Ctx, graph_ms, import_fla, report_decode, run_case, timed  # noqa: E402
 
 # (family: 0 mLSTM / 1 DeltaNet, B, heads, DK, DV)
 SHAPES = [(0, b, 8, 256, 512) for b in (1, 8, 64, 256)] + [(1, b, 16, 128, 128) for b in (1, 8, 64, 256)]
@@ -58,27 +58,6 @@ def deltanet_call(name, fw):
     fn = import_fla("fla.ops.delta_rule").fused_recurrent_delta_rule
     return lambda q, k, v, b, s: fn(q[:, None], k[:, None], v[:, None], b[:, None], initial_state=s,
                                     output_final_state=True, use_qk_l2norm_in_kernel=True)[0][:, 0]
-
-
-REPLAYS = 20  # graph replays per timed sample
-
-
-def graph_ms(torch, fn, reps: int) -> float:
-    """fn captured in a CUDA graph (on a side stream, after warm-up there), replayed REPLAYS times back
-    to back per sample: median ms per replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    def replays():
-        for _ in range(REPLAYS):
-            g.replay()
-    return timed(replays, True, max(5, reps // 2)) / REPLAYS
 
 
 def main():

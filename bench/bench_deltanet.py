@@ -71,7 +71,8 @@ def main():
                 def fwdbwd():
                     out, ht = call(*args, h0g, cu)
                     torch.autograd.backward([out, ht], [do, torch.ones_like(ht)])
-                measure(row, torch, c.cuda, c.a.reps, lambda: call(q, k, v, beta, h0, cu), step(args + [h0g], fwdbwd))
+                measure(row, torch, c.cuda, c.a.reps, lambda: call(q, k, v, beta, h0, cu), step(args + [h0g], fwdbwd),
+                        c.a.graph)
             run_case(c.rows, c.row(shape, name), body)
     report(c.rows, c.a.out, "bench_deltanet", c.dev, "shape (B,T,H,K=V)", "o err vs fastweight")
     return 0
