@@ -556,6 +556,50 @@ def test_cuda_forward_deterministic_graph_capture_and_compile():
     assert torch.equal(oc, o1) and torch.equal(htc, ht1)
 
 
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("cu", [None, [0, 90, 90, 300]])
+def test_cuda_backward_graph_capture(cu):
+    """Forward + autograd backward captured in one CUDA graph and replayed give the eager call's bits
+    (bf16 operands, L2 norm): the backward forks its recompute onto a side stream, which must join the
+    capture (bench_deltanet.py --graph times the kernels this way). Varlen: the offsets, checked once
+    eagerly, are trusted while capturing."""
+    N = 1 if cu is None else len(cu) - 1
+    q, k, v, beta, h0 = _cuda(*make(B=1, T=300, H=2, K=64, V=64, dtype=torch.bfloat16, N=N, seed=_fresh_seed()))
+    cus = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, beta, h0)]
+    g = torch.Generator(device="cuda").manual_seed(7)
+    do = torch.randn(q.shape, generator=g, device="cuda").to(torch.bfloat16)
+    dht = torch.randn(h0.shape, generator=g, device="cuda")
+
+    def run():
+        for t in leaves:
+            t.grad = None
+        o, ht = fastweight.delta_rule(*leaves[:4], initial_state=leaves[4], output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cus, split_operands=False)
+        torch.autograd.backward([o, ht], [do, dht])
+        return o, ht
+    o_e, ht_e = (t.clone() for t in run())
+    grads_e = [t.grad.clone() for t in leaves]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, ht_g = run()
+    for t in leaves:  # poison what the replay must rewrite
+        t.grad.fill_(float("nan"))
+    o_g.fill_(float("nan")), ht_g.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_g, o_e) and torch.equal(ht_g, ht_e)
+    for name, t, ge in zip(GRAD_NAMES, leaves, grads_e):
+        assert torch.equal(t.grad, ge), f"d{name} differs in the graph's replay"
+
+
 # Bounds of the CUDA backward and step against the float64 CPU path on the same (rounded) inputs:
 # fp32 accumulation and states; bf16 gradients are rounded to bf16 on the way out.
 CUDA_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
