@@ -492,7 +492,7 @@ void check_bwd_case(const DnBwdCase& c) {
     bool two, kfast, wy_side, serial_ws;
     int chunk_l2;
     bool post_pf;
-    int recompute_ws;
+    int recompute_ws, serial_rs;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -505,6 +505,7 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_chunk_l2(chunk_l2);
       fastweight::detail::set_deltanet_bwd_post_prefetch(post_pf);
       fastweight::detail::set_deltanet_bwd_recompute_ws(recompute_ws);
+      fastweight::detail::set_deltanet_bwd_serial_rs(serial_rs);
     }
   } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true),
                       fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_bwd_overlap(0),
@@ -514,21 +515,39 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_serial_ws(false),
                       fastweight::detail::set_deltanet_bwd_chunk_l2(2),
                       fastweight::detail::set_deltanet_bwd_post_prefetch(true),
-                      fastweight::detail::set_deltanet_bwd_recompute_ws(2)};
-  std::vector<HostTensor> run[2];
-  for (int r = 0; r < 2; ++r) {
-    fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
-    fastweight::detail::set_deltanet_bwd_serial_db2(r == 0);
-    fastweight::detail::set_deltanet_bwd_serial_ws(r == 0);  // off by default: run 0 keeps it bit-tested
-    fastweight::detail::set_deltanet_state_tile(r == 0 ? 32 : 64);
-    fastweight::detail::set_deltanet_bwd_overlap(r == 0 ? 1 : -1);
-    fastweight::detail::set_deltanet_state_two_sync(r == 0);
-    fastweight::detail::set_deltanet_bwd_chunk_kfast(r == 0);
-    fastweight::detail::set_deltanet_bwd_chunk_l2(r == 0 ? 2 : 0);  // the L2-norm backward fused (pairs too), then its own kernel
-    fastweight::detail::set_deltanet_bwd_post_prefetch(r == 0);  // post's V tiles at its start, then one by one
-    fastweight::detail::set_deltanet_bwd_recompute_ws(r == 0 ? 2 : 0);  // the recompute warp-specialised, then not
+                      fastweight::detail::set_deltanet_bwd_recompute_ws(2),
+                      fastweight::detail::set_deltanet_bwd_serial_rs(0)};
+  // Runs 2 and 3: the serial kernel with dS in registers (deltanet_bwd_rs.cu, where it applies; other
+  // products' order, so checked against the reference, and run 3 against run 2 bit for bit) with 2
+  // then 4 chain warps per CTA, the rest as run 0, then as run 1
+  std::vector<HostTensor> run[4];
+  for (int r = 0; r < 4; ++r) {
+    fastweight::detail::set_deltanet_bwd_serial_rs(r == 2 ? 2 : r == 3 ? 4 : 0);
+    if (r >= 2) {
+      fastweight::detail::set_deltanet_wy_vbufs(0);
+      fastweight::detail::set_deltanet_state_tile(0);
+      fastweight::detail::set_deltanet_bwd_overlap(r == 2 ? 1 : -1);
+      fastweight::detail::set_deltanet_bwd_chunk_l2(1);
+      fastweight::detail::set_deltanet_bwd_post_prefetch(false);
+      fastweight::detail::set_deltanet_bwd_recompute_ws(1);
+      fastweight::detail::set_deltanet_bwd_serial_ws(false);
+      fastweight::detail::set_deltanet_bwd_serial_db2(true);
+      fastweight::detail::set_deltanet_state_two_sync(true);
+      fastweight::detail::set_deltanet_bwd_chunk_kfast(true);
+    } else {
+      fastweight::detail::set_deltanet_wy_vbufs(r == 0 ? 2 : 1);
+      fastweight::detail::set_deltanet_bwd_serial_db2(r == 0);
+      fastweight::detail::set_deltanet_bwd_serial_ws(r == 0);  // off by default: run 0 keeps it bit-tested
+      fastweight::detail::set_deltanet_state_tile(r == 0 ? 32 : 64);
+      fastweight::detail::set_deltanet_bwd_overlap(r == 0 ? 1 : -1);
+      fastweight::detail::set_deltanet_state_two_sync(r == 0);
+      fastweight::detail::set_deltanet_bwd_chunk_kfast(r == 0);
+      fastweight::detail::set_deltanet_bwd_chunk_l2(r == 0 ? 2 : 0);  // the L2-norm backward fused (pairs too), then its own kernel
+      fastweight::detail::set_deltanet_bwd_post_prefetch(r == 0);  // post's V tiles at its start, then one by one
+      fastweight::detail::set_deltanet_bwd_recompute_ws(r == 0 ? 2 : 0);  // the recompute warp-specialised, then not
+    }
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
-    FW_TEST_CUDA(cudaMemset(ws, r == 0 ? 0xff : 0x00, need));
+    FW_TEST_CUDA(cudaMemset(ws, r % 2 == 0 ? 0xff : 0x00, need));
     FW_TEST_CUDA(cudaDeviceSynchronize());  // the memsets run on the legacy stream, not on `stream`
     deltanet_bwd(a, ws, need, reinterpret_cast<Stream>(stream));
     FW_TEST_CUDA(cudaStreamSynchronize(stream));
@@ -586,6 +605,8 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_bwd_serial_ws(false);  // the DB2 path: run 0's WS kernel against it, bit for bit
     fastweight::detail::set_deltanet_bwd_chunk_l2(1);       // the default (K <= 64 fused, else its own kernel)
     fastweight::detail::set_deltanet_bwd_post_prefetch(true);
+    fastweight::detail::set_deltanet_bwd_recompute_ws(2);
+    fastweight::detail::set_deltanet_bwd_serial_rs(0);
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
     FW_TEST_CUDA(cudaMemset(ws, 0xff, need));
     FW_TEST_CUDA(cudaDeviceSynchronize());
@@ -624,11 +645,15 @@ void check_bwd_case(const DnBwdCase& c) {
       continue;
     }
     const double err = rel_err(run[0][e], ref[e]);  // +inf on any NaN: every element written
+    const double err_rs = rel_err(run[2][e], ref[e]);
     EXPECT_LT(err, tol) << names[e];
+    EXPECT_LT(err_rs, tol) << names[e] << " (dS in registers)";
     EXPECT_EQ(run[0][e].bytes, run[1][e].bytes) << names[e] << ": not deterministic (or differs with the other buffering)";
+    EXPECT_EQ(run[2][e].bytes, run[3][e].bytes) << names[e] << ": dS in registers: not deterministic (or differs with 4 chain warps)";
+    EXPECT_TRUE(padding_untouched(run[2][e], 0xff)) << names[e] << ": written outside its view (dS in registers)";
     if (!run_wy.empty()) EXPECT_EQ(run[0][e].bytes, run_wy[e].bytes) << names[e] << ": differs with the forward's wy_inverse";
     EXPECT_TRUE(padding_untouched(run[0][e], 0xff)) << names[e] << ": written outside its view";
-    std::printf(" %s %.2e", names[e], err);
+    std::printf(" %s %.2e (rs %.2e)", names[e], err, err_rs);
     ++checked;
   }
   std::printf("\n");

@@ -39,6 +39,20 @@ __device__ __forceinline__ void ldsm_x4_t(std::uint32_t (&r)[4], const void* row
                : "r"(smem_u32(row_addr)));
 }
 
+// The inverse of ldsm_x4_t (sm_90 stmatrix; nothing below): lane L gives the address of row L % 8 of
+// matrix L / 8 in memory, which receives column L % 8 of that matrix's fragment r[L / 8] (the fragment
+// layout of ldsm_x4's result: thread T holds row T / 4, columns 2 (T % 4), + 1). So accumulator pairs
+// along a row are stored down a column: an mma tile written transposed, for 16-byte row stores.
+__device__ __forceinline__ void stsm_x4_t(void* row_addr, const std::uint32_t (&r)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(smem_u32(row_addr)),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+#else
+  (void)row_addr, (void)r;
+#endif
+}
+
 // Lane addresses for the three ways the kernels read 16 x 16 blocks with ldsm_x4[_t]; (row, col) of
 // the element this lane points at, relative to the block's corner, in the stored (row-major) tile.
 //   a_rowmajor:  A stored A[m][k]            -> ldsm_x4   gives a[0..3]

@@ -1162,7 +1162,9 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   const bool use_ws = g_serial_ws.load(std::memory_order_relaxed) && !p.hilo && db2 && w.xb && tw == 32 && vk && vo &&
                       p.K % 8 == 0 && p.V % 8 == 0 && lw.bytes <= smem_per_block_optin() &&
                       kernel_binary_version(reinterpret_cast<const void*>(wsfn)) >= 90;
-  if (use_ws) {
+  if (deltanet_bwd_serial_rs(p, w, ws, stream, vk, vo)) {
+    // dS in registers (deltanet_bwd_rs.cu) where it applies
+  } else if (use_ws) {
     (void)resident_ctas_per_sm(reinterpret_cast<const void*>(wsfn), kBwWsThreads, lw.bytes);
     wsfn<<<dim3(unsigned(seqs), unsigned(vtw)), kBwWsThreads, lw.bytes, st>>>(p, w, ws);
   } else {

@@ -43,6 +43,14 @@ bool set_deltanet_bwd_serial_db2(bool enabled);
 // tiles, sm_90: deltanet_bwd_state_ws_kernel; default off: no faster on the H100; the same bits).
 // Returns the previous setting (fastweight_bench --dn-bwd-ws=on).
 bool set_deltanet_bwd_serial_ws(bool on);
+// The backward's serial kernel with dS^T in registers, a warp per 16 columns of V (deltanet_bwd_rs.cu:
+// bf16 operands with bf16 dD0 / Y, K <= 128, K % 8 == 0, V % 16 == 0, aligned rows of k and dO, an
+// sm_90 binary): launched by deltanet_bwd_state_tc in place of the other serial kernels, false where
+// it does not apply. set_deltanet_bwd_serial_rs (tests, A/B): 0 off, 1 on (the default; 2 or 4 chain
+// warps per CTA by the grid's size), 2 or 4 forced; returns the previous setting (fastweight_bench
+// --dn-serial-rs=off|on|2|4).
+bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream, bool vk, bool vo);
+int set_deltanet_bwd_serial_rs(int mode);
 // Tests and benchmarks only: the tensor-core chunk pass's grid with a (slot, head)'s K tiles as
 // neighbours (K > 64; default on) instead of a grid of slots apart; the same bits. Returns the
 // previous setting (fastweight_bench --dn-chunk-kfast=off).

@@ -1,0 +1,278 @@
+// deltanet_bwd_rs.cu: the backward state pass's serial kernel with dS^T in registers (bf16 operands,
+// sm_90). The same outputs as deltanet_bwd_tc.cu's serial kernels (the per-chunk dSe for the chunk
+// pass, dD in the Y region for the post kernel, dinitial_state), from the same inputs (the prep
+// kernel's bf16 dD0 and Q^ = s diag(rq) Q, the recompute's bf16 Xw, the factors), per chunk in reverse:
+//   dD = dD0 + diag(rk) K dSe,   dS = dSe + Q^^T dO - Xw^T (W dD).
+// Transposed, with V as the rows: dS^T = dSe^T + dO^T Q^ + B Xw, where B = -(W dD)^T = -(dD0^T +
+// (dSe^T K^T) diag(rk)) W. A warp owns 16 columns of V and keeps their dS^T (16 x Kc, fp32) in mma
+// accumulators, which are (as bf16) the A fragments of the next product (FlashAttention-2's reuse of
+// P); dSe^T K^T (16 x 64) in accumulators gives B's A fragments the same way. So a step's chain is
+// two products in one warp's registers, with no shared-memory round trip of dS or B and no barrier
+// between warps: the other serial kernels split dS by rows over 8 warps and pass dSe and B through
+// shared memory between them, two to three barriers a step, which measured 2.7 us a step at
+// (1,32768,16,128) on the H100 (67% of cycles with no eligible warp) against FLA's 1.4.
+// Loader warps bring each chunk's k, Q^, Xw (64 x Kc) and dO, dD0 (64 x the CTA's columns) through
+// a ring of buffers (mbarriers full / empty); a chain warp writes dSe and dD through its own small
+// tile, transposed by stmatrix, as 16-byte rows.
+// The products in another order than the other serial kernels (different bits, the same roundings:
+// dSe and W dD to bf16, dD to bf16 in the Y region).
+#include <atomic>
+
+#include "cuda/common/bulk.cuh"
+#include "cuda/common/check.cuh"
+#include "cuda/deltanet/deltanet_common.cuh"
+#include "cuda/deltanet/deltanet_cuda.h"
+#include "cuda/deltanet/deltanet_tc.cuh"
+
+namespace fastweight::detail {
+namespace {
+
+using namespace dtc;
+constexpr int kRsLoaders = 2;  // loader warps: (k, Q^, rk, beta) and (Xw, dO, dD0)
+constexpr int kRsLdt = 24;     // stride (bf16) of a chain warp's transposition tile: 16 columns + 8
+
+// smem: [nbuf] { bf16 k, Q^, Xw [64][Kc + 8] | bf16 dO, dD0 [64][16 nw + 8] | f32 rk, beta [64] } |
+//       [nw] bf16 transposition tile [max(Kc, 64)][24] | u64 full [nbuf], empty [nbuf]
+template <int KC>
+struct BrLayout {
+  static constexpr int LDK = KC + 8;
+  int nw, ldc, nbuf;
+  std::size_t k, q, xw, dO, y, fac, buf, tr, trw, bar, bytes;
+  __host__ __device__ BrLayout(int nw_, int nbuf_) : nw(nw_), ldc(16 * nw_ + 8), nbuf(nbuf_) {
+    const std::size_t kt = 2 * std::size_t(kT) * LDK, ct = 2 * std::size_t(kT) * ldc;
+    k = 0, q = kt, xw = 2 * kt, dO = 3 * kt, y = dO + ct, fac = y + ct, buf = fac + 2 * 4 * kT;  // 16-byte multiples
+    trw = std::size_t(KC > kT ? KC : kT) * kRsLdt;  // bf16 elements per warp
+    tr = nbuf * buf, bar = tr + nw * trw * 2, bytes = bar + 8 * 2 * nbuf;
+  }
+};
+
+// Grid (N * H, column tiles of 16 nw); 32 (nw + kRsLoaders) threads. K % 8 == 0, K <= KC, V % 16 == 0,
+// 16-byte aligned rows of k and dO (the host checks).
+template <int KC>
+__global__ void __launch_bounds__(32 * (4 + kRsLoaders), 1)
+    deltanet_bwd_state_rs_kernel(const DeltanetBwdParams p, const DnBwdWs w, float* __restrict__ ws, int nw, int nbuf) {
+  constexpr int LDK = BrLayout<KC>::LDK, NK = KC / 8, KS = KC / 16;  // n-tiles, k-steps of dS^T's K
+  extern __shared__ float4 smem_raw[];
+  char* base = reinterpret_cast<char*>(smem_raw);
+  const BrLayout<KC> lay(nw, nbuf);
+  const int LDC = lay.ldc;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const DnCta cta = dn_chain_cta(p, reinterpret_cast<int*>(base));
+  const std::int64_t n = cta.n, h = cta.h, cb = cta.tile * 16 * nw, V = p.V, K = p.K;
+  const DnSeq sq_ = dn_seq(p, n);
+  const std::int64_t b = sq_.b;
+  const std::int64_t row00 = dn_ws_row(p, b, sq_.bos, h), wrow_step = kT * p.H;
+  const std::int64_t nch = (sq_.eos - sq_.bos + kT - 1) / kT;
+  auto at = [&](int bf, std::size_t off) { return base + bf * lay.buf + off; };
+  std::uint64_t* full = reinterpret_cast<std::uint64_t*>(base + lay.bar);
+  std::uint64_t* empty = full + nbuf;
+#if !defined(FW_HAS_BULK)
+  __trap();  // mbarriers and stmatrix: the host launches it only for an sm_90 binary
+#else
+  if (tid == 0) {
+    for (int i = 0; i < nbuf; ++i) mbar_init(full + i, 32 * kRsLoaders), mbar_init(empty + i, unsigned(nw));
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (warp >= nw) {  // the loaders: chunk nch - 1 - s into buffer s % nbuf once its last step is done
+    const int lw = warp - nw, cw = 16 * nw, ncv = int(lmin(cw, V - cb));
+    const bf16* xwh = reinterpret_cast<const bf16*>(ws + w.xw);
+    const bf16* qhw = reinterpret_cast<const bf16*>(ws + w.qh());
+    const bf16* y00 = reinterpret_cast<const bf16*>(ws + w.Y) + row00 * V + cb;
+    for (std::int64_t s = 0; s < nch; ++s) {
+      const int bf = int(s % nbuf);
+      if (s >= nbuf) mbar_wait(empty + bf, unsigned(s / nbuf - 1) & 1);
+      const std::int64_t ci = nch - 1 - s, t0 = sq_.bos + ci * kT, row0 = row00 + ci * wrow_step;
+      const int nr = int(lmin(kT, sq_.eos - t0));
+      if (lw == 0) {
+        warp_load_tile(reinterpret_cast<bf16*>(at(bf, lay.k)), LDK, bf_rows(p.k, b, t0, h), p.k.s1, KC, nr, int(K), lane);
+        warp_load_tile(reinterpret_cast<bf16*>(at(bf, lay.q)), LDK, qhw + row0 * K, p.H * K, KC, nr, int(K), lane);
+        float* sf = reinterpret_cast<float*>(at(bf, lay.fac));
+        for (int e = lane; e < 2 * kT; e += 32) {  // rk (factor 1), beta (factor 2); zero past the sequence
+          const int f = 1 + e / kT, i = e % kT;
+          cp_async4_z(sf + e, i < nr ? ws + w.fac + f * w.rows + row0 + i * p.H : ws, i < nr ? 4 : 0);
+        }
+      } else {
+        warp_load_tile(reinterpret_cast<bf16*>(at(bf, lay.xw)), LDK, xwh + row0 * K, p.H * K, KC, nr, int(K), lane);
+        warp_load_tile(reinterpret_cast<bf16*>(at(bf, lay.dO)), LDC, bf_rows(p.do_, b, t0, h) + cb, p.do_.s1, cw, nr,
+                       ncv, lane);
+        warp_load_tile(reinterpret_cast<bf16*>(at(bf, lay.y)), LDC, y00 + ci * wrow_step * V, p.H * V, cw, nr, ncv,
+                       lane);
+      }
+      cp_async_mbar_arrive(full + bf);
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+  // a chain warp: columns c0 .. c0 + 15 of V (cw of the CTA's tile)
+  const int g = lane >> 2, t4 = lane & 3, m8 = lane >> 3, r8 = lane & 7;
+  const int cw = 16 * warp;
+  const std::int64_t c0 = cb + cw;
+  const bool live = c0 < V;  // V % 16 == 0: whole 16-column slices
+  bf16* tr = reinterpret_cast<bf16*>(base + lay.tr) + warp * lay.trw;
+  // stmatrix.trans lane row of an (8 j0 ..) x 16 block pair: matrix m8 = (row block m8 / 2, column half m8 % 2)
+  const int st_off = (8 * (m8 >> 1) + r8) * kRsLdt + 8 * (m8 & 1);
+  float acc[NK][4];  // dS^T: acc[j][e] at row (V) c0 + g + 8 (e / 2), column (K) 8 j + 2 t4 + e % 2
+#pragma unroll
+  for (int j = 0; j < NK; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const std::int64_t kk = 8 * j + 2 * t4 + (e & 1), v = c0 + g + 8 * (e >> 1);
+      acc[j][e] = p.dht.p && kk < K && v < V ? mlstm_ld(p.dht, n * p.dht.s0 + h * p.dht.s1 + kk * p.dht.s2 + v) : 0.f;
+    }
+  bf16* y_out = reinterpret_cast<bf16*>(ws + w.Y) + row00 * V + c0;
+  for (std::int64_t s = 0; s < nch; ++s) {
+    const std::int64_t ci = nch - 1 - s, t0 = sq_.bos + ci * kT;
+    const int bf = int(s % nbuf), nr = int(lmin(kT, sq_.eos - t0));
+    // a. dSe^T as bf16 A fragments (k-step ks: columns 16 ks ..)
+    std::uint32_t a[KS][4];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      a[ks][0] = pack_bf16(acc[2 * ks][0], acc[2 * ks][1]);
+      a[ks][1] = pack_bf16(acc[2 * ks][2], acc[2 * ks][3]);
+      a[ks][2] = pack_bf16(acc[2 * ks + 1][0], acc[2 * ks + 1][1]);
+      a[ks][3] = pack_bf16(acc[2 * ks + 1][2], acc[2 * ks + 1][3]);
+    }
+    // b. dSe (K rows x these 16 columns) to the workspace for the chunk pass: transposed into the
+    //    warp's tile, then 32-byte row pieces (two 16-byte stores)
+    __syncwarp();  // the previous step's reads of the tile are done
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) stsm_x4_t(tr + 16 * ks * kRsLdt + st_off, a[ks]);
+    __syncwarp();
+    if (live) {
+      bf16* gS = state_mats<false>(ws + w.dS, sq_.base + ci, p.H, h, K, V) + c0 + 8 * (lane & 1);
+#pragma unroll
+      for (int q = 0; q < KC / 16; ++q) {
+        const int r = (lane >> 1) + 16 * q;
+        if (r < K) *reinterpret_cast<uint4*>(gS + r * V) = *reinterpret_cast<const uint4*>(tr + r * kRsLdt + 8 * (lane & 1));
+      }
+    }
+    mbar_wait(full + bf, unsigned(s / nbuf) & 1);  // chunk ci's operands landed
+    const bf16* sk = reinterpret_cast<const bf16*>(at(bf, lay.k));
+    const bf16* sq = reinterpret_cast<const bf16*>(at(bf, lay.q));
+    const bf16* sx = reinterpret_cast<const bf16*>(at(bf, lay.xw));
+    const bf16* so = reinterpret_cast<const bf16*>(at(bf, lay.dO));
+    const bf16* sy = reinterpret_cast<const bf16*>(at(bf, lay.y));
+    const float* sf = reinterpret_cast<const float*>(at(bf, lay.fac));  // rk [64], beta [64]
+    // c. X1 = dSe^T K^T (16 x 64; the chain), and dO^T Q^ into acc between its k-steps (independent
+    //    products in the same instruction stream: 4 KS units of (Q^ n-tile pair, chunk k-step))
+    float x1[8][4] = {};
+    std::uint32_t ao[4];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      std::uint32_t bk[4][4];
+#pragma unroll
+      for (int jp = 0; jp < 4; ++jp)
+        ldsm_x4(bk[jp], sk + (16 * jp + ld_row_b_nmajor(lane)) * LDK + 16 * ks + ld_col_b_nmajor(lane));
+#pragma unroll
+      for (int jp = 0; jp < 4; ++jp) {
+        mma_bf16_16816(x1[2 * jp], a[ks], bk[jp][0], bk[jp][1]);
+        mma_bf16_16816(x1[2 * jp + 1], a[ks], bk[jp][2], bk[jp][3]);
+      }
+#pragma unroll
+      for (int uu = 0; uu < 4; ++uu) {
+        const int u = 4 * ks + uu, gs = u / KS, np = u % KS;  // chunk rows 16 gs .., K columns 16 np ..
+        if (np == 0) ldsm_x4_t(ao, so + (16 * gs + ld_row_a_kmajor(lane)) * LDC + cw + ld_col_a_kmajor(lane));
+        std::uint32_t bq[4];
+        ldsm_x4_t(bq, sq + (16 * gs + ld_row_b_kmajor(lane)) * LDK + 16 * np + ld_col_b_kmajor(lane));
+        mma_bf16_16816(acc[2 * np], ao, bq[0], bq[1]);
+        mma_bf16_16816(acc[2 * np + 1], ao, bq[2], bq[3]);
+      }
+    }
+    // d. dD = dD0 + diag(rk) X1^T (rows i of the chunk; zero past the sequence), to the Y region as
+    //    bf16; B = -(W dD)^T as bf16 A fragments of the update. dD0 read by ldmatrix.trans straight
+    //    into X1's fragment positions (rows c0 + g (+ 8), chunk rows 8 j + 2 t4 (+ 1)).
+    std::uint32_t dpk[8][2], a2[4][4];
+#pragma unroll
+    for (int jp = 0; jp < 4; ++jp) {
+      std::uint32_t y4[4];
+      ldsm_x4_t(y4, sy + (16 * jp + 8 * (m8 >> 1) + r8) * LDC + cw + 8 * (m8 & 1));
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const int j = 2 * jp + jj, i0 = 8 * j + 2 * t4;
+        const float2 rk2 = *reinterpret_cast<const float2*>(sf + i0);
+        const float2 bt2 = *reinterpret_cast<const float2*>(sf + kT + i0);
+#pragma unroll
+        for (int hv = 0; hv < 2; ++hv) {  // rows g, g + 8 of the warp's columns
+          const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&y4[2 * jj + hv]));
+          const float d0 = i0 < nr ? fmaf(rk2.x, x1[j][2 * hv], y.x) : 0.f;
+          const float d1 = i0 + 1 < nr ? fmaf(rk2.y, x1[j][2 * hv + 1], y.y) : 0.f;
+          dpk[j][hv] = pack_bf16(d0, d1);
+          a2[j >> 1][2 * (j & 1) + hv] = pack_bf16(-bt2.x * d0, -bt2.y * d1);
+        }
+      }
+    }
+    // dD (64 chunk rows x 16 columns) through the tile: rows i < nr, 32-byte pieces
+    __syncwarp();  // the dSe stores' reads of the tile are done
+#pragma unroll
+    for (int jp = 0; jp < 4; ++jp) {
+      const std::uint32_t r4[4] = {dpk[2 * jp][0], dpk[2 * jp][1], dpk[2 * jp + 1][0], dpk[2 * jp + 1][1]};
+      stsm_x4_t(tr + 16 * jp * kRsLdt + st_off, r4);
+    }
+    __syncwarp();
+    if (live) {
+      bf16* yb = y_out + ci * wrow_step * V + 8 * (lane & 1);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int r = (lane >> 1) + 16 * q;
+        if (r < nr) *reinterpret_cast<uint4*>(yb + std::int64_t(r) * p.H * V) = *reinterpret_cast<const uint4*>(tr + r * kRsLdt + 8 * (lane & 1));
+      }
+    }
+    // e. dS^T += B Xw (k-steps over the chunk's rows)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+      for (int np = 0; np < KS; ++np) {
+        std::uint32_t bx[4];
+        ldsm_x4_t(bx, sx + (16 * ks + ld_row_b_kmajor(lane)) * LDK + 16 * np + ld_col_b_kmajor(lane));
+        mma_bf16_16816(acc[2 * np], a2[ks], bx[0], bx[1]);
+        mma_bf16_16816(acc[2 * np + 1], a2[ks], bx[2], bx[3]);
+      }
+    __syncwarp();  // every lane's reads of buffer bf are done
+    if (lane == 0) mbar_arrive(empty + bf);
+  }
+  if (p.dh0.p && live) {
+#pragma unroll
+    for (int j = 0; j < NK; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const std::int64_t kk = 8 * j + 2 * t4 + (e & 1), v = c0 + g + 8 * (e >> 1);
+        if (kk < K) mlstm_st(p.dh0, n * p.dh0.s0 + h * p.dh0.s1 + kk * p.dh0.s2 + v, acc[j][e]);
+      }
+  }
+#endif
+}
+
+std::atomic<int> g_serial_rs{1};  // set_deltanet_bwd_serial_rs
+
+}  // namespace
+
+int set_deltanet_bwd_serial_rs(int mode) {
+  return g_serial_rs.exchange(mode == 2 || mode == 4 ? mode : mode > 0 ? 1 : 0);
+}
+
+bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream, bool vk, bool vo) {
+  const int mode = g_serial_rs.load(std::memory_order_relaxed);
+  if (mode == 0 || p.hilo || !w.xb || p.K > 128 || p.K % 8 != 0 || p.V % 16 != 0 || !vk || !vo) return false;
+  const std::int64_t seqs = p.N * p.H;
+  // 2 chain warps (one per SM sub-partition, each reading 48 KB of operand fragments a step from
+  // shared memory) where the CTAs fit the SMs at one each, else 4
+  auto tiles = [&](int nw) { return (p.V + 16 * nw - 1) / (16 * nw); };
+  int nw = mode == 1 ? (seqs * tiles(2) <= sm_count() ? 2 : 4) : mode;
+  const bool k64 = p.K <= 64;
+  auto* fn = k64 ? &deltanet_bwd_state_rs_kernel<64> : &deltanet_bwd_state_rs_kernel<128>;
+  auto bytes = [&](int nb) { return k64 ? BrLayout<64>(nw, nb).bytes : BrLayout<128>(nw, nb).bytes; };
+  const std::size_t cap = smem_per_block_optin() - 1024;  // dn_chain_cta's static shared int beside it
+  const int nbuf = bytes(3) <= cap ? 3 : 2;
+  if (bytes(nbuf) > cap || kernel_binary_version(reinterpret_cast<const void*>(fn)) < 90) return false;
+  const std::int64_t nt = tiles(nw);
+  if (seqs > 0x7fffffff || nt > 65535) throw Error(cat("deltanet_bwd: grid too large (", seqs, " sequence-heads)"));
+  const int threads = 32 * (nw + kRsLoaders);
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, bytes(nbuf));
+  fn<<<dim3(unsigned(seqs), unsigned(nt)), threads, bytes(nbuf), reinterpret_cast<cudaStream_t>(stream)>>>(p, w, ws, nw,
+                                                                                                         nbuf);
+  FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial, dS in registers)");
+  return true;
+}
+
+}  // namespace fastweight::detail
