@@ -29,10 +29,11 @@ namespace {
 
 using namespace dtc;
 constexpr int kRsLoaders = 2;  // loader warps: (k, Q^, rk, beta) and (Xw, dO, dD0)
-constexpr int kRsLdt = 24;     // stride (bf16) of a chain warp's transposition tile: 16 columns + 8
+constexpr int kRsLdt = 24;     // stride (bf16) of a chain warp's transposition tiles: 16 columns + 8
+constexpr int kRsPf = 4;       // ldmatrix results in flight ahead of their products
 
 // smem: [nbuf] { bf16 k, Q^, Xw [64][Kc + 8] | bf16 dO, dD0 [64][16 nw + 8] | f32 rk, beta [64] } |
-//       [nw] bf16 transposition tile [max(Kc, 64)][24] | u64 full [nbuf], empty [nbuf]
+//       [nw] bf16 transposition tiles dSe^T [Kc][24], dD [64][24] | u64 full [nbuf], empty [nbuf]
 template <int KC>
 struct BrLayout {
   static constexpr int LDK = KC + 8;
@@ -41,7 +42,7 @@ struct BrLayout {
   __host__ __device__ BrLayout(int nw_, int nbuf_) : nw(nw_), ldc(16 * nw_ + 8), nbuf(nbuf_) {
     const std::size_t kt = 2 * std::size_t(kT) * LDK, ct = 2 * std::size_t(kT) * ldc;
     k = 0, q = kt, xw = 2 * kt, dO = 3 * kt, y = dO + ct, fac = y + ct, buf = fac + 2 * 4 * kT;  // 16-byte multiples
-    trw = std::size_t(KC > kT ? KC : kT) * kRsLdt;  // bf16 elements per warp
+    trw = std::size_t(KC + kT) * kRsLdt;  // bf16 elements per warp: dSe^T (KC rows), dD (64 rows)
     tr = nbuf * buf, bar = tr + nw * trw * 2, bytes = bar + 8 * 2 * nbuf;
   }
 };
@@ -121,10 +122,36 @@ __global__ void __launch_bounds__(32 * (4 + kRsLoaders), 1)
       acc[j][e] = p.dht.p && kk < K && v < V ? mlstm_ld(p.dht, n * p.dht.s0 + h * p.dht.s1 + kk * p.dht.s2 + v) : 0.f;
     }
   bf16* y_out = reinterpret_cast<bf16*>(ws + w.Y) + row00 * V + c0;
+  // The products' B (and G's A) fragments come through a ring of kRsPf ldmatrix results issued kRsPf
+  // units (a unit: one ldmatrix.x4, two mma) ahead of their use: one warp per SM sub-partition has no
+  // other warp to hide a load's latency behind. Phase A, per k-step ks of K: four units of
+  // X1 = dSe^T K^T, then four of dO^T Q^; phase C: B Xw, K n-tile pairs within chunk k-steps.
+  constexpr int NA = 8 * KS, NC = 4 * KS;
+  std::uint32_t fb[kRsPf][4];
+  const int rb_nm = ld_row_b_nmajor(lane), cb_nm = ld_col_b_nmajor(lane);
+  const int rb_km = ld_row_b_kmajor(lane), cb_km = ld_col_b_kmajor(lane);
+  const bf16* sk = nullptr;
+  const bf16* sq = nullptr;
+  const bf16* sx = nullptr;
+  auto load_a = [&](int u, std::uint32_t (&r)[4]) {  // phase A's unit u
+    const int ks = u / 8, x = u % 8;
+    if (x < 4) {
+      ldsm_x4(r, sk + (16 * x + rb_nm) * LDK + 16 * ks + cb_nm);  // K rows 16 x .. (chunk), columns 16 ks ..
+    } else {
+      const int gu = 4 * ks + x - 4, gs = gu / KS, np = gu % KS;  // chunk rows 16 gs .., K columns 16 np ..
+      ldsm_x4_t(r, sq + (16 * gs + rb_km) * LDK + 16 * np + cb_km);
+    }
+  };
+  auto load_c = [&](int u, std::uint32_t (&r)[4]) {  // phase C's unit u: chunk rows 16 (u / KS) .., K columns 16 (u % KS) ..
+    ldsm_x4_t(r, sx + (16 * (u / KS) + rb_km) * LDK + 16 * (u % KS) + cb_km);
+  };
+  bf16* trS = tr;                         // (KC, 24): dSe^T transposed
+  bf16* trD = tr + std::size_t(KC) * kRsLdt;  // (64, 24): dD transposed
   for (std::int64_t s = 0; s < nch; ++s) {
     const std::int64_t ci = nch - 1 - s, t0 = sq_.bos + ci * kT;
     const int bf = int(s % nbuf), nr = int(lmin(kT, sq_.eos - t0));
-    // a. dSe^T as bf16 A fragments (k-step ks: columns 16 ks ..)
+    // a. dSe^T as bf16 A fragments (k-step ks: columns 16 ks ..), and into the warp's dSe tile
+    //    (transposed; stored to the workspace at the step's end, for the chunk pass)
     std::uint32_t a[KS][4];
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
@@ -133,103 +160,91 @@ __global__ void __launch_bounds__(32 * (4 + kRsLoaders), 1)
       a[ks][2] = pack_bf16(acc[2 * ks + 1][0], acc[2 * ks + 1][1]);
       a[ks][3] = pack_bf16(acc[2 * ks + 1][2], acc[2 * ks + 1][3]);
     }
-    // b. dSe (K rows x these 16 columns) to the workspace for the chunk pass: transposed into the
-    //    warp's tile, then 32-byte row pieces (two 16-byte stores)
-    __syncwarp();  // the previous step's reads of the tile are done
+    __syncwarp();  // the previous step's reads of the tiles are done
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) stsm_x4_t(tr + 16 * ks * kRsLdt + st_off, a[ks]);
-    __syncwarp();
-    if (live) {
-      bf16* gS = state_mats<false>(ws + w.dS, sq_.base + ci, p.H, h, K, V) + c0 + 8 * (lane & 1);
-#pragma unroll
-      for (int q = 0; q < KC / 16; ++q) {
-        const int r = (lane >> 1) + 16 * q;
-        if (r < K) *reinterpret_cast<uint4*>(gS + r * V) = *reinterpret_cast<const uint4*>(tr + r * kRsLdt + 8 * (lane & 1));
-      }
-    }
+    for (int ks = 0; ks < KS; ++ks) stsm_x4_t(trS + 16 * ks * kRsLdt + st_off, a[ks]);
     mbar_wait(full + bf, unsigned(s / nbuf) & 1);  // chunk ci's operands landed
-    const bf16* sk = reinterpret_cast<const bf16*>(at(bf, lay.k));
-    const bf16* sq = reinterpret_cast<const bf16*>(at(bf, lay.q));
-    const bf16* sx = reinterpret_cast<const bf16*>(at(bf, lay.xw));
+    sk = reinterpret_cast<const bf16*>(at(bf, lay.k));
+    sq = reinterpret_cast<const bf16*>(at(bf, lay.q));
+    sx = reinterpret_cast<const bf16*>(at(bf, lay.xw));
     const bf16* so = reinterpret_cast<const bf16*>(at(bf, lay.dO));
     const bf16* sy = reinterpret_cast<const bf16*>(at(bf, lay.y));
     const float* sf = reinterpret_cast<const float*>(at(bf, lay.fac));  // rk [64], beta [64]
-    // c. X1 = dSe^T K^T (16 x 64; the chain), and dO^T Q^ into acc between its k-steps (independent
-    //    products in the same instruction stream: 4 KS units of (Q^ n-tile pair, chunk k-step))
+    std::uint32_t ao[4][4], y4[4][4];  // dO^T's A fragments (chunk k-steps); dD0 at X1's positions
+#pragma unroll
+    for (int u = 0; u < kRsPf; ++u) load_a(u, fb[u]);
+#pragma unroll
+    for (int gs = 0; gs < 4; ++gs) ldsm_x4_t(ao[gs], so + (16 * gs + ld_row_a_kmajor(lane)) * LDC + cw + ld_col_a_kmajor(lane));
+#pragma unroll
+    for (int jp = 0; jp < 4; ++jp) ldsm_x4_t(y4[jp], sy + (16 * jp + 8 * (m8 >> 1) + r8) * LDC + cw + 8 * (m8 & 1));
+    // b. phase A: X1 = dSe^T K^T (16 x 64; the chain), dO^T Q^ into acc between its units
     float x1[8][4] = {};
-    std::uint32_t ao[4];
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      std::uint32_t bk[4][4];
-#pragma unroll
-      for (int jp = 0; jp < 4; ++jp)
-        ldsm_x4(bk[jp], sk + (16 * jp + ld_row_b_nmajor(lane)) * LDK + 16 * ks + ld_col_b_nmajor(lane));
-#pragma unroll
-      for (int jp = 0; jp < 4; ++jp) {
-        mma_bf16_16816(x1[2 * jp], a[ks], bk[jp][0], bk[jp][1]);
-        mma_bf16_16816(x1[2 * jp + 1], a[ks], bk[jp][2], bk[jp][3]);
+    for (int u = 0; u < NA; ++u) {
+      const int ks = u / 8, x = u % 8;
+      std::uint32_t (&r)[4] = fb[u % kRsPf];
+      if (x < 4) {
+        mma_bf16_16816(x1[2 * x], a[ks], r[0], r[1]);
+        mma_bf16_16816(x1[2 * x + 1], a[ks], r[2], r[3]);
+      } else {
+        const int gu = 4 * ks + x - 4, gs = gu / KS, np = gu % KS;
+        mma_bf16_16816(acc[2 * np], ao[gs], r[0], r[1]);
+        mma_bf16_16816(acc[2 * np + 1], ao[gs], r[2], r[3]);
       }
-#pragma unroll
-      for (int uu = 0; uu < 4; ++uu) {
-        const int u = 4 * ks + uu, gs = u / KS, np = u % KS;  // chunk rows 16 gs .., K columns 16 np ..
-        if (np == 0) ldsm_x4_t(ao, so + (16 * gs + ld_row_a_kmajor(lane)) * LDC + cw + ld_col_a_kmajor(lane));
-        std::uint32_t bq[4];
-        ldsm_x4_t(bq, sq + (16 * gs + ld_row_b_kmajor(lane)) * LDK + 16 * np + ld_col_b_kmajor(lane));
-        mma_bf16_16816(acc[2 * np], ao, bq[0], bq[1]);
-        mma_bf16_16816(acc[2 * np + 1], ao, bq[2], bq[3]);
-      }
+      if (u + kRsPf < NA) load_a(u + kRsPf, r);
+      else load_c(u + kRsPf - NA, r);  // phase C's first units, ahead of the epilogue
     }
-    // d. dD = dD0 + diag(rk) X1^T (rows i of the chunk; zero past the sequence), to the Y region as
-    //    bf16; B = -(W dD)^T as bf16 A fragments of the update. dD0 read by ldmatrix.trans straight
-    //    into X1's fragment positions (rows c0 + g (+ 8), chunk rows 8 j + 2 t4 (+ 1)).
+    // c. dD = dD0 + diag(rk) X1^T (chunk rows i; zero past the sequence) into the warp's dD tile
+    //    (transposed); B = -(W dD)^T as bf16 A fragments of the update
     std::uint32_t dpk[8][2], a2[4][4];
 #pragma unroll
-    for (int jp = 0; jp < 4; ++jp) {
-      std::uint32_t y4[4];
-      ldsm_x4_t(y4, sy + (16 * jp + 8 * (m8 >> 1) + r8) * LDC + cw + 8 * (m8 & 1));
+    for (int j = 0; j < 8; ++j) {
+      const int i0 = 8 * j + 2 * t4;
+      const float2 rk2 = *reinterpret_cast<const float2*>(sf + i0);
+      const float2 bt2 = *reinterpret_cast<const float2*>(sf + kT + i0);
 #pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        const int j = 2 * jp + jj, i0 = 8 * j + 2 * t4;
-        const float2 rk2 = *reinterpret_cast<const float2*>(sf + i0);
-        const float2 bt2 = *reinterpret_cast<const float2*>(sf + kT + i0);
-#pragma unroll
-        for (int hv = 0; hv < 2; ++hv) {  // rows g, g + 8 of the warp's columns
-          const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&y4[2 * jj + hv]));
-          const float d0 = i0 < nr ? fmaf(rk2.x, x1[j][2 * hv], y.x) : 0.f;
-          const float d1 = i0 + 1 < nr ? fmaf(rk2.y, x1[j][2 * hv + 1], y.y) : 0.f;
-          dpk[j][hv] = pack_bf16(d0, d1);
-          a2[j >> 1][2 * (j & 1) + hv] = pack_bf16(-bt2.x * d0, -bt2.y * d1);
-        }
+      for (int hv = 0; hv < 2; ++hv) {  // rows g, g + 8 of the warp's columns
+        const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&y4[j >> 1][2 * (j & 1) + hv]));
+        const float d0 = i0 < nr ? fmaf(rk2.x, x1[j][2 * hv], y.x) : 0.f;
+        const float d1 = i0 + 1 < nr ? fmaf(rk2.y, x1[j][2 * hv + 1], y.y) : 0.f;
+        dpk[j][hv] = pack_bf16(d0, d1);
+        a2[j >> 1][2 * (j & 1) + hv] = pack_bf16(-bt2.x * d0, -bt2.y * d1);
       }
     }
-    // dD (64 chunk rows x 16 columns) through the tile: rows i < nr, 32-byte pieces
-    __syncwarp();  // the dSe stores' reads of the tile are done
 #pragma unroll
     for (int jp = 0; jp < 4; ++jp) {
       const std::uint32_t r4[4] = {dpk[2 * jp][0], dpk[2 * jp][1], dpk[2 * jp + 1][0], dpk[2 * jp + 1][1]};
-      stsm_x4_t(tr + 16 * jp * kRsLdt + st_off, r4);
+      stsm_x4_t(trD + 16 * jp * kRsLdt + st_off, r4);
     }
-    __syncwarp();
+    // d. phase C: dS^T += B Xw
+#pragma unroll
+    for (int u = 0; u < NC; ++u) {
+      std::uint32_t (&r)[4] = fb[(NA + u) % kRsPf];
+      const int ks = u / KS, np = u % KS;
+      mma_bf16_16816(acc[2 * np], a2[ks], r[0], r[1]);
+      mma_bf16_16816(acc[2 * np + 1], a2[ks], r[2], r[3]);
+      if (u + kRsPf < NC) load_c(u + kRsPf, r);
+    }
+    __syncwarp();  // every lane's reads of buffer bf are done; the tiles are written
+    if (lane == 0) mbar_arrive(empty + bf);
+    // e. off the chain: dSe (K rows x 16 columns) to the workspace, dD (rows i < nr) to the Y region,
+    //    32-byte row pieces
     if (live) {
-      bf16* yb = y_out + ci * wrow_step * V + 8 * (lane & 1);
+      const int hf = lane & 1;
+      bf16* gS = state_mats<false>(ws + w.dS, sq_.base + ci, p.H, h, K, V) + c0 + 8 * hf;
+#pragma unroll
+      for (int q = 0; q < KC / 16; ++q) {
+        const int r = (lane >> 1) + 16 * q;
+        if (r < K) *reinterpret_cast<uint4*>(gS + r * V) = *reinterpret_cast<const uint4*>(trS + r * kRsLdt + 8 * hf);
+      }
+      bf16* yb = y_out + ci * wrow_step * V + 8 * hf;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int r = (lane >> 1) + 16 * q;
-        if (r < nr) *reinterpret_cast<uint4*>(yb + std::int64_t(r) * p.H * V) = *reinterpret_cast<const uint4*>(tr + r * kRsLdt + 8 * (lane & 1));
+        if (r < nr)
+          *reinterpret_cast<uint4*>(yb + std::int64_t(r) * p.H * V) = *reinterpret_cast<const uint4*>(trD + r * kRsLdt + 8 * hf);
       }
     }
-    // e. dS^T += B Xw (k-steps over the chunk's rows)
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-      for (int np = 0; np < KS; ++np) {
-        std::uint32_t bx[4];
-        ldsm_x4_t(bx, sx + (16 * ks + ld_row_b_kmajor(lane)) * LDK + 16 * np + ld_col_b_kmajor(lane));
-        mma_bf16_16816(acc[2 * np], a2[ks], bx[0], bx[1]);
-        mma_bf16_16816(acc[2 * np + 1], a2[ks], bx[2], bx[3]);
-      }
-    __syncwarp();  // every lane's reads of buffer bf are done
-    if (lane == 0) mbar_arrive(empty + bf);
   }
   if (p.dh0.p && live) {
 #pragma unroll
