@@ -28,12 +28,14 @@ namespace fastweight::detail {
 namespace {
 
 using namespace dtc;
-constexpr int kRsLoaders = 2;  // loader warps: (k, Q^, rk, beta) and (Xw, dO, dD0)
+constexpr int kRsLoaders = 2;  // loader warps: (k, Q^, rk, beta) and (Xw, dO, dD0); then the storer warp
+constexpr int kRsAux = kRsLoaders + 1;
 constexpr int kRsLdt = 24;     // stride (bf16) of a chain warp's transposition tiles: 16 columns + 8
 constexpr int kRsPf = 4;       // ldmatrix results in flight ahead of their products
 
 // smem: [nbuf] { bf16 k, Q^, Xw [64][Kc + 8] | bf16 dO, dD0 [64][16 nw + 8] | f32 rk, beta [64] } |
-//       [nw] bf16 transposition tiles dSe^T [Kc][24], dD [64][24] | u64 full [nbuf], empty [nbuf]
+//       [nw][2] bf16 transposition tiles { dSe^T [Kc][24], dD [64][24] } (steps s % 2) |
+//       u64 full [nbuf], empty [nbuf], sfull [2], sempty [2]
 template <int KC>
 struct BrLayout {
   static constexpr int LDK = KC + 8;
@@ -42,15 +44,15 @@ struct BrLayout {
   __host__ __device__ BrLayout(int nw_, int nbuf_) : nw(nw_), ldc(16 * nw_ + 8), nbuf(nbuf_) {
     const std::size_t kt = 2 * std::size_t(kT) * LDK, ct = 2 * std::size_t(kT) * ldc;
     k = 0, q = kt, xw = 2 * kt, dO = 3 * kt, y = dO + ct, fac = y + ct, buf = fac + 2 * 4 * kT;  // 16-byte multiples
-    trw = std::size_t(KC + kT) * kRsLdt;  // bf16 elements per warp: dSe^T (KC rows), dD (64 rows)
-    tr = nbuf * buf, bar = tr + nw * trw * 2, bytes = bar + 8 * 2 * nbuf;
+    trw = std::size_t(KC + kT) * kRsLdt;  // bf16 elements of a tile pair: dSe^T (KC rows), dD (64 rows)
+    tr = nbuf * buf, bar = tr + nw * 2 * trw * 2, bytes = bar + 8 * (2 * nbuf + 4);
   }
 };
 
-// Grid (N * H, column tiles of 16 nw); 32 (nw + kRsLoaders) threads. K % 8 == 0, K <= KC, V % 16 == 0,
+// Grid (N * H, column tiles of 16 nw); 32 (nw + kRsAux) threads. K % 8 == 0, K <= KC, V % 16 == 0,
 // 16-byte aligned rows of k and dO (the host checks).
 template <int KC>
-__global__ void __launch_bounds__(32 * (4 + kRsLoaders), 1)
+__global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     deltanet_bwd_state_rs_kernel(const DeltanetBwdParams p, const DnBwdWs w, float* __restrict__ ws, int nw, int nbuf) {
   constexpr int LDK = BrLayout<KC>::LDK, NK = KC / 8, KS = KC / 16;  // n-tiles, k-steps of dS^T's K
   extern __shared__ float4 smem_raw[];
@@ -67,14 +69,47 @@ __global__ void __launch_bounds__(32 * (4 + kRsLoaders), 1)
   auto at = [&](int bf, std::size_t off) { return base + bf * lay.buf + off; };
   std::uint64_t* full = reinterpret_cast<std::uint64_t*>(base + lay.bar);
   std::uint64_t* empty = full + nbuf;
+  std::uint64_t* sfull = empty + nbuf;  // [2] a step's tiles written (nw arrivals)
+  std::uint64_t* sempty = sfull + 2;    // [2] ... and stored (the storer)
+  auto tile = [&](int cw_, int sb) { return reinterpret_cast<bf16*>(base + lay.tr) + (2 * cw_ + sb) * lay.trw; };
 #if !defined(FW_HAS_BULK)
   __trap();  // mbarriers and stmatrix: the host launches it only for an sm_90 binary
 #else
   if (tid == 0) {
     for (int i = 0; i < nbuf; ++i) mbar_init(full + i, 32 * kRsLoaders), mbar_init(empty + i, unsigned(nw));
+    for (int i = 0; i < 2; ++i) mbar_init(sfull + i, unsigned(nw)), mbar_init(sempty + i, 1);
     mbar_init_fence();
   }
   __syncthreads();
+  if (warp == nw + kRsLoaders) {  // the storer: step s's dSe and dD from the chain warps' tiles s % 2
+    const int hf = lane & 1;
+    bf16* y_out = reinterpret_cast<bf16*>(ws + w.Y) + row00 * V + cb + 8 * hf;
+    for (std::int64_t s = 0; s < nch; ++s) {
+      const std::int64_t ci = nch - 1 - s;
+      const int sb = int(s & 1), nr = int(lmin(kT, sq_.eos - (sq_.bos + ci * kT)));
+      mbar_wait(sfull + sb, unsigned(s >> 1) & 1);
+      bf16* gS = state_mats<false>(ws + w.dS, sq_.base + ci, p.H, h, K, V) + cb + 8 * hf;
+      bf16* yb = y_out + ci * wrow_step * V;
+      for (int c = 0; c < nw && cb + 16 * c < V; ++c) {  // 32-byte row pieces, V % 16 == 0
+        const bf16* tS = tile(c, sb);
+        const bf16* tD = tS + std::size_t(KC) * kRsLdt;
+#pragma unroll
+        for (int q = 0; q < KC / 16; ++q) {
+          const int r = (lane >> 1) + 16 * q;
+          if (r < K) *reinterpret_cast<uint4*>(gS + r * V + 16 * c) = *reinterpret_cast<const uint4*>(tS + r * kRsLdt + 8 * hf);
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int r = (lane >> 1) + 16 * q;
+          if (r < nr)
+            *reinterpret_cast<uint4*>(yb + std::int64_t(r) * p.H * V + 16 * c) = *reinterpret_cast<const uint4*>(tD + r * kRsLdt + 8 * hf);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(sempty + sb);
+    }
+    return;
+  }
   if (warp >= nw) {  // the loaders: chunk nch - 1 - s into buffer s % nbuf once its last step is done
     const int lw = warp - nw, cw = 16 * nw, ncv = int(lmin(cw, V - cb));
     const bf16* xwh = reinterpret_cast<const bf16*>(ws + w.xw);
@@ -110,7 +145,6 @@ __global__ void __launch_bounds__(32 * (4 + kRsLoaders), 1)
   const int cw = 16 * warp;
   const std::int64_t c0 = cb + cw;
   const bool live = c0 < V;  // V % 16 == 0: whole 16-column slices
-  bf16* tr = reinterpret_cast<bf16*>(base + lay.tr) + warp * lay.trw;
   // stmatrix.trans lane row of an (8 j0 ..) x 16 block pair: matrix m8 = (row block m8 / 2, column half m8 % 2)
   const int st_off = (8 * (m8 >> 1) + r8) * kRsLdt + 8 * (m8 & 1);
   float acc[NK][4];  // dS^T: acc[j][e] at row (V) c0 + g + 8 (e / 2), column (K) 8 j + 2 t4 + e % 2
@@ -121,7 +155,6 @@ __global__ void __launch_bounds__(32 * (4 + kRsLoaders), 1)
       const std::int64_t kk = 8 * j + 2 * t4 + (e & 1), v = c0 + g + 8 * (e >> 1);
       acc[j][e] = p.dht.p && kk < K && v < V ? mlstm_ld(p.dht, n * p.dht.s0 + h * p.dht.s1 + kk * p.dht.s2 + v) : 0.f;
     }
-  bf16* y_out = reinterpret_cast<bf16*>(ws + w.Y) + row00 * V + c0;
   // The products' B (and G's A) fragments come through a ring of kRsPf ldmatrix results issued kRsPf
   // units (a unit: one ldmatrix.x4, two mma) ahead of their use: one warp per SM sub-partition has no
   // other warp to hide a load's latency behind. Phase A, per k-step ks of K: four units of
@@ -145,8 +178,6 @@ __global__ void __launch_bounds__(32 * (4 + kRsLoaders), 1)
   auto load_c = [&](int u, std::uint32_t (&r)[4]) {  // phase C's unit u: chunk rows 16 (u / KS) .., K columns 16 (u % KS) ..
     ldsm_x4_t(r, sx + (16 * (u / KS) + rb_km) * LDK + 16 * (u % KS) + cb_km);
   };
-  bf16* trS = tr;                         // (KC, 24): dSe^T transposed
-  bf16* trD = tr + std::size_t(KC) * kRsLdt;  // (64, 24): dD transposed
   for (std::int64_t s = 0; s < nch; ++s) {
     const std::int64_t ci = nch - 1 - s, t0 = sq_.bos + ci * kT;
     const int bf = int(s % nbuf), nr = int(lmin(kT, sq_.eos - t0));
@@ -160,7 +191,11 @@ __global__ void __launch_bounds__(32 * (4 + kRsLoaders), 1)
       a[ks][2] = pack_bf16(acc[2 * ks + 1][0], acc[2 * ks + 1][1]);
       a[ks][3] = pack_bf16(acc[2 * ks + 1][2], acc[2 * ks + 1][3]);
     }
-    __syncwarp();  // the previous step's reads of the tiles are done
+    // the tile pair s % 2: (KC, 24) dSe^T, (64, 24) dD, both transposed; free once the storer is done
+    // with step s - 2
+    bf16* trS = tile(warp, int(s & 1));
+    bf16* trD = trS + std::size_t(KC) * kRsLdt;
+    if (s >= 2) mbar_wait(sempty + (s & 1), unsigned((s >> 1) - 1) & 1);
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) stsm_x4_t(trS + 16 * ks * kRsLdt + st_off, a[ks]);
     mbar_wait(full + bf, unsigned(s / nbuf) & 1);  // chunk ci's operands landed
@@ -226,25 +261,7 @@ __global__ void __launch_bounds__(32 * (4 + kRsLoaders), 1)
       if (u + kRsPf < NC) load_c(u + kRsPf, r);
     }
     __syncwarp();  // every lane's reads of buffer bf are done; the tiles are written
-    if (lane == 0) mbar_arrive(empty + bf);
-    // e. off the chain: dSe (K rows x 16 columns) to the workspace, dD (rows i < nr) to the Y region,
-    //    32-byte row pieces
-    if (live) {
-      const int hf = lane & 1;
-      bf16* gS = state_mats<false>(ws + w.dS, sq_.base + ci, p.H, h, K, V) + c0 + 8 * hf;
-#pragma unroll
-      for (int q = 0; q < KC / 16; ++q) {
-        const int r = (lane >> 1) + 16 * q;
-        if (r < K) *reinterpret_cast<uint4*>(gS + r * V) = *reinterpret_cast<const uint4*>(trS + r * kRsLdt + 8 * hf);
-      }
-      bf16* yb = y_out + ci * wrow_step * V + 8 * hf;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int r = (lane >> 1) + 16 * q;
-        if (r < nr)
-          *reinterpret_cast<uint4*>(yb + std::int64_t(r) * p.H * V) = *reinterpret_cast<const uint4*>(trD + r * kRsLdt + 8 * hf);
-      }
-    }
+    if (lane == 0) mbar_arrive(empty + bf), mbar_arrive(sfull + (s & 1));
   }
   if (p.dh0.p && live) {
 #pragma unroll
@@ -282,7 +299,7 @@ bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float*
   if (bytes(nbuf) > cap || kernel_binary_version(reinterpret_cast<const void*>(fn)) < 90) return false;
   const std::int64_t nt = tiles(nw);
   if (seqs > 0x7fffffff || nt > 65535) throw Error(cat("deltanet_bwd: grid too large (", seqs, " sequence-heads)"));
-  const int threads = 32 * (nw + kRsLoaders);
+  const int threads = 32 * (nw + kRsAux);
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, bytes(nbuf));
   fn<<<dim3(unsigned(seqs), unsigned(nt)), threads, bytes(nbuf), reinterpret_cast<cudaStream_t>(stream)>>>(p, w, ws, nw,
                                                                                                          nbuf);
