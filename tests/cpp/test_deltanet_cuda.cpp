@@ -493,6 +493,7 @@ void check_bwd_case(const DnBwdCase& c) {
     int chunk_l2;
     bool post_pf;
     int recompute_ws, serial_rs;
+    bool rs_storer;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -506,6 +507,7 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_post_prefetch(post_pf);
       fastweight::detail::set_deltanet_bwd_recompute_ws(recompute_ws);
       fastweight::detail::set_deltanet_bwd_serial_rs(serial_rs);
+      fastweight::detail::set_deltanet_bwd_serial_rs_storer(rs_storer);
     }
   } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true),
                       fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_bwd_overlap(0),
@@ -516,13 +518,15 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_chunk_l2(2),
                       fastweight::detail::set_deltanet_bwd_post_prefetch(true),
                       fastweight::detail::set_deltanet_bwd_recompute_ws(2),
-                      fastweight::detail::set_deltanet_bwd_serial_rs(0)};
+                      fastweight::detail::set_deltanet_bwd_serial_rs(0),
+                      fastweight::detail::set_deltanet_bwd_serial_rs_storer(false)};
   // Runs 2 and 3: the serial kernel with dS in registers (deltanet_bwd_rs.cu, where it applies; other
   // products' order, so checked against the reference, and run 3 against run 2 bit for bit) with 2
-  // then 4 chain warps per CTA, the rest as run 0, then as run 1
+  // then 4 chain warps per CTA (and run 3 with its storer warp), the rest as run 0, then as run 1
   std::vector<HostTensor> run[4];
   for (int r = 0; r < 4; ++r) {
     fastweight::detail::set_deltanet_bwd_serial_rs(r == 2 ? 2 : r == 3 ? 4 : 0);
+    fastweight::detail::set_deltanet_bwd_serial_rs_storer(r == 3);
     if (r >= 2) {
       fastweight::detail::set_deltanet_wy_vbufs(0);
       fastweight::detail::set_deltanet_state_tile(0);

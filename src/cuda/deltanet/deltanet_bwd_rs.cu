@@ -53,7 +53,8 @@ struct BrLayout {
 // 16-byte aligned rows of k and dO (the host checks).
 template <int KC>
 __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
-    deltanet_bwd_state_rs_kernel(const DeltanetBwdParams p, const DnBwdWs w, float* __restrict__ ws, int nw, int nbuf) {
+    deltanet_bwd_state_rs_kernel(const DeltanetBwdParams p, const DnBwdWs w, float* __restrict__ ws, int nw, int nbuf,
+                                 bool storer) {
   constexpr int LDK = BrLayout<KC>::LDK, NK = KC / 8, KS = KC / 16;  // n-tiles, k-steps of dS^T's K
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
@@ -81,30 +82,33 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     mbar_init_fence();
   }
   __syncthreads();
-  if (warp == nw + kRsLoaders) {  // the storer: step s's dSe and dD from the chain warps' tiles s % 2
-    const int hf = lane & 1;
-    bf16* y_out = reinterpret_cast<bf16*>(ws + w.Y) + row00 * V + cb + 8 * hf;
+  // step s's dSe and dD from chain warp c's tiles s % 2 to the workspace (a whole warp: 32-byte row
+  // pieces, V % 16 == 0): by the storer warp (storer) or by the chain warp itself after its step
+  const int hf = lane & 1;
+  auto store_tiles = [&](int c, std::int64_t s) {
+    const std::int64_t ci = nch - 1 - s;
+    const int nr = int(lmin(kT, sq_.eos - (sq_.bos + ci * kT)));
+    const bf16* tS = tile(c, int(s & 1));
+    const bf16* tD = tS + std::size_t(KC) * kRsLdt;
+    bf16* gS = state_mats<false>(ws + w.dS, sq_.base + ci, p.H, h, K, V) + cb + 16 * c + 8 * hf;
+    bf16* yb = reinterpret_cast<bf16*>(ws + w.Y) + (row00 + ci * wrow_step) * V + cb + 16 * c + 8 * hf;
+#pragma unroll
+    for (int q = 0; q < KC / 16; ++q) {
+      const int r = (lane >> 1) + 16 * q;
+      if (r < K) *reinterpret_cast<uint4*>(gS + r * V) = *reinterpret_cast<const uint4*>(tS + r * kRsLdt + 8 * hf);
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = (lane >> 1) + 16 * q;
+      if (r < nr) *reinterpret_cast<uint4*>(yb + std::int64_t(r) * p.H * V) = *reinterpret_cast<const uint4*>(tD + r * kRsLdt + 8 * hf);
+    }
+  };
+  if (warp == nw + kRsLoaders) {  // the storer
+    if (!storer) return;
     for (std::int64_t s = 0; s < nch; ++s) {
-      const std::int64_t ci = nch - 1 - s;
-      const int sb = int(s & 1), nr = int(lmin(kT, sq_.eos - (sq_.bos + ci * kT)));
+      const int sb = int(s & 1);
       mbar_wait(sfull + sb, unsigned(s >> 1) & 1);
-      bf16* gS = state_mats<false>(ws + w.dS, sq_.base + ci, p.H, h, K, V) + cb + 8 * hf;
-      bf16* yb = y_out + ci * wrow_step * V;
-      for (int c = 0; c < nw && cb + 16 * c < V; ++c) {  // 32-byte row pieces, V % 16 == 0
-        const bf16* tS = tile(c, sb);
-        const bf16* tD = tS + std::size_t(KC) * kRsLdt;
-#pragma unroll
-        for (int q = 0; q < KC / 16; ++q) {
-          const int r = (lane >> 1) + 16 * q;
-          if (r < K) *reinterpret_cast<uint4*>(gS + r * V + 16 * c) = *reinterpret_cast<const uint4*>(tS + r * kRsLdt + 8 * hf);
-        }
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int r = (lane >> 1) + 16 * q;
-          if (r < nr)
-            *reinterpret_cast<uint4*>(yb + std::int64_t(r) * p.H * V + 16 * c) = *reinterpret_cast<const uint4*>(tD + r * kRsLdt + 8 * hf);
-        }
-      }
+      for (int c = 0; c < nw && cb + 16 * c < V; ++c) store_tiles(c, s);
       __syncwarp();
       if (lane == 0) mbar_arrive(sempty + sb);
     }
@@ -195,7 +199,8 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     // with step s - 2
     bf16* trS = tile(warp, int(s & 1));
     bf16* trD = trS + std::size_t(KC) * kRsLdt;
-    if (s >= 2) mbar_wait(sempty + (s & 1), unsigned((s >> 1) - 1) & 1);
+    if (!storer) __syncwarp();  // this warp's own stores of step s - 2 have read the tiles
+    else if (s >= 2) mbar_wait(sempty + (s & 1), unsigned((s >> 1) - 1) & 1);
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) stsm_x4_t(trS + 16 * ks * kRsLdt + st_off, a[ks]);
     mbar_wait(full + bf, unsigned(s / nbuf) & 1);  // chunk ci's operands landed
@@ -261,7 +266,11 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       if (u + kRsPf < NC) load_c(u + kRsPf, r);
     }
     __syncwarp();  // every lane's reads of buffer bf are done; the tiles are written
-    if (lane == 0) mbar_arrive(empty + bf), mbar_arrive(sfull + (s & 1));
+    if (lane == 0) {
+      mbar_arrive(empty + bf);
+      if (storer) mbar_arrive(sfull + (s & 1));
+    }
+    if (!storer && live) store_tiles(warp, s);
   }
   if (p.dh0.p && live) {
 #pragma unroll
@@ -276,8 +285,11 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
 }
 
 std::atomic<int> g_serial_rs{1};  // set_deltanet_bwd_serial_rs
+std::atomic<bool> g_rs_storer{false};  // set_deltanet_bwd_serial_rs_storer
 
 }  // namespace
+
+bool set_deltanet_bwd_serial_rs_storer(bool on) { return g_rs_storer.exchange(on); }
 
 int set_deltanet_bwd_serial_rs(int mode) {
   return g_serial_rs.exchange(mode == 2 || mode == 4 ? mode : mode > 0 ? 1 : 0);
@@ -301,8 +313,8 @@ bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float*
   if (seqs > 0x7fffffff || nt > 65535) throw Error(cat("deltanet_bwd: grid too large (", seqs, " sequence-heads)"));
   const int threads = 32 * (nw + kRsAux);
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, bytes(nbuf));
-  fn<<<dim3(unsigned(seqs), unsigned(nt)), threads, bytes(nbuf), reinterpret_cast<cudaStream_t>(stream)>>>(p, w, ws, nw,
-                                                                                                         nbuf);
+  fn<<<dim3(unsigned(seqs), unsigned(nt)), threads, bytes(nbuf), reinterpret_cast<cudaStream_t>(stream)>>>(
+      p, w, ws, nw, nbuf, g_rs_storer.load(std::memory_order_relaxed));
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial, dS in registers)");
   return true;
 }

@@ -51,6 +51,9 @@ bool set_deltanet_bwd_serial_ws(bool on);
 // --dn-serial-rs=off|on|2|4).
 bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream, bool vk, bool vo);
 int set_deltanet_bwd_serial_rs(int mode);
+// Tests and benchmarks only: that kernel's dSe and dD stores by a storer warp (on) or by the chain warps
+// themselves (the default); the same bits. Returns the previous setting (fastweight_bench --dn-rs-storer=on).
+bool set_deltanet_bwd_serial_rs_storer(bool on);
 // Tests and benchmarks only: the tensor-core chunk pass's grid with a (slot, head)'s K tiles as
 // neighbours (K > 64; default on) instead of a grid of slots apart; the same bits. Returns the
 // previous setting (fastweight_bench --dn-chunk-kfast=off).
