@@ -299,10 +299,13 @@ bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float*
   const int mode = g_serial_rs.load(std::memory_order_relaxed);
   if (mode == 0 || p.hilo || !w.xb || p.K > 128 || p.K % 8 != 0 || p.V % 16 != 0 || !vk || !vo) return false;
   const std::int64_t seqs = p.N * p.H;
-  // 2 chain warps (one per SM sub-partition, each reading 48 KB of operand fragments a step from
-  // shared memory) where the CTAs fit the SMs at one each, else 4
+  // 4 chain warps per CTA (one per SM sub-partition), 2 with variable lengths. Measured (H100, bwd
+  // ms against the other serial kernels, session 28): 4 warps 0.998 / 0.959 / 0.988 / 0.948 / 0.982 at
+  // (4,4096,16,128) / (2,8192) / (8,2048,32,64) / (1,32768) / varlen 8 in 32768; 2 warps 1.104 /
+  // 1.104 / 1.061 / 1.015 / 0.961 (twice the CTAs loading a head's k, Q^, Xw: the batched shapes are
+  // bound by L2, and (1,32768)'s chain shares it with the recompute beside it; varlen runs alone).
   auto tiles = [&](int nw) { return (p.V + 16 * nw - 1) / (16 * nw); };
-  int nw = mode == 1 ? (seqs * tiles(2) <= sm_count() ? 2 : 4) : mode;
+  const int nw = mode == 1 ? (p.cu_seqlens ? 2 : 4) : mode;
   const bool k64 = p.K <= 64;
   auto* fn = k64 ? &deltanet_bwd_state_rs_kernel<64> : &deltanet_bwd_state_rs_kernel<128>;
   auto bytes = [&](int nb) { return k64 ? BrLayout<64>(nw, nb).bytes : BrLayout<128>(nw, nb).bytes; };
