@@ -13,9 +13,16 @@
 // (1,32768,16,128) on the H100 (67% of cycles with no eligible warp) against FLA's 1.4.
 // Loader warps bring each chunk's k, Q^, Xw (64 x Kc) and dO, dD0 (64 x the CTA's columns) through
 // a ring of buffers (mbarriers full / empty); a chain warp writes dSe and dD through its own small
-// tile, transposed by stmatrix, as 16-byte rows.
+// tiles, transposed by stmatrix, as 16-byte rows (or a storer warp does: a switch, slower).
 // The products in another order than the other serial kernels (different bits, the same roundings:
 // dSe and W dD to bf16, dD to bf16 in the Y region).
+// Measured (H100, session 28): 2.4-2.6 us a chunk step still (1348 us at (1,32768,16,128) beside the
+// recompute, 586 us at varlen 8 in 32768), against ~0.95 us of tensor-pipe and issue work per step
+// (mma.sync m16n8k16 measured here: 24.6 cycles dependent, 6.3 per SM sub-partition independent).
+// Each warp reads its B fragments (K, Q^, Xw: 52 KB a step) by ldmatrix: 4 warps per SM are ~210 KB
+// of shared-memory reads a step, 1660 cycles at 128 B a cycle; the batched shapes are bound by L2
+// (ncu at (4,4096): 87% L2, 71% DRAM). wgmma (B read from shared memory once per warpgroup, dS^T
+// still the register A operand) is the next form of this kernel.
 #include <atomic>
 
 #include "cuda/common/bulk.cuh"
