@@ -160,11 +160,14 @@ def graph_ms(torch, fn, reps: int) -> float:
     return ms
 
 
-def measure(row: dict, torch, cuda: bool, reps: int, fwd, fwdbwd, graph: bool = False) -> None:
+def measure(row: dict, torch, cuda: bool, reps: int, fwd, fwdbwd, graph: bool = False, fwdbwd_grad=None) -> None:
     """Fills row with fwd_ms (no grad), peak_gib (one fwd+bwd, GPU) and fwdbwd_ms: (U), each call timed
     alone between two events (the host's time included where the GPU waits for it). With graph (GPU):
     also fwd_graph_ms and fwdbwd_graph_ms, (K): the same calls captured in a CUDA graph and replayed back
-    to back; a provider whose call cannot be captured (a host synchronisation in it) gets graph_na."""
+    to back; a provider whose call cannot be captured (a host synchronisation in it) gets graph_na.
+    fwdbwd_grad (the captured fwd+bwd): the same products through torch.autograd.grad, without
+    accumulating into the leaves' .grad, whose accumulate nodes the eager reps bound to the default
+    stream (a capture that meets them is invalidated: cudaErrorStreamCaptureImplicit)."""
     with torch.no_grad():
         row["fwd_ms"] = timed(fwd, cuda, reps)
     if cuda:
@@ -178,7 +181,7 @@ def measure(row: dict, torch, cuda: bool, reps: int, fwd, fwdbwd, graph: bool = 
         try:
             with torch.no_grad():
                 row["fwd_graph_ms"] = graph_ms(torch, fwd, reps)
-            row["fwdbwd_graph_ms"] = graph_ms(torch, fwdbwd, reps)
+            row["fwdbwd_graph_ms"] = graph_ms(torch, fwdbwd_grad or fwdbwd, reps)
         except Exception as e:  # noqa: BLE001
             row["graph_na"] = short(e)
         torch.cuda.synchronize()

@@ -71,8 +71,11 @@ def main():
                 def fwdbwd():
                     out, ht = call(*args, h0g, cu)
                     torch.autograd.backward([out, ht], [do, torch.ones_like(ht)])
+                def fwdbwd_grad():
+                    out, ht = call(*args, h0g, cu)
+                    torch.autograd.grad([out, ht], args + [h0g], [do, torch.ones_like(ht)], allow_unused=True)
                 measure(row, torch, c.cuda, c.a.reps, lambda: call(q, k, v, beta, h0, cu), step(args + [h0g], fwdbwd),
-                        c.a.graph)
+                        c.a.graph, fwdbwd_grad)
             run_case(c.rows, c.row(shape, name), body)
     report(c.rows, c.a.out, "bench_deltanet", c.dev, "shape (B,T,H,K=V)", "o err vs fastweight")
     return 0
