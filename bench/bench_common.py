@@ -165,9 +165,10 @@ def measure(row: dict, torch, cuda: bool, reps: int, fwd, fwdbwd, graph: bool = 
     alone between two events (the host's time included where the GPU waits for it). With graph (GPU):
     also fwd_graph_ms and fwdbwd_graph_ms, (K): the same calls captured in a CUDA graph and replayed back
     to back; a provider whose call cannot be captured (a host synchronisation in it) gets graph_na.
-    fwdbwd_grad (the captured fwd+bwd): the same products through torch.autograd.grad, without
-    accumulating into the leaves' .grad, whose accumulate nodes the eager reps bound to the default
-    stream (a capture that meets them is invalidated: cudaErrorStreamCaptureImplicit)."""
+    fwdbwd_grad (the captured fwd+bwd): the same products through torch.autograd.grad on leaves of its
+    own, first used in the capture's warm-up: a leaf's accumulate node takes the stream of its first
+    use, and the eager reps' (the default stream) invalidate a capture that meets them
+    (cudaErrorStreamCaptureImplicit)."""
     with torch.no_grad():
         row["fwd_ms"] = timed(fwd, cuda, reps)
     if cuda:

@@ -86,7 +86,8 @@ def main():
                 dh = torch.randn_like(h)
                 measure(row, torch, c.cuda, c.a.reps, lambda: call(q, k, v, i, f),
                         step(args, lambda: torch.autograd.backward(call(*args), dh)), c.a.graph,
-                        lambda: torch.autograd.grad(call(*args), args, dh, allow_unused=True))
+                        lambda gl=[t.detach().clone().requires_grad_() for t in args]:
+                            torch.autograd.grad(call(*gl), gl, dh, allow_unused=True))
             run_case(c.rows, c.row(f"{B},{NH},{S},{DQK},{DV}", name), body)
     report(c.rows, c.a.out, "bench_mlstm_parallel" if par else "bench_mlstm", c.dev, "shape (B,NH,S,DQK,DV)", "h err vs fastweight")
     return 0

@@ -572,24 +572,25 @@ def test_cuda_backward_graph_capture(cu):
     do = torch.randn(q.shape, generator=g, device="cuda").to(torch.bfloat16)
     dht = torch.randn(h0.shape, generator=g, device="cuda")
 
-    # torch.autograd.grad, not .backward: no AccumulateGrad into the leaves, whose accumulate nodes the
-    # eager call binds to the default stream (PyTorch then syncs the capture with the legacy stream,
-    # which invalidates it: cudaErrorStreamCaptureImplicit)
-    def run():
+    # The captured call's leaves are fresh ones, first used on the warm-up stream: a leaf's accumulate
+    # node takes the stream of its first use, and one on the default stream (the eager call's) joined to
+    # the capture invalidates it (cudaErrorStreamCaptureImplicit), with .backward or autograd.grad alike
+    def run(leaves):
         o, ht = fastweight.delta_rule(*leaves[:4], initial_state=leaves[4], output_final_state=True,
                                       use_qk_l2norm_in_kernel=True, cu_seqlens=cus, split_operands=False)
         grads = torch.autograd.grad([o, ht], leaves, [do, dht])
         return o, ht, grads
-    o_e, ht_e, grads_e = run()
+    o_e, ht_e, grads_e = run(leaves)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
+        leaves_g = [t.detach().clone().requires_grad_() for t in leaves]
         for _ in range(2):
-            run()
+            run(leaves_g)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        o_g, ht_g, grads_g = run()
+        o_g, ht_g, grads_g = run(leaves_g)
     for t in (o_g, ht_g, *grads_g):  # poison what the replay must rewrite
         t.fill_(float("nan"))
     graph.replay()
