@@ -34,8 +34,9 @@
 //   fastweight_bench --dn-chunk-l2=off|pair  DeltaNet backward's L2-norm backward in its own kernel, or fused also
 //                                            where K is two tiles (a cluster of 2), not only one (A/B)
 //   fastweight_bench --dn-post-pf=on         DeltaNet backward post kernel's V tiles loaded at its start (A/B)
-//   fastweight_bench --dn-serial-rs=off|2|4  DeltaNet backward serial kernel with dS in registers off, or with
-//                                            2 / 4 chain warps per CTA (A/B; default on, the planner's count)
+//   fastweight_bench --dn-serial-rs=off|2|4|5  DeltaNet backward serial kernel with dS in registers off, or
+//                                            with 2 / 4 chain warps per CTA, or (5) its wgmma form (A/B; default
+//                                            on, the planner's count)
 //   fastweight_bench --dn-rs-storer=on       that kernel's stores by a storer warp (A/B)
 //   fastweight_bench --dn-wy-saved=off       DeltaNet backward forms the WY inverse again (no wy_inverse; A/B)
 //   fastweight_bench --steps-only            the mLSTM / DeltaNet families' GPU decoding-step rows alone (A/B)

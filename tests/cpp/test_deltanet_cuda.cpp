@@ -523,15 +523,16 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_serial_rs_storer(false)};
   // Runs 2 and 3: the serial kernel with dS in registers (deltanet_bwd_rs.cu, where it applies; other
   // products' order, so checked against the reference, and run 3 against run 2 bit for bit) with 2
-  // then 4 chain warps per CTA (and run 3 with its storer warp), the rest as run 0, then as run 1
-  std::vector<HostTensor> run[4];
-  for (int r = 0; r < 4; ++r) {
-    fastweight::detail::set_deltanet_bwd_serial_rs(r == 2 ? 2 : r == 3 ? 4 : 0);
+  // then 4 chain warps per CTA (and run 3 with its storer warp), the rest as run 0, then as run 1.
+  // Runs 4 and 5: its wgmma form (sm_90a), likewise (run 5 against run 4 bit for bit).
+  std::vector<HostTensor> run[6];
+  for (int r = 0; r < 6; ++r) {
+    fastweight::detail::set_deltanet_bwd_serial_rs(r == 2 ? 2 : r == 3 ? 4 : r >= 4 ? 5 : 0);
     fastweight::detail::set_deltanet_bwd_serial_rs_storer(r == 3);
     if (r >= 2) {
       fastweight::detail::set_deltanet_wy_vbufs(0);
       fastweight::detail::set_deltanet_state_tile(0);
-      fastweight::detail::set_deltanet_bwd_overlap(r == 2 ? 1 : -1);
+      fastweight::detail::set_deltanet_bwd_overlap(r % 2 == 0 ? 1 : -1);
       fastweight::detail::set_deltanet_bwd_chunk_l2(1);
       fastweight::detail::set_deltanet_bwd_post_prefetch(false);
       fastweight::detail::set_deltanet_bwd_recompute_ws(1);
@@ -650,15 +651,18 @@ void check_bwd_case(const DnBwdCase& c) {
       continue;
     }
     const double err = rel_err(run[0][e], ref[e]);  // +inf on any NaN: every element written
-    const double err_rs = rel_err(run[2][e], ref[e]);
+    const double err_rs = rel_err(run[2][e], ref[e]), err_wg = rel_err(run[4][e], ref[e]);
     EXPECT_LT(err, tol) << names[e];
     EXPECT_LT(err_rs, tol) << names[e] << " (dS in registers)";
     EXPECT_EQ(run[0][e].bytes, run[1][e].bytes) << names[e] << ": not deterministic (or differs with the other buffering)";
     EXPECT_EQ(run[2][e].bytes, run[3][e].bytes) << names[e] << ": dS in registers: not deterministic (or differs with 4 chain warps)";
+    EXPECT_LT(err_wg, tol) << names[e] << " (dS in registers, wgmma)";
+    EXPECT_EQ(run[4][e].bytes, run[5][e].bytes) << names[e] << ": dS in registers, wgmma: not deterministic";
+    EXPECT_TRUE(padding_untouched(run[4][e], 0xff)) << names[e] << ": written outside its view (wgmma)";
     EXPECT_TRUE(padding_untouched(run[2][e], 0xff)) << names[e] << ": written outside its view (dS in registers)";
     if (!run_wy.empty()) EXPECT_EQ(run[0][e].bytes, run_wy[e].bytes) << names[e] << ": differs with the forward's wy_inverse";
     EXPECT_TRUE(padding_untouched(run[0][e], 0xff)) << names[e] << ": written outside its view";
-    std::printf(" %s %.2e (rs %.2e)", names[e], err, err_rs);
+    std::printf(" %s %.2e (rs %.2e, wgmma %.2e)", names[e], err, err_rs, err_wg);
     ++checked;
   }
   std::printf("\n");

@@ -62,6 +62,14 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 #endif
 }
 
+// Pins registers the compiler must not read or write across an in-flight wgmma (CUTLASS's
+// warpgroup_fence_operand): after wgmma_wait, before the accumulators are read.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operand(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
 // D (64 x 64, fp32; per warp as wgmma_acc) {+}= A (64 x 16, this warp's 16 rows as mma.sync A fragments) B,
 // B (16 x 64) in shared memory by descriptor; TB: B MN-major (stored [k][n]), else K-major ([n][k]).
 template <int TB>

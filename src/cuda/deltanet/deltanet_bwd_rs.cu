@@ -27,6 +27,7 @@
 
 #include "cuda/common/bulk.cuh"
 #include "cuda/common/check.cuh"
+#include "cuda/common/wgmma.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
 #include "cuda/deltanet/deltanet_cuda.h"
 #include "cuda/deltanet/deltanet_tc.cuh"
@@ -43,29 +44,37 @@ constexpr int kRsPf = 4;       // ldmatrix results in flight ahead of their prod
 // smem: [nbuf] { bf16 k, Q^, Xw [64][Kc + 8] | bf16 dO, dD0 [64][16 nw + 8] | f32 rk, beta [64] } |
 //       [nw][2] bf16 transposition tiles { dSe^T [Kc][24], dD [64][24] } (steps s % 2) |
 //       u64 full [nbuf], empty [nbuf], sfull [2], sempty [2]
-template <int KC>
+// WG (the wgmma form): k, Q^, Xw as wgmma's 128-byte-swizzled (64 rows, Kc) tiles (Kc / 64 blocks of
+// 8 KB, no padding), each buffer 1024-byte aligned from a base the kernel aligns (+ 1024 bytes).
+template <int KC, bool WG = false>
 struct BrLayout {
   static constexpr int LDK = KC + 8;
   int nw, ldc, nbuf;
   std::size_t k, q, xw, dO, y, fac, buf, tr, trw, bar, bytes;
   __host__ __device__ BrLayout(int nw_, int nbuf_) : nw(nw_), ldc(16 * nw_ + 8), nbuf(nbuf_) {
-    const std::size_t kt = 2 * std::size_t(kT) * LDK, ct = 2 * std::size_t(kT) * ldc;
+    const std::size_t kt = WG ? std::size_t(KC) * 128 : 2 * std::size_t(kT) * LDK, ct = 2 * std::size_t(kT) * ldc;
     k = 0, q = kt, xw = 2 * kt, dO = 3 * kt, y = dO + ct, fac = y + ct, buf = fac + 2 * 4 * kT;  // 16-byte multiples
+    if (WG) buf = (buf + 1023) / 1024 * 1024;
     trw = std::size_t(KC + kT) * kRsLdt;  // bf16 elements of a tile pair: dSe^T (KC rows), dD (64 rows)
-    tr = nbuf * buf, bar = tr + nw * 2 * trw * 2, bytes = bar + 8 * (2 * nbuf + 4);
+    tr = nbuf * buf, bar = tr + nw * 2 * trw * 2, bytes = bar + 8 * (2 * nbuf + 4) + (WG ? 1024 : 0);
   }
 };
 
 // Grid (N * H, column tiles of 16 nw); 32 (nw + kRsAux) threads. K % 8 == 0, K <= KC, V % 16 == 0,
-// 16-byte aligned rows of k and dO (the host checks).
-template <int KC>
+// 16-byte aligned rows of k and dO (the host checks). WG: the products on wgmma (nw = 4: the chain
+// warps are one warpgroup; an sm_90a binary), B read from shared memory once per warpgroup instead of
+// once per warp by ldmatrix (the bound of the mma.sync form: ~210 KB of ldmatrix reads a step at 4
+// warps per SM); dS^T, X1 and B's A fragments stay in registers as in that form.
+template <int KC, bool WG = false>
 __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     deltanet_bwd_state_rs_kernel(const DeltanetBwdParams p, const DnBwdWs w, float* __restrict__ ws, int nw, int nbuf,
                                  bool storer) {
   constexpr int LDK = BrLayout<KC>::LDK, NK = KC / 8, KS = KC / 16;  // n-tiles, k-steps of dS^T's K
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const BrLayout<KC> lay(nw, nbuf);
+  const BrLayout<KC, WG> lay(nw, nbuf);
+  if constexpr (WG)  // the swizzled tiles' 1024-byte alignment (the layout holds the slack)
+    base = reinterpret_cast<char*>((reinterpret_cast<std::uintptr_t>(base) + 1023) / 1024 * 1024);
   const int LDC = lay.ldc;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const DnCta cta = dn_chain_cta(p, reinterpret_cast<int*>(base));
@@ -83,6 +92,9 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
 #if !defined(FW_HAS_BULK)
   __trap();  // mbarriers and stmatrix: the host launches it only for an sm_90 binary
 #else
+#if !defined(FW_HAS_WGMMA)
+  if constexpr (WG) __trap();  // (the host launches the wgmma form only for sm_90a binaries)
+#endif
   if (tid == 0) {
     for (int i = 0; i < nbuf; ++i) mbar_init(full + i, 32 * kRsLoaders), mbar_init(empty + i, unsigned(nw));
     for (int i = 0; i < 2; ++i) mbar_init(sfull + i, unsigned(nw)), mbar_init(sempty + i, 1);
@@ -131,16 +143,22 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       if (s >= nbuf) mbar_wait(empty + bf, unsigned(s / nbuf - 1) & 1);
       const std::int64_t ci = nch - 1 - s, t0 = sq_.bos + ci * kT, row0 = row00 + ci * wrow_step;
       const int nr = int(lmin(kT, sq_.eos - t0));
+      // k, Q^, Xw: padded rows for ldmatrix, or wgmma's swizzled blocks
+      auto ktile = [&](std::size_t off, const bf16* src, std::int64_t rs) {
+        bf16* dst = reinterpret_cast<bf16*>(at(bf, off));
+        if constexpr (WG) warp_load_tile_sw128(dst, src, rs, KC, nr, int(K), lane);
+        else warp_load_tile(dst, LDK, src, rs, KC, nr, int(K), lane);
+      };
       if (lw == 0) {
-        warp_load_tile(reinterpret_cast<bf16*>(at(bf, lay.k)), LDK, bf_rows(p.k, b, t0, h), p.k.s1, KC, nr, int(K), lane);
-        warp_load_tile(reinterpret_cast<bf16*>(at(bf, lay.q)), LDK, qhw + row0 * K, p.H * K, KC, nr, int(K), lane);
+        ktile(lay.k, bf_rows(p.k, b, t0, h), p.k.s1);
+        ktile(lay.q, qhw + row0 * K, p.H * K);
         float* sf = reinterpret_cast<float*>(at(bf, lay.fac));
         for (int e = lane; e < 2 * kT; e += 32) {  // rk (factor 1), beta (factor 2); zero past the sequence
           const int f = 1 + e / kT, i = e % kT;
           cp_async4_z(sf + e, i < nr ? ws + w.fac + f * w.rows + row0 + i * p.H : ws, i < nr ? 4 : 0);
         }
       } else {
-        warp_load_tile(reinterpret_cast<bf16*>(at(bf, lay.xw)), LDK, xwh + row0 * K, p.H * K, KC, nr, int(K), lane);
+        ktile(lay.xw, xwh + row0 * K, p.H * K);
         warp_load_tile(reinterpret_cast<bf16*>(at(bf, lay.dO)), LDC, bf_rows(p.do_, b, t0, h) + cb, p.do_.s1, cw, nr,
                        ncv, lane);
         warp_load_tile(reinterpret_cast<bf16*>(at(bf, lay.y)), LDC, y00 + ci * wrow_step * V, p.H * V, cw, nr, ncv,
@@ -218,16 +236,41 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     const bf16* sy = reinterpret_cast<const bf16*>(at(bf, lay.y));
     const float* sf = reinterpret_cast<const float*>(at(bf, lay.fac));  // rk [64], beta [64]
     std::uint32_t ao[4][4], y4[4][4];  // dO^T's A fragments (chunk k-steps); dD0 at X1's positions
+    if constexpr (WG) {
+      fence_proxy_async_smem();  // the loaders' cp.async writes (generic proxy), seen through the
+                                 // mbarrier, before wgmma reads them (async proxy)
+    } else {
 #pragma unroll
-    for (int u = 0; u < kRsPf; ++u) load_a(u, fb[u]);
+      for (int u = 0; u < kRsPf; ++u) load_a(u, fb[u]);
+    }
 #pragma unroll
     for (int gs = 0; gs < 4; ++gs) ldsm_x4_t(ao[gs], so + (16 * gs + ld_row_a_kmajor(lane)) * LDC + cw + ld_col_a_kmajor(lane));
 #pragma unroll
     for (int jp = 0; jp < 4; ++jp) ldsm_x4_t(y4[jp], sy + (16 * jp + 8 * (m8 >> 1) + r8) * LDC + cw + 8 * (m8 & 1));
     // b. phase A: X1 = dSe^T K^T (16 x 64; the chain), dO^T Q^ into acc between its units
     float x1[8][4] = {};
+    float (&x1f)[32] = reinterpret_cast<float (&)[32]>(x1);  // the wgmma accumulator views
+    float (&accf)[KC / 2] = reinterpret_cast<float (&)[KC / 2]>(acc);
+    // wgmma with B (K columns 16 ks .. of Q^ or Xw: chunk rows) MN-major, n = KC
+    auto wg_n = [&](const std::uint32_t (&af)[4], const bf16* b0, int ks) {
+      const std::uint64_t desc = gmma_desc_sw128(b0 + ks * 1024, 8192, 1024);  // + 16 rows of 128 bytes
+      if constexpr (KC == 128) wgmma_m64n128k16_rs<1>(accf, af, desc, true);
+      else wgmma_m64n64k16_rs<1>(accf, af, desc, true);
+    };
+    if constexpr (WG) {
+      wgmma_fence();  // a, ao, x1 written
 #pragma unroll
-    for (int u = 0; u < NA; ++u) {
+      for (int ks = 0; ks < KS; ++ks)  // K-major: block ks / 4 (4096 elements), + 16 elements per k-step
+        wgmma_m64n64k16_rs<0>(x1f, a[ks], gmma_desc_sw128(sk + (ks / 4) * 4096 + (ks % 4) * 16, 16, 1024), true);
+      wgmma_commit();
+#pragma unroll
+      for (int gs = 0; gs < 4; ++gs) wg_n(ao[gs], sq, gs);
+      wgmma_commit();
+      wgmma_wait<1>();  // X1 (the first group); dO^T Q^ may still run
+      wgmma_fence_operand(x1f);
+    }
+#pragma unroll
+    for (int u = 0; u < (WG ? 0 : NA); ++u) {
       const int ks = u / 8, x = u % 8;
       std::uint32_t (&r)[4] = fb[u % kRsPf];
       if (x < 4) {
@@ -264,8 +307,16 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       stsm_x4_t(trD + 16 * jp * kRsLdt + st_off, r4);
     }
     // d. phase C: dS^T += B Xw
+    if constexpr (WG) {
+      wgmma_fence();  // a2 written
 #pragma unroll
-    for (int u = 0; u < NC; ++u) {
+      for (int ks = 0; ks < 4; ++ks) wg_n(a2[ks], sx, ks);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operand(accf);
+    }
+#pragma unroll
+    for (int u = 0; u < (WG ? 0 : NC); ++u) {
       std::uint32_t (&r)[4] = fb[(NA + u) % kRsPf];
       const int ks = u / KS, np = u % KS;
       mma_bf16_16816(acc[2 * np], a2[ks], r[0], r[1]);
@@ -299,7 +350,7 @@ std::atomic<bool> g_rs_storer{false};  // set_deltanet_bwd_serial_rs_storer
 bool set_deltanet_bwd_serial_rs_storer(bool on) { return g_rs_storer.exchange(on); }
 
 int set_deltanet_bwd_serial_rs(int mode) {
-  return g_serial_rs.exchange(mode == 2 || mode == 4 ? mode : mode > 0 ? 1 : 0);
+  return g_serial_rs.exchange(mode == 2 || mode == 4 || mode == 5 ? mode : mode > 0 ? 1 : 0);
 }
 
 bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream, bool vk, bool vo) {
@@ -312,10 +363,15 @@ bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float*
   // 1.104 / 1.061 / 1.015 / 0.961 (twice the CTAs loading a head's k, Q^, Xw: the batched shapes are
   // bound by L2, and (1,32768)'s chain shares it with the recompute beside it; varlen runs alone).
   auto tiles = [&](int nw) { return (p.V + 16 * nw - 1) / (16 * nw); };
-  const int nw = mode == 1 ? (p.cu_seqlens ? 2 : 4) : mode;
+  const bool wg = mode == 5;  // the wgmma form: one warpgroup of chain warps
+  const int nw = wg ? 4 : mode == 1 ? (p.cu_seqlens ? 2 : 4) : mode;
   const bool k64 = p.K <= 64;
-  auto* fn = k64 ? &deltanet_bwd_state_rs_kernel<64> : &deltanet_bwd_state_rs_kernel<128>;
-  auto bytes = [&](int nb) { return k64 ? BrLayout<64>(nw, nb).bytes : BrLayout<128>(nw, nb).bytes; };
+  auto* fn = k64 ? (wg ? &deltanet_bwd_state_rs_kernel<64, true> : &deltanet_bwd_state_rs_kernel<64>)
+                 : (wg ? &deltanet_bwd_state_rs_kernel<128, true> : &deltanet_bwd_state_rs_kernel<128>);
+  auto bytes = [&](int nb) {
+    return k64 ? (wg ? BrLayout<64, true>(nw, nb).bytes : BrLayout<64>(nw, nb).bytes)
+               : (wg ? BrLayout<128, true>(nw, nb).bytes : BrLayout<128>(nw, nb).bytes);
+  };
   const std::size_t cap = smem_per_block_optin() - 1024;  // dn_chain_cta's static shared int beside it
   const int nbuf = bytes(3) <= cap ? 3 : 2;
   if (bytes(nbuf) > cap || kernel_binary_version(reinterpret_cast<const void*>(fn)) < 90) return false;

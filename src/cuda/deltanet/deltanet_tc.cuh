@@ -413,6 +413,21 @@ __device__ __forceinline__ void warp_load_tile(bf16* dst, int ld, const bf16* sr
   }
 }
 
+// As warp_load_tile, into wgmma's 128-byte-swizzled layout (cuda/common/wgmma.cuh): a (64, C) bf16 tile,
+// C in {64, 128}, as C / 64 blocks of 64 rows x 128 bytes, 8 KB apart; dst 1024-byte aligned.
+__device__ __forceinline__ void warp_load_tile_sw128(bf16* dst, const bf16* src, std::int64_t rs, int C, int nr, int nc,
+                                                     int lane) {
+  const int U = C / 8, dr = 32 / U, u = lane % U, r0 = lane / U, c = u & 7;
+  const bool col = 8 * u < nc;
+  const std::uint32_t d0 = smem_u32(dst) + std::uint32_t((u >> 3) * 8192);
+  const bf16* g = src + r0 * rs + 8 * u;
+  const std::int64_t gs = dr * rs;
+  for (int r = r0; r < kT; r += dr, g += gs) {
+    const int by = col && r < nr ? 16 : 0;
+    cp_async16_sz(d0 + std::uint32_t(r * 128 + ((c ^ (r & 7)) << 4)), by ? g : src, by);
+  }
+}
+
 // (B, T, H, D) rows 16-byte aligned at every (b, t, h): cp.async applies.
 inline bool rows16_seq(const StridedView& t) {
   return reinterpret_cast<std::uintptr_t>(t.p) % 16 == 0 && t.s0 % 8 == 0 && t.s1 % 8 == 0 && t.s2 % 8 == 0;
