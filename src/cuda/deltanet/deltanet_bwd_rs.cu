@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     float x1[8][4] = {};
     float (&x1f)[32] = reinterpret_cast<float (&)[32]>(x1);  // the wgmma accumulator views
     float (&accf)[KC / 2] = reinterpret_cast<float (&)[KC / 2]>(acc);
-    // wgmma with B (K columns 16 ks .. of Q^ or Xw: chunk rows) MN-major, n = KC
+    // wgmma into dS^T: B = chunk rows 16 ks .. of Q^ or Xw ([i][K columns]: MN-major), n = KC
     auto wg_n = [&](const std::uint32_t (&af)[4], const bf16* b0, int ks) {
       const std::uint64_t desc = gmma_desc_sw128(b0 + ks * 1024, 8192, 1024);  // + 16 rows of 128 bytes
       if constexpr (KC == 128) wgmma_m64n128k16_rs<1>(accf, af, desc, true);
