@@ -48,7 +48,7 @@ bool set_deltanet_bwd_serial_ws(bool on);
 // sm_90 binary): launched by deltanet_bwd_state_tc in place of the other serial kernels, false where
 // it does not apply. set_deltanet_bwd_serial_rs (tests, A/B): 0 off, 1 on (the default; 4 chain warps
 // per CTA, 2 with variable lengths), 2 or 4 forced, 5 its wgmma form (one warpgroup; sm_90a; compiled
-// only in session 28, first run in the tests' runs 4 and 5); returns the previous setting
+// only in session 28: the tests' runs 4 and 5 take it with --gtest_also_run_disabled_tests); returns the previous setting
 // (fastweight_bench --dn-serial-rs=off|on|2|4|5).
 bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream, bool vk, bool vo);
 int set_deltanet_bwd_serial_rs(int mode);
