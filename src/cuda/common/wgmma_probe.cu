@@ -15,7 +15,7 @@ __global__ void __launch_bounds__(128) wgmma_probe_kernel(const __nv_bfloat16* _
                                                           const __nv_bfloat16* __restrict__ b,
                                                           const __nv_bfloat16* __restrict__ a2,
                                                           const __nv_bfloat16* __restrict__ b2, float* d, float* e,
-                                                          int* ok) {
+                                                          float* f, int* ok) {
   __shared__ __align__(1024) unsigned char sb[2 * 8192];   // b: two (64 n, 64 k) swizzled blocks (k 0-63, 64-127)
   __shared__ __align__(1024) unsigned char sb2[2 * 8192];  // b2: two (64 k, 64 n) swizzled blocks (n 0-63, 64-127)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -37,11 +37,12 @@ __global__ void __launch_bounds__(128) wgmma_probe_kernel(const __nv_bfloat16* _
   for (int s = 0; s < 8; ++s) frag(a, 128, s, af[s]);
 #pragma unroll
   for (int s = 0; s < 4; ++s) frag(a2, 64, s, af2[s]);
-  float acc[32], acc2[64];
+  float acc[32], acc2[64], acc3[32];
 #pragma unroll
-  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+  for (int i = 0; i < 32; ++i) acc[i] = 0.f, acc3[i] = 0.f;
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc2[i] = 0.f;
+  wgmma_fence_operand(acc), wgmma_fence_operand(acc2), wgmma_fence_operand(acc3);  // the zeros before the fence
   wgmma_fence();
 #pragma unroll
   for (int s = 0; s < 8; ++s)  // K-major: block s / 4, + 32 bytes per k-step within it
@@ -49,14 +50,18 @@ __global__ void __launch_bounds__(128) wgmma_probe_kernel(const __nv_bfloat16* _
 #pragma unroll
   for (int s = 0; s < 4; ++s)  // MN-major: + 16 rows (2048 bytes) per k-step; LBO: the next 64 columns
     wgmma_m64n128k16_rs<1>(acc2, af2[s], gmma_desc_sw128(sb2 + s * 2048, 8192, 1024), s > 0);
+#pragma unroll
+  for (int s = 0; s < 4; ++s)  // MN-major, n = 64: the first block alone (the kernel's K <= 64 form)
+    wgmma_m64n64k16_rs<1>(acc3, af2[s], gmma_desc_sw128(sb2 + s * 2048, 8192, 1024), s > 0);
   wgmma_commit();
   wgmma_wait<0>();
+  wgmma_fence_operand(acc), wgmma_fence_operand(acc2), wgmma_fence_operand(acc3);
 #pragma unroll
   for (int j = 0; j < 16; ++j)
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
       const int r = 16 * warp + g + 8 * (x >> 1), c = 8 * j + 2 * t + (x & 1);
-      if (j < 8) d[r * 64 + c] = acc[4 * j + x];
+      if (j < 8) d[r * 64 + c] = acc[4 * j + x], f[r * 64 + c] = acc3[4 * j + x];
       e[r * 128 + c] = acc2[4 * j + x];
     }
 #if defined(FW_HAS_WGMMA)
@@ -67,17 +72,18 @@ __global__ void __launch_bounds__(128) wgmma_probe_kernel(const __nv_bfloat16* _
 }  // namespace
 
 bool wgmma_probe(const std::uint16_t* a, const std::uint16_t* b, const std::uint16_t* a2, const std::uint16_t* b2,
-                 float* d, float* e) {
+                 float* d, float* e, float* f) {
   constexpr const char* op = "wgmma_probe";
   const std::size_t na = 64 * 128, na2 = 64 * 64, nd = 64 * 64, ne = 64 * 128;
   void* buf = nullptr;
-  const std::size_t bytes = 2 * (na + na + na2 + na) + 4 * (nd + ne) + 16;
+  const std::size_t bytes = 2 * (na + na + na2 + na) + 4 * (nd + ne + nd) + 16;
   FW_CUDA_CHECK(op, cudaMalloc(&buf, bytes));
   auto* pa = static_cast<std::uint16_t*>(buf);
   std::uint16_t *pb = pa + na, *pa2 = pb + na, *pb2 = pa2 + na2;
   float* pd = reinterpret_cast<float*>(pb2 + na);
   float* pe = pd + nd;
-  int* pok = reinterpret_cast<int*>(pe + ne);
+  float* pf = pe + ne;
+  int* pok = reinterpret_cast<int*>(pf + nd);
   bool ran = false;
   try {
     FW_CUDA_CHECK(op, cudaMemcpy(pa, a, 2 * na, cudaMemcpyHostToDevice));
@@ -87,7 +93,7 @@ bool wgmma_probe(const std::uint16_t* a, const std::uint16_t* b, const std::uint
     FW_CUDA_CHECK(op, cudaMemset(pok, 0, 4));
     wgmma_probe_kernel<<<1, 128>>>(reinterpret_cast<const __nv_bfloat16*>(pa), reinterpret_cast<const __nv_bfloat16*>(pb),
                                    reinterpret_cast<const __nv_bfloat16*>(pa2),
-                                   reinterpret_cast<const __nv_bfloat16*>(pb2), pd, pe, pok);
+                                   reinterpret_cast<const __nv_bfloat16*>(pb2), pd, pe, pf, pok);
     FW_CUDA_CHECK_LAUNCH(op);
     FW_CUDA_CHECK(op, cudaDeviceSynchronize());
     int ok = 0;
@@ -95,6 +101,7 @@ bool wgmma_probe(const std::uint16_t* a, const std::uint16_t* b, const std::uint
     if (ok) {
       FW_CUDA_CHECK(op, cudaMemcpy(d, pd, 4 * nd, cudaMemcpyDeviceToHost));
       FW_CUDA_CHECK(op, cudaMemcpy(e, pe, 4 * ne, cudaMemcpyDeviceToHost));
+      FW_CUDA_CHECK(op, cudaMemcpy(f, pf, 4 * nd, cudaMemcpyDeviceToHost));
       ran = true;
     }
   } catch (...) {

@@ -258,6 +258,7 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       else wgmma_m64n64k16_rs<1>(accf, af, desc, true);
     };
     if constexpr (WG) {
+      wgmma_fence_operand(x1f), wgmma_fence_operand(accf);  // x1's zeros, acc: written before the fence
       wgmma_fence();  // a, ao, x1 written
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks)  // K-major: block ks / 4 (4096 elements), + 16 elements per k-step
@@ -308,6 +309,7 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     }
     // d. phase C: dS^T += B Xw
     if constexpr (WG) {
+      wgmma_fence_operand(accf);
       wgmma_fence();  // a2 written
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) wg_n(a2[ks], sx, ks);
