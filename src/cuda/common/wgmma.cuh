@@ -54,13 +54,6 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #endif
 }
-// Generic-proxy writes of shared memory (st.shared, cp.async) made visible to wgmma's reads (the
-// async proxy): each writing thread, then a barrier
-__device__ __forceinline__ void fence_proxy_async_smem() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
 
 // Pins registers the compiler must not read or write across an in-flight wgmma (CUTLASS's
 // warpgroup_fence_operand): after wgmma_wait, before the accumulators are read.

@@ -4,6 +4,7 @@
 
 #include <cuda_bf16.h>
 
+#include "cuda/common/bulk.cuh"
 #include "cuda/common/check.cuh"
 #include "cuda/common/wgmma.cuh"
 
@@ -24,7 +25,9 @@ __global__ void __launch_bounds__(128) wgmma_probe_kernel(const __nv_bfloat16* _
     *reinterpret_cast<__nv_bfloat16*>(sb + (c / 64) * 8192 + sw128_off(r, c % 64)) = b[x];   // (n = r, k = c)
     *reinterpret_cast<__nv_bfloat16*>(sb2 + (c / 64) * 8192 + sw128_off(r, c % 64)) = b2[x]; // (k = r, n = c)
   }
-  fence_proxy_async_smem();
+#if defined(FW_HAS_BULK)
+  bulk_fence_shared();  // the generic-proxy writes above, visible to wgmma's reads (async proxy)
+#endif
   __syncthreads();
   // this warp's A fragments of k-step s (rows 16 warp + g (+ 8), columns 16 s + 2 t (+ 1) (+ 8))
   auto frag = [&](const __nv_bfloat16* m, int ld, int s, std::uint32_t (&r)[4]) {

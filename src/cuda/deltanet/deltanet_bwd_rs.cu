@@ -237,8 +237,8 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     const float* sf = reinterpret_cast<const float*>(at(bf, lay.fac));  // rk [64], beta [64]
     std::uint32_t ao[4][4], y4[4][4];  // dO^T's A fragments (chunk k-steps); dD0 at X1's positions
     if constexpr (WG) {
-      fence_proxy_async_smem();  // the loaders' cp.async writes (generic proxy), seen through the
-                                 // mbarrier, before wgmma reads them (async proxy)
+      bulk_fence_shared();  // the loaders' cp.async writes (generic proxy), seen through the
+                            // mbarrier, before wgmma reads them (async proxy)
     } else {
 #pragma unroll
       for (int u = 0; u < kRsPf; ++u) load_a(u, fb[u]);
