@@ -524,11 +524,10 @@ void check_bwd_case(const DnBwdCase& c) {
   // Runs 2 and 3: the serial kernel with dS in registers (deltanet_bwd_rs.cu, where it applies; other
   // products' order, so checked against the reference, and run 3 against run 2 bit for bit) with 2
   // then 4 chain warps per CTA (and run 3 with its storer warp), the rest as run 0, then as run 1.
-  // Runs 4 and 5: its wgmma form (sm_90a), likewise (run 5 against run 4 bit for bit); not yet verified
-  // on a GPU (session 28), so only with --gtest_also_run_disabled_tests, as the wgmma probe below.
-  const bool wg_runs = ::testing::GTEST_FLAG(also_run_disabled_tests);
+  // Runs 4 and 5: its wgmma form (sm_90a binaries; elsewhere the mma.sync form again), likewise (run 5
+  // against run 4 bit for bit).
   std::vector<HostTensor> run[6];
-  for (int r = 0; r < (wg_runs ? 6 : 4); ++r) {
+  for (int r = 0; r < 6; ++r) {
     fastweight::detail::set_deltanet_bwd_serial_rs(r == 2 ? 2 : r == 3 ? 4 : r >= 4 ? 5 : 0);
     fastweight::detail::set_deltanet_bwd_serial_rs_storer(r == 3);
     if (r >= 2) {
@@ -653,21 +652,18 @@ void check_bwd_case(const DnBwdCase& c) {
       continue;
     }
     const double err = rel_err(run[0][e], ref[e]);  // +inf on any NaN: every element written
-    const double err_rs = rel_err(run[2][e], ref[e]), err_wg = wg_runs ? rel_err(run[4][e], ref[e]) : -1.0;
+    const double err_rs = rel_err(run[2][e], ref[e]), err_wg = rel_err(run[4][e], ref[e]);
     EXPECT_LT(err, tol) << names[e];
     EXPECT_LT(err_rs, tol) << names[e] << " (dS in registers)";
     EXPECT_EQ(run[0][e].bytes, run[1][e].bytes) << names[e] << ": not deterministic (or differs with the other buffering)";
     EXPECT_EQ(run[2][e].bytes, run[3][e].bytes) << names[e] << ": dS in registers: not deterministic (or differs with 4 chain warps)";
-    if (wg_runs) {
-      EXPECT_LT(err_wg, tol) << names[e] << " (dS in registers, wgmma)";
-      EXPECT_EQ(run[4][e].bytes, run[5][e].bytes) << names[e] << ": dS in registers, wgmma: not deterministic";
-      EXPECT_TRUE(padding_untouched(run[4][e], 0xff)) << names[e] << ": written outside its view (wgmma)";
-    }
+    EXPECT_LT(err_wg, tol) << names[e] << " (dS in registers, wgmma)";
+    EXPECT_EQ(run[4][e].bytes, run[5][e].bytes) << names[e] << ": dS in registers, wgmma: not deterministic";
+    EXPECT_TRUE(padding_untouched(run[4][e], 0xff)) << names[e] << ": written outside its view (wgmma)";
     EXPECT_TRUE(padding_untouched(run[2][e], 0xff)) << names[e] << ": written outside its view (dS in registers)";
     if (!run_wy.empty()) EXPECT_EQ(run[0][e].bytes, run_wy[e].bytes) << names[e] << ": differs with the forward's wy_inverse";
     EXPECT_TRUE(padding_untouched(run[0][e], 0xff)) << names[e] << ": written outside its view";
-    if (wg_runs) std::printf(" %s %.2e (rs %.2e, wgmma %.2e)", names[e], err, err_rs, err_wg);
-    else std::printf(" %s %.2e (rs %.2e)", names[e], err, err_rs);
+    std::printf(" %s %.2e (rs %.2e, wgmma %.2e)", names[e], err, err_rs, err_wg);
     ++checked;
   }
   std::printf("\n");
@@ -894,10 +890,8 @@ INSTANTIATE_TEST_SUITE_P(Cases, DeltanetCudaStep, ::testing::ValuesIn(step_cases
 // The wgmma helpers (cuda/common/wgmma.cuh) that the serial kernel's next form builds on: one
 // warpgroup's products with A from registers and B through the 128-byte swizzle, K-major (two blocks
 // along k) and MN-major (two blocks along n), against a float64 host product of the same bf16 values.
-// Disabled until its first GPU run (written in session 28 without one): test_deltanet_cuda
-// --gtest_also_run_disabled_tests --gtest_filter='*Wgmma*:*DeltanetCudaBwd*' runs it and the backward
-// test's wgmma runs.
-TEST(DeltanetCudaWgmma, DISABLED_ProbeProductsMatchReference) {
+// A failure here means the descriptors or the swizzle are wrong (the backward's wgmma form builds on them).
+TEST(DeltanetCudaWgmma, ProbeProductsMatchReference) {
   FW_REQUIRE_GPU();
   std::mt19937_64 rng(29);
   std::uniform_real_distribution<float> u(-1.f, 1.f);

@@ -33,6 +33,10 @@ cudaStream_t side_stream();
 // minor: the lower of the loaded binary's and its PTX's, so a PTX-JIT build of compute_80 on a newer GPU
 // reports 80 and no sm_90-only path is taken). Cached.
 int kernel_binary_version(const void* kernel);
+// Whether `kernel` runs as sm_90a code (wgmma, setmaxnreg): its binary is of architecture 9.0 and this
+// build's architectures (FW_CUDA_ARCHS) name 90a and not plain 90, so the driver cannot have loaded a
+// plain sm_90 image of it (where the sm_90a-only instructions are compiled out).
+bool kernel_runs_sm90a(const void* kernel);
 // Resident CTAs per SM of `kernel` at this launch shape on the current device; also raises the
 // kernel's dynamic shared-memory limit to `smem` when needed. Cached (thread-safe).
 int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem);

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -96,6 +97,29 @@ int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem) {
   occ_cache[key] = occ;
   return occ;
 }
+
+namespace {
+// FW_BUILD_ARCHS ("90a,80", CMake's list): does it name `arch` (a "-real" / "-virtual" suffix ignored)?
+constexpr bool build_names_arch(std::string_view list, std::string_view arch) {
+  while (!list.empty()) {
+    const std::size_t comma = list.find(',');
+    std::string_view a = list.substr(0, comma);
+    if (const std::size_t dash = a.find('-'); dash != std::string_view::npos) a = a.substr(0, dash);
+    if (a == arch) return true;
+    list = comma == std::string_view::npos ? std::string_view{} : list.substr(comma + 1);
+  }
+  return false;
+}
+#if defined(FW_BUILD_ARCHS)
+constexpr bool kBuiltSm90aOnly = build_names_arch(FW_BUILD_ARCHS, "90a") && !build_names_arch(FW_BUILD_ARCHS, "90");
+#else
+constexpr bool kBuiltSm90aOnly = false;
+#endif
+static_assert(build_names_arch("90a,80", "90a") && !build_names_arch("90a,80", "90") &&
+              build_names_arch("80,90-real", "90") && !build_names_arch("", "90a"));
+}  // namespace
+
+bool kernel_runs_sm90a(const void* kernel) { return kBuiltSm90aOnly && kernel_binary_version(kernel) == 90; }
 
 int kernel_binary_version(const void* kernel) {
   static std::mutex mu;

@@ -364,9 +364,13 @@ bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float*
   // (4,4096,16,128) / (2,8192) / (8,2048,32,64) / (1,32768) / varlen 8 in 32768; 2 warps 1.104 /
   // 1.104 / 1.061 / 1.015 / 0.961 (twice the CTAs loading a head's k, Q^, Xw: the batched shapes are
   // bound by L2, and (1,32768)'s chain shares it with the recompute beside it; varlen runs alone).
+  // The wgmma form (one warpgroup of chain warps, B read once per warpgroup) where the binary is sm_90a:
+  // measured (H100, session 29, bwd ms against the mma form's choice) 0.996 / 0.987 / 0.994 / 0.971 /
+  // 0.998 at the five rows above, bits equal to nothing else (its own products' order).
   auto tiles = [&](int nw) { return (p.V + 16 * nw - 1) / (16 * nw); };
-  const bool wg = mode == 5;  // the wgmma form: one warpgroup of chain warps
-  const int nw = wg ? 4 : mode == 1 ? (p.cu_seqlens ? 2 : 4) : mode;
+  const bool wg = (mode == 1 || mode == 5) &&
+                  kernel_runs_sm90a(reinterpret_cast<const void*>(&deltanet_bwd_state_rs_kernel<128, true>));
+  const int nw = wg ? 4 : mode == 1 || mode == 5 ? (p.cu_seqlens ? 2 : 4) : mode;
   const bool k64 = p.K <= 64;
   auto* fn = k64 ? (wg ? &deltanet_bwd_state_rs_kernel<64, true> : &deltanet_bwd_state_rs_kernel<64>)
                  : (wg ? &deltanet_bwd_state_rs_kernel<128, true> : &deltanet_bwd_state_rs_kernel<128>);
@@ -376,7 +380,7 @@ bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float*
   };
   const std::size_t cap = smem_per_block_optin() - 1024;  // dn_chain_cta's static shared int beside it
   const int nbuf = bytes(3) <= cap ? 3 : 2;
-  if (bytes(nbuf) > cap || kernel_binary_version(reinterpret_cast<const void*>(fn)) < 90) return false;
+  if (bytes(nbuf) > cap || kernel_binary_version(reinterpret_cast<const void*>(fn)) < 90) return false;  // (wg: sm_90a above)
   const std::int64_t nt = tiles(nw);
   if (seqs > 0x7fffffff || nt > 65535) throw Error(cat("deltanet_bwd: grid too large (", seqs, " sequence-heads)"));
   const int threads = 32 * (nw + kRsAux);

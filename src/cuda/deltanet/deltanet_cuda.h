@@ -46,10 +46,10 @@ bool set_deltanet_bwd_serial_ws(bool on);
 // The backward's serial kernel with dS^T in registers, a warp per 16 columns of V (deltanet_bwd_rs.cu:
 // bf16 operands with bf16 dD0 / Y, K <= 128, K % 8 == 0, V % 16 == 0, aligned rows of k and dO, an
 // sm_90 binary): launched by deltanet_bwd_state_tc in place of the other serial kernels, false where
-// it does not apply. set_deltanet_bwd_serial_rs (tests, A/B): 0 off, 1 on (the default; 4 chain warps
-// per CTA, 2 with variable lengths), 2 or 4 forced, 5 its wgmma form (one warpgroup; sm_90a; compiled
-// only in session 28: the tests' runs 4 and 5 take it with --gtest_also_run_disabled_tests); returns the previous setting
-// (fastweight_bench --dn-serial-rs=off|on|2|4|5).
+// it does not apply. set_deltanet_bwd_serial_rs (tests, A/B): 0 off; 1 on (the default: its wgmma form,
+// one warpgroup of chain warps, where the binary is sm_90a; otherwise the mma.sync form with 4 chain
+// warps per CTA, 2 with variable lengths); 2 or 4: the mma.sync form with that many chain warps; 5 the
+// wgmma form (as 1). Returns the previous setting (fastweight_bench --dn-serial-rs=off|on|2|4|5).
 bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream, bool vk, bool vo);
 int set_deltanet_bwd_serial_rs(int mode);
 // Tests and benchmarks only: that kernel's dSe and dD stores by a storer warp (on) or by the chain warps
