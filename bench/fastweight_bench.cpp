@@ -38,7 +38,6 @@
 //                                            with 2 / 4 chain warps per CTA, or (5) its wgmma form (A/B; default
 //                                            on, the planner's count)
 //   fastweight_bench --dn-rs-storer=on       that kernel's stores by a storer warp (A/B)
-//   fastweight_bench --dn-rs-l2=N --dn-state-l2=N   the serial kernels prefetch chunk +N into L2 (A/B)
 //   fastweight_bench --dn-wy-saved=off       DeltaNet backward forms the WY inverse again (no wy_inverse; A/B)
 //   fastweight_bench --steps-only            the mLSTM / DeltaNet families' GPU decoding-step rows alone (A/B)
 //   fastweight_bench --mlstm-step-kernel=N   mLSTM decoding step's C pass kernel (A/B; set_mlstm_step_kernel)
@@ -118,7 +117,6 @@ struct Options {
   int dn_chunk_l2 = -1;  // -1: the library's default
   int dn_serial_rs = -1;  // -1: the library's default
   int dn_rs_storer = -1;
-  int dn_rs_l2 = -1, dn_state_l2 = -1;  // -1: the library's default
   bool dn_x_f32 = false;
   bool dn_xu_f32 = false;
   bool mlstm_step_no_fuse = false;
@@ -369,8 +367,6 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--dn-post-pf=")) o.dn_post_pf = on(v);
     else if (const char* v = val("--dn-serial-rs=")) o.dn_serial_rs = std::atoi(v) ? std::atoi(v) : on(v) ? 1 : 0;
     else if (const char* v = val("--dn-rs-storer=")) o.dn_rs_storer = on(v) ? 1 : 0;
-    else if (const char* v = val("--dn-rs-l2=")) o.dn_rs_l2 = std::atoi(v);
-    else if (const char* v = val("--dn-state-l2=")) o.dn_state_l2 = std::atoi(v);
     else if (const char* v = val("--dn-bwd-wy-side=")) o.dn_no_wy_side = !on(v);
     else if (const char* v = val("--dn-chunk-kfast=")) o.dn_no_kfast = !on(v);
     else if (const char* v = val("--dn-out-vfast=")) o.dn_no_vfast = !on(v);
@@ -448,8 +444,6 @@ int main(int argc, char** argv) {
   if (o.dn_post_pf) fastweight::detail::set_deltanet_bwd_post_prefetch(true);
   if (o.dn_serial_rs >= 0) fastweight::detail::set_deltanet_bwd_serial_rs(o.dn_serial_rs);
   if (o.dn_rs_storer >= 0) fastweight::detail::set_deltanet_bwd_serial_rs_storer(o.dn_rs_storer == 1);
-  if (o.dn_rs_l2 >= 0) fastweight::detail::set_deltanet_bwd_serial_rs_l2_ahead(o.dn_rs_l2);
-  if (o.dn_state_l2 >= 0) fastweight::detail::set_deltanet_state_l2_ahead(o.dn_state_l2);
   if (o.dn_x_f32) fastweight::detail::set_deltanet_bwd_x_bf16(false);
   if (o.dn_xu_f32) fastweight::detail::set_deltanet_xu_bf16(false);
   if (o.mlstm_step_no_fuse) fastweight::detail::set_mlstm_step_fuse_nm(false);

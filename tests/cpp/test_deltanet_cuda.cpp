@@ -174,9 +174,7 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
     bool two, ws;
     int ws_warps;
     bool xu16, vfast;
-    int l2;
     ~Restore() {
-      fastweight::detail::set_deltanet_state_l2_ahead(l2);
       fastweight::detail::set_deltanet_fwd_dprime(prev);
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_state_tile(tile);
@@ -189,8 +187,7 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
   } restore{fastweight::detail::set_deltanet_fwd_dprime(true), fastweight::detail::set_deltanet_wy_vbufs(0),
             fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_state_two_sync(true),
             fastweight::detail::set_deltanet_state_ws(true), fastweight::detail::set_deltanet_state_ws_warps(2),
-            fastweight::detail::set_deltanet_xu_bf16(true), fastweight::detail::set_deltanet_out_vfast(true),
-            fastweight::detail::set_deltanet_state_l2_ahead(0)};
+            fastweight::detail::set_deltanet_xu_bf16(true), fastweight::detail::set_deltanet_out_vfast(true)};
   std::vector<HostTensor> by_mode(2 * 6);  // o, final state of each mode
   for (int m = 0; m < 6; ++m) {
     void* w = m == 0 ? nullptr : ws;
@@ -211,7 +208,6 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
       fastweight::detail::set_deltanet_state_two_sync(r == 0);
       fastweight::detail::set_deltanet_state_ws_warps(m >= 4 ? 1 : 2);
       fastweight::detail::set_deltanet_out_vfast(r == 0);  // the output kernel's V tiles neighbours, then a grid apart
-      fastweight::detail::set_deltanet_state_l2_ahead(r == 1 ? 3 : 0);  // the state kernel's L2 prefetch: the same bits
       FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
       FW_TEST_CUDA(cudaMemset(ght.ptr, 0xff, ght.nbytes));
       if (w) FW_TEST_CUDA(cudaMemset(w, 0xff, need));
@@ -499,7 +495,6 @@ void check_bwd_case(const DnBwdCase& c) {
     bool post_pf;
     int recompute_ws, serial_rs;
     bool rs_storer;
-    int rs_l2, state_l2;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -514,8 +509,6 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_recompute_ws(recompute_ws);
       fastweight::detail::set_deltanet_bwd_serial_rs(serial_rs);
       fastweight::detail::set_deltanet_bwd_serial_rs_storer(rs_storer);
-      fastweight::detail::set_deltanet_bwd_serial_rs_l2_ahead(rs_l2);
-      fastweight::detail::set_deltanet_state_l2_ahead(state_l2);
     }
   } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true),
                       fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_bwd_overlap(0),
@@ -527,20 +520,16 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_post_prefetch(true),
                       fastweight::detail::set_deltanet_bwd_recompute_ws(2),
                       fastweight::detail::set_deltanet_bwd_serial_rs(0),
-                      fastweight::detail::set_deltanet_bwd_serial_rs_storer(false),
-                      fastweight::detail::set_deltanet_bwd_serial_rs_l2_ahead(0),
-                      fastweight::detail::set_deltanet_state_l2_ahead(0)};
+                      fastweight::detail::set_deltanet_bwd_serial_rs_storer(false)};
   // Runs 2 and 3: the serial kernel with dS in registers (deltanet_bwd_rs.cu, where it applies; other
   // products' order, so checked against the reference, and run 3 against run 2 bit for bit) with 2
   // then 4 chain warps per CTA (and run 3 with its storer warp), the rest as run 0, then as run 1.
   // Runs 4 and 5: its wgmma form (sm_90a binaries; elsewhere the mma.sync form again), likewise (run 5
-  // against run 4 bit for bit; run 5 with the serial and state kernels' L2 prefetch on).
+  // against run 4 bit for bit).
   std::vector<HostTensor> run[6];
   for (int r = 0; r < 6; ++r) {
     fastweight::detail::set_deltanet_bwd_serial_rs(r == 2 ? 2 : r == 3 ? 4 : r >= 4 ? 5 : 0);
     fastweight::detail::set_deltanet_bwd_serial_rs_storer(r == 3);
-    fastweight::detail::set_deltanet_bwd_serial_rs_l2_ahead(r == 5 ? 3 : 0);  // L2 prefetch: the same bits as run 4
-    fastweight::detail::set_deltanet_state_l2_ahead(r == 5 ? 3 : 0);
     if (r >= 2) {
       fastweight::detail::set_deltanet_wy_vbufs(0);
       fastweight::detail::set_deltanet_state_tile(0);

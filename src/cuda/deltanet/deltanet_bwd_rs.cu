@@ -68,7 +68,7 @@ struct BrLayout {
 template <int KC, bool WG = false>
 __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     deltanet_bwd_state_rs_kernel(const DeltanetBwdParams p, const DnBwdWs w, float* __restrict__ ws, int nw, int nbuf,
-                                 bool storer, int l2a) {
+                                 bool storer) {
   constexpr int LDK = BrLayout<KC>::LDK, NK = KC / 8, KS = KC / 16;  // n-tiles, k-steps of dS^T's K
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
@@ -165,19 +165,6 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
                        lane);
       }
       cp_async_mbar_arrive(full + bf);
-      // l2a > 0: step s + l2a's operands (at s = 0 steps 1 .. l2a) into L2, each loader its own
-      for (std::int64_t sp = s == 0 ? 1 : s + l2a; l2a > 0 && sp <= s + l2a && sp < nch; ++sp) {
-        const std::int64_t cp = nch - 1 - sp, tp = sq_.bos + cp * kT, rowp = row00 + cp * wrow_step;
-        const int np = int(lmin(kT, sq_.eos - tp));
-        if (lw == 0) {
-          prefetch_rows_l2(bf_rows(p.k, b, tp, h), p.k.s1, np, int(2 * K), lane, 32);
-          prefetch_rows_l2(qhw + rowp * K, p.H * K, np, int(2 * K), lane, 32);
-        } else {
-          prefetch_rows_l2(xwh + rowp * K, p.H * K, np, int(2 * K), lane, 32);
-          prefetch_rows_l2(bf_rows(p.do_, b, tp, h) + cb, p.do_.s1, np, 2 * ncv, lane, 32);
-          prefetch_rows_l2(y00 + cp * wrow_step * V, p.H * V, np, 2 * ncv, lane, 32);
-        }
-      }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     return;
@@ -359,12 +346,10 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
 
 std::atomic<int> g_serial_rs{1};  // set_deltanet_bwd_serial_rs
 std::atomic<bool> g_rs_storer{false};  // set_deltanet_bwd_serial_rs_storer
-std::atomic<int> g_rs_l2{0};           // set_deltanet_bwd_serial_rs_l2_ahead
 
 }  // namespace
 
 bool set_deltanet_bwd_serial_rs_storer(bool on) { return g_rs_storer.exchange(on); }
-int set_deltanet_bwd_serial_rs_l2_ahead(int chunks) { return g_rs_l2.exchange(chunks < 0 ? 0 : chunks > 8 ? 8 : chunks); }
 
 int set_deltanet_bwd_serial_rs(int mode) {
   return g_serial_rs.exchange(mode == 2 || mode == 4 || mode == 5 ? mode : mode > 0 ? 1 : 0);
@@ -401,7 +386,7 @@ bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float*
   const int threads = 32 * (nw + kRsAux);
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, bytes(nbuf));
   fn<<<dim3(unsigned(seqs), unsigned(nt)), threads, bytes(nbuf), reinterpret_cast<cudaStream_t>(stream)>>>(
-      p, w, ws, nw, nbuf, g_rs_storer.load(std::memory_order_relaxed), g_rs_l2.load(std::memory_order_relaxed));
+      p, w, ws, nw, nbuf, g_rs_storer.load(std::memory_order_relaxed));
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial, dS in registers)");
   return true;
 }

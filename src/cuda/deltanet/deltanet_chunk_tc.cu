@@ -305,8 +305,7 @@ __device__ __forceinline__ void ws_consumer_sync() { ws_named_sync(kStThreads); 
 // WS needs (the host checks): vk, vx, the Xu tiles with V % 8 == 0 (16-byte S pieces).
 template <bool LO, int TW = 64, int FK = 0, bool WS = false, int NP = 1>
 __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
-    deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w, bool vk, bool vx, bool pxu, bool dp, bool two,
-                          int l2a) {
+    deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w, bool vk, bool vx, bool pxu, bool dp, bool two) {
   static_assert(TW == 64 || TW == 32, "64- or 32-column tiles");
   static_assert(!(WS && LO), "WS: bf16 operands (four hi + lo operand buffers do not fit)");
   constexpr int NJ = TW / 8, NJX = TW / 16;  // 8-column tiles of S per warp, of X per warp
@@ -423,16 +422,6 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
 #if defined(FW_HAS_BULK)
         cp_async_mbar_arrive(bars + kBarFull + buf);
 #endif
-        if (l2a > 0 && ci + l2a < nch) {  // chunk ci + l2a's operands into L2 (set_deltanet_state_l2_ahead)
-          const std::int64_t cp = ci + l2a, rowp = row00 + cp * wrow_step;
-          const int np = int(lmin(kT, sq.eos - sq.bos - cp * kT));
-          if (do_k) prefetch_rows_l2(k00 + cp * krow_step, p.k.s1, np, int(2 * K), lane, 32);
-          if (do_x) {
-            prefetch_rows_l2(xwh + rowp * K, p.H * K, np, int(2 * K), lane, 32);
-            prefetch_rows_l2(reinterpret_cast<const char*>(w.xu) + (rowp * V + c0) * eb, hv * eb, np,
-                             int(lmin(TW, V - c0)) * eb, lane, 32);
-          }
-        }
       };
       for (int c = 0; c < kStWsBufs && c < nch; ++c) load(c, c);
       for (std::int64_t ci = 0; ci < nch; ++ci) {
@@ -496,16 +485,6 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
     if (vxu && w.xu16) xu_pieces(s_xub + (buf * kT + xb_i) * LDT + xb_c, xub00, xb_i, XRb, LDT, xb_bytes);
     else if (vxu) xu_pieces(s_xu + (buf * kT + xu_i) * LDU + xu_c, xu00, xu_i, XR, LDU, xu_bytes);
     cp_async_commit();
-    if (l2a > 0 && ci + l2a < nch) {  // chunk ci + l2a's operands into L2 (set_deltanet_state_l2_ahead): a row a thread
-      const std::int64_t cp = ci + l2a, rowp = row00 + cp * wrow_step;
-      const int np = int(lmin(kT, sq.eos - sq.bos - cp * kT)), part = tid / kT, r = tid % kT;
-      const int eb = w.xu16 ? 2 : 4;
-      if (part == 0) prefetch_rows_l2(k00 + cp * krow_step, p.k.s1, np, int(2 * K), r, kT);
-      else if (part == 1) prefetch_rows_l2(xwh + rowp * K, p.H * K, np, int(2 * K), r, kT);
-      else if (part == 2 && LO) prefetch_rows_l2(xwl + rowp * K, p.H * K, np, int(2 * K), r, kT);
-      else if (part == 3 && vxu) prefetch_rows_l2(reinterpret_cast<const char*>(w.xu) + (rowp * V + c0) * eb, hv * eb, np,
-                                                  int(lmin(TW, V - c0)) * eb, r, kT);
-    }
   };
   const StateStoreUnits<LO, TW> sst(K, V, c0, kStThreads);  // S's pieces to the workspace, fixed per CTA
   if (!WS && nch > 0) issue(0, 0);
@@ -807,7 +786,6 @@ std::atomic<int> g_state_tile{0};  // 0: the planner's choice
 std::atomic<bool> g_state_two_sync{true};  // set_deltanet_state_two_sync
 std::atomic<bool> g_state_ws{true};        // set_deltanet_state_ws
 std::atomic<int> g_state_ws_warps{2};      // set_deltanet_state_ws_warps
-std::atomic<int> g_state_l2{0};            // set_deltanet_state_l2_ahead
 std::atomic<bool> g_out_vfast{true};       // set_deltanet_out_vfast
 std::atomic<bool> g_fixed_k{true};  // set_deltanet_fixed_k
 }  // namespace
@@ -819,7 +797,6 @@ int deltanet_state_tile_forced() { return g_state_tile.load(); }
 bool set_deltanet_state_two_sync(bool on) { return g_state_two_sync.exchange(on); }
 bool set_deltanet_state_ws(bool on) { return g_state_ws.exchange(on); }
 int set_deltanet_state_ws_warps(int n) { return g_state_ws_warps.exchange(n == 1 ? 1 : 2); }
-int set_deltanet_state_l2_ahead(int chunks) { return g_state_l2.exchange(chunks < 0 ? 0 : chunks > 8 ? 8 : chunks); }
 bool set_deltanet_out_vfast(bool on) { return g_out_vfast.exchange(on); }
 bool deltanet_serial_two_sync() { return g_state_two_sync.load(std::memory_order_relaxed); }
 int deltanet_serial_tile(const DeltanetParams& p) {
@@ -872,7 +849,7 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   const int tw = w.tile ? w.tile : deltanet_serial_tile(p);
   const bool two = deltanet_serial_two_sync();
   const bool vk = rows16_seq(p.k), vx = p.K % 8 == 0;
-  using StateFn = void (*)(const DeltanetParams, const DnChunkBufs, bool, bool, bool, bool, bool, int);
+  using StateFn = void (*)(const DeltanetParams, const DnChunkBufs, bool, bool, bool, bool, bool);
   // [FK = 128][TW = 32][LO]
   static constexpr StateFn kStates[2][2][2] = {
       {{&deltanet_state_kernel<false, 64>, &deltanet_state_kernel<true, 64>},
@@ -902,8 +879,7 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   if (vtw > 65535) throw Error(cat("deltanet (tensor cores): grid too large (", vtw, " V tiles)"));
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(state), threads, ls.bytes);
   state<<<dim3(unsigned(seqs), unsigned(vtw)), threads, ls.bytes, st>>>(p, w, vk, vx, pxu,
-                                                                        deltanet_dprime(p, w) || w.xbf16, two,
-                                                                        g_state_l2.load(std::memory_order_relaxed));
+                                                                        deltanet_dprime(p, w) || w.xbf16, two);
   FW_CUDA_CHECK_LAUNCH("deltanet (state)");
 }
 

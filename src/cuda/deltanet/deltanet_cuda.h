@@ -55,11 +55,6 @@ int set_deltanet_bwd_serial_rs(int mode);
 // Tests and benchmarks only: that kernel's dSe and dD stores by a storer warp (on) or by the chain warps
 // themselves (the default); the same bits. Returns the previous setting (fastweight_bench --dn-rs-storer=on).
 bool set_deltanet_bwd_serial_rs_storer(bool on);
-// Tests and benchmarks only: that kernel's loaders also prefetch into L2 the operands of the chunk
-// `chunks` steps ahead (0: off, the default; at most 8), so their cp.async loads find L2 (ncu, session
-// 29: the chain warps spin on the loads' barrier). The same bits. Returns the previous setting
-// (fastweight_bench --dn-rs-l2=N).
-int set_deltanet_bwd_serial_rs_l2_ahead(int chunks);
 // Tests and benchmarks only: the tensor-core chunk pass's grid with a (slot, head)'s K tiles as
 // neighbours (K > 64; default on) instead of a grid of slots apart; the same bits. Returns the
 // previous setting (fastweight_bench --dn-chunk-kfast=off).
@@ -93,10 +88,6 @@ bool set_deltanet_state_ws(bool on);
 // Its producer warps, 1 or 2 (default 2: k, rk beta and the S store on one, Xw and Xu on the other);
 // returns the previous setting (tests; fastweight_bench --dn-state-ws-warps=1).
 int set_deltanet_state_ws_warps(int n);
-// Tests and benchmarks only: the state kernel (forward and recompute, both forms) also prefetches into
-// L2 the operands of the chunk `chunks` steps ahead of its cp.async loads (0: off, the default; at
-// most 8). The same bits. Returns the previous setting (fastweight_bench --dn-state-l2=N).
-int set_deltanet_state_l2_ahead(int chunks);
 // Tests and benchmarks only: the output kernel's grid with a (slot, head)'s V tiles as neighbours
 // (V > 64; default on) instead of a grid of slots apart; the same bits. Returns the previous setting
 // (fastweight_bench --dn-out-vfast=off).

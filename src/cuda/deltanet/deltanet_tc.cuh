@@ -8,7 +8,6 @@
 #include <cstdint>
 
 #include "common/mlstm_params.h"  // StridedView
-#include "cuda/common/bulk.cuh"  // bulk_prefetch_l2
 #include "cuda/common/mma.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"  // dn_row; mlstm_ld / mlstm_st
 #include "cuda/mlstm/mlstm_tc.cuh"
@@ -412,24 +411,6 @@ __device__ __forceinline__ void warp_load_tile(bf16* dst, int ld, const bf16* sr
       cp_async16_sz(d, by ? g : src, by);
     }
   }
-}
-
-// Rows first, first + step, .. (< nr) of a chunk's tile (`bytes` bytes each from src, rows rs elements
-// apart) into L2, without waiting (cp.async.bulk.prefetch, sm_90; a no-op elsewhere): a serial kernel
-// asks for chunks a few steps ahead of its cp.async loads, so those find L2 instead of DRAM. Only
-// rows that exist are named; bytes is rounded down to 16 and unaligned rows are skipped (a hint).
-template <class T>
-__device__ __forceinline__ void prefetch_rows_l2(const T* src, std::int64_t rs, int nr, int bytes, int first, int step) {
-#if defined(FW_HAS_BULK)
-  bytes &= ~15;
-  if (bytes <= 0) return;
-  for (int r = first; r < nr; r += step) {
-    const T* row = src + r * rs;
-    if (reinterpret_cast<std::uintptr_t>(row) % 16 == 0) bulk_prefetch_l2(row, unsigned(bytes));
-  }
-#else
-  (void)src, (void)rs, (void)nr, (void)bytes, (void)first, (void)step;
-#endif
 }
 
 // As warp_load_tile, into wgmma's 128-byte-swizzled layout (cuda/common/wgmma.cuh): a (64, C) bf16 tile,
