@@ -494,7 +494,7 @@ void check_bwd_case(const DnBwdCase& c) {
     int chunk_l2;
     bool post_pf;
     int recompute_ws, serial_rs;
-    bool rs_storer;
+    bool rs_storer, rs_t1;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -509,6 +509,7 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_recompute_ws(recompute_ws);
       fastweight::detail::set_deltanet_bwd_serial_rs(serial_rs);
       fastweight::detail::set_deltanet_bwd_serial_rs_storer(rs_storer);
+      fastweight::detail::set_deltanet_bwd_serial_rs_t1(rs_t1);
     }
   } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true),
                       fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_bwd_overlap(0),
@@ -520,16 +521,18 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_post_prefetch(true),
                       fastweight::detail::set_deltanet_bwd_recompute_ws(2),
                       fastweight::detail::set_deltanet_bwd_serial_rs(0),
-                      fastweight::detail::set_deltanet_bwd_serial_rs_storer(false)};
+                      fastweight::detail::set_deltanet_bwd_serial_rs_storer(false),
+                      fastweight::detail::set_deltanet_bwd_serial_rs_t1(false)};
   // Runs 2 and 3: the serial kernel with dS in registers (deltanet_bwd_rs.cu, where it applies; other
   // products' order, so checked against the reference, and run 3 against run 2 bit for bit) with 2
   // then 4 chain warps per CTA (and run 3 with its storer warp), the rest as run 0, then as run 1.
-  // Runs 4 and 5: its wgmma form (sm_90a binaries; elsewhere the mma.sync form again), likewise (run 5
-  // against run 4 bit for bit).
+  // Runs 4 and 5: its wgmma form (sm_90a binaries; elsewhere the mma.sync form again), likewise (run 5,
+  // with one transposition tile per warp and a deeper ring, against run 4 bit for bit).
   std::vector<HostTensor> run[6];
   for (int r = 0; r < 6; ++r) {
     fastweight::detail::set_deltanet_bwd_serial_rs(r == 2 ? 2 : r == 3 ? 4 : r >= 4 ? 5 : 0);
     fastweight::detail::set_deltanet_bwd_serial_rs_storer(r == 3);
+    fastweight::detail::set_deltanet_bwd_serial_rs_t1(r == 5);  // one transposition tile, 3-4 buffers: run 4's bits
     if (r >= 2) {
       fastweight::detail::set_deltanet_wy_vbufs(0);
       fastweight::detail::set_deltanet_state_tile(0);

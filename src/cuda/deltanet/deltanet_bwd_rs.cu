@@ -21,8 +21,13 @@
 // (mma.sync m16n8k16 measured here: 24.6 cycles dependent, 6.3 per SM sub-partition independent).
 // Each warp reads its B fragments (K, Q^, Xw: 52 KB a step) by ldmatrix: 4 warps per SM are ~210 KB
 // of shared-memory reads a step, 1660 cycles at 128 B a cycle; the batched shapes are bound by L2
-// (ncu at (4,4096): 87% L2, 71% DRAM). wgmma (B read from shared memory once per warpgroup, dS^T
-// still the register A operand) is the next form of this kernel.
+// (ncu at (4,4096): 87% L2, 71% DRAM). The wgmma form (WG below: B read from shared memory once per
+// warpgroup, dS^T still the register A operand) is the default on sm_90a since session 29; it measured
+// 2.4 us a step still (1218 us at (1,32768), 615 at varlen; 0.971-0.998 of the mma.sync form's bwd
+// time). ncu on it alone: the chain warps spin on the operand ring's full barrier (17.5% of executed
+// instructions; 2 buffers fit beside the transposition tiles) and stall on their own dSe / dD stores
+// (26% of stall samples), not on the products. T1 (one tile per warp: room for 3 buffers) is the
+// next try.
 #include <atomic>
 
 #include "cuda/common/bulk.cuh"
@@ -46,17 +51,33 @@ constexpr int kRsPf = 4;       // ldmatrix results in flight ahead of their prod
 //       u64 full [nbuf], empty [nbuf], sfull [2], sempty [2]
 // WG (the wgmma form): k, Q^, Xw as wgmma's 128-byte-swizzled (64 rows, Kc) tiles (Kc / 64 blocks of
 // 8 KB, no padding), each buffer 1024-byte aligned from a base the kernel aligns (+ 1024 bytes).
-template <int KC, bool WG = false>
+// T1 (with WG; `set_deltanet_bwd_serial_rs_t1`): one transposition tile per warp, (max(Kc, 64), 24),
+// dSe^T then dD in turn (the warp stores dSe^T at the step's top), and the swizzled tiles of every
+// buffer first: [nbuf] { k, Q^, Xw } | [nbuf] { dO, dD0, rk, beta } | [nw] tile | barriers. At Kc = 128
+// that is 229 968 bytes with 3 buffers (the two-tile layout needs 208 KB for 2), so a chunk's loads
+// get two steps to land instead of one.
+template <int KC, bool WG = false, bool T1 = false>
 struct BrLayout {
+  static_assert(!T1 || WG, "the one-tile layout is the wgmma form's");
   static constexpr int LDK = KC + 8;
   int nw, ldc, nbuf;
-  std::size_t k, q, xw, dO, y, fac, buf, tr, trw, bar, bytes;
+  // k, q, xw: buffer 0's operand offsets, buffer bf's at + bf * sa; dO, y, fac likewise with sb
+  std::size_t k, q, xw, dO, y, fac, sa, sb, tr, trw, bar, bytes;
   __host__ __device__ BrLayout(int nw_, int nbuf_) : nw(nw_), ldc(16 * nw_ + 8), nbuf(nbuf_) {
     const std::size_t kt = WG ? std::size_t(KC) * 128 : 2 * std::size_t(kT) * LDK, ct = 2 * std::size_t(kT) * ldc;
-    k = 0, q = kt, xw = 2 * kt, dO = 3 * kt, y = dO + ct, fac = y + ct, buf = fac + 2 * 4 * kT;  // 16-byte multiples
-    if (WG) buf = (buf + 1023) / 1024 * 1024;
-    trw = std::size_t(KC + kT) * kRsLdt;  // bf16 elements of a tile pair: dSe^T (KC rows), dD (64 rows)
-    tr = nbuf * buf, bar = tr + nw * 2 * trw * 2, bytes = bar + 8 * (2 * nbuf + 4) + (WG ? 1024 : 0);
+    if (T1) {
+      k = 0, q = kt, xw = 2 * kt, sa = 3 * kt;  // 1024-byte multiples
+      dO = nbuf * sa, y = dO + ct, fac = y + ct, sb = 2 * ct + 2 * 4 * kT;
+      trw = std::size_t(KC > kT ? KC : kT) * kRsLdt;  // one tile: dSe^T (KC rows), then dD (64 rows)
+      tr = dO + nbuf * sb, bar = tr + nw * trw * 2;
+    } else {
+      k = 0, q = kt, xw = 2 * kt, dO = 3 * kt, y = dO + ct, fac = y + ct, sa = fac + 2 * 4 * kT;  // 16-byte multiples
+      if (WG) sa = (sa + 1023) / 1024 * 1024;
+      sb = sa;
+      trw = std::size_t(KC + kT) * kRsLdt;  // bf16 elements of a tile pair: dSe^T (KC rows), dD (64 rows)
+      tr = nbuf * sa, bar = tr + nw * 2 * trw * 2;
+    }
+    bytes = bar + 8 * (2 * nbuf + 4) + (WG ? 1024 : 0);
   }
 };
 
@@ -65,14 +86,15 @@ struct BrLayout {
 // warps are one warpgroup; an sm_90a binary), B read from shared memory once per warpgroup instead of
 // once per warp by ldmatrix (the bound of the mma.sync form: ~210 KB of ldmatrix reads a step at 4
 // warps per SM); dS^T, X1 and B's A fragments stay in registers as in that form.
-template <int KC, bool WG = false>
+template <int KC, bool WG = false, bool T1 = false>
 __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     deltanet_bwd_state_rs_kernel(const DeltanetBwdParams p, const DnBwdWs w, float* __restrict__ ws, int nw, int nbuf,
                                  bool storer) {
   constexpr int LDK = BrLayout<KC>::LDK, NK = KC / 8, KS = KC / 16;  // n-tiles, k-steps of dS^T's K
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
-  const BrLayout<KC, WG> lay(nw, nbuf);
+  const BrLayout<KC, WG, T1> lay(nw, nbuf);
+  if constexpr (T1) storer = false;  // (one tile: the chain warps store it themselves)
   if constexpr (WG)  // the swizzled tiles' 1024-byte alignment (the layout holds the slack)
     base = reinterpret_cast<char*>((reinterpret_cast<std::uintptr_t>(base) + 1023) / 1024 * 1024);
   const int LDC = lay.ldc;
@@ -83,12 +105,15 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
   const std::int64_t b = sq_.b;
   const std::int64_t row00 = dn_ws_row(p, b, sq_.bos, h), wrow_step = kT * p.H;
   const std::int64_t nch = (sq_.eos - sq_.bos + kT - 1) / kT;
-  auto at = [&](int bf, std::size_t off) { return base + bf * lay.buf + off; };
+  auto at = [&](int bf, std::size_t off) { return base + bf * lay.sa + off; };  // k, Q^, Xw
+  auto atb = [&](int bf, std::size_t off) { return base + bf * lay.sb + off; };  // dO, dD0, factors
   std::uint64_t* full = reinterpret_cast<std::uint64_t*>(base + lay.bar);
   std::uint64_t* empty = full + nbuf;
   std::uint64_t* sfull = empty + nbuf;  // [2] a step's tiles written (nw arrivals)
   std::uint64_t* sempty = sfull + 2;    // [2] ... and stored (the storer)
-  auto tile = [&](int cw_, int sb) { return reinterpret_cast<bf16*>(base + lay.tr) + (2 * cw_ + sb) * lay.trw; };
+  auto tile = [&](int cw_, int sb) {
+    return reinterpret_cast<bf16*>(base + lay.tr) + (T1 ? cw_ : 2 * cw_ + sb) * lay.trw;
+  };
 #if !defined(FW_HAS_BULK)
   __trap();  // mbarriers and stmatrix: the host launches it only for an sm_90 binary
 #else
@@ -104,18 +129,21 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
   // step s's dSe and dD from chain warp c's tiles s % 2 to the workspace (a whole warp: 32-byte row
   // pieces, V % 16 == 0): by the storer warp (storer) or by the chain warp itself after its step
   const int hf = lane & 1;
-  auto store_tiles = [&](int c, std::int64_t s) {
+  // parts: 1 dSe, 2 dD, 3 both (T1: the one tile holds dSe^T, then dD)
+  auto store_tiles = [&](int c, std::int64_t s, int parts = 3) {
     const std::int64_t ci = nch - 1 - s;
     const int nr = int(lmin(kT, sq_.eos - (sq_.bos + ci * kT)));
     const bf16* tS = tile(c, int(s & 1));
-    const bf16* tD = tS + std::size_t(KC) * kRsLdt;
+    const bf16* tD = T1 ? tS : tS + std::size_t(KC) * kRsLdt;
     bf16* gS = state_mats<false>(ws + w.dS, sq_.base + ci, p.H, h, K, V) + cb + 16 * c + 8 * hf;
     bf16* yb = reinterpret_cast<bf16*>(ws + w.Y) + (row00 + ci * wrow_step) * V + cb + 16 * c + 8 * hf;
 #pragma unroll
     for (int q = 0; q < KC / 16; ++q) {
       const int r = (lane >> 1) + 16 * q;
-      if (r < K) *reinterpret_cast<uint4*>(gS + r * V) = *reinterpret_cast<const uint4*>(tS + r * kRsLdt + 8 * hf);
+      if ((parts & 1) && r < K)
+        *reinterpret_cast<uint4*>(gS + r * V) = *reinterpret_cast<const uint4*>(tS + r * kRsLdt + 8 * hf);
     }
+    if (!(parts & 2)) return;
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int r = (lane >> 1) + 16 * q;
@@ -152,16 +180,16 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       if (lw == 0) {
         ktile(lay.k, bf_rows(p.k, b, t0, h), p.k.s1);
         ktile(lay.q, qhw + row0 * K, p.H * K);
-        float* sf = reinterpret_cast<float*>(at(bf, lay.fac));
+        float* sf = reinterpret_cast<float*>(atb(bf, lay.fac));
         for (int e = lane; e < 2 * kT; e += 32) {  // rk (factor 1), beta (factor 2); zero past the sequence
           const int f = 1 + e / kT, i = e % kT;
           cp_async4_z(sf + e, i < nr ? ws + w.fac + f * w.rows + row0 + i * p.H : ws, i < nr ? 4 : 0);
         }
       } else {
         ktile(lay.xw, xwh + row0 * K, p.H * K);
-        warp_load_tile(reinterpret_cast<bf16*>(at(bf, lay.dO)), LDC, bf_rows(p.do_, b, t0, h) + cb, p.do_.s1, cw, nr,
+        warp_load_tile(reinterpret_cast<bf16*>(atb(bf, lay.dO)), LDC, bf_rows(p.do_, b, t0, h) + cb, p.do_.s1, cw, nr,
                        ncv, lane);
-        warp_load_tile(reinterpret_cast<bf16*>(at(bf, lay.y)), LDC, y00 + ci * wrow_step * V, p.H * V, cw, nr, ncv,
+        warp_load_tile(reinterpret_cast<bf16*>(atb(bf, lay.y)), LDC, y00 + ci * wrow_step * V, p.H * V, cw, nr, ncv,
                        lane);
       }
       cp_async_mbar_arrive(full + bf);
@@ -223,18 +251,22 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     // the tile pair s % 2: (KC, 24) dSe^T, (64, 24) dD, both transposed; free once the storer is done
     // with step s - 2
     bf16* trS = tile(warp, int(s & 1));
-    bf16* trD = trS + std::size_t(KC) * kRsLdt;
-    if (!storer) __syncwarp();  // this warp's own stores of step s - 2 have read the tiles
+    bf16* trD = T1 ? trS : trS + std::size_t(KC) * kRsLdt;
+    if (!storer) __syncwarp();  // this warp's own stores of step s - 2 (T1: s - 1) have read the tiles
     else if (s >= 2) mbar_wait(sempty + (s & 1), unsigned((s >> 1) - 1) & 1);
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) stsm_x4_t(trS + 16 * ks * kRsLdt + st_off, a[ks]);
+    if constexpr (T1) {  // dSe^T out now (while the chunk's loads land): the tile then takes dD
+      __syncwarp();
+      if (live) store_tiles(warp, s, 1);
+    }
     mbar_wait(full + bf, unsigned(s / nbuf) & 1);  // chunk ci's operands landed
     sk = reinterpret_cast<const bf16*>(at(bf, lay.k));
     sq = reinterpret_cast<const bf16*>(at(bf, lay.q));
     sx = reinterpret_cast<const bf16*>(at(bf, lay.xw));
-    const bf16* so = reinterpret_cast<const bf16*>(at(bf, lay.dO));
-    const bf16* sy = reinterpret_cast<const bf16*>(at(bf, lay.y));
-    const float* sf = reinterpret_cast<const float*>(at(bf, lay.fac));  // rk [64], beta [64]
+    const bf16* so = reinterpret_cast<const bf16*>(atb(bf, lay.dO));
+    const bf16* sy = reinterpret_cast<const bf16*>(atb(bf, lay.y));
+    const float* sf = reinterpret_cast<const float*>(atb(bf, lay.fac));  // rk [64], beta [64]
     std::uint32_t ao[4][4], y4[4][4];  // dO^T's A fragments (chunk k-steps); dD0 at X1's positions
     if constexpr (WG) {
       bulk_fence_shared();  // the loaders' cp.async writes (generic proxy), seen through the
@@ -302,6 +334,7 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
         a2[j >> 1][2 * (j & 1) + hv] = pack_bf16(-bt2.x * d0, -bt2.y * d1);
       }
     }
+    if constexpr (T1) __syncwarp();  // every lane's reads of dSe^T from the tile are done
 #pragma unroll
     for (int jp = 0; jp < 4; ++jp) {
       const std::uint32_t r4[4] = {dpk[2 * jp][0], dpk[2 * jp][1], dpk[2 * jp + 1][0], dpk[2 * jp + 1][1]};
@@ -330,7 +363,7 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       mbar_arrive(empty + bf);
       if (storer) mbar_arrive(sfull + (s & 1));
     }
-    if (!storer && live) store_tiles(warp, s);
+    if (!storer && live) store_tiles(warp, s, T1 ? 2 : 3);
   }
   if (p.dh0.p && live) {
 #pragma unroll
@@ -346,10 +379,15 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
 
 std::atomic<int> g_serial_rs{1};  // set_deltanet_bwd_serial_rs
 std::atomic<bool> g_rs_storer{false};  // set_deltanet_bwd_serial_rs_storer
+std::atomic<bool> g_rs_t1{false};      // set_deltanet_bwd_serial_rs_t1
+
+template <int KC, bool WG, bool T1>
+std::size_t rs_bytes(int nw, int nbuf) { return BrLayout<KC, WG, T1>(nw, nbuf).bytes; }
 
 }  // namespace
 
 bool set_deltanet_bwd_serial_rs_storer(bool on) { return g_rs_storer.exchange(on); }
+bool set_deltanet_bwd_serial_rs_t1(bool on) { return g_rs_t1.exchange(on); }
 
 int set_deltanet_bwd_serial_rs(int mode) {
   return g_serial_rs.exchange(mode == 2 || mode == 4 || mode == 5 ? mode : mode > 0 ? 1 : 0);
@@ -371,15 +409,28 @@ bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float*
   const bool wg = (mode == 1 || mode == 5) &&
                   kernel_runs_sm90a(reinterpret_cast<const void*>(&deltanet_bwd_state_rs_kernel<128, true>));
   const int nw = wg ? 4 : mode == 1 || mode == 5 ? (p.cu_seqlens ? 2 : 4) : mode;
-  const bool k64 = p.K <= 64;
-  auto* fn = k64 ? (wg ? &deltanet_bwd_state_rs_kernel<64, true> : &deltanet_bwd_state_rs_kernel<64>)
-                 : (wg ? &deltanet_bwd_state_rs_kernel<128, true> : &deltanet_bwd_state_rs_kernel<128>);
-  auto bytes = [&](int nb) {
-    return k64 ? (wg ? BrLayout<64, true>(nw, nb).bytes : BrLayout<64>(nw, nb).bytes)
-               : (wg ? BrLayout<128, true>(nw, nb).bytes : BrLayout<128>(nw, nb).bytes);
-  };
+  const bool k64 = p.K <= 64, t1 = wg && g_rs_t1.load(std::memory_order_relaxed);
+  using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool);
+  using Bytes = std::size_t (*)(int, int);
+  // [Kc 64][form: mma.sync, wgmma, wgmma with one tile (T1)]
+  static constexpr Fn kFns[2][3] = {
+      {&deltanet_bwd_state_rs_kernel<128>, &deltanet_bwd_state_rs_kernel<128, true>,
+       &deltanet_bwd_state_rs_kernel<128, true, true>},
+      {&deltanet_bwd_state_rs_kernel<64>, &deltanet_bwd_state_rs_kernel<64, true>,
+       &deltanet_bwd_state_rs_kernel<64, true, true>}};
+  static constexpr Bytes kBytes[2][3] = {{&rs_bytes<128, false, false>, &rs_bytes<128, true, false>, &rs_bytes<128, true, true>},
+                                         {&rs_bytes<64, false, false>, &rs_bytes<64, true, false>, &rs_bytes<64, true, true>}};
+  const int form = t1 ? 2 : wg ? 1 : 0;
+  const Fn fn = kFns[k64][form];
+  auto bytes = [&](int nb) { return kBytes[k64][form](nw, nb); };
   const std::size_t cap = smem_per_block_optin() - 1024;  // dn_chain_cta's static shared int beside it
-  const int nbuf = bytes(3) <= cap ? 3 : 2;
+  // the deepest ring that fits: 3 buffers (T1: up to 4), else 2
+  int nbuf = 2;
+  for (int nb = t1 ? 4 : 3; nb > 2; --nb)
+    if (bytes(nb) <= cap) {
+      nbuf = nb;
+      break;
+    }
   if (bytes(nbuf) > cap || kernel_binary_version(reinterpret_cast<const void*>(fn)) < 90) return false;  // (wg: sm_90a above)
   const std::int64_t nt = tiles(nw);
   if (seqs > 0x7fffffff || nt > 65535) throw Error(cat("deltanet_bwd: grid too large (", seqs, " sequence-heads)"));

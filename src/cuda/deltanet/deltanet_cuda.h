@@ -55,6 +55,11 @@ int set_deltanet_bwd_serial_rs(int mode);
 // Tests and benchmarks only: that kernel's dSe and dD stores by a storer warp (on) or by the chain warps
 // themselves (the default); the same bits. Returns the previous setting (fastweight_bench --dn-rs-storer=on).
 bool set_deltanet_bwd_serial_rs_storer(bool on);
+// Tests and benchmarks only: the wgmma form with one transposition tile per chain warp (dSe^T stored at
+// the step's top, then dD through the same tile), which leaves room for 3 operand buffers at K = 128
+// (4 at K <= 64) instead of 2 (default off: not yet measured; the same bits as the wgmma form).
+// Returns the previous setting (fastweight_bench --dn-rs-t1=on).
+bool set_deltanet_bwd_serial_rs_t1(bool on);
 // Tests and benchmarks only: the tensor-core chunk pass's grid with a (slot, head)'s K tiles as
 // neighbours (K > 64; default on) instead of a grid of slots apart; the same bits. Returns the
 // previous setting (fastweight_bench --dn-chunk-kfast=off).
