@@ -770,7 +770,9 @@ std::vector<DnBwdCase> bwd_cases() {
            {DType::bf16, 1, 4097, 1, 64, 64, true, true, true, none, DType::i64, kAllGrads, 0},
            {DType::bf16, 1, off.back(), 1, 32, 32, true, true, true, off, DType::i64, kAllGrads, 0},
            {DType::bf16, 1, 100, 2, 100, 72, true, true, true, none, DType::i64, kDq | kDh0, 0},
-           {DType::bf16, 2, 200, 3, 128, 128, false, true, true, none, DType::i64, kAllGrads, 0}}) {
+           {DType::bf16, 2, 200, 3, 128, 128, false, true, true, none, DType::i64, kAllGrads, 0},
+           // K = 128 over 11 chunks: the serial kernel's 3-buffer ring (T1, run 5) wraps several times
+           {DType::bf16, 1, 700, 2, 128, 128, true, true, true, none, DType::i64, kAllGrads, 0}}) {
     c.split = false;
     v.push_back(c);
   }

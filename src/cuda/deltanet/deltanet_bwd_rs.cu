@@ -420,13 +420,14 @@ bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float*
        &deltanet_bwd_state_rs_kernel<64, true, true>}};
   static constexpr Bytes kBytes[2][3] = {{&rs_bytes<128, false, false>, &rs_bytes<128, true, false>, &rs_bytes<128, true, true>},
                                          {&rs_bytes<64, false, false>, &rs_bytes<64, true, false>, &rs_bytes<64, true, true>}};
-  const int form = t1 ? 2 : wg ? 1 : 0;
+  const std::size_t cap = smem_per_block_optin() - 1024;  // dn_chain_cta's static shared int beside it
+  // T1 only where the plain wgmma form fits too: the same kernel family (and bits) either way
+  const int form = t1 && kBytes[k64][1](nw, 2) <= cap ? 2 : wg ? 1 : 0;
   const Fn fn = kFns[k64][form];
   auto bytes = [&](int nb) { return kBytes[k64][form](nw, nb); };
-  const std::size_t cap = smem_per_block_optin() - 1024;  // dn_chain_cta's static shared int beside it
   // the deepest ring that fits: 3 buffers (T1: up to 4), else 2
   int nbuf = 2;
-  for (int nb = t1 ? 4 : 3; nb > 2; --nb)
+  for (int nb = form == 2 ? 4 : 3; nb > 2; --nb)
     if (bytes(nb) <= cap) {
       nbuf = nb;
       break;
