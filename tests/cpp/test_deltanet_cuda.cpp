@@ -494,7 +494,7 @@ void check_bwd_case(const DnBwdCase& c) {
     int chunk_l2;
     bool post_pf;
     int recompute_ws, serial_rs;
-    bool rs_storer, rs_t1;
+    bool rs_storer, rs_t1, rs_qraw;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -510,6 +510,7 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_serial_rs(serial_rs);
       fastweight::detail::set_deltanet_bwd_serial_rs_storer(rs_storer);
       fastweight::detail::set_deltanet_bwd_serial_rs_t1(rs_t1);
+      fastweight::detail::set_deltanet_bwd_serial_rs_qraw(rs_qraw);
     }
   } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true),
                       fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_bwd_overlap(0),
@@ -522,17 +523,21 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_recompute_ws(2),
                       fastweight::detail::set_deltanet_bwd_serial_rs(0),
                       fastweight::detail::set_deltanet_bwd_serial_rs_storer(false),
-                      fastweight::detail::set_deltanet_bwd_serial_rs_t1(false)};
+                      fastweight::detail::set_deltanet_bwd_serial_rs_t1(false),
+                      fastweight::detail::set_deltanet_bwd_serial_rs_qraw(false)};
   // Runs 2 and 3: the serial kernel with dS in registers (deltanet_bwd_rs.cu, where it applies; other
   // products' order, so checked against the reference, and run 3 against run 2 bit for bit) with 2
   // then 4 chain warps per CTA (and run 3 with its storer warp), the rest as run 0, then as run 1.
   // Runs 4 and 5: its wgmma form (sm_90a binaries; elsewhere the mma.sync form again), likewise (run 5,
   // with one transposition tile per warp and a deeper ring, against run 4 bit for bit).
-  std::vector<HostTensor> run[6];
-  for (int r = 0; r < 6; ++r) {
+  // Runs 6 and 7: the wgmma form reading q itself (no Q^ from prep; other roundings: against the
+  // reference, and run 7, with T1, against run 6 bit for bit).
+  std::vector<HostTensor> run[8];
+  for (int r = 0; r < 8; ++r) {
     fastweight::detail::set_deltanet_bwd_serial_rs(r == 2 ? 2 : r == 3 ? 4 : r >= 4 ? 5 : 0);
     fastweight::detail::set_deltanet_bwd_serial_rs_storer(r == 3);
-    fastweight::detail::set_deltanet_bwd_serial_rs_t1(r == 5);  // one transposition tile, 3-4 buffers: run 4's bits
+    fastweight::detail::set_deltanet_bwd_serial_rs_t1(r == 5 || r == 7);  // one transposition tile, 3-4 buffers: the same bits
+    fastweight::detail::set_deltanet_bwd_serial_rs_qraw(r >= 6);
     if (r >= 2) {
       fastweight::detail::set_deltanet_wy_vbufs(0);
       fastweight::detail::set_deltanet_state_tile(0);
@@ -656,6 +661,7 @@ void check_bwd_case(const DnBwdCase& c) {
     }
     const double err = rel_err(run[0][e], ref[e]);  // +inf on any NaN: every element written
     const double err_rs = rel_err(run[2][e], ref[e]), err_wg = rel_err(run[4][e], ref[e]);
+    const double err_q = rel_err(run[6][e], ref[e]);
     EXPECT_LT(err, tol) << names[e];
     EXPECT_LT(err_rs, tol) << names[e] << " (dS in registers)";
     EXPECT_EQ(run[0][e].bytes, run[1][e].bytes) << names[e] << ": not deterministic (or differs with the other buffering)";
@@ -663,10 +669,13 @@ void check_bwd_case(const DnBwdCase& c) {
     EXPECT_LT(err_wg, tol) << names[e] << " (dS in registers, wgmma)";
     EXPECT_EQ(run[4][e].bytes, run[5][e].bytes) << names[e] << ": dS in registers, wgmma: not deterministic";
     EXPECT_TRUE(padding_untouched(run[4][e], 0xff)) << names[e] << ": written outside its view (wgmma)";
+    EXPECT_LT(err_q, tol) << names[e] << " (dS in registers, wgmma, q read by the serial kernel)";
+    EXPECT_EQ(run[6][e].bytes, run[7][e].bytes) << names[e] << ": q read by the serial kernel: not deterministic (or T1 changed bits)";
+    EXPECT_TRUE(padding_untouched(run[6][e], 0xff)) << names[e] << ": written outside its view (q read by the serial kernel)";
     EXPECT_TRUE(padding_untouched(run[2][e], 0xff)) << names[e] << ": written outside its view (dS in registers)";
     if (!run_wy.empty()) EXPECT_EQ(run[0][e].bytes, run_wy[e].bytes) << names[e] << ": differs with the forward's wy_inverse";
     EXPECT_TRUE(padding_untouched(run[0][e], 0xff)) << names[e] << ": written outside its view";
-    std::printf(" %s %.2e (rs %.2e, wgmma %.2e)", names[e], err, err_rs, err_wg);
+    std::printf(" %s %.2e (rs %.2e, wgmma %.2e, q read %.2e)", names[e], err, err_rs, err_wg, err_q);
     ++checked;
   }
   std::printf("\n");

@@ -46,7 +46,7 @@ constexpr int kRsAux = kRsLoaders + 1;
 constexpr int kRsLdt = 24;     // stride (bf16) of a chain warp's transposition tiles: 16 columns + 8
 constexpr int kRsPf = 4;       // ldmatrix results in flight ahead of their products
 
-// smem: [nbuf] { bf16 k, Q^, Xw [64][Kc + 8] | bf16 dO, dD0 [64][16 nw + 8] | f32 rk, beta [64] } |
+// smem: [nbuf] { bf16 k, Q^ (or q), Xw [64][Kc + 8] | bf16 dO, dD0 [64][16 nw + 8] | f32 rk, beta, rq [64] } |
 //       [nw][2] bf16 transposition tiles { dSe^T [Kc][24], dD [64][24] } (steps s % 2) |
 //       u64 full [nbuf], empty [nbuf], sfull [2], sempty [2]
 // WG (the wgmma form): k, Q^, Xw as wgmma's 128-byte-swizzled (64 rows, Kc) tiles (Kc / 64 blocks of
@@ -67,11 +67,11 @@ struct BrLayout {
     const std::size_t kt = WG ? std::size_t(KC) * 128 : 2 * std::size_t(kT) * LDK, ct = 2 * std::size_t(kT) * ldc;
     if (T1) {
       k = 0, q = kt, xw = 2 * kt, sa = 3 * kt;  // 1024-byte multiples
-      dO = nbuf * sa, y = dO + ct, fac = y + ct, sb = 2 * ct + 2 * 4 * kT;
+      dO = nbuf * sa, y = dO + ct, fac = y + ct, sb = 2 * ct + 3 * 4 * kT;
       trw = std::size_t(KC > kT ? KC : kT) * kRsLdt;  // one tile: dSe^T (KC rows), then dD (64 rows)
       tr = dO + nbuf * sb, bar = tr + nw * trw * 2;
     } else {
-      k = 0, q = kt, xw = 2 * kt, dO = 3 * kt, y = dO + ct, fac = y + ct, sa = fac + 2 * 4 * kT;  // 16-byte multiples
+      k = 0, q = kt, xw = 2 * kt, dO = 3 * kt, y = dO + ct, fac = y + ct, sa = fac + 3 * 4 * kT;  // 16-byte multiples
       if (WG) sa = (sa + 1023) / 1024 * 1024;
       sb = sa;
       trw = std::size_t(KC + kT) * kRsLdt;  // bf16 elements of a tile pair: dSe^T (KC rows), dD (64 rows)
@@ -89,7 +89,7 @@ struct BrLayout {
 template <int KC, bool WG = false, bool T1 = false>
 __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     deltanet_bwd_state_rs_kernel(const DeltanetBwdParams p, const DnBwdWs w, float* __restrict__ ws, int nw, int nbuf,
-                                 bool storer) {
+                                 bool storer, bool qraw) {
   constexpr int LDK = BrLayout<KC>::LDK, NK = KC / 8, KS = KC / 16;  // n-tiles, k-steps of dS^T's K
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
@@ -179,10 +179,12 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       };
       if (lw == 0) {
         ktile(lay.k, bf_rows(p.k, b, t0, h), p.k.s1);
-        ktile(lay.q, qhw + row0 * K, p.H * K);
+        if (qraw) ktile(lay.q, bf_rows(p.q, b, t0, h), p.q.s1);  // q itself: the chain scales dO^T by s rq
+        else ktile(lay.q, qhw + row0 * K, p.H * K);
         float* sf = reinterpret_cast<float*>(atb(bf, lay.fac));
-        for (int e = lane; e < 2 * kT; e += 32) {  // rk (factor 1), beta (factor 2); zero past the sequence
-          const int f = 1 + e / kT, i = e % kT;
+        // rk (factor 1), beta (factor 2), with qraw rq (factor 0) after them; zero past the sequence
+        for (int e = lane; e < (qraw ? 3 : 2) * kT; e += 32) {
+          const int f = e < 2 * kT ? 1 + e / kT : 0, i = e % kT;
           cp_async4_z(sf + e, i < nr ? ws + w.fac + f * w.rows + row0 + i * p.H : ws, i < nr ? 4 : 0);
         }
       } else {
@@ -277,6 +279,16 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     }
 #pragma unroll
     for (int gs = 0; gs < 4; ++gs) ldsm_x4_t(ao[gs], so + (16 * gs + ld_row_a_kmajor(lane)) * LDC + cw + ld_col_a_kmajor(lane));
+    if (qraw) {  // dO^T Q^ = (dO^T diag(s rq)) q: register r holds chunk rows 16 gs + 2 t4 + 8 (r / 2) + {0, 1}
+#pragma unroll
+      for (int gs = 0; gs < 4; ++gs)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float2 rq2 = *reinterpret_cast<const float2*>(sf + 2 * kT + 16 * gs + 2 * t4 + 8 * (r >> 1));
+          const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ao[gs][r]));
+          ao[gs][r] = pack_bf16(p.scale * rq2.x * o.x, p.scale * rq2.y * o.y);
+        }
+    }
 #pragma unroll
     for (int jp = 0; jp < 4; ++jp) ldsm_x4_t(y4[jp], sy + (16 * jp + 8 * (m8 >> 1) + r8) * LDC + cw + 8 * (m8 & 1));
     // b. phase A: X1 = dSe^T K^T (16 x 64; the chain), dO^T Q^ into acc between its units
@@ -380,6 +392,16 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
 std::atomic<int> g_serial_rs{1};  // set_deltanet_bwd_serial_rs
 std::atomic<bool> g_rs_storer{false};  // set_deltanet_bwd_serial_rs_storer
 std::atomic<bool> g_rs_t1{false};      // set_deltanet_bwd_serial_rs_t1
+std::atomic<bool> g_rs_qraw{false};    // set_deltanet_bwd_serial_rs_qraw
+
+using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool, bool);
+using Bytes = std::size_t (*)(int, int);
+// [Kc 64][form: mma.sync, wgmma, wgmma with one tile (T1)]
+constexpr Fn kRsFns[2][3] = {
+    {&deltanet_bwd_state_rs_kernel<128>, &deltanet_bwd_state_rs_kernel<128, true>,
+     &deltanet_bwd_state_rs_kernel<128, true, true>},
+    {&deltanet_bwd_state_rs_kernel<64>, &deltanet_bwd_state_rs_kernel<64, true>,
+     &deltanet_bwd_state_rs_kernel<64, true, true>}};
 
 template <int KC, bool WG, bool T1>
 std::size_t rs_bytes(int nw, int nbuf) { return BrLayout<KC, WG, T1>(nw, nbuf).bytes; }
@@ -388,14 +410,16 @@ std::size_t rs_bytes(int nw, int nbuf) { return BrLayout<KC, WG, T1>(nw, nbuf).b
 
 bool set_deltanet_bwd_serial_rs_storer(bool on) { return g_rs_storer.exchange(on); }
 bool set_deltanet_bwd_serial_rs_t1(bool on) { return g_rs_t1.exchange(on); }
+bool set_deltanet_bwd_serial_rs_qraw(bool on) { return g_rs_qraw.exchange(on); }
 
 int set_deltanet_bwd_serial_rs(int mode) {
   return g_serial_rs.exchange(mode == 2 || mode == 4 || mode == 5 ? mode : mode > 0 ? 1 : 0);
 }
 
-bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream, bool vk, bool vo) {
+DnRsPlan deltanet_bwd_serial_rs_plan(const DeltanetBwdParams& p, const DnBwdWs& w, bool vq, bool vk, bool vo) {
+  DnRsPlan plan;
   const int mode = g_serial_rs.load(std::memory_order_relaxed);
-  if (mode == 0 || p.hilo || !w.xb || p.K > 128 || p.K % 8 != 0 || p.V % 16 != 0 || !vk || !vo) return false;
+  if (mode == 0 || p.hilo || !w.xb || p.K > 128 || p.K % 8 != 0 || p.V % 16 != 0 || !vk || !vo) return plan;
   const std::int64_t seqs = p.N * p.H;
   // 4 chain warps per CTA (one per SM sub-partition), 2 with variable lengths. Measured (H100, bwd
   // ms against the other serial kernels, session 28): 4 warps 0.998 / 0.959 / 0.988 / 0.948 / 0.982 at
@@ -410,20 +434,12 @@ bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float*
                   kernel_runs_sm90a(reinterpret_cast<const void*>(&deltanet_bwd_state_rs_kernel<128, true>));
   const int nw = wg ? 4 : mode == 1 || mode == 5 ? (p.cu_seqlens ? 2 : 4) : mode;
   const bool k64 = p.K <= 64, t1 = wg && g_rs_t1.load(std::memory_order_relaxed);
-  using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool);
-  using Bytes = std::size_t (*)(int, int);
-  // [Kc 64][form: mma.sync, wgmma, wgmma with one tile (T1)]
-  static constexpr Fn kFns[2][3] = {
-      {&deltanet_bwd_state_rs_kernel<128>, &deltanet_bwd_state_rs_kernel<128, true>,
-       &deltanet_bwd_state_rs_kernel<128, true, true>},
-      {&deltanet_bwd_state_rs_kernel<64>, &deltanet_bwd_state_rs_kernel<64, true>,
-       &deltanet_bwd_state_rs_kernel<64, true, true>}};
   static constexpr Bytes kBytes[2][3] = {{&rs_bytes<128, false, false>, &rs_bytes<128, true, false>, &rs_bytes<128, true, true>},
                                          {&rs_bytes<64, false, false>, &rs_bytes<64, true, false>, &rs_bytes<64, true, true>}};
   const std::size_t cap = smem_per_block_optin() - 1024;  // dn_chain_cta's static shared int beside it
   // T1 only where the plain wgmma form fits too: the same kernel family (and bits) either way
   const int form = t1 && kBytes[k64][1](nw, 2) <= cap ? 2 : wg ? 1 : 0;
-  const Fn fn = kFns[k64][form];
+  const Fn fn = kRsFns[k64][form];
   auto bytes = [&](int nb) { return kBytes[k64][form](nw, nb); };
   // the deepest ring that fits: 3 buffers (T1: up to 4), else 2
   int nbuf = 2;
@@ -432,15 +448,23 @@ bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float*
       nbuf = nb;
       break;
     }
-  if (bytes(nbuf) > cap || kernel_binary_version(reinterpret_cast<const void*>(fn)) < 90) return false;  // (wg: sm_90a above)
+  if (bytes(nbuf) > cap || kernel_binary_version(reinterpret_cast<const void*>(fn)) < 90) return plan;  // (wg: sm_90a above)
   const std::int64_t nt = tiles(nw);
   if (seqs > 0x7fffffff || nt > 65535) throw Error(cat("deltanet_bwd: grid too large (", seqs, " sequence-heads)"));
-  const int threads = 32 * (nw + kRsAux);
-  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, bytes(nbuf));
-  fn<<<dim3(unsigned(seqs), unsigned(nt)), threads, bytes(nbuf), reinterpret_cast<cudaStream_t>(stream)>>>(
-      p, w, ws, nw, nbuf, g_rs_storer.load(std::memory_order_relaxed));
+  plan.applies = true, plan.k64 = k64, plan.form = form, plan.nw = nw, plan.nbuf = nbuf, plan.bytes = bytes(nbuf);
+  plan.grid_x = seqs, plan.grid_y = nt;
+  plan.qraw = vq && g_rs_qraw.load(std::memory_order_relaxed);  // q's rows 16-byte aligned for cp.async
+  return plan;
+}
+
+void deltanet_bwd_serial_rs_launch(const DnRsPlan& plan, const DeltanetBwdParams& p, const DnBwdWs& w, float* ws,
+                                   Stream stream) {
+  const Fn fn = kRsFns[plan.k64][plan.form];
+  const int threads = 32 * (plan.nw + kRsAux);
+  (void)resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, plan.bytes);
+  fn<<<dim3(unsigned(plan.grid_x), unsigned(plan.grid_y)), threads, plan.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
+      p, w, ws, plan.nw, plan.nbuf, g_rs_storer.load(std::memory_order_relaxed), plan.qraw);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial, dS in registers)");
-  return true;
 }
 
 }  // namespace fastweight::detail

@@ -51,7 +51,7 @@ struct BpLayout {
 template <bool LO, int FK = 0>  // FK: K fixed at compile time (128), as the serial kernel
 __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                      float* __restrict__ ws, bool vq, bool vk,
-                                                                     bool vo) {
+                                                                     bool vo, bool no_qh) {
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const std::int64_t K = FK ? FK : p.K;
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
     const std::int64_t row = dn_ws_row(p, b, t0 + tid, h);
     ws[w.fac + row] = s_rq[tid], ws[w.fac + w.rows + row] = s_rk[tid], ws[w.fac + 2 * w.rows + row] = s_beta[tid];
   }
-  if (!LO && w.xb) {  // Q^ = s diag(rq) Q for the serial kernel's dS update (bf16 rows of K)
+  if (!LO && w.xb && !no_qh) {  // Q^ = s diag(rq) Q for the serial kernel's dS update (bf16 rows of K)
     bf16* qh = reinterpret_cast<bf16*>(ws + w.qh());
     if (K % 8 == 0) {  // 8 columns per 16-byte load and store (an element at a time it was 64 stores and
                        // row products per thread), rows 16-byte aligned (K % 8 == 0, the region's base)
@@ -1128,8 +1128,10 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   const BpLayout lp(p.K);
   auto* prep = p.hilo ? &deltanet_bwd_prep_kernel<true> : &deltanet_bwd_prep_kernel<false>;
   if (deltanet_fixed_k(p)) prep = p.hilo ? &deltanet_bwd_prep_kernel<true, 128> : &deltanet_bwd_prep_kernel<false, 128>;
+  // the serial kernel with dS in registers where it applies; with rs.qraw it reads q itself: no Q^
+  const DnRsPlan rs = deltanet_bwd_serial_rs_plan(p, w, vq, vk, vo);
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(prep), kThreads, lp.bytes);
-  prep<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lp.bytes, st>>>(p, w, ws, vq, vk, vo);
+  prep<<<dim3(unsigned(slots), unsigned(p.H)), kThreads, lp.bytes, st>>>(p, w, ws, vq, vk, vo, rs.applies && rs.qraw);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: prep)");
   if (before_serial)  // the recompute's wy kernel (Xw), run beside prep
     FW_CUDA_CHECK("deltanet_bwd (join the recompute's wy)", cudaStreamWaitEvent(st, static_cast<cudaEvent_t>(before_serial), 0));
@@ -1162,8 +1164,8 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   const bool use_ws = g_serial_ws.load(std::memory_order_relaxed) && !p.hilo && db2 && w.xb && tw == 32 && vk && vo &&
                       p.K % 8 == 0 && p.V % 8 == 0 && lw.bytes <= smem_per_block_optin() &&
                       kernel_binary_version(reinterpret_cast<const void*>(wsfn)) >= 90;
-  if (deltanet_bwd_serial_rs(p, w, ws, stream, vk, vo)) {
-    // dS in registers (deltanet_bwd_rs.cu) where it applies
+  if (rs.applies) {
+    deltanet_bwd_serial_rs_launch(rs, p, w, ws, stream);  // dS in registers (deltanet_bwd_rs.cu)
   } else if (use_ws) {
     (void)resident_ctas_per_sm(reinterpret_cast<const void*>(wsfn), kBwWsThreads, lw.bytes);
     wsfn<<<dim3(unsigned(seqs), unsigned(vtw)), kBwWsThreads, lw.bytes, st>>>(p, w, ws);

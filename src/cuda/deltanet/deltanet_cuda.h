@@ -50,7 +50,17 @@ bool set_deltanet_bwd_serial_ws(bool on);
 // one warpgroup of chain warps, where the binary is sm_90a; otherwise the mma.sync form with 4 chain
 // warps per CTA, 2 with variable lengths); 2 or 4: the mma.sync form with that many chain warps; 5 the
 // wgmma form (as 1). Returns the previous setting (fastweight_bench --dn-serial-rs=off|on|2|4|5).
-bool deltanet_bwd_serial_rs(const DeltanetBwdParams& p, const DnBwdWs& w, float* ws, Stream stream, bool vk, bool vo);
+// deltanet_bwd_serial_rs_plan decides (before the prep kernel, which skips Q^ where the kernel reads q
+// itself); deltanet_bwd_serial_rs_launch launches what it planned.
+struct DnRsPlan {
+  bool applies = false, qraw = false;  // qraw: reads q and rq and scales dO^T (no Q^ from prep)
+  int k64 = 0, form = 0, nw = 0, nbuf = 0;
+  std::size_t bytes = 0;
+  std::int64_t grid_x = 0, grid_y = 0;
+};
+DnRsPlan deltanet_bwd_serial_rs_plan(const DeltanetBwdParams& p, const DnBwdWs& w, bool vq, bool vk, bool vo);
+void deltanet_bwd_serial_rs_launch(const DnRsPlan& plan, const DeltanetBwdParams& p, const DnBwdWs& w, float* ws,
+                                   Stream stream);
 int set_deltanet_bwd_serial_rs(int mode);
 // Tests and benchmarks only: that kernel's dSe and dD stores by a storer warp (on) or by the chain warps
 // themselves (the default); the same bits. Returns the previous setting (fastweight_bench --dn-rs-storer=on).
@@ -60,6 +70,11 @@ bool set_deltanet_bwd_serial_rs_storer(bool on);
 // (4 at K <= 64) instead of 2 (default off: not yet measured; the same bits as the wgmma form).
 // Returns the previous setting (fastweight_bench --dn-rs-t1=on).
 bool set_deltanet_bwd_serial_rs_t1(bool on);
+// Tests and benchmarks only: that kernel reads q and the L2 factor rq and scales its dO^T fragments by
+// s rq (dO^T Q^ = (dO^T diag(s rq)) q), so the prep kernel writes no Q^ (a (rows, K) bf16 matrix:
+// 134 MB at (1,32768,16,128)). Other roundings (dO s rq to bf16 instead of s rq q), other bits. Default
+// off: not yet measured. Returns the previous setting (fastweight_bench --dn-rs-qraw=on).
+bool set_deltanet_bwd_serial_rs_qraw(bool on);
 // Tests and benchmarks only: the tensor-core chunk pass's grid with a (slot, head)'s K tiles as
 // neighbours (K > 64; default on) instead of a grid of slots apart; the same bits. Returns the
 // previous setting (fastweight_bench --dn-chunk-kfast=off).
