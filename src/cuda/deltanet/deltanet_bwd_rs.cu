@@ -54,7 +54,7 @@ constexpr int kRsPf = 4;       // ldmatrix results in flight ahead of their prod
 // T1 (with WG; `set_deltanet_bwd_serial_rs_t1`): one transposition tile per warp, (max(Kc, 64), 24),
 // dSe^T then dD in turn (the warp stores dSe^T at the step's top), and the swizzled tiles of every
 // buffer first: [nbuf] { k, Q^, Xw } | [nbuf] { dO, dD0, rk, beta } | [nw] tile | barriers. At Kc = 128
-// that is 229 968 bytes with 3 buffers (the two-tile layout needs 208 KB for 2), so a chunk's loads
+// that is 230 736 bytes with 3 buffers (the two-tile layout needs 208 KB for 2), so a chunk's loads
 // get two steps to land instead of one.
 template <int KC, bool WG = false, bool T1 = false>
 struct BrLayout {
@@ -82,7 +82,7 @@ struct BrLayout {
 };
 
 // Grid (N * H, column tiles of 16 nw); 32 (nw + kRsAux) threads. K % 8 == 0, K <= KC, V % 16 == 0,
-// 16-byte aligned rows of k and dO (the host checks). WG: the products on wgmma (nw = 4: the chain
+// 16-byte aligned rows of k and dO, and of q with qraw (the host checks). WG: the products on wgmma (nw = 4: the chain
 // warps are one warpgroup; an sm_90a binary), B read from shared memory once per warpgroup instead of
 // once per warp by ldmatrix (the bound of the mma.sync form: ~210 KB of ldmatrix reads a step at 4
 // warps per SM); dS^T, X1 and B's A fragments stay in registers as in that form.
@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     sx = reinterpret_cast<const bf16*>(at(bf, lay.xw));
     const bf16* so = reinterpret_cast<const bf16*>(atb(bf, lay.dO));
     const bf16* sy = reinterpret_cast<const bf16*>(atb(bf, lay.y));
-    const float* sf = reinterpret_cast<const float*>(atb(bf, lay.fac));  // rk [64], beta [64]
+    const float* sf = reinterpret_cast<const float*>(atb(bf, lay.fac));  // rk [64], beta [64], qraw: rq [64]
     std::uint32_t ao[4][4], y4[4][4];  // dO^T's A fragments (chunk k-steps); dD0 at X1's positions
     if constexpr (WG) {
       bulk_fence_shared();  // the loaders' cp.async writes (generic proxy), seen through the

@@ -72,8 +72,9 @@ bool set_deltanet_bwd_serial_rs_storer(bool on);
 bool set_deltanet_bwd_serial_rs_t1(bool on);
 // Tests and benchmarks only: that kernel reads q and the L2 factor rq and scales its dO^T fragments by
 // s rq (dO^T Q^ = (dO^T diag(s rq)) q), so the prep kernel writes no Q^ (a (rows, K) bf16 matrix:
-// 134 MB at (1,32768,16,128)). Other roundings (dO s rq to bf16 instead of s rq q), other bits. Default
-// off: not yet measured. Returns the previous setting (fastweight_bench --dn-rs-qraw=on).
+// 134 MB of writes at (1,32768,16,128); its workspace region is still reserved). Other roundings (dO s rq
+// to bf16 instead of s rq q), other bits. Default off: not yet measured. Returns the previous setting
+// (fastweight_bench --dn-rs-qraw=on).
 bool set_deltanet_bwd_serial_rs_qraw(bool on);
 // Tests and benchmarks only: the tensor-core chunk pass's grid with a (slot, head)'s K tiles as
 // neighbours (K > 64; default on) instead of a grid of slots apart; the same bits. Returns the
