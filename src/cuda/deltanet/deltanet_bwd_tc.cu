@@ -48,10 +48,13 @@ struct BpLayout {
   }
 };
 
-template <bool LO, int FK = 0>  // FK: K fixed at compile time (128), as the serial kernel
+// STG (bf16 operands only; set_deltanet_bwd_prep_stage): dD0 staged through shared memory (below), an
+// instance of its own so that the plain one keeps its registers (84 / 78; staged 126 / 96)
+template <bool LO, int FK = 0, bool STG = false>  // FK: K fixed at compile time (128), as the serial kernel
 __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                      float* __restrict__ ws, bool vq, bool vk,
                                                                      bool vo, bool no_qh) {
+  static_assert(!(STG && LO), "the staged dD0 is bf16 (bf16 operands)");
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const std::int64_t K = FK ? FK : p.K;
@@ -143,6 +146,12 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
   }
   const bool even = V % 2 == 0;
   const bool xb = !LO && w.xb;  // dD0 as bf16 (V % 8 == 0: whole pairs)
+  // stage (set_deltanet_bwd_prep_stage): a V tile's bf16 dD0 goes through q's shared memory (dead once M
+  // and Q^ are formed), each warp its own 16 rows (stride kLd <= ldk), then 16-byte row pieces: 8 lanes
+  // write a row's 128 bytes, where the fragments' pair stores write 16 bytes of a row per 4 lanes
+  const bool stage = STG && xb;
+  bf16* stg = sq + 16 * warp * kLd;  // this warp's (16, 64) staging rows
+  if (stage) __syncthreads();        // every warp is done reading q
   for (std::int64_t v0 = 0; v0 < V; v0 += kT) {
     if (v0 > 0) {  // tile v0 was issued two tiles ago (or with q, k)
       if (v0 + kT < V) cp_async_wait<1>();
@@ -153,18 +162,36 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
     float dd[8][4] = {};  // dD0 = s M^T dO: rows 16 warp.., 64 columns of V
     mma_frags_k(dd, mh, dO, kLd, 0, lane);
     if constexpr (LO) mma_frags_k(dd, ml, dO, kLd, 0, lane);
+    if (stage) {
+      __syncwarp();  // this warp's reads of the previous V tile's rows are done
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int c = 16 * warp + frow(lane, e);
-        const std::int64_t col = v0 + fcol(lane, j, e);
-        if (c < nr && col < V) {
-          const std::int64_t at = dn_ws_row(p, b, t0 + c, h) * V + col;
-          if (xb) *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(ws + w.Y) + at) = __floats2bfloat162_rn(dd[j][e], dd[j][e + 1]);
-          else store_pair(ws + w.Y + at, dd[j][e], dd[j][e + 1], col + 1 < V, even);
-        }
+        for (int e = 0; e < 4; e += 2)  // (stride 72 bf16: the 32 lanes' 4-byte stores hit 32 banks)
+          *reinterpret_cast<__nv_bfloat162*>(stg + (frow(lane, e)) * kLd + fcol(lane, j, e)) =
+              __floats2bfloat162_rn(dd[j][e], dd[j][e + 1]);
+      __syncwarp();
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // piece lane + 32 q: row (lane + 32 q) / 8, columns 8 (lane % 8) ..
+        const int r = lane / 8 + 4 * q, col = 8 * (lane % 8), c = 16 * warp + r;
+        if (c < nr && v0 + col < V)
+          *reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(ws + w.Y) + dn_ws_row(p, b, t0 + c, h) * V + v0 + col) =
+              *reinterpret_cast<const uint4*>(stg + r * kLd + col);
       }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int c = 16 * warp + frow(lane, e);
+          const std::int64_t col = v0 + fcol(lane, j, e);
+          if (c < nr && col < V) {
+            const std::int64_t at = dn_ws_row(p, b, t0 + c, h) * V + col;
+            if (xb) *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(ws + w.Y) + at) = __floats2bfloat162_rn(dd[j][e], dd[j][e + 1]);
+            else store_pair(ws + w.Y + at, dd[j][e], dd[j][e + 1], col + 1 < V, even);
+          }
+        }
+    }
     if (v0 + 2 * kT < V) {
       __syncthreads();  // every warp is done with this buffer
       issue_do(v0 + 2 * kT);
@@ -1098,6 +1125,7 @@ std::atomic<bool> g_post_pf{false};  // set_deltanet_bwd_post_prefetch
 std::atomic<bool> g_serial_ws{false};  // set_deltanet_bwd_serial_ws
 std::atomic<bool> g_chunk_kfast{true};  // set_deltanet_bwd_chunk_kfast
 std::atomic<int> g_chunk_l2f{1};       // set_deltanet_bwd_chunk_l2
+std::atomic<bool> g_prep_stage{false};  // set_deltanet_bwd_prep_stage
 // q and Xw double-buffered in the serial kernel: bf16 operands, where the shared memory holds it
 bool bwd_serial_db2(const DeltanetBwdParams& p) {
   return g_serial_db2.load() && !p.hilo && BsLayout(p.K, false, 2).bytes <= smem_per_block_optin();
@@ -1110,6 +1138,7 @@ bool set_deltanet_bwd_serial_ws(bool on) { return g_serial_ws.exchange(on); }
 bool set_deltanet_bwd_chunk_kfast(bool on) { return g_chunk_kfast.exchange(on); }
 int set_deltanet_bwd_chunk_l2(int mode) { return g_chunk_l2f.exchange(mode < 0 ? 0 : mode > 2 ? 2 : mode); }
 bool set_deltanet_bwd_post_prefetch(bool on) { return g_post_pf.exchange(on); }
+bool set_deltanet_bwd_prep_stage(bool on) { return g_prep_stage.exchange(on); }
 
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
   // sm_80 opts in to 163 KB of shared memory per block, the serial kernel's K = 128 layout needs
@@ -1128,6 +1157,8 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
   const BpLayout lp(p.K);
   auto* prep = p.hilo ? &deltanet_bwd_prep_kernel<true> : &deltanet_bwd_prep_kernel<false>;
   if (deltanet_fixed_k(p)) prep = p.hilo ? &deltanet_bwd_prep_kernel<true, 128> : &deltanet_bwd_prep_kernel<false, 128>;
+  if (!p.hilo && w.xb && g_prep_stage.load(std::memory_order_relaxed))  // dD0 staged (bf16)
+    prep = deltanet_fixed_k(p) ? &deltanet_bwd_prep_kernel<false, 128, true> : &deltanet_bwd_prep_kernel<false, 0, true>;
   // the serial kernel with dS in registers where it applies; with rs.qraw it reads q itself: no Q^
   const DnRsPlan rs = deltanet_bwd_serial_rs_plan(p, w, vq, vk, vo);
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(prep), kThreads, lp.bytes);

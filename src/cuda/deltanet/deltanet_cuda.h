@@ -89,6 +89,10 @@ int set_deltanet_bwd_chunk_l2(int mode);
 // (bf16 operands, bf16 dD / X, V <= 128, where it costs no resident CTA) instead of tile by tile;
 // default off, the same bits. Returns the previous setting (fastweight_bench --dn-post-pf=on).
 bool set_deltanet_bwd_post_prefetch(bool on);
+// Tests and benchmarks only: the prep kernel's bf16 dD0 staged through shared memory and stored as
+// 16-byte row pieces (8 lanes a 128-byte row) instead of the fragments' 4-byte pairs. Default off:
+// not yet measured; the same bits. Returns the previous setting (fastweight_bench --dn-prep-stage=on).
+bool set_deltanet_bwd_prep_stage(bool on);
 // Tests and benchmarks only: the wy kernel's v tile buffers, 1 or 2 (0: the planner's choice, two
 // unless the second costs a resident CTA per SM). Returns the previous setting.
 int set_deltanet_wy_vbufs(int n);
