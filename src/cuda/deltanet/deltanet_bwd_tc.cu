@@ -633,9 +633,15 @@ struct BqLayout {
 
 // One CTA per (chunk slot, head), the V tiles in turn (k, T2, Lg^T and the factors once per chunk:
 // 361 -> 348 us at (4,4096,16,128) against a CTA per V tile).
-template <bool LO, int FK = 0>  // FK: as the prep kernel
+// STG (bf16 operands with bf16 Y; set_deltanet_bwd_post_stage; an instance of its own, so the plain one
+// keeps its registers): each thread writes its -Y pairs over its own dD elements in shared memory (no
+// other thread reads them by then), and each warp stores its 16 rows of -Y, and of dv (dR's bf16 tile:
+// dv exactly, where dv's rows are 16-byte aligned), as 16-byte row pieces (8 lanes a 128-byte row)
+// instead of the fragments' 4-byte pairs.
+template <bool LO, int FK = 0, bool STG = false>  // FK: as the prep kernel
 __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                      float* __restrict__ ws, bool vk, bool pf) {
+  static_assert(!(STG && LO), "the staged stores are bf16 (bf16 operands)");
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const std::int64_t K = FK ? FK : p.K;
@@ -669,6 +675,9 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
   // pair store cost it spills)
   const bool dv2 = !LO && p.dv.p && p.dv.dtype == DType::bf16 && reinterpret_cast<std::uintptr_t>(p.dv.p) % 4 == 0 &&
                    p.dv.s0 % 2 == 0 && p.dv.s1 % 2 == 0 && p.dv.s2 % 2 == 0;
+  const bool stg = STG && xb;  // -Y (and dv where dv16) staged
+  const bool dv16 = stg && dv2 && reinterpret_cast<std::uintptr_t>(p.dv.p) % 16 == 0 && p.dv.s0 % 8 == 0 &&
+                    p.dv.s1 % 8 == 0 && p.dv.s2 % 8 == 0;
   // a. k, T2 (16-byte aligned, 64 x 64 fp32); rk from the k tile, beta
   load_tile(sk, ldk, kT, Kc, bf_rows(p.k, b, t0, h), p.k.s1, nr, int(K), vk);
   // T2^T's rows (DnChunkBufs::T2: the forward's wy_inverse or the recompute's region), rows past nr
@@ -792,12 +801,15 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
           if (xb) {  // V % 8 == 0: whole pairs
             db[e >> 1] = fmaf(y0, __bfloat162float(sXb[i * kLd + c]),
                               fmaf(y1, __bfloat162float(sXb[i * kLd + c + 1]), db[e >> 1]));
-            *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(ws + w.Y) + at) = __floats2bfloat162_rn(-y0, -y1);
+            if (stg)  // over this thread's own dD pair (read just above), stored by rows below
+              *reinterpret_cast<__nv_bfloat162*>(sddb + i * kLd + c) = __floats2bfloat162_rn(-y0, -y1);
+            else
+              *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(ws + w.Y) + at) = __floats2bfloat162_rn(-y0, -y1);
           } else {
             db[e >> 1] = fmaf(y0, sX[i * kLdF + c], fmaf(y1, has1 ? sX[i * kLdF + c + 1] : 0.f, db[e >> 1]));
             store_pair(ws + w.Y + at, y0, y1, has1, even);
           }
-          if (p.dv.p) {  // dR as its hi + lo (~2^-17 relative; dr itself is not kept alive: spills)
+          if (p.dv.p && !dv16) {  // dR as its hi + lo (~2^-17 relative; dr itself is not kept alive: spills)
             auto dr = [&](int cc) {
               const float x = __bfloat162float(sBh[i * kLd + cc]);
               if constexpr (LO) return x + __bfloat162float(sBl[i * kLd + cc]);
@@ -813,6 +825,20 @@ __global__ void __launch_bounds__(kThreads, 3) deltanet_bwd_post_kernel(const De
           }
         }
       }
+    if (stg) {  // this warp's 16 rows of -Y (and dv = dR's bf16 tile) as 16-byte pieces
+      __syncwarp();
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // piece lane + 32 q: row 16 warp + (lane + 32 q) / 8, columns 8 (lane % 8) ..
+        const int i = 16 * warp + lane / 8 + 4 * q, c = 8 * (lane % 8);
+        if (i < nr && c0 + c < V) {
+          *reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(ws + w.Y) + dn_ws_row(p, b, t0 + i, h) * V + c0 + c) =
+              *reinterpret_cast<const uint4*>(sddb + i * kLd + c);
+          if (dv16)
+            *reinterpret_cast<uint4*>(static_cast<bf16*>(p.dv.p) + dn_row(p.dv, b, t0 + i, h) + c0 + c) =
+                *reinterpret_cast<const uint4*>(sBh + i * kLd + c);
+        }
+      }
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       db[r] += __shfl_xor_sync(0xffffffffu, db[r], 1);
@@ -1126,6 +1152,7 @@ std::atomic<bool> g_serial_ws{false};  // set_deltanet_bwd_serial_ws
 std::atomic<bool> g_chunk_kfast{true};  // set_deltanet_bwd_chunk_kfast
 std::atomic<int> g_chunk_l2f{1};       // set_deltanet_bwd_chunk_l2
 std::atomic<bool> g_prep_stage{false};  // set_deltanet_bwd_prep_stage
+std::atomic<bool> g_post_stage{false};  // set_deltanet_bwd_post_stage
 // q and Xw double-buffered in the serial kernel: bf16 operands, where the shared memory holds it
 bool bwd_serial_db2(const DeltanetBwdParams& p) {
   return g_serial_db2.load() && !p.hilo && BsLayout(p.K, false, 2).bytes <= smem_per_block_optin();
@@ -1139,6 +1166,7 @@ bool set_deltanet_bwd_chunk_kfast(bool on) { return g_chunk_kfast.exchange(on); 
 int set_deltanet_bwd_chunk_l2(int mode) { return g_chunk_l2f.exchange(mode < 0 ? 0 : mode > 2 ? 2 : mode); }
 bool set_deltanet_bwd_post_prefetch(bool on) { return g_post_pf.exchange(on); }
 bool set_deltanet_bwd_prep_stage(bool on) { return g_prep_stage.exchange(on); }
+bool set_deltanet_bwd_post_stage(bool on) { return g_post_stage.exchange(on); }
 
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
   // sm_80 opts in to 163 KB of shared memory per block, the serial kernel's K = 128 layout needs
@@ -1209,6 +1237,8 @@ void deltanet_bwd_state_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
     FW_CUDA_CHECK("deltanet_bwd (join the recompute)", cudaStreamWaitEvent(st, static_cast<cudaEvent_t>(before_post), 0));
   auto* post = p.hilo ? &deltanet_bwd_post_kernel<true> : &deltanet_bwd_post_kernel<false>;
   if (deltanet_fixed_k(p)) post = p.hilo ? &deltanet_bwd_post_kernel<true, 128> : &deltanet_bwd_post_kernel<false, 128>;
+  if (!p.hilo && w.xb && g_post_stage.load(std::memory_order_relaxed))  // -Y and dv staged (bf16)
+    post = deltanet_fixed_k(p) ? &deltanet_bwd_post_kernel<false, 128, true> : &deltanet_bwd_post_kernel<false, 0, true>;
   const auto post_fn = reinterpret_cast<const void*>(post);
   // pf (every V tile's dD, X loaded at the start): bf16 operands with bf16 dD / X and at most two V
   // tiles, where it fits and costs no resident CTA per SM

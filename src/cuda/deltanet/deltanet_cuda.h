@@ -93,6 +93,10 @@ bool set_deltanet_bwd_post_prefetch(bool on);
 // 16-byte row pieces (8 lanes a 128-byte row) instead of the fragments' 4-byte pairs. Default off:
 // not yet measured; the same bits. Returns the previous setting (fastweight_bench --dn-prep-stage=on).
 bool set_deltanet_bwd_prep_stage(bool on);
+// Tests and benchmarks only: the post kernel's bf16 -Y rows (and dv, where its rows are 16-byte
+// aligned) staged through shared memory and stored as 16-byte row pieces. Default off: not yet measured;
+// the same bits. Returns the previous setting (fastweight_bench --dn-post-stage=on).
+bool set_deltanet_bwd_post_stage(bool on);
 // Tests and benchmarks only: the wy kernel's v tile buffers, 1 or 2 (0: the planner's choice, two
 // unless the second costs a resident CTA per SM). Returns the previous setting.
 int set_deltanet_wy_vbufs(int n);
