@@ -494,7 +494,7 @@ void check_bwd_case(const DnBwdCase& c) {
     int chunk_l2;
     bool post_pf;
     int recompute_ws, serial_rs;
-    bool rs_storer, rs_t1, rs_qraw, prep_stage, post_stage;
+    bool rs_storer, rs_t1, rs_qraw, prep_stage, post_stage, chunk_stage;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -513,6 +513,7 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_serial_rs_qraw(rs_qraw);
       fastweight::detail::set_deltanet_bwd_prep_stage(prep_stage);
       fastweight::detail::set_deltanet_bwd_post_stage(post_stage);
+      fastweight::detail::set_deltanet_bwd_chunk_stage(chunk_stage);
     }
   } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true),
                       fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_bwd_overlap(0),
@@ -528,7 +529,8 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_serial_rs_t1(false),
                       fastweight::detail::set_deltanet_bwd_serial_rs_qraw(false),
                       fastweight::detail::set_deltanet_bwd_prep_stage(false),
-                      fastweight::detail::set_deltanet_bwd_post_stage(false)};
+                      fastweight::detail::set_deltanet_bwd_post_stage(false),
+                      fastweight::detail::set_deltanet_bwd_chunk_stage(false)};
   // Runs 2 and 3: the serial kernel with dS in registers (deltanet_bwd_rs.cu, where it applies; other
   // products' order, so checked against the reference, and run 3 against run 2 bit for bit) with 2
   // then 4 chain warps per CTA (and run 3 with its storer warp), the rest as run 0, then as run 1.
@@ -544,6 +546,7 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_bwd_serial_rs_qraw(r >= 6);
     fastweight::detail::set_deltanet_bwd_prep_stage(r == 0 || r == 4 || r == 6);  // prep's staged dD0: the same bits
     fastweight::detail::set_deltanet_bwd_post_stage(r == 0 || r == 4 || r == 6);  // post's staged -Y, dv: the same bits
+    fastweight::detail::set_deltanet_bwd_chunk_stage(r == 0 || r == 4 || r == 6);  // the chunk pass's staged dq^, dk^ (K = 128, L2)
     if (r >= 2) {
       fastweight::detail::set_deltanet_wy_vbufs(0);
       fastweight::detail::set_deltanet_state_tile(0);

@@ -991,10 +991,15 @@ __device__ __forceinline__ void chunk_l2_epilogue(const DeltanetBwdParams& p, co
 }
 // L2F: the fused L2-norm epilogue's K tiles (0: none, the plain stores; a template argument: compiled in,
 // its code took the plain kernel from 122 to 128 registers, and the pass measured 2-4% slower at K = 128)
-template <bool LO, int L2F = 0>
+// STG (set_deltanet_bwd_chunk_stage; bf16 operands, no fused L2 epilogue, the L2 norm's bf16 dq^ / dk^
+// workspace rows, K % 8 == 0; an instance of its own): each warp writes its (16, 32) dq^ and dk^ tiles
+// into dG's and the Y staging's shared memory (both dead by then) and stores them as 16-byte row pieces
+// (4 lanes a row's 64 bytes) instead of the fragments' 4-byte pairs (16 bytes of a row per 4 lanes).
+template <bool LO, int L2F = 0, bool STG = false>
 __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(const DeltanetBwdParams p, const DnBwdWs w,
                                                                          float* __restrict__ ws, bool vq, bool vk,
                                                                          bool vo, int kfast) {
+  static_assert(!(STG && (LO || L2F != 0)), "the staged stores: bf16 operands, the plain epilogue");
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const BcLayout lay(LO);
@@ -1128,6 +1133,30 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
   if constexpr (!LO && L2F != 0) {
     chunk_l2_epilogue(p, dq, dk, sdG, reinterpret_cast<float(*)[65]>(T(1)), stg2, reinterpret_cast<float*>(T(3)),
                       sq, sk, b, t0, h, nr, k0, kz, L2F, mw, half, tid, lane);
+  } else if (STG && p.l2 && w.h16 && K % 8 == 0) {  // (the host's rule too)
+    // this warp's rows 16 mw.., columns 32 half.. of dq^ (in dG's place) and dk^ (the Y staging's), bf16,
+    // stride kLd (conflict-free pair writes); nothing reads dG or the staging after the last barrier
+    bf16* tq = reinterpret_cast<bf16*>(sdG) + 16 * mw * kLd + 32 * half;
+    bf16* tk = reinterpret_cast<bf16*>(stg2) + 16 * mw * kLd + 32 * half;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int r = frow(lane, e), c = fcol(lane, j, e);
+        *reinterpret_cast<__nv_bfloat162*>(tq + r * kLd + c) = __floats2bfloat162_rn(dq[j][e], dq[j][e + 1]);
+        *reinterpret_cast<__nv_bfloat162*>(tk + r * kLd + c) = __floats2bfloat162_rn(dk[j][e], dk[j][e + 1]);
+      }
+    __syncwarp();
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {  // piece lane + 32 q: row (lane + 32 q) / 4, columns 8 (lane % 4) ..
+      const int r = lane / 4 + 8 * q, c = 8 * (lane % 4), i = 16 * mw + r;
+      const std::int64_t col = k0 + 32 * half + c;
+      if (i < nr && col < K) {
+        const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * K + col;
+        if (p.dq.p) *reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(ws + w.dqh) + at) = *reinterpret_cast<const uint4*>(tq + r * kLd + c);
+        if (p.dk.p) *reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(ws + w.dkh) + at) = *reinterpret_cast<const uint4*>(tk + r * kLd + c);
+      }
+    }
   } else {
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -1153,6 +1182,7 @@ std::atomic<bool> g_chunk_kfast{true};  // set_deltanet_bwd_chunk_kfast
 std::atomic<int> g_chunk_l2f{1};       // set_deltanet_bwd_chunk_l2
 std::atomic<bool> g_prep_stage{false};  // set_deltanet_bwd_prep_stage
 std::atomic<bool> g_post_stage{false};  // set_deltanet_bwd_post_stage
+std::atomic<bool> g_chunk_stage{false};  // set_deltanet_bwd_chunk_stage
 // q and Xw double-buffered in the serial kernel: bf16 operands, where the shared memory holds it
 bool bwd_serial_db2(const DeltanetBwdParams& p) {
   return g_serial_db2.load() && !p.hilo && BsLayout(p.K, false, 2).bytes <= smem_per_block_optin();
@@ -1167,6 +1197,7 @@ int set_deltanet_bwd_chunk_l2(int mode) { return g_chunk_l2f.exchange(mode < 0 ?
 bool set_deltanet_bwd_post_prefetch(bool on) { return g_post_pf.exchange(on); }
 bool set_deltanet_bwd_prep_stage(bool on) { return g_prep_stage.exchange(on); }
 bool set_deltanet_bwd_post_stage(bool on) { return g_post_stage.exchange(on); }
+bool set_deltanet_bwd_chunk_stage(bool on) { return g_chunk_stage.exchange(on); }
 
 bool deltanet_bwd_state_tc_applies(const DeltanetBwdParams& p) {
   // sm_80 opts in to 163 KB of shared memory per block, the serial kernel's K = 128 layout needs
@@ -1310,6 +1341,10 @@ bool deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
     (void)resident_ctas_per_sm(reinterpret_cast<const void*>(one), kBcThreads, lay.bytes);
     std::apply([&](auto... a) { one<<<grid, kBcThreads, lay.bytes, st>>>(a...); }, args());
   } else if (l2f == 0) {
+    if (!p.hilo && p.l2 && w.h16 && p.K % 8 == 0 && g_chunk_stage.load(std::memory_order_relaxed)) {
+      chunk = &deltanet_bwd_chunk_tc_kernel<false, 0, true>;  // dq^, dk^ staged
+      (void)resident_ctas_per_sm(reinterpret_cast<const void*>(chunk), kBcThreads, lay.bytes);
+    }
     std::apply([&](auto... a) { chunk<<<grid, kBcThreads, lay.bytes, st>>>(a...); }, args());
   }
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (chunk pass, tensor cores)");

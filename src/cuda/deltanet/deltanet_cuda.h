@@ -97,6 +97,10 @@ bool set_deltanet_bwd_prep_stage(bool on);
 // aligned) staged through shared memory and stored as 16-byte row pieces. Default off: not yet measured;
 // the same bits. Returns the previous setting (fastweight_bench --dn-post-stage=on).
 bool set_deltanet_bwd_post_stage(bool on);
+// Tests and benchmarks only: the chunk pass's bf16 dq^ / dk^ workspace rows (the L2 norm's backward
+// not fused: K = 128 by default) staged through shared memory and stored as 16-byte row pieces.
+// Default off: not yet measured; the same bits. Returns the previous setting (--dn-chunk-stage=on).
+bool set_deltanet_bwd_chunk_stage(bool on);
 // Tests and benchmarks only: the wy kernel's v tile buffers, 1 or 2 (0: the planner's choice, two
 // unless the second costs a resident CTA per SM). Returns the previous setting.
 int set_deltanet_wy_vbufs(int n);
