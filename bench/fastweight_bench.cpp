@@ -43,6 +43,7 @@
 //   fastweight_bench --dn-prep-stage=on      the backward's prep stores dD0 through shared memory (A/B)
 //   fastweight_bench --dn-post-stage=on      its post kernel stores -Y and dv likewise (A/B)
 //   fastweight_bench --dn-chunk-stage=on     its chunk pass stores the bf16 dq^, dk^ rows likewise (A/B)
+//   fastweight_bench --dn-wy-stage=on        the wy kernel stores Xw, Xu likewise (forward too; A/B)
 //   fastweight_bench --dn-wy-saved=off       DeltaNet backward forms the WY inverse again (no wy_inverse; A/B)
 //   fastweight_bench --steps-only            the mLSTM / DeltaNet families' GPU decoding-step rows alone (A/B)
 //   fastweight_bench --mlstm-step-kernel=N   mLSTM decoding step's C pass kernel (A/B; set_mlstm_step_kernel)
@@ -122,7 +123,7 @@ struct Options {
   int dn_chunk_l2 = -1;  // -1: the library's default
   int dn_serial_rs = -1;  // -1: the library's default
   int dn_rs_storer = -1;
-  int dn_rs_t1 = -1, dn_rs_qraw = -1, dn_prep_stage = -1, dn_post_stage = -1, dn_chunk_stage = -1;
+  int dn_rs_t1 = -1, dn_rs_qraw = -1, dn_prep_stage = -1, dn_post_stage = -1, dn_chunk_stage = -1, dn_wy_stage = -1;
   bool dn_x_f32 = false;
   bool dn_xu_f32 = false;
   bool mlstm_step_no_fuse = false;
@@ -378,6 +379,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--dn-prep-stage=")) o.dn_prep_stage = on(v) ? 1 : 0;
     else if (const char* v = val("--dn-post-stage=")) o.dn_post_stage = on(v) ? 1 : 0;
     else if (const char* v = val("--dn-chunk-stage=")) o.dn_chunk_stage = on(v) ? 1 : 0;
+    else if (const char* v = val("--dn-wy-stage=")) o.dn_wy_stage = on(v) ? 1 : 0;
     else if (const char* v = val("--dn-bwd-wy-side=")) o.dn_no_wy_side = !on(v);
     else if (const char* v = val("--dn-chunk-kfast=")) o.dn_no_kfast = !on(v);
     else if (const char* v = val("--dn-out-vfast=")) o.dn_no_vfast = !on(v);
@@ -460,6 +462,7 @@ int main(int argc, char** argv) {
   if (o.dn_prep_stage >= 0) fastweight::detail::set_deltanet_bwd_prep_stage(o.dn_prep_stage == 1);
   if (o.dn_post_stage >= 0) fastweight::detail::set_deltanet_bwd_post_stage(o.dn_post_stage == 1);
   if (o.dn_chunk_stage >= 0) fastweight::detail::set_deltanet_bwd_chunk_stage(o.dn_chunk_stage == 1);
+  if (o.dn_wy_stage >= 0) fastweight::detail::set_deltanet_wy_stage(o.dn_wy_stage == 1);
   if (o.dn_x_f32) fastweight::detail::set_deltanet_bwd_x_bf16(false);
   if (o.dn_xu_f32) fastweight::detail::set_deltanet_xu_bf16(false);
   if (o.mlstm_step_no_fuse) fastweight::detail::set_mlstm_step_fuse_nm(false);

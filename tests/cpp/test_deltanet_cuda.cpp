@@ -173,8 +173,9 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
     int vbufs, tile;
     bool two, ws;
     int ws_warps;
-    bool xu16, vfast;
+    bool xu16, vfast, wy_stage;
     ~Restore() {
+      fastweight::detail::set_deltanet_wy_stage(wy_stage);
       fastweight::detail::set_deltanet_fwd_dprime(prev);
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_state_tile(tile);
@@ -187,7 +188,8 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
   } restore{fastweight::detail::set_deltanet_fwd_dprime(true), fastweight::detail::set_deltanet_wy_vbufs(0),
             fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_state_two_sync(true),
             fastweight::detail::set_deltanet_state_ws(true), fastweight::detail::set_deltanet_state_ws_warps(2),
-            fastweight::detail::set_deltanet_xu_bf16(true), fastweight::detail::set_deltanet_out_vfast(true)};
+            fastweight::detail::set_deltanet_xu_bf16(true), fastweight::detail::set_deltanet_out_vfast(true),
+            fastweight::detail::set_deltanet_wy_stage(false)};
   std::vector<HostTensor> by_mode(2 * 6);  // o, final state of each mode
   for (int m = 0; m < 6; ++m) {
     void* w = m == 0 ? nullptr : ws;
@@ -208,6 +210,7 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
       fastweight::detail::set_deltanet_state_two_sync(r == 0);
       fastweight::detail::set_deltanet_state_ws_warps(m >= 4 ? 1 : 2);
       fastweight::detail::set_deltanet_out_vfast(r == 0);  // the output kernel's V tiles neighbours, then a grid apart
+      fastweight::detail::set_deltanet_wy_stage(r == 1);  // the wy kernel's staged Xw, Xu stores: the same bits
       FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
       FW_TEST_CUDA(cudaMemset(ght.ptr, 0xff, ght.nbytes));
       if (w) FW_TEST_CUDA(cudaMemset(w, 0xff, need));
@@ -494,7 +497,7 @@ void check_bwd_case(const DnBwdCase& c) {
     int chunk_l2;
     bool post_pf;
     int recompute_ws, serial_rs;
-    bool rs_storer, rs_t1, rs_qraw, prep_stage, post_stage, chunk_stage;
+    bool rs_storer, rs_t1, rs_qraw, prep_stage, post_stage, chunk_stage, wy_stage;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -514,6 +517,7 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_prep_stage(prep_stage);
       fastweight::detail::set_deltanet_bwd_post_stage(post_stage);
       fastweight::detail::set_deltanet_bwd_chunk_stage(chunk_stage);
+      fastweight::detail::set_deltanet_wy_stage(wy_stage);
     }
   } restore_buffering{fastweight::detail::set_deltanet_wy_vbufs(0), fastweight::detail::set_deltanet_bwd_serial_db2(true),
                       fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_bwd_overlap(0),
@@ -530,7 +534,8 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_serial_rs_qraw(false),
                       fastweight::detail::set_deltanet_bwd_prep_stage(false),
                       fastweight::detail::set_deltanet_bwd_post_stage(false),
-                      fastweight::detail::set_deltanet_bwd_chunk_stage(false)};
+                      fastweight::detail::set_deltanet_bwd_chunk_stage(false),
+                      fastweight::detail::set_deltanet_wy_stage(false)};
   // Runs 2 and 3: the serial kernel with dS in registers (deltanet_bwd_rs.cu, where it applies; other
   // products' order, so checked against the reference, and run 3 against run 2 bit for bit) with 2
   // then 4 chain warps per CTA (and run 3 with its storer warp), the rest as run 0, then as run 1.
@@ -547,6 +552,7 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_bwd_prep_stage(r == 0 || r == 4 || r == 6);  // prep's staged dD0: the same bits
     fastweight::detail::set_deltanet_bwd_post_stage(r == 0 || r == 4 || r == 6);  // post's staged -Y, dv: the same bits
     fastweight::detail::set_deltanet_bwd_chunk_stage(r == 0 || r == 4 || r == 6);  // the chunk pass's staged dq^, dk^ (K = 128, L2)
+    fastweight::detail::set_deltanet_wy_stage(r == 0 || r == 4 || r == 6);  // the recompute's staged Xw, Xu
     if (r >= 2) {
       fastweight::detail::set_deltanet_wy_vbufs(0);
       fastweight::detail::set_deltanet_state_tile(0);

@@ -55,9 +55,14 @@ struct WyLayout {
   }
 };
 
-template <bool LO, int FK = 0>  // FK: K fixed at compile time (128), as the state kernel
+// STG (bf16 operands; set_deltanet_wy_stage; an instance of its own, so the plain one keeps its
+// registers): Xw (K % 8 == 0) and the bf16 Xu (w.xu16) go through T's place (dead once the A tiles are
+// formed), each warp its own (16, 64) tile, then 16-byte row pieces (8 lanes a row's 128 bytes) instead
+// of the fragments' 4-byte pairs (16 bytes of a row per 4 lanes).
+template <bool LO, int FK = 0, bool STG = false>  // FK: K fixed at compile time (128), as the state kernel
 __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetParams p, const DnChunkBufs w, bool vk,
                                                                bool vv, int nvb) {
+  static_assert(!(STG && LO), "the staged stores are bf16 hi only (bf16 operands)");
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const std::int64_t K = FK ? FK : p.K;
@@ -178,10 +183,24 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
   // were ~10% of the kernel's instructions)
   const int i0 = 16 * warp + frow(lane, 0);
   const std::int64_t ws_row0 = dn_ws_row(p, b, t0 + i0, h), ws_8 = 8 * p.H;
+  // STG: this warp's (16, 64) staging rows in T's place (dead since the barrier above), stride kLd
+  bf16* stg = reinterpret_cast<bf16*>(base + lay.T) + 16 * warp * kLd;
+  // acc (this warp's 16 rows, 64 columns) to rows 16 warp + r of a bf16 (rows, ld) workspace matrix dst,
+  // columns c0 + .. (< n, n % 8 == 0)
+  auto staged_store = [&](const float (&acc)[8][4], bf16* dst, std::int64_t ld, std::int64_t c0, std::int64_t n) {
+    warp_store_rows_staged(stg, acc, lane, n - c0, [&](int r) -> bf16* {
+      const int i = 16 * warp + r;
+      return i < nr ? dst + dn_ws_row(p, b, t0 + i, h) * ld + c0 : nullptr;
+    });
+  };
   for (int kc = 0; kc < Kc; kc += 64) {
     float acc[8][4] = {};
     mma_rk(acc, sA1h, kLd, warp, sk + kc, ldk, 64, lane);
     if constexpr (LO) mma_rk(acc, sA1l, kLd, warp, sk + kc, ldk, 64, lane);
+    if (STG && K % 8 == 0) {
+      staged_store(acc, xwh, K, kc, K);
+      continue;
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -214,6 +233,9 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
     float acc[8][4] = {};
     mma_rk(acc, sA2h, kLd, warp, svj, kLd, 64, lane);
     if constexpr (LO) mma_rk(acc, sA2l, kLd, warp, svj, kLd, 64, lane);
+    if (STG && w.xu16) {
+      staged_store(acc, reinterpret_cast<bf16*>(w.xu), V, v0, V);
+    } else {
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
@@ -229,6 +251,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
             store_pair(w.xu + at, acc[jj][e], acc[jj][e + 1], c + 1 < V, V % 2 == 0);
         }
       }
+    }
     __syncthreads();  // buffer j % nvb is read by every warp: it may be refilled
     issue_v(j + nvb);
   }
@@ -786,6 +809,7 @@ std::atomic<int> g_state_tile{0};  // 0: the planner's choice
 std::atomic<bool> g_state_two_sync{true};  // set_deltanet_state_two_sync
 std::atomic<bool> g_state_ws{true};        // set_deltanet_state_ws
 std::atomic<int> g_state_ws_warps{2};      // set_deltanet_state_ws_warps
+std::atomic<bool> g_wy_stage{false};       // set_deltanet_wy_stage
 std::atomic<bool> g_out_vfast{true};       // set_deltanet_out_vfast
 std::atomic<bool> g_fixed_k{true};  // set_deltanet_fixed_k
 }  // namespace
@@ -797,6 +821,7 @@ int deltanet_state_tile_forced() { return g_state_tile.load(); }
 bool set_deltanet_state_two_sync(bool on) { return g_state_two_sync.exchange(on); }
 bool set_deltanet_state_ws(bool on) { return g_state_ws.exchange(on); }
 int set_deltanet_state_ws_warps(int n) { return g_state_ws_warps.exchange(n == 1 ? 1 : 2); }
+bool set_deltanet_wy_stage(bool on) { return g_wy_stage.exchange(on); }
 bool set_deltanet_out_vfast(bool on) { return g_out_vfast.exchange(on); }
 bool deltanet_serial_two_sync() { return g_state_two_sync.load(std::memory_order_relaxed); }
 int deltanet_serial_tile(const DeltanetParams& p) {
@@ -829,6 +854,8 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   if (slots > 0 && (phases & 1)) {
     auto* wy = p.hilo ? &deltanet_wy_kernel<true> : &deltanet_wy_kernel<false>;
     if (deltanet_fixed_k(p)) wy = p.hilo ? &deltanet_wy_kernel<true, 128> : &deltanet_wy_kernel<false, 128>;
+    if (!p.hilo && g_wy_stage.load(std::memory_order_relaxed))  // Xw, Xu staged (bf16)
+      wy = deltanet_fixed_k(p) ? &deltanet_wy_kernel<false, 128, true> : &deltanet_wy_kernel<false, 0, true>;
     // two v buffers unless the second costs a resident CTA per SM (or does not fit)
     const auto wy_fn = reinterpret_cast<const void*>(wy);
     const WyLayout l1(p.K, p.hilo, 1), l2(p.K, p.hilo, 2);

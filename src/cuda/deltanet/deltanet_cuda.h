@@ -121,6 +121,10 @@ bool set_deltanet_state_ws(bool on);
 // Its producer warps, 1 or 2 (default 2: k, rk beta and the S store on one, Xw and Xu on the other);
 // returns the previous setting (tests; fastweight_bench --dn-state-ws-warps=1).
 int set_deltanet_state_ws_warps(int n);
+// Tests and benchmarks only: the wy kernel's bf16 Xw (K % 8 == 0) and Xu rows staged through shared
+// memory and stored as 16-byte row pieces (forward and the backward's recompute). Default off: not yet
+// measured; the same bits. Returns the previous setting (fastweight_bench --dn-wy-stage=on).
+bool set_deltanet_wy_stage(bool on);
 // Tests and benchmarks only: the output kernel's grid with a (slot, head)'s V tiles as neighbours
 // (V > 64; default on) instead of a grid of slots apart; the same bits. Returns the previous setting
 // (fastweight_bench --dn-out-vfast=off).

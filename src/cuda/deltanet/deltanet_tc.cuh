@@ -413,6 +413,30 @@ __device__ __forceinline__ void warp_load_tile(bf16* dst, int ld, const bf16* sr
   }
 }
 
+// A warp's (16, 64) fp32 accumulator tile (mma fragments: row frow, column fcol) stored as bf16 rows
+// through the warp's own staging rows stg (16 x kLd bf16; stride 72: the pair writes hit 32 banks):
+// 16-byte pieces, 8 lanes a row's 128 bytes, where the fragments' pair stores write 16 bytes of a row
+// per 4 lanes. row_dst(r) is row r's destination (16-byte aligned; nullptr: not stored); columns < n
+// (n % 8 == 0 or n >= 64). Whole warp; the caller keeps other threads off stg.
+template <class RowDst>
+__device__ __forceinline__ void warp_store_rows_staged(bf16* stg, const float (&acc)[8][4], int lane, std::int64_t n,
+                                                       RowDst row_dst) {
+  __syncwarp();  // this warp's reads of the previous tile are done
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2)
+      *reinterpret_cast<__nv_bfloat162*>(stg + frow(lane, e) * kLd + fcol(lane, j, e)) =
+          __floats2bfloat162_rn(acc[j][e], acc[j][e + 1]);
+  __syncwarp();
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // piece lane + 32 q: row lane / 8 + 4 q, columns 8 (lane % 8) ..
+    const int r = lane / 8 + 4 * q, c = 8 * (lane % 8);
+    bf16* d = row_dst(r);
+    if (d && c < n) *reinterpret_cast<uint4*>(d + c) = *reinterpret_cast<const uint4*>(stg + r * kLd + c);
+  }
+}
+
 // As warp_load_tile, into wgmma's 128-byte-swizzled layout (cuda/common/wgmma.cuh): a (64, C) bf16 tile,
 // C in {64, 128}, as C / 64 blocks of 64 rows x 128 bytes, 8 KB apart; dst 1024-byte aligned.
 __device__ __forceinline__ void warp_load_tile_sw128(bf16* dst, const bf16* src, std::int64_t rs, int C, int nr, int nc,
