@@ -1148,8 +1148,8 @@ __global__ void __launch_bounds__(kBcThreads, 2) deltanet_bwd_chunk_tc_kernel(co
       }
     __syncwarp();
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {  // piece lane + 32 q: row (lane + 32 q) / 4, columns 8 (lane % 4) ..
-      const int r = lane / 4 + 8 * q, c = 8 * (lane % 4), i = 16 * mw + r;
+    for (int q = 0; q < 2; ++q) {  // rows r, r + 4 per 8 lanes (144 words apart: all 32 banks), columns 8 (lane % 4) ..
+      const int r = lane / 8 + 4 * ((lane / 4) & 1) + 8 * q, c = 8 * (lane % 4), i = 16 * mw + r;
       const std::int64_t col = k0 + 32 * half + c;
       if (i < nr && col < K) {
         const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * K + col;
