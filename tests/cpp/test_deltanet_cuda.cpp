@@ -544,6 +544,7 @@ void check_bwd_case(const DnBwdCase& c) {
   // Runs 6 and 7: the wgmma form reading q itself (no Q^ from prep; other roundings: against the
   // reference, and run 7, with T1, against run 6 bit for bit).
   std::vector<HostTensor> run[8];
+  int rs_launch[8];  // the serial kernel with dS in registers: its form (+ 4 with qraw), -1: not launched
   for (int r = 0; r < 8; ++r) {
     fastweight::detail::set_deltanet_bwd_serial_rs(r == 2 ? 2 : r == 3 ? 4 : r >= 4 ? 5 : 0);
     fastweight::detail::set_deltanet_bwd_serial_rs_storer(r == 3);
@@ -579,12 +580,25 @@ void check_bwd_case(const DnBwdCase& c) {
     for (DeviceMirror* g : gouts) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
     FW_TEST_CUDA(cudaMemset(ws, r % 2 == 0 ? 0xff : 0x00, need));
     FW_TEST_CUDA(cudaDeviceSynchronize());  // the memsets run on the legacy stream, not on `stream`
+    (void)fastweight::detail::deltanet_bwd_serial_rs_last_launch(-1);
     deltanet_bwd(a, ws, need, reinterpret_cast<Stream>(stream));
     FW_TEST_CUDA(cudaStreamSynchronize(stream));
+    rs_launch[r] = fastweight::detail::deltanet_bwd_serial_rs_last_launch(-1);
     for (int e = 0; e < 5; ++e) {
       run[r].push_back(*outs[e]);
       gouts[e]->download(run[r].back());
     }
+  }
+  // The runs took the kernels they asked for: none in runs 0 and 1; where the kernel applies (run 2
+  // launched it), the same form with and without qraw (q's rows are aligned wherever k's are), T1 in
+  // runs 5 and 7 where the wgmma form runs, and qraw in runs 6 and 7 only
+  EXPECT_EQ(rs_launch[0], -1);
+  EXPECT_EQ(rs_launch[1], -1);
+  for (int r = 2; r < 8; ++r) EXPECT_EQ(rs_launch[r] >= 0, rs_launch[2] >= 0) << "run " << r;
+  if (rs_launch[4] >= 0) {
+    EXPECT_EQ(rs_launch[6], rs_launch[4] + 4) << "qraw planned";
+    EXPECT_EQ(rs_launch[7], rs_launch[5] + 4) << "qraw planned (T1)";
+    if (rs_launch[4] == 1) EXPECT_EQ(rs_launch[5], 2) << "T1 where the wgmma form runs";
   }
   // Where the tensor-core pipeline runs: the forward's wy_inverse (through the public forward, with a
   // workspace) given to the backward, which then reads it instead of forming it: the same bits as

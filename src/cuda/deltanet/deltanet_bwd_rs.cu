@@ -393,6 +393,7 @@ std::atomic<int> g_serial_rs{1};  // set_deltanet_bwd_serial_rs
 std::atomic<bool> g_rs_storer{false};  // set_deltanet_bwd_serial_rs_storer
 std::atomic<bool> g_rs_t1{false};      // set_deltanet_bwd_serial_rs_t1
 std::atomic<bool> g_rs_qraw{false};    // set_deltanet_bwd_serial_rs_qraw
+std::atomic<int> g_rs_last{-1};        // deltanet_bwd_serial_rs_last_launch
 
 using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool, bool);
 using Bytes = std::size_t (*)(int, int);
@@ -411,6 +412,7 @@ std::size_t rs_bytes(int nw, int nbuf) { return BrLayout<KC, WG, T1>(nw, nbuf).b
 bool set_deltanet_bwd_serial_rs_storer(bool on) { return g_rs_storer.exchange(on); }
 bool set_deltanet_bwd_serial_rs_t1(bool on) { return g_rs_t1.exchange(on); }
 bool set_deltanet_bwd_serial_rs_qraw(bool on) { return g_rs_qraw.exchange(on); }
+int deltanet_bwd_serial_rs_last_launch(int reset) { return g_rs_last.exchange(reset); }
 
 int set_deltanet_bwd_serial_rs(int mode) {
   return g_serial_rs.exchange(mode == 2 || mode == 4 || mode == 5 ? mode : mode > 0 ? 1 : 0);
@@ -465,6 +467,7 @@ void deltanet_bwd_serial_rs_launch(const DnRsPlan& plan, const DeltanetBwdParams
   fn<<<dim3(unsigned(plan.grid_x), unsigned(plan.grid_y)), threads, plan.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
       p, w, ws, plan.nw, plan.nbuf, g_rs_storer.load(std::memory_order_relaxed), plan.qraw);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial, dS in registers)");
+  g_rs_last.store(plan.form + (plan.qraw ? 4 : 0), std::memory_order_relaxed);
 }
 
 }  // namespace fastweight::detail

@@ -854,7 +854,7 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   if (slots > 0 && (phases & 1)) {
     auto* wy = p.hilo ? &deltanet_wy_kernel<true> : &deltanet_wy_kernel<false>;
     if (deltanet_fixed_k(p)) wy = p.hilo ? &deltanet_wy_kernel<true, 128> : &deltanet_wy_kernel<false, 128>;
-    if (!p.hilo && g_wy_stage.load(std::memory_order_relaxed))  // Xw, Xu staged (bf16)
+    if (!p.hilo && (p.K % 8 == 0 || w.xu16) && g_wy_stage.load(std::memory_order_relaxed))  // Xw, Xu staged (bf16)
       wy = deltanet_fixed_k(p) ? &deltanet_wy_kernel<false, 128, true> : &deltanet_wy_kernel<false, 0, true>;
     // two v buffers unless the second costs a resident CTA per SM (or does not fit)
     const auto wy_fn = reinterpret_cast<const void*>(wy);

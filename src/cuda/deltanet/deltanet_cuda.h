@@ -76,6 +76,9 @@ bool set_deltanet_bwd_serial_rs_t1(bool on);
 // to bf16 instead of s rq q), other bits. Default off: not yet measured. Returns the previous setting
 // (fastweight_bench --dn-rs-qraw=on).
 bool set_deltanet_bwd_serial_rs_qraw(bool on);
+// Tests only: what the last launch of that kernel was (form 0 mma.sync, 1 wgmma, 2 wgmma T1; + 4 with
+// qraw), or -1 if none since the last call; sets it to `reset` and returns the previous value.
+int deltanet_bwd_serial_rs_last_launch(int reset = -1);
 // Tests and benchmarks only: the tensor-core chunk pass's grid with a (slot, head)'s K tiles as
 // neighbours (K > 64; default on) instead of a grid of slots apart; the same bits. Returns the
 // previous setting (fastweight_bench --dn-chunk-kfast=off).
