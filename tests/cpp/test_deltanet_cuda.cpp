@@ -589,12 +589,13 @@ void check_bwd_case(const DnBwdCase& c) {
       gouts[e]->download(run[r].back());
     }
   }
-  // The runs took the kernels they asked for: none in runs 0 and 1; where the kernel applies (run 2
-  // launched it), the same form with and without qraw (q's rows are aligned wherever k's are), T1 in
-  // runs 5 and 7 where the wgmma form runs, and qraw in runs 6 and 7 only
+  // The runs took the kernels they asked for: none in runs 0 and 1; where runs 4 and 5 launched it,
+  // runs 6 and 7 the same form with qraw (q's rows are aligned wherever k's are), and T1 in run 5
+  // where run 4 took the wgmma form. (Which runs apply at all depends on the shared memory: under
+  // the sm_80 cap 2 chain warps fit and 4 do not.)
   EXPECT_EQ(rs_launch[0], -1);
   EXPECT_EQ(rs_launch[1], -1);
-  for (int r = 2; r < 8; ++r) EXPECT_EQ(rs_launch[r] >= 0, rs_launch[2] >= 0) << "run " << r;
+  EXPECT_EQ(rs_launch[6] >= 0, rs_launch[4] >= 0);
   if (rs_launch[4] >= 0) {
     EXPECT_EQ(rs_launch[6], rs_launch[4] + 4) << "qraw planned";
     EXPECT_EQ(rs_launch[7], rs_launch[5] + 4) << "qraw planned (T1)";
