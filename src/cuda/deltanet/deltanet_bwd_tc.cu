@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_bwd_prep_kernel(const Delta
   // stage (set_deltanet_bwd_prep_stage): a V tile's bf16 dD0 goes through q's shared memory (dead once M
   // and Q^ are formed), each warp its own 16 rows (stride kLd <= ldk), then 16-byte row pieces: 8 lanes
   // write a row's 128 bytes, where the fragments' pair stores write 16 bytes of a row per 4 lanes
-  const bool stage = STG && xb;
+  const bool stage = STG && xb;  // (inline, not warp_store_rows_staged: through it the K = 128 instance took 130 registers, 3 CTAs per SM)
   bf16* stg = sq + 16 * warp * kLd;  // this warp's (16, 64) staging rows
   if (stage) __syncthreads();        // every warp is done reading q
   for (std::int64_t v0 = 0; v0 < V; v0 += kT) {
