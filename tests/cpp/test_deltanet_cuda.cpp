@@ -543,10 +543,12 @@ void check_bwd_case(const DnBwdCase& c) {
   // with one transposition tile per warp and a deeper ring, against run 4 bit for bit).
   // Runs 6 and 7: the wgmma form reading q itself (no Q^ from prep; other roundings: against the
   // reference, and run 7, with T1, against run 6 bit for bit).
-  std::vector<HostTensor> run[8];
-  int rs_launch[8];  // the serial kernel with dS in registers: its form (+ 4 with qraw), -1: not launched
-  for (int r = 0; r < 8; ++r) {
-    fastweight::detail::set_deltanet_bwd_serial_rs(r == 2 ? 2 : r == 3 ? 4 : r >= 4 ? 5 : 0);
+  // Run 8: the mma.sync form reading q itself (4 chain warps, as run 3 without the storer): against the
+  // reference (the form non-sm_90a binaries take).
+  std::vector<HostTensor> run[9];
+  int rs_launch[9];  // the serial kernel with dS in registers: its form (+ 4 with qraw), -1: not launched
+  for (int r = 0; r < 9; ++r) {
+    fastweight::detail::set_deltanet_bwd_serial_rs(r == 2 ? 2 : r == 3 || r == 8 ? 4 : r >= 4 ? 5 : 0);
     fastweight::detail::set_deltanet_bwd_serial_rs_storer(r == 3);
     fastweight::detail::set_deltanet_bwd_serial_rs_t1(r == 5 || r == 7);  // one transposition tile, 3-4 buffers: the same bits
     fastweight::detail::set_deltanet_bwd_serial_rs_qraw(r >= 6);
@@ -596,6 +598,8 @@ void check_bwd_case(const DnBwdCase& c) {
   EXPECT_EQ(rs_launch[0], -1);
   EXPECT_EQ(rs_launch[1], -1);
   EXPECT_EQ(rs_launch[6] >= 0, rs_launch[4] >= 0);
+  EXPECT_EQ(rs_launch[8] >= 0, rs_launch[3] >= 0);
+  if (rs_launch[3] >= 0) EXPECT_EQ(rs_launch[8], rs_launch[3] + 4) << "qraw planned (mma.sync form)";
   if (rs_launch[4] >= 0) {
     EXPECT_EQ(rs_launch[6], rs_launch[4] + 4) << "qraw planned";
     EXPECT_EQ(rs_launch[7], rs_launch[5] + 4) << "qraw planned (T1)";
@@ -691,7 +695,7 @@ void check_bwd_case(const DnBwdCase& c) {
     }
     const double err = rel_err(run[0][e], ref[e]);  // +inf on any NaN: every element written
     const double err_rs = rel_err(run[2][e], ref[e]), err_wg = rel_err(run[4][e], ref[e]);
-    const double err_q = rel_err(run[6][e], ref[e]);
+    const double err_q = rel_err(run[6][e], ref[e]), err_q8 = rel_err(run[8][e], ref[e]);
     EXPECT_LT(err, tol) << names[e];
     EXPECT_LT(err_rs, tol) << names[e] << " (dS in registers)";
     EXPECT_EQ(run[0][e].bytes, run[1][e].bytes) << names[e] << ": not deterministic (or differs with the other buffering)";
@@ -702,10 +706,12 @@ void check_bwd_case(const DnBwdCase& c) {
     EXPECT_LT(err_q, tol) << names[e] << " (dS in registers, wgmma, q read by the serial kernel)";
     EXPECT_EQ(run[6][e].bytes, run[7][e].bytes) << names[e] << ": q read by the serial kernel: not deterministic (or T1 changed bits)";
     EXPECT_TRUE(padding_untouched(run[6][e], 0xff)) << names[e] << ": written outside its view (q read by the serial kernel)";
+    EXPECT_LT(err_q8, tol) << names[e] << " (dS in registers, mma.sync, q read by the serial kernel)";
+    EXPECT_TRUE(padding_untouched(run[8][e], 0xff)) << names[e] << ": written outside its view (mma.sync, q read)";
     EXPECT_TRUE(padding_untouched(run[2][e], 0xff)) << names[e] << ": written outside its view (dS in registers)";
     if (!run_wy.empty()) EXPECT_EQ(run[0][e].bytes, run_wy[e].bytes) << names[e] << ": differs with the forward's wy_inverse";
     EXPECT_TRUE(padding_untouched(run[0][e], 0xff)) << names[e] << ": written outside its view";
-    std::printf(" %s %.2e (rs %.2e, wgmma %.2e, q read %.2e)", names[e], err, err_rs, err_wg, err_q);
+    std::printf(" %s %.2e (rs %.2e, wgmma %.2e, q read %.2e / %.2e)", names[e], err, err_rs, err_wg, err_q, err_q8);
     ++checked;
   }
   std::printf("\n");

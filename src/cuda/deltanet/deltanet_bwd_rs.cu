@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
   auto atb = [&](int bf, std::size_t off) { return base + bf * lay.sb + off; };  // dO, dD0, factors
   std::uint64_t* full = reinterpret_cast<std::uint64_t*>(base + lay.bar);
   std::uint64_t* empty = full + nbuf;
-  std::uint64_t* sfull = empty + nbuf;  // [2] a step's tiles written (nw arrivals)
+  std::uint64_t* sfull = empty + nbuf;  // [2] a step's tiles written (32 nw arrivals)
   std::uint64_t* sempty = sfull + 2;    // [2] ... and stored (the storer)
   auto tile = [&](int cw_, int sb) {
     return reinterpret_cast<bf16*>(base + lay.tr) + (T1 ? cw_ : 2 * cw_ + sb) * lay.trw;
@@ -121,8 +121,11 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
   if constexpr (WG) __trap();  // (the host launches the wgmma form only for sm_90a binaries)
 #endif
   if (tid == 0) {
-    for (int i = 0; i < nbuf; ++i) mbar_init(full + i, 32 * kRsLoaders), mbar_init(empty + i, unsigned(nw));
-    for (int i = 0; i < 2; ++i) mbar_init(sfull + i, unsigned(nw)), mbar_init(sempty + i, 1);
+    // every thread of the warps on a side arrives (each after its own accesses): lane 0 alone after a
+    // __syncwarp is ordered as well, but compute-sanitizer's racecheck does not follow it (session 30:
+    // 134 hazards on the loaders' copies against the chain warps' reads; 0 with every lane arriving)
+    for (int i = 0; i < nbuf; ++i) mbar_init(full + i, 32 * kRsLoaders), mbar_init(empty + i, unsigned(32 * nw));
+    for (int i = 0; i < 2; ++i) mbar_init(sfull + i, unsigned(32 * nw)), mbar_init(sempty + i, 32);
     mbar_init_fence();
   }
   __syncthreads();
@@ -156,8 +159,7 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       const int sb = int(s & 1);
       mbar_wait(sfull + sb, unsigned(s >> 1) & 1);
       for (int c = 0; c < nw && cb + 16 * c < V; ++c) store_tiles(c, s);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(sempty + sb);
+      mbar_arrive(sempty + sb);
     }
     return;
   }
@@ -370,11 +372,9 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       mma_bf16_16816(acc[2 * np + 1], a2[ks], r[2], r[3]);
       if (u + kRsPf < NC) load_c(u + kRsPf, r);
     }
-    __syncwarp();  // every lane's reads of buffer bf are done; the tiles are written
-    if (lane == 0) {
-      mbar_arrive(empty + bf);
-      if (storer) mbar_arrive(sfull + (s & 1));
-    }
+    __syncwarp();  // the tiles are written (the warp's own stores below read other lanes' rows)
+    mbar_arrive(empty + bf);  // this lane's reads of buffer bf are done
+    if (storer) mbar_arrive(sfull + (s & 1));
     if (!storer && live) store_tiles(warp, s, T1 ? 2 : 3);
   }
   if (p.dh0.p && live) {
@@ -392,7 +392,8 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
 std::atomic<int> g_serial_rs{1};  // set_deltanet_bwd_serial_rs
 std::atomic<bool> g_rs_storer{false};  // set_deltanet_bwd_serial_rs_storer
 std::atomic<bool> g_rs_t1{false};      // set_deltanet_bwd_serial_rs_t1
-std::atomic<bool> g_rs_qraw{false};    // set_deltanet_bwd_serial_rs_qraw
+// qraw on by default (H100, session 30: bwd 0.977-0.985x alone); T1 off (0.98-1.02x: no gain from the third buffer)
+std::atomic<bool> g_rs_qraw{true};     // set_deltanet_bwd_serial_rs_qraw
 std::atomic<int> g_rs_last{-1};        // deltanet_bwd_serial_rs_last_launch
 
 using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool, bool);

@@ -1180,9 +1180,11 @@ std::atomic<bool> g_post_pf{false};  // set_deltanet_bwd_post_prefetch
 std::atomic<bool> g_serial_ws{false};  // set_deltanet_bwd_serial_ws
 std::atomic<bool> g_chunk_kfast{true};  // set_deltanet_bwd_chunk_kfast
 std::atomic<int> g_chunk_l2f{1};       // set_deltanet_bwd_chunk_l2
-std::atomic<bool> g_prep_stage{false};  // set_deltanet_bwd_prep_stage
-std::atomic<bool> g_post_stage{false};  // set_deltanet_bwd_post_stage
-std::atomic<bool> g_chunk_stage{false};  // set_deltanet_bwd_chunk_stage
+// on by default (H100, session 30, one binary against 163a63a: all four stagings and qraw together took the bf16-operand bwd
+// 0.909-0.923x and fwd 0.962-0.980x at the five suite shapes; each alone 0.96-0.99 (wy's the most)); the direct stores stay for the A/B and are bit-tested
+std::atomic<bool> g_prep_stage{true};   // set_deltanet_bwd_prep_stage
+std::atomic<bool> g_post_stage{true};   // set_deltanet_bwd_post_stage
+std::atomic<bool> g_chunk_stage{true};  // set_deltanet_bwd_chunk_stage
 // q and Xw double-buffered in the serial kernel: bf16 operands, where the shared memory holds it
 bool bwd_serial_db2(const DeltanetBwdParams& p) {
   return g_serial_db2.load() && !p.hilo && BsLayout(p.K, false, 2).bytes <= smem_per_block_optin();
