@@ -497,7 +497,7 @@ void check_bwd_case(const DnBwdCase& c) {
     int chunk_l2;
     bool post_pf;
     int recompute_ws, serial_rs;
-    bool rs_storer, rs_t1, rs_qraw, prep_stage, post_stage, chunk_stage, wy_stage;
+    bool rs_storer, rs_t1, rs_qraw, rs_lfast, prep_stage, post_stage, chunk_stage, wy_stage;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -514,6 +514,7 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_serial_rs_storer(rs_storer);
       fastweight::detail::set_deltanet_bwd_serial_rs_t1(rs_t1);
       fastweight::detail::set_deltanet_bwd_serial_rs_qraw(rs_qraw);
+      fastweight::detail::set_deltanet_bwd_serial_rs_lfast(rs_lfast);
       fastweight::detail::set_deltanet_bwd_prep_stage(prep_stage);
       fastweight::detail::set_deltanet_bwd_post_stage(post_stage);
       fastweight::detail::set_deltanet_bwd_chunk_stage(chunk_stage);
@@ -532,6 +533,7 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_serial_rs_storer(false),
                       fastweight::detail::set_deltanet_bwd_serial_rs_t1(false),
                       fastweight::detail::set_deltanet_bwd_serial_rs_qraw(false),
+                      fastweight::detail::set_deltanet_bwd_serial_rs_lfast(false),
                       fastweight::detail::set_deltanet_bwd_prep_stage(false),
                       fastweight::detail::set_deltanet_bwd_post_stage(false),
                       fastweight::detail::set_deltanet_bwd_chunk_stage(false),
@@ -540,9 +542,9 @@ void check_bwd_case(const DnBwdCase& c) {
   // products' order, so checked against the reference, and run 3 against run 2 bit for bit) with 2
   // then 4 chain warps per CTA (and run 3 with its storer warp), the rest as run 0, then as run 1.
   // Runs 4 and 5: its wgmma form (sm_90a binaries; elsewhere the mma.sync form again), likewise (run 5,
-  // with one transposition tile per warp and a deeper ring, against run 4 bit for bit).
+  // with one transposition tile per warp, a deeper ring and the unrolled loads, against run 4 bit for bit).
   // Runs 6 and 7: the wgmma form reading q itself (no Q^ from prep; other roundings: against the
-  // reference, and run 7, with T1, against run 6 bit for bit).
+  // reference, and run 7, with T1 and the unrolled loads, against run 6 bit for bit).
   // Run 8: the mma.sync form reading q itself (4 chain warps, as run 3 without the storer): against the
   // reference (the form non-sm_90a binaries take).
   std::vector<HostTensor> run[9];
@@ -552,6 +554,7 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_bwd_serial_rs_storer(r == 3);
     fastweight::detail::set_deltanet_bwd_serial_rs_t1(r == 5 || r == 7);  // one transposition tile, 3-4 buffers: the same bits
     fastweight::detail::set_deltanet_bwd_serial_rs_qraw(r >= 6);
+    fastweight::detail::set_deltanet_bwd_serial_rs_lfast(r == 5 || r == 7);  // the unrolled whole-chunk loads: the same bits
     fastweight::detail::set_deltanet_bwd_prep_stage(r == 0 || r == 4 || r == 6);  // prep's staged dD0: the same bits
     fastweight::detail::set_deltanet_bwd_post_stage(r == 0 || r == 4 || r == 6);  // post's staged -Y, dv: the same bits
     fastweight::detail::set_deltanet_bwd_chunk_stage(r == 0 || r == 4 || r == 6);  // the chunk pass's staged dq^, dk^ (K = 128, L2)

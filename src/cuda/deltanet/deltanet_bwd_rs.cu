@@ -89,7 +89,7 @@ struct BrLayout {
 template <int KC, bool WG = false, bool T1 = false>
 __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     deltanet_bwd_state_rs_kernel(const DeltanetBwdParams p, const DnBwdWs w, float* __restrict__ ws, int nw, int nbuf,
-                                 bool storer, bool qraw) {
+                                 bool storer, bool qraw, bool lfast) {
   constexpr int LDK = BrLayout<KC>::LDK, NK = KC / 8, KS = KC / 16;  // n-tiles, k-steps of dS^T's K
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
@@ -179,8 +179,12 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       // k, Q^, Xw: padded rows for ldmatrix, or wgmma's swizzled blocks
       auto ktile = [&](std::size_t off, const bf16* src, std::int64_t rs) {
         bf16* dst = reinterpret_cast<bf16*>(at(bf, off));
-        if constexpr (WG) warp_load_tile_sw128(dst, src, rs, KC, nr, int(K), lane);
-        else warp_load_tile(dst, LDK, src, rs, KC, nr, int(K), lane);
+        if constexpr (WG) {
+          if (lfast) warp_load_tile_sw128_unrolled<KC>(dst, src, rs, nr, int(K), lane);
+          else warp_load_tile_sw128(dst, src, rs, KC, nr, int(K), lane);
+        } else {
+          warp_load_tile(dst, LDK, src, rs, KC, nr, int(K), lane);
+        }
       };
       if (lw == 0) {
         ktile(lay.k, bf_rows(p.k, b, t0, h), p.k.s1);
@@ -397,9 +401,10 @@ std::atomic<bool> g_rs_storer{false};  // set_deltanet_bwd_serial_rs_storer
 std::atomic<bool> g_rs_t1{false};      // set_deltanet_bwd_serial_rs_t1
 // qraw on by default (H100, session 30: bwd 0.977-0.985x alone); T1 off (0.98-1.02x: no gain from the third buffer)
 std::atomic<bool> g_rs_qraw{true};     // set_deltanet_bwd_serial_rs_qraw
+std::atomic<bool> g_rs_lfast{false};   // set_deltanet_bwd_serial_rs_lfast (not yet measured)
 std::atomic<int> g_rs_last{-1};        // deltanet_bwd_serial_rs_last_launch
 
-using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool, bool);
+using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool, bool, bool);
 using Bytes = std::size_t (*)(int, int);
 // [Kc 64][form: mma.sync, wgmma, wgmma with one tile (T1)]
 constexpr Fn kRsFns[2][3] = {
@@ -416,6 +421,7 @@ std::size_t rs_bytes(int nw, int nbuf) { return BrLayout<KC, WG, T1>(nw, nbuf).b
 bool set_deltanet_bwd_serial_rs_storer(bool on) { return g_rs_storer.exchange(on); }
 bool set_deltanet_bwd_serial_rs_t1(bool on) { return g_rs_t1.exchange(on); }
 bool set_deltanet_bwd_serial_rs_qraw(bool on) { return g_rs_qraw.exchange(on); }
+bool set_deltanet_bwd_serial_rs_lfast(bool on) { return g_rs_lfast.exchange(on); }
 int deltanet_bwd_serial_rs_last_launch(int reset) { return g_rs_last.exchange(reset); }
 
 int set_deltanet_bwd_serial_rs(int mode) {
@@ -469,7 +475,8 @@ void deltanet_bwd_serial_rs_launch(const DnRsPlan& plan, const DeltanetBwdParams
   const int threads = 32 * (plan.nw + kRsAux);
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, plan.bytes);
   fn<<<dim3(unsigned(plan.grid_x), unsigned(plan.grid_y)), threads, plan.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
-      p, w, ws, plan.nw, plan.nbuf, g_rs_storer.load(std::memory_order_relaxed), plan.qraw);
+      p, w, ws, plan.nw, plan.nbuf, g_rs_storer.load(std::memory_order_relaxed), plan.qraw,
+      g_rs_lfast.load(std::memory_order_relaxed));
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial, dS in registers)");
   g_rs_last.store(plan.form + (plan.qraw ? 4 : 0), std::memory_order_relaxed);
 }

@@ -73,9 +73,13 @@ bool set_deltanet_bwd_serial_rs_t1(bool on);
 // Tests and benchmarks only: that kernel reads q and the L2 factor rq and scales its dO^T fragments by
 // s rq (dO^T Q^ = (dO^T diag(s rq)) q), so the prep kernel writes no Q^ (a (rows, K) bf16 matrix:
 // 134 MB of writes at (1,32768,16,128); its workspace region is still reserved). Other roundings (dO s rq
-// to bf16 instead of s rq q), other bits. Default off: not yet measured. Returns the previous setting
-// (fastweight_bench --dn-rs-qraw=on).
+// to bf16 instead of s rq q), other bits. Default on (H100, session 30: bwd 0.977-0.985x). Returns the
+// previous setting (fastweight_bench --dn-rs-qraw=off).
 bool set_deltanet_bwd_serial_rs_qraw(bool on);
+// Tests and benchmarks only: that kernel's wgmma form loads a sequence's whole chunks of k, Q^ (or q)
+// and Xw by an unrolled copy loop (warp_load_tile_sw128_unrolled) instead of the predicated one. The
+// same bits. Default off: not yet measured. Returns the previous setting (fastweight_bench --dn-rs-lfast=on).
+bool set_deltanet_bwd_serial_rs_lfast(bool on);
 // Tests only: what the last launch of that kernel was (form 0 mma.sync, 1 wgmma, 2 wgmma T1; + 4 with
 // qraw), or -1 if none since the last call; sets it to `reset` and returns the previous value.
 int deltanet_bwd_serial_rs_last_launch(int reset = -1);
@@ -93,16 +97,16 @@ int set_deltanet_bwd_chunk_l2(int mode);
 // default off, the same bits. Returns the previous setting (fastweight_bench --dn-post-pf=on).
 bool set_deltanet_bwd_post_prefetch(bool on);
 // Tests and benchmarks only: the prep kernel's bf16 dD0 staged through shared memory and stored as
-// 16-byte row pieces (8 lanes a 128-byte row) instead of the fragments' 4-byte pairs. Default off:
-// not yet measured; the same bits. Returns the previous setting (fastweight_bench --dn-prep-stage=on).
+// 16-byte row pieces (8 lanes a 128-byte row) instead of the fragments' 4-byte pairs. Default on
+// (session 30); the same bits. Returns the previous setting (fastweight_bench --dn-prep-stage=off).
 bool set_deltanet_bwd_prep_stage(bool on);
 // Tests and benchmarks only: the post kernel's bf16 -Y rows (and dv, where its rows are 16-byte
-// aligned) staged through shared memory and stored as 16-byte row pieces. Default off: not yet measured;
-// the same bits. Returns the previous setting (fastweight_bench --dn-post-stage=on).
+// aligned) staged through shared memory and stored as 16-byte row pieces. Default on (session 30); the
+// same bits. Returns the previous setting (fastweight_bench --dn-post-stage=off).
 bool set_deltanet_bwd_post_stage(bool on);
 // Tests and benchmarks only: the chunk pass's bf16 dq^ / dk^ workspace rows (the L2 norm's backward
 // not fused: K = 128 by default) staged through shared memory and stored as 16-byte row pieces.
-// Default off: not yet measured; the same bits. Returns the previous setting (--dn-chunk-stage=on).
+// Default on (session 30); the same bits. Returns the previous setting (--dn-chunk-stage=off).
 bool set_deltanet_bwd_chunk_stage(bool on);
 // Tests and benchmarks only: the wy kernel's v tile buffers, 1 or 2 (0: the planner's choice, two
 // unless the second costs a resident CTA per SM). Returns the previous setting.
@@ -125,8 +129,8 @@ bool set_deltanet_state_ws(bool on);
 // returns the previous setting (tests; fastweight_bench --dn-state-ws-warps=1).
 int set_deltanet_state_ws_warps(int n);
 // Tests and benchmarks only: the wy kernel's bf16 Xw (K % 8 == 0) and Xu rows staged through shared
-// memory and stored as 16-byte row pieces (forward and the backward's recompute). Default off: not yet
-// measured; the same bits. Returns the previous setting (fastweight_bench --dn-wy-stage=on).
+// memory and stored as 16-byte row pieces (forward and the backward's recompute). Default on (session
+// 30); the same bits. Returns the previous setting (fastweight_bench --dn-wy-stage=off).
 bool set_deltanet_wy_stage(bool on);
 // Tests and benchmarks only: the output kernel's grid with a (slot, head)'s V tiles as neighbours
 // (V > 64; default on) instead of a grid of slots apart; the same bits. Returns the previous setting

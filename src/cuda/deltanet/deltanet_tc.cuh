@@ -452,6 +452,35 @@ __device__ __forceinline__ void warp_load_tile_sw128(bf16* dst, const bf16* src,
   }
 }
 
+// warp_load_tile_sw128 with C a constant and whole chunks unrolled (the rs kernel's loaders, switch
+// `set_deltanet_bwd_serial_rs_lfast`): a lane's rows r0 + dr i keep the swizzle of row r0 + dr (i % P)
+// and move 1024 bytes every P rows (dr P = 8), so each copy is one cp.async at a constant offset from
+// one of P addresses, and a 64-bit step of the source. The rolled loop spent ~12 instructions a copy
+// on predicates, the swizzle and two selects (session 30's profile: the loader of k and Q^ issued
+// ~1400 instructions a chunk step, a third of the step's cycles).
+template <int C>
+__device__ __forceinline__ void warp_load_tile_sw128_unrolled(bf16* dst, const bf16* src, std::int64_t rs, int nr, int nc,
+                                                              int lane) {
+  static_assert(C == 64 || C == 128, "C in {64, 128}");
+  constexpr int U = C / 8, dr = 32 / U, P = 8 / dr;  // lanes a row, rows a pass, passes to repeat the swizzle
+  const int u = lane % U, r0 = lane / U, c = u & 7;
+  if (!(8 * u < nc && nr >= kT)) {  // a sequence's last chunk, or columns past K: the predicated loop
+    warp_load_tile_sw128(dst, src, rs, C, nr, nc, lane);
+    return;
+  }
+  const std::uint32_t d0 = smem_u32(dst) + std::uint32_t((u >> 3) * 8192);
+  std::uint32_t dj[P];  // row r0 + dr j: its 128-byte row, its swizzled 16-byte piece
+#pragma unroll
+  for (int j = 0; j < P; ++j) {
+    const int r = r0 + dr * j;
+    dj[j] = d0 + std::uint32_t(r * 128 + ((c ^ (r & 7)) << 4));
+  }
+  const bf16* g = src + r0 * rs + 8 * u;
+  const std::int64_t gs = dr * rs;
+#pragma unroll
+  for (int i = 0; i < kT / dr; ++i, g += gs) cp_async16_s(dj[i % P] + 1024u * std::uint32_t(i / P), g);
+}
+
 // (B, T, H, D) rows 16-byte aligned at every (b, t, h): cp.async applies.
 inline bool rows16_seq(const StridedView& t) {
   return reinterpret_cast<std::uintptr_t>(t.p) % 16 == 0 && t.s0 % 8 == 0 && t.s1 % 8 == 0 && t.s2 % 8 == 0;
