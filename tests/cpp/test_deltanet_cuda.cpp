@@ -497,7 +497,7 @@ void check_bwd_case(const DnBwdCase& c) {
     int chunk_l2;
     bool post_pf;
     int recompute_ws, serial_rs;
-    bool rs_storer, rs_t1, rs_qraw, rs_lfast, prep_stage, post_stage, chunk_stage, wy_stage;
+    bool rs_storer, rs_t1, rs_qraw, rs_lfast, rs_x1first, prep_stage, post_stage, chunk_stage, wy_stage;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -515,6 +515,7 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_serial_rs_t1(rs_t1);
       fastweight::detail::set_deltanet_bwd_serial_rs_qraw(rs_qraw);
       fastweight::detail::set_deltanet_bwd_serial_rs_lfast(rs_lfast);
+      fastweight::detail::set_deltanet_bwd_serial_rs_x1first(rs_x1first);
       fastweight::detail::set_deltanet_bwd_prep_stage(prep_stage);
       fastweight::detail::set_deltanet_bwd_post_stage(post_stage);
       fastweight::detail::set_deltanet_bwd_chunk_stage(chunk_stage);
@@ -534,6 +535,7 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_serial_rs_t1(false),
                       fastweight::detail::set_deltanet_bwd_serial_rs_qraw(false),
                       fastweight::detail::set_deltanet_bwd_serial_rs_lfast(false),
+                      fastweight::detail::set_deltanet_bwd_serial_rs_x1first(false),
                       fastweight::detail::set_deltanet_bwd_prep_stage(false),
                       fastweight::detail::set_deltanet_bwd_post_stage(false),
                       fastweight::detail::set_deltanet_bwd_chunk_stage(false),
@@ -542,19 +544,22 @@ void check_bwd_case(const DnBwdCase& c) {
   // products' order, so checked against the reference, and run 3 against run 2 bit for bit) with 2
   // then 4 chain warps per CTA (and run 3 with its storer warp), the rest as run 0, then as run 1.
   // Runs 4 and 5: its wgmma form (sm_90a binaries; elsewhere the mma.sync form again), likewise (run 5,
-  // with one transposition tile per warp, a deeper ring and the unrolled loads, against run 4 bit for bit).
+  // with one transposition tile per warp, a deeper ring, the unrolled loads and X1 issued first, against
+  // run 4 bit for bit).
   // Runs 6 and 7: the wgmma form reading q itself (no Q^ from prep; other roundings: against the
   // reference, and run 7, with T1 and the unrolled loads, against run 6 bit for bit).
   // Run 8: the mma.sync form reading q itself (4 chain warps, as run 3 without the storer): against the
   // reference (the form non-sm_90a binaries take).
-  std::vector<HostTensor> run[9];
-  int rs_launch[9];  // the serial kernel with dS in registers: its form (+ 4 with qraw), -1: not launched
-  for (int r = 0; r < 9; ++r) {
+  // Run 9: run 6 with X1 first and the unrolled loads: against run 6 bit for bit.
+  std::vector<HostTensor> run[10];
+  int rs_launch[10];  // the serial kernel with dS in registers: its instance (+ 8 with qraw), -1: not launched
+  for (int r = 0; r < 10; ++r) {
     fastweight::detail::set_deltanet_bwd_serial_rs(r == 2 ? 2 : r == 3 || r == 8 ? 4 : r >= 4 ? 5 : 0);
     fastweight::detail::set_deltanet_bwd_serial_rs_storer(r == 3);
     fastweight::detail::set_deltanet_bwd_serial_rs_t1(r == 5 || r == 7);  // one transposition tile, 3-4 buffers: the same bits
     fastweight::detail::set_deltanet_bwd_serial_rs_qraw(r >= 6);
-    fastweight::detail::set_deltanet_bwd_serial_rs_lfast(r == 5 || r == 7);  // the unrolled whole-chunk loads: the same bits
+    fastweight::detail::set_deltanet_bwd_serial_rs_lfast(r == 5 || r == 7 || r == 9);  // the unrolled whole-chunk loads: the same bits
+    fastweight::detail::set_deltanet_bwd_serial_rs_x1first(r == 5 || r == 9);  // X1 issued first (own instances): the same bits
     fastweight::detail::set_deltanet_bwd_prep_stage(r == 0 || r == 4 || r == 6);  // prep's staged dD0: the same bits
     fastweight::detail::set_deltanet_bwd_post_stage(r == 0 || r == 4 || r == 6);  // post's staged -Y, dv: the same bits
     fastweight::detail::set_deltanet_bwd_chunk_stage(r == 0 || r == 4 || r == 6);  // the chunk pass's staged dq^, dk^ (K = 128, L2)
@@ -595,19 +600,24 @@ void check_bwd_case(const DnBwdCase& c) {
     }
   }
   // The runs took the kernels they asked for: none in runs 0 and 1; where runs 4 and 5 launched it,
-  // runs 6 and 7 the same form with qraw (q's rows are aligned wherever k's are), and T1 in run 5
-  // where run 4 took the wgmma form. (Which runs apply at all depends on the shared memory: under
-  // the sm_80 cap 2 chain warps fit and 4 do not.)
+  // run 6 the same instance with qraw (+ 8: q's rows are aligned wherever k's are); where run 4 took
+  // the wgmma form (1): T1 with X1 first in run 5 (4), T1 in run 7 (2 + 8), X1 first in run 9 (3 + 8).
+  // (Which runs apply at all depends on the shared memory: under the sm_80 cap 2 chain warps fit and 4
+  // do not.)
   EXPECT_EQ(rs_launch[0], -1);
   EXPECT_EQ(rs_launch[1], -1);
   EXPECT_EQ(rs_launch[6] >= 0, rs_launch[4] >= 0);
   EXPECT_EQ(rs_launch[8] >= 0, rs_launch[3] >= 0);
-  if (rs_launch[3] >= 0) EXPECT_EQ(rs_launch[8], rs_launch[3] + 4) << "qraw planned (mma.sync form)";
+  if (rs_launch[3] >= 0) EXPECT_EQ(rs_launch[8], rs_launch[3] + 8) << "qraw planned (mma.sync form)";
   if (rs_launch[4] >= 0) {
-    EXPECT_EQ(rs_launch[6], rs_launch[4] + 4) << "qraw planned";
-    EXPECT_EQ(rs_launch[7], rs_launch[5] + 4) << "qraw planned (T1)";
-    if (rs_launch[4] == 1) EXPECT_EQ(rs_launch[5], 2) << "T1 where the wgmma form runs";
+    EXPECT_EQ(rs_launch[6], rs_launch[4] + 8) << "qraw planned";
+    if (rs_launch[4] == 1) {
+      EXPECT_EQ(rs_launch[5], 4) << "T1 with X1 first where the wgmma form runs";
+      EXPECT_EQ(rs_launch[7], 2 + 8) << "T1, qraw";
+      EXPECT_EQ(rs_launch[9], 3 + 8) << "X1 first, qraw";
+    }
   }
+  EXPECT_EQ(rs_launch[9] >= 0, rs_launch[4] >= 0);
   // Where the tensor-core pipeline runs: the forward's wy_inverse (through the public forward, with a
   // workspace) given to the backward, which then reads it instead of forming it: the same bits as
   // run 0 (same buffering; the recompute's wy kernel before the fork instead of beside prep), and a
@@ -708,6 +718,7 @@ void check_bwd_case(const DnBwdCase& c) {
     EXPECT_TRUE(padding_untouched(run[4][e], 0xff)) << names[e] << ": written outside its view (wgmma)";
     EXPECT_LT(err_q, tol) << names[e] << " (dS in registers, wgmma, q read by the serial kernel)";
     EXPECT_EQ(run[6][e].bytes, run[7][e].bytes) << names[e] << ": q read by the serial kernel: not deterministic (or T1 changed bits)";
+    EXPECT_EQ(run[6][e].bytes, run[9][e].bytes) << names[e] << ": q read by the serial kernel: X1 first changed bits";
     EXPECT_TRUE(padding_untouched(run[6][e], 0xff)) << names[e] << ": written outside its view (q read by the serial kernel)";
     EXPECT_LT(err_q8, tol) << names[e] << " (dS in registers, mma.sync, q read by the serial kernel)";
     EXPECT_TRUE(padding_untouched(run[8][e], 0xff)) << names[e] << ": written outside its view (mma.sync, q read)";

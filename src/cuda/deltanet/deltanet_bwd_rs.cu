@@ -86,7 +86,9 @@ struct BrLayout {
 // warps are one warpgroup; an sm_90a binary), B read from shared memory once per warpgroup instead of
 // once per warp by ldmatrix (the bound of the mma.sync form: ~210 KB of ldmatrix reads a step at 4
 // warps per SM); dS^T, X1 and B's A fragments stay in registers as in that form.
-template <int KC, bool WG = false, bool T1 = false>
+// X1F (with WG; `set_deltanet_bwd_serial_rs_x1first`): X1 issued as soon as the chunk lands (a template
+// parameter: as a runtime branch, ptxas fenced the in-flight accumulators at the merge, warning C7519).
+template <int KC, bool WG = false, bool T1 = false, bool X1F = false>
 __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     deltanet_bwd_state_rs_kernel(const DeltanetBwdParams p, const DnBwdWs w, float* __restrict__ ws, int nw, int nbuf,
                                  bool storer, bool qraw, bool lfast) {
@@ -279,9 +281,24 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     const bf16* sy = reinterpret_cast<const bf16*>(atb(bf, lay.y));
     const float* sf = reinterpret_cast<const float*>(atb(bf, lay.fac));  // rk [64], beta [64], qraw: rq [64]
     std::uint32_t ao[4][4], y4[4][4];  // dO^T's A fragments (chunk k-steps); dD0 at X1's positions
+    // b. phase A: X1 = dSe^T K^T (16 x 64; the chain), dO^T Q^ into acc between its units
+    float x1[8][4] = {};
+    float (&x1f)[32] = reinterpret_cast<float (&)[32]>(x1);  // the wgmma accumulator views
+    float (&accf)[KC / 2] = reinterpret_cast<float (&)[KC / 2]>(acc);
+    auto wg_x1 = [&] {  // X1 on wgmma, one group. K-major: block ks / 4 (4096 elements), + 16 elements per k-step
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+        wgmma_m64n64k16_rs<0>(x1f, a[ks], gmma_desc_sw128(sk + (ks / 4) * 4096 + (ks % 4) * 16, 16, 1024), true);
+      wgmma_commit();
+    };
     if constexpr (WG) {
       bulk_fence_shared();  // the loaders' cp.async writes (generic proxy), seen through the
                             // mbarrier, before wgmma reads them (async proxy)
+      if constexpr (X1F) {  // the chain's product first; dO^T, dD0 and the qraw scaling below while it runs
+        wgmma_fence_operand(x1f);
+        wgmma_fence();  // a, x1 written
+        wg_x1();
+      }
     } else {
 #pragma unroll
       for (int u = 0; u < kRsPf; ++u) load_a(u, fb[u]);
@@ -300,10 +317,6 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     }
 #pragma unroll
     for (int jp = 0; jp < 4; ++jp) ldsm_x4_t(y4[jp], sy + (16 * jp + 8 * (m8 >> 1) + r8) * LDC + cw + 8 * (m8 & 1));
-    // b. phase A: X1 = dSe^T K^T (16 x 64; the chain), dO^T Q^ into acc between its units
-    float x1[8][4] = {};
-    float (&x1f)[32] = reinterpret_cast<float (&)[32]>(x1);  // the wgmma accumulator views
-    float (&accf)[KC / 2] = reinterpret_cast<float (&)[KC / 2]>(acc);
     // wgmma into dS^T: B = chunk rows 16 ks .. of Q^ or Xw ([i][K columns]: MN-major), n = KC
     auto wg_n = [&](const std::uint32_t (&af)[4], const bf16* b0, int ks) {
       const std::uint64_t desc = gmma_desc_sw128(b0 + ks * 1024, 8192, 1024);  // + 16 rows of 128 bytes
@@ -311,12 +324,10 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       else wgmma_m64n64k16_rs<1>(accf, af, desc, true);
     };
     if constexpr (WG) {
-      wgmma_fence_operand(x1f), wgmma_fence_operand(accf);  // x1's zeros, acc: written before the fence
-      wgmma_fence();  // a, ao, x1 written
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks)  // K-major: block ks / 4 (4096 elements), + 16 elements per k-step
-        wgmma_m64n64k16_rs<0>(x1f, a[ks], gmma_desc_sw128(sk + (ks / 4) * 4096 + (ks % 4) * 16, 16, 1024), true);
-      wgmma_commit();
+      wgmma_fence_operand(accf);  // acc, (x1's zeros): written before the fence
+      if constexpr (!X1F) wgmma_fence_operand(x1f);
+      wgmma_fence();  // ao (a, x1) written
+      if constexpr (!X1F) wg_x1();
 #pragma unroll
       for (int gs = 0; gs < 4; ++gs) wg_n(ao[gs], sq, gs);
       wgmma_commit();
@@ -402,16 +413,20 @@ std::atomic<bool> g_rs_t1{false};      // set_deltanet_bwd_serial_rs_t1
 // qraw on by default (H100, session 30: bwd 0.977-0.985x alone); T1 off (0.98-1.02x: no gain from the third buffer)
 std::atomic<bool> g_rs_qraw{true};     // set_deltanet_bwd_serial_rs_qraw
 std::atomic<bool> g_rs_lfast{false};   // set_deltanet_bwd_serial_rs_lfast (not yet measured)
+std::atomic<bool> g_rs_x1first{false};  // set_deltanet_bwd_serial_rs_x1first (not yet measured)
 std::atomic<int> g_rs_last{-1};        // deltanet_bwd_serial_rs_last_launch
 
 using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool, bool, bool);
 using Bytes = std::size_t (*)(int, int);
-// [Kc 64][form: mma.sync, wgmma, wgmma with one tile (T1)]
-constexpr Fn kRsFns[2][3] = {
+// [Kc 64][instance: mma.sync, wgmma, wgmma with one tile (T1), then those two with X1 first]
+constexpr Fn kRsFns[2][5] = {
     {&deltanet_bwd_state_rs_kernel<128>, &deltanet_bwd_state_rs_kernel<128, true>,
-     &deltanet_bwd_state_rs_kernel<128, true, true>},
+     &deltanet_bwd_state_rs_kernel<128, true, true>, &deltanet_bwd_state_rs_kernel<128, true, false, true>,
+     &deltanet_bwd_state_rs_kernel<128, true, true, true>},
     {&deltanet_bwd_state_rs_kernel<64>, &deltanet_bwd_state_rs_kernel<64, true>,
-     &deltanet_bwd_state_rs_kernel<64, true, true>}};
+     &deltanet_bwd_state_rs_kernel<64, true, true>, &deltanet_bwd_state_rs_kernel<64, true, false, true>,
+     &deltanet_bwd_state_rs_kernel<64, true, true, true>}};
+int rs_instance(const DnRsPlan& plan) { return plan.form + (plan.form > 0 && plan.x1f ? 2 : 0); }
 
 template <int KC, bool WG, bool T1>
 std::size_t rs_bytes(int nw, int nbuf) { return BrLayout<KC, WG, T1>(nw, nbuf).bytes; }
@@ -422,6 +437,7 @@ bool set_deltanet_bwd_serial_rs_storer(bool on) { return g_rs_storer.exchange(on
 bool set_deltanet_bwd_serial_rs_t1(bool on) { return g_rs_t1.exchange(on); }
 bool set_deltanet_bwd_serial_rs_qraw(bool on) { return g_rs_qraw.exchange(on); }
 bool set_deltanet_bwd_serial_rs_lfast(bool on) { return g_rs_lfast.exchange(on); }
+bool set_deltanet_bwd_serial_rs_x1first(bool on) { return g_rs_x1first.exchange(on); }
 int deltanet_bwd_serial_rs_last_launch(int reset) { return g_rs_last.exchange(reset); }
 
 int set_deltanet_bwd_serial_rs(int mode) {
@@ -451,7 +467,8 @@ DnRsPlan deltanet_bwd_serial_rs_plan(const DeltanetBwdParams& p, const DnBwdWs& 
   const std::size_t cap = smem_per_block_optin() - 1024;  // dn_chain_cta's static shared int beside it
   // T1 only where the plain wgmma form fits too: the same kernel family (and bits) either way
   const int form = t1 && kBytes[k64][1](nw, 2) <= cap ? 2 : wg ? 1 : 0;
-  const Fn fn = kRsFns[k64][form];
+  const bool x1f = form > 0 && g_rs_x1first.load(std::memory_order_relaxed);
+  const Fn fn = kRsFns[k64][form + (x1f ? 2 : 0)];
   auto bytes = [&](int nb) { return kBytes[k64][form](nw, nb); };
   // the deepest ring that fits: 3 buffers (T1: up to 4), else 2
   int nbuf = 2;
@@ -463,7 +480,8 @@ DnRsPlan deltanet_bwd_serial_rs_plan(const DeltanetBwdParams& p, const DnBwdWs& 
   if (bytes(nbuf) > cap || kernel_binary_version(reinterpret_cast<const void*>(fn)) < 90) return plan;  // (wg: sm_90a above)
   const std::int64_t nt = tiles(nw);
   if (seqs > 0x7fffffff || nt > 65535) throw Error(cat("deltanet_bwd: grid too large (", seqs, " sequence-heads)"));
-  plan.applies = true, plan.k64 = k64, plan.form = form, plan.nw = nw, plan.nbuf = nbuf, plan.bytes = bytes(nbuf);
+  plan.applies = true, plan.k64 = k64, plan.form = form, plan.x1f = x1f, plan.nw = nw, plan.nbuf = nbuf;
+  plan.bytes = bytes(nbuf);
   plan.grid_x = seqs, plan.grid_y = nt;
   plan.qraw = vq && g_rs_qraw.load(std::memory_order_relaxed);  // q's rows 16-byte aligned for cp.async
   return plan;
@@ -471,14 +489,14 @@ DnRsPlan deltanet_bwd_serial_rs_plan(const DeltanetBwdParams& p, const DnBwdWs& 
 
 void deltanet_bwd_serial_rs_launch(const DnRsPlan& plan, const DeltanetBwdParams& p, const DnBwdWs& w, float* ws,
                                    Stream stream) {
-  const Fn fn = kRsFns[plan.k64][plan.form];
+  const Fn fn = kRsFns[plan.k64][rs_instance(plan)];
   const int threads = 32 * (plan.nw + kRsAux);
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, plan.bytes);
   fn<<<dim3(unsigned(plan.grid_x), unsigned(plan.grid_y)), threads, plan.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
       p, w, ws, plan.nw, plan.nbuf, g_rs_storer.load(std::memory_order_relaxed), plan.qraw,
       g_rs_lfast.load(std::memory_order_relaxed));
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial, dS in registers)");
-  g_rs_last.store(plan.form + (plan.qraw ? 4 : 0), std::memory_order_relaxed);
+  g_rs_last.store(rs_instance(plan) + (plan.qraw ? 8 : 0), std::memory_order_relaxed);
 }
 
 }  // namespace fastweight::detail

@@ -54,6 +54,7 @@ bool set_deltanet_bwd_serial_ws(bool on);
 // itself); deltanet_bwd_serial_rs_launch launches what it planned.
 struct DnRsPlan {
   bool applies = false, qraw = false;  // qraw: reads q and rq and scales dO^T (no Q^ from prep)
+  bool x1f = false;                    // the wgmma forms' X1 issued first
   int k64 = 0, form = 0, nw = 0, nbuf = 0;
   std::size_t bytes = 0;
   std::int64_t grid_x = 0, grid_y = 0;
@@ -80,8 +81,14 @@ bool set_deltanet_bwd_serial_rs_qraw(bool on);
 // and Xw by an unrolled copy loop (warp_load_tile_sw128_unrolled) instead of the predicated one. The
 // same bits. Default off: not yet measured. Returns the previous setting (fastweight_bench --dn-rs-lfast=on).
 bool set_deltanet_bwd_serial_rs_lfast(bool on);
-// Tests only: what the last launch of that kernel was (form 0 mma.sync, 1 wgmma, 2 wgmma T1; + 4 with
-// qraw), or -1 if none since the last call; sets it to `reset` and returns the previous value.
+// Tests and benchmarks only: that kernel's wgmma form issues the chain's product X1 = dSe^T K^T as soon
+// as a chunk's operands land, and loads dO^T, dD0 (and scales dO^T with qraw) while it runs, instead of
+// before it. The same bits. Default off: not yet measured. Returns the previous setting
+// (fastweight_bench --dn-rs-x1first=on).
+bool set_deltanet_bwd_serial_rs_x1first(bool on);
+// Tests only: what the last launch of that kernel was (0 mma.sync, 1 wgmma, 2 wgmma T1, 3 and 4 those
+// two with X1 first; + 8 with qraw), or -1 if none since the last call; sets it to `reset` and returns
+// the previous value.
 int deltanet_bwd_serial_rs_last_launch(int reset = -1);
 // Tests and benchmarks only: the tensor-core chunk pass's grid with a (slot, head)'s K tiles as
 // neighbours (K > 64; default on) instead of a grid of slots apart; the same bits. Returns the
