@@ -497,7 +497,7 @@ void check_bwd_case(const DnBwdCase& c) {
     int chunk_l2;
     bool post_pf;
     int recompute_ws, serial_rs;
-    bool rs_storer, rs_t1, rs_qraw, rs_lfast, rs_x1first, prep_stage, post_stage, chunk_stage, wy_stage;
+    bool rs_storer, rs_t1, rs_qraw, rs_lfast, rs_x1first, rs_slean, prep_stage, post_stage, chunk_stage, wy_stage;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -516,6 +516,7 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_serial_rs_qraw(rs_qraw);
       fastweight::detail::set_deltanet_bwd_serial_rs_lfast(rs_lfast);
       fastweight::detail::set_deltanet_bwd_serial_rs_x1first(rs_x1first);
+      fastweight::detail::set_deltanet_bwd_serial_rs_slean(rs_slean);
       fastweight::detail::set_deltanet_bwd_prep_stage(prep_stage);
       fastweight::detail::set_deltanet_bwd_post_stage(post_stage);
       fastweight::detail::set_deltanet_bwd_chunk_stage(chunk_stage);
@@ -536,13 +537,15 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_serial_rs_qraw(false),
                       fastweight::detail::set_deltanet_bwd_serial_rs_lfast(false),
                       fastweight::detail::set_deltanet_bwd_serial_rs_x1first(false),
+                      fastweight::detail::set_deltanet_bwd_serial_rs_slean(false),
                       fastweight::detail::set_deltanet_bwd_prep_stage(false),
                       fastweight::detail::set_deltanet_bwd_post_stage(false),
                       fastweight::detail::set_deltanet_bwd_chunk_stage(false),
                       fastweight::detail::set_deltanet_wy_stage(false)};
   // Runs 2 and 3: the serial kernel with dS in registers (deltanet_bwd_rs.cu, where it applies; other
   // products' order, so checked against the reference, and run 3 against run 2 bit for bit) with 2
-  // then 4 chain warps per CTA (and run 3 with its storer warp), the rest as run 0, then as run 1.
+  // then 4 chain warps per CTA (and run 3 with its storer warp and the lean row stores), the rest as
+  // run 0, then as run 1. Runs 5, 7 and 9 below take the lean row stores too.
   // Runs 4 and 5: its wgmma form (sm_90a binaries; elsewhere the mma.sync form again), likewise (run 5,
   // with one transposition tile per warp, a deeper ring, the unrolled loads and X1 issued first, against
   // run 4 bit for bit).
@@ -560,6 +563,7 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_bwd_serial_rs_qraw(r >= 6);
     fastweight::detail::set_deltanet_bwd_serial_rs_lfast(r == 5 || r == 7 || r == 9);  // the unrolled whole-chunk loads: the same bits
     fastweight::detail::set_deltanet_bwd_serial_rs_x1first(r == 5 || r == 9);  // X1 issued first (own instances): the same bits
+    fastweight::detail::set_deltanet_bwd_serial_rs_slean(r == 3 || r == 5 || r == 7 || r == 9);  // the lean row stores (run 3: the storer's): the same bits
     fastweight::detail::set_deltanet_bwd_prep_stage(r == 0 || r == 4 || r == 6);  // prep's staged dD0: the same bits
     fastweight::detail::set_deltanet_bwd_post_stage(r == 0 || r == 4 || r == 6);  // post's staged -Y, dv: the same bits
     fastweight::detail::set_deltanet_bwd_chunk_stage(r == 0 || r == 4 || r == 6);  // the chunk pass's staged dq^, dk^ (K = 128, L2)

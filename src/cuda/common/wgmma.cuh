@@ -36,6 +36,13 @@ __device__ __forceinline__ std::uint64_t gmma_desc_sw128(const void* start, std:
          (std::uint64_t(1) << 62);
 }
 
+// desc with its start address moved by `units` of 16 bytes: the low word only (shared addresses below
+// 256 KB keep start + units inside the 14-bit field: no carry into the other fields), so a loop over
+// k-steps adds a constant instead of encoding each address again.
+__device__ __forceinline__ std::uint64_t gmma_desc_add(std::uint64_t desc, std::uint32_t units) {
+  return (desc & 0xffffffff00000000ull) | std::uint32_t(std::uint32_t(desc) + units);
+}
+
 // Before the first wgmma that reads registers written since (accumulators, A fragments)
 __device__ __forceinline__ void wgmma_fence() {
 #if defined(FW_HAS_WGMMA)

@@ -91,7 +91,7 @@ struct BrLayout {
 template <int KC, bool WG = false, bool T1 = false, bool X1F = false>
 __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     deltanet_bwd_state_rs_kernel(const DeltanetBwdParams p, const DnBwdWs w, float* __restrict__ ws, int nw, int nbuf,
-                                 bool storer, bool qraw, bool lfast) {
+                                 bool storer, bool qraw, bool lfast, bool slean) {
   constexpr int LDK = BrLayout<KC>::LDK, NK = KC / 8, KS = KC / 16;  // n-tiles, k-steps of dS^T's K
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
@@ -145,6 +145,34 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     const bf16* tD = T1 ? tS : tS + std::size_t(KC) * kRsLdt;
     bf16* gS = state_mats<false>(ws + w.dS, sq_.base + ci, p.H, h, K, V) + cb + 16 * c + 8 * hf;
     bf16* yb = reinterpret_cast<bf16*>(ws + w.Y) + (row00 + ci * wrow_step) * V + cb + 16 * c + 8 * hf;
+    if (slean) {  // the lane's first row once, then a fixed byte step, and no predicates on whole tiles
+      // (per row, the 64-bit r V products and a branch took ~18 instructions a store: 247 for 24)
+      const int r0 = lane >> 1;
+      const bf16* t = tS + r0 * kRsLdt + 8 * hf;
+      if (parts & 1) {
+        char* g = reinterpret_cast<char*>(gS + std::int64_t(r0) * V);
+        const std::int64_t step = 32 * V;  // 16 rows
+        if (K == KC) {
+#pragma unroll
+          for (int q = 0; q < KC / 16; ++q, g += step)
+            *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(t + 16 * q * kRsLdt);
+        } else {
+#pragma unroll
+          for (int q = 0; q < KC / 16; ++q, g += step)
+            if (r0 + 16 * q < K) *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(t + 16 * q * kRsLdt);
+        }
+      }
+      if (parts & 2) {
+        const bf16* td = tD + r0 * kRsLdt + 8 * hf;
+        char* g = reinterpret_cast<char*>(yb + std::int64_t(r0) * p.H * V);
+        const std::int64_t step = 32 * p.H * V;  // 16 rows
+#pragma unroll
+        for (int q = 0; q < 4; ++q, g += step)
+          if (nr == kT || r0 + 16 * q < nr)
+            *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(td + 16 * q * kRsLdt);
+      }
+      return;
+    }
 #pragma unroll
     for (int q = 0; q < KC / 16; ++q) {
       const int r = (lane >> 1) + 16 * q;
@@ -286,9 +314,14 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     float (&x1f)[32] = reinterpret_cast<float (&)[32]>(x1);  // the wgmma accumulator views
     float (&accf)[KC / 2] = reinterpret_cast<float (&)[KC / 2]>(acc);
     auto wg_x1 = [&] {  // X1 on wgmma, one group. K-major: block ks / 4 (4096 elements), + 16 elements per k-step
+      // (X1F: one encoded descriptor, then constant offsets in 16-byte units: 8192 and 32 bytes)
+      [[maybe_unused]] const std::uint64_t dk0 = X1F ? gmma_desc_sw128(sk, 16, 1024) : 0;
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks)
-        wgmma_m64n64k16_rs<0>(x1f, a[ks], gmma_desc_sw128(sk + (ks / 4) * 4096 + (ks % 4) * 16, 16, 1024), true);
+        wgmma_m64n64k16_rs<0>(x1f, a[ks],
+                              X1F ? gmma_desc_add(dk0, std::uint32_t((ks / 4) * 512 + (ks % 4) * 2))
+                                  : gmma_desc_sw128(sk + (ks / 4) * 4096 + (ks % 4) * 16, 16, 1024),
+                              true);
       wgmma_commit();
     };
     if constexpr (WG) {
@@ -318,8 +351,12 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
 #pragma unroll
     for (int jp = 0; jp < 4; ++jp) ldsm_x4_t(y4[jp], sy + (16 * jp + 8 * (m8 >> 1) + r8) * LDC + cw + 8 * (m8 & 1));
     // wgmma into dS^T: B = chunk rows 16 ks .. of Q^ or Xw ([i][K columns]: MN-major), n = KC
-    auto wg_n = [&](const std::uint32_t (&af)[4], const bf16* b0, int ks) {
-      const std::uint64_t desc = gmma_desc_sw128(b0 + ks * 1024, 8192, 1024);  // + 16 rows of 128 bytes
+    // (X1F: b0's descriptor encoded once a step, dq0 / dx0, then + 2048 bytes a k-step)
+    [[maybe_unused]] const std::uint64_t dq0 = X1F ? gmma_desc_sw128(sq, 8192, 1024) : 0;
+    [[maybe_unused]] const std::uint64_t dx0 = X1F ? gmma_desc_sw128(sx, 8192, 1024) : 0;
+    auto wg_n = [&](const std::uint32_t (&af)[4], const bf16* b0, std::uint64_t d0, int ks) {
+      const std::uint64_t desc = X1F ? gmma_desc_add(d0, std::uint32_t(ks * 128))
+                                     : gmma_desc_sw128(b0 + ks * 1024, 8192, 1024);  // + 16 rows of 128 bytes
       if constexpr (KC == 128) wgmma_m64n128k16_rs<1>(accf, af, desc, true);
       else wgmma_m64n64k16_rs<1>(accf, af, desc, true);
     };
@@ -329,7 +366,7 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       wgmma_fence();  // ao (a, x1) written
       if constexpr (!X1F) wg_x1();
 #pragma unroll
-      for (int gs = 0; gs < 4; ++gs) wg_n(ao[gs], sq, gs);
+      for (int gs = 0; gs < 4; ++gs) wg_n(ao[gs], sq, dq0, gs);
       wgmma_commit();
       wgmma_wait<1>();  // X1 (the first group); dO^T Q^ may still run
       wgmma_fence_operand(x1f);
@@ -377,7 +414,7 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       wgmma_fence_operand(accf);
       wgmma_fence();  // a2 written
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) wg_n(a2[ks], sx, ks);
+      for (int ks = 0; ks < 4; ++ks) wg_n(a2[ks], sx, dx0, ks);
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operand(accf);
@@ -414,9 +451,10 @@ std::atomic<bool> g_rs_t1{false};      // set_deltanet_bwd_serial_rs_t1
 std::atomic<bool> g_rs_qraw{true};     // set_deltanet_bwd_serial_rs_qraw
 std::atomic<bool> g_rs_lfast{false};   // set_deltanet_bwd_serial_rs_lfast (not yet measured)
 std::atomic<bool> g_rs_x1first{false};  // set_deltanet_bwd_serial_rs_x1first (not yet measured)
+std::atomic<bool> g_rs_slean{false};    // set_deltanet_bwd_serial_rs_slean (not yet measured)
 std::atomic<int> g_rs_last{-1};        // deltanet_bwd_serial_rs_last_launch
 
-using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool, bool, bool);
+using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool, bool, bool, bool);
 using Bytes = std::size_t (*)(int, int);
 // [Kc 64][instance: mma.sync, wgmma, wgmma with one tile (T1), then those two with X1 first]
 constexpr Fn kRsFns[2][5] = {
@@ -438,6 +476,7 @@ bool set_deltanet_bwd_serial_rs_t1(bool on) { return g_rs_t1.exchange(on); }
 bool set_deltanet_bwd_serial_rs_qraw(bool on) { return g_rs_qraw.exchange(on); }
 bool set_deltanet_bwd_serial_rs_lfast(bool on) { return g_rs_lfast.exchange(on); }
 bool set_deltanet_bwd_serial_rs_x1first(bool on) { return g_rs_x1first.exchange(on); }
+bool set_deltanet_bwd_serial_rs_slean(bool on) { return g_rs_slean.exchange(on); }
 int deltanet_bwd_serial_rs_last_launch(int reset) { return g_rs_last.exchange(reset); }
 
 int set_deltanet_bwd_serial_rs(int mode) {
@@ -494,7 +533,7 @@ void deltanet_bwd_serial_rs_launch(const DnRsPlan& plan, const DeltanetBwdParams
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, plan.bytes);
   fn<<<dim3(unsigned(plan.grid_x), unsigned(plan.grid_y)), threads, plan.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
       p, w, ws, plan.nw, plan.nbuf, g_rs_storer.load(std::memory_order_relaxed), plan.qraw,
-      g_rs_lfast.load(std::memory_order_relaxed));
+      g_rs_lfast.load(std::memory_order_relaxed), g_rs_slean.load(std::memory_order_relaxed));
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial, dS in registers)");
   g_rs_last.store(rs_instance(plan) + (plan.qraw ? 8 : 0), std::memory_order_relaxed);
 }

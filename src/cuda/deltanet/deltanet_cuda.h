@@ -86,6 +86,11 @@ bool set_deltanet_bwd_serial_rs_lfast(bool on);
 // before it. The same bits. Default off: not yet measured. Returns the previous setting
 // (fastweight_bench --dn-rs-x1first=on).
 bool set_deltanet_bwd_serial_rs_x1first(bool on);
+// Tests and benchmarks only: that kernel's dSe / dD row stores (chain or storer warps) from the lane's
+// first row and a fixed byte step, unpredicated on whole tiles, instead of a 64-bit row product and a
+// branch per store. The same bits. Default off: not yet measured. Returns the previous setting
+// (fastweight_bench --dn-rs-slean=on).
+bool set_deltanet_bwd_serial_rs_slean(bool on);
 // Tests only: what the last launch of that kernel was (0 mma.sync, 1 wgmma, 2 wgmma T1, 3 and 4 those
 // two with X1 first; + 8 with qraw), or -1 if none since the last call; sets it to `reset` and returns
 // the previous value.
