@@ -51,6 +51,7 @@
 //   fastweight_bench --steps-only            the mLSTM / DeltaNet families' GPU decoding-step rows alone (A/B)
 //   fastweight_bench --mlstm-step-kernel=N   mLSTM decoding step's C pass kernel (A/B; set_mlstm_step_kernel)
 //   fastweight_bench --step-tile-major=off   the decoding steps' grids heads-fastest (A/B; set_step_tile_major)
+//   fastweight_bench --step-vec-stores=on    the decoding steps' fp32 state rows as 16-byte stores (A/B)
 //   fastweight_bench --mlstm-bulk-store=off  mLSTM serial kernels' state stores element by element, not by the
 //                                            TMA engine (A/B)
 //   fastweight_bench --mlstm-chunk-units=off mLSTM serial kernels' chunk tiles by the generic loader (A/B)
@@ -149,6 +150,7 @@ struct Options {
   bool dn_no_step_kernel = false;
   int mlstm_step_kernel = -1;  // -1: the default
   bool step_heads_major = false;
+  int step_vec_stores = -1;
   int mlstm_slab_overlap = 0;  // 0: the planner's choice, 1 on, -1 off
   std::string mlstm_shapes;
   std::string csv;
@@ -419,6 +421,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--dn-step-kernel=")) o.dn_no_step_kernel = !on(v);
     else if (const char* v = val("--mlstm-step-kernel=")) o.mlstm_step_kernel = std::atoi(v);
     else if (const char* v = val("--step-tile-major=")) o.step_heads_major = !on(v);
+    else if (const char* v = val("--step-vec-stores=")) o.step_vec_stores = on(v) ? 1 : 0;
     else if (const char* v = val("--mlstm-out-tiles=")) {
       o.mlstm_out_tiles = std::atoi(v);
       if (o.mlstm_out_tiles != 1 && o.mlstm_out_tiles != 2) usage(2);
@@ -452,6 +455,7 @@ int main(int argc, char** argv) {
   if (o.dn_no_step_kernel) fastweight::detail::set_deltanet_step_kernel(false);
   if (o.mlstm_step_kernel >= 0) fastweight::detail::set_mlstm_step_kernel(o.mlstm_step_kernel);
   if (o.step_heads_major) fastweight::detail::set_step_tile_major(false);
+  if (o.step_vec_stores >= 0) fastweight::detail::set_step_vector_stores(o.step_vec_stores == 1);
   if (o.dn_three_sync) fastweight::detail::set_deltanet_state_two_sync(false);
   if (o.dn_no_state_ws) fastweight::detail::set_deltanet_state_ws(false);
   if (o.dn_recompute_ws >= 0) fastweight::detail::set_deltanet_bwd_recompute_ws(o.dn_recompute_ws);

@@ -898,8 +898,10 @@ TEST_P(DeltanetCudaStep, MatchesReferenceOutOfPlaceAndInPlace) {
   FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
   FW_TEST_CUDA(cudaDeviceSynchronize());
   a.new_state = a.state;
+  const bool vst = fastweight::detail::set_step_vector_stores(true);  // 16-byte state stores: the same bits
   deltanet_step(a, s);
   FW_TEST_CUDA(cudaStreamSynchronize(stream));
+  fastweight::detail::set_step_vector_stores(vst);
   HostTensor o3 = o, n3 = st;
   go.download(o3), gst.download(n3);
   // the forward over T = 1 in place of the step kernel (set_deltanet_step_kernel), out of place
@@ -936,6 +938,8 @@ TEST_P(DeltanetCudaStep, MatchesReferenceOutOfPlaceAndInPlace) {
   EXPECT_EQ(st_after.bytes, st.bytes) << "out of place: the state was written";
   EXPECT_EQ(o1.bytes, o2.bytes) << "o: not deterministic";
   EXPECT_EQ(n1.bytes, n2.bytes) << "new_state: not deterministic";
+  EXPECT_EQ(o1.bytes, o3.bytes) << "o: in place (16-byte state stores) differs";
+  EXPECT_EQ(n1.bytes, n3.bytes) << "state: in place (16-byte state stores) differs";
   std::printf("[ measured ] step %s: o %.2e new_state %.2e  in place: o %.2e state %.2e\n", name_of(c).c_str(), e_o,
               e_n, e_oi, e_ni);
 }

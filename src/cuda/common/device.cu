@@ -37,6 +37,7 @@ const Props& props() {
 }  // namespace
 
 bool set_step_tile_major(bool on) { return g_step_tile_major.exchange(on); }
+bool set_step_vector_stores(bool on) { return g_step_vec_stores.exchange(on); }
 
 int sm_count() { return props().sms; }
 int cc_major() { return props().cc_major; }

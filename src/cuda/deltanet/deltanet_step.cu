@@ -26,7 +26,7 @@ constexpr int kThreads = kQuads * kGroups;   // 256
 // VEC: the state rows are 16-byte aligned fp32 with V % 4 == 0 (float4 loads and stores), else one
 // element at a time with column guards. kMaxRows: rows per thread, K <= 16 kMaxRows (8: K <= 128 in
 // fewer registers, so more CTAs per SM; 16: K <= kStepMaxK).
-template <bool VEC, int kMaxRows>
+template <bool VEC, int kMaxRows, bool VST = false>
 __global__ void __launch_bounds__(kThreads) deltanet_step_kernel(const DeltanetParams p, const bool tile_major) {
   __shared__ float s_q[kStepMaxK], s_k[kStepMaxK];
   __shared__ float s_red[3][kThreads / 32];
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_step_kernel(const DeltanetP
     float4 x = st[i];
     x.x = fmaf(kr, be[0], x.x), x.y = fmaf(kr, be[1], x.y), x.z = fmaf(kr, be[2], x.z), x.w = fmaf(kr, be[3], x.w);
     if constexpr (VEC) {
-      if (c < V) *reinterpret_cast<float4*>(So + r * p.ht.s2 + c) = x;
+      if (c < V) step_store4<VST>(So + r * p.ht.s2 + c, x);
     } else {
       float* row = So + r * p.ht.s2;
       if (c < V) row[c] = x.x;
@@ -144,14 +144,17 @@ void deltanet_step_cuda(const DeltanetParams& p, Stream stream) {
   const std::int64_t heads = p.N * p.H, tiles = (p.V + kCols - 1) / kCols;
   if (heads == 0) return;
   const bool vec = p.V % 4 == 0 && aligned16(p.h0) && aligned16(p.ht), tm = g_step_tile_major.load();
+  const bool vst = g_step_vec_stores.load(std::memory_order_relaxed);
   const dim3 grid = step_grid("deltanet_step", tm, heads, tiles);
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   constexpr int kHalf = kStepMaxK / kGroups / 2;
   if (p.K <= kHalf * kGroups) {
-    if (vec) deltanet_step_kernel<true, kHalf><<<grid, kThreads, 0, s>>>(p, tm);
+    if (vec && vst) deltanet_step_kernel<true, kHalf, true><<<grid, kThreads, 0, s>>>(p, tm);
+    else if (vec) deltanet_step_kernel<true, kHalf><<<grid, kThreads, 0, s>>>(p, tm);
     else deltanet_step_kernel<false, kHalf><<<grid, kThreads, 0, s>>>(p, tm);
   } else {
-    if (vec) deltanet_step_kernel<true, 2 * kHalf><<<grid, kThreads, 0, s>>>(p, tm);
+    if (vec && vst) deltanet_step_kernel<true, 2 * kHalf, true><<<grid, kThreads, 0, s>>>(p, tm);
+    else if (vec) deltanet_step_kernel<true, 2 * kHalf><<<grid, kThreads, 0, s>>>(p, tm);
     else deltanet_step_kernel<false, 2 * kHalf><<<grid, kThreads, 0, s>>>(p, tm);
   }
   FW_CUDA_CHECK_LAUNCH("deltanet_step");

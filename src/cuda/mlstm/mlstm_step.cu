@@ -110,6 +110,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParam
 // H100, bench_decode.py session 21, against mlstm_kernels' Triton step at 2.9).
 constexpr int kVecQuads = kCols / 4, kVecGroups = kThreads / kVecQuads;  // 16 x 16
 constexpr int kVecMaxQ = 256, kVecRows = kVecMaxQ / kVecGroups;
+template <bool VST>
 __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
   __shared__ float s_q[kVecMaxQ], s_k[kVecMaxQ];
   __shared__ float s_red[2][kThreads / 32];
@@ -144,7 +145,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
     float4 x = st[i];  // C' = fa C + k (ia v)^T
     x.x = fmaf(gt.fa, x.x, kr * vc[0]), x.y = fmaf(gt.fa, x.y, kr * vc[1]);
     x.z = fmaf(gt.fa, x.z, kr * vc[2]), x.w = fmaf(gt.fa, x.w, kr * vc[3]);
-    *reinterpret_cast<float4*>(Co + r * p.c_last.s2 + c) = x;  // may be the element just read (in place)
+    step_store4<VST>(Co + r * p.c_last.s2 + c, x);  // may be the element just read (in place)
     part[0] = fmaf(qr, x.x, part[0]), part[1] = fmaf(qr, x.y, part[1]);
     part[2] = fmaf(qr, x.z, part[2]), part[3] = fmaf(qr, x.w, part[3]);
   }
@@ -167,7 +168,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
 // 64 x 64 tiles in a loop the same way). H100, B = 256, xLSTM 7B's heads: 0.764 ms against the
 // register tile's 0.868; prefetching the next block into registers (0.839 before the grid order),
 // 256 threads x 4 rows (0.784) and 32-column CTAs (0.882 before it) were slower.
-template <int kC, int kT, int kR>
+template <int kC, int kT, int kR, bool VST>
 __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
   constexpr int kQuads = kC / 4, kGroups = kT / kQuads, kBlock = kGroups * kR;
   static_assert(kT % kQuads == 0 && kT % 32 == 0, "whole warps of whole rows");
@@ -207,7 +208,7 @@ __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams
       float4 x = cur[i];  // C' = fa C + k (ia v)^T
       x.x = fmaf(gt.fa, x.x, kr * vc[0]), x.y = fmaf(gt.fa, x.y, kr * vc[1]);
       x.z = fmaf(gt.fa, x.z, kr * vc[2]), x.w = fmaf(gt.fa, x.w, kr * vc[3]);
-      *reinterpret_cast<float4*>(Co + r * p.c_last.s2) = x;  // may be the element just read (in place)
+      step_store4<VST>(Co + r * p.c_last.s2, x);  // may be the element just read (in place)
       part[0] = fmaf(qr, x.x, part[0]), part[1] = fmaf(qr, x.y, part[1]);
       part[2] = fmaf(qr, x.z, part[2]), part[3] = fmaf(qr, x.w, part[3]);
     }
@@ -257,7 +258,13 @@ constexpr int kTileThreads = 128, kTileRows = 8;  // the row-block kernel's plan
 template <int kC, int kT, int kR>
 void launch_row_block(const MlstmParams& p, bool tm, bool fuse, cudaStream_t s) {
   const dim3 grid = step_grid("mlstm_step", tm, p.B * p.NH, (p.DV + kC - 1) / kC);
-  mlstm_step_c_tile_kernel<kC, kT, kR><<<grid, kT, 0, s>>>(p, tm, fuse);
+  constexpr bool planner = kC == kCols && kT == kTileThreads && kR == kTileRows;  // (16-byte stores: its instance only)
+  if constexpr (planner)
+    if (g_step_vec_stores.load(std::memory_order_relaxed)) {
+      mlstm_step_c_tile_kernel<kC, kT, kR, true><<<grid, kT, 0, s>>>(p, tm, fuse);
+      return;
+    }
+  mlstm_step_c_tile_kernel<kC, kT, kR, false><<<grid, kT, 0, s>>>(p, tm, fuse);
 }
 
 }  // namespace
@@ -282,7 +289,9 @@ void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
   const bool fuse = g_step_fuse_nm.load(std::memory_order_relaxed) && disjoint(p.n_last, p.n0, p.B, p.NH, p.DQK) &&
                     disjoint(p.m_last, p.m0, p.B, p.NH, 1);
   // kernels 3..8: other row-block shapes, for A/B sweeps only (set_mlstm_step_kernel)
-  if (f4 && kernel == 1 && p.DQK <= kVecMaxQ) mlstm_step_c_vec_kernel<<<grid, kThreads, 0, s>>>(p, tm, fuse);
+  const bool vst = g_step_vec_stores.load(std::memory_order_relaxed);
+  if (f4 && kernel == 1 && p.DQK <= kVecMaxQ && vst) mlstm_step_c_vec_kernel<true><<<grid, kThreads, 0, s>>>(p, tm, fuse);
+  else if (f4 && kernel == 1 && p.DQK <= kVecMaxQ) mlstm_step_c_vec_kernel<false><<<grid, kThreads, 0, s>>>(p, tm, fuse);
   else if (f4 && kernel == 2) launch_row_block<kCols, kTileThreads, kTileRows>(p, tm, fuse, s);
   else if (f4 && kernel == 3) launch_row_block<64, 128, 16>(p, tm, fuse, s);
   else if (f4 && kernel == 4) launch_row_block<64, 64, 8>(p, tm, fuse, s);
