@@ -7,21 +7,20 @@
 #include <cstdint>
 
 #include "cuda/common/check.cuh"
+#include "cuda/common/gstore.cuh"
 
 namespace fastweight::detail {
 
 inline std::atomic<bool> g_step_tile_major{true};  // set_step_tile_major (cuda/common/step_grid.h)
 inline std::atomic<bool> g_step_vec_stores{false};  // set_step_vector_stores (not yet measured)
 
-// 4 state floats to 16-byte aligned global memory: with vst one st.global.v4.f32. nvcc compiles
-// `*reinterpret_cast<float4*>(p) = v` for a float4 assembled from scalars as four 4-byte stores (the
-// steps' PTX: no st.global.v4 at all), each writing 4 bytes of every 16 a warp's row covers. The
-// "memory" clobber keeps it after the loads that in place read the same element.
-// (VST a template parameter of the kernels: as a runtime branch it cost their default instances
-// registers, the row-block kernel 72 -> 95)
+// 4 state floats to 16-byte aligned global memory: with VST one 16-byte store (gstore.cuh; the
+// steps' PTX had no st.global.v4 at all), else what nvcc makes of a float4 store (four 4-byte ones).
+// VST is a template parameter of the kernels: as a runtime branch it cost their default instances
+// registers (the row-block kernel 72 -> 95).
 template <bool VST>
 __device__ __forceinline__ void step_store4(float* p, float4 v) {
-  if constexpr (VST) asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+  if constexpr (VST) st_global_v4f(p, v);
   else *reinterpret_cast<float4*>(p) = v;
 }
 
