@@ -6,9 +6,9 @@
 
 namespace fastweight::detail {
 
-// p: 16-byte aligned global memory that the thread does not read again. No "memory" clobber (with
-// one, the wy kernel's hi + lo K-generic instance took 96 -> 123 registers): the compiler may move
-// other accesses across it, and in place the loads of the same elements stay before it through v.
+// p: 16-byte aligned global memory that the thread does not read again. No "memory" clobber: the
+// compiler may move other accesses across it (a later block's loads above it), and in place the loads
+// of the same elements stay before it through v, which they compute.
 __device__ __forceinline__ void st_global_v4f(float* p, float4 v) {
   asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w));
 }
