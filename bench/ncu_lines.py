@@ -12,6 +12,9 @@ Rows are joined by instruction offset from the kernel's first address, and the o
 count of mismatches is printed: anything but 0 means the objects differ). Inlined code is attributed to
 the first .cu line of its inline chain (the call site in the kernel's own file), so a helper's cost
 shows where it is called.
+
+With "-" for the CSV: the static instructions of each line and their commonest opcodes, from the
+disassembly alone (no GPU; scripts/sass-lines builds the cubin and runs this).
 """
 import collections
 import csv
@@ -41,11 +44,27 @@ def sass_lines(path: str, kernel: str):
     return loc, op
 
 
+def static_lines(loc, op, kernel: str, top: int) -> int:
+    """Static instructions per source line (a loop body's lines count once however often it runs)."""
+    count, ops = collections.Counter(), collections.defaultdict(collections.Counter)
+    for off, where in loc.items():
+        count[where] += 1
+        ops[where][op[off].split(".")[0]] += 1
+    print(f"{kernel}: {len(loc)} static instructions")
+    print("instructions  line  (commonest opcodes)")
+    for where, n in count.most_common(top):
+        name = f"{where[0]}:{where[1]}" if where else "?"
+        print(f"{n:6d}  {name}  " + " ".join(f"{k}:{v}" for k, v in ops[where].most_common(5)))
+    return 0
+
+
 def main():
     if len(sys.argv) < 4:
         sys.exit(__doc__)
     loc, op = sass_lines(sys.argv[1], sys.argv[3])
     top = int(sys.argv[4]) if len(sys.argv) > 4 else 30
+    if sys.argv[2] == "-":
+        return static_lines(loc, op, sys.argv[3], top)
     rows = list(csv.reader(open(sys.argv[2])))
     hi = next(i for i, r in enumerate(rows) if "Address" in r and "Source" in r)
     h = rows[hi]
