@@ -222,9 +222,22 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
         else ktile(lay.q, qhw + row0 * K, p.H * K);
         float* sf = reinterpret_cast<float*>(atb(bf, lay.fac));
         // rk (factor 1), beta (factor 2), with qraw rq (factor 0) after them; zero past the sequence
-        for (int e = lane; e < (qraw ? 3 : 2) * kT; e += 32) {
-          const int f = e < 2 * kT ? 1 + e / kT : 0, i = e % kT;
-          cp_async4_z(sf + e, i < nr ? ws + w.fac + f * w.rows + row0 + i * p.H : ws, i < nr ? 4 : 0);
+        if (lfast) {  // the same copies: rows lane, lane + 32 of each factor from two row offsets
+          const float* f0 = ws + w.fac + row0 + std::int64_t(lane) * p.H;
+          const std::int64_t h32 = 32 * p.H;
+          const bool in0 = lane < nr, in1 = lane + 32 < nr;
+#pragma unroll
+          for (int e = 0; e < 3; ++e) {  // sf slots e kT ..: factor 1, 2, then 0
+            if (e == 2 && !qraw) break;
+            const float* fr = f0 + (e == 2 ? 0 : (e + 1) * w.rows);
+            cp_async4_z(sf + e * kT + lane, in0 ? fr : ws, in0 ? 4 : 0);
+            cp_async4_z(sf + e * kT + lane + 32, in1 ? fr + h32 : ws, in1 ? 4 : 0);
+          }
+        } else {
+          for (int e = lane; e < (qraw ? 3 : 2) * kT; e += 32) {
+            const int f = e < 2 * kT ? 1 + e / kT : 0, i = e % kT;
+            cp_async4_z(sf + e, i < nr ? ws + w.fac + f * w.rows + row0 + i * p.H : ws, i < nr ? 4 : 0);
+          }
         }
       } else {
         ktile(lay.xw, xwh + row0 * K, p.H * K);
