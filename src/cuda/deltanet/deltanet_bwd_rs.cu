@@ -26,8 +26,10 @@
 // 2.4 us a step still (1218 us at (1,32768), 615 at varlen; 0.971-0.998 of the mma.sync form's bwd
 // time). ncu on it alone: the chain warps spin on the operand ring's full barrier (17.5% of executed
 // instructions; 2 buffers fit beside the transposition tiles) and stall on their own dSe / dD stores
-// (26% of stall samples), not on the products. T1 (one tile per warp: room for 3 buffers) is the
-// next try.
+// (26% of stall samples), not on the products. T1 (one tile per warp: room for 3 buffers) measured
+// no faster (session 30), so the loads' latency is not the bound; the SASS points at instruction
+// counts instead: loader 0 ~12 instructions per 16-byte copy (~1400 a step), the chain's own stores
+// ~18 each. lfast, slean and X1F (switches below, not yet measured) cut those.
 #include <atomic>
 
 #include "cuda/common/bulk.cuh"
