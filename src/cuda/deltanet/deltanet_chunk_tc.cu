@@ -18,7 +18,6 @@
 #include <atomic>
 
 #include "cuda/common/check.cuh"
-#include "cuda/common/gstore.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
 #include "cuda/deltanet/deltanet_cuda.h"
 #include "cuda/deltanet/deltanet_tc.cuh"
@@ -157,8 +156,10 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
         const int i = e / kT2Pieces, j0 = n * (e % kT2Pieces);
         if (i >= nr) continue;
         if constexpr (LO) {
-          // (one 16-byte store: the float4 assignment compiled to four 4-byte ones; gstore.cuh)
-          st_global_v4f(w.T2 + t2_row(i) + j0, make_float4(sT[j0][i], sT[j0 + 1][i], sT[j0 + 2][i], sT[j0 + 3][i]));
+          // (nvcc makes four 4-byte stores of this; st_global_v4f in gstore.cuh is the 16-byte form, not yet
+          // run on a GPU here: docs/perf/mlstm.md, session 30)
+          *reinterpret_cast<float4*>(w.T2 + t2_row(i) + j0) =
+              make_float4(sT[j0][i], sT[j0 + 1][i], sT[j0 + 2][i], sT[j0 + 3][i]);
         } else {  // T2 rounded to bf16 (pack_bf16)
           uint4 x;
           x.x = pack_bf16(sT[j0][i], sT[j0 + 1][i]), x.y = pack_bf16(sT[j0 + 2][i], sT[j0 + 3][i]);
