@@ -51,7 +51,7 @@
 //   fastweight_bench --steps-only            the mLSTM / DeltaNet families' GPU decoding-step rows alone (A/B)
 //   fastweight_bench --mlstm-step-kernel=N   mLSTM decoding step's C pass kernel (A/B; set_mlstm_step_kernel)
 //   fastweight_bench --step-tile-major=off   the decoding steps' grids heads-fastest (A/B; set_step_tile_major)
-//   fastweight_bench --step-vec-stores=on    the decoding steps' fp32 state rows as 16-byte stores (A/B)
+//   fastweight_bench --step-vec-stores=off   the decoding steps' fp32 state rows as 4-byte stores (A/B; default 16-byte)
 //   fastweight_bench --mlstm-bulk-store=off  mLSTM serial kernels' state stores element by element, not by the
 //                                            TMA engine (A/B)
 //   fastweight_bench --mlstm-chunk-units=off mLSTM serial kernels' chunk tiles by the generic loader (A/B)

@@ -898,7 +898,7 @@ TEST_P(DeltanetCudaStep, MatchesReferenceOutOfPlaceAndInPlace) {
   FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
   FW_TEST_CUDA(cudaDeviceSynchronize());
   a.new_state = a.state;
-  const bool vst = fastweight::detail::set_step_vector_stores(true);  // 16-byte state stores: the same bits
+  const bool vst = fastweight::detail::set_step_vector_stores(false);  // 4-byte state stores: the same bits
   deltanet_step(a, s);
   FW_TEST_CUDA(cudaStreamSynchronize(stream));
   fastweight::detail::set_step_vector_stores(vst);
@@ -938,8 +938,9 @@ TEST_P(DeltanetCudaStep, MatchesReferenceOutOfPlaceAndInPlace) {
   EXPECT_EQ(st_after.bytes, st.bytes) << "out of place: the state was written";
   EXPECT_EQ(o1.bytes, o2.bytes) << "o: not deterministic";
   EXPECT_EQ(n1.bytes, n2.bytes) << "new_state: not deterministic";
-  EXPECT_EQ(o1.bytes, o3.bytes) << "o: in place (with 16-byte state stores where V % 4 == 0) differs";
-  EXPECT_EQ(n1.bytes, n3.bytes) << "state: in place (with 16-byte state stores where V % 4 == 0) differs";
+  // the view's elements only: n1's slack past the view is the poison, n3's the state's random fill
+  EXPECT_EQ(o1.elem_bytes(), o3.elem_bytes()) << "o: in place (with 4-byte state stores) differs";
+  EXPECT_EQ(n1.elem_bytes(), n3.elem_bytes()) << "state: in place (with 4-byte state stores) differs";
   std::printf("[ measured ] step %s: o %.2e new_state %.2e  in place: o %.2e state %.2e\n", name_of(c).c_str(), e_o,
               e_n, e_oi, e_ni);
 }

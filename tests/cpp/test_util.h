@@ -69,6 +69,17 @@ struct HostTensor {
   }
   double get(std::int64_t storage_index) const { return detail::load_as_double(bytes.data(), storage_index, dtype); }
   void set(std::int64_t storage_index, double v) { detail::store_from_double(bytes.data(), storage_index, dtype, v); }
+  // The view's element bytes in row-major order: bit comparisons of tensors whose buffers differ
+  // outside the view (make_host's 8 elements of slack, row padding) compare only what an op writes.
+  std::vector<unsigned char> elem_bytes() const {
+    std::vector<unsigned char> out;
+    out.reserve(std::size_t(numel()) * esize());
+    for (auto o : offsets()) {
+      const unsigned char* e = bytes.data() + std::size_t(o) * esize();
+      out.insert(out.end(), e, e + esize());
+    }
+    return out;
+  }
   std::vector<double> values() const {
     std::vector<double> v;
     for (auto o : offsets()) v.push_back(get(o));
