@@ -34,6 +34,7 @@
 
 #include "cuda/common/bulk.cuh"
 #include "cuda/common/check.cuh"
+#include "cuda/common/gstore.cuh"
 #include "cuda/common/wgmma.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
 #include "cuda/deltanet/deltanet_cuda.h"
@@ -90,15 +91,20 @@ struct BrLayout {
 // warps per SM); dS^T, X1 and B's A fragments stay in registers as in that form.
 // X1F (with WG; `set_deltanet_bwd_serial_rs_x1first`): X1 issued as soon as the chunk lands (a template
 // parameter: as a runtime branch, ptxas fenced the in-flight accumulators at the merge, warning C7519).
-template <int KC, bool WG = false, bool T1 = false, bool X1F = false>
+// DEFER (with X1F, not T1; `set_deltanet_bwd_serial_rs_defer`): a chain warp stores step s's dSe / dD
+// tiles during step s + 1, right after issuing its X1 (the tile pairs alternate, so they are still whole),
+// instead of at the end of step s, where the stores sat on the chain between its last product and the
+// next step's first.
+template <int KC, bool WG = false, bool T1 = false, bool X1F = false, bool DEFER = false>
 __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     deltanet_bwd_state_rs_kernel(const DeltanetBwdParams p, const DnBwdWs w, float* __restrict__ ws, int nw, int nbuf,
                                  bool storer, bool qraw, bool lfast, bool slean) {
+  static_assert(!DEFER || (X1F && !T1), "DEFER: the X1-first form with its two tile pairs");
   constexpr int LDK = BrLayout<KC>::LDK, NK = KC / 8, KS = KC / 16;  // n-tiles, k-steps of dS^T's K
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const BrLayout<KC, WG, T1> lay(nw, nbuf);
-  if constexpr (T1) storer = false;  // (one tile: the chain warps store it themselves)
+  if constexpr (T1 || DEFER) storer = false;  // (T1: one tile; DEFER: the chain warps store it themselves)
   // the swizzled tiles' 1024-byte alignment (the layout holds the slack), by pointer arithmetic: a
   // round trip through an integer lost the shared window, and the reads of the tiles and factors
   // were generic LDs (15% of the stall samples on stores waiting for them; as LDS: 206-212
@@ -148,30 +154,42 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     bf16* gS = state_mats<false>(ws + w.dS, sq_.base + ci, p.H, h, K, V) + cb + 16 * c + 8 * hf;
     bf16* yb = reinterpret_cast<bf16*>(ws + w.Y) + (row00 + ci * wrow_step) * V + cb + 16 * c + 8 * hf;
     if (slean) {  // the lane's first row once, then a fixed byte step, and no predicates on whole tiles
-      // (per row, the 64-bit r V products and a branch took ~18 instructions a store: 247 for 24)
+      // (per row, the 64-bit r V products and a branch took ~18 instructions a store: 247 for 24).
+      // Every row piece is read into registers of its own before the first store: with one register
+      // quad for all of them (nvcc's choice), each LDS waited until the previous STG had read its data
+      // (ncu, H100, session 31: this block was 25% of the kernel's stall samples, mostly long scoreboard
+      // on that write-after-read), and stored by st.global.v4 (gstore.cuh: nvcc made every other one
+      // four 4-byte stores).
       const int r0 = lane >> 1;
       const bf16* t = tS + r0 * kRsLdt + 8 * hf;
+      const bf16* td = tD + r0 * kRsLdt + 8 * hf;
+      uint4 vs[KC / 16], vd[4];
+      if (parts & 1) {
+#pragma unroll
+        for (int q = 0; q < KC / 16; ++q) vs[q] = *reinterpret_cast<const uint4*>(t + 16 * q * kRsLdt);
+      }
+      if (parts & 2) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) vd[q] = *reinterpret_cast<const uint4*>(td + 16 * q * kRsLdt);
+      }
       if (parts & 1) {
         char* g = reinterpret_cast<char*>(gS + std::int64_t(r0) * V);
         const std::int64_t step = 32 * V;  // 16 rows
         if (K == KC) {
 #pragma unroll
-          for (int q = 0; q < KC / 16; ++q, g += step)
-            *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(t + 16 * q * kRsLdt);
+          for (int q = 0; q < KC / 16; ++q, g += step) st_global_v4u(g, vs[q]);
         } else {
 #pragma unroll
           for (int q = 0; q < KC / 16; ++q, g += step)
-            if (r0 + 16 * q < K) *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(t + 16 * q * kRsLdt);
+            if (r0 + 16 * q < K) st_global_v4u(g, vs[q]);
         }
       }
       if (parts & 2) {
-        const bf16* td = tD + r0 * kRsLdt + 8 * hf;
         char* g = reinterpret_cast<char*>(yb + std::int64_t(r0) * p.H * V);
         const std::int64_t step = 32 * p.H * V;  // 16 rows
 #pragma unroll
         for (int q = 0; q < 4; ++q, g += step)
-          if (nr == kT || r0 + 16 * q < nr)
-            *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(td + 16 * q * kRsLdt);
+          if (nr == kT || r0 + 16 * q < nr) st_global_v4u(g, vd[q]);
       }
       return;
     }
@@ -346,6 +364,10 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
         wgmma_fence_operand(x1f);
         wgmma_fence();  // a, x1 written
         wg_x1();
+        // DEFER: the previous step's tiles (s - 1: the other pair) go out while X1 runs, instead of at
+        // that step's end on the chain (the warp's __syncwarp at the step's end ordered their writes)
+        if constexpr (DEFER)
+          if (s > 0 && live) store_tiles(warp, s - 1, 3);
       }
     } else {
 #pragma unroll
@@ -445,8 +467,11 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     __syncwarp();  // the tiles are written (the warp's own stores below read other lanes' rows)
     mbar_arrive(empty + bf);  // this lane's reads of buffer bf are done
     if (storer) mbar_arrive(sfull + (s & 1));
-    if (!storer && live) store_tiles(warp, s, T1 ? 2 : 3);
+    if constexpr (!DEFER)
+      if (!storer && live) store_tiles(warp, s, T1 ? 2 : 3);
   }
+  if constexpr (DEFER)
+    if (nch > 0 && live) store_tiles(warp, nch - 1, 3);  // the last step's (ordered by its __syncwarp)
   if (p.dh0.p && live) {
 #pragma unroll
     for (int j = 0; j < NK; ++j)
@@ -464,22 +489,26 @@ std::atomic<bool> g_rs_storer{false};  // set_deltanet_bwd_serial_rs_storer
 std::atomic<bool> g_rs_t1{false};      // set_deltanet_bwd_serial_rs_t1
 // qraw on by default (H100, session 30: bwd 0.977-0.985x alone); T1 off (0.98-1.02x: no gain from the third buffer)
 std::atomic<bool> g_rs_qraw{true};     // set_deltanet_bwd_serial_rs_qraw
-std::atomic<bool> g_rs_lfast{false};   // set_deltanet_bwd_serial_rs_lfast (not yet measured)
-std::atomic<bool> g_rs_x1first{false};  // set_deltanet_bwd_serial_rs_x1first (not yet measured)
-std::atomic<bool> g_rs_slean{false};    // set_deltanet_bwd_serial_rs_slean (not yet measured)
+std::atomic<bool> g_rs_lfast{false};   // set_deltanet_bwd_serial_rs_lfast (H100, session 31: 1.00x)
+std::atomic<bool> g_rs_x1first{false};  // set_deltanet_bwd_serial_rs_x1first (H100, session 31: 1.00x)
+std::atomic<bool> g_rs_slean{false};    // set_deltanet_bwd_serial_rs_slean (H100, session 31: 1.00x as first built)
+std::atomic<bool> g_rs_defer{false};    // set_deltanet_bwd_serial_rs_defer (not yet measured)
 std::atomic<int> g_rs_last{-1};        // deltanet_bwd_serial_rs_last_launch
 
 using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool, bool, bool, bool);
 using Bytes = std::size_t (*)(int, int);
-// [Kc 64][instance: mma.sync, wgmma, wgmma with one tile (T1), then those two with X1 first]
-constexpr Fn kRsFns[2][5] = {
+// [Kc 64][instance: mma.sync, wgmma, wgmma with one tile (T1), then those two with X1 first, then the
+// wgmma form with X1 first and the deferred stores]
+constexpr Fn kRsFns[2][6] = {
     {&deltanet_bwd_state_rs_kernel<128>, &deltanet_bwd_state_rs_kernel<128, true>,
      &deltanet_bwd_state_rs_kernel<128, true, true>, &deltanet_bwd_state_rs_kernel<128, true, false, true>,
-     &deltanet_bwd_state_rs_kernel<128, true, true, true>},
+     &deltanet_bwd_state_rs_kernel<128, true, true, true>, &deltanet_bwd_state_rs_kernel<128, true, false, true, true>},
     {&deltanet_bwd_state_rs_kernel<64>, &deltanet_bwd_state_rs_kernel<64, true>,
      &deltanet_bwd_state_rs_kernel<64, true, true>, &deltanet_bwd_state_rs_kernel<64, true, false, true>,
-     &deltanet_bwd_state_rs_kernel<64, true, true, true>}};
-int rs_instance(const DnRsPlan& plan) { return plan.form + (plan.form > 0 && plan.x1f ? 2 : 0); }
+     &deltanet_bwd_state_rs_kernel<64, true, true, true>, &deltanet_bwd_state_rs_kernel<64, true, false, true, true>}};
+int rs_instance(const DnRsPlan& plan) {
+  return plan.defer ? 5 : plan.form + (plan.form > 0 && plan.x1f ? 2 : 0);
+}
 
 template <int KC, bool WG, bool T1>
 std::size_t rs_bytes(int nw, int nbuf) { return BrLayout<KC, WG, T1>(nw, nbuf).bytes; }
@@ -492,6 +521,7 @@ bool set_deltanet_bwd_serial_rs_qraw(bool on) { return g_rs_qraw.exchange(on); }
 bool set_deltanet_bwd_serial_rs_lfast(bool on) { return g_rs_lfast.exchange(on); }
 bool set_deltanet_bwd_serial_rs_x1first(bool on) { return g_rs_x1first.exchange(on); }
 bool set_deltanet_bwd_serial_rs_slean(bool on) { return g_rs_slean.exchange(on); }
+bool set_deltanet_bwd_serial_rs_defer(bool on) { return g_rs_defer.exchange(on); }
 int deltanet_bwd_serial_rs_last_launch(int reset) { return g_rs_last.exchange(reset); }
 
 int set_deltanet_bwd_serial_rs(int mode) {
@@ -522,7 +552,10 @@ DnRsPlan deltanet_bwd_serial_rs_plan(const DeltanetBwdParams& p, const DnBwdWs& 
   // T1 only where the plain wgmma form fits too: the same kernel family (and bits) either way
   const int form = t1 && kBytes[k64][1](nw, 2) <= cap ? 2 : wg ? 1 : 0;
   const bool x1f = form > 0 && g_rs_x1first.load(std::memory_order_relaxed);
-  const Fn fn = kRsFns[k64][form + (x1f ? 2 : 0)];
+  // DEFER: the X1-first wgmma form with two tile pairs (not T1) and no storer warp
+  const bool defer = x1f && form == 1 && !g_rs_storer.load(std::memory_order_relaxed) &&
+                     g_rs_defer.load(std::memory_order_relaxed);
+  const Fn fn = kRsFns[k64][defer ? 5 : form + (x1f ? 2 : 0)];
   auto bytes = [&](int nb) { return kBytes[k64][form](nw, nb); };
   // the deepest ring that fits: 3 buffers (T1: up to 4), else 2
   int nbuf = 2;
@@ -534,7 +567,7 @@ DnRsPlan deltanet_bwd_serial_rs_plan(const DeltanetBwdParams& p, const DnBwdWs& 
   if (bytes(nbuf) > cap || kernel_binary_version(reinterpret_cast<const void*>(fn)) < 90) return plan;  // (wg: sm_90a above)
   const std::int64_t nt = tiles(nw);
   if (seqs > 0x7fffffff || nt > 65535) throw Error(cat("deltanet_bwd: grid too large (", seqs, " sequence-heads)"));
-  plan.applies = true, plan.k64 = k64, plan.form = form, plan.x1f = x1f, plan.nw = nw, plan.nbuf = nbuf;
+  plan.applies = true, plan.k64 = k64, plan.form = form, plan.x1f = x1f, plan.defer = defer, plan.nw = nw, plan.nbuf = nbuf;
   plan.bytes = bytes(nbuf);
   plan.grid_x = seqs, plan.grid_y = nt;
   plan.qraw = vq && g_rs_qraw.load(std::memory_order_relaxed);  // q's rows 16-byte aligned for cp.async

@@ -55,6 +55,7 @@ bool set_deltanet_bwd_serial_ws(bool on);
 struct DnRsPlan {
   bool applies = false, qraw = false;  // qraw: reads q and rq and scales dO^T (no Q^ from prep)
   bool x1f = false;                    // the wgmma forms' X1 issued first
+  bool defer = false;                  // ... and each step's stores during the next step's X1
   int k64 = 0, form = 0, nw = 0, nbuf = 0;
   std::size_t bytes = 0;
   std::int64_t grid_x = 0, grid_y = 0;
@@ -79,20 +80,27 @@ bool set_deltanet_bwd_serial_rs_t1(bool on);
 bool set_deltanet_bwd_serial_rs_qraw(bool on);
 // Tests and benchmarks only: that kernel's wgmma form loads a sequence's whole chunks of k, Q^ (or q)
 // and Xw by an unrolled copy loop (warp_load_tile_sw128_unrolled) instead of the predicated one. The
-// same bits. Default off: not yet measured. Returns the previous setting (fastweight_bench --dn-rs-lfast=on).
+// same bits. Default off (H100, session 31: 1.00x, so the copies' instructions were not the bound).
+// Returns the previous setting (fastweight_bench --dn-rs-lfast=on).
 bool set_deltanet_bwd_serial_rs_lfast(bool on);
 // Tests and benchmarks only: that kernel's wgmma form issues the chain's product X1 = dSe^T K^T as soon
 // as a chunk's operands land, and loads dO^T, dD0 (and scales dO^T with qraw) while it runs, instead of
-// before it. The same bits. Default off: not yet measured. Returns the previous setting
+// before it. The same bits. Default off (H100, session 31: 1.00x). Returns the previous setting
 // (fastweight_bench --dn-rs-x1first=on).
 bool set_deltanet_bwd_serial_rs_x1first(bool on);
 // Tests and benchmarks only: that kernel's dSe / dD row stores (chain or storer warps) from the lane's
 // first row and a fixed byte step, unpredicated on whole tiles, instead of a 64-bit row product and a
-// branch per store. The same bits. Default off: not yet measured. Returns the previous setting
-// (fastweight_bench --dn-rs-slean=on).
+// branch per store, each row piece read into registers of its own before the first store. The same bits.
+// Default off (not yet measured in this form; the first form, one register quad reused for every
+// piece, measured 1.00x). Returns the previous setting (fastweight_bench --dn-rs-slean=on).
 bool set_deltanet_bwd_serial_rs_slean(bool on);
+// Tests and benchmarks only: with x1first (the wgmma form, not T1, no storer warp), each step's dSe /
+// dD tiles are stored during the next step, right after its X1 is issued, instead of at the step's end.
+// The same bits. Default off: not yet measured. Returns the previous setting
+// (fastweight_bench --dn-rs-defer=on).
+bool set_deltanet_bwd_serial_rs_defer(bool on);
 // Tests only: what the last launch of that kernel was (0 mma.sync, 1 wgmma, 2 wgmma T1, 3 and 4 those
-// two with X1 first; + 8 with qraw), or -1 if none since the last call; sets it to `reset` and returns
+// two with X1 first, 5 the wgmma form with X1 first and deferred stores; + 8 with qraw), or -1 if none since the last call; sets it to `reset` and returns
 // the previous value.
 int deltanet_bwd_serial_rs_last_launch(int reset = -1);
 // Tests and benchmarks only: the tensor-core chunk pass's grid with a (slot, head)'s K tiles as
