@@ -94,12 +94,18 @@ struct BrLayout {
 // DEFER (with X1F, not T1; `set_deltanet_bwd_serial_rs_defer`): a chain warp stores step s's dSe / dD
 // tiles during step s + 1, right after issuing its X1 (the tile pairs alternate, so they are still whole),
 // instead of at the end of step s, where the stores sat on the chain between its last product and the
-// next step's first.
-template <int KC, bool WG = false, bool T1 = false, bool X1F = false, bool DEFER = false>
+// next step's first. DEFER also keeps s % nbuf and (s / nbuf) & 1 as running counters (the 64-bit
+// division per step and role was on the chain: F2I and its branch in ncu's samples).
+// PROBE (DEFER's instance with `probe`, a mask of parts left out: 1 the tile stores, 2 the qraw
+// scaling, 4 the wait for the chunk's operands, 8 X1, 16 dO^T Q^, 32 B Xw): timing probes only, the
+// results are wrong (fastweight_bench --dn-rs-probe=MASK --timing-only): which part sets the step.
+template <int KC, bool WG = false, bool T1 = false, bool X1F = false, bool DEFER = false, bool PROBE = false>
 __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     deltanet_bwd_state_rs_kernel(const DeltanetBwdParams p, const DnBwdWs w, float* __restrict__ ws, int nw, int nbuf,
-                                 bool storer, bool qraw, bool lfast, bool slean) {
+                                 bool storer, bool qraw, bool lfast, bool slean, int probe) {
   static_assert(!DEFER || (X1F && !T1), "DEFER: the X1-first form with its two tile pairs");
+  static_assert(!PROBE || DEFER, "PROBE: DEFER's instance");
+  auto skip = [&](int part) { return PROBE && (probe & part) != 0; };
   constexpr int LDK = BrLayout<KC>::LDK, NK = KC / 8, KS = KC / 16;  // n-tiles, k-steps of dS^T's K
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
@@ -221,9 +227,13 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     const bf16* xwh = reinterpret_cast<const bf16*>(ws + w.xw);
     const bf16* qhw = reinterpret_cast<const bf16*>(ws + w.qh());
     const bf16* y00 = reinterpret_cast<const bf16*>(ws + w.Y) + row00 * V + cb;
+    int bf_run = 0;       // DEFER: s % nbuf
+    unsigned ph_run = 1;  // DEFER: (s / nbuf - 1) & 1
     for (std::int64_t s = 0; s < nch; ++s) {
-      const int bf = int(s % nbuf);
-      if (s >= nbuf) mbar_wait(empty + bf, unsigned(s / nbuf - 1) & 1);
+      const int bf = DEFER ? bf_run : int(s % nbuf);
+      if (s >= nbuf) mbar_wait(empty + bf, DEFER ? ph_run : unsigned(s / nbuf - 1) & 1);
+      if constexpr (DEFER)
+        if (++bf_run == nbuf) bf_run = 0, ph_run ^= 1u;
       const std::int64_t ci = nch - 1 - s, t0 = sq_.bos + ci * kT, row0 = row00 + ci * wrow_step;
       const int nr = int(lmin(kT, sq_.eos - t0));
       // k, Q^, Xw: padded rows for ldmatrix, or wgmma's swizzled blocks
@@ -309,9 +319,14 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
   auto load_c = [&](int u, std::uint32_t (&r)[4]) {  // phase C's unit u: chunk rows 16 (u / KS) .., K columns 16 (u % KS) ..
     ldsm_x4_t(r, sx + (16 * (u / KS) + rb_km) * LDK + 16 * (u % KS) + cb_km);
   };
+  int bf_run = 0;       // DEFER: s % nbuf
+  unsigned ph_run = 0;  // DEFER: (s / nbuf) & 1
   for (std::int64_t s = 0; s < nch; ++s) {
     const std::int64_t ci = nch - 1 - s, t0 = sq_.bos + ci * kT;
-    const int bf = int(s % nbuf), nr = int(lmin(kT, sq_.eos - t0));
+    const int bf = DEFER ? bf_run : int(s % nbuf), nr = int(lmin(kT, sq_.eos - t0));
+    const unsigned fph = DEFER ? ph_run : unsigned(s / nbuf) & 1;
+    if constexpr (DEFER)
+      if (++bf_run == nbuf) bf_run = 0, ph_run ^= 1u;
     // a. dSe^T as bf16 A fragments (k-step ks: columns 16 ks ..), and into the warp's dSe tile
     //    (transposed; stored to the workspace at the step's end, for the chunk pass)
     std::uint32_t a[KS][4];
@@ -334,7 +349,7 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       __syncwarp();
       if (live) store_tiles(warp, s, 1);
     }
-    mbar_wait(full + bf, unsigned(s / nbuf) & 1);  // chunk ci's operands landed
+    if (!skip(4)) mbar_wait(full + bf, fph);  // chunk ci's operands landed
     sk = reinterpret_cast<const bf16*>(at(bf, lay.k));
     sq = reinterpret_cast<const bf16*>(at(bf, lay.q));
     sx = reinterpret_cast<const bf16*>(at(bf, lay.xw));
@@ -363,11 +378,11 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       if constexpr (X1F) {  // the chain's product first; dO^T, dD0 and the qraw scaling below while it runs
         wgmma_fence_operand(x1f);
         wgmma_fence();  // a, x1 written
-        wg_x1();
+        if (!skip(8)) wg_x1();
         // DEFER: the previous step's tiles (s - 1: the other pair) go out while X1 runs, instead of at
         // that step's end on the chain (the warp's __syncwarp at the step's end ordered their writes)
         if constexpr (DEFER)
-          if (s > 0 && live) store_tiles(warp, s - 1, 3);
+          if (s > 0 && live && !skip(1)) store_tiles(warp, s - 1, 3);
       }
     } else {
 #pragma unroll
@@ -375,7 +390,7 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     }
 #pragma unroll
     for (int gs = 0; gs < 4; ++gs) ldsm_x4_t(ao[gs], so + (16 * gs + ld_row_a_kmajor(lane)) * LDC + cw + ld_col_a_kmajor(lane));
-    if (qraw) {  // dO^T Q^ = (dO^T diag(s rq)) q: register r holds chunk rows 16 gs + 2 t4 + 8 (r / 2) + {0, 1}
+    if (qraw && !skip(2)) {  // dO^T Q^ = (dO^T diag(s rq)) q: register r holds chunk rows 16 gs + 2 t4 + 8 (r / 2) + {0, 1}
 #pragma unroll
       for (int gs = 0; gs < 4; ++gs)
 #pragma unroll
@@ -402,8 +417,10 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       if constexpr (!X1F) wgmma_fence_operand(x1f);
       wgmma_fence();  // ao (a, x1) written
       if constexpr (!X1F) wg_x1();
+      if (!skip(16)) {
 #pragma unroll
-      for (int gs = 0; gs < 4; ++gs) wg_n(ao[gs], sq, dq0, gs);
+        for (int gs = 0; gs < 4; ++gs) wg_n(ao[gs], sq, dq0, gs);
+      }
       wgmma_commit();
       wgmma_wait<1>();  // X1 (the first group); dO^T Q^ may still run
       wgmma_fence_operand(x1f);
@@ -450,8 +467,10 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     if constexpr (WG) {
       wgmma_fence_operand(accf);
       wgmma_fence();  // a2 written
+      if (!skip(32)) {
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) wg_n(a2[ks], sx, dx0, ks);
+        for (int ks = 0; ks < 4; ++ks) wg_n(a2[ks], sx, dx0, ks);
+      }
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operand(accf);
@@ -471,7 +490,7 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       if (!storer && live) store_tiles(warp, s, T1 ? 2 : 3);
   }
   if constexpr (DEFER)
-    if (nch > 0 && live) store_tiles(warp, nch - 1, 3);  // the last step's (ordered by its __syncwarp)
+    if (nch > 0 && live && !skip(1)) store_tiles(warp, nch - 1, 3);  // the last step's (ordered by its __syncwarp)
   if (p.dh0.p && live) {
 #pragma unroll
     for (int j = 0; j < NK; ++j)
@@ -493,21 +512,24 @@ std::atomic<bool> g_rs_lfast{false};   // set_deltanet_bwd_serial_rs_lfast (H100
 std::atomic<bool> g_rs_x1first{false};  // set_deltanet_bwd_serial_rs_x1first (H100, session 31: 1.00x)
 std::atomic<bool> g_rs_slean{false};    // set_deltanet_bwd_serial_rs_slean (H100, session 31: 1.00x as first built)
 std::atomic<bool> g_rs_defer{false};    // set_deltanet_bwd_serial_rs_defer (not yet measured)
+std::atomic<int> g_rs_probe{0};         // set_deltanet_bwd_serial_rs_probe (timing probes: wrong results)
 std::atomic<int> g_rs_last{-1};        // deltanet_bwd_serial_rs_last_launch
 
-using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool, bool, bool, bool);
+using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool, bool, bool, bool, int);
 using Bytes = std::size_t (*)(int, int);
 // [Kc 64][instance: mma.sync, wgmma, wgmma with one tile (T1), then those two with X1 first, then the
-// wgmma form with X1 first and the deferred stores]
-constexpr Fn kRsFns[2][6] = {
+// wgmma form with X1 first and the deferred stores, and that with the timing probes]
+constexpr Fn kRsFns[2][7] = {
     {&deltanet_bwd_state_rs_kernel<128>, &deltanet_bwd_state_rs_kernel<128, true>,
      &deltanet_bwd_state_rs_kernel<128, true, true>, &deltanet_bwd_state_rs_kernel<128, true, false, true>,
-     &deltanet_bwd_state_rs_kernel<128, true, true, true>, &deltanet_bwd_state_rs_kernel<128, true, false, true, true>},
+     &deltanet_bwd_state_rs_kernel<128, true, true, true>, &deltanet_bwd_state_rs_kernel<128, true, false, true, true>,
+     &deltanet_bwd_state_rs_kernel<128, true, false, true, true, true>},
     {&deltanet_bwd_state_rs_kernel<64>, &deltanet_bwd_state_rs_kernel<64, true>,
      &deltanet_bwd_state_rs_kernel<64, true, true>, &deltanet_bwd_state_rs_kernel<64, true, false, true>,
-     &deltanet_bwd_state_rs_kernel<64, true, true, true>, &deltanet_bwd_state_rs_kernel<64, true, false, true, true>}};
+     &deltanet_bwd_state_rs_kernel<64, true, true, true>, &deltanet_bwd_state_rs_kernel<64, true, false, true, true>,
+     &deltanet_bwd_state_rs_kernel<64, true, false, true, true, true>}};
 int rs_instance(const DnRsPlan& plan) {
-  return plan.defer ? 5 : plan.form + (plan.form > 0 && plan.x1f ? 2 : 0);
+  return plan.defer ? (g_rs_probe.load(std::memory_order_relaxed) ? 6 : 5) : plan.form + (plan.form > 0 && plan.x1f ? 2 : 0);
 }
 
 template <int KC, bool WG, bool T1>
@@ -522,6 +544,7 @@ bool set_deltanet_bwd_serial_rs_lfast(bool on) { return g_rs_lfast.exchange(on);
 bool set_deltanet_bwd_serial_rs_x1first(bool on) { return g_rs_x1first.exchange(on); }
 bool set_deltanet_bwd_serial_rs_slean(bool on) { return g_rs_slean.exchange(on); }
 bool set_deltanet_bwd_serial_rs_defer(bool on) { return g_rs_defer.exchange(on); }
+int set_deltanet_bwd_serial_rs_probe(int mask) { return g_rs_probe.exchange(mask); }
 int deltanet_bwd_serial_rs_last_launch(int reset) { return g_rs_last.exchange(reset); }
 
 int set_deltanet_bwd_serial_rs(int mode) {
@@ -581,7 +604,8 @@ void deltanet_bwd_serial_rs_launch(const DnRsPlan& plan, const DeltanetBwdParams
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, plan.bytes);
   fn<<<dim3(unsigned(plan.grid_x), unsigned(plan.grid_y)), threads, plan.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
       p, w, ws, plan.nw, plan.nbuf, g_rs_storer.load(std::memory_order_relaxed), plan.qraw,
-      g_rs_lfast.load(std::memory_order_relaxed), g_rs_slean.load(std::memory_order_relaxed));
+      g_rs_lfast.load(std::memory_order_relaxed), g_rs_slean.load(std::memory_order_relaxed),
+      g_rs_probe.load(std::memory_order_relaxed));
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial, dS in registers)");
   g_rs_last.store(rs_instance(plan) + (plan.qraw ? 8 : 0), std::memory_order_relaxed);
 }

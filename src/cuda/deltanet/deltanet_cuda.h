@@ -99,6 +99,11 @@ bool set_deltanet_bwd_serial_rs_slean(bool on);
 // The same bits. Default off: not yet measured. Returns the previous setting
 // (fastweight_bench --dn-rs-defer=on).
 bool set_deltanet_bwd_serial_rs_defer(bool on);
+// Benchmarks only, never in a real run: with defer, parts of that kernel's step left out (a mask: 1 the
+// dSe / dD stores, 2 the qraw scaling, 4 the wait for a chunk's operands, 8 X1, 16 dO^T Q^, 32 B Xw),
+// so that timing shows which part sets the step. THE RESULTS ARE WRONG while it is nonzero. Returns the
+// previous mask (fastweight_bench --dn-rs-probe=MASK, with --timing-only).
+int set_deltanet_bwd_serial_rs_probe(int mask);
 // Tests only: what the last launch of that kernel was (0 mma.sync, 1 wgmma, 2 wgmma T1, 3 and 4 those
 // two with X1 first, 5 the wgmma form with X1 first and deferred stores; + 8 with qraw), or -1 if none since the last call; sets it to `reset` and returns
 // the previous value.
