@@ -497,7 +497,7 @@ void check_bwd_case(const DnBwdCase& c) {
     int chunk_l2;
     bool post_pf;
     int recompute_ws, serial_rs;
-    bool rs_storer, rs_t1, rs_qraw, rs_lfast, rs_x1first, rs_slean, rs_defer, prep_stage, post_stage, chunk_stage, wy_stage;
+    bool rs_storer, rs_t1, rs_qraw, rs_lfast, rs_x1first, rs_slean, rs_defer, rs_wide, prep_stage, post_stage, chunk_stage, wy_stage;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -518,6 +518,7 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_serial_rs_x1first(rs_x1first);
       fastweight::detail::set_deltanet_bwd_serial_rs_slean(rs_slean);
       fastweight::detail::set_deltanet_bwd_serial_rs_defer(rs_defer);
+      fastweight::detail::set_deltanet_bwd_serial_rs_wide(rs_wide);
       fastweight::detail::set_deltanet_bwd_prep_stage(prep_stage);
       fastweight::detail::set_deltanet_bwd_post_stage(post_stage);
       fastweight::detail::set_deltanet_bwd_chunk_stage(chunk_stage);
@@ -540,6 +541,7 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_serial_rs_x1first(false),
                       fastweight::detail::set_deltanet_bwd_serial_rs_slean(false),
                       fastweight::detail::set_deltanet_bwd_serial_rs_defer(false),
+                      fastweight::detail::set_deltanet_bwd_serial_rs_wide(false),
                       fastweight::detail::set_deltanet_bwd_prep_stage(false),
                       fastweight::detail::set_deltanet_bwd_post_stage(false),
                       fastweight::detail::set_deltanet_bwd_chunk_stage(false),
@@ -557,17 +559,19 @@ void check_bwd_case(const DnBwdCase& c) {
   // reference (the form non-sm_90a binaries take).
   // Run 9: run 6 with X1 first and the unrolled loads: against run 6 bit for bit.
   // Run 10: run 9 with each step's stores deferred into the next step: against run 6 bit for bit.
-  std::vector<HostTensor> run[11];
-  int rs_launch[11];  // the serial kernel with dS in registers: its instance (+ 8 with qraw), -1: not launched
-  for (int r = 0; r < 11; ++r) {
+  // Run 11: run 10 with the CTA's tile pair stored as whole rows: against run 6 bit for bit.
+  std::vector<HostTensor> run[12];
+  int rs_launch[12];  // the serial kernel with dS in registers: its instance (+ 8 with qraw), -1: not launched
+  for (int r = 0; r < 12; ++r) {
     fastweight::detail::set_deltanet_bwd_serial_rs(r == 2 ? 2 : r == 3 || r == 8 ? 4 : r >= 4 ? 5 : 0);
     fastweight::detail::set_deltanet_bwd_serial_rs_storer(r == 3);
     fastweight::detail::set_deltanet_bwd_serial_rs_t1(r == 5 || r == 7);  // one transposition tile, 3-4 buffers: the same bits
     fastweight::detail::set_deltanet_bwd_serial_rs_qraw(r >= 6);
-    fastweight::detail::set_deltanet_bwd_serial_rs_lfast(r == 5 || r == 7 || r == 9 || r == 10);  // the unrolled whole-chunk loads: the same bits
-    fastweight::detail::set_deltanet_bwd_serial_rs_x1first(r == 5 || r == 9 || r == 10);  // X1 issued first (own instances): the same bits
+    fastweight::detail::set_deltanet_bwd_serial_rs_lfast(r == 5 || r == 7 || r == 9 || r == 10);
+    fastweight::detail::set_deltanet_bwd_serial_rs_wide(r == 11);  // whole-row stores (instance 7): the same bits  // the unrolled whole-chunk loads: the same bits
+    fastweight::detail::set_deltanet_bwd_serial_rs_x1first(r == 5 || r >= 9);  // X1 issued first (own instances): the same bits
     fastweight::detail::set_deltanet_bwd_serial_rs_slean(r == 3 || r == 5 || r == 7 || r == 9 || r == 10);
-    fastweight::detail::set_deltanet_bwd_serial_rs_defer(r == 10);  // the stores a step later (instance 5): the same bits  // the lean row stores (run 3: the storer's): the same bits
+    fastweight::detail::set_deltanet_bwd_serial_rs_defer(r >= 10);  // the stores a step later (instance 5): the same bits  // the lean row stores (run 3: the storer's): the same bits
     fastweight::detail::set_deltanet_bwd_prep_stage(r == 0 || r == 4 || r == 6);  // prep's staged dD0: the same bits
     fastweight::detail::set_deltanet_bwd_post_stage(r == 0 || r == 4 || r == 6);  // post's staged -Y, dv: the same bits
     fastweight::detail::set_deltanet_bwd_chunk_stage(r == 0 || r == 4 || r == 6);  // the chunk pass's staged dq^, dk^ (K = 128, L2)
@@ -624,10 +628,12 @@ void check_bwd_case(const DnBwdCase& c) {
       EXPECT_EQ(rs_launch[7], 2 + 8) << "T1, qraw";
       EXPECT_EQ(rs_launch[9], 3 + 8) << "X1 first, qraw";
       EXPECT_EQ(rs_launch[10], 5 + 8) << "X1 first, deferred stores, qraw";
+      EXPECT_EQ(rs_launch[11], 7 + 8) << "X1 first, deferred whole-row stores, qraw";
     }
   }
   EXPECT_EQ(rs_launch[9] >= 0, rs_launch[4] >= 0);
   EXPECT_EQ(rs_launch[10] >= 0, rs_launch[4] >= 0);
+  EXPECT_EQ(rs_launch[11] >= 0, rs_launch[4] >= 0);
   // Where the tensor-core pipeline runs: the forward's wy_inverse (through the public forward, with a
   // workspace) given to the backward, which then reads it instead of forming it: the same bits as
   // run 0 (same buffering; the recompute's wy kernel before the fork instead of beside prep), and a
@@ -730,6 +736,7 @@ void check_bwd_case(const DnBwdCase& c) {
     EXPECT_EQ(run[6][e].bytes, run[7][e].bytes) << names[e] << ": q read by the serial kernel: not deterministic (or T1 changed bits)";
     EXPECT_EQ(run[6][e].bytes, run[9][e].bytes) << names[e] << ": q read by the serial kernel: X1 first changed bits";
     EXPECT_EQ(run[6][e].bytes, run[10][e].bytes) << names[e] << ": q read by the serial kernel: the deferred stores changed bits";
+    EXPECT_EQ(run[6][e].bytes, run[11][e].bytes) << names[e] << ": q read by the serial kernel: the whole-row stores changed bits";
     EXPECT_TRUE(padding_untouched(run[6][e], 0xff)) << names[e] << ": written outside its view (q read by the serial kernel)";
     EXPECT_LT(err_q8, tol) << names[e] << " (dS in registers, mma.sync, q read by the serial kernel)";
     EXPECT_TRUE(padding_untouched(run[8][e], 0xff)) << names[e] << ": written outside its view (mma.sync, q read)";

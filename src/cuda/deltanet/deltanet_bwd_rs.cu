@@ -48,6 +48,7 @@ constexpr int kRsLoaders = 2;  // loader warps: (k, Q^, rk, beta) and (Xw, dO, d
 constexpr int kRsAux = kRsLoaders + 1;
 constexpr int kRsLdt = 24;     // stride (bf16) of a chain warp's transposition tiles: 16 columns + 8
 constexpr int kRsPf = 4;       // ldmatrix results in flight ahead of their products
+constexpr int kRsLdw = 72;     // WIDE: stride (bf16) of the CTA's tile pair: 64 columns + 8 (144 bytes: rows 4 banks apart)
 
 // smem: [nbuf] { bf16 k, Q^ (or q), Xw [64][Kc + 8] | bf16 dO, dD0 [64][16 nw + 8] | f32 rk, beta, rq [64] } |
 //       [nw][2] bf16 transposition tiles { dSe^T [Kc][24], dD [64][24] } (steps s % 2) |
@@ -99,12 +100,22 @@ struct BrLayout {
 // PROBE (DEFER's instance with `probe`, a mask of parts left out: 1 the tile stores, 2 the qraw
 // scaling, 4 the wait for the chunk's operands, 8 X1, 16 dO^T Q^, 32 B Xw): timing probes only, the
 // results are wrong (fastweight_bench --dn-rs-probe=MASK --timing-only): which part sets the step.
-template <int KC, bool WG = false, bool T1 = false, bool X1F = false, bool DEFER = false, bool PROBE = false>
+// WIDE (DEFER's, `set_deltanet_bwd_serial_rs_wide`): the chain warps write one tile pair for the CTA,
+// (KC + 64) rows of its 16 nw columns (stride kRsLdw), in the per-warp tiles' place, and store it as
+// whole rows: a warp's 16-byte row pieces of 8 lanes cover 4 rows of 128 bytes an instruction, where
+// each warp's own 16 columns were 32 bytes of 16 rows (16 lines an instruction, 4 warps writing each
+// line in turn). A named barrier of the chain warps a step guards the pair. Probe 1 (the stores left
+// out) took 0.944x of the backward at varlen 8 and 0.969x at (4,4096,16,128) (H100, session 31), where
+// the products left out took nothing: the stores set the step, and FLA's dhu kernel stores the same
+// bytes as whole 128-byte rows.
+template <int KC, bool WG = false, bool T1 = false, bool X1F = false, bool DEFER = false, bool PROBE = false,
+          bool WIDE = false>
 __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     deltanet_bwd_state_rs_kernel(const DeltanetBwdParams p, const DnBwdWs w, float* __restrict__ ws, int nw, int nbuf,
                                  bool storer, bool qraw, bool lfast, bool slean, int probe) {
   static_assert(!DEFER || (X1F && !T1), "DEFER: the X1-first form with its two tile pairs");
   static_assert(!PROBE || DEFER, "PROBE: DEFER's instance");
+  static_assert(!WIDE || (DEFER && !PROBE), "WIDE: DEFER's form");
   auto skip = [&](int part) { return PROBE && (probe & part) != 0; };
   constexpr int LDK = BrLayout<KC>::LDK, NK = KC / 8, KS = KC / 16;  // n-tiles, k-steps of dS^T's K
   extern __shared__ float4 smem_raw[];
@@ -133,6 +144,9 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
   auto tile = [&](int cw_, int sb) {
     return reinterpret_cast<bf16*>(base + lay.tr) + (T1 ? cw_ : 2 * cw_ + sb) * lay.trw;
   };
+  // WIDE: the CTA's tile pair sb, (KC + 64, kRsLdw) bf16, in the per-warp tiles' region (2 x 192 x 72
+  // elements there against 4 x 2 x 192 x 24); dSe^T rows 0 .. KC - 1, dD rows KC ..
+  auto tile_w = [&](int sb) { return reinterpret_cast<bf16*>(base + lay.tr) + std::size_t(sb) * (KC + kT) * kRsLdw; };
 #if !defined(FW_HAS_BULK)
   __trap();  // mbarriers and stmatrix: the host launches it only for an sm_90 binary
 #else
@@ -287,7 +301,30 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
   const std::int64_t c0 = cb + cw;
   const bool live = c0 < V;  // V % 16 == 0: whole 16-column slices
   // stmatrix.trans lane row of an (8 j0 ..) x 16 block pair: matrix m8 = (row block m8 / 2, column half m8 % 2)
-  const int st_off = (8 * (m8 >> 1) + r8) * kRsLdt + 8 * (m8 & 1);
+  constexpr int LDT = WIDE ? kRsLdw : kRsLdt;  // the transposition tiles' stride
+  const int st_off = (8 * (m8 >> 1) + r8) * LDT + 8 * (m8 & 1) + (WIDE ? cw : 0);
+  // WIDE: step sp's tile pair (its rows 16 j + 4 warp + lane / 8, 16-byte piece lane % 8) to the workspace
+  const int ncw = int(lmin(16 * nw, V - cb));  // the CTA's columns (V % 16 == 0: whole pieces)
+  auto store_wide = [&](std::int64_t sp) {
+    const std::int64_t ci = nch - 1 - sp;
+    const int nr = int(lmin(kT, sq_.eos - (sq_.bos + ci * kT)));
+    const int r0 = 4 * warp + (lane >> 3), pc = 8 * (lane & 7);
+    const bool col = pc < ncw;
+    const bf16* t = tile_w(int(sp & 1)) + r0 * kRsLdw + pc;
+    constexpr int NS = KC / 16, NR = (KC + kT) / 16;  // row groups of dSe^T, of both
+    uint4 v[NR];  // every piece into registers of its own first (see store_tiles)
+#pragma unroll
+    for (int j = 0; j < NR; ++j) v[j] = *reinterpret_cast<const uint4*>(t + 16 * j * kRsLdw);
+    char* gs = reinterpret_cast<char*>(state_mats<false>(ws + w.dS, sq_.base + ci, p.H, h, K, V) + cb + r0 * V + pc);
+    char* gy = reinterpret_cast<char*>(reinterpret_cast<bf16*>(ws + w.Y) + (row00 + ci * wrow_step + std::int64_t(r0) * p.H) * V + cb + pc);
+    const std::int64_t ss = 32 * V, sy = 32 * p.H * V;  // bytes between 16 rows
+#pragma unroll
+    for (int j = 0; j < NS; ++j, gs += ss)
+      if (col && r0 + 16 * j < K) st_global_v4u(gs, v[j]);
+#pragma unroll
+    for (int j = NS; j < NR; ++j, gy += sy)
+      if (col && r0 + 16 * (j - NS) < nr) st_global_v4u(gy, v[j]);
+  };
   float acc[NK][4];  // dS^T: acc[j][e] at row (V) c0 + g + 8 (e / 2), column (K) 8 j + 2 t4 + e % 2
 #pragma unroll
   for (int j = 0; j < NK; ++j)
@@ -339,12 +376,19 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     }
     // the tile pair s % 2: (KC, 24) dSe^T, (64, 24) dD, both transposed; free once the storer is done
     // with step s - 2
-    bf16* trS = tile(warp, int(s & 1));
-    bf16* trD = T1 ? trS : trS + std::size_t(KC) * kRsLdt;
-    if (!storer) __syncwarp();  // this warp's own stores of step s - 2 (T1: s - 1) have read the tiles
-    else if (s >= 2) mbar_wait(sempty + (s & 1), unsigned((s >> 1) - 1) & 1);
+    bf16* trS = WIDE ? tile_w(int(s & 1)) : tile(warp, int(s & 1));
+    bf16* trD = T1 ? trS : trS + std::size_t(KC) * LDT;
+    if constexpr (WIDE) {
+      // every chain warp is done with step s - 1: its writes of pair (s - 1) % 2 (read below) and its
+      // reads (stores) of pair s % 2 (written below)
+      asm volatile("bar.sync 1, %0;\n" ::"n"(32 * 4) : "memory");
+    } else if (!storer) {
+      __syncwarp();  // this warp's own stores of step s - 2 (T1: s - 1) have read the tiles
+    } else if (s >= 2) {
+      mbar_wait(sempty + (s & 1), unsigned((s >> 1) - 1) & 1);
+    }
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) stsm_x4_t(trS + 16 * ks * kRsLdt + st_off, a[ks]);
+    for (int ks = 0; ks < KS; ++ks) stsm_x4_t(trS + 16 * ks * LDT + st_off, a[ks]);
     if constexpr (T1) {  // dSe^T out now (while the chunk's loads land): the tile then takes dD
       __syncwarp();
       if (live) store_tiles(warp, s, 1);
@@ -381,8 +425,11 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
         if (!skip(8)) wg_x1();
         // DEFER: the previous step's tiles (s - 1: the other pair) go out while X1 runs, instead of at
         // that step's end on the chain (the warp's __syncwarp at the step's end ordered their writes)
-        if constexpr (DEFER)
+        if constexpr (WIDE) {
+          if (s > 0) store_wide(s - 1);
+        } else if constexpr (DEFER) {
           if (s > 0 && live && !skip(1)) store_tiles(warp, s - 1, 3);
+        }
       }
     } else {
 #pragma unroll
@@ -461,7 +508,7 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
 #pragma unroll
     for (int jp = 0; jp < 4; ++jp) {
       const std::uint32_t r4[4] = {dpk[2 * jp][0], dpk[2 * jp][1], dpk[2 * jp + 1][0], dpk[2 * jp + 1][1]};
-      stsm_x4_t(trD + 16 * jp * kRsLdt + st_off, r4);
+      stsm_x4_t(trD + 16 * jp * LDT + st_off, r4);
     }
     // d. phase C: dS^T += B Xw
     if constexpr (WG) {
@@ -489,8 +536,12 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     if constexpr (!DEFER)
       if (!storer && live) store_tiles(warp, s, T1 ? 2 : 3);
   }
-  if constexpr (DEFER)
+  if constexpr (WIDE) {
+    asm volatile("bar.sync 1, %0;\n" ::"n"(32 * 4) : "memory");  // the last pair written by every chain warp
+    if (nch > 0) store_wide(nch - 1);
+  } else if constexpr (DEFER) {
     if (nch > 0 && live && !skip(1)) store_tiles(warp, nch - 1, 3);  // the last step's (ordered by its __syncwarp)
+  }
   if (p.dh0.p && live) {
 #pragma unroll
     for (int j = 0; j < NK; ++j)
@@ -512,24 +563,28 @@ std::atomic<bool> g_rs_lfast{false};   // set_deltanet_bwd_serial_rs_lfast (H100
 std::atomic<bool> g_rs_x1first{false};  // set_deltanet_bwd_serial_rs_x1first (H100, session 31: 1.00x)
 std::atomic<bool> g_rs_slean{false};    // set_deltanet_bwd_serial_rs_slean (H100, session 31: 1.00x as first built)
 std::atomic<bool> g_rs_defer{false};    // set_deltanet_bwd_serial_rs_defer (not yet measured)
+std::atomic<bool> g_rs_wide{false};     // set_deltanet_bwd_serial_rs_wide (not yet measured)
 std::atomic<int> g_rs_probe{0};         // set_deltanet_bwd_serial_rs_probe (timing probes: wrong results)
 std::atomic<int> g_rs_last{-1};        // deltanet_bwd_serial_rs_last_launch
 
 using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool, bool, bool, bool, int);
 using Bytes = std::size_t (*)(int, int);
 // [Kc 64][instance: mma.sync, wgmma, wgmma with one tile (T1), then those two with X1 first, then the
-// wgmma form with X1 first and the deferred stores, and that with the timing probes]
-constexpr Fn kRsFns[2][7] = {
+// wgmma form with X1 first and the deferred stores, that with the timing probes, and with whole rows]
+constexpr Fn kRsFns[2][8] = {
     {&deltanet_bwd_state_rs_kernel<128>, &deltanet_bwd_state_rs_kernel<128, true>,
      &deltanet_bwd_state_rs_kernel<128, true, true>, &deltanet_bwd_state_rs_kernel<128, true, false, true>,
      &deltanet_bwd_state_rs_kernel<128, true, true, true>, &deltanet_bwd_state_rs_kernel<128, true, false, true, true>,
-     &deltanet_bwd_state_rs_kernel<128, true, false, true, true, true>},
+     &deltanet_bwd_state_rs_kernel<128, true, false, true, true, true>,
+     &deltanet_bwd_state_rs_kernel<128, true, false, true, true, false, true>},
     {&deltanet_bwd_state_rs_kernel<64>, &deltanet_bwd_state_rs_kernel<64, true>,
      &deltanet_bwd_state_rs_kernel<64, true, true>, &deltanet_bwd_state_rs_kernel<64, true, false, true>,
      &deltanet_bwd_state_rs_kernel<64, true, true, true>, &deltanet_bwd_state_rs_kernel<64, true, false, true, true>,
-     &deltanet_bwd_state_rs_kernel<64, true, false, true, true, true>}};
+     &deltanet_bwd_state_rs_kernel<64, true, false, true, true, true>,
+     &deltanet_bwd_state_rs_kernel<64, true, false, true, true, false, true>}};
 int rs_instance(const DnRsPlan& plan) {
-  return plan.defer ? (g_rs_probe.load(std::memory_order_relaxed) ? 6 : 5) : plan.form + (plan.form > 0 && plan.x1f ? 2 : 0);
+  if (plan.defer) return g_rs_probe.load(std::memory_order_relaxed) ? 6 : plan.wide ? 7 : 5;
+  return plan.form + (plan.form > 0 && plan.x1f ? 2 : 0);
 }
 
 template <int KC, bool WG, bool T1>
@@ -545,6 +600,7 @@ bool set_deltanet_bwd_serial_rs_x1first(bool on) { return g_rs_x1first.exchange(
 bool set_deltanet_bwd_serial_rs_slean(bool on) { return g_rs_slean.exchange(on); }
 bool set_deltanet_bwd_serial_rs_defer(bool on) { return g_rs_defer.exchange(on); }
 int set_deltanet_bwd_serial_rs_probe(int mask) { return g_rs_probe.exchange(mask); }
+bool set_deltanet_bwd_serial_rs_wide(bool on) { return g_rs_wide.exchange(on); }
 int deltanet_bwd_serial_rs_last_launch(int reset) { return g_rs_last.exchange(reset); }
 
 int set_deltanet_bwd_serial_rs(int mode) {
@@ -578,7 +634,9 @@ DnRsPlan deltanet_bwd_serial_rs_plan(const DeltanetBwdParams& p, const DnBwdWs& 
   // DEFER: the X1-first wgmma form with two tile pairs (not T1) and no storer warp
   const bool defer = x1f && form == 1 && !g_rs_storer.load(std::memory_order_relaxed) &&
                      g_rs_defer.load(std::memory_order_relaxed);
-  const Fn fn = kRsFns[k64][defer ? 5 : form + (x1f ? 2 : 0)];
+  // WIDE: DEFER with the CTA's tile pair (4 chain warps: the wgmma form's one warpgroup)
+  const bool wide = defer && nw == 4 && g_rs_wide.load(std::memory_order_relaxed);
+  const Fn fn = kRsFns[k64][defer ? (wide ? 7 : 5) : form + (x1f ? 2 : 0)];
   auto bytes = [&](int nb) { return kBytes[k64][form](nw, nb); };
   // the deepest ring that fits: 3 buffers (T1: up to 4), else 2
   int nbuf = 2;
@@ -590,7 +648,7 @@ DnRsPlan deltanet_bwd_serial_rs_plan(const DeltanetBwdParams& p, const DnBwdWs& 
   if (bytes(nbuf) > cap || kernel_binary_version(reinterpret_cast<const void*>(fn)) < 90) return plan;  // (wg: sm_90a above)
   const std::int64_t nt = tiles(nw);
   if (seqs > 0x7fffffff || nt > 65535) throw Error(cat("deltanet_bwd: grid too large (", seqs, " sequence-heads)"));
-  plan.applies = true, plan.k64 = k64, plan.form = form, plan.x1f = x1f, plan.defer = defer, plan.nw = nw, plan.nbuf = nbuf;
+  plan.applies = true, plan.k64 = k64, plan.form = form, plan.x1f = x1f, plan.defer = defer, plan.wide = wide, plan.nw = nw, plan.nbuf = nbuf;
   plan.bytes = bytes(nbuf);
   plan.grid_x = seqs, plan.grid_y = nt;
   plan.qraw = vq && g_rs_qraw.load(std::memory_order_relaxed);  // q's rows 16-byte aligned for cp.async

@@ -56,6 +56,7 @@ struct DnRsPlan {
   bool applies = false, qraw = false;  // qraw: reads q and rq and scales dO^T (no Q^ from prep)
   bool x1f = false;                    // the wgmma forms' X1 issued first
   bool defer = false;                  // ... and each step's stores during the next step's X1
+  bool wide = false;                   // ... from one tile pair of the CTA, as whole rows
   int k64 = 0, form = 0, nw = 0, nbuf = 0;
   std::size_t bytes = 0;
   std::int64_t grid_x = 0, grid_y = 0;
@@ -104,8 +105,13 @@ bool set_deltanet_bwd_serial_rs_defer(bool on);
 // so that timing shows which part sets the step. THE RESULTS ARE WRONG while it is nonzero. Returns the
 // previous mask (fastweight_bench --dn-rs-probe=MASK, with --timing-only).
 int set_deltanet_bwd_serial_rs_probe(int mask);
+// Tests and benchmarks only: with defer, the chain warps write one tile pair for the CTA and store whole
+// 128-byte rows of it (4 rows an instruction) instead of each warp its own 32-byte row pieces. The same
+// bits. Default off: not yet measured. Returns the previous setting (fastweight_bench --dn-rs-wide=on).
+bool set_deltanet_bwd_serial_rs_wide(bool on);
 // Tests only: what the last launch of that kernel was (0 mma.sync, 1 wgmma, 2 wgmma T1, 3 and 4 those
-// two with X1 first, 5 the wgmma form with X1 first and deferred stores; + 8 with qraw), or -1 if none since the last call; sets it to `reset` and returns
+// two with X1 first, 5 the wgmma form with X1 first and deferred stores, 6 that with probes, 7 that
+// with whole-row stores; + 8 with qraw), or -1 if none since the last call; sets it to `reset` and returns
 // the previous value.
 int deltanet_bwd_serial_rs_last_launch(int reset = -1);
 // Tests and benchmarks only: the tensor-core chunk pass's grid with a (slot, head)'s K tiles as
