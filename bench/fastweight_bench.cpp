@@ -482,8 +482,8 @@ int main(int argc, char** argv) {
   if (o.dn_rs_defer >= 0) fastweight::detail::set_deltanet_bwd_serial_rs_defer(o.dn_rs_defer == 1);
   if (o.dn_rs_wide >= 0) fastweight::detail::set_deltanet_bwd_serial_rs_wide(o.dn_rs_wide == 1);
   if (o.dn_rs_probe) {  // timing probes: the backward's results are wrong, so only with --timing-only
-    if (!o.timing_only) {
-      std::fprintf(stderr, "--dn-rs-probe leaves parts of a kernel out: it needs --timing-only\n");
+    if (!o.timing_only || (o.dn_rs_probe & ~(1 | 2 | 8 | 16 | 32))) {
+      std::fprintf(stderr, "--dn-rs-probe leaves parts of a kernel out: it needs --timing-only, and a mask of 1, 2, 8, 16, 32\n");
       return 2;
     }
     fastweight::detail::set_deltanet_bwd_serial_rs_probe(o.dn_rs_probe);

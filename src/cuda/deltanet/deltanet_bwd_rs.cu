@@ -29,7 +29,10 @@
 // (26% of stall samples), not on the products. T1 (one tile per warp: room for 3 buffers) measured
 // no faster (session 30), so the loads' latency is not the bound; the SASS points at instruction
 // counts instead: loader 0 ~12 instructions per 16-byte copy (~1400 a step), the chain's own stores
-// ~18 each. lfast, slean and X1F (switches below, not yet measured) cut those.
+// ~18 each. lfast, slean and X1F (switches below) cut those and measured 1.00x (session 31), as did
+// DEFER. Timing probes (PROBE below) then showed what sets the step: without its dSe / dD stores the
+// kernel ran ~30% shorter at varlen 8, without either product of the chain no shorter. WIDE (below,
+// not yet measured) stores the same bytes as whole 128-byte rows, as FLA's dhu kernel does.
 #include <atomic>
 
 #include "cuda/common/bulk.cuh"
@@ -98,8 +101,11 @@ struct BrLayout {
 // next step's first. DEFER also keeps s % nbuf and (s / nbuf) & 1 as running counters (the 64-bit
 // division per step and role was on the chain: F2I and its branch in ncu's samples).
 // PROBE (DEFER's instance with `probe`, a mask of parts left out: 1 the tile stores, 2 the qraw
-// scaling, 4 the wait for the chunk's operands, 8 X1, 16 dO^T Q^, 32 B Xw): timing probes only, the
-// results are wrong (fastweight_bench --dn-rs-probe=MASK --timing-only): which part sets the step.
+// scaling, 8 X1, 16 dO^T Q^, 32 B Xw): timing probes only, the results are wrong (fastweight_bench
+// --dn-rs-probe=MASK --timing-only): which part sets the step. (Leaving out the wait for a chunk's
+// operands, once bit 4, hung: the chain then arrives on a buffer's empty barrier twice before the
+// loader waits for the first phase, whose parity then never comes back.) H100, session 31, bwd ms
+// against DEFER alone: 1 -> 0.944 at varlen 8 and 0.969 at (4,4096,16,128); 2, 8, 32 -> 0.99-1.00.
 // WIDE (DEFER's, `set_deltanet_bwd_serial_rs_wide`): the chain warps write one tile pair for the CTA,
 // (KC + 64) rows of its 16 nw columns (stride kRsLdw), in the per-warp tiles' place, and store it as
 // whole rows: a warp's 16-byte row pieces of 8 lanes cover 4 rows of 128 bytes an instruction, where
@@ -393,7 +399,7 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       __syncwarp();
       if (live) store_tiles(warp, s, 1);
     }
-    if (!skip(4)) mbar_wait(full + bf, fph);  // chunk ci's operands landed
+    mbar_wait(full + bf, fph);  // chunk ci's operands landed
     sk = reinterpret_cast<const bf16*>(at(bf, lay.k));
     sq = reinterpret_cast<const bf16*>(at(bf, lay.q));
     sx = reinterpret_cast<const bf16*>(at(bf, lay.xw));
@@ -599,7 +605,7 @@ bool set_deltanet_bwd_serial_rs_lfast(bool on) { return g_rs_lfast.exchange(on);
 bool set_deltanet_bwd_serial_rs_x1first(bool on) { return g_rs_x1first.exchange(on); }
 bool set_deltanet_bwd_serial_rs_slean(bool on) { return g_rs_slean.exchange(on); }
 bool set_deltanet_bwd_serial_rs_defer(bool on) { return g_rs_defer.exchange(on); }
-int set_deltanet_bwd_serial_rs_probe(int mask) { return g_rs_probe.exchange(mask); }
+int set_deltanet_bwd_serial_rs_probe(int mask) { return g_rs_probe.exchange(mask & (1 | 2 | 8 | 16 | 32)); }
 bool set_deltanet_bwd_serial_rs_wide(bool on) { return g_rs_wide.exchange(on); }
 int deltanet_bwd_serial_rs_last_launch(int reset) { return g_rs_last.exchange(reset); }
 
