@@ -482,11 +482,11 @@ int main(int argc, char** argv) {
   if (o.dn_rs_defer >= 0) fastweight::detail::set_deltanet_bwd_serial_rs_defer(o.dn_rs_defer == 1);
   if (o.dn_rs_wide >= 0) fastweight::detail::set_deltanet_bwd_serial_rs_wide(o.dn_rs_wide == 1);
   if (o.dn_rs_probe) {  // timing probes: the backward's results are wrong, so only with --timing-only
-    if (!o.timing_only || (o.dn_rs_probe & ~(1 | 2 | 8 | 16 | 32))) {
-      std::fprintf(stderr, "--dn-rs-probe leaves parts of a kernel out: it needs --timing-only, and a mask of 1, 2, 8, 16, 32\n");
+    fastweight::detail::set_deltanet_bwd_serial_rs_probe(o.dn_rs_probe);
+    if (!o.timing_only || fastweight::detail::set_deltanet_bwd_serial_rs_probe(o.dn_rs_probe) != o.dn_rs_probe) {
+      std::fprintf(stderr, "--dn-rs-probe leaves parts of a kernel out: it needs --timing-only and a mask of 1, 2, 8, 32 or 40\n");
       return 2;
     }
-    fastweight::detail::set_deltanet_bwd_serial_rs_probe(o.dn_rs_probe);
   }
   if (o.dn_prep_stage >= 0) fastweight::detail::set_deltanet_bwd_prep_stage(o.dn_prep_stage == 1);
   if (o.dn_post_stage >= 0) fastweight::detail::set_deltanet_bwd_post_stage(o.dn_post_stage == 1);

@@ -567,11 +567,11 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_bwd_serial_rs_storer(r == 3);
     fastweight::detail::set_deltanet_bwd_serial_rs_t1(r == 5 || r == 7);  // one transposition tile, 3-4 buffers: the same bits
     fastweight::detail::set_deltanet_bwd_serial_rs_qraw(r >= 6);
-    fastweight::detail::set_deltanet_bwd_serial_rs_lfast(r == 5 || r == 7 || r == 9 || r == 10);
-    fastweight::detail::set_deltanet_bwd_serial_rs_wide(r == 11);  // whole-row stores (instance 7): the same bits  // the unrolled whole-chunk loads: the same bits
+    fastweight::detail::set_deltanet_bwd_serial_rs_lfast(r == 5 || r == 7 || r == 9 || r == 10);  // the unrolled whole-chunk loads: the same bits
     fastweight::detail::set_deltanet_bwd_serial_rs_x1first(r == 5 || r >= 9);  // X1 issued first (own instances): the same bits
-    fastweight::detail::set_deltanet_bwd_serial_rs_slean(r == 3 || r == 5 || r == 7 || r == 9 || r == 10);
-    fastweight::detail::set_deltanet_bwd_serial_rs_defer(r >= 10);  // the stores a step later (instance 5): the same bits  // the lean row stores (run 3: the storer's): the same bits
+    fastweight::detail::set_deltanet_bwd_serial_rs_slean(r == 3 || r == 5 || r == 7 || r == 9 || r == 10);  // the lean row stores (run 3: the storer's): the same bits
+    fastweight::detail::set_deltanet_bwd_serial_rs_defer(r >= 10);  // the stores a step later (instance 5): the same bits
+    fastweight::detail::set_deltanet_bwd_serial_rs_wide(r == 11);  // whole-row stores (instance 7): the same bits
     fastweight::detail::set_deltanet_bwd_prep_stage(r == 0 || r == 4 || r == 6);  // prep's staged dD0: the same bits
     fastweight::detail::set_deltanet_bwd_post_stage(r == 0 || r == 4 || r == 6);  // post's staged -Y, dv: the same bits
     fastweight::detail::set_deltanet_bwd_chunk_stage(r == 0 || r == 4 || r == 6);  // the chunk pass's staged dq^, dk^ (K = 128, L2)

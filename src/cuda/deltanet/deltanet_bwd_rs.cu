@@ -100,12 +100,15 @@ struct BrLayout {
 // instead of at the end of step s, where the stores sat on the chain between its last product and the
 // next step's first. DEFER also keeps s % nbuf and (s / nbuf) & 1 as running counters (the 64-bit
 // division per step and role was on the chain: F2I and its branch in ncu's samples).
-// PROBE (DEFER's instance with `probe`, a mask of parts left out: 1 the tile stores, 2 the qraw
-// scaling, 8 X1, 16 dO^T Q^, 32 B Xw): timing probes only, the results are wrong (fastweight_bench
-// --dn-rs-probe=MASK --timing-only): which part sets the step. (Leaving out the wait for a chunk's
-// operands, once bit 4, hung: the chain then arrives on a buffer's empty barrier twice before the
-// loader waits for the first phase, whose parity then never comes back.) H100, session 31, bwd ms
-// against DEFER alone: 1 -> 0.944 at varlen 8 and 0.969 at (4,4096,16,128); 2, 8, 32 -> 0.99-1.00.
+// PROBE (DEFER's instances, K <= 128 only, one per mask of parts left out: 1 the tile stores, 2 the
+// qraw scaling, 8 X1, 32 B Xw, 40 both products): timing probes only, the results are wrong
+// (fastweight_bench --dn-rs-probe=MASK --timing-only): which part sets the step. H100, session 31, bwd
+// ms against DEFER alone, with the mask then a runtime value: 1 -> 0.945 at varlen 8 and 0.979 at
+// (4,4096,16,128); 2, 8, 32 -> 0.995-1.025. As a runtime value, ptxas serialised that instance's wgmma
+// (C7515, five injected warpgroup.arrive), so the probes ran a slower schedule than DEFER: the stores'
+// share is at least what probe 1 shows, and the products' probes are not conclusive. The mask is a
+// template parameter now. (A probe without the wait for a chunk's operands hung: the chain then
+// arrives on a buffer's empty barrier twice before the loader waits for the first phase.)
 // WIDE (DEFER's, `set_deltanet_bwd_serial_rs_wide`): the chain warps write one tile pair for the CTA,
 // (KC + 64) rows of its 16 nw columns (stride kRsLdw), in the per-warp tiles' place, and store it as
 // whole rows: a warp's 16-byte row pieces of 8 lanes cover 4 rows of 128 bytes an instruction, where
@@ -114,15 +117,16 @@ struct BrLayout {
 // out) took 0.944x of the backward at varlen 8 and 0.969x at (4,4096,16,128) (H100, session 31), where
 // the products left out took nothing: the stores set the step, and FLA's dhu kernel stores the same
 // bytes as whole 128-byte rows.
-template <int KC, bool WG = false, bool T1 = false, bool X1F = false, bool DEFER = false, bool PROBE = false,
+template <int KC, bool WG = false, bool T1 = false, bool X1F = false, bool DEFER = false, int PROBE = 0,
           bool WIDE = false>
 __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     deltanet_bwd_state_rs_kernel(const DeltanetBwdParams p, const DnBwdWs w, float* __restrict__ ws, int nw, int nbuf,
                                  bool storer, bool qraw, bool lfast, bool slean, int probe) {
   static_assert(!DEFER || (X1F && !T1), "DEFER: the X1-first form with its two tile pairs");
-  static_assert(!PROBE || DEFER, "PROBE: DEFER's instance");
-  static_assert(!WIDE || (DEFER && !PROBE), "WIDE: DEFER's form");
-  auto skip = [&](int part) { return PROBE && (probe & part) != 0; };
+  static_assert(PROBE == 0 || DEFER, "PROBE: DEFER's instance");
+  static_assert(!WIDE || (DEFER && PROBE == 0), "WIDE: DEFER's form");
+  constexpr auto skip = [](int part) { return (PROBE & part) != 0; };  // compile-time: no branch around wgmma
+  (void)probe;
   constexpr int LDK = BrLayout<KC>::LDK, NK = KC / 8, KS = KC / 16;  // n-tiles, k-steps of dS^T's K
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
@@ -380,8 +384,8 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       a[ks][2] = pack_bf16(acc[2 * ks + 1][0], acc[2 * ks + 1][1]);
       a[ks][3] = pack_bf16(acc[2 * ks + 1][2], acc[2 * ks + 1][3]);
     }
-    // the tile pair s % 2: (KC, 24) dSe^T, (64, 24) dD, both transposed; free once the storer is done
-    // with step s - 2
+    // the tile pair s % 2: (KC, 24) dSe^T, (64, 24) dD, both transposed (WIDE: the CTA's pair, (KC + 64,
+    // 72)); free once the storer (or this warp, or with WIDE every chain warp) is done with step s - 2
     bf16* trS = WIDE ? tile_w(int(s & 1)) : tile(warp, int(s & 1));
     bf16* trD = T1 ? trS : trS + std::size_t(KC) * LDT;
     if constexpr (WIDE) {
@@ -430,7 +434,8 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
         wgmma_fence();  // a, x1 written
         if (!skip(8)) wg_x1();
         // DEFER: the previous step's tiles (s - 1: the other pair) go out while X1 runs, instead of at
-        // that step's end on the chain (the warp's __syncwarp at the step's end ordered their writes)
+        // that step's end on the chain (the warp's __syncwarp at the step's end ordered their writes;
+        // WIDE: the chain warps' barrier at this step's top, every warp's columns)
         if constexpr (WIDE) {
           if (s > 0) store_wide(s - 1);
         } else if constexpr (DEFER) {
@@ -470,10 +475,8 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
       if constexpr (!X1F) wgmma_fence_operand(x1f);
       wgmma_fence();  // ao (a, x1) written
       if constexpr (!X1F) wg_x1();
-      if (!skip(16)) {
 #pragma unroll
-        for (int gs = 0; gs < 4; ++gs) wg_n(ao[gs], sq, dq0, gs);
-      }
+      for (int gs = 0; gs < 4; ++gs) wg_n(ao[gs], sq, dq0, gs);
       wgmma_commit();
       wgmma_wait<1>();  // X1 (the first group); dO^T Q^ may still run
       wgmma_fence_operand(x1f);
@@ -581,13 +584,24 @@ constexpr Fn kRsFns[2][8] = {
     {&deltanet_bwd_state_rs_kernel<128>, &deltanet_bwd_state_rs_kernel<128, true>,
      &deltanet_bwd_state_rs_kernel<128, true, true>, &deltanet_bwd_state_rs_kernel<128, true, false, true>,
      &deltanet_bwd_state_rs_kernel<128, true, true, true>, &deltanet_bwd_state_rs_kernel<128, true, false, true, true>,
-     &deltanet_bwd_state_rs_kernel<128, true, false, true, true, true>,
-     &deltanet_bwd_state_rs_kernel<128, true, false, true, true, false, true>},
+     &deltanet_bwd_state_rs_kernel<128, true, false, true, true>,  // (6: a probe; rs_probe_fn picks it)
+     &deltanet_bwd_state_rs_kernel<128, true, false, true, true, 0, true>},
     {&deltanet_bwd_state_rs_kernel<64>, &deltanet_bwd_state_rs_kernel<64, true>,
      &deltanet_bwd_state_rs_kernel<64, true, true>, &deltanet_bwd_state_rs_kernel<64, true, false, true>,
      &deltanet_bwd_state_rs_kernel<64, true, true, true>, &deltanet_bwd_state_rs_kernel<64, true, false, true, true>,
-     &deltanet_bwd_state_rs_kernel<64, true, false, true, true, true>,
-     &deltanet_bwd_state_rs_kernel<64, true, false, true, true, false, true>}};
+     &deltanet_bwd_state_rs_kernel<64, true, false, true, true>,  // (6: no probes at K <= 64)
+     &deltanet_bwd_state_rs_kernel<64, true, false, true, true, 0, true>}};
+// The probe instances (K = 128 only): mask -> kernel, else null
+Fn rs_probe_fn(int mask) {
+  switch (mask) {
+    case 1: return &deltanet_bwd_state_rs_kernel<128, true, false, true, true, 1>;
+    case 2: return &deltanet_bwd_state_rs_kernel<128, true, false, true, true, 2>;
+    case 8: return &deltanet_bwd_state_rs_kernel<128, true, false, true, true, 8>;
+    case 32: return &deltanet_bwd_state_rs_kernel<128, true, false, true, true, 32>;
+    case 40: return &deltanet_bwd_state_rs_kernel<128, true, false, true, true, 40>;
+    default: return nullptr;
+  }
+}
 int rs_instance(const DnRsPlan& plan) {
   if (plan.defer) return g_rs_probe.load(std::memory_order_relaxed) ? 6 : plan.wide ? 7 : 5;
   return plan.form + (plan.form > 0 && plan.x1f ? 2 : 0);
@@ -605,7 +619,7 @@ bool set_deltanet_bwd_serial_rs_lfast(bool on) { return g_rs_lfast.exchange(on);
 bool set_deltanet_bwd_serial_rs_x1first(bool on) { return g_rs_x1first.exchange(on); }
 bool set_deltanet_bwd_serial_rs_slean(bool on) { return g_rs_slean.exchange(on); }
 bool set_deltanet_bwd_serial_rs_defer(bool on) { return g_rs_defer.exchange(on); }
-int set_deltanet_bwd_serial_rs_probe(int mask) { return g_rs_probe.exchange(mask & (1 | 2 | 8 | 16 | 32)); }
+int set_deltanet_bwd_serial_rs_probe(int mask) { return g_rs_probe.exchange(rs_probe_fn(mask) ? mask : 0); }
 bool set_deltanet_bwd_serial_rs_wide(bool on) { return g_rs_wide.exchange(on); }
 int deltanet_bwd_serial_rs_last_launch(int reset) { return g_rs_last.exchange(reset); }
 
@@ -663,7 +677,9 @@ DnRsPlan deltanet_bwd_serial_rs_plan(const DeltanetBwdParams& p, const DnBwdWs& 
 
 void deltanet_bwd_serial_rs_launch(const DnRsPlan& plan, const DeltanetBwdParams& p, const DnBwdWs& w, float* ws,
                                    Stream stream) {
-  const Fn fn = kRsFns[plan.k64][rs_instance(plan)];
+  const int inst = rs_instance(plan);
+  const Fn probe_fn = inst == 6 && !plan.k64 ? rs_probe_fn(g_rs_probe.load(std::memory_order_relaxed)) : nullptr;
+  const Fn fn = probe_fn ? probe_fn : kRsFns[plan.k64][inst];
   const int threads = 32 * (plan.nw + kRsAux);
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, plan.bytes);
   fn<<<dim3(unsigned(plan.grid_x), unsigned(plan.grid_y)), threads, plan.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(

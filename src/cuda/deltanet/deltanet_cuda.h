@@ -100,11 +100,12 @@ bool set_deltanet_bwd_serial_rs_slean(bool on);
 // The same bits. Default off: not yet measured. Returns the previous setting
 // (fastweight_bench --dn-rs-defer=on).
 bool set_deltanet_bwd_serial_rs_defer(bool on);
-// Benchmarks only, never in a real run: with defer, parts of that kernel's step left out (a mask: 1 the
-// dSe / dD stores, 2 the qraw scaling, 8 X1, 16 dO^T Q^, 32 B Xw; bit 4 is refused),
+// Benchmarks only, never in a real run: with defer at K <= 128 (Kc = 128), parts of that kernel's step
+// left out (a mask, one of: 1 the dSe / dD stores, 2 the qraw scaling, 8 X1, 32 B Xw, 40 both products;
+// others are refused: 0 is set),
 // so that timing shows which part sets the step. THE RESULTS ARE WRONG while it is nonzero. Returns the
 // previous mask (fastweight_bench --dn-rs-probe=MASK, with --timing-only).
-int set_deltanet_bwd_serial_rs_probe(int mask);  // (bit 4 and bits above 32 are cleared)
+int set_deltanet_bwd_serial_rs_probe(int mask);
 // Tests and benchmarks only: with defer, the chain warps write one tile pair for the CTA and store whole
 // 128-byte rows of it (4 rows an instruction) instead of each warp its own 32-byte row pieces. The same
 // bits. Default off: not yet measured. Returns the previous setting (fastweight_bench --dn-rs-wide=on).
