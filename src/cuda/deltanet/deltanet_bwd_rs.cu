@@ -125,6 +125,7 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
   static_assert(!DEFER || (X1F && !T1), "DEFER: the X1-first form with its two tile pairs");
   static_assert(PROBE == 0 || DEFER, "PROBE: DEFER's instance");
   static_assert(!WIDE || (DEFER && PROBE == 0), "WIDE: DEFER's form");
+  static_assert(!X1F || WG, "X1F (and DEFER, WIDE): the wgmma form's");
   constexpr auto skip = [](int part) { return (PROBE & part) != 0; };  // compile-time: no branch around wgmma
   (void)probe;
   constexpr int LDK = BrLayout<KC>::LDK, NK = KC / 8, KS = KC / 16;  // n-tiles, k-steps of dS^T's K
@@ -137,6 +138,8 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
   // were generic LDs (15% of the stall samples on stores waiting for them; as LDS: 206-212
   // registers instead of 226-232, bwd 0.99x, within noise; H100, session 30)
   if constexpr (WG) base += (1024u - (smem_u32(base) & 1023u)) & 1023u;
+  if constexpr (WIDE)
+    if (nw != 4) __trap();  // the barrier's 128 threads and the row map are one warpgroup's (the host checks)
   const int LDC = lay.ldc;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const DnCta cta = dn_chain_cta(p, reinterpret_cast<int*>(base));
