@@ -673,7 +673,11 @@ struct OutLayout {
   }
 };
 
-template <bool LO, int FK = 0>  // FK: as the wy kernel
+// STG (`set_deltanet_out_stage`; its own instances): o through the warp's own q rows (dead once its
+// products are done) as 16-byte row pieces, 8 lanes a row's 128 bytes (warp_store_rows_staged), where
+// the fragments' pair stores wrote 4 bytes a lane, 16 bytes of a row per 4 lanes: half a sector an
+// access (the backward's staged stores took 1-4% each, session 30). The same roundings and bits.
+template <bool LO, int FK = 0, bool STG = false>  // FK: as the wy kernel
 __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetParams p, const DnChunkBufs w, bool vq,
                                                                 bool vk, bool dp, int vfast) {
   extern __shared__ float4 smem_raw[];
@@ -740,6 +744,19 @@ __global__ void __launch_bounds__(kThreads) deltanet_out_kernel(const DeltanetPa
     __syncthreads();
     // o = scale diag(rq) (Q S + tril(Q K^T) diag(rk) D)
     chunk_output<LO>(o, sq, sk, ldk, Kc, sSh, sSl, sVp, nullptr, warp, lane);  // rk is in D'
+  }
+  if constexpr (STG) {  // (the host checks: bf16 o, 16-byte aligned rows, V % 8 == 0)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {  // scale diag(rq) first: the products the pair stores round
+      const float f = p.scale * s_rq[16 * warp + frow(lane, 2 * hr)];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o[j][2 * hr] *= f, o[j][2 * hr + 1] *= f;
+    }
+    warp_store_rows_staged(sq + 16 * warp * ldk, o, lane, V - c0, [&](int r) -> bf16* {
+      const int i = 16 * warp + r;
+      return i < nr ? static_cast<bf16*>(p.o.p) + dn_row(p.o, b, t0 + i, h) + c0 : nullptr;
+    });
+    return;
   }
   // bf16 o with even strides and V: a column pair per 4-byte store (the same roundings)
   const bool pairs = p.o.dtype == DType::bf16 && reinterpret_cast<std::uintptr_t>(p.o.p) % 4 == 0 && p.o.s0 % 2 == 0 &&
@@ -813,6 +830,7 @@ std::atomic<bool> g_state_ws{true};        // set_deltanet_state_ws
 std::atomic<int> g_state_ws_warps{2};      // set_deltanet_state_ws_warps
 std::atomic<bool> g_wy_stage{true};        // set_deltanet_wy_stage: on (H100, session 30: fwd 0.95-0.97x)
 std::atomic<bool> g_out_vfast{true};       // set_deltanet_out_vfast
+std::atomic<bool> g_out_stage{false};      // set_deltanet_out_stage (not yet measured)
 std::atomic<bool> g_fixed_k{true};  // set_deltanet_fixed_k
 }  // namespace
 bool set_deltanet_fixed_k(bool on) { return g_fixed_k.exchange(on); }
@@ -825,6 +843,7 @@ bool set_deltanet_state_ws(bool on) { return g_state_ws.exchange(on); }
 int set_deltanet_state_ws_warps(int n) { return g_state_ws_warps.exchange(n == 1 ? 1 : 2); }
 bool set_deltanet_wy_stage(bool on) { return g_wy_stage.exchange(on); }
 bool set_deltanet_out_vfast(bool on) { return g_out_vfast.exchange(on); }
+bool set_deltanet_out_stage(bool on) { return g_out_stage.exchange(on); }
 bool deltanet_serial_two_sync() { return g_state_two_sync.load(std::memory_order_relaxed); }
 int deltanet_serial_tile(const DeltanetParams& p) {
   // Measured (H200, docs/perf/deltanet.md session 18): 32 columns take (2,8192,16,128) from 1.27 to
@@ -919,6 +938,14 @@ void deltanet_chunk_tc_output(const DeltanetParams& p, const DnChunkBufs& w, Str
   const OutLayout lo(p.K, p.hilo, dp);
   auto* out = p.hilo ? &deltanet_out_kernel<true> : &deltanet_out_kernel<false>;
   if (deltanet_fixed_k(p)) out = p.hilo ? &deltanet_out_kernel<true, 128> : &deltanet_out_kernel<false, 128>;
+  // o staged (bf16 o, 16-byte aligned rows, V % 8 == 0)
+  const bool stg = g_out_stage.load(std::memory_order_relaxed) && p.o.dtype == DType::bf16 &&
+                   reinterpret_cast<std::uintptr_t>(p.o.p) % 16 == 0 && p.o.s0 % 8 == 0 && p.o.s1 % 8 == 0 &&
+                   p.o.s2 % 8 == 0 && p.V % 8 == 0;
+  if (stg) {
+    if (deltanet_fixed_k(p)) out = p.hilo ? &deltanet_out_kernel<true, 128, true> : &deltanet_out_kernel<false, 128, true>;
+    else out = p.hilo ? &deltanet_out_kernel<true, 0, true> : &deltanet_out_kernel<false, 0, true>;
+  }
   prepare(out, lo.bytes);
   const bool vfast = g_out_vfast.load(std::memory_order_relaxed) && vt > 1 && slots * vt <= 0x7fffffff;
   const dim3 grid = vfast ? dim3(unsigned(slots * vt), unsigned(p.H), 1u) : dim3(unsigned(slots), unsigned(p.H), unsigned(vt));

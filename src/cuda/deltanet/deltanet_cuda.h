@@ -168,6 +168,10 @@ bool set_deltanet_wy_stage(bool on);
 // (V > 64; default on) instead of a grid of slots apart; the same bits. Returns the previous setting
 // (fastweight_bench --dn-out-vfast=off).
 bool set_deltanet_out_vfast(bool on);
+// Tests and benchmarks only: the output kernel's bf16 o rows staged through shared memory and stored as
+// 16-byte row pieces instead of 4-byte column pairs; the same bits. Default off: not yet measured.
+// Returns the previous setting (fastweight_bench --dn-out-stage=on).
+bool set_deltanet_out_stage(bool on);
 // The planner's choice: 32 where 64-column CTAs (one per SM) would leave more than half the SMs idle;
 // with cu_seqlens (lengths unknown on the host, the longest sets the tail) up to two such waves.
 int deltanet_serial_tile(const DeltanetParams& p);
