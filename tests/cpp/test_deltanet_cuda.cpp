@@ -173,9 +173,10 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
     int vbufs, tile;
     bool two, ws;
     int ws_warps;
-    bool xu16, vfast, wy_stage, out_stage;
+    bool xu16, vfast, wy_stage, out_stage, dstage;
     ~Restore() {
       fastweight::detail::set_deltanet_out_stage(out_stage);
+      fastweight::detail::set_deltanet_state_dstage(dstage);
       fastweight::detail::set_deltanet_wy_stage(wy_stage);
       fastweight::detail::set_deltanet_fwd_dprime(prev);
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
@@ -190,7 +191,8 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
             fastweight::detail::set_deltanet_state_tile(0), fastweight::detail::set_deltanet_state_two_sync(true),
             fastweight::detail::set_deltanet_state_ws(true), fastweight::detail::set_deltanet_state_ws_warps(2),
             fastweight::detail::set_deltanet_xu_bf16(true), fastweight::detail::set_deltanet_out_vfast(true),
-            fastweight::detail::set_deltanet_wy_stage(false), fastweight::detail::set_deltanet_out_stage(false)};
+            fastweight::detail::set_deltanet_wy_stage(false), fastweight::detail::set_deltanet_out_stage(false),
+            fastweight::detail::set_deltanet_state_dstage(false)};
   std::vector<HostTensor> by_mode(2 * 6);  // o, final state of each mode
   for (int m = 0; m < 6; ++m) {
     void* w = m == 0 ? nullptr : ws;
@@ -213,6 +215,7 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
       fastweight::detail::set_deltanet_out_vfast(r == 0);  // the output kernel's V tiles neighbours, then a grid apart
       fastweight::detail::set_deltanet_wy_stage(r == 1);  // the wy kernel's staged Xw, Xu stores: the same bits
       fastweight::detail::set_deltanet_out_stage(r == 1);  // the output kernel's staged o rows: the same bits
+      fastweight::detail::set_deltanet_state_dstage(r == 1);  // the state kernel's D' rows from its D tile (K = 128)
       FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
       FW_TEST_CUDA(cudaMemset(ght.ptr, 0xff, ght.nbytes));
       if (w) FW_TEST_CUDA(cudaMemset(w, 0xff, need));

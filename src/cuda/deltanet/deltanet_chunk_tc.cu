@@ -18,6 +18,7 @@
 #include <atomic>
 
 #include "cuda/common/check.cuh"
+#include "cuda/common/gstore.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
 #include "cuda/deltanet/deltanet_cuda.h"
 #include "cuda/deltanet/deltanet_tc.cuh"
@@ -328,11 +329,18 @@ __device__ __forceinline__ void ws_consumer_sync() { ws_named_sync(kStThreads); 
 // it but S is not read by the update; D is written only after it). The same products in the same
 // order: the same bits. (WS: always two; the mbarriers guard the buffers.)
 // WS needs (the host checks): vk, vx, the Xu tiles with V % 8 == 0 (16-byte S pieces).
-template <bool LO, int TW = 64, int FK = 0, bool WS = false, int NP = 1>
+// DST (`set_deltanet_state_dstage`; the forward's D' only: dp without w.xbf16, bf16 operands, V % 8
+// == 0, the Xu tiles): D' = diag(rk beta) X is the D tile's hi part bit for bit (put_split2 and the
+// pair store round the same products), so once every consumer has written the tile, the consumers
+// store its rows as 16-byte pieces (one a thread a step at TW = 32) instead of each thread its 4-byte
+// pairs (half a sector an access). The rs kernel's stores set its step (session 31's probe); these are
+// the state kernel's on its chain.
+template <bool LO, int TW = 64, int FK = 0, bool WS = false, int NP = 1, bool DST = false>
 __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
     deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w, bool vk, bool vx, bool pxu, bool dp, bool two) {
   static_assert(TW == 64 || TW == 32, "64- or 32-column tiles");
   static_assert(!(WS && LO), "WS: bf16 operands (four hi + lo operand buffers do not fit)");
+  static_assert(!(DST && LO), "DST: bf16 operands");
   constexpr int NJ = TW / 8, NJX = TW / 16;  // 8-column tiles of S per warp, of X per warp
   constexpr int LDT = TW + 8, LDU = TW + 4;   // strides of the S / D (bf16) and Xu (fp32) tiles
   extern __shared__ float4 smem_raw[];
@@ -373,6 +381,19 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
   const bf16* k00 = bf_rows(p.k, b, sq.bos, h);
   const bf16* xub = reinterpret_cast<const bf16*>(w.xu);
   const std::int64_t nch = (sq.eos - sq.bos + kT - 1) / kT;
+  // DST: chunk ci's D' rows from the D tile (hi), by the kStThreads consumers: 16-byte pieces, TW / 8 a
+  // row (TW = 32: one row a thread; 64: two)
+  [[maybe_unused]] auto store_dprime_rows = [&](std::int64_t ci) {
+    constexpr int P = TW / 8, RP = kStThreads / P;  // pieces a row, rows a pass
+    const int t = int(threadIdx.x), pc = 8 * (t % P), r0 = t / P;
+    const int nr = int(lmin(kT, sq.eos - (sq.bos + ci * kT)));
+    if (c0 + pc >= V) return;  // V % 8 == 0: whole pieces
+    const bf16* src = sDh + r0 * (TW + 8) + pc;
+    bf16* g = reinterpret_cast<bf16*>(w.X) + (row00 + ci * wrow_step + std::int64_t(r0) * p.H) * V + c0 + pc;
+#pragma unroll
+    for (int q = 0; q < kT / RP; ++q)
+      if (r0 + q * RP < nr) st_global_v4u(g + q * RP * hv, *reinterpret_cast<const uint4*>(src + q * RP * (TW + 8)));
+  };
 
   if constexpr (WS) {
 #if !defined(FW_HAS_BULK)
@@ -581,11 +602,12 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
           float2 x = make_float2(0.f, 0.f);
           if (i < nr && c0 + c < V) {
             x = make_float2(u[j][e / 2].x - acc[j][e], u[j][e / 2].y - acc[j][e + 1]);
-            store_x_pair(xg, dg, (e / 2) * 8 * hv + 8 * j, x, w.xbf16 ? 1.f : r[e / 2], dp);
+            if constexpr (!DST) store_x_pair(xg, dg, (e / 2) * 8 * hv + 8 * j, x, w.xbf16 ? 1.f : r[e / 2], dp);
           }
           put_split2<LO>(sDh, sDl, LDT, i, c, r[e / 2] * x.x, r[e / 2] * x.y);
         }
       ws_consumer_sync();  // the D tile written
+      if constexpr (DST) store_dprime_rows(ci);
       // d. S += K^T D (this warp's 16 rows x TW columns): B = D from shared memory, A from registers
       if (upd) state_update_regs<NJ>(acc_s[0], ak, sDh, lane);
       ws_arrive(bars + kBarEmpty + buf);  // this warp's reads of buffer buf are done
@@ -637,7 +659,7 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
                   w.xu16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(s_xub + (buf * kT + i) * LDT + c))
                          : *reinterpret_cast<const float2*>(s_xu + (buf * kT + i) * LDU + c);
               x = make_float2(u.x - acc[j][e], u.y - acc[j][e + 1]);
-              store_x_pair(xg, dg, (e / 2) * 8 * hv + 8 * j, x, w.xbf16 ? 1.f : s_rkb[buf * kT + i], dp);
+              if constexpr (!DST) store_x_pair(xg, dg, (e / 2) * 8 * hv + 8 * j, x, w.xbf16 ? 1.f : s_rkb[buf * kT + i], dp);
             }
           } else if (i < nr && c0 + c < V) {
             const std::int64_t at = dn_ws_row(p, b, t0 + i, h) * V + c0 + c;
@@ -651,6 +673,7 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
         }
     }
     __syncthreads();
+    if constexpr (DST) store_dprime_rows(ci);
     // d. S += K^T (diag(rk beta) X)
     state_update<8, LO>(acc_s, sk + buf * tile, ldk, sDh, sDl, ngroups, warp, lane);
     if (!two) __syncthreads();  // the next iteration rewrites S hi/lo, D and this buffer
@@ -831,6 +854,7 @@ std::atomic<int> g_state_ws_warps{2};      // set_deltanet_state_ws_warps
 std::atomic<bool> g_wy_stage{true};        // set_deltanet_wy_stage: on (H100, session 30: fwd 0.95-0.97x)
 std::atomic<bool> g_out_vfast{true};       // set_deltanet_out_vfast
 std::atomic<bool> g_out_stage{false};      // set_deltanet_out_stage (not yet measured)
+std::atomic<bool> g_state_dstage{false};   // set_deltanet_state_dstage (not yet measured)
 std::atomic<bool> g_fixed_k{true};  // set_deltanet_fixed_k
 }  // namespace
 bool set_deltanet_fixed_k(bool on) { return g_fixed_k.exchange(on); }
@@ -844,6 +868,7 @@ int set_deltanet_state_ws_warps(int n) { return g_state_ws_warps.exchange(n == 1
 bool set_deltanet_wy_stage(bool on) { return g_wy_stage.exchange(on); }
 bool set_deltanet_out_vfast(bool on) { return g_out_vfast.exchange(on); }
 bool set_deltanet_out_stage(bool on) { return g_out_stage.exchange(on); }
+bool set_deltanet_state_dstage(bool on) { return g_state_dstage.exchange(on); }
 bool deltanet_serial_two_sync() { return g_state_two_sync.load(std::memory_order_relaxed); }
 int deltanet_serial_tile(const DeltanetParams& p) {
   // Measured (H200, docs/perf/deltanet.md session 18): 32 columns take (2,8192,16,128) from 1.27 to
@@ -920,7 +945,13 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   const bool ws = wsfn && (w.dprime || w.state_ws) && g_state_ws.load(std::memory_order_relaxed) && two && vk && vx && pxu &&
                   p.V % 8 == 0 &&
                   lws.bytes <= smem_per_block_optin() && kernel_binary_version(reinterpret_cast<const void*>(wsfn)) >= 90;
-  const StateFn state = ws ? wsfn : kStates[fk][tw == 32][lo];
+  StateFn state = ws ? wsfn : kStates[fk][tw == 32][lo];
+  // DST: the forward's D' rows from the D tile (K = 128 instances: the benchmark shapes'; 2 producers with WS)
+  if (g_state_dstage.load(std::memory_order_relaxed) && deltanet_dprime(p, w) && !w.xbf16 && !lo && fk &&
+      (!ws || np == 2))
+    state = ws ? &deltanet_state_kernel<false, 32, 128, true, 2, true>
+               : tw == 32 ? &deltanet_state_kernel<false, 32, 128, false, 1, true>
+                          : &deltanet_state_kernel<false, 64, 128, false, 1, true>;
   const StLayout ls = ws ? lws : StLayout(p.K, p.hilo, pxu, tw);
   const int threads = ws ? kStThreads + 32 * np : kStThreads;
   const std::int64_t vtw = (p.V + tw - 1) / tw;
