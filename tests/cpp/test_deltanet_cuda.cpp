@@ -215,7 +215,9 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
       fastweight::detail::set_deltanet_out_vfast(r == 0);  // the output kernel's V tiles neighbours, then a grid apart
       fastweight::detail::set_deltanet_wy_stage(r == 1);  // the wy kernel's staged Xw, Xu stores: the same bits
       fastweight::detail::set_deltanet_out_stage(r == 1);  // the output kernel's staged o rows: the same bits
-      fastweight::detail::set_deltanet_state_dstage(r == 1);  // the state kernel's D' rows from its D tile (K = 128)
+      // the state kernel's D' rows from its D tile (K = 128): the WS form (run 0: 32 columns, 2 producers)
+      // in mode 2, the plain form (run 1: 64 columns) in mode 5; bit-compared with the other run
+      fastweight::detail::set_deltanet_state_dstage(m == 5 ? r == 1 : r == 0);
       FW_TEST_CUDA(cudaMemset(go.ptr, 0xff, go.nbytes));
       FW_TEST_CUDA(cudaMemset(ght.ptr, 0xff, ght.nbytes));
       if (w) FW_TEST_CUDA(cudaMemset(w, 0xff, need));
