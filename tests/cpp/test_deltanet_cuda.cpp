@@ -504,7 +504,7 @@ void check_bwd_case(const DnBwdCase& c) {
     int chunk_l2;
     bool post_pf;
     int recompute_ws, serial_rs;
-    bool rs_storer, rs_t1, rs_qraw, rs_lfast, rs_x1first, rs_slean, rs_defer, rs_wide, prep_stage, post_stage, chunk_stage, wy_stage;
+    bool rs_storer, rs_t1, rs_qraw, rs_lfast, rs_x1first, rs_slean, rs_defer, rs_wide, dstage, prep_stage, post_stage, chunk_stage, wy_stage;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -526,6 +526,7 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_serial_rs_slean(rs_slean);
       fastweight::detail::set_deltanet_bwd_serial_rs_defer(rs_defer);
       fastweight::detail::set_deltanet_bwd_serial_rs_wide(rs_wide);
+      fastweight::detail::set_deltanet_state_dstage(dstage);
       fastweight::detail::set_deltanet_bwd_prep_stage(prep_stage);
       fastweight::detail::set_deltanet_bwd_post_stage(post_stage);
       fastweight::detail::set_deltanet_bwd_chunk_stage(chunk_stage);
@@ -549,6 +550,7 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_serial_rs_slean(false),
                       fastweight::detail::set_deltanet_bwd_serial_rs_defer(false),
                       fastweight::detail::set_deltanet_bwd_serial_rs_wide(false),
+                      fastweight::detail::set_deltanet_state_dstage(false),
                       fastweight::detail::set_deltanet_bwd_prep_stage(false),
                       fastweight::detail::set_deltanet_bwd_post_stage(false),
                       fastweight::detail::set_deltanet_bwd_chunk_stage(false),
@@ -579,6 +581,9 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_bwd_serial_rs_slean(r == 3 || r == 5 || r == 7 || r == 9 || r == 10);  // the lean row stores (run 3: the storer's): the same bits
     fastweight::detail::set_deltanet_bwd_serial_rs_defer(r >= 10);  // the stores a step later (instance 5): the same bits
     fastweight::detail::set_deltanet_bwd_serial_rs_wide(r == 11);  // whole-row stores (instance 7): the same bits
+    // the recompute's X rows through an X tile (K = 128): the WS form in run 0 (against run 1), the plain
+    // form in run 4 (against run 5)
+    fastweight::detail::set_deltanet_state_dstage(r == 0 || r == 4);
     fastweight::detail::set_deltanet_bwd_prep_stage(r == 0 || r == 4 || r == 6);  // prep's staged dD0: the same bits
     fastweight::detail::set_deltanet_bwd_post_stage(r == 0 || r == 4 || r == 6);  // post's staged -Y, dv: the same bits
     fastweight::detail::set_deltanet_bwd_chunk_stage(r == 0 || r == 4 || r == 6);  // the chunk pass's staged dq^, dk^ (K = 128, L2)

@@ -273,13 +273,15 @@ struct StLayout {
   // block cannot hold them (sm_80: 163 KB; 195 KB are needed at K = 128). tw: the CTA's V columns
   // (the S, D and Xu tiles are tw + 8 bf16 / tw + 4 fp32 wide: 16-byte aligned rows, ldmatrix
   // conflict-free). ws: the warp-specialised form (4 operand buffers, a second S buffer, the mbarriers).
-  __host__ __device__ StLayout(std::int64_t K, bool lo, bool with_xu = true, int tw = 64, bool ws = false) {
+  // xtile (DST with bf16 operands): a (64, tw) bf16 X tile in Dl's place (no lo tile then).
+  __host__ __device__ StLayout(std::int64_t K, bool lo, bool with_xu = true, int tw = 64, bool ws = false,
+                               bool xtile = false) {
     Kc = k_cols(K), ldk = Kc + 8;
     const std::size_t ns = ws ? 4 : 2;                  // operand buffers
     const std::size_t kt = 2 * std::size_t(kT) * ldk;  // bytes of one (64, ldk) bf16 tile
     const std::size_t st = 2 * std::size_t(Kc) * (tw + 8), t64 = 2 * std::size_t(kT) * (tw + 8);
     k = 0, xh = k + ns * kt, xl = xh + ns * kt, Sh = xl + (lo ? ns * kt : 0), Sl = Sh + st;
-    Dh = Sl + (lo ? st : 0), Dl = Dh + t64, rkb = Dl + (lo ? t64 : 0);
+    Dh = Sl + (lo ? st : 0), Dl = Dh + t64, rkb = Dl + (lo || xtile ? t64 : 0);
     xu = rkb + ns * 4 * kT;
     S2h = xu + (with_xu ? ns * 4 * std::size_t(kT) * (tw + 4) : 0), S2l = S2h + (ws ? st : 0);
     bar = round_up(S2l + (ws && lo ? st : 0), 16);
@@ -329,12 +331,12 @@ __device__ __forceinline__ void ws_consumer_sync() { ws_named_sync(kStThreads); 
 // it but S is not read by the update; D is written only after it). The same products in the same
 // order: the same bits. (WS: always two; the mbarriers guard the buffers.)
 // WS needs (the host checks): vk, vx, the Xu tiles with V % 8 == 0 (16-byte S pieces).
-// DST (`set_deltanet_state_dstage`; the forward's D' only: dp without w.xbf16, bf16 operands, V % 8
-// == 0, the Xu tiles): D' = diag(rk beta) X is the D tile's hi part bit for bit (put_split2 and the
-// pair store round the same products), so once every consumer has written the tile, the consumers
-// store its rows as 16-byte pieces (one a thread a step at TW = 32) instead of each thread its 4-byte
-// pairs (half a sector an access). The rs kernel's stores set its step (session 31's probe); these are
-// the state kernel's on its chain.
+// DST (`set_deltanet_state_dstage`; dp, bf16 operands, V % 8 == 0, the Xu tiles): the consumers store
+// the chunk's D' (the forward) or X (w.xbf16: the backward's recompute) rows as 16-byte pieces once
+// every consumer has written them to shared memory (one a thread a step at TW = 32), instead of each
+// thread its 4-byte pairs (half a sector an access). D' = diag(rk beta) X is the D tile's hi part bit
+// for bit (put_split2 and the pair store round the same products); X as bf16 goes to a tile of its own
+// in Dl's place. The rs kernel's stores set its step (session 31's probe); these are on this chain.
 template <bool LO, int TW = 64, int FK = 0, bool WS = false, int NP = 1, bool DST = false>
 __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
     deltanet_state_kernel(const DeltanetParams p, const DnChunkBufs w, bool vk, bool vx, bool pxu, bool dp, bool two) {
@@ -346,7 +348,7 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const std::int64_t K = FK ? FK : p.K;
-  const StLayout lay(K, LO, pxu, TW, WS);
+  const StLayout lay(K, LO, pxu, TW, WS, DST);
   const int Kc = lay.Kc, ldk = lay.ldk;
   const std::size_t tile = std::size_t(kT) * ldk;  // elements of one (64, ldk) tile
   // operand buffers: [2], or with WS [kStWsBufs]
@@ -381,14 +383,14 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
   const bf16* k00 = bf_rows(p.k, b, sq.bos, h);
   const bf16* xub = reinterpret_cast<const bf16*>(w.xu);
   const std::int64_t nch = (sq.eos - sq.bos + kT - 1) / kT;
-  // DST: chunk ci's D' rows from the D tile (hi), by the kStThreads consumers: 16-byte pieces, TW / 8 a
-  // row (TW = 32: one row a thread; 64: two)
+  // DST: chunk ci's D' rows from the D tile (hi), or its X rows from the X tile, by the kStThreads
+  // consumers: 16-byte pieces, TW / 8 a row (TW = 32: one row a thread; 64: two)
   [[maybe_unused]] auto store_dprime_rows = [&](std::int64_t ci) {
     constexpr int P = TW / 8, RP = kStThreads / P;  // pieces a row, rows a pass
     const int t = int(threadIdx.x), pc = 8 * (t % P), r0 = t / P;
     const int nr = int(lmin(kT, sq.eos - (sq.bos + ci * kT)));
     if (c0 + pc >= V) return;  // V % 8 == 0: whole pieces
-    const bf16* src = sDh + r0 * (TW + 8) + pc;
+    const bf16* src = (w.xbf16 ? sDl : sDh) + r0 * (TW + 8) + pc;  // X, or D' (the D tile)
     bf16* g = reinterpret_cast<bf16*>(w.X) + (row00 + ci * wrow_step + std::int64_t(r0) * p.H) * V + c0 + pc;
 #pragma unroll
     for (int q = 0; q < kT / RP; ++q)
@@ -605,6 +607,8 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
             if constexpr (!DST) store_x_pair(xg, dg, (e / 2) * 8 * hv + 8 * j, x, w.xbf16 ? 1.f : r[e / 2], dp);
           }
           put_split2<LO>(sDh, sDl, LDT, i, c, r[e / 2] * x.x, r[e / 2] * x.y);
+          if constexpr (DST)  // (the pair store's rounding of 1 X)
+            if (w.xbf16) *reinterpret_cast<__nv_bfloat162*>(sDl + i * LDT + c) = __floats2bfloat162_rn(x.x, x.y);
         }
       ws_consumer_sync();  // the D tile written
       if constexpr (DST) store_dprime_rows(ci);
@@ -670,6 +674,8 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
           }
           const float r = s_rkb[buf * kT + i];
           put_split2<LO>(sDh, sDl, LDT, i, c, r * x.x, r * x.y);
+          if constexpr (DST)  // (the pair store's rounding of 1 X)
+            if (w.xbf16) *reinterpret_cast<__nv_bfloat162*>(sDl + i * LDT + c) = __floats2bfloat162_rn(x.x, x.y);
         }
     }
     __syncthreads();
@@ -946,19 +952,21 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
                   p.V % 8 == 0 &&
                   lws.bytes <= smem_per_block_optin() && kernel_binary_version(reinterpret_cast<const void*>(wsfn)) >= 90;
   StateFn state = ws ? wsfn : kStates[fk][tw == 32][lo];
-  // DST: the forward's D' rows from the D tile (K = 128 instances: the benchmark shapes'; 2 producers with WS)
-  if (g_state_dstage.load(std::memory_order_relaxed) && deltanet_dprime(p, w) && !w.xbf16 && !lo && fk &&
-      (!ws || np == 2))
+  // DST: the D' (forward) or X (recompute) rows through shared memory (K = 128 instances: the benchmark
+  // shapes'; 2 producers with WS), where the kernel writes D' or bf16 X (dp) in whole 16-byte pieces
+  const bool dp = deltanet_dprime(p, w) || w.xbf16;
+  const bool dst = g_state_dstage.load(std::memory_order_relaxed) && dp && !lo && fk && pxu && p.V % 8 == 0 &&
+                   (!ws || np == 2) && StLayout(p.K, false, pxu, tw, ws, true).bytes <= smem_per_block_optin();
+  if (dst)
     state = ws ? &deltanet_state_kernel<false, 32, 128, true, 2, true>
                : tw == 32 ? &deltanet_state_kernel<false, 32, 128, false, 1, true>
                           : &deltanet_state_kernel<false, 64, 128, false, 1, true>;
-  const StLayout ls = ws ? lws : StLayout(p.K, p.hilo, pxu, tw);
+  const StLayout ls(p.K, p.hilo, pxu, tw, ws, dst);
   const int threads = ws ? kStThreads + 32 * np : kStThreads;
   const std::int64_t vtw = (p.V + tw - 1) / tw;
   if (vtw > 65535) throw Error(cat("deltanet (tensor cores): grid too large (", vtw, " V tiles)"));
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(state), threads, ls.bytes);
-  state<<<dim3(unsigned(seqs), unsigned(vtw)), threads, ls.bytes, st>>>(p, w, vk, vx, pxu,
-                                                                        deltanet_dprime(p, w) || w.xbf16, two);
+  state<<<dim3(unsigned(seqs), unsigned(vtw)), threads, ls.bytes, st>>>(p, w, vk, vx, pxu, dp, two);
   FW_CUDA_CHECK_LAUNCH("deltanet (state)");
 }
 

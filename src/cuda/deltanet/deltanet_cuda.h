@@ -172,9 +172,10 @@ bool set_deltanet_out_vfast(bool on);
 // 16-byte row pieces instead of 4-byte column pairs; the same bits. Default off: not yet measured.
 // Returns the previous setting (fastweight_bench --dn-out-stage=on).
 bool set_deltanet_out_stage(bool on);
-// Tests and benchmarks only: the forward's state kernel (bf16 operands, K = 128) stores D' rows from its
-// D tile as 16-byte pieces once the tile is whole, instead of each thread its 4-byte pairs; the same
-// bits. Default off: not yet measured. Returns the previous setting (fastweight_bench --dn-state-dstage=on).
+// Tests and benchmarks only: the state kernel (bf16 operands, K = 128) stores the forward's D' rows (from
+// its D tile) or the backward recompute's bf16 X rows (from an X tile) as 16-byte pieces once the tile
+// is whole, instead of each thread its 4-byte pairs; the same bits. Default off: not yet measured.
+// Returns the previous setting (fastweight_bench --dn-state-dstage=on).
 bool set_deltanet_state_dstage(bool on);
 // The planner's choice: 32 where 64-column CTAs (one per SM) would leave more than half the SMs idle;
 // with cu_seqlens (lengths unknown on the host, the longest sets the tail) up to two such waves.
