@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const std::int64_t K = FK ? FK : p.K;
-  const StLayout lay(K, LO, pxu, TW, WS, DST);
+  const StLayout lay(K, LO, pxu, TW, WS, DST && w.xbf16);  // (the X tile: the recompute's only)
   const int Kc = lay.Kc, ldk = lay.ldk;
   const std::size_t tile = std::size_t(kT) * ldk;  // elements of one (64, ldk) tile
   // operand buffers: [2], or with WS [kStWsBufs]
@@ -956,12 +956,12 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   // shapes'; 2 producers with WS), where the kernel writes D' or bf16 X (dp) in whole 16-byte pieces
   const bool dp = deltanet_dprime(p, w) || w.xbf16;
   const bool dst = g_state_dstage.load(std::memory_order_relaxed) && dp && !lo && fk && pxu && p.V % 8 == 0 &&
-                   (!ws || np == 2) && StLayout(p.K, false, pxu, tw, ws, true).bytes <= smem_per_block_optin();
+                   (!ws || np == 2) && StLayout(p.K, false, pxu, tw, ws, w.xbf16).bytes <= smem_per_block_optin();
   if (dst)
     state = ws ? &deltanet_state_kernel<false, 32, 128, true, 2, true>
                : tw == 32 ? &deltanet_state_kernel<false, 32, 128, false, 1, true>
                           : &deltanet_state_kernel<false, 64, 128, false, 1, true>;
-  const StLayout ls(p.K, p.hilo, pxu, tw, ws, dst);
+  const StLayout ls(p.K, p.hilo, pxu, tw, ws, dst && w.xbf16);
   const int threads = ws ? kStThreads + 32 * np : kStThreads;
   const std::int64_t vtw = (p.V + tw - 1) / tw;
   if (vtw > 65535) throw Error(cat("deltanet (tensor cores): grid too large (", vtw, " V tiles)"));
