@@ -32,7 +32,8 @@
 //   fastweight_bench --dn-chunk-kfast=off    DeltaNet backward chunk pass's K tiles a grid apart (A/B)
 //   fastweight_bench --dn-out-vfast=off      DeltaNet forward output kernel's V tiles a grid apart (A/B)
 //   fastweight_bench --dn-out-stage=on       DeltaNet forward output kernel's o rows staged, 16-byte stores (A/B)
-//   fastweight_bench --dn-state-dstage=on    DeltaNet forward state kernel's D' rows from its D tile, 16-byte stores (A/B)
+//   fastweight_bench --dn-state-dstage=on    DeltaNet state kernel's D' / X rows through shared memory, 16-byte stores (A/B)
+//   fastweight_bench --dn-wy-t2v4=on         DeltaNet wy kernel's fp32 T2 rows (hi + lo) as 16-byte stores (A/B)
 //   fastweight_bench --dn-chunk-l2=off|pair  DeltaNet backward's L2-norm backward in its own kernel, or fused also
 //                                            where K is two tiles (a cluster of 2), not only one (A/B)
 //   fastweight_bench --dn-post-pf=on         DeltaNet backward post kernel's V tiles loaded at its start (A/B)
@@ -128,7 +129,7 @@ struct Options {
   int dn_state_ws_warps = 0;
   int dn_bwd_ws = -1;  // -1: the library's default
   bool dn_no_wy_saved = false, dn_no_wy_side = false, dn_no_kfast = false;
-  bool dn_no_vfast = false, dn_post_pf = false, dn_out_stage = false, dn_state_dstage = false;
+  bool dn_no_vfast = false, dn_post_pf = false, dn_out_stage = false, dn_state_dstage = false, dn_wy_t2v4 = false;
   int dn_chunk_l2 = -1;  // -1: the library's default
   int dn_serial_rs = -1;  // -1: the library's default
   int dn_rs_storer = -1;
@@ -402,6 +403,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--dn-out-vfast=")) o.dn_no_vfast = !on(v);
     else if (const char* v = val("--dn-out-stage=")) o.dn_out_stage = on(v);
     else if (const char* v = val("--dn-state-dstage=")) o.dn_state_dstage = on(v);
+    else if (const char* v = val("--dn-wy-t2v4=")) o.dn_wy_t2v4 = on(v);
     else if (const char* v = val("--dn-x-bf16=")) o.dn_x_f32 = !on(v);
     else if (const char* v = val("--dn-xu-bf16=")) o.dn_xu_f32 = !on(v);
     else if (const char* v = val("--mlstm-step-fuse=")) o.mlstm_step_no_fuse = !on(v);
@@ -476,6 +478,7 @@ int main(int argc, char** argv) {
   if (o.dn_no_vfast) fastweight::detail::set_deltanet_out_vfast(false);
   if (o.dn_out_stage) fastweight::detail::set_deltanet_out_stage(true);
   if (o.dn_state_dstage) fastweight::detail::set_deltanet_state_dstage(true);
+  if (o.dn_wy_t2v4) fastweight::detail::set_deltanet_wy_t2v4(true);
   if (o.dn_chunk_l2 >= 0) fastweight::detail::set_deltanet_bwd_chunk_l2(o.dn_chunk_l2);
   if (o.dn_post_pf) fastweight::detail::set_deltanet_bwd_post_prefetch(true);
   if (o.dn_serial_rs >= 0) fastweight::detail::set_deltanet_bwd_serial_rs(o.dn_serial_rs);

@@ -504,7 +504,7 @@ void check_bwd_case(const DnBwdCase& c) {
     int chunk_l2;
     bool post_pf;
     int recompute_ws, serial_rs;
-    bool rs_storer, rs_t1, rs_qraw, rs_lfast, rs_x1first, rs_slean, rs_defer, rs_wide, dstage, prep_stage, post_stage, chunk_stage, wy_stage;
+    bool rs_storer, rs_t1, rs_qraw, rs_lfast, rs_x1first, rs_slean, rs_defer, rs_wide, dstage, t2v4, prep_stage, post_stage, chunk_stage, wy_stage;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);
@@ -527,6 +527,7 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_serial_rs_defer(rs_defer);
       fastweight::detail::set_deltanet_bwd_serial_rs_wide(rs_wide);
       fastweight::detail::set_deltanet_state_dstage(dstage);
+      fastweight::detail::set_deltanet_wy_t2v4(t2v4);
       fastweight::detail::set_deltanet_bwd_prep_stage(prep_stage);
       fastweight::detail::set_deltanet_bwd_post_stage(post_stage);
       fastweight::detail::set_deltanet_bwd_chunk_stage(chunk_stage);
@@ -551,6 +552,7 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_serial_rs_defer(false),
                       fastweight::detail::set_deltanet_bwd_serial_rs_wide(false),
                       fastweight::detail::set_deltanet_state_dstage(false),
+                      fastweight::detail::set_deltanet_wy_t2v4(false),
                       fastweight::detail::set_deltanet_bwd_prep_stage(false),
                       fastweight::detail::set_deltanet_bwd_post_stage(false),
                       fastweight::detail::set_deltanet_bwd_chunk_stage(false),
@@ -584,6 +586,7 @@ void check_bwd_case(const DnBwdCase& c) {
     // the recompute's X rows through an X tile (K = 128): the WS form in run 0 (against run 1), the plain
     // form in run 4 (against run 5)
     fastweight::detail::set_deltanet_state_dstage(r == 0 || r == 4);
+    fastweight::detail::set_deltanet_wy_t2v4(r == 1);  // hi + lo: the recompute's fp32 T2 rows as 16-byte stores (against run 0)
     fastweight::detail::set_deltanet_bwd_prep_stage(r == 0 || r == 4 || r == 6);  // prep's staged dD0: the same bits
     fastweight::detail::set_deltanet_bwd_post_stage(r == 0 || r == 4 || r == 6);  // post's staged -Y, dv: the same bits
     fastweight::detail::set_deltanet_bwd_chunk_stage(r == 0 || r == 4 || r == 6);  // the chunk pass's staged dq^, dk^ (K = 128, L2)

@@ -59,11 +59,12 @@ struct WyLayout {
 // STG (bf16 operands; set_deltanet_wy_stage; an instance of its own, so the plain one keeps its
 // registers): Xw (K % 8 == 0) and the bf16 Xu (w.xu16) go through T's place (dead once the A tiles are
 // formed), each warp its own (16, 64) tile, then 16-byte row pieces (8 lanes a row's 128 bytes) instead
-// of the fragments' 4-byte pairs (16 bytes of a row per 4 lanes).
+// of the fragments' 4-byte pairs (16 bytes of a row per 4 lanes). With LO (hi + lo; `set_deltanet_wy_t2v4`),
+// STG stands for the fp32 T2 rows' one 16-byte store a piece (st_global_v4f) instead of the four 4-byte
+// stores nvcc made of the float4 (session 30, in the SASS); not yet measured.
 template <bool LO, int FK = 0, bool STG = false>  // FK: K fixed at compile time (128), as the state kernel
 __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetParams p, const DnChunkBufs w, bool vk,
                                                                bool vv, int nvb) {
-  static_assert(!(STG && LO), "the staged stores are bf16 hi only (bf16 operands)");
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
   const std::int64_t K = FK ? FK : p.K;
@@ -157,10 +158,10 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
         const int i = e / kT2Pieces, j0 = n * (e % kT2Pieces);
         if (i >= nr) continue;
         if constexpr (LO) {
-          // (nvcc makes four 4-byte stores of this; st_global_v4f in gstore.cuh is the 16-byte form, not yet
-          // run on a GPU here: docs/perf/mlstm.md, session 30)
-          *reinterpret_cast<float4*>(w.T2 + t2_row(i) + j0) =
-              make_float4(sT[j0][i], sT[j0 + 1][i], sT[j0 + 2][i], sT[j0 + 3][i]);
+          // (nvcc makes four 4-byte stores of the float4; STG: one 16-byte store, gstore.cuh)
+          const float4 t = make_float4(sT[j0][i], sT[j0 + 1][i], sT[j0 + 2][i], sT[j0 + 3][i]);
+          if constexpr (STG) st_global_v4f(w.T2 + t2_row(i) + j0, t);
+          else *reinterpret_cast<float4*>(w.T2 + t2_row(i) + j0) = t;
         } else {  // T2 rounded to bf16 (pack_bf16)
           uint4 x;
           x.x = pack_bf16(sT[j0][i], sT[j0 + 1][i]), x.y = pack_bf16(sT[j0 + 2][i], sT[j0 + 3][i]);
@@ -200,7 +201,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
     float acc[8][4] = {};
     mma_rk(acc, sA1h, kLd, warp, sk + kc, ldk, 64, lane);
     if constexpr (LO) mma_rk(acc, sA1l, kLd, warp, sk + kc, ldk, 64, lane);
-    if (STG && K % 8 == 0) {
+    if (STG && !LO && K % 8 == 0) {  // (the staged stores: bf16 hi only, bf16 operands)
       staged_store(acc, xwh, K, kc, K);
       continue;
     }
@@ -236,7 +237,7 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
     float acc[8][4] = {};
     mma_rk(acc, sA2h, kLd, warp, svj, kLd, 64, lane);
     if constexpr (LO) mma_rk(acc, sA2l, kLd, warp, svj, kLd, 64, lane);
-    if (STG && w.xu16) {
+    if (STG && !LO && w.xu16) {
       staged_store(acc, reinterpret_cast<bf16*>(w.xu), V, v0, V);
     } else {
 #pragma unroll
@@ -861,6 +862,7 @@ std::atomic<bool> g_wy_stage{true};        // set_deltanet_wy_stage: on (H100, s
 std::atomic<bool> g_out_vfast{true};       // set_deltanet_out_vfast
 std::atomic<bool> g_out_stage{false};      // set_deltanet_out_stage (not yet measured)
 std::atomic<bool> g_state_dstage{false};   // set_deltanet_state_dstage (not yet measured)
+std::atomic<bool> g_wy_t2v4{false};        // set_deltanet_wy_t2v4 (not yet measured)
 std::atomic<bool> g_fixed_k{true};  // set_deltanet_fixed_k
 }  // namespace
 bool set_deltanet_fixed_k(bool on) { return g_fixed_k.exchange(on); }
@@ -875,6 +877,7 @@ bool set_deltanet_wy_stage(bool on) { return g_wy_stage.exchange(on); }
 bool set_deltanet_out_vfast(bool on) { return g_out_vfast.exchange(on); }
 bool set_deltanet_out_stage(bool on) { return g_out_stage.exchange(on); }
 bool set_deltanet_state_dstage(bool on) { return g_state_dstage.exchange(on); }
+bool set_deltanet_wy_t2v4(bool on) { return g_wy_t2v4.exchange(on); }
 bool deltanet_serial_two_sync() { return g_state_two_sync.load(std::memory_order_relaxed); }
 int deltanet_serial_tile(const DeltanetParams& p) {
   // Measured (H200, docs/perf/deltanet.md session 18): 32 columns take (2,8192,16,128) from 1.27 to
@@ -908,6 +911,8 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
     if (deltanet_fixed_k(p)) wy = p.hilo ? &deltanet_wy_kernel<true, 128> : &deltanet_wy_kernel<false, 128>;
     if (!p.hilo && (p.K % 8 == 0 || w.xu16) && g_wy_stage.load(std::memory_order_relaxed))  // Xw, Xu staged (bf16)
       wy = deltanet_fixed_k(p) ? &deltanet_wy_kernel<false, 128, true> : &deltanet_wy_kernel<false, 0, true>;
+    if (p.hilo && w.T2 && g_wy_t2v4.load(std::memory_order_relaxed))  // the fp32 T2 rows as 16-byte stores
+      wy = deltanet_fixed_k(p) ? &deltanet_wy_kernel<true, 128, true> : &deltanet_wy_kernel<true, 0, true>;
     // two v buffers unless the second costs a resident CTA per SM (or does not fit)
     const auto wy_fn = reinterpret_cast<const void*>(wy);
     const WyLayout l1(p.K, p.hilo, 1), l2(p.K, p.hilo, 2);

@@ -177,6 +177,10 @@ bool set_deltanet_out_stage(bool on);
 // is whole, instead of each thread its 4-byte pairs; the same bits. Default off: not yet measured.
 // Returns the previous setting (fastweight_bench --dn-state-dstage=on).
 bool set_deltanet_state_dstage(bool on);
+// Tests and benchmarks only: the wy kernel's fp32 T2 rows (hi + lo) as one 16-byte store a piece instead
+// of four 4-byte ones; the same bits. Default off: not yet measured. Returns the previous setting
+// (fastweight_bench --dn-wy-t2v4=on).
+bool set_deltanet_wy_t2v4(bool on);
 // The planner's choice: 32 where 64-column CTAs (one per SM) would leave more than half the SMs idle;
 // with cu_seqlens (lengths unknown on the host, the longest sets the tail) up to two such waves.
 int deltanet_serial_tile(const DeltanetParams& p);
