@@ -30,8 +30,8 @@
 // no faster (session 30), so the loads' latency is not the bound; the SASS points at instruction
 // counts instead: loader 0 ~12 instructions per 16-byte copy (~1400 a step), the chain's own stores
 // ~18 each. lfast, slean and X1F (switches below) cut those and measured 1.00x (session 31), as did
-// DEFER. Timing probes (PROBE below) then showed what sets the step: without its dSe / dD stores the
-// kernel ran ~30% shorter at varlen 8, without either product of the chain no shorter. WIDE (below,
+// DEFER. Timing probes (PROBE below) then showed that its dSe / dD stores weigh on the step: without
+// them the kernel ran ~30% shorter at varlen 8 (the products' probes were not conclusive). WIDE (below,
 // not yet measured) stores the same bytes as whole 128-byte rows, as FLA's dhu kernel does.
 #include <atomic>
 
@@ -114,20 +114,18 @@ struct BrLayout {
 // whole rows: a warp's 16-byte row pieces of 8 lanes cover 4 rows of 128 bytes an instruction, where
 // each warp's own 16 columns were 32 bytes of 16 rows (16 lines an instruction, 4 warps writing each
 // line in turn). A named barrier of the chain warps a step guards the pair. Probe 1 (the stores left
-// out) took 0.944x of the backward at varlen 8 and 0.969x at (4,4096,16,128) (H100, session 31), where
-// the products left out took nothing: the stores set the step, and FLA's dhu kernel stores the same
-// bytes as whole 128-byte rows.
+// out) took the backward to 0.945x at varlen 8 and 0.979x at (4,4096,16,128) against DEFER (H100,
+// session 31), and FLA's dhu kernel stores the same bytes as whole 128-byte rows.
 template <int KC, bool WG = false, bool T1 = false, bool X1F = false, bool DEFER = false, int PROBE = 0,
           bool WIDE = false>
 __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     deltanet_bwd_state_rs_kernel(const DeltanetBwdParams p, const DnBwdWs w, float* __restrict__ ws, int nw, int nbuf,
-                                 bool storer, bool qraw, bool lfast, bool slean, int probe) {
+                                 bool storer, bool qraw, bool lfast, bool slean) {
   static_assert(!DEFER || (X1F && !T1), "DEFER: the X1-first form with its two tile pairs");
   static_assert(PROBE == 0 || DEFER, "PROBE: DEFER's instance");
   static_assert(!WIDE || (DEFER && PROBE == 0), "WIDE: DEFER's form");
   static_assert(!X1F || WG, "X1F (and DEFER, WIDE): the wgmma form's");
   constexpr auto skip = [](int part) { return (PROBE & part) != 0; };  // compile-time: no branch around wgmma
-  (void)probe;
   constexpr int LDK = BrLayout<KC>::LDK, NK = KC / 8, KS = KC / 16;  // n-tiles, k-steps of dS^T's K
   extern __shared__ float4 smem_raw[];
   char* base = reinterpret_cast<char*>(smem_raw);
@@ -579,7 +577,7 @@ std::atomic<bool> g_rs_wide{false};     // set_deltanet_bwd_serial_rs_wide (not 
 std::atomic<int> g_rs_probe{0};         // set_deltanet_bwd_serial_rs_probe (timing probes: wrong results)
 std::atomic<int> g_rs_last{-1};        // deltanet_bwd_serial_rs_last_launch
 
-using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool, bool, bool, bool, int);
+using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool, bool, bool, bool);
 using Bytes = std::size_t (*)(int, int);
 // [Kc 64][instance: mma.sync, wgmma, wgmma with one tile (T1), then those two with X1 first, then the
 // wgmma form with X1 first and the deferred stores, that with the timing probes, and with whole rows]
@@ -687,8 +685,7 @@ void deltanet_bwd_serial_rs_launch(const DnRsPlan& plan, const DeltanetBwdParams
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, plan.bytes);
   fn<<<dim3(unsigned(plan.grid_x), unsigned(plan.grid_y)), threads, plan.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
       p, w, ws, plan.nw, plan.nbuf, g_rs_storer.load(std::memory_order_relaxed), plan.qraw,
-      g_rs_lfast.load(std::memory_order_relaxed), g_rs_slean.load(std::memory_order_relaxed),
-      g_rs_probe.load(std::memory_order_relaxed));
+      g_rs_lfast.load(std::memory_order_relaxed), g_rs_slean.load(std::memory_order_relaxed));
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial, dS in registers)");
   g_rs_last.store(rs_instance(plan) + (plan.qraw ? 8 : 0), std::memory_order_relaxed);
 }
