@@ -31,8 +31,9 @@
 //   fastweight_bench --dn-bwd-wy-side=off    DeltaNet backward's recompute wy kernel before the fork, not beside prep (A/B)
 //   fastweight_bench --dn-chunk-kfast=off    DeltaNet backward chunk pass's K tiles a grid apart (A/B)
 //   fastweight_bench --dn-out-vfast=off      DeltaNet forward output kernel's V tiles a grid apart (A/B)
-//   fastweight_bench --dn-out-stage=on       DeltaNet forward output kernel's o rows staged, 16-byte stores (A/B)
-//   fastweight_bench --dn-state-dstage=on    DeltaNet state kernel's D' / X rows through shared memory, 16-byte stores (A/B)
+//   fastweight_bench --dn-out-stage=off      DeltaNet forward output kernel stores o directly (default: staged, 16-byte)
+//   fastweight_bench --dn-state-dstage=on|off  DeltaNet state kernel's D' / X rows through shared memory, 16-byte
+//                                            stores: always, or never (default: where its CTAs fill the GPU)
 //   fastweight_bench --dn-wy-t2v4=on         DeltaNet wy kernel's fp32 T2 rows (hi + lo) as 16-byte stores (A/B)
 //   fastweight_bench --dn-chunk-l2=off|pair  DeltaNet backward's L2-norm backward in its own kernel, or fused also
 //                                            where K is two tiles (a cluster of 2), not only one (A/B)
@@ -44,11 +45,11 @@
 //   fastweight_bench --dn-rs-t1=on           its wgmma form with one transposition tile, 3-4 buffers (A/B)
 //   fastweight_bench --dn-rs-qraw=off        the serial kernel reads prep's Q^ (default on: it reads q, scales dO^T by s rq)
 //   fastweight_bench --dn-rs-lfast=on        its wgmma form's loaders copy whole chunks by an unrolled loop (A/B)
-//   fastweight_bench --dn-rs-x1first=on      its wgmma form issues X1 = dSe^T K^T before loading dO^T, dD0 (A/B)
-//   fastweight_bench --dn-rs-slean=on        its dSe / dD row stores by a fixed byte step, unpredicated (A/B)
-//   fastweight_bench --dn-rs-defer=on        with x1first: each step's stores during the next step's X1 (A/B)
+//   fastweight_bench --dn-rs-x1first=off     its wgmma form loads dO^T, dD0 before issuing X1 = dSe^T K^T (A/B; default first)
+//   fastweight_bench --dn-rs-slean=off       its dSe / dD row stores predicated (A/B; default: a fixed byte step, unpredicated)
+//   fastweight_bench --dn-rs-defer=off       its stores at each step's end, not during the next step's X1 (A/B; default on)
 //   fastweight_bench --dn-rs-probe=MASK      with defer and --timing-only: parts of its step left out (wrong results)
-//   fastweight_bench --dn-rs-wide=on         with defer: the CTA's tile pair stored as whole 128-byte rows (A/B)
+//   fastweight_bench --dn-rs-wide=off        each warp its own row pieces, not the CTA's tile pair as 128-byte rows (A/B)
 //   fastweight_bench --dn-prep-stage=off     the backward's prep stores dD0 directly (default: staged in shared memory)
 //   fastweight_bench --dn-post-stage=off     its post kernel stores -Y and dv directly (default: staged)
 //   fastweight_bench --dn-chunk-stage=off    its chunk pass stores the bf16 dq^, dk^ rows directly (default: staged)
@@ -129,7 +130,8 @@ struct Options {
   int dn_state_ws_warps = 0;
   int dn_bwd_ws = -1;  // -1: the library's default
   bool dn_no_wy_saved = false, dn_no_wy_side = false, dn_no_kfast = false;
-  bool dn_no_vfast = false, dn_post_pf = false, dn_out_stage = false, dn_state_dstage = false, dn_wy_t2v4 = false;
+  bool dn_no_vfast = false, dn_post_pf = false, dn_wy_t2v4 = false;
+  int dn_out_stage = -1, dn_state_dstage = -1;  // -1: the default
   int dn_chunk_l2 = -1;  // -1: the library's default
   int dn_serial_rs = -1;  // -1: the library's default
   int dn_rs_storer = -1;
@@ -401,8 +403,8 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--dn-bwd-wy-side=")) o.dn_no_wy_side = !on(v);
     else if (const char* v = val("--dn-chunk-kfast=")) o.dn_no_kfast = !on(v);
     else if (const char* v = val("--dn-out-vfast=")) o.dn_no_vfast = !on(v);
-    else if (const char* v = val("--dn-out-stage=")) o.dn_out_stage = on(v);
-    else if (const char* v = val("--dn-state-dstage=")) o.dn_state_dstage = on(v);
+    else if (const char* v = val("--dn-out-stage=")) o.dn_out_stage = on(v) ? 1 : 0;
+    else if (const char* v = val("--dn-state-dstage=")) o.dn_state_dstage = on(v) ? 1 : 0;
     else if (const char* v = val("--dn-wy-t2v4=")) o.dn_wy_t2v4 = on(v);
     else if (const char* v = val("--dn-x-bf16=")) o.dn_x_f32 = !on(v);
     else if (const char* v = val("--dn-xu-bf16=")) o.dn_xu_f32 = !on(v);
@@ -476,8 +478,8 @@ int main(int argc, char** argv) {
   if (o.dn_no_wy_side) fastweight::detail::set_deltanet_bwd_wy_side(false);
   if (o.dn_no_kfast) fastweight::detail::set_deltanet_bwd_chunk_kfast(false);
   if (o.dn_no_vfast) fastweight::detail::set_deltanet_out_vfast(false);
-  if (o.dn_out_stage) fastweight::detail::set_deltanet_out_stage(true);
-  if (o.dn_state_dstage) fastweight::detail::set_deltanet_state_dstage(true);
+  if (o.dn_out_stage >= 0) fastweight::detail::set_deltanet_out_stage(o.dn_out_stage == 1);
+  if (o.dn_state_dstage >= 0) fastweight::detail::set_deltanet_state_dstage(o.dn_state_dstage == 1);
   if (o.dn_wy_t2v4) fastweight::detail::set_deltanet_wy_t2v4(true);
   if (o.dn_chunk_l2 >= 0) fastweight::detail::set_deltanet_bwd_chunk_l2(o.dn_chunk_l2);
   if (o.dn_post_pf) fastweight::detail::set_deltanet_bwd_post_prefetch(true);

@@ -173,7 +173,8 @@ TEST_P(DeltanetCudaFwd, MatchesReferenceWritesEverythingAndIsDeterministic) {
     int vbufs, tile;
     bool two, ws;
     int ws_warps;
-    bool xu16, vfast, wy_stage, out_stage, dstage;
+    bool xu16, vfast, wy_stage, out_stage;
+    int dstage;
     ~Restore() {
       fastweight::detail::set_deltanet_out_stage(out_stage);
       fastweight::detail::set_deltanet_state_dstage(dstage);
@@ -504,7 +505,9 @@ void check_bwd_case(const DnBwdCase& c) {
     int chunk_l2;
     bool post_pf;
     int recompute_ws, serial_rs;
-    bool rs_storer, rs_t1, rs_qraw, rs_lfast, rs_x1first, rs_slean, rs_defer, rs_wide, dstage, t2v4, prep_stage, post_stage, chunk_stage, wy_stage;
+    bool rs_storer, rs_t1, rs_qraw, rs_lfast, rs_x1first, rs_slean, rs_defer, rs_wide;
+    int dstage;
+    bool t2v4, prep_stage, post_stage, chunk_stage, wy_stage;
     ~RestoreBuffering() {
       fastweight::detail::set_deltanet_wy_vbufs(vbufs);
       fastweight::detail::set_deltanet_bwd_serial_db2(db2);

@@ -32,7 +32,8 @@
 // ~18 each. lfast, slean and X1F (switches below) cut those and measured 1.00x (session 31), as did
 // DEFER. Timing probes (PROBE below) then showed that its dSe / dD stores weigh on the step: without
 // them the kernel ran ~30% shorter at varlen 8 (the products' probes were not conclusive). WIDE (below,
-// not yet measured) stores the same bytes as whole 128-byte rows, as FLA's dhu kernel does.
+// the default since session 32: bwd 0.94-0.99x at the long shapes) stores the same bytes as whole
+// 128-byte rows, as FLA's dhu kernel does.
 #include <atomic>
 
 #include "cuda/common/bulk.cuh"
@@ -115,7 +116,10 @@ struct BrLayout {
 // each warp's own 16 columns were 32 bytes of 16 rows (16 lines an instruction, 4 warps writing each
 // line in turn). A named barrier of the chain warps a step guards the pair. Probe 1 (the stores left
 // out) took the backward to 0.945x at varlen 8 and 0.979x at (4,4096,16,128) against DEFER (H100,
-// session 31), and FLA's dhu kernel stores the same bytes as whole 128-byte rows.
+// session 31), and FLA's dhu kernel stores the same bytes as whole 128-byte rows. Measured (H100,
+// session 32, against DEFER): bwd 0.94-0.97x at (1,32768) and varlen 8, 0.99-1.01x elsewhere; with
+// the mask a template parameter, probe 1 took (4,4096) and varlen to 0.948 / 0.942, probes 8 (X1),
+// 32 (B Xw), 40 (both) to 0.98-1.01: the stores were the step's weight, and WIDE took half of it.
 template <int KC, bool WG = false, bool T1 = false, bool X1F = false, bool DEFER = false, int PROBE = 0,
           bool WIDE = false>
 __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
@@ -570,10 +574,15 @@ std::atomic<bool> g_rs_t1{false};      // set_deltanet_bwd_serial_rs_t1
 // qraw on by default (H100, session 30: bwd 0.977-0.985x alone); T1 off (0.98-1.02x: no gain from the third buffer)
 std::atomic<bool> g_rs_qraw{true};     // set_deltanet_bwd_serial_rs_qraw
 std::atomic<bool> g_rs_lfast{false};   // set_deltanet_bwd_serial_rs_lfast (H100, session 31: 1.00x)
-std::atomic<bool> g_rs_x1first{false};  // set_deltanet_bwd_serial_rs_x1first (H100, session 31: 1.00x)
-std::atomic<bool> g_rs_slean{false};    // set_deltanet_bwd_serial_rs_slean (H100, session 31: 1.00x as first built)
-std::atomic<bool> g_rs_defer{false};    // set_deltanet_bwd_serial_rs_defer (not yet measured)
-std::atomic<bool> g_rs_wide{false};     // set_deltanet_bwd_serial_rs_wide (not yet measured)
+// X1 first, the lean stores and DEFER on by default as the ground WIDE stands on (alone each 1.00x,
+// H100, session 31). WIDE on (H100, session 32, bf16 operands, bwd ms against all four off, two calls):
+// 0.999-1.002 / 0.964-0.987 / 0.998-1.010 / 0.940-0.953 / 0.972-0.976 at (4,4096,16,128) / (2,8192) /
+// (8,2048,32,64) / (1,32768) / varlen 8 in 32768 (the stores left out, the probe: 0.948 / 0.942 at the
+// first and the last).
+std::atomic<bool> g_rs_x1first{true};  // set_deltanet_bwd_serial_rs_x1first
+std::atomic<bool> g_rs_slean{true};    // set_deltanet_bwd_serial_rs_slean
+std::atomic<bool> g_rs_defer{true};    // set_deltanet_bwd_serial_rs_defer
+std::atomic<bool> g_rs_wide{true};     // set_deltanet_bwd_serial_rs_wide
 std::atomic<int> g_rs_probe{0};         // set_deltanet_bwd_serial_rs_probe (timing probes: wrong results)
 std::atomic<int> g_rs_last{-1};        // deltanet_bwd_serial_rs_last_launch
 

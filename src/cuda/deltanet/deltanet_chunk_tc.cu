@@ -860,8 +860,12 @@ std::atomic<bool> g_state_ws{true};        // set_deltanet_state_ws
 std::atomic<int> g_state_ws_warps{2};      // set_deltanet_state_ws_warps
 std::atomic<bool> g_wy_stage{true};        // set_deltanet_wy_stage: on (H100, session 30: fwd 0.95-0.97x)
 std::atomic<bool> g_out_vfast{true};       // set_deltanet_out_vfast
-std::atomic<bool> g_out_stage{false};      // set_deltanet_out_stage (not yet measured)
-std::atomic<bool> g_state_dstage{false};   // set_deltanet_state_dstage (not yet measured)
+std::atomic<bool> g_out_stage{true};       // set_deltanet_out_stage (H100, session 32: fwd 0.96-0.99x)
+// DST (0 never, 1 always, 2 where the state kernel's CTAs fill the GPU; H100, session 32, bf16
+// operands, fwd ms: 0.980-0.989 / 0.915-0.922 / 0.988-0.993 at (4,4096,16,128) / (2,8192) / varlen 8
+// in 32768 (128-256 CTAs), 1.026-1.027 at (1,32768) (64 CTAs: half the SMs idle, where the extra
+// barrier and shared-memory pass lengthen the chain and the stores' bytes do not bind)
+std::atomic<int> g_state_dstage{2};        // set_deltanet_state_dstage
 std::atomic<bool> g_wy_t2v4{false};        // set_deltanet_wy_t2v4 (not yet measured)
 std::atomic<bool> g_fixed_k{true};  // set_deltanet_fixed_k
 }  // namespace
@@ -876,7 +880,7 @@ int set_deltanet_state_ws_warps(int n) { return g_state_ws_warps.exchange(n == 1
 bool set_deltanet_wy_stage(bool on) { return g_wy_stage.exchange(on); }
 bool set_deltanet_out_vfast(bool on) { return g_out_vfast.exchange(on); }
 bool set_deltanet_out_stage(bool on) { return g_out_stage.exchange(on); }
-bool set_deltanet_state_dstage(bool on) { return g_state_dstage.exchange(on); }
+int set_deltanet_state_dstage(int mode) { return g_state_dstage.exchange(mode == 0 || mode == 1 ? mode : 2); }
 bool set_deltanet_wy_t2v4(bool on) { return g_wy_t2v4.exchange(on); }
 bool deltanet_serial_two_sync() { return g_state_two_sync.load(std::memory_order_relaxed); }
 int deltanet_serial_tile(const DeltanetParams& p) {
@@ -960,7 +964,10 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
   // DST: the D' (forward) or X (recompute) rows through shared memory (K = 128 instances: the benchmark
   // shapes'; 2 producers with WS), where the kernel writes D' or bf16 X (dp) in whole 16-byte pieces
   const bool dp = deltanet_dprime(p, w) || w.xbf16;
-  const bool dst = g_state_dstage.load(std::memory_order_relaxed) && dp && !lo && fk && pxu && p.V % 8 == 0 &&
+  const std::int64_t vtw = (p.V + tw - 1) / tw;
+  const int dmode = g_state_dstage.load(std::memory_order_relaxed);
+  const bool dst = (dmode == 1 || (dmode == 2 && 4 * seqs * vtw >= 3 * std::int64_t(sm_count()))) && dp && !lo && fk &&
+                   pxu && p.V % 8 == 0 &&
                    (!ws || np == 2) && StLayout(p.K, false, pxu, tw, ws, w.xbf16).bytes <= smem_per_block_optin();
   if (dst)
     state = ws ? &deltanet_state_kernel<false, 32, 128, true, 2, true>
@@ -968,7 +975,6 @@ void deltanet_chunk_tc_states(const DeltanetParams& p, const DnChunkBufs& w, Str
                           : &deltanet_state_kernel<false, 64, 128, false, 1, true>;
   const StLayout ls(p.K, p.hilo, pxu, tw, ws, dst && w.xbf16);
   const int threads = ws ? kStThreads + 32 * np : kStThreads;
-  const std::int64_t vtw = (p.V + tw - 1) / tw;
   if (vtw > 65535) throw Error(cat("deltanet (tensor cores): grid too large (", vtw, " V tiles)"));
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(state), threads, ls.bytes);
   state<<<dim3(unsigned(seqs), unsigned(vtw)), threads, ls.bytes, st>>>(p, w, vk, vx, pxu, dp, two);

@@ -86,19 +86,19 @@ bool set_deltanet_bwd_serial_rs_qraw(bool on);
 bool set_deltanet_bwd_serial_rs_lfast(bool on);
 // Tests and benchmarks only: that kernel's wgmma form issues the chain's product X1 = dSe^T K^T as soon
 // as a chunk's operands land, and loads dO^T, dD0 (and scales dO^T with qraw) while it runs, instead of
-// before it. The same bits. Default off (H100, session 31: 1.00x). Returns the previous setting
-// (fastweight_bench --dn-rs-x1first=on).
+// before it. The same bits. Default on (DEFER and WIDE stand on it; alone 1.00x, H100, session 31).
+// Returns the previous setting (fastweight_bench --dn-rs-x1first=off).
 bool set_deltanet_bwd_serial_rs_x1first(bool on);
 // Tests and benchmarks only: that kernel's dSe / dD row stores (chain or storer warps) from the lane's
 // first row and a fixed byte step, unpredicated on whole tiles, instead of a 64-bit row product and a
 // branch per store, each row piece read into registers of its own before the first store. The same bits.
-// Default off (not yet measured in this form; the first form, one register quad reused for every
-// piece, measured 1.00x). Returns the previous setting (fastweight_bench --dn-rs-slean=on).
+// Default on (with WIDE's defaults; 1.00x alone, H100, session 31). Returns the previous setting
+// (fastweight_bench --dn-rs-slean=off).
 bool set_deltanet_bwd_serial_rs_slean(bool on);
 // Tests and benchmarks only: with x1first (the wgmma form, not T1, no storer warp), each step's dSe /
 // dD tiles are stored during the next step, right after its X1 is issued, instead of at the step's end.
-// The same bits. Default off: not yet measured. Returns the previous setting
-// (fastweight_bench --dn-rs-defer=on).
+// The same bits. Default on (WIDE's ground; alone 1.00x, H100, session 31). Returns the previous
+// setting (fastweight_bench --dn-rs-defer=off).
 bool set_deltanet_bwd_serial_rs_defer(bool on);
 // Benchmarks only, never in a real run: with defer at K <= 128 (Kc = 128), parts of that kernel's step
 // left out (a mask, one of: 1 the dSe / dD stores, 2 the qraw scaling, 8 X1, 32 B Xw, 40 both products;
@@ -108,7 +108,8 @@ bool set_deltanet_bwd_serial_rs_defer(bool on);
 int set_deltanet_bwd_serial_rs_probe(int mask);
 // Tests and benchmarks only: with defer, the chain warps write one tile pair for the CTA and store whole
 // 128-byte rows of it (4 rows an instruction) instead of each warp its own 32-byte row pieces. The same
-// bits. Default off: not yet measured. Returns the previous setting (fastweight_bench --dn-rs-wide=on).
+// bits. Default on (H100, session 32: bwd 0.94-0.98x at (1,32768) and varlen 8, 0.96-0.99x at
+// (2,8192), 1.00x elsewhere). Returns the previous setting (fastweight_bench --dn-rs-wide=off).
 bool set_deltanet_bwd_serial_rs_wide(bool on);
 // Tests only: what the last launch of that kernel was (0 mma.sync, 1 wgmma, 2 wgmma T1, 3 and 4 those
 // two with X1 first, 5 the wgmma form with X1 first and deferred stores, 6 that with probes, 7 that
@@ -169,14 +170,15 @@ bool set_deltanet_wy_stage(bool on);
 // (fastweight_bench --dn-out-vfast=off).
 bool set_deltanet_out_vfast(bool on);
 // Tests and benchmarks only: the output kernel's bf16 o rows staged through shared memory and stored as
-// 16-byte row pieces instead of 4-byte column pairs; the same bits. Default off: not yet measured.
-// Returns the previous setting (fastweight_bench --dn-out-stage=on).
+// 16-byte row pieces instead of 4-byte column pairs; the same bits. Default on (H100, session 32: fwd
+// 0.96-0.99x at every benchmark shape). Returns the previous setting (fastweight_bench --dn-out-stage=off).
 bool set_deltanet_out_stage(bool on);
 // Tests and benchmarks only: the state kernel (bf16 operands, K = 128) stores the forward's D' rows (from
 // its D tile) or the backward recompute's bf16 X rows (from an X tile) as 16-byte pieces once the tile
-// is whole, instead of each thread its 4-byte pairs; the same bits. Default off: not yet measured.
-// Returns the previous setting (fastweight_bench --dn-state-dstage=on).
-bool set_deltanet_state_dstage(bool on);
+// is whole, instead of each thread its 4-byte pairs; the same bits. 0 never, 1 always, 2 (the default)
+// where its CTAs fill at least 3/4 of the SMs (H100, session 32: fwd 0.92-0.99x there, 1.03x at
+// (1,32768,16,128), 64 CTAs). Returns the previous setting (fastweight_bench --dn-state-dstage=on|off).
+int set_deltanet_state_dstage(int mode);
 // Tests and benchmarks only: the wy kernel's fp32 T2 rows (hi + lo) as one 16-byte store a piece instead
 // of four 4-byte ones; the same bits. Default off: not yet measured. Returns the previous setting
 // (fastweight_bench --dn-wy-t2v4=on).
