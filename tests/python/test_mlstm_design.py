@@ -26,7 +26,7 @@ def ref(q,k,v,i,f,c0,n0,m0,eps):
 def emu(q,k,v,i,f,c0,n0,m0,eps,L,dh,dcl,dnl,dml):
     # one head at a time
     NH,S,DQK=q.shape; DV=v.shape[-1]; scale=1/math.sqrt(DQK)
-    out={x:[] for x in 'h c n m dq dk dv di df dc0 dn0 dm0'.split()}
+    out={x:[] for x in 'h c n m dq dk dv di df dc0 dn0 dm0 g_states g_qdq'.split()}
     for h in range(NH):
         NC=(S+L-1)//L
         # K0 states
@@ -72,7 +72,7 @@ def emu(q,k,v,i,f,c0,n0,m0,eps,L,dh,dcl,dnl,dml):
         out['dc0'].append(dCc); out['dn0'].append(dNc)
         # K3
         dq=torch.zeros(S, DQK, dtype=torch.float64); dk=torch.zeros(S, DQK, dtype=torch.float64); dv=torch.zeros(S, DV, dtype=torch.float64); dgq=torch.zeros(S, dtype=torch.float64); dgkv=torch.zeros(S, dtype=torch.float64); dikv=torch.zeros(S, dtype=torch.float64)
-        Gp=[0.0]*NC
+        Gp=[0.0]*NC; QI=[0.0]*NC
         for kc in range(NC):
             t0=kc*L; nn=min(L,S-t0); g,a,Mt=gates[kc]; mk=M[kc]; ML=Mt[-1]
             qq=q[h,t0:t0+nn]; kk=k[h,t0:t0+nn]; vv=v[h,t0:t0+nn]
@@ -82,6 +82,7 @@ def emu(q,k,v,i,f,c0,n0,m0,eps,L,dh,dcl,dnl,dml):
             W=D*X; P=scale*(qq@kk.T)*D; Z=P*X
             dq[t0:t0+nn]=scale*(e[:,None]*(dnum@C[kc].T+N[kc][None,:]*dbc[:,None]) + W@kk)
             dgq[t0:t0+nn]=Z.sum(1)+eY[t0:t0+nn]
+            QI[kc]=float((qq*dq[t0:t0+nn]).sum()-Z.sum())  # q . dq's inter-chunk part, summed over the chunk
             w=torch.exp(a-ML)
             dCv=vv@dC[kc+1].T   # (s, r)
             dk[t0:t0+nn]=W.T@(scale*qq)+w[:,None]*(dCv+dN[kc+1][None,:])
@@ -89,6 +90,15 @@ def emu(q,k,v,i,f,c0,n0,m0,eps,L,dh,dcl,dnl,dml):
             U=(kk*(dCv+dN[kc+1][None,:])).sum(1)
             da=Z.sum(0)+w*U
             dikv[t0:t0+nn]=da; dgkv[t0:t0+nn]=-da; Gp[kc]=float((w*U).sum())
+        # The chunk decay's gradient G_kc = Gp_kc + d_kc R_kc (K4 below) needs R_kc = <C_k, dC_k+1> + <n_k,
+        # dn_k+1>, which K2 forms by reading every chunk state. The same G without those reads (the plan
+        # in docs/perf/mlstm.md, session 32): G_NC-1 = R_NC (the final states only), then
+        # G_kc = G_kc+1 - Gp_kc+1 + QI_kc+1, QI the chunk's sum of q . dq's inter-chunk part (K3q's).
+        Grec=[0.0]*NC
+        if NC: Grec[NC-1]=R[NC]
+        for kc in range(NC-2,-1,-1): Grec[kc]=Grec[kc+1]-Gp[kc+1]+QI[kc+1]
+        out['g_states'].append(torch.tensor([Gp[kc]+math.exp(M[kc]-float(gates[kc][2][-1]))*R[kc] for kc in range(NC)], dtype=torch.float64))
+        out['g_qdq'].append(torch.tensor(Grec, dtype=torch.float64))
         # K4
         dlf=torch.zeros(S, dtype=torch.float64); di=dikv.clone(); dm0=0.0
         for kc in range(NC):
@@ -139,3 +149,21 @@ def test_kernel_formulas_equal_the_exact_gradient(S, L, iscale, fshift, eps):
     for name, w in zip("dq dk dv di df dc0 dn0 dm0".split(), want):
         err = float((got[name] - w).norm() / max(float(w.norm()), 1e-300))
         assert err < 1e-11, (name, err)
+
+
+@pytest.mark.parametrize("S,L,iscale,fshift,eps", [(1, 16, 2, 3, 1e-6), (37, 16, 2, 3, 1e-6), (100, 32, 20, -20, 1e-6),
+                                                   (70, 16, 3, 0, 0.3), (300, 16, 2, -3, 1e-6)])
+def test_chunk_decay_gradient_without_the_state_reads(S, L, iscale, fshift, eps):
+    """K2 reads every chunk state C_k only for R_k = <C_k, dC_k+1> + <n_k, dn_k+1> (the chunk decay's
+    gradient). The recursion over K3's q . dq sums gives the same G from the final states alone: the
+    identity a K2 without those reads would rest on (docs/perf/mlstm.md, session 32)."""
+    g0 = torch.Generator().manual_seed(7 * S + L)
+    NH, DQK, DV = 2, 6, 5
+    r = lambda *s: torch.randn(*s, generator=g0, dtype=torch.float64)  # noqa: E731
+    q, k, v = (r(NH, S, d) for d in (DQK, DQK, DV))
+    i, f = r(NH, S) * iscale, r(NH, S) + fshift
+    c0, n0, m0 = r(NH, DQK, DV), r(NH, DQK), r(NH)
+    got = emu(q, k, v, i, f, c0, n0, m0, eps, L, r(NH, S, DV), r(NH, DQK, DV), r(NH, DQK), r(NH))
+    want, rec = got["g_states"], got["g_qdq"]
+    assert want.shape == (NH, (S + L - 1) // L) and float(want.abs().max()) > 0
+    assert float((rec - want).abs().max()) <= 1e-12 * float(want.abs().max()), (rec, want)
