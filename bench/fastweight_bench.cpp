@@ -66,6 +66,7 @@
 //                                            default: planner)
 //   fastweight_bench --mlstm-k3-fixed=off    mLSTM backward's K3 roles for runtime head dims only (A/B)
 //   fastweight_bench --mlstm-dv-lo=on        mLSTM backward's dv state product with dC's lo part too (A/B)
+//   fastweight_bench --mlstm-decay-chain=on  mLSTM backward's chunk-decay gradients by K4's chain, K2 without C_k (A/B)
 //   fastweight_bench --mlstm-k3-full=off     mLSTM backward's K3 roles without the full-chunk instances (A/B)
 //   fastweight_bench --mlstm-dv-parts=off    mLSTM backward's K3 roles on 128 DV columns, 128-wide slabs (A/B)
 //   fastweight_bench --mlstm-dv-wide=off     mLSTM backward's K3 parts: two at DQK <= 128, none above (A/B)
@@ -150,7 +151,7 @@ struct Options {
   int dn_bwd_overlap = 0;  // 0: the planner's choice, 1 on, -1 off
   bool mlstm_no_bulk_store = false, mlstm_no_chunk_units = false, mlstm_no_k3_fixed = false;
   int mlstm_out_tiles = 0;
-  bool mlstm_dv_lo = false;
+  bool mlstm_dv_lo = false, mlstm_decay_chain = false;
   bool mlstm_no_k3_full = false;
   bool mlstm_no_dv_parts = false;
   bool mlstm_no_dv_wide = false;
@@ -428,6 +429,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--mlstm-chunk-units=")) o.mlstm_no_chunk_units = !on(v);
     else if (const char* v = val("--mlstm-k3-fixed=")) o.mlstm_no_k3_fixed = !on(v);
     else if (const char* v = val("--mlstm-dv-lo=")) o.mlstm_dv_lo = on(v);
+    else if (const char* v = val("--mlstm-decay-chain=")) o.mlstm_decay_chain = on(v);
     else if (const char* v = val("--mlstm-k3-full=")) o.mlstm_no_k3_full = !on(v);
     else if (const char* v = val("--mlstm-dv-parts=")) o.mlstm_no_dv_parts = !on(v);
     else if (const char* v = val("--dn-fixed-k=")) o.dn_no_fixed_k = !on(v);
@@ -462,6 +464,7 @@ int main(int argc, char** argv) {
   if (o.mlstm_no_k3_fixed) fastweight::detail::set_mlstm_k3_fixed(false);
   if (o.mlstm_out_tiles) fastweight::detail::set_mlstm_out_tiles(o.mlstm_out_tiles);
   if (o.mlstm_dv_lo) fastweight::detail::set_mlstm_dv_lo(true);
+  if (o.mlstm_decay_chain) fastweight::detail::set_mlstm_bwd_decay_chain(true);
   if (o.mlstm_no_k3_full) fastweight::detail::set_mlstm_k3_full(false);
   if (o.mlstm_no_dv_parts) fastweight::detail::set_mlstm_k3_dv_parts(false);
   if (o.mlstm_no_dv_wide) fastweight::detail::set_mlstm_k3_dv_wide(false);

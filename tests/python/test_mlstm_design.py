@@ -83,6 +83,7 @@ def emu(q,k,v,i,f,c0,n0,m0,eps,L,dh,dcl,dnl,dml):
             dq[t0:t0+nn]=scale*(e[:,None]*(dnum@C[kc].T+N[kc][None,:]*dbc[:,None]) + W@kk)
             dgq[t0:t0+nn]=Z.sum(1)+eY[t0:t0+nn]
             QI[kc]=float((qq*dq[t0:t0+nn]).sum()-Z.sum())  # q . dq's inter-chunk part, summed over the chunk
+            assert abs(QI[kc]-float(eY[t0:t0+nn].sum()))<=1e-12*max(1.0,abs(QI[kc]))  # = the chunk's sum of eY (K3q's)
             w=torch.exp(a-ML)
             dCv=vv@dC[kc+1].T   # (s, r)
             dk[t0:t0+nn]=W.T@(scale*qq)+w[:,None]*(dCv+dN[kc+1][None,:])

@@ -624,6 +624,10 @@ __global__ void __launch_bounds__(kThreads) k3_dkdv(const MlstmBwdParams B, floa
 //    thread composes its segment's affine map, thread 0 chains the maps right to left (fixed order),
 //    each thread re-walks its segment adding d to dlf (lf wins) or di (i wins).
 // 3. df = dlf sigmoid(-f), di, dm0.
+// The chunk decay's gradient G_k (dG above) is Gp_k + d_k R_k (Gp_k: K3 kv's partials; R_k = <C_k, dC_k+1>
+// + <n_k, dn_k+1>: K2's), or with `chain` (set_mlstm_bwd_decay_chain; K2 then reads no chunk state and
+// writes R_NC alone) the same value by G_NC-1 = R_NC, G_k = G_k+1 + X_k+1, X_k = sum_(chunk k) eY_t - Gp_k:
+// k4_ends forms X_k, k4_mchain the chain (fixed order), k4_chunks reads G_k (and d_0 R_0 = G_0 - Gp_0).
 // (Version 1 ran all of this in thread 0 from global memory: 11 ms of a 34 ms backward on the H100;
 // step 1 chunk after chunk in one CTA per head took 0.56 ms at (2,16,8192,128,128).)
 __device__ __forceinline__ double* k4_ends_of(float* ws, const BwdWs& L) {  // (heads, NC) x 2
@@ -635,8 +639,17 @@ __device__ __forceinline__ double* k4_m_of(float* ws, const BwdWs& L) {  // (hea
 __device__ __forceinline__ double* k4_dm0_of(float* ws, const BwdWs& L) {  // (heads): chunk 0's dm0 terms
   return reinterpret_cast<double*>(ws + L.k4) + 3 * L.heads * L.NC;
 }
+__device__ __forceinline__ double* k4_chain_of(float* ws, const BwdWs& L) {  // (heads, NC): X_k, then G_k
+  return reinterpret_cast<double*>(ws + L.k4) + 3 * L.heads * L.NC + L.heads;
+}
+// Gp_k: K3 kv's partials of the chunk (64-row blocks, fixed order)
+__device__ __forceinline__ double k4_gp(const float* ws, const BwdWs& L, std::int64_t bh, std::int64_t kc, int n) {
+  double G = 0.0;
+  for (std::int64_t sb = 0; sb * kT < n; ++sb) G += ws[L.G + (bh * L.NC + kc) * L.rbs + sb];
+  return G;
+}
 
-__global__ void __launch_bounds__(kThreads) k4_ends(const MlstmBwdParams B, float* ws, BwdWs L) {
+__global__ void __launch_bounds__(kThreads) k4_ends(const MlstmBwdParams B, float* ws, BwdWs L, bool chain) {
   const MlstmParams& p = B.f;
   __shared__ double s_g[kMaxL], s_a[kMaxL], s_M[kMaxL];
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH, kc = blockIdx.y, t0 = kc * p.L;
@@ -645,10 +658,15 @@ __global__ void __launch_bounds__(kThreads) k4_ends(const MlstmBwdParams B, floa
   if (threadIdx.x == 0) {
     double* e = k4_ends_of(ws, L) + 2 * (bh * L.NC + kc);
     e[0] = s_g[n - 1], e[1] = s_M[n - 1];
+    if (chain) {  // X_k = sum_t eY_t - Gp_k (row order)
+      double x = 0.0;
+      for (int t = 0; t < n; ++t) x += ws[L.ey + bh * p.S + t0 + t];
+      k4_chain_of(ws, L)[bh * L.NC + kc] = x - k4_gp(ws, L, bh, kc, n);
+    }
   }
 }
 
-__global__ void __launch_bounds__(kThreads) k4_mchain(const MlstmBwdParams B, float* ws, BwdWs L) {
+__global__ void __launch_bounds__(kThreads) k4_mchain(const MlstmBwdParams B, float* ws, BwdWs L, bool chain) {
   const MlstmParams& p = B.f;
   const std::int64_t bh = std::int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (bh >= L.heads) return;
@@ -661,9 +679,19 @@ __global__ void __launch_bounds__(kThreads) k4_mchain(const MlstmBwdParams B, fl
     m[kc] = mk;
     mk = e[2 * kc] + fmax(e[2 * kc + 1], mk);  // = s_g[n-1] + s_M[n-1] of the chunk entered with mk
   }
+  if (chain) {  // G_NC-1 = R_NC, G_k = G_k+1 + X_k+1: X_k replaced by G_k, last chunk first
+    double* __restrict__ x = k4_chain_of(ws, L) + bh * L.NC;
+    double G = 0.0;
+    for (std::int64_t tl = 0; tl < L.tiles; ++tl) G += ws[L.R + (bh * L.ns + L.NC) * L.tiles + tl];
+    for (std::int64_t kc = L.NC - 1; kc >= 0; --kc) {
+      const double xk = x[kc];
+      x[kc] = G;
+      G += xk;
+    }
+  }
 }
 
-__global__ void __launch_bounds__(kThreads) k4_chunks(const MlstmBwdParams B, float* ws, BwdWs L) {
+__global__ void __launch_bounds__(kThreads) k4_chunks(const MlstmBwdParams B, float* ws, BwdWs L, bool chain) {
   const MlstmParams& p = B.f;
   __shared__ double s_g[kMaxL], s_a[kMaxL], s_M[kMaxL];
   __shared__ double s_x[kMaxL];  // suffix scan of the chunk
@@ -677,13 +705,19 @@ __global__ void __launch_bounds__(kThreads) k4_chunks(const MlstmBwdParams B, fl
   const double mk = k4_m_of(ws, L)[bh * L.NC + kc];
   mlstm_chunk_gates(p, b, hd, t0, n, mk, s_g, s_a, s_M);
   if (tid == 0) {
-    double R = 0.0, G = 0.0;
-    for (std::int64_t tl = 0; tl < L.tiles; ++tl) R += ws[L.R + (bh * L.ns + kc) * L.tiles + tl];
-    for (std::int64_t sb = 0; sb * kT < n; ++sb) G += ws[L.G + (bh * L.NC + kc) * L.rbs + sb];
-    const double dk = exp(mk - s_M[n - 1]);
-    s_tot = G + dk * R;  // the decay of the entering state, exp(G + m_k - m_{k+1})
+    const double G = k4_gp(ws, L, bh, kc, n);
+    double dkR;  // d_k R_k: the entering state's part of the chunk decay's gradient
+    if (chain) {
+      s_tot = k4_chain_of(ws, L)[bh * L.NC + kc];
+      dkR = s_tot - G;
+    } else {
+      double R = 0.0;
+      for (std::int64_t tl = 0; tl < L.tiles; ++tl) R += ws[L.R + (bh * L.ns + kc) * L.tiles + tl];
+      dkR = exp(mk - s_M[n - 1]) * R;
+      s_tot = G + dkR;  // the decay of the entering state, exp(G + m_k - m_{k+1})
+    }
     if (kc == 0) {
-      double dm0 = dk * R;
+      double dm0 = dkR;
       for (int t = 0; t < n; ++t) dm0 += ws[L.ey + bh * S + t];  // e_t = exp(g_t + m_0 - m_t)
       k4_dm0_of(ws, L)[bh] = dm0;
     }
@@ -797,6 +831,7 @@ bool split_applies(const MlstmBwdParams& B) {
 bool core_tc(const MlstmBwdParams& B);
 
 std::atomic<int> g_slab_overlap{0};  // 0: the planner's choice, 1: always, -1: never
+std::atomic<bool> g_decay_chain{false};  // set_mlstm_bwd_decay_chain (not yet measured)
 
 // Slabs two at a time, on the caller's stream and a side stream (bwd_split), where the serial scans
 // of one slab leave most SMs idle: K2's grid per slab (heads x DQK tiles x slab_dv / 64) at most one
@@ -973,6 +1008,7 @@ void bwd_split(const MlstmBwdParams& B, float* ws, Stream stream) {
 }  // namespace
 
 int set_mlstm_slab_overlap(int mode) { return g_slab_overlap.exchange(mode > 0 ? 1 : mode < 0 ? -1 : 0); }
+bool set_mlstm_bwd_decay_chain(bool on) { return g_decay_chain.exchange(on); }
 
 std::size_t mlstm_bwd_workspace_bytes(const MlstmBwdParams& b) {
   return std::size_t(split_applies(b) ? SplitWs(b).total : BwdWs(b.f).total) * 4;
@@ -1009,6 +1045,8 @@ void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream, const SlabSync*
   pf.c_last = pf.n_last = pf.m_last = StridedView{};
   // bf16, chunk 64, head dims <= 128: tensor cores, K1's row statistics inside K3's q-role
   const bool tc = core_tc(B);
+  // the chunk decays' gradients by K4's chain (K2 on tensor cores for the tensor-core K3: tc)
+  const bool chain = tc && g_decay_chain.load(std::memory_order_relaxed);
   if (mlstm_states_tc_applies(pf))  // K0 (C as bf16 hi / lo for the tensor-core K3 q-role)
     mlstm_states_tc_f32(pf, ws + L.c, ws + L.n, ws + L.m, reinterpret_cast<double*>(ws + L.gates), stream, tc);
   else
@@ -1027,7 +1065,7 @@ void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream, const SlabSync*
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
   }
   if (mlstm_bwd_k2_tc_applies(B)) {
-    mlstm_bwd_k2_tc(B, ws, L, tc, stream);
+    mlstm_bwd_k2_tc(B, ws, L, tc, stream, chain);
   } else {
     k2_scan<<<dim3(H, unsigned(kt), unsigned(vt)), kThreads, 0, s>>>(B, ws, L);
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
@@ -1044,11 +1082,11 @@ void bwd_core(const MlstmBwdParams& B, float* ws, Stream stream, const SlabSync*
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
   }
   if (NC > 0) {
-    k4_ends<<<dim3(H, NC), kThreads, 0, s>>>(B, ws, L);
+    k4_ends<<<dim3(H, NC), kThreads, 0, s>>>(B, ws, L, chain);
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
-    k4_mchain<<<unsigned((heads + kThreads - 1) / kThreads), kThreads, 0, s>>>(B, ws, L);
+    k4_mchain<<<unsigned((heads + kThreads - 1) / kThreads), kThreads, 0, s>>>(B, ws, L, chain);
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
-    k4_chunks<<<dim3(H, NC), kThreads, 0, s>>>(B, ws, L);
+    k4_chunks<<<dim3(H, NC), kThreads, 0, s>>>(B, ws, L, chain);
     FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
   }
   k4_gates<<<H, kThreads, 0, s>>>(B, ws, L);

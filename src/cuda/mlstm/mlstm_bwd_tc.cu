@@ -730,7 +730,8 @@ __device__ __forceinline__ float block_sum8(float v, float* red) {
 template <int MinB>
 __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams B, const K3Flags fl, float* ws,
                                                          const BwdWs L, const bool for_tc_k3, const bool bulk_in,
-                                                         const bool units, const __grid_constant__ CUtensorMap dmap) {
+                                                         const bool units, const __grid_constant__ CUtensorMap dmap,
+                                                         const bool no_r) {
   const MlstmParams& p = B.f;
   extern __shared__ float4 smem_raw[];
   ScanSmem& sm = *reinterpret_cast<ScanSmem*>(smem_raw);
@@ -853,7 +854,7 @@ __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams
     const int nb = int(lmin(kT, tend - t));
     load_chunk_tile(qcu, tu, &sm.q[st][0][0], kLd, qb + t * p.q.s2, p.q.s2, nb, nr, fl.q, kScanThreads);
     load_chunk_tile(hcu, tu, &sm.dh[st][0][0], kLd, hb + t * B.dh.s2, B.dh.s2, nb, nc, fl.dh, kScanThreads);
-    if (for_tc_k3 && sb == 0) issue_c(kc, st);
+    if (for_tc_k3 && sb == 0 && !no_r) issue_c(kc, st);  // no_r: K4's decay chain needs no C_k
     if (tid < nb) {
       cp_async8(&sm.A[st][tid], wA + t + tid);
       cp_async4(&sm.inv[st][tid], ws + L.inv_den + bh * S + t + tid);
@@ -909,7 +910,7 @@ __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams
       cp_async_wait<0>();
       __syncthreads();  // this tile is visible; every warp is done with the other stage
       if (for_tc_k3 && sb == 0) {  // acc is still dC_{kc+1} here
-        const float Rk = inner(st);
+        const float Rk = no_r ? 0.f : inner(st);  // (no_r: 0, which dn_scan adds its n part to)
         if (tid == 0) ws[L.R + (bh * ns + kc) * L.tiles + tile] = Rk;
       }
       if (sb + 1 < nsb) issue(kc, sb + 1, st ^ 1);
@@ -1156,7 +1157,7 @@ bool mlstm_bwd_k2_tc_applies(const MlstmBwdParams& b) {
   return mlstm_states_tc_applies(p) && b.dh.dtype == DType::bf16;  // the gate pass of K0 (tensor cores) ran
 }
 
-void mlstm_bwd_k2_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, bool for_tc_k3, Stream stream) {
+void mlstm_bwd_k2_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, bool for_tc_k3, Stream stream, bool no_r) {
   const MlstmParams& p = B.f;
   const std::int64_t kt = (p.DQK + kT - 1) / kT, vt = (p.DV + kT - 1) / kT;
   if (L.heads == 0) return;
@@ -1168,7 +1169,8 @@ void mlstm_bwd_k2_tc(const MlstmBwdParams& B, float* ws, const BwdWs& L, bool fo
   CUtensorMap dmap{};  // dC's slots (heads x (NC + 1)) of hi, lo (DQK, DV) bf16 for the TMA stores
   const bool bulk = for_tc_k3 && mlstm_bulk_store_on() && state_tile_map(&dmap, ws + L.dc, p.DV, p.DV, p.DQK, 2, L.heads * L.ns);
   kernel<<<dim3(unsigned(L.heads), unsigned(kt), unsigned(vt)), kScanThreads, smem,
-           reinterpret_cast<cudaStream_t>(stream)>>>(B, fl, ws, L, for_tc_k3, bulk, mlstm_chunk_units_on(), dmap);
+           reinterpret_cast<cudaStream_t>(stream)>>>(B, fl, ws, L, for_tc_k3, bulk, mlstm_chunk_units_on(), dmap,
+                                                      no_r && for_tc_k3);
   FW_CUDA_CHECK_LAUNCH("mlstm_bwd");
 }
 

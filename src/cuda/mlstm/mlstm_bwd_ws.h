@@ -27,8 +27,9 @@ struct BwdWs {  // offsets in floats into the workspace
     R = take(heads * ns * tiles), G = take(heads * std::max<std::int64_t>(NC, 1) * rbs);
     gam = take(heads * p.S);  // K4: routing gamma_t of each max (1 lf, 0 i, 1/2 tie)
     gates = take(6 * heads * p.S);  // K0 on tensor cores: g, a, A in float64 (2 floats each)
-    pn = take(heads * NC * p.DQK);
-    k4 = take(2 * (3 * heads * NC + heads));  // K4 in float64: chunk ends (g, max a), m_k, chunk 0's dm0  // tensor-core path: p_k = sum_t scale e_t db_t q_t per chunk (K3 q-role)
+    pn = take(heads * NC * p.DQK);  // tensor-core path: p_k = sum_t scale e_t db_t q_t per chunk (K3 q-role)
+    // K4 in float64: chunk ends (g, max a), m_k, chunk 0's dm0, then the decay chain's G_k (heads, NC)
+    k4 = take(2 * (4 * heads * NC + heads));
     total = o;
   }
 };
@@ -46,6 +47,8 @@ void mlstm_bwd_k3kv_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, Strea
 // reads K0's gate pass from the workspace). Writes what k2_scan writes; for_tc_k3 (the tensor-core K3
 // follows): without dn (dn_scan's), and dC as bf16 hi then lo in each fp32 slot (K3 kv-role's input).
 bool mlstm_bwd_k2_tc_applies(const MlstmBwdParams& b);
-void mlstm_bwd_k2_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, bool for_tc_k3, Stream stream);
+// no_r (with for_tc_k3; set_mlstm_bwd_decay_chain): no chunk state C_k read and R_k's C part 0 for k < NC
+// (dn_scan adds the n part; nothing reads them), R_NC as before: K4 forms the decays' gradients by its chain.
+void mlstm_bwd_k2_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, bool for_tc_k3, Stream stream, bool no_r = false);
 
 }  // namespace fastweight::detail
