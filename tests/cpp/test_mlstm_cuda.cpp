@@ -382,6 +382,8 @@ std::vector<FwdCase> bwd_cases() {
   v.push_back({DType::f16, 1, 2, 63, 96, 80, 16, true, false, false});
   // bf16, chunk 64, head dims <= 128: K3 on tensor cores (mlstm_bwd_tc.cu)
   v.push_back({DType::bf16, 2, 2, 1000, 128, 128, 64, true, false, false});
+  // 128 chunks: the decay chain's float64 sums over a benchmark's chunk count (set_mlstm_bwd_decay_chain)
+  v.push_back({DType::bf16, 1, 2, 8192, 64, 64, 64, true, false, false});
   v.push_back({DType::bf16, 1, 2, 63, 96, 80, 64, true, false, false});
   v.push_back({DType::bf16, 1, 1, 130, 40, 24, 64, false, false, false});
   v.push_back({DType::bf16, 1, 2, 300, 64, 64, 64, true, false, true});
