@@ -50,6 +50,7 @@
 //   fastweight_bench --dn-rs-defer=off       its stores at each step's end, not during the next step's X1 (A/B; default on)
 //   fastweight_bench --dn-rs-probe=MASK      with defer and --timing-only: parts of its step left out (wrong results)
 //   fastweight_bench --dn-rs-wide=off        each warp its own row pieces, not the CTA's tile pair as 128-byte rows (A/B)
+//   fastweight_bench --dn-rs-tma=on          with wide: the tile pair (swizzled) by two tensor-map stores a step (A/B)
 //   fastweight_bench --dn-prep-stage=off     the backward's prep stores dD0 directly (default: staged in shared memory)
 //   fastweight_bench --dn-post-stage=off     its post kernel stores -Y and dv directly (default: staged)
 //   fastweight_bench --dn-chunk-stage=off    its chunk pass stores the bf16 dq^, dk^ rows directly (default: staged)
@@ -136,7 +137,7 @@ struct Options {
   int dn_chunk_l2 = -1;  // -1: the library's default
   int dn_serial_rs = -1;  // -1: the library's default
   int dn_rs_storer = -1;
-  int dn_rs_t1 = -1, dn_rs_qraw = -1, dn_rs_lfast = -1, dn_rs_x1first = -1, dn_rs_slean = -1, dn_rs_defer = -1, dn_rs_probe = 0, dn_rs_wide = -1;
+  int dn_rs_t1 = -1, dn_rs_qraw = -1, dn_rs_lfast = -1, dn_rs_x1first = -1, dn_rs_slean = -1, dn_rs_defer = -1, dn_rs_probe = 0, dn_rs_wide = -1, dn_rs_tma = -1;
   int dn_prep_stage = -1, dn_post_stage = -1, dn_chunk_stage = -1, dn_wy_stage = -1;
   bool dn_x_f32 = false;
   bool dn_xu_f32 = false;
@@ -397,6 +398,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--dn-rs-defer=")) o.dn_rs_defer = on(v) ? 1 : 0;
     else if (const char* v = val("--dn-rs-probe=")) o.dn_rs_probe = std::atoi(v);
     else if (const char* v = val("--dn-rs-wide=")) o.dn_rs_wide = on(v) ? 1 : 0;
+    else if (const char* v = val("--dn-rs-tma=")) o.dn_rs_tma = on(v) ? 1 : 0;
     else if (const char* v = val("--dn-prep-stage=")) o.dn_prep_stage = on(v) ? 1 : 0;
     else if (const char* v = val("--dn-post-stage=")) o.dn_post_stage = on(v) ? 1 : 0;
     else if (const char* v = val("--dn-chunk-stage=")) o.dn_chunk_stage = on(v) ? 1 : 0;
@@ -495,6 +497,7 @@ int main(int argc, char** argv) {
   if (o.dn_rs_slean >= 0) fastweight::detail::set_deltanet_bwd_serial_rs_slean(o.dn_rs_slean == 1);
   if (o.dn_rs_defer >= 0) fastweight::detail::set_deltanet_bwd_serial_rs_defer(o.dn_rs_defer == 1);
   if (o.dn_rs_wide >= 0) fastweight::detail::set_deltanet_bwd_serial_rs_wide(o.dn_rs_wide == 1);
+  if (o.dn_rs_tma >= 0) fastweight::detail::set_deltanet_bwd_serial_rs_tma(o.dn_rs_tma == 1);
   if (o.dn_rs_probe) {  // timing probes: the backward's results are wrong, so only with --timing-only
     fastweight::detail::set_deltanet_bwd_serial_rs_probe(o.dn_rs_probe);
     if (!o.timing_only || fastweight::detail::set_deltanet_bwd_serial_rs_probe(o.dn_rs_probe) != o.dn_rs_probe) {

@@ -505,7 +505,7 @@ void check_bwd_case(const DnBwdCase& c) {
     int chunk_l2;
     bool post_pf;
     int recompute_ws, serial_rs;
-    bool rs_storer, rs_t1, rs_qraw, rs_lfast, rs_x1first, rs_slean, rs_defer, rs_wide;
+    bool rs_storer, rs_t1, rs_qraw, rs_lfast, rs_x1first, rs_slean, rs_defer, rs_wide, rs_tma;
     int dstage;
     bool t2v4, prep_stage, post_stage, chunk_stage, wy_stage;
     ~RestoreBuffering() {
@@ -529,6 +529,7 @@ void check_bwd_case(const DnBwdCase& c) {
       fastweight::detail::set_deltanet_bwd_serial_rs_slean(rs_slean);
       fastweight::detail::set_deltanet_bwd_serial_rs_defer(rs_defer);
       fastweight::detail::set_deltanet_bwd_serial_rs_wide(rs_wide);
+      fastweight::detail::set_deltanet_bwd_serial_rs_tma(rs_tma);
       fastweight::detail::set_deltanet_state_dstage(dstage);
       fastweight::detail::set_deltanet_wy_t2v4(t2v4);
       fastweight::detail::set_deltanet_bwd_prep_stage(prep_stage);
@@ -554,6 +555,7 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_serial_rs_slean(false),
                       fastweight::detail::set_deltanet_bwd_serial_rs_defer(false),
                       fastweight::detail::set_deltanet_bwd_serial_rs_wide(false),
+                      fastweight::detail::set_deltanet_bwd_serial_rs_tma(false),
                       fastweight::detail::set_deltanet_state_dstage(false),
                       fastweight::detail::set_deltanet_wy_t2v4(false),
                       fastweight::detail::set_deltanet_bwd_prep_stage(false),
@@ -574,9 +576,10 @@ void check_bwd_case(const DnBwdCase& c) {
   // Run 9: run 6 with X1 first and the unrolled loads: against run 6 bit for bit.
   // Run 10: run 9 with each step's stores deferred into the next step: against run 6 bit for bit.
   // Run 11: run 10 with the CTA's tile pair stored as whole rows: against run 6 bit for bit.
-  std::vector<HostTensor> run[12];
-  int rs_launch[12];  // the serial kernel with dS in registers: its instance (+ 8 with qraw), -1: not launched
-  for (int r = 0; r < 12; ++r) {
+  // Run 12: run 11 with that pair swizzled and stored by tensor-map stores: against run 6 bit for bit.
+  std::vector<HostTensor> run[13];
+  int rs_launch[13];  // the serial kernel with dS in registers: its instance (+ 8 with qraw), -1: not launched
+  for (int r = 0; r < 13; ++r) {
     fastweight::detail::set_deltanet_bwd_serial_rs(r == 2 ? 2 : r == 3 || r == 8 ? 4 : r >= 4 ? 5 : 0);
     fastweight::detail::set_deltanet_bwd_serial_rs_storer(r == 3);
     fastweight::detail::set_deltanet_bwd_serial_rs_t1(r == 5 || r == 7);  // one transposition tile, 3-4 buffers: the same bits
@@ -585,7 +588,8 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_bwd_serial_rs_x1first(r == 5 || r >= 9);  // X1 issued first (own instances): the same bits
     fastweight::detail::set_deltanet_bwd_serial_rs_slean(r == 3 || r == 5 || r == 7 || r == 9 || r == 10);  // the lean row stores (run 3: the storer's): the same bits
     fastweight::detail::set_deltanet_bwd_serial_rs_defer(r >= 10);  // the stores a step later (instance 5): the same bits
-    fastweight::detail::set_deltanet_bwd_serial_rs_wide(r == 11);  // whole-row stores (instance 7): the same bits
+    fastweight::detail::set_deltanet_bwd_serial_rs_wide(r >= 11);  // whole-row stores (instance 7): the same bits
+    fastweight::detail::set_deltanet_bwd_serial_rs_tma(r == 12);  // ... by tensor-map stores (instance 8, reported 16)
     // the recompute's X rows through an X tile (K = 128): the WS form in run 0 (against run 1), the plain
     // form in run 4 (against run 5)
     fastweight::detail::set_deltanet_state_dstage(r == 0 || r == 4);
@@ -647,11 +651,14 @@ void check_bwd_case(const DnBwdCase& c) {
       EXPECT_EQ(rs_launch[9], 3 + 8) << "X1 first, qraw";
       EXPECT_EQ(rs_launch[10], 5 + 8) << "X1 first, deferred stores, qraw";
       EXPECT_EQ(rs_launch[11], 7 + 8) << "X1 first, deferred whole-row stores, qraw";
+      // tensor-map stores where V fills a 64-column box, else WIDE's
+      EXPECT_EQ(rs_launch[12], (c.V >= 64 ? 16 : 7) + 8) << "X1 first, deferred tensor-map stores, qraw";
     }
   }
   EXPECT_EQ(rs_launch[9] >= 0, rs_launch[4] >= 0);
   EXPECT_EQ(rs_launch[10] >= 0, rs_launch[4] >= 0);
   EXPECT_EQ(rs_launch[11] >= 0, rs_launch[4] >= 0);
+  EXPECT_EQ(rs_launch[12] >= 0, rs_launch[4] >= 0);
   // Where the tensor-core pipeline runs: the forward's wy_inverse (through the public forward, with a
   // workspace) given to the backward, which then reads it instead of forming it: the same bits as
   // run 0 (same buffering; the recompute's wy kernel before the fork instead of beside prep), and a
@@ -755,6 +762,7 @@ void check_bwd_case(const DnBwdCase& c) {
     EXPECT_EQ(run[6][e].bytes, run[9][e].bytes) << names[e] << ": q read by the serial kernel: X1 first changed bits";
     EXPECT_EQ(run[6][e].bytes, run[10][e].bytes) << names[e] << ": q read by the serial kernel: the deferred stores changed bits";
     EXPECT_EQ(run[6][e].bytes, run[11][e].bytes) << names[e] << ": q read by the serial kernel: the whole-row stores changed bits";
+    EXPECT_EQ(run[6][e].bytes, run[12][e].bytes) << names[e] << ": q read by the serial kernel: the tensor-map stores changed bits";
     EXPECT_TRUE(padding_untouched(run[6][e], 0xff)) << names[e] << ": written outside its view (q read by the serial kernel)";
     EXPECT_LT(err_q8, tol) << names[e] << " (dS in registers, mma.sync, q read by the serial kernel)";
     EXPECT_TRUE(padding_untouched(run[8][e], 0xff)) << names[e] << ": written outside its view (mma.sync, q read)";
@@ -867,7 +875,11 @@ std::vector<DnBwdCase> bwd_cases() {
            {DType::bf16, 1, 100, 2, 100, 72, true, true, true, none, DType::i64, kDq | kDh0, 0},
            {DType::bf16, 2, 200, 3, 128, 128, false, true, true, none, DType::i64, kAllGrads, 0},
            // K = 128 over 11 chunks: the serial kernel's 3-buffer ring (T1, run 5) wraps several times
-           {DType::bf16, 1, 700, 2, 128, 128, true, true, true, none, DType::i64, kAllGrads, 0}}) {
+           {DType::bf16, 1, 700, 2, 128, 128, true, true, true, none, DType::i64, kAllGrads, 0},
+           // the serial kernel's tensor-map stores (run 12) over packed sequences (short last chunks,
+           // slot bases), and with K < 128 rows a box and V's last tile 16 columns of 64 (clipped)
+           {DType::bf16, 1, 150, 2, 64, 128, true, true, true, {0, 0, 70, 70, 150}, DType::i32, kAllGrads, 0},
+           {DType::bf16, 1, 150, 2, 96, 80, true, true, true, none, DType::i64, kAllGrads, 0}}) {
     c.split = false;
     v.push_back(c);
   }

@@ -54,7 +54,7 @@ cudaStream_t side_stream() {
 }
 
 bool encode_bf16_tile_map(CUtensorMap* map, const void* base, int rank, const std::uint64_t* dims,
-                          const std::uint64_t* strides, const std::uint32_t* box, bool swizzle64) {
+                          const std::uint64_t* strides, const std::uint32_t* box, int swizzle) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -68,12 +68,15 @@ bool encode_bf16_tile_map(CUtensorMap* map, const void* base, int rank, const st
     }
     return reinterpret_cast<Encode>(fn);
   }();
-  if (!encode || cc_major() < 9 || rank < 1 || rank > 5 || reinterpret_cast<std::uintptr_t>(base) % 16 != 0) return false;
+  if (!encode || cc_major() < 9 || rank < 1 || rank > 5 || reinterpret_cast<std::uintptr_t>(base) % 16 != 0 ||
+      (swizzle != 0 && swizzle != 64 && swizzle != 128))
+    return false;
   for (int d = 0; d + 1 < rank; ++d)
     if (strides[d] % 16 != 0) return false;
   const cuuint32_t ones[5] = {1, 1, 1, 1, 1};
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box,
-                ones, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_NONE,
+                ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                swizzle == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : swizzle == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_NONE,
                 CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 

@@ -14,12 +14,13 @@
 namespace fastweight::detail {
 
 // A bf16 tensor of `rank` (<= 5) dims, dims[0] contiguous, strides[d - 1] bytes between steps of dim d,
-// copied in boxes of box[] elements; swizzle64: the 64-byte swizzle (box[0] * 2 == 64 bytes: 16-byte
-// chunk c of box row r sits at chunk c ^ ((r >> 1) & 3) in shared memory, 512-byte aligned).
+// copied in boxes of box[] elements; swizzle: 0 none, 64 the 64-byte swizzle (box[0] * 2 == 64 bytes:
+// 16-byte chunk c of box row r sits at chunk c ^ ((r >> 1) & 3) in shared memory, 512-byte aligned),
+// 128 the 128-byte one (box[0] * 2 == 128 bytes: chunk c of row r at c ^ (r & 7), 1024-byte aligned).
 // False where the device is older than sm_90, the driver has no encoder, or the layout cannot be
 // encoded (base or a stride not a multiple of 16 bytes): the caller takes another path.
 bool encode_bf16_tile_map(CUtensorMap* map, const void* base, int rank, const std::uint64_t* dims,
-                          const std::uint64_t* strides, const std::uint32_t* box, bool swizzle64);
+                          const std::uint64_t* strides, const std::uint32_t* box, int swizzle);
 
 #if defined(FW_HAS_BULK)
 // The box at coordinates (c0 innermost, .. c3) from shared `src` to the global tensor of `map`, in this
@@ -29,6 +30,13 @@ __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void*
   asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
                    reinterpret_cast<std::uint64_t>(map)),
                "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+// The same for a 3-D map.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                   reinterpret_cast<std::uint64_t>(map)),
+               "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
                : "memory");
 }
 #endif

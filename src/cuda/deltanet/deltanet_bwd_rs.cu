@@ -39,6 +39,7 @@
 #include "cuda/common/bulk.cuh"
 #include "cuda/common/check.cuh"
 #include "cuda/common/gstore.cuh"
+#include "cuda/common/tensor_map.cuh"
 #include "cuda/common/wgmma.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
 #include "cuda/deltanet/deltanet_cuda.h"
@@ -120,14 +121,23 @@ struct BrLayout {
 // session 32, against DEFER): bwd 0.94-0.97x at (1,32768) and varlen 8, 0.99-1.01x elsewhere; with
 // the mask a template parameter, probe 1 took (4,4096) and varlen to 0.948 / 0.942, probes 8 (X1),
 // 32 (B Xw), 40 (both) to 0.98-1.01: the stores were the step's weight, and WIDE took half of it.
+// TMA (WIDE's; `set_deltanet_bwd_serial_rs_tma`): the tile pair dense (64 columns, 128-byte rows) in the
+// 128-byte swizzle (16-byte chunk c of row r at c ^ (r & 7): stmatrix's rows then land in distinct bank
+// groups), stored a step by two tensor-map stores issued by one thread, dSe^T (K rows: map_s over the dS
+// slots) and dD (64 rows: map_y over Y's (tokens, H) rows), instead of 48 16-byte stores a chain warp. A
+// chunk shorter than 64 rows keeps the chain warps' row stores for dD (the box would write the next
+// sequence's rows). The same bits. Every chain thread fences its stmatrix writes to the async proxy
+// before the step's barrier; thread 0 waits for its stores' reads of a pair before that barrier.
 template <int KC, bool WG = false, bool T1 = false, bool X1F = false, bool DEFER = false, int PROBE = 0,
-          bool WIDE = false>
+          bool WIDE = false, bool TMA = false>
 __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     deltanet_bwd_state_rs_kernel(const DeltanetBwdParams p, const DnBwdWs w, float* __restrict__ ws, int nw, int nbuf,
-                                 bool storer, bool qraw, bool lfast, bool slean) {
+                                 bool storer, bool qraw, bool lfast, bool slean, const __grid_constant__ CUtensorMap map_s,
+                                 const __grid_constant__ CUtensorMap map_y) {
   static_assert(!DEFER || (X1F && !T1), "DEFER: the X1-first form with its two tile pairs");
   static_assert(PROBE == 0 || DEFER, "PROBE: DEFER's instance");
   static_assert(!WIDE || (DEFER && PROBE == 0), "WIDE: DEFER's form");
+  static_assert(!TMA || WIDE, "TMA: WIDE's tile pair");
   static_assert(!X1F || WG, "X1F (and DEFER, WIDE): the wgmma form's");
   constexpr auto skip = [](int part) { return (PROBE & part) != 0; };  // compile-time: no branch around wgmma
   constexpr int LDK = BrLayout<KC>::LDK, NK = KC / 8, KS = KC / 16;  // n-tiles, k-steps of dS^T's K
@@ -161,7 +171,10 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
   };
   // WIDE: the CTA's tile pair sb, (KC + 64, kRsLdw) bf16, in the per-warp tiles' region (2 x 192 x 72
   // elements there against 4 x 2 x 192 x 24); dSe^T rows 0 .. KC - 1, dD rows KC ..
-  auto tile_w = [&](int sb) { return reinterpret_cast<bf16*>(base + lay.tr) + std::size_t(sb) * (KC + kT) * kRsLdw; };
+  // (TMA: stride 64, swizzled; each pair and its dD rows 1024-byte aligned: lay.tr is, and (KC + 64) 128
+  // and KC 128 are multiples of 1024)
+  constexpr int kPld = TMA ? kT : kRsLdw;
+  auto tile_w = [&](int sb) { return reinterpret_cast<bf16*>(base + lay.tr) + std::size_t(sb) * (KC + kT) * kPld; };
 #if !defined(FW_HAS_BULK)
   __trap();  // mbarriers and stmatrix: the host launches it only for an sm_90 binary
 #else
@@ -316,8 +329,10 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
   const std::int64_t c0 = cb + cw;
   const bool live = c0 < V;  // V % 16 == 0: whole 16-column slices
   // stmatrix.trans lane row of an (8 j0 ..) x 16 block pair: matrix m8 = (row block m8 / 2, column half m8 % 2)
-  constexpr int LDT = WIDE ? kRsLdw : kRsLdt;  // the transposition tiles' stride
-  const int st_off = (8 * (m8 >> 1) + r8) * LDT + 8 * (m8 & 1) + (WIDE ? cw : 0);
+  constexpr int LDT = WIDE ? kPld : kRsLdt;  // the transposition tiles' stride
+  // (TMA: the swizzled chunk; the 8-row blocks start at multiples of 8, so row & 7 = r8)
+  const int st_off = TMA ? (8 * (m8 >> 1) + r8) * LDT + 8 * ((2 * warp + (m8 & 1)) ^ r8)
+                         : (8 * (m8 >> 1) + r8) * LDT + 8 * (m8 & 1) + (WIDE ? cw : 0);
   // WIDE: step sp's tile pair (its rows 16 j + 4 warp + lane / 8, 16-byte piece lane % 8) to the workspace
   const int ncw = int(lmin(16 * nw, V - cb));  // the CTA's columns (V % 16 == 0: whole pieces)
   auto store_wide = [&](std::int64_t sp) {
@@ -339,6 +354,29 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
 #pragma unroll
     for (int j = NS; j < NR; ++j, gy += sy)
       if (col && r0 + 16 * (j - NS) < nr) st_global_v4u(gy, v[j]);
+  };
+  // TMA: step sp's pair by the two tensor-map stores (thread 0, one bulk group), dD's rows by the chain
+  // threads where the chunk is short (rows 16 j + 4 warp + lane / 8 < nr, 16-byte piece lane % 8, from
+  // the swizzled tile; its generic reads after the barrier that ordered the writes)
+  auto store_tma = [&](std::int64_t sp) {
+#if defined(FW_HAS_BULK)
+    const std::int64_t ci = nch - 1 - sp;
+    const int nr = int(lmin(kT, sq_.eos - (sq_.bos + ci * kT)));
+    const bf16* t = tile_w(int(sp & 1));
+    if (tid == 0) {
+      tma_store_3d(&map_s, t, int(cb), 0, int((sq_.base + ci) * p.H + h));
+      if (nr == kT) tma_store_3d(&map_y, t + KC * kT, int(cb), int(h), int(b * p.T + sq_.bos + ci * kT));
+      bulk_commit();
+    }
+    if (nr < kT) {
+      const int r0 = 4 * warp + (lane >> 3), pc = 8 * (lane & 7);
+      const bf16* ty = t + (KC + r0) * kT + 8 * ((pc >> 3) ^ (r0 & 7));  // rows r0 + 16 j: the same r & 7
+      char* gy = reinterpret_cast<char*>(reinterpret_cast<bf16*>(ws + w.Y) + (row00 + ci * wrow_step + std::int64_t(r0) * p.H) * V + cb + pc);
+#pragma unroll
+      for (int j = 0; j < kT / 16; ++j, gy += 32 * p.H * V)
+        if (pc < ncw && r0 + 16 * j < nr) st_global_v4u(gy, *reinterpret_cast<const uint4*>(ty + 16 * j * kT));
+    }
+#endif
   };
   float acc[NK][4];  // dS^T: acc[j][e] at row (V) c0 + g + 8 (e / 2), column (K) 8 j + 2 t4 + e % 2
 #pragma unroll
@@ -395,7 +433,13 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     bf16* trD = T1 ? trS : trS + std::size_t(KC) * LDT;
     if constexpr (WIDE) {
       // every chain warp is done with step s - 1: its writes of pair (s - 1) % 2 (read below) and its
-      // reads (stores) of pair s % 2 (written below)
+      // reads (stores) of pair s % 2 (written below). TMA: thread 0's tensor stores of pair s % 2 (step
+      // s - 1's group) have read it, and each thread's writes of pair (s - 1) % 2 are visible to the
+      // async proxy (stored after the barrier)
+      if constexpr (TMA) {
+        if (tid == 0) bulk_wait_read();
+        bulk_fence_shared();
+      }
       asm volatile("bar.sync 1, %0;\n" ::"n"(32 * 4) : "memory");
     } else if (!storer) {
       __syncwarp();  // this warp's own stores of step s - 2 (T1: s - 1) have read the tiles
@@ -441,7 +485,9 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
         // DEFER: the previous step's tiles (s - 1: the other pair) go out while X1 runs, instead of at
         // that step's end on the chain (the warp's __syncwarp at the step's end ordered their writes;
         // WIDE: the chain warps' barrier at this step's top, every warp's columns)
-        if constexpr (WIDE) {
+        if constexpr (TMA) {
+          if (s > 0) store_tma(s - 1);
+        } else if constexpr (WIDE) {
           if (s > 0) store_wide(s - 1);
         } else if constexpr (DEFER) {
           if (s > 0 && live && !skip(1)) store_tiles(warp, s - 1, 3);
@@ -550,7 +596,12 @@ __global__ void __launch_bounds__(32 * (4 + kRsAux), 1)
     if constexpr (!DEFER)
       if (!storer && live) store_tiles(warp, s, T1 ? 2 : 3);
   }
-  if constexpr (WIDE) {
+  if constexpr (TMA) {
+    bulk_fence_shared();
+    asm volatile("bar.sync 1, %0;\n" ::"n"(32 * 4) : "memory");  // the last pair written by every chain warp
+    if (nch > 0) store_tma(nch - 1);
+    if (tid == 0) bulk_wait_all();  // complete before the CTA's shared memory goes
+  } else if constexpr (WIDE) {
     asm volatile("bar.sync 1, %0;\n" ::"n"(32 * 4) : "memory");  // the last pair written by every chain warp
     if (nch > 0) store_wide(nch - 1);
   } else if constexpr (DEFER) {
@@ -583,24 +634,28 @@ std::atomic<bool> g_rs_x1first{true};  // set_deltanet_bwd_serial_rs_x1first
 std::atomic<bool> g_rs_slean{true};    // set_deltanet_bwd_serial_rs_slean
 std::atomic<bool> g_rs_defer{true};    // set_deltanet_bwd_serial_rs_defer
 std::atomic<bool> g_rs_wide{true};     // set_deltanet_bwd_serial_rs_wide
+std::atomic<bool> g_rs_tma{false};     // set_deltanet_bwd_serial_rs_tma (not yet measured)
 std::atomic<int> g_rs_probe{0};         // set_deltanet_bwd_serial_rs_probe (timing probes: wrong results)
 std::atomic<int> g_rs_last{-1};        // deltanet_bwd_serial_rs_last_launch
 
-using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool, bool, bool, bool);
+using Fn = void (*)(const DeltanetBwdParams, const DnBwdWs, float*, int, int, bool, bool, bool, bool, const CUtensorMap,
+                    const CUtensorMap);
 using Bytes = std::size_t (*)(int, int);
 // [Kc 64][instance: mma.sync, wgmma, wgmma with one tile (T1), then those two with X1 first, then the
 // wgmma form with X1 first and the deferred stores, that with the timing probes, and with whole rows]
-constexpr Fn kRsFns[2][8] = {
+constexpr Fn kRsFns[2][9] = {
     {&deltanet_bwd_state_rs_kernel<128>, &deltanet_bwd_state_rs_kernel<128, true>,
      &deltanet_bwd_state_rs_kernel<128, true, true>, &deltanet_bwd_state_rs_kernel<128, true, false, true>,
      &deltanet_bwd_state_rs_kernel<128, true, true, true>, &deltanet_bwd_state_rs_kernel<128, true, false, true, true>,
      &deltanet_bwd_state_rs_kernel<128, true, false, true, true>,  // (6: a probe; rs_probe_fn picks it)
-     &deltanet_bwd_state_rs_kernel<128, true, false, true, true, 0, true>},
+     &deltanet_bwd_state_rs_kernel<128, true, false, true, true, 0, true>,
+     &deltanet_bwd_state_rs_kernel<128, true, false, true, true, 0, true, true>},
     {&deltanet_bwd_state_rs_kernel<64>, &deltanet_bwd_state_rs_kernel<64, true>,
      &deltanet_bwd_state_rs_kernel<64, true, true>, &deltanet_bwd_state_rs_kernel<64, true, false, true>,
      &deltanet_bwd_state_rs_kernel<64, true, true, true>, &deltanet_bwd_state_rs_kernel<64, true, false, true, true>,
      &deltanet_bwd_state_rs_kernel<64, true, false, true, true>,  // (6: no probes at K <= 64)
-     &deltanet_bwd_state_rs_kernel<64, true, false, true, true, 0, true>}};
+     &deltanet_bwd_state_rs_kernel<64, true, false, true, true, 0, true>,
+     &deltanet_bwd_state_rs_kernel<64, true, false, true, true, 0, true, true>}};
 // The probe instances (K = 128 only): mask -> kernel, else null
 Fn rs_probe_fn(int mask) {
   switch (mask) {
@@ -613,7 +668,7 @@ Fn rs_probe_fn(int mask) {
   }
 }
 int rs_instance(const DnRsPlan& plan) {
-  if (plan.defer) return g_rs_probe.load(std::memory_order_relaxed) ? 6 : plan.wide ? 7 : 5;
+  if (plan.defer) return g_rs_probe.load(std::memory_order_relaxed) ? 6 : plan.wide ? (plan.tma ? 8 : 7) : 5;
   return plan.form + (plan.form > 0 && plan.x1f ? 2 : 0);
 }
 
@@ -631,6 +686,7 @@ bool set_deltanet_bwd_serial_rs_slean(bool on) { return g_rs_slean.exchange(on);
 bool set_deltanet_bwd_serial_rs_defer(bool on) { return g_rs_defer.exchange(on); }
 int set_deltanet_bwd_serial_rs_probe(int mask) { return g_rs_probe.exchange(rs_probe_fn(mask) ? mask : 0); }
 bool set_deltanet_bwd_serial_rs_wide(bool on) { return g_rs_wide.exchange(on); }
+bool set_deltanet_bwd_serial_rs_tma(bool on) { return g_rs_tma.exchange(on); }
 int deltanet_bwd_serial_rs_last_launch(int reset) { return g_rs_last.exchange(reset); }
 
 int set_deltanet_bwd_serial_rs(int mode) {
@@ -679,6 +735,9 @@ DnRsPlan deltanet_bwd_serial_rs_plan(const DeltanetBwdParams& p, const DnBwdWs& 
   const std::int64_t nt = tiles(nw);
   if (seqs > 0x7fffffff || nt > 65535) throw Error(cat("deltanet_bwd: grid too large (", seqs, " sequence-heads)"));
   plan.applies = true, plan.k64 = k64, plan.form = form, plan.x1f = x1f, plan.defer = defer, plan.wide = wide, plan.nw = nw, plan.nbuf = nbuf;
+  // TMA: WIDE's pair by tensor-map stores where V fills a box (the maps are encoded at the launch, which
+  // falls back to WIDE where they cannot be); the instance's binary is the WIDE one's
+  plan.tma = wide && p.V >= kT && g_rs_tma.load(std::memory_order_relaxed);
   plan.bytes = bytes(nbuf);
   plan.grid_x = seqs, plan.grid_y = nt;
   plan.qraw = vq && g_rs_qraw.load(std::memory_order_relaxed);  // q's rows 16-byte aligned for cp.async
@@ -687,16 +746,30 @@ DnRsPlan deltanet_bwd_serial_rs_plan(const DeltanetBwdParams& p, const DnBwdWs& 
 
 void deltanet_bwd_serial_rs_launch(const DnRsPlan& plan, const DeltanetBwdParams& p, const DnBwdWs& w, float* ws,
                                    Stream stream) {
-  const int inst = rs_instance(plan);
+  int inst = rs_instance(plan);
+  // TMA's maps: dS as (V, K, slots H) bf16 matrices in boxes of (64, K, 1); Y as (V, H, B T) rows in
+  // boxes of (64, 1, 64); both in the 128-byte swizzle. Where either cannot be encoded: WIDE.
+  CUtensorMap map_s{}, map_y{};
+  if (inst == 8) {
+    const std::uint64_t slots_h = std::uint64_t(deltanet_slots(p)) * std::uint64_t(p.H), tokens = std::uint64_t(p.B * p.T);
+    const std::uint64_t V = std::uint64_t(p.V), K = std::uint64_t(p.K), H = std::uint64_t(p.H);
+    const std::uint64_t ds[3] = {V, K, slots_h}, ss[2] = {2 * V, 2 * V * K};
+    const std::uint64_t dy[3] = {V, H, tokens}, sy[2] = {2 * V, 2 * V * H};
+    const std::uint32_t bs[3] = {std::uint32_t(kT), std::uint32_t(K), 1}, by[3] = {std::uint32_t(kT), 1, std::uint32_t(kT)};
+    const bool ok = slots_h < (std::uint64_t(1) << 31) && tokens < (std::uint64_t(1) << 31) &&
+                    encode_bf16_tile_map(&map_s, ws + w.dS, 3, ds, ss, bs, 128) &&
+                    encode_bf16_tile_map(&map_y, ws + w.Y, 3, dy, sy, by, 128);
+    if (!ok) inst = 7;
+  }
   const Fn probe_fn = inst == 6 && !plan.k64 ? rs_probe_fn(g_rs_probe.load(std::memory_order_relaxed)) : nullptr;
   const Fn fn = probe_fn ? probe_fn : kRsFns[plan.k64][inst];
   const int threads = 32 * (plan.nw + kRsAux);
   (void)resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, plan.bytes);
   fn<<<dim3(unsigned(plan.grid_x), unsigned(plan.grid_y)), threads, plan.bytes, reinterpret_cast<cudaStream_t>(stream)>>>(
       p, w, ws, plan.nw, plan.nbuf, g_rs_storer.load(std::memory_order_relaxed), plan.qraw,
-      g_rs_lfast.load(std::memory_order_relaxed), g_rs_slean.load(std::memory_order_relaxed));
+      g_rs_lfast.load(std::memory_order_relaxed), g_rs_slean.load(std::memory_order_relaxed), map_s, map_y);
   FW_CUDA_CHECK_LAUNCH("deltanet_bwd (state pass: serial, dS in registers)");
-  g_rs_last.store(rs_instance(plan) + (plan.qraw ? 8 : 0), std::memory_order_relaxed);
+  g_rs_last.store((inst == 8 ? 16 : inst) + (plan.qraw ? 8 : 0), std::memory_order_relaxed);  // (8 reported as 16)
 }
 
 }  // namespace fastweight::detail

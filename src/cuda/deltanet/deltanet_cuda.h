@@ -57,6 +57,7 @@ struct DnRsPlan {
   bool x1f = false;                    // the wgmma forms' X1 issued first
   bool defer = false;                  // ... and each step's stores during the next step's X1
   bool wide = false;                   // ... from one tile pair of the CTA, as whole rows
+  bool tma = false;                    // ... by tensor-map stores (the launch may fall back to wide)
   int k64 = 0, form = 0, nw = 0, nbuf = 0;
   std::size_t bytes = 0;
   std::int64_t grid_x = 0, grid_y = 0;
@@ -111,10 +112,15 @@ int set_deltanet_bwd_serial_rs_probe(int mask);
 // bits. Default on (H100, session 32: bwd 0.94-0.98x at (1,32768) and varlen 8, 0.96-0.99x at
 // (2,8192), 1.00x elsewhere). Returns the previous setting (fastweight_bench --dn-rs-wide=off).
 bool set_deltanet_bwd_serial_rs_wide(bool on);
+// Tests and benchmarks only: with WIDE (V >= 64), the tile pair kept dense in the 128-byte swizzle and
+// stored by two tensor-map stores a step (dSe^T, dD) issued by one thread, instead of the chain warps'
+// 16-byte stores (a chunk shorter than 64 rows keeps them for dD). The same bits. Default off: not yet
+// measured. Returns the previous setting (fastweight_bench --dn-rs-tma=on).
+bool set_deltanet_bwd_serial_rs_tma(bool on);
 // Tests only: what the last launch of that kernel was (0 mma.sync, 1 wgmma, 2 wgmma T1, 3 and 4 those
 // two with X1 first, 5 the wgmma form with X1 first and deferred stores, 6 that with probes, 7 that
-// with whole-row stores; + 8 with qraw), or -1 if none since the last call; sets it to `reset` and returns
-// the previous value.
+// with whole-row stores, 16 those by tensor-map stores; + 8 with qraw), or -1 if none since the last
+// call; sets it to `reset` and returns the previous value.
 int deltanet_bwd_serial_rs_last_launch(int reset = -1);
 // Tests and benchmarks only: the tensor-core chunk pass's grid with a (slot, head)'s K tiles as
 // neighbours (K > 64; default on) instead of a grid of slots apart; the same bits. Returns the

@@ -341,7 +341,7 @@ inline bool state_tile_map(CUtensorMap* map, const void* base, std::int64_t cols
   const std::uint64_t strides[3] = {std::uint64_t(ld) * 2, std::uint64_t(rows * ld) * 2,
                                     std::uint64_t(planes * rows * ld) * 2};
   const std::uint32_t box[4] = {32, 16, std::uint32_t(planes), 1};
-  return slots > 0 && slots < (std::int64_t(1) << 31) && encode_bf16_tile_map(map, base, 4, dims, strides, box, true);
+  return slots > 0 && slots < (std::int64_t(1) << 31) && encode_bf16_tile_map(map, base, 4, dims, strides, box, 64);
 }
 
 }  // namespace fastweight::detail::mtc
