@@ -203,30 +203,30 @@ __global__ void __launch_bounds__(kThreads) deltanet_wy_kernel(const DeltanetPar
     if constexpr (LO) mma_rk(acc, sA1l, kLd, warp, sk + kc, ldk, 64, lane);
     if (STG && !LO && K % 8 == 0) {  // (the staged stores: bf16 hi only, bf16 operands)
       staged_store(acc, xwh, K, kc, K);
-      continue;
-    }
+    } else {  // (an else, not a continue: with K fixed the rest was unreachable code, nvcc warning #128)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; e += 2) {  // (e, e + 1): columns c, c + 1 of row i
-        const int i = 16 * warp + frow(lane, e), c = kc + fcol(lane, j, e);
-        if (i >= nr || c >= K) continue;
-        const std::int64_t at = (ws_row0 + (e / 2) * ws_8) * K + c;  // row t0 + i
-        const __nv_bfloat162 hi = __floats2bfloat162_rn(acc[j][e], acc[j][e + 1]);
-        const float2 hf = __bfloat1622float2(hi);
-        const __nv_bfloat162 lo = __floats2bfloat162_rn(acc[j][e] - hf.x, acc[j][e + 1] - hf.y);
-        if (K % 2 == 0) {  // c even: 4-byte aligned pairs
-          *reinterpret_cast<__nv_bfloat162*>(xwh + at) = hi;
-          if constexpr (LO) *reinterpret_cast<__nv_bfloat162*>(xwl + at) = lo;
-        } else {
-          xwh[at] = hi.x;
-          if constexpr (LO) xwl[at] = lo.x;
-          if (c + 1 < K) {
-            xwh[at + 1] = hi.y;
-            if constexpr (LO) xwl[at + 1] = lo.y;
+        for (int e = 0; e < 4; e += 2) {  // (e, e + 1): columns c, c + 1 of row i
+          const int i = 16 * warp + frow(lane, e), c = kc + fcol(lane, j, e);
+          if (i >= nr || c >= K) continue;
+          const std::int64_t at = (ws_row0 + (e / 2) * ws_8) * K + c;  // row t0 + i
+          const __nv_bfloat162 hi = __floats2bfloat162_rn(acc[j][e], acc[j][e + 1]);
+          const float2 hf = __bfloat1622float2(hi);
+          const __nv_bfloat162 lo = __floats2bfloat162_rn(acc[j][e] - hf.x, acc[j][e + 1] - hf.y);
+          if (K % 2 == 0) {  // c even: 4-byte aligned pairs
+            *reinterpret_cast<__nv_bfloat162*>(xwh + at) = hi;
+            if constexpr (LO) *reinterpret_cast<__nv_bfloat162*>(xwl + at) = lo;
+          } else {
+            xwh[at] = hi.x;
+            if constexpr (LO) xwl[at] = lo.x;
+            if (c + 1 < K) {
+              xwh[at + 1] = hi.y;
+              if constexpr (LO) xwl[at + 1] = lo.y;
+            }
           }
         }
-      }
+    }
   }
   // Xu = A2 V, per 64 columns of V
   for (std::int64_t v0 = 0, j = 0; v0 < V; v0 += 64, ++j) {
