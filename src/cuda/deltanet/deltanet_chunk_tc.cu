@@ -391,11 +391,11 @@ __global__ void __launch_bounds__(WS ? kStThreads + 32 * NP : kStThreads, 1)
     const int t = int(threadIdx.x), pc = 8 * (t % P), r0 = t / P;
     const int nr = int(lmin(kT, sq.eos - (sq.bos + ci * kT)));
     if (c0 + pc >= V) return;  // V % 8 == 0: whole pieces
-    const bf16* src = (w.xbf16 ? sDl : sDh) + r0 * (TW + 8) + pc;  // X, or D' (the D tile)
+    const bf16* src = (w.xbf16 ? sDl : sDh) + r0 * LDT + pc;  // X, or D' (the D tile)
     bf16* g = reinterpret_cast<bf16*>(w.X) + (row00 + ci * wrow_step + std::int64_t(r0) * p.H) * V + c0 + pc;
 #pragma unroll
     for (int q = 0; q < kT / RP; ++q)
-      if (r0 + q * RP < nr) st_global_v4u(g + q * RP * hv, *reinterpret_cast<const uint4*>(src + q * RP * (TW + 8)));
+      if (r0 + q * RP < nr) st_global_v4u(g + q * RP * hv, *reinterpret_cast<const uint4*>(src + q * RP * LDT));
   };
 
   if constexpr (WS) {
