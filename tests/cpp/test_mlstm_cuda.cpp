@@ -227,25 +227,28 @@ TEST_P(MlstmCudaBwd, MatchesReferenceAllGradientsAndIsDeterministic) {
   fastweight::detail::set_mlstm_slab_overlap(overlap);
   HostTensor dq2 = dq, dk2 = dk, dv2 = dv, di2 = di, df2 = df;
   gdq.download(dq2), gdk.download(dk2), gdv.download(dv2), gdi.download(di2), gdf.download(df2);
-  // the chunk decays' gradients by K4's chain (set_mlstm_bwd_decay_chain: K2 reads no chunk state;
-  // the tensor-core path only, elsewhere the first run's kernels): di, df, dm0 against float64 below,
-  // the rest the first run's bits (nothing else reads K2's partials)
+  // the chunk decays' gradients the other way (set_mlstm_bwd_decay_chain flipped: K4's chain, K2
+  // reading no chunk state past C_0, or K2's partials R_k; the tensor-core path only, elsewhere the
+  // first run's kernels): di, df, dm0 against float64 below, the rest the first run's bits (nothing
+  // else reads K2's partials)
   HostTensor dq5 = dq, dk5 = dk, dv5 = dv, di5 = di, df5 = df, dc05 = dc0, dn05 = dn0, dm05 = dm0;
   {
     for (DeviceMirror* g : {&gdq, &gdk, &gdv, &gdi, &gdf, &gdc0, &gdn0, &gdm0}) FW_TEST_CUDA(cudaMemset(g->ptr, 0xff, g->nbytes));
-    const bool chain = fastweight::detail::set_mlstm_bwd_decay_chain(true);
+    const bool chain = fastweight::detail::set_mlstm_bwd_decay_chain(false);
+    fastweight::detail::set_mlstm_bwd_decay_chain(!chain);
     mlstm_bwd(a, ws, wsb, nullptr);
     FW_TEST_CUDA(cudaDeviceSynchronize());
     fastweight::detail::set_mlstm_bwd_decay_chain(chain);
     gdq.download(dq5), gdk.download(dk5), gdv.download(dv5), gdi.download(di5), gdf.download(df5);
     if (c.states) gdc0.download(dc05), gdn0.download(dn05), gdm0.download(dm05);
   }
-  EXPECT_EQ(dq5.bytes, dq1.bytes) << "dq, decay chain";
-  EXPECT_EQ(dk5.bytes, dk1.bytes) << "dk, decay chain";
-  EXPECT_EQ(dv5.bytes, dv.bytes) << "dv, decay chain";
+  EXPECT_EQ(dq5.bytes, dq1.bytes) << "dq, decay chain flipped";
+  EXPECT_EQ(dk5.bytes, dk1.bytes) << "dk, decay chain flipped";
+  EXPECT_EQ(dv5.bytes, dv.bytes) << "dv, decay chain flipped";
   if (c.states) {
-    EXPECT_EQ(dc05.bytes, dc0.bytes) << "dc0, decay chain";
-    EXPECT_EQ(dn05.bytes, dn0.bytes) << "dn0, decay chain";
+    EXPECT_EQ(dc05.bytes, dc0.bytes) << "dc0, decay chain flipped";
+    EXPECT_EQ(dn05.bytes, dn0.bytes) << "dn0, decay chain flipped";
+    EXPECT_EQ(dm05.bytes, dm0.bytes) << "dm0, decay chain flipped (R_0 either way)";
   }
   // the K3 roles' runtime-dims build where the first run took a fixed-dims one (DQK 128 / 256, DV 128
   // or slabs of it), and 128-column DV slabs where it took 256-column ones in two parts (DQK <= 128,
@@ -344,7 +347,7 @@ TEST_P(MlstmCudaBwd, MatchesReferenceAllGradientsAndIsDeterministic) {
   // the first run's di, df (and dm0), then the decay chain's
   for (const auto& [gdi_, gdf_, gdm0_, what] : {std::tuple<const HostTensor*, const HostTensor*, const HostTensor*, const char*>{
                                                     &di, &df, &dm0, ""},
-                                                {&di5, &df5, &dm05, ", decay chain"}}) {
+                                                {&di5, &df5, &dm05, ", decay chain flipped"}}) {
     if (c.strong) {
       double num = 0.0, den = 0.0;
       for (auto [g, e] : {std::pair<const HostTensor*, const HostTensor*>{gdi_, &ei}, {gdf_, &ef}}) {

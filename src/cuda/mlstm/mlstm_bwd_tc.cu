@@ -854,7 +854,7 @@ __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams
     const int nb = int(lmin(kT, tend - t));
     load_chunk_tile(qcu, tu, &sm.q[st][0][0], kLd, qb + t * p.q.s2, p.q.s2, nb, nr, fl.q, kScanThreads);
     load_chunk_tile(hcu, tu, &sm.dh[st][0][0], kLd, hb + t * B.dh.s2, B.dh.s2, nb, nc, fl.dh, kScanThreads);
-    if (for_tc_k3 && sb == 0 && !no_r) issue_c(kc, st);  // no_r: K4's decay chain needs no C_k
+    if (for_tc_k3 && sb == 0 && (!no_r || kc == 0)) issue_c(kc, st);  // no_r: K4's chain needs no C_k, k > 0
     if (tid < nb) {
       cp_async8(&sm.A[st][tid], wA + t + tid);
       cp_async4(&sm.inv[st][tid], ws + L.inv_den + bh * S + t + tid);
@@ -910,7 +910,9 @@ __global__ void __launch_bounds__(kScanThreads, MinB) k2_tc(const MlstmBwdParams
       cp_async_wait<0>();
       __syncthreads();  // this tile is visible; every warp is done with the other stage
       if (for_tc_k3 && sb == 0) {  // acc is still dC_{kc+1} here
-        const float Rk = no_r ? 0.f : inner(st);  // (no_r: 0, which dn_scan adds its n part to)
+        // no_r: 0 for k > 0 (dn_scan adds its n part); R_0 in full, for dm0 = d_0 R_0 + ..., which the
+        // chain's difference G_0 - Gp_0 would give only to G_0's absolute precision (no decay chain there)
+        const float Rk = no_r && kc > 0 ? 0.f : inner(st);
         if (tid == 0) ws[L.R + (bh * ns + kc) * L.tiles + tile] = Rk;
       }
       if (sb + 1 < nsb) issue(kc, sb + 1, st ^ 1);

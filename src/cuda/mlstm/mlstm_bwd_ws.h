@@ -47,7 +47,7 @@ void mlstm_bwd_k3kv_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, Strea
 // reads K0's gate pass from the workspace). Writes what k2_scan writes; for_tc_k3 (the tensor-core K3
 // follows): without dn (dn_scan's), and dC as bf16 hi then lo in each fp32 slot (K3 kv-role's input).
 bool mlstm_bwd_k2_tc_applies(const MlstmBwdParams& b);
-// no_r (with for_tc_k3; set_mlstm_bwd_decay_chain): no chunk state C_k read and R_k's C part 0 for k < NC
+// no_r (with for_tc_k3; set_mlstm_bwd_decay_chain): no chunk state C_k read and R_k's C part 0 for 0 < k < NC
 // (dn_scan adds the n part; nothing reads them), R_NC as before: K4 forms the decays' gradients by its chain.
 void mlstm_bwd_k2_tc(const MlstmBwdParams& b, float* ws, const BwdWs& L, bool for_tc_k3, Stream stream, bool no_r = false);
 

@@ -71,10 +71,11 @@ int set_mlstm_slab_overlap(int mode);
 
 // The tensor-core backward's chunk-decay gradients G_k by the chain G_NC-1 = <C_S, dC_S> + <n_S, dn_S>,
 // G_k = G_k+1 + sum_(chunk k+1) eY_t - Gp_k+1 (K4, float64; derived in docs/perf/mlstm.md, session 32,
-// and checked in tests/python/test_mlstm_design.py), so that K2 reads no chunk state C_k, instead of
-// the partials R_k = <C_k, dC_k+1> + <n_k, dn_k+1> (K2's C part; dn_scan still adds the n part,
-// unread). Other roundings of di, df, dm0 (dq, dk, dv, dc0, dn0: the same bits). Off by default: not
-// yet measured. Returns the previous setting (tests; fastweight_bench --mlstm-decay-chain=on).
+// and checked in tests/python/test_mlstm_design.py), so that K2 reads no chunk state C_k past C_0,
+// instead of the partials R_k = <C_k, dC_k+1> + <n_k, dn_k+1> (K2's C part; dn_scan still adds the n
+// part, unread). Other roundings of di, df (dq, dk, dv, dc0, dn0: the same bits; dm0 by R_0 either
+// way). On by default (H100, session 33: backward 3-6.5% faster at the benchmark's large shapes).
+// Returns the previous setting (tests; fastweight_bench --mlstm-decay-chain=off).
 bool set_mlstm_bwd_decay_chain(bool on);
 
 // Chunkwise backward: the exact gradient (docs/design/mlstm_backward.md). Workspace:
