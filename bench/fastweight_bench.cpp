@@ -50,7 +50,8 @@
 //   fastweight_bench --dn-rs-defer=off       its stores at each step's end, not during the next step's X1 (A/B; default on)
 //   fastweight_bench --dn-rs-probe=MASK      with defer and --timing-only: parts of its step left out (wrong results)
 //   fastweight_bench --dn-rs-wide=off        each warp its own row pieces, not the CTA's tile pair as 128-byte rows (A/B)
-//   fastweight_bench --dn-rs-tma=on          with wide: the tile pair (swizzled) by two tensor-map stores a step (A/B)
+//   fastweight_bench --dn-rs-tma=on|off      with wide: the tile pair (swizzled) by two tensor-map stores a step (A/B;
+//                                            default: planner)
 //   fastweight_bench --dn-prep-stage=off     the backward's prep stores dD0 directly (default: staged in shared memory)
 //   fastweight_bench --dn-post-stage=off     its post kernel stores -Y and dv directly (default: staged)
 //   fastweight_bench --dn-chunk-stage=off    its chunk pass stores the bf16 dq^, dk^ rows directly (default: staged)
@@ -67,7 +68,7 @@
 //                                            default: planner)
 //   fastweight_bench --mlstm-k3-fixed=off    mLSTM backward's K3 roles for runtime head dims only (A/B)
 //   fastweight_bench --mlstm-dv-lo=on        mLSTM backward's dv state product with dC's lo part too (A/B)
-//   fastweight_bench --mlstm-decay-chain=on  mLSTM backward's chunk-decay gradients by K4's chain, K2 without C_k (A/B)
+//   fastweight_bench --mlstm-decay-chain=off mLSTM backward's chunk-decay gradients by K2's partials R_k, not K4's chain (A/B)
 //   fastweight_bench --mlstm-k3-full=off     mLSTM backward's K3 roles without the full-chunk instances (A/B)
 //   fastweight_bench --mlstm-dv-parts=off    mLSTM backward's K3 roles on 128 DV columns, 128-wide slabs (A/B)
 //   fastweight_bench --mlstm-dv-wide=off     mLSTM backward's K3 parts: two at DQK <= 128, none above (A/B)
@@ -152,7 +153,8 @@ struct Options {
   int dn_bwd_overlap = 0;  // 0: the planner's choice, 1 on, -1 off
   bool mlstm_no_bulk_store = false, mlstm_no_chunk_units = false, mlstm_no_k3_fixed = false;
   int mlstm_out_tiles = 0;
-  bool mlstm_dv_lo = false, mlstm_decay_chain = false;
+  bool mlstm_dv_lo = false;
+  int mlstm_decay_chain = -1;
   bool mlstm_no_k3_full = false;
   bool mlstm_no_dv_parts = false;
   bool mlstm_no_dv_wide = false;
@@ -431,7 +433,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--mlstm-chunk-units=")) o.mlstm_no_chunk_units = !on(v);
     else if (const char* v = val("--mlstm-k3-fixed=")) o.mlstm_no_k3_fixed = !on(v);
     else if (const char* v = val("--mlstm-dv-lo=")) o.mlstm_dv_lo = on(v);
-    else if (const char* v = val("--mlstm-decay-chain=")) o.mlstm_decay_chain = on(v);
+    else if (const char* v = val("--mlstm-decay-chain=")) o.mlstm_decay_chain = on(v) ? 1 : 0;
     else if (const char* v = val("--mlstm-k3-full=")) o.mlstm_no_k3_full = !on(v);
     else if (const char* v = val("--mlstm-dv-parts=")) o.mlstm_no_dv_parts = !on(v);
     else if (const char* v = val("--dn-fixed-k=")) o.dn_no_fixed_k = !on(v);
@@ -466,7 +468,7 @@ int main(int argc, char** argv) {
   if (o.mlstm_no_k3_fixed) fastweight::detail::set_mlstm_k3_fixed(false);
   if (o.mlstm_out_tiles) fastweight::detail::set_mlstm_out_tiles(o.mlstm_out_tiles);
   if (o.mlstm_dv_lo) fastweight::detail::set_mlstm_dv_lo(true);
-  if (o.mlstm_decay_chain) fastweight::detail::set_mlstm_bwd_decay_chain(true);
+  if (o.mlstm_decay_chain >= 0) fastweight::detail::set_mlstm_bwd_decay_chain(o.mlstm_decay_chain == 1);
   if (o.mlstm_no_k3_full) fastweight::detail::set_mlstm_k3_full(false);
   if (o.mlstm_no_dv_parts) fastweight::detail::set_mlstm_k3_dv_parts(false);
   if (o.mlstm_no_dv_wide) fastweight::detail::set_mlstm_k3_dv_wide(false);
@@ -497,7 +499,7 @@ int main(int argc, char** argv) {
   if (o.dn_rs_slean >= 0) fastweight::detail::set_deltanet_bwd_serial_rs_slean(o.dn_rs_slean == 1);
   if (o.dn_rs_defer >= 0) fastweight::detail::set_deltanet_bwd_serial_rs_defer(o.dn_rs_defer == 1);
   if (o.dn_rs_wide >= 0) fastweight::detail::set_deltanet_bwd_serial_rs_wide(o.dn_rs_wide == 1);
-  if (o.dn_rs_tma >= 0) fastweight::detail::set_deltanet_bwd_serial_rs_tma(o.dn_rs_tma == 1);
+  if (o.dn_rs_tma >= 0) fastweight::detail::set_deltanet_bwd_serial_rs_tma(o.dn_rs_tma);
   if (o.dn_rs_probe) {  // timing probes: the backward's results are wrong, so only with --timing-only
     fastweight::detail::set_deltanet_bwd_serial_rs_probe(o.dn_rs_probe);
     if (!o.timing_only || fastweight::detail::set_deltanet_bwd_serial_rs_probe(o.dn_rs_probe) != o.dn_rs_probe) {

@@ -505,7 +505,8 @@ void check_bwd_case(const DnBwdCase& c) {
     int chunk_l2;
     bool post_pf;
     int recompute_ws, serial_rs;
-    bool rs_storer, rs_t1, rs_qraw, rs_lfast, rs_x1first, rs_slean, rs_defer, rs_wide, rs_tma;
+    bool rs_storer, rs_t1, rs_qraw, rs_lfast, rs_x1first, rs_slean, rs_defer, rs_wide;
+    int rs_tma;
     int dstage;
     bool t2v4, prep_stage, post_stage, chunk_stage, wy_stage;
     ~RestoreBuffering() {
@@ -555,7 +556,7 @@ void check_bwd_case(const DnBwdCase& c) {
                       fastweight::detail::set_deltanet_bwd_serial_rs_slean(false),
                       fastweight::detail::set_deltanet_bwd_serial_rs_defer(false),
                       fastweight::detail::set_deltanet_bwd_serial_rs_wide(false),
-                      fastweight::detail::set_deltanet_bwd_serial_rs_tma(false),
+                      fastweight::detail::set_deltanet_bwd_serial_rs_tma(0),
                       fastweight::detail::set_deltanet_state_dstage(false),
                       fastweight::detail::set_deltanet_wy_t2v4(false),
                       fastweight::detail::set_deltanet_bwd_prep_stage(false),
@@ -589,7 +590,7 @@ void check_bwd_case(const DnBwdCase& c) {
     fastweight::detail::set_deltanet_bwd_serial_rs_slean(r == 3 || r == 5 || r == 7 || r == 9 || r == 10);  // the lean row stores (run 3: the storer's): the same bits
     fastweight::detail::set_deltanet_bwd_serial_rs_defer(r >= 10);  // the stores a step later (instance 5): the same bits
     fastweight::detail::set_deltanet_bwd_serial_rs_wide(r >= 11);  // whole-row stores (instance 7): the same bits
-    fastweight::detail::set_deltanet_bwd_serial_rs_tma(r == 12);  // ... by tensor-map stores (instance 8, reported 16)
+    fastweight::detail::set_deltanet_bwd_serial_rs_tma(r == 12 ? 1 : 0);  // ... by tensor-map stores (instance 8, reported 16)
     // the recompute's X rows through an X tile (K = 128): the WS form in run 0 (against run 1), the plain
     // form in run 4 (against run 5)
     fastweight::detail::set_deltanet_state_dstage(r == 0 || r == 4);

@@ -634,7 +634,7 @@ std::atomic<bool> g_rs_x1first{true};  // set_deltanet_bwd_serial_rs_x1first
 std::atomic<bool> g_rs_slean{true};    // set_deltanet_bwd_serial_rs_slean
 std::atomic<bool> g_rs_defer{true};    // set_deltanet_bwd_serial_rs_defer
 std::atomic<bool> g_rs_wide{true};     // set_deltanet_bwd_serial_rs_wide
-std::atomic<bool> g_rs_tma{false};     // set_deltanet_bwd_serial_rs_tma (not yet measured)
+std::atomic<int> g_rs_tma{2};          // set_deltanet_bwd_serial_rs_tma: 2 the planner's choice
 std::atomic<int> g_rs_probe{0};         // set_deltanet_bwd_serial_rs_probe (timing probes: wrong results)
 std::atomic<int> g_rs_last{-1};        // deltanet_bwd_serial_rs_last_launch
 
@@ -686,7 +686,7 @@ bool set_deltanet_bwd_serial_rs_slean(bool on) { return g_rs_slean.exchange(on);
 bool set_deltanet_bwd_serial_rs_defer(bool on) { return g_rs_defer.exchange(on); }
 int set_deltanet_bwd_serial_rs_probe(int mask) { return g_rs_probe.exchange(rs_probe_fn(mask) ? mask : 0); }
 bool set_deltanet_bwd_serial_rs_wide(bool on) { return g_rs_wide.exchange(on); }
-bool set_deltanet_bwd_serial_rs_tma(bool on) { return g_rs_tma.exchange(on); }
+int set_deltanet_bwd_serial_rs_tma(int mode) { return g_rs_tma.exchange(mode == 1 || mode == 2 ? mode : 0); }
 int deltanet_bwd_serial_rs_last_launch(int reset) { return g_rs_last.exchange(reset); }
 
 int set_deltanet_bwd_serial_rs(int mode) {
@@ -736,8 +736,13 @@ DnRsPlan deltanet_bwd_serial_rs_plan(const DeltanetBwdParams& p, const DnBwdWs& 
   if (seqs > 0x7fffffff || nt > 65535) throw Error(cat("deltanet_bwd: grid too large (", seqs, " sequence-heads)"));
   plan.applies = true, plan.k64 = k64, plan.form = form, plan.x1f = x1f, plan.defer = defer, plan.wide = wide, plan.nw = nw, plan.nbuf = nbuf;
   // TMA: WIDE's pair by tensor-map stores where V fills a box (the maps are encoded at the launch, which
-  // falls back to WIDE where they cannot be); the instance's binary is the WIDE one's
-  plan.tma = wide && p.V >= kT && g_rs_tma.load(std::memory_order_relaxed);
+  // falls back to WIDE where they cannot be); the instance's binary is the WIDE one's. Mode 2: with
+  // variable lengths (the long sequences' CTAs run on alone) or where the grid leaves half the SMs idle,
+  // where each CTA's chain is the critical path and one thread's two stores a step shorten it; it lost
+  // 1.2-1.5% at (4,4096,16,128) (128 CTAs), for a reason not found.
+  const int tmode = g_rs_tma.load(std::memory_order_relaxed);
+  plan.tma = wide && p.V >= kT &&
+             (tmode == 1 || (tmode == 2 && (p.cu_seqlens || 2 * seqs * nt <= std::int64_t(sm_count()))));
   plan.bytes = bytes(nbuf);
   plan.grid_x = seqs, plan.grid_y = nt;
   plan.qraw = vq && g_rs_qraw.load(std::memory_order_relaxed);  // q's rows 16-byte aligned for cp.async

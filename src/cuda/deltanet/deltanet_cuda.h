@@ -114,9 +114,13 @@ int set_deltanet_bwd_serial_rs_probe(int mask);
 bool set_deltanet_bwd_serial_rs_wide(bool on);
 // Tests and benchmarks only: with WIDE (V >= 64), the tile pair kept dense in the 128-byte swizzle and
 // stored by two tensor-map stores a step (dSe^T, dD) issued by one thread, instead of the chain warps'
-// 16-byte stores (a chunk shorter than 64 rows keeps them for dD). The same bits. Default off: not yet
-// measured. Returns the previous setting (fastweight_bench --dn-rs-tma=on).
-bool set_deltanet_bwd_serial_rs_tma(bool on);
+// 16-byte stores (a chunk shorter than 64 rows keeps them for dD). The same bits. 0 never, 1 always, 2
+// (the default) with variable lengths or where the kernel's grid fills at most half the SMs (H100,
+// session 33, bwd with bf16 operands, two calls: 0.967 / 0.957 at (1,32768,16,128), 32 CTAs; 0.983 /
+// 0.983 at varlen 8 in 32768; 1.001 / 0.997 at (2,8192), 64 CTAs; but 1.015 / 1.012 at (4,4096), 128
+// CTAs, and 0.990 / 0.999 at (8,2048,32,64), 256). Returns the previous setting
+// (fastweight_bench --dn-rs-tma=on|off).
+int set_deltanet_bwd_serial_rs_tma(int mode);
 // Tests only: what the last launch of that kernel was (0 mma.sync, 1 wgmma, 2 wgmma T1, 3 and 4 those
 // two with X1 first, 5 the wgmma form with X1 first and deferred stores, 6 that with probes, 7 that
 // with whole-row stores, 16 those by tensor-map stores; + 8 with qraw), or -1 if none since the last
