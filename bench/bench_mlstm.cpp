@@ -211,7 +211,8 @@ struct GpuParallel {
 
 // The decoding step on the GPU (shared/BENCHMARKS.md: B in {1, 8, 64, 256}; xLSTM 7B's heads: NH = 8,
 // DQK = 256, DV = 512), bf16 q, k, v, fp32 gates and states (bench_decode.py's row); verified at
-// B = 2 against the float64 step, timed out of place on zero-filled device tensors.
+// B = 2 against the float64 step, timed out of place and in place (a second kernel for n, m) on
+// zero-filled device tensors.
 int gpu_step_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
   const std::int64_t NH = 8, DQK = 256, DV = 512, vB = 2;
   double err = INFINITY;
@@ -247,13 +248,17 @@ int gpu_step_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
       DevZeros c2(DType::f32, {B, NH, DQK, DV}), n2(DType::f32, {B, NH, DQK}), m2(DType::f32, {B, NH});
       const MlstmStepArgs a{q.ref(), k.ref(), v.ref(), i.ref(), f.ref(), c.ref(), n.ref(), m.ref(), h.ref(), c2.ref(),
                             n2.ref(), m2.ref(), 1e-6};
-      const double ms = fb.timer->time_ms([&](Stream s) { mlstm_step(a, s); }, fb.reps);
+      const MlstmStepArgs ip{q.ref(), k.ref(), v.ref(), i.ref(), f.ref(), c.ref(), n.ref(), m.ref(), h.ref(), c.ref(),
+                             n.ref(), m.ref(), 1e-6};
       if (!fb.timing_only && !(err <= 1e-2)) ++failures;
-      const double gbs = 2.0 * double(B * NH * DQK * DV) * 4.0 / (ms * 1e6);  // C read and written
-      char shp[160];
-      std::snprintf(shp, sizeof shp, "(%ld,%ld,1,%ld,%ld); state %.0f GB/s; verified at B = %ld", long(B), long(NH),
-                    long(DQK), long(DV), gbs, long(vB));
-      rows.push_back({"mlstm_step", "bfloat16", shp, err, ms, "cuda"});
+      for (const MlstmStepArgs* x : {&a, &ip}) {
+        const double ms = fb.timer->time_ms([&](Stream s) { mlstm_step(*x, s); }, fb.reps);
+        const double gbs = 2.0 * double(B * NH * DQK * DV) * 4.0 / (ms * 1e6);  // C read and written
+        char shp[160];
+        std::snprintf(shp, sizeof shp, "(%ld,%ld,1,%ld,%ld)%s; state %.0f GB/s; verified at B = %ld", long(B), long(NH),
+                      long(DQK), long(DV), x == &ip ? " in place" : "", gbs, long(vB));
+        rows.push_back({"mlstm_step", "bfloat16", shp, err, ms, "cuda"});
+      }
     } catch (const std::exception& ex) {
       std::printf("mlstm_step (cuda) timing at B = %ld: error: %s\n", long(B), ex.what());
       ++failures;

@@ -430,9 +430,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, MlstmCudaBwd, ::testing::ValuesIn(bwd_cases()),
 // Each of the C pass's kernels (set_mlstm_step_kernel: 0 the element kernel, 1 the register tile, 2 the
 // row-block kernel, 3..8 its other shapes; fp32 states with 16-byte rows and DV % 4 == 0 for 1 and 2, DQK <= 256 for 1) at DV 136, xLSTM 7B's (256, 512), DQK 300 (row blocks beyond 256, a short last one) and at
 // DV = 70, where the element kernel takes every setting.
-void check_mlstm_step(std::int64_t DQK, std::int64_t DV, int kernel) {
-  SCOPED_TRACE("DQK " + std::to_string(DQK) + " DV " + std::to_string(DV) + " kernel " + std::to_string(kernel));
-  const std::int64_t B = 2, NH = 3;
+void check_mlstm_step(std::int64_t DQK, std::int64_t DV, int kernel, std::int64_t B = 2, std::int64_t NH = 3) {
+  SCOPED_TRACE("DQK " + std::to_string(DQK) + " DV " + std::to_string(DV) + " kernel " + std::to_string(kernel) +
+               " B " + std::to_string(B) + " NH " + std::to_string(NH));
   HostTensor q = make_host(DType::bf16, {B, NH, DQK}), k = make_host(DType::bf16, {B, NH, DQK}),
              v = make_host(DType::bf16, {B, NH, DV}), i = make_host(DType::f32, {B, NH, 1}),
              f = make_host(DType::f32, {B, NH, 1}), h = make_host(DType::bf16, {B, NH, DV}),
@@ -450,11 +450,15 @@ void check_mlstm_step(std::int64_t DQK, std::int64_t DV, int kernel) {
   a.c_new = dc2.ref(c2), a.n_new = dn2.ref(n2), a.m_new = dm2.ref(m2);
   const int prev = fastweight::detail::set_mlstm_step_kernel(kernel);
   fastweight::detail::mlstm_step_cuda(fastweight::detail::lower_mlstm_step(a), nullptr);
-  // in place, heads-fastest grid, 4-byte state stores (the default is 16-byte): same bits
+  // in place, heads-fastest grid, 4-byte state stores (the default is 16-byte), the n, m kernel's
+  // programmatic launch flipped (set_mlstm_step_pdl: it may overwrite n, m while the C pass runs): same bits
   a.h = dh.ref(h), a.c_new = a.c, a.n_new = a.n, a.m_new = a.m;
   const bool tile_major = fastweight::detail::set_step_tile_major(false);
   const bool vst = fastweight::detail::set_step_vector_stores(false);
+  const bool pdl = fastweight::detail::set_mlstm_step_pdl(false);
+  fastweight::detail::set_mlstm_step_pdl(!pdl);
   fastweight::detail::mlstm_step_cuda(fastweight::detail::lower_mlstm_step(a), nullptr);
+  fastweight::detail::set_mlstm_step_pdl(pdl);
   fastweight::detail::set_step_tile_major(tile_major);
   fastweight::detail::set_step_vector_stores(vst);
   FW_TEST_CUDA(cudaDeviceSynchronize());
@@ -482,6 +486,9 @@ TEST(MlstmCudaStep, MatchesReferenceInPlaceAndOutOfPlace) {
   FW_REQUIRE_GPU();
   for (auto [DQK, DV] : {std::pair<std::int64_t, std::int64_t>{72, 136}, {256, 512}, {300, 136}, {64, 70}})
     for (int kernel = 0; kernel <= 8; ++kernel) check_mlstm_step(DQK, DV, kernel);
+  // xLSTM 7B's heads at B = 32 (2048 C-pass CTAs, several waves: a programmatic n, m kernel that ran
+  // early would change h or C' of the late CTAs), the planner's kernel and the register tile
+  for (int kernel : {-1, 1}) check_mlstm_step(256, 512, kernel, 32, 8);
 }
 
 TEST(MlstmCudaDecay, ForwardAndBackwardMatchReference) {

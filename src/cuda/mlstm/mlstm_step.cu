@@ -5,13 +5,16 @@
 //      or the row-block kernel, see mlstm_step_cuda) and
 //      h = scale q^T C' / (max(|scale q . n'|, exp(-m')) + eps), with
 //      q . n' = fa (q . n) + ia (q . k) from the OLD n (kernel 2 has not run yet);
-//   2. grid (B*NH): n' = fa n + ia k and m'.
+//   2. grid (B*NH): n' = fa n + ia k and m'. With set_mlstm_step_pdl on sm_90, a programmatic dependent
+//      launch: every C-pass CTA signals once all of its threads have consumed n and m (step_read_done),
+//      so kernel 2 may run while the C pass streams C; it waits for the C pass only at its end.
 // m' = max(lf + m, i), fa = exp(lf + m - m'), ia = exp(i - m'), lf = logsigmoid(f) (MATH.md §2).
 // No allocation and no host synchronisation: CUDA-graph safe.
 #include <atomic>
 #include <cstdint>
 #include <utility>
 
+#include "cuda/common/bulk.cuh"
 #include "cuda/common/check.cuh"
 #include "cuda/common/step_grid.cuh"
 #include "cuda/mlstm/mlstm_common.cuh"
@@ -71,6 +74,17 @@ __device__ __forceinline__ float step_den(const MlstmParams& p, std::int64_t b, 
   return fmaxf(fabsf(rsqrtf(float(p.DQK)) * (gt.fa * qn + gt.ia * qk)), float(exp(-gt.m_new))) + p.eps;
 }
 
+// In place (no fuse_nm), after step_den: every thread of the CTA has consumed n (step_den's barrier
+// follows its loads) and m (den depends on this thread's gates; the empty asm makes den computed before
+// the barrier), so kernel 2, scheduled once every CTA has signalled, may overwrite them. Without a
+// programmatic launch the signal does nothing.
+__device__ __forceinline__ void step_read_done(bool fuse_nm, float den) {
+  if (fuse_nm) return;
+  asm volatile("" ::"f"(den));
+  __syncthreads();
+  pdl_launch_dependents();
+}
+
 __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
   __shared__ float s_red[2][kThreads / 32];
   __shared__ float s_part[4][kCols];
@@ -80,6 +94,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParam
   const Gates gt = step_gates(p, b, hd);
   const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, vo = b * p.v.s0 + hd * p.v.s1;
   const float den = step_den<kThreads>(p, b, hd, gt, s_red);
+  step_read_done(fuse_nm, den);
   const float scale = rsqrtf(float(p.DQK));
 
   const int col = tid % kCols, rg = tid / kCols;
@@ -132,6 +147,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
   }
   const Gates gt = step_gates(p, b, hd);
   const float den = step_den<kThreads>(p, b, hd, gt, s_red, s_q, s_k);
+  step_read_done(fuse_nm, den);
   const float scale = rsqrtf(float(p.DQK));
   float vc[4];  // ia v of this thread's columns
 #pragma unroll
@@ -194,6 +210,7 @@ __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams
   load(cur, 0);
   const Gates gt = step_gates(p, b, hd);
   const float den = step_den<kT>(p, b, hd, gt, s_red);
+  step_read_done(fuse_nm, den);
   const float scale = rsqrtf(float(p.DQK));
   float vc[4];  // ia v of this thread's columns
 #pragma unroll
@@ -232,6 +249,9 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_n_kernel(const MlstmParam
   const Gates gt = step_gates(p, b, hd);
   __syncthreads();  // every thread has read the old m before thread 0 may overwrite it (in place)
   step_nm(p, b, hd, gt, threadIdx.x, kThreads);
+  // Launched programmatically (set_mlstm_step_pdl): it ends only after the C pass has, so that work
+  // after it in the stream sees C' and h as after two plain launches. (Otherwise a no-op wait.)
+  pdl_wait_primary();
 }
 
 // The bytes [begin, end) a (B, NH, D) view spans (elements of at most 8 bytes; strides >= 0).
@@ -251,6 +271,7 @@ bool aligned16(const StridedView& t) {
 }
 
 std::atomic<int> g_step_kernel{-1};  // set_mlstm_step_kernel; -1: the planner
+std::atomic<bool> g_step_pdl{false};  // set_mlstm_step_pdl (not yet measured)
 
 constexpr int kTileThreads = 128, kTileRows = 8;  // the row-block kernel's planner instance (kCols columns)
 
@@ -270,6 +291,7 @@ void launch_row_block(const MlstmParams& p, bool tm, bool fuse, cudaStream_t s) 
 }  // namespace
 
 int set_mlstm_step_kernel(int kernel) { return g_step_kernel.exchange(kernel); }
+bool set_mlstm_step_pdl(bool on) { return g_step_pdl.exchange(on); }
 bool set_mlstm_step_fuse_nm(bool on) { return g_step_fuse_nm.exchange(on); }
 
 void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
@@ -302,7 +324,18 @@ void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
   else mlstm_step_c_kernel<<<grid, kThreads, 0, s>>>(p, tm, fuse);
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
   if (fuse) return;
-  mlstm_step_n_kernel<<<unsigned(heads), kThreads, 0, s>>>(p);
+  // in place: n', m' by a second kernel, programmatically dependent on sm_90 where asked (it may run
+  // as soon as every C-pass CTA has consumed n and m: step_read_done)
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(heads));
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = g_step_pdl.load(std::memory_order_relaxed) && cc_major() >= 9 ? 1 : 0;
+  FW_CUDA_CHECK("mlstm_step", cudaLaunchKernelEx(&cfg, mlstm_step_n_kernel, p));
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
 }
 
