@@ -252,7 +252,7 @@ int gpu_step_rows(const FamilyBench& fb, std::vector<BenchRow>& rows) {
                              n.ref(), m.ref(), 1e-6};
       if (!fb.timing_only && !(err <= 1e-2)) ++failures;
       for (const MlstmStepArgs* x : {&a, &ip}) {
-        const double ms = fb.timer->time_ms([&](Stream s) { mlstm_step(*x, s); }, fb.reps);
+        const double ms = fb.timer->time_ms([&](Stream s) { mlstm_step(*x, s); }, fb.reps, fb.step_batch);
         const double gbs = 2.0 * double(B * NH * DQK * DV) * 4.0 / (ms * 1e6);  // C read and written
         char shp[160];
         std::snprintf(shp, sizeof shp, "(%ld,%ld,1,%ld,%ld)%s; state %.0f GB/s; verified at B = %ld", long(B), long(NH),

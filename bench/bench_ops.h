@@ -23,6 +23,7 @@ struct FamilyBench {
   bool timing_only = false;  // GPU rows timed without the float64 check (A/B runs after CTest): err NaN
   int reps = 30;
   bool steps_only = false;   // the GPU decoding-step rows alone (A/B runs of the step kernels)
+  int step_batch = 1;        // the step rows: steps per timed graph (GpuTimer::time_ms's batch)
   std::string mlstm_shapes;  // mLSTM GPU rows timed at these "BxNHxSxDQKxDV" shapes, '+'-separated (default: one)
   bool dn_wy_saved = true;   // DeltaNet: the timed forward writes wy_inverse and the backward reads it (training's way)
   fwbench::GpuTimer* timer = nullptr;

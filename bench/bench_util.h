@@ -98,14 +98,16 @@ struct GpuTimer {
   ~GpuTimer() { cudaFree(flush); cudaStreamDestroy(st); cudaEventDestroy(e0); cudaEventDestroy(e1); }
   GpuTimer(const GpuTimer&) = delete;
   GpuTimer& operator=(const GpuTimer&) = delete;
-  // Median ms of fn captured in a CUDA graph, L2 flushed before each replay.
-  double time_ms(const std::function<void(Stream)>& fn, int reps) {
+  // Median ms of fn captured in a CUDA graph, L2 flushed before each replay. batch > 1: fn captured
+  // batch times back to back in the graph, the time per call (a decoding loop's steps, as
+  // bench_decode.py times them: one graph launch and one flush per batch).
+  double time_ms(const std::function<void(Stream)>& fn, int reps, int batch = 1) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     fn(reinterpret_cast<Stream>(st));  // warm-up outside capture (attributes, first-launch costs)
     cudaStreamSynchronize(st);
     if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess) throw Error("capture failed");
-    fn(reinterpret_cast<Stream>(st));
+    for (int b = 0; b < std::max(batch, 1); ++b) fn(reinterpret_cast<Stream>(st));
     if (cudaStreamEndCapture(st, &graph) != cudaSuccess) throw Error("capture failed");
     if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) throw Error("graph instantiate failed");
     std::vector<double> ms;
@@ -123,7 +125,7 @@ struct GpuTimer {
     cudaGraphDestroy(graph);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) throw Error(std::string("timing: ") + cudaGetErrorString(err));
-    return median(ms);
+    return median(ms) / std::max(batch, 1);
   }
   // Device-to-device copy bandwidth (bytes read + written), 1 GiB.
   double copy_gbps() {

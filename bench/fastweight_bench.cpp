@@ -59,6 +59,7 @@
 //   fastweight_bench --dn-wy-stage=off       the wy kernel stores Xw, Xu directly (forward too; default: staged)
 //   fastweight_bench --dn-wy-saved=off       DeltaNet backward forms the WY inverse again (no wy_inverse; A/B)
 //   fastweight_bench --steps-only            the mLSTM / DeltaNet families' GPU decoding-step rows alone (A/B)
+//   fastweight_bench --step-batch=N          the mLSTM step rows: N steps back to back per timed graph (default 1)
 //   fastweight_bench --mlstm-step-kernel=N   mLSTM decoding step's C pass kernel (A/B; set_mlstm_step_kernel)
 //   fastweight_bench --step-tile-major=off   the decoding steps' grids heads-fastest (A/B; set_step_tile_major)
 //   fastweight_bench --step-vec-stores=off   the decoding steps' fp32 state rows as 4-byte stores (A/B; default 16-byte)
@@ -128,6 +129,7 @@ struct Options {
   std::int64_t rows = 4096, n = 8192;
   int reps = 30;
   bool steps_only = false;
+  int step_batch = 1;
   bool dn_three_sync = false;
   bool dn_no_state_ws = false;
   int dn_recompute_ws = -1;  // -1: the library's default
@@ -384,6 +386,7 @@ int main(int argc, char** argv) {
     else if (a == "--quick") o.quick = true;
     else if (a == "--timing-only") o.timing_only = true;
     else if (a == "--steps-only") o.steps_only = true;
+    else if (const char* v = val("--step-batch=")) o.step_batch = std::max(1, std::atoi(v));
     else if (const char* v = val("--dn-two-sync=")) o.dn_three_sync = !on(v);
     else if (const char* v = val("--dn-state-ws=")) o.dn_no_state_ws = !on(v);
     else if (const char* v = val("--dn-recompute-ws=")) o.dn_recompute_ws = std::atoi(v);
@@ -603,6 +606,7 @@ int main(int argc, char** argv) {
   // with a GPU the ops dispatched to CUDA on CUDA tensors (timed as above).
   FamilyBench fb;
   fb.steps_only = o.steps_only;
+  fb.step_batch = o.step_batch;
   fb.quick = o.quick, fb.timing_only = o.timing_only, fb.reps = o.reps, fb.mlstm_shapes = o.mlstm_shapes;
   fb.dn_wy_saved = !o.dn_no_wy_saved;
 #if FW_WITH_CUDA
