@@ -160,6 +160,27 @@ def graph_ms(torch, fn, reps: int) -> float:
     return ms
 
 
+def graph_ms_steps(torch, fns, reps: int) -> float:
+    """fns (one call each, on inputs of its own) captured back to back in one CUDA graph (on a side
+    stream, after warm-up there): median ms per call over the replays. With enough of them that their
+    bytes exceed the L2 (bench_decode.py: twice it), each call reads its inputs from HBM: BENCHMARKS.md's
+    "nothing timed out of cache", and a decoding loop's case, whose layers' states pass through the
+    L2 one after the other."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in fns:
+            fn()
+    ms = timed(g.replay, True, max(5, reps // 2)) / len(fns)
+    del g
+    return ms
+
+
 def measure(row: dict, torch, cuda: bool, reps: int, fwd, fwdbwd, graph: bool = False, fwdbwd_grad=None) -> None:
     """Fills row with fwd_ms (no grad), peak_gib (one fwd+bwd, GPU) and fwdbwd_ms: (U), each call timed
     alone between two events (the host's time included where the GPU waits for it). With graph (GPU):
@@ -218,16 +239,19 @@ def report_decode(rows: list, out: str, name: str, device: str) -> None:
     o = Path(out)
     o.mkdir(parents=True, exist_ok=True)
     (o / f"{name}.json").write_text(json.dumps(dict(device=device, rows=rows), indent=1))
-    print("| shape (B, heads, DK, DV) | provider | eager ms | graph ms | state GB/s | h / o err vs fastweight |")
-    print("|---|---|---|---|---|---|")
+    print("| shape (B, heads, DK, DV) | provider | eager ms | graph ms (hot) | state GB/s | graph ms (cold: sets) "
+          "| state GB/s | h / o err vs fastweight |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "na" in r:
-            print(f"| {r['shape']} | {r['provider']} | n/a ({r['na']}) | | | |")
+            print(f"| {r['shape']} | {r['provider']} | n/a ({r['na']}) | | | | | |")
             continue
         gm = f"{r['graph_ms']:.4f}" if "graph_ms" in r else f"n/a ({r.get('graph_na', 'CPU')})"
         gbs = f"{r['state_gbs']:.0f}" if "state_gbs" in r else "-"
+        cm = f"{r['cold_ms']:.4f} ({r['cold_sets']})" if "cold_ms" in r else "-"
+        cbs = f"{r['cold_gbs']:.0f}" if "cold_gbs" in r else "-"
         err = f"{r['err']:.1e}" if "err" in r else "-"
-        print(f"| {r['shape']} | {r['provider']} | {r['eager_ms']:.4f} | {gm} | {gbs} | {err} |")
+        print(f"| {r['shape']} | {r['provider']} | {r['eager_ms']:.4f} | {gm} | {gbs} | {cm} | {cbs} | {err} |")
 
 
 def run_case(rows: list, row: dict, body) -> None:

@@ -15,11 +15,16 @@ Providers (a failing one shows as n/a with its reason):
 Inputs: q, k, v bf16 (fp32 on the CPU), gates fp32 / beta = sigmoid(noise), states fp32; DeltaNet with
 the in-kernel L2 norm of q and k.
 Timing (median of --reps): eager ms, CUDA events around the Python call as a decoding loop runs it
-(host time shows where the GPU waits for it); graph ms, the same step captured in a CUDA graph and
-replayed REPLAYS times back to back between two events, per step (GPU time alone, the graph's
-launch latency amortised as in a decoding loop; n/a where capture fails). Session 21-22's runs timed
-one replay per event pair: at B <= 8 that added 5-10 us of launch latency, run to run uneven. state GB/s: the state's bytes read and written
-(2 |state|) over the graph time. err: relative difference of the output against fastweight's.
+(host time shows where the GPU waits for it); graph ms (hot), the same step captured in a CUDA graph
+and replayed REPLAYS times back to back between two events, per step (GPU time alone, the graph's
+launch latency amortised as in a decoding loop; n/a where capture fails): at B <= 8 the state then
+stays in the L2 across the replays, in place fully, out of place in part. graph ms (cold: sets), the
+protocol's number (shared/BENCHMARKS.md: nothing timed out of cache): one step on each of `sets` state
+copies, captured back to back in one graph, as many as make twice the L2 with the new states, so each
+step reads its state from HBM as a model's layers do. Session 21-22's runs timed one replay per event
+pair: at B <= 8 that added 5-10 us of launch latency, run to run uneven. state GB/s: the state's bytes
+read and written (2 |state|) over the graph time. err: relative difference of the output against
+fastweight's.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import Ctx, graph_ms, import_fla, report_decode, run_case, timed  # noqa: E402
+from bench_common import Ctx, graph_ms, graph_ms_steps, import_fla, report_decode, run_case, timed  # noqa: E402
+
+MAX_SETS = 64  # state copies of the cold timing, at most
 
 # (family: 0 mLSTM / 1 DeltaNet, B, heads, DK, DV)
 SHAPES = [(0, b, 8, 256, 512) for b in (1, 8, 64, 256)] + [(1, b, 16, 128, 128) for b in (1, 8, 64, 256)]
@@ -84,11 +91,14 @@ def main():
                 if fam == 0:
                     call = mlstm_call(name, c.fw)
                     st = [c0.clone(), n0.clone(), m0.clone()]  # in place: a decoding loop's own states
-                    fn = lambda: call(q, k, v, i, f, *st)  # noqa: E731
+                    step = lambda s: (lambda: call(q, k, v, i, f, *s))  # noqa: E731
+                    fresh = lambda: [c0.clone(), n0.clone(), m0.clone()]  # noqa: E731
                 else:
                     call = deltanet_call(name, c.fw)
                     st = [s0.clone()]
-                    fn = lambda: call(q, k, v, beta, *st)  # noqa: E731
+                    step = lambda s: (lambda: call(q, k, v, beta, *s))  # noqa: E731
+                    fresh = lambda: [s0.clone()]  # noqa: E731
+                fn = step(st)
                 with torch.no_grad():
                     for t, t0 in zip(st, (c0, n0, m0) if fam == 0 else (s0,)):
                         t.copy_(t0)
@@ -102,6 +112,14 @@ def main():
                         try:
                             row["graph_ms"] = graph_ms(torch, fn, c.a.reps)
                             row["state_gbs"] = 2 * state_bytes / (row["graph_ms"] * 1e-3) / 1e9
+                            # cold: state + new state of the sets at least twice the L2
+                            l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+                            sets = min(MAX_SETS, max(1, -(-2 * l2 // (2 * state_bytes))))
+                            fns = [step(fresh()) for _ in range(sets)]
+                            row["cold_ms"] = graph_ms_steps(torch, fns, c.a.reps)
+                            row["cold_sets"] = sets
+                            row["cold_gbs"] = 2 * state_bytes / (row["cold_ms"] * 1e-3) / 1e9
+                            del fns
                         except Exception as e:  # noqa: BLE001
                             row["graph_na"] = str(e).split("\n")[0][:80]
             run_case(c.rows, c.row(shape, name), body)

@@ -485,10 +485,10 @@ void check_mlstm_step(std::int64_t DQK, std::int64_t DV, int kernel, std::int64_
 TEST(MlstmCudaStep, MatchesReferenceInPlaceAndOutOfPlace) {
   FW_REQUIRE_GPU();
   for (auto [DQK, DV] : {std::pair<std::int64_t, std::int64_t>{72, 136}, {256, 512}, {300, 136}, {64, 70}})
-    for (int kernel = 0; kernel <= 8; ++kernel) check_mlstm_step(DQK, DV, kernel);
+    for (int kernel = 0; kernel <= 9; ++kernel) check_mlstm_step(DQK, DV, kernel);
   // xLSTM 7B's heads at B = 32 (2048 C-pass CTAs, several waves: a programmatic n, m kernel that ran
-  // early would change h or C' of the late CTAs), the planner's kernel and the register tile
-  for (int kernel : {-1, 1}) check_mlstm_step(256, 512, kernel, 32, 8);
+  // early would change h or C' of the late CTAs), the planner's kernel, the register tile and the TMA kernel
+  for (int kernel : {-1, 1, 9}) check_mlstm_step(256, 512, kernel, 32, 8);
 }
 
 TEST(MlstmCudaDecay, ForwardAndBackwardMatchReference) {

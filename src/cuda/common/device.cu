@@ -53,8 +53,9 @@ cudaStream_t side_stream() {
   return streams[dev];
 }
 
-bool encode_bf16_tile_map(CUtensorMap* map, const void* base, int rank, const std::uint64_t* dims,
-                          const std::uint64_t* strides, const std::uint32_t* box, int swizzle) {
+namespace {
+bool encode_tile_map(CUtensorMapDataType dtype, CUtensorMap* map, const void* base, int rank, const std::uint64_t* dims,
+                     const std::uint64_t* strides, const std::uint32_t* box, int swizzle) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -74,10 +75,21 @@ bool encode_bf16_tile_map(CUtensorMap* map, const void* base, int rank, const st
   for (int d = 0; d + 1 < rank; ++d)
     if (strides[d] % 16 != 0) return false;
   const cuuint32_t ones[5] = {1, 1, 1, 1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box,
-                ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
+  return encode(map, dtype, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, ones,
+                CU_TENSOR_MAP_INTERLEAVE_NONE,
                 swizzle == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : swizzle == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_NONE,
                 CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+}  // namespace
+
+bool encode_bf16_tile_map(CUtensorMap* map, const void* base, int rank, const std::uint64_t* dims,
+                          const std::uint64_t* strides, const std::uint32_t* box, int swizzle) {
+  return encode_tile_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, map, base, rank, dims, strides, box, swizzle);
+}
+
+bool encode_f32_tile_map(CUtensorMap* map, const void* base, int rank, const std::uint64_t* dims,
+                         const std::uint64_t* strides, const std::uint32_t* box) {
+  return encode_tile_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, map, base, rank, dims, strides, box, 0);
 }
 
 int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem) {

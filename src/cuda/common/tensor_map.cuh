@@ -21,6 +21,10 @@ namespace fastweight::detail {
 // encoded (base or a stride not a multiple of 16 bytes): the caller takes another path.
 bool encode_bf16_tile_map(CUtensorMap* map, const void* base, int rank, const std::uint64_t* dims,
                           const std::uint64_t* strides, const std::uint32_t* box, int swizzle);
+// The same for a float32 tensor, unswizzled (box rows dense in shared memory, 128-byte aligned).
+// Elements of a box past the tensor's bounds load as 0 and are not stored.
+bool encode_f32_tile_map(CUtensorMap* map, const void* base, int rank, const std::uint64_t* dims,
+                         const std::uint64_t* strides, const std::uint32_t* box);
 
 #if defined(FW_HAS_BULK)
 // The box at coordinates (c0 innermost, .. c3) from shared `src` to the global tensor of `map`, in this
@@ -31,6 +35,16 @@ __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void*
                    reinterpret_cast<std::uint64_t>(map)),
                "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                : "memory");
+}
+// The box at coordinates (c0 innermost, .. c3) of the global tensor of `map` into shared `dst`,
+// completing on `bar` with the box's full bytes (out-of-bounds elements filled with 0).
+__device__ __forceinline__ void tma_load_4d(const CUtensorMap* map, void* dst, std::uint64_t* bar, int c0, int c1, int c2,
+                                            int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
 }
 // The same for a 3-D map.
 __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {

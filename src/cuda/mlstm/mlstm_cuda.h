@@ -91,7 +91,9 @@ void mlstm_step_cuda(const MlstmParams& p, Stream stream);
 // 1 the register-tile kernel (DQK <= 256), 2 the row-block kernel (any DQK); -1 (the default) the
 // planner's choice of the two (2 where its grid is 4+ waves deep); 0, or where neither applies, the
 // element kernel; 3..8 other row-block shapes (columns x threads x rows: 64x128x16, 64x64x8,
-// 128x128x8, 32x64x8, 64x128x4, 128x256x8; A/B sweeps). Returns the previous setting (tests,
+// 128x128x8, 32x64x8, 64x128x4, 128x256x8; A/B sweeps); 9 the TMA kernel (sm_90, DQK <= 256: the
+// CTA's whole 64-column tile loaded by tensor-map boxes at once, updated in shared memory, stored by
+// tensor-map stores; elsewhere kernel 2). Returns the previous setting (tests,
 // fastweight_bench --mlstm-step-kernel=N).
 int set_mlstm_step_kernel(int kernel);
 // Out of place (n', m' disjoint from n, m) the C pass also writes n', m' (one launch); off: the second

@@ -17,6 +17,7 @@
 #include "cuda/common/bulk.cuh"
 #include "cuda/common/check.cuh"
 #include "cuda/common/step_grid.cuh"
+#include "cuda/common/tensor_map.cuh"
 #include "cuda/mlstm/mlstm_common.cuh"
 #include "cuda/mlstm/mlstm_cuda.h"
 
@@ -244,6 +245,88 @@ __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams
   if (fuse_nm && cta.tile == 0) step_nm(p, b, hd, gt, tid, blockDim.x);  // n', m' apart from n, m (out of place)
 }
 
+// The C pass by the TMA engine (sm_90; fp32 states with 16-byte aligned rows and strides, DQK <= 256;
+// set_mlstm_step_kernel(9): not yet measured). CTA (head, 64 columns), 128 threads. Thread 0 asks for
+// the CTA's whole column tile at once, DQK / 64 boxes of 64 x 64 floats (16 KB each, 64 KB at xLSTM 7B's
+// heads: every byte of the CTA in flight from its start, where the row-block kernel has one 16 KB block
+// in flight at a time and issues the next after its stores), each box landing on its own mbarrier
+// while the CTA forms the gates and the denominator. Thread (g, cq) then updates columns 4 cq.. of rows
+// g, g + 8, .. of each box in shared memory as it lands, and thread 0 stores the box back with one
+// tensor-map store (no register staging, no store instructions per thread). In place, a box is stored
+// only after its own load has landed, and no other CTA touches it. Past DQK or DV a box loads zeros
+// and stores nothing.
+constexpr int kTmaT = 128, kTmaBox = 64, kTmaMaxBoxes = 4;
+constexpr unsigned kTmaBoxBytes = unsigned(kTmaBox) * kTmaBox * 4;
+__global__ void __launch_bounds__(kTmaT) mlstm_step_c_tma_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm,
+                                                                  const __grid_constant__ CUtensorMap mc,
+                                                                  const __grid_constant__ CUtensorMap mo) {
+#if defined(FW_HAS_BULK)
+  extern __shared__ __align__(128) float4 tma_smem[];  // [boxes][64 rows][64 columns] floats
+  __shared__ float s_q[kTmaMaxBoxes * kTmaBox], s_k[kTmaMaxBoxes * kTmaBox];
+  __shared__ float s_red[2][kTmaT / 32];
+  __shared__ float s_part[kTmaT / 16][kTmaBox];  // q^T C' partial sums of each row group (8 x 64)
+  __shared__ std::uint64_t bar[kTmaMaxBoxes];
+  float* tile = reinterpret_cast<float*>(tma_smem);
+  const int tid = threadIdx.x, cq = tid % 16, g = tid / 16;
+  const int nb = int((p.DQK + kTmaBox - 1) / kTmaBox);
+  const StepCta cta = step_cta(tile_major, (p.DV + kTmaBox - 1) / kTmaBox);
+  const std::int64_t bh = cta.bh, b = bh / p.NH, hd = bh % p.NH;
+  const int col0 = int(cta.tile) * kTmaBox;
+  if (tid == 0) {
+    for (int x = 0; x < nb; ++x) mbar_init(&bar[x], 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (tid == 0)
+    for (int x = 0; x < nb; ++x) {
+      mbar_arrive_expect_tx(&bar[x], kTmaBoxBytes);  // the whole box, zeros past the bounds included
+      tma_load_4d(&mc, tile + x * kTmaBox * kTmaBox, &bar[x], col0, x * kTmaBox, int(hd), int(b));
+    }
+  const Gates gt = step_gates(p, b, hd);
+  const float den = step_den<kTmaT>(p, b, hd, gt, s_red, s_q, s_k);
+  step_read_done(fuse_nm, den);
+  const float scale = rsqrtf(float(p.DQK));
+  const std::int64_t c = col0 + 4 * cq, vo = b * p.v.s0 + hd * p.v.s1;
+  float vc[4];  // ia v of this thread's columns
+#pragma unroll
+  for (int j = 0; j < 4; ++j) vc[j] = c + j < p.DV ? gt.ia * mlstm_ld(p.v, vo + c + j) : 0.f;
+  float part[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int x = 0; x < nb; ++x) {
+    mbar_wait(&bar[x], 0);
+#pragma unroll
+    for (int i = 0; i < kTmaBox / 8; ++i) {
+      const int rl = g + 8 * i, r = x * kTmaBox + rl;
+      float4* px = reinterpret_cast<float4*>(tile + (x * kTmaBox + rl) * kTmaBox) + cq;
+      const float kr = r < p.DQK ? s_k[r] : 0.f, qr = r < p.DQK ? s_q[r] : 0.f;
+      float4 y = *px;  // C' = fa C + k (ia v)^T
+      y.x = fmaf(gt.fa, y.x, kr * vc[0]), y.y = fmaf(gt.fa, y.y, kr * vc[1]);
+      y.z = fmaf(gt.fa, y.z, kr * vc[2]), y.w = fmaf(gt.fa, y.w, kr * vc[3]);
+      *px = y;
+      part[0] = fmaf(qr, y.x, part[0]), part[1] = fmaf(qr, y.y, part[1]);
+      part[2] = fmaf(qr, y.z, part[2]), part[3] = fmaf(qr, y.w, part[3]);
+    }
+    bulk_fence_shared();  // this thread's rows visible to the store's async proxy
+    __syncthreads();
+    if (tid == 0) {
+      tma_store_4d(&mo, tile + x * kTmaBox * kTmaBox, col0, x * kTmaBox, int(hd), int(b));
+      bulk_commit();
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) s_part[g][4 * cq + j] = part[j];
+  __syncthreads();
+  if (tid < kTmaBox && col0 + tid < p.DV) {
+    float hsum = 0.f;
+    for (int gg = 0; gg < kTmaT / 16; ++gg) hsum += s_part[gg][tid];
+    mlstm_st(p.h, b * p.h.s0 + hd * p.h.s1 + col0 + tid, scale * hsum / den);
+  }
+  if (fuse_nm && cta.tile == 0) step_nm(p, b, hd, gt, tid, blockDim.x);  // n', m' apart from n, m (out of place)
+  // before the CTA exits, its stores' shared sources read (their global writes complete with the grid,
+  // as CUTLASS's TMA epilogues leave them): the next CTA on this SM may start sooner
+  if (tid == 0) bulk_wait_read();
+#endif
+}
+
 __global__ void __launch_bounds__(kThreads) mlstm_step_n_kernel(const MlstmParams p) {
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
   const Gates gt = step_gates(p, b, hd);
@@ -288,6 +371,26 @@ void launch_row_block(const MlstmParams& p, bool tm, bool fuse, cudaStream_t s) 
   mlstm_step_c_tile_kernel<kC, kT, kR, false><<<grid, kT, 0, s>>>(p, tm, fuse);
 }
 
+// Kernel 9: the TMA C pass where it applies (sm_90 binary and device, DQK <= 256, the maps encodable:
+// f4's alignment); false: the caller takes the row-block kernel.
+bool launch_step_tma(const MlstmParams& p, bool tm, bool fuse, cudaStream_t s) {
+  const void* fn = reinterpret_cast<const void*>(&mlstm_step_c_tma_kernel);
+  if (p.DQK > kTmaBox * kTmaMaxBoxes || kernel_binary_version(fn) < 90) return false;
+  auto map_of = [&](CUtensorMap* m, const StridedView& t) {  // (DV, DQK, NH, B) floats, boxes 64 x 64
+    const std::uint64_t dims[4] = {std::uint64_t(p.DV), std::uint64_t(p.DQK), std::uint64_t(p.NH), std::uint64_t(p.B)};
+    const std::uint64_t strides[3] = {std::uint64_t(t.s2) * 4, std::uint64_t(t.s1) * 4, std::uint64_t(t.s0) * 4};
+    const std::uint32_t box[4] = {kTmaBox, kTmaBox, 1, 1};
+    return encode_f32_tile_map(m, t.p, 4, dims, strides, box);
+  };
+  CUtensorMap mc{}, mo{};
+  if (!map_of(&mc, p.c0) || !map_of(&mo, p.c_last)) return false;
+  const std::size_t smem = std::size_t((p.DQK + kTmaBox - 1) / kTmaBox) * kTmaBoxBytes;
+  (void)resident_ctas_per_sm(fn, kTmaT, smem);  // raises the dynamic shared-memory limit past 48 KB
+  const dim3 grid = step_grid("mlstm_step", tm, p.B * p.NH, (p.DV + kTmaBox - 1) / kTmaBox);
+  mlstm_step_c_tma_kernel<<<grid, kTmaT, smem, s>>>(p, tm, fuse, mc, mo);
+  return true;
+}
+
 }  // namespace
 
 int set_mlstm_step_kernel(int kernel) { return g_step_kernel.exchange(kernel); }
@@ -321,6 +424,9 @@ void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
   else if (f4 && kernel == 6) launch_row_block<32, 64, 8>(p, tm, fuse, s);
   else if (f4 && kernel == 7) launch_row_block<64, 128, 4>(p, tm, fuse, s);
   else if (f4 && kernel == 8) launch_row_block<128, 256, 8>(p, tm, fuse, s);
+  else if (f4 && kernel == 9) {
+    if (!launch_step_tma(p, tm, fuse, s)) launch_row_block<kCols, kTileThreads, kTileRows>(p, tm, fuse, s);
+  }
   else mlstm_step_c_kernel<<<grid, kThreads, 0, s>>>(p, tm, fuse);
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
   if (fuse) return;
