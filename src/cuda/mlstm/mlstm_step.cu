@@ -75,13 +75,16 @@ __device__ __forceinline__ float step_den(const MlstmParams& p, std::int64_t b, 
   return fmaxf(fabsf(rsqrtf(float(p.DQK)) * (gt.fa * qn + gt.ia * qk)), float(exp(-gt.m_new))) + p.eps;
 }
 
-// In place (no fuse_nm), after step_den: every thread of the CTA has consumed n (step_den's barrier
-// follows its loads) and m (den depends on this thread's gates; the empty asm makes den computed before
-// the barrier), so kernel 2, scheduled once every CTA has signalled, may overwrite them. Without a
-// programmatic launch the signal does nothing.
+// In place (no fuse_nm), after step_den: every thread of the CTA has consumed n (its loads feed
+// step_den's shared sums before its barrier) and m (den depends on this thread's gates, and each thread
+// stores den to shared memory before the barrier: the store issues only once the m load has returned,
+// which an empty asm would not ensure past ptxas), so kernel 2, scheduled once every CTA has signalled,
+// may overwrite them. Without a programmatic launch the signal does nothing.
 __device__ __forceinline__ void step_read_done(bool fuse_nm, float den) {
   if (fuse_nm) return;
-  asm volatile("" ::"f"(den));
+  __shared__ float s_sink;  // written, never read: the store is the point (same value from every thread)
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(&s_sink))), "f"(den)
+               : "memory");
   __syncthreads();
   pdl_launch_dependents();
 }
@@ -261,12 +264,13 @@ __global__ void __launch_bounds__(kTmaT) mlstm_step_c_tma_kernel(const MlstmPara
                                                                   const __grid_constant__ CUtensorMap mc,
                                                                   const __grid_constant__ CUtensorMap mo) {
 #if defined(FW_HAS_BULK)
-  extern __shared__ __align__(128) float4 tma_smem[];  // [boxes][64 rows][64 columns] floats
+  extern __shared__ __align__(128) float4 tma_smem[];  // [boxes][64 rows][64 columns] floats, + 128 slack
   __shared__ float s_q[kTmaMaxBoxes * kTmaBox], s_k[kTmaMaxBoxes * kTmaBox];
   __shared__ float s_red[2][kTmaT / 32];
   __shared__ float s_part[kTmaT / 16][kTmaBox];  // q^T C' partial sums of each row group (8 x 64)
   __shared__ std::uint64_t bar[kTmaMaxBoxes];
-  float* tile = reinterpret_cast<float*>(tma_smem);
+  // aligned by hand: some toolchains ignore __align__ on extern __shared__ beside static shared data
+  float* tile = reinterpret_cast<float*>((reinterpret_cast<std::uintptr_t>(tma_smem) + 127) & ~std::uintptr_t(127));
   const int tid = threadIdx.x, cq = tid % 16, g = tid / 16;
   const int nb = int((p.DQK + kTmaBox - 1) / kTmaBox);
   const StepCta cta = step_cta(tile_major, (p.DV + kTmaBox - 1) / kTmaBox);
@@ -382,9 +386,10 @@ bool launch_step_tma(const MlstmParams& p, bool tm, bool fuse, cudaStream_t s) {
     const std::uint32_t box[4] = {kTmaBox, kTmaBox, 1, 1};
     return encode_f32_tile_map(m, t.p, 4, dims, strides, box);
   };
+  const std::size_t smem = std::size_t((p.DQK + kTmaBox - 1) / kTmaBox) * kTmaBoxBytes + 128;  // + alignment slack
+  if (smem + 8 * 1024 > smem_per_block_optin()) return false;  // (the static shared data: ~4 KB)
   CUtensorMap mc{}, mo{};
   if (!map_of(&mc, p.c0) || !map_of(&mo, p.c_last)) return false;
-  const std::size_t smem = std::size_t((p.DQK + kTmaBox - 1) / kTmaBox) * kTmaBoxBytes;
   (void)resident_ctas_per_sm(fn, kTmaT, smem);  // raises the dynamic shared-memory limit past 48 KB
   const dim3 grid = step_grid("mlstm_step", tm, p.B * p.NH, (p.DV + kTmaBox - 1) / kTmaBox);
   mlstm_step_c_tma_kernel<<<grid, kTmaT, smem, s>>>(p, tm, fuse, mc, mo);
@@ -440,7 +445,11 @@ void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = g_step_pdl.load(std::memory_order_relaxed) && cc_major() >= 9 ? 1 : 0;
+  // (sm_90 binaries only: a JIT-compiled compute_80 build would drop the n kernel's final wait)
+  cfg.numAttrs = g_step_pdl.load(std::memory_order_relaxed) && cc_major() >= 9 &&
+                         kernel_binary_version(reinterpret_cast<const void*>(&mlstm_step_n_kernel)) >= 90
+                     ? 1
+                     : 0;
   FW_CUDA_CHECK("mlstm_step", cudaLaunchKernelEx(&cfg, mlstm_step_n_kernel, p));
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
 }
