@@ -11,7 +11,9 @@ Providers (a failing one shows as n/a with its reason):
   mLSTM: fastweight (fastweight.mlstm_step, new states returned), fastweight_inplace (inplace=True),
   mk_triton (mlstm_kernels' mlstm_recurrent_step__triton), mk_native (its mlstm_recurrent_step__native);
   DeltaNet: fastweight (fastweight.delta_rule_step), fastweight_inplace, fla_recurrent
-  (fla.ops.delta_rule.fused_recurrent_delta_rule with T = 1, the initial state in, the final state out).
+  (fla.ops.delta_rule.fused_recurrent_delta_rule with T = 1, the initial state in, the final state out);
+  both: state_copy (torch's copy_ of the state matrix into a second buffer: the floor a step out of
+  place cannot beat, the same bytes read and written with nothing computed).
 Inputs: q, k, v bf16 (fp32 on the CPU), gates fp32 / beta = sigmoid(noise), states fp32; DeltaNet with
 the in-kernel L2 norm of q and k.
 Timing (median of --reps): eager ms, CUDA events around the Python call as a decoding loop runs it
@@ -41,9 +43,9 @@ MAX_SETS = 64  # state copies of the cold timing, at most
 SHAPES = [(0, b, 8, 256, 512) for b in (1, 8, 64, 256)] + [(1, b, 16, 128, 128) for b in (1, 8, 64, 256)]
 QUICK = [(0, 8, 8, 256, 512), (1, 8, 16, 128, 128)]
 DRY = [(0, 2, 2, 16, 24), (1, 2, 2, 16, 24)]
-PROVIDERS = ["fastweight", "fastweight_inplace", "mk_triton", "mk_native", "fla_recurrent"]
-MLSTM_PROVIDERS = ("fastweight", "fastweight_inplace", "mk_triton", "mk_native")
-DELTANET_PROVIDERS = ("fastweight", "fastweight_inplace", "fla_recurrent")
+PROVIDERS = ["fastweight", "fastweight_inplace", "mk_triton", "mk_native", "fla_recurrent", "state_copy"]
+MLSTM_PROVIDERS = ("fastweight", "fastweight_inplace", "mk_triton", "mk_native", "state_copy")
+DELTANET_PROVIDERS = ("fastweight", "fastweight_inplace", "fla_recurrent", "state_copy")
 
 
 def mlstm_call(name, fw):
@@ -89,15 +91,17 @@ def main():
         for name in names:
             def body(row, name=name):
                 if fam == 0:
-                    call = mlstm_call(name, c.fw)
+                    call = mlstm_call(name, c.fw) if name != "state_copy" else None
                     st = [c0.clone(), n0.clone(), m0.clone()]  # in place: a decoding loop's own states
                     step = lambda s: (lambda: call(q, k, v, i, f, *s))  # noqa: E731
                     fresh = lambda: [c0.clone(), n0.clone(), m0.clone()]  # noqa: E731
                 else:
-                    call = deltanet_call(name, c.fw)
+                    call = deltanet_call(name, c.fw) if name != "state_copy" else None
                     st = [s0.clone()]
                     step = lambda s: (lambda: call(q, k, v, beta, *s))  # noqa: E731
                     fresh = lambda: [s0.clone()]  # noqa: E731
+                if name == "state_copy":  # the state matrix into a buffer of its own per set
+                    step = lambda s: (lambda d=s[0].new_empty(s[0].shape): d.copy_(s[0]))  # noqa: E731
                 fn = step(st)
                 with torch.no_grad():
                     for t, t0 in zip(st, (c0, n0, m0) if fam == 0 else (s0,)):
@@ -105,7 +109,7 @@ def main():
                     out = fn().float()
                     if name == "fastweight":
                         ref["o"] = out
-                    elif "o" in ref:
+                    elif "o" in ref and name != "state_copy":
                         row["err"] = float((out - ref["o"]).norm() / ref["o"].norm())
                     row["eager_ms"] = timed(fn, c.cuda, c.a.reps)
                     if c.cuda:

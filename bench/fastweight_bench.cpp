@@ -20,7 +20,8 @@
 //   fastweight_bench --dn-fixed-k=off        DeltaNet serial kernels for a runtime K only (A/B)
 //   fastweight_bench --dn-step-kernel=off    DeltaNet decoding step by the forward over T = 1 (A/B)
 //   fastweight_bench --mlstm-step-fuse=off   mLSTM decoding step out of place in two launches, as in place (A/B)
-//   fastweight_bench --mlstm-step-pdl=on     mLSTM decoding step in place: its n, m kernel a programmatic dependent launch (A/B)
+//   fastweight_bench --mlstm-step-pdl=off    mLSTM decoding step in place: its n, m kernel a programmatic dependent launch or not (A/B)
+//   fastweight_bench --mlstm-step-lean=N     mLSTM decoding step: the row-block kernel's short per-row path, mode N (A/B)
 //   fastweight_bench --dn-two-sync=off       DeltaNet serial kernels with three barriers per chunk step (A/B)
 //   fastweight_bench --dn-x-bf16=off         DeltaNet backward (bf16 operands) with X, Y in fp32 (A/B)
 //   fastweight_bench --dn-xu-bf16=off        DeltaNet (bf16 operands) with Xu in fp32 (A/B)
@@ -147,6 +148,7 @@ struct Options {
   bool dn_xu_f32 = false;
   bool mlstm_step_no_fuse = false;
   int mlstm_step_pdl = -1;  // -1: the default
+  int mlstm_step_lean = -1;  // -1: the default
   bool quick = false, timing_only = false, cpu = false, no_bulk = false, no_dprime = false, no_row1 = false;
   int bulk_vecs = 0;  // 0: the planner's choice
   int row1_vecs = 0;      // 0: the planner's choice
@@ -420,6 +422,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--dn-xu-bf16=")) o.dn_xu_f32 = !on(v);
     else if (const char* v = val("--mlstm-step-fuse=")) o.mlstm_step_no_fuse = !on(v);
     else if (const char* v = val("--mlstm-step-pdl=")) o.mlstm_step_pdl = on(v) ? 1 : 0;
+    else if (const char* v = val("--mlstm-step-lean=")) o.mlstm_step_lean = std::atoi(v);
     else if (a == "--cpu") o.cpu = true;
     else if (a == "--no-bulk") o.no_bulk = true;
     else if (a == "--no-dprime") o.no_dprime = true;
@@ -521,6 +524,7 @@ int main(int argc, char** argv) {
   if (o.dn_xu_f32) fastweight::detail::set_deltanet_xu_bf16(false);
   if (o.mlstm_step_no_fuse) fastweight::detail::set_mlstm_step_fuse_nm(false);
   if (o.mlstm_step_pdl >= 0) fastweight::detail::set_mlstm_step_pdl(o.mlstm_step_pdl == 1);
+  if (o.mlstm_step_lean >= 0) fastweight::detail::set_mlstm_step_lean(o.mlstm_step_lean);
   if (o.mlstm_slab_overlap) fastweight::detail::set_mlstm_slab_overlap(o.mlstm_slab_overlap);
 #endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");

@@ -430,9 +430,12 @@ INSTANTIATE_TEST_SUITE_P(Cases, MlstmCudaBwd, ::testing::ValuesIn(bwd_cases()),
 // Each of the C pass's kernels (set_mlstm_step_kernel: 0 the element kernel, 1 the register tile, 2 the
 // row-block kernel, 3..8 its other shapes; fp32 states with 16-byte rows and DV % 4 == 0 for 1 and 2, DQK <= 256 for 1) at DV 136, xLSTM 7B's (256, 512), DQK 300 (row blocks beyond 256, a short last one) and at
 // DV = 70, where the element kernel takes every setting.
-void check_mlstm_step(std::int64_t DQK, std::int64_t DV, int kernel, std::int64_t B = 2, std::int64_t NH = 3) {
+// lean: set_mlstm_step_lean's mode; pdl: the in-place run's programmatic n, m kernel (-1: the opposite of
+// the default).
+void check_mlstm_step(std::int64_t DQK, std::int64_t DV, int kernel, std::int64_t B = 2, std::int64_t NH = 3,
+                      int lean = 0, int pdl = -1) {
   SCOPED_TRACE("DQK " + std::to_string(DQK) + " DV " + std::to_string(DV) + " kernel " + std::to_string(kernel) +
-               " B " + std::to_string(B) + " NH " + std::to_string(NH));
+               " B " + std::to_string(B) + " NH " + std::to_string(NH) + " lean " + std::to_string(lean) + " pdl " + std::to_string(pdl));
   HostTensor q = make_host(DType::bf16, {B, NH, DQK}), k = make_host(DType::bf16, {B, NH, DQK}),
              v = make_host(DType::bf16, {B, NH, DV}), i = make_host(DType::f32, {B, NH, 1}),
              f = make_host(DType::f32, {B, NH, 1}), h = make_host(DType::bf16, {B, NH, DV}),
@@ -449,20 +452,22 @@ void check_mlstm_step(std::int64_t DQK, std::int64_t DV, int kernel, std::int64_
   a.c = dc.ref(c), a.n = dn.ref(n), a.m = dm.ref(m), a.h = dh2.ref(h2);
   a.c_new = dc2.ref(c2), a.n_new = dn2.ref(n2), a.m_new = dm2.ref(m2);
   const int prev = fastweight::detail::set_mlstm_step_kernel(kernel);
+  const int prev_lean = fastweight::detail::set_mlstm_step_lean(lean);
   fastweight::detail::mlstm_step_cuda(fastweight::detail::lower_mlstm_step(a), nullptr);
-  // in place, heads-fastest grid, 4-byte state stores (the default is 16-byte), the n, m kernel's
+  // in place, heads-fastest grid, 4-byte state stores (the default is 16-byte; lean: 16-byte), the n, m kernel's
   // programmatic launch flipped (set_mlstm_step_pdl: it may overwrite n, m while the C pass runs): same bits
   a.h = dh.ref(h), a.c_new = a.c, a.n_new = a.n, a.m_new = a.m;
   const bool tile_major = fastweight::detail::set_step_tile_major(false);
-  const bool vst = fastweight::detail::set_step_vector_stores(false);
-  const bool pdl = fastweight::detail::set_mlstm_step_pdl(false);
-  fastweight::detail::set_mlstm_step_pdl(!pdl);
+  const bool vst = fastweight::detail::set_step_vector_stores(lean != 0);  // (lean: its own in-place run)
+  const bool pdl0 = fastweight::detail::set_mlstm_step_pdl(false);
+  fastweight::detail::set_mlstm_step_pdl(pdl < 0 ? !pdl0 : pdl == 1);
   fastweight::detail::mlstm_step_cuda(fastweight::detail::lower_mlstm_step(a), nullptr);
-  fastweight::detail::set_mlstm_step_pdl(pdl);
+  fastweight::detail::set_mlstm_step_pdl(pdl0);
   fastweight::detail::set_step_tile_major(tile_major);
   fastweight::detail::set_step_vector_stores(vst);
   FW_TEST_CUDA(cudaDeviceSynchronize());
   fastweight::detail::set_mlstm_step_kernel(prev);
+  fastweight::detail::set_mlstm_step_lean(prev_lean);
   HostTensor hA = h2, cA = c2, nA = n2, mA = m2, hB = h, cB = c, nB = n, mB = m;
   dh2.download(hA), dc2.download(cA), dn2.download(nA), dm2.download(mA);
   dh.download(hB), dc.download(cB), dn.download(nB), dm.download(mB);
@@ -488,7 +493,16 @@ TEST(MlstmCudaStep, MatchesReferenceInPlaceAndOutOfPlace) {
     for (int kernel = 0; kernel <= 9; ++kernel) check_mlstm_step(DQK, DV, kernel);
   // xLSTM 7B's heads at B = 32 (2048 C-pass CTAs, several waves: a programmatic n, m kernel that ran
   // early would change h or C' of the late CTAs), the planner's kernel, the register tile and the TMA kernel
-  for (int kernel : {-1, 1, 9}) check_mlstm_step(256, 512, kernel, 32, 8);
+  for (int kernel : {-1, 1, 9})
+    for (int pdl : {0, 1}) check_mlstm_step(256, 512, kernel, 32, 8, 0, pdl);
+  // the row-block kernel's short path (set_mlstm_step_lean 1..3): whole blocks (256), a short last one
+  // (72, 300), a short last block pair (DQK 200 at 2 x 32 rows), odd DV tiles, a second wave of CTAs;
+  // in place too (with 16-byte stores: the lean path needs them), the next block loaded before the stores
+  for (int lean = 1; lean <= 3; ++lean) {
+    for (auto [DQK, DV] : {std::pair<std::int64_t, std::int64_t>{72, 136}, {256, 512}, {300, 136}, {200, 520}})
+      check_mlstm_step(DQK, DV, 2, 2, 3, lean, lean % 2);
+    check_mlstm_step(256, 512, 2, 32, 8, lean, lean % 2);
+  }
 }
 
 TEST(MlstmCudaDecay, ForwardAndBackwardMatchReference) {

@@ -100,10 +100,17 @@ int set_mlstm_step_kernel(int kernel);
 // kernel always, as in place. Returns the previous setting (tests, fastweight_bench --mlstm-step-fuse=off).
 bool set_mlstm_step_fuse_nm(bool on);
 // In place, the second kernel (n', m') as a programmatic dependent launch on sm_90: it may run once every
-// C-pass CTA has read n and m, beside the C pass's state traffic, instead of after it (B = 1: 0.0107 ms
-// in place against 0.0077 out of place, H100, session 32). The same bits. Off by default: not yet
-// measured. Returns the previous setting (tests, fastweight_bench --mlstm-step-pdl=on).
+// C-pass CTA has read n and m, beside the C pass's state traffic, instead of after it. The same bits. On by
+// default (H100, session 34: in place 0.89x at B = 1, 0.88x at B = 8, within 1% at B >= 64). Returns the
+// previous setting (tests, fastweight_bench --mlstm-step-pdl=off).
 bool set_mlstm_step_pdl(bool on);
+// The row-block kernel (kernel 2) with a short per-row path: k, q from shared memory, no row checks in
+// whole blocks, 32-bit row offsets (where 16-byte stores are on, DQK <= 512 and DQK row strides fit 31
+// bits). 1: one block of 8 rows in flight, as kernel 2; 2: two blocks of 4 rows (the next loaded before
+// this one's stores); 3 (the default; H100: 0.964x mode 0's time at B = 64 and 256): two blocks of 8
+// rows; 0: kernel 2 as before.
+// Returns the previous setting (tests, fastweight_bench --mlstm-step-lean=N).
+int set_mlstm_step_lean(int mode);
 
 // Parallel form (mlstm_parallel.cu): forward h (and n, m, b where P has them); backward the
 // gradients P asks for, from the saved h, m, b; the head norm when P.out (forward) / P.dout (backward)

@@ -80,13 +80,36 @@ __device__ __forceinline__ float step_den(const MlstmParams& p, std::int64_t b, 
 // stores den to shared memory before the barrier: the store issues only once the m load has returned,
 // which an empty asm would not ensure past ptxas), so kernel 2, scheduled once every CTA has signalled,
 // may overwrite them. Without a programmatic launch the signal does nothing.
+// Each thread stores to a slot of its own (one word shared by all was a write-write race to racecheck).
+template <int kT>
 __device__ __forceinline__ void step_read_done(bool fuse_nm, float den) {
   if (fuse_nm) return;
-  __shared__ float s_sink;  // written, never read: the store is the point (same value from every thread)
-  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(&s_sink))), "f"(den)
+  __shared__ float s_sink[kT];  // written, never read: the store is the point
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(&s_sink[threadIdx.x]))),
+               "f"(den)
                : "memory");
   __syncthreads();
   pdl_launch_dependents();
+}
+
+// The row-block kernels' end: h of the CTA's kC columns from the row groups' q^T C' partial sums (a fixed
+// order: deterministic), and n', m' from tile 0 where the C pass writes them (out of place).
+template <int kC, int kT, int kGroups>
+__device__ __forceinline__ void step_h_out(const MlstmParams& p, float (&s_part)[kGroups][kC], const float (&part)[4],
+                                           int g, int cq, std::int64_t tile, std::int64_t b, std::int64_t hd,
+                                           const Gates& gt, float scale, float den, bool fuse_nm) {
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) s_part[g][4 * cq + j] = part[j];
+  __syncthreads();
+  for (int col = tid; col < kC; col += kT) {
+    const std::int64_t cc = tile * kC + col;
+    if (cc >= p.DV) continue;
+    float hsum = 0.f;
+    for (int gg = 0; gg < kGroups; ++gg) hsum += s_part[gg][col];
+    mlstm_st(p.h, b * p.h.s0 + hd * p.h.s1 + cc, scale * hsum / den);
+  }
+  if (fuse_nm && tile == 0) step_nm(p, b, hd, gt, tid, blockDim.x);  // n', m' apart from n, m (out of place)
 }
 
 __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
@@ -98,7 +121,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParam
   const Gates gt = step_gates(p, b, hd);
   const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, vo = b * p.v.s0 + hd * p.v.s1;
   const float den = step_den<kThreads>(p, b, hd, gt, s_red);
-  step_read_done(fuse_nm, den);
+  step_read_done<kThreads>(fuse_nm, den);
   const float scale = rsqrtf(float(p.DQK));
 
   const int col = tid % kCols, rg = tid / kCols;
@@ -151,7 +174,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
   }
   const Gates gt = step_gates(p, b, hd);
   const float den = step_den<kThreads>(p, b, hd, gt, s_red, s_q, s_k);
-  step_read_done(fuse_nm, den);
+  step_read_done<kThreads>(fuse_nm, den);
   const float scale = rsqrtf(float(p.DQK));
   float vc[4];  // ia v of this thread's columns
 #pragma unroll
@@ -214,7 +237,7 @@ __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams
   load(cur, 0);
   const Gates gt = step_gates(p, b, hd);
   const float den = step_den<kT>(p, b, hd, gt, s_red);
-  step_read_done(fuse_nm, den);
+  step_read_done<kT>(fuse_nm, den);
   const float scale = rsqrtf(float(p.DQK));
   float vc[4];  // ia v of this thread's columns
 #pragma unroll
@@ -235,17 +258,95 @@ __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams
     }
     if (r0 + kBlock < p.DQK) load(cur, r0 + kBlock);  // after this block's stores (in place: no race)
   }
+  step_h_out<kC, kT, kGroups>(p, s_part, part, g, cq, cta.tile, b, hd, gt, scale, den, fuse_nm);
+}
+
+// The row-block kernel with a short per-row path (set_mlstm_step_lean; mode 3 the default). ncu of
+// mlstm_step_c_tile_kernel at (64, 8, 256, 512) (H200, session 34): 2.5x the instructions of
+// mlstm_kernels' Triton step (65.9M against 26.9M) and 47% of issue cycles busy against its 19%: per
+// row, k and q were two global loads through mlstm_ld's dtype switch (branches, 64-bit offsets) and
+// every row checked r < DQK. A block's next loads issue only after its compute and stores, so a long
+// compute phase is time without that CTA's bytes in flight. Here k and q come from shared memory
+// (kept by step_den), a whole block takes no row checks, and rows step by 32-bit offsets (the host
+// requires DQK row strides to fit). PF: two blocks of kR rows in flight (ping-pong, no register
+// copies), the next loads issued before this block's stores: different elements, so in place too.
+// H100, fastweight_bench graph ms at B = 64 / 256 (xLSTM 7B's heads): kernel 2 0.199 / 0.758, lean
+// 0.195 / 0.747, PF with 4 rows 0.194 / 0.744, PF with 8 rows (120 registers, 4 CTAs per SM) 0.192 /
+// 0.731 = 2.93 TB/s of state (mlstm_kernels' Triton step: 2.89 in bench_decode.py).
+constexpr int kLeanMaxQ = 512;
+template <int kC, int kT, int kR, bool PF>
+__global__ void __launch_bounds__(kT, !PF ? 7 : kR * kT > 512 ? 4 : 6) mlstm_step_c_lean_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
+  constexpr int kQuads = kC / 4, kGroups = kT / kQuads, kBlock = kGroups * kR;
+  static_assert(kT % kQuads == 0 && kT % 32 == 0, "whole warps of whole rows");
+  __shared__ float s_q[kLeanMaxQ], s_k[kLeanMaxQ];
+  __shared__ float s_red[2][kT / 32];
+  __shared__ float s_part[kGroups][kC];  // q^T C' partial sums of each row group
+  const int tid = threadIdx.x, cq = tid % kQuads, g = tid / kQuads;
+  const StepCta cta = step_cta(tile_major, (p.DV + kC - 1) / kC);
+  const std::int64_t bh = cta.bh, b = bh / p.NH, hd = bh % p.NH;
+  const std::int64_t vo = b * p.v.s0 + hd * p.v.s1;
+  const std::int64_t c = cta.tile * kC + 4 * cq;
+  const bool col_ok = c < p.DV;
+  const int nq = int(p.DQK), rs = int(p.c0.s2), ros = int(p.c_last.s2);  // rows, row strides (host-checked)
+  // no __restrict__: in place, C and Co are the same memory; row g of this thread's columns
+  const float* C = static_cast<const float*>(p.c0.p) + b * p.c0.s0 + hd * p.c0.s1 + c + std::int64_t(g) * rs;
+  float* Co = static_cast<float*>(p.c_last.p) + b * p.c_last.s0 + hd * p.c_last.s1 + c + std::int64_t(g) * ros;
+  auto load = [&](float4 (&x)[kR], int r0) {  // rows r0 + g + kGroups i
+    if (r0 + kBlock <= nq) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) s_part[g][4 * cq + j] = part[j];
-  __syncthreads();
-  for (int col = tid; col < kC; col += kT) {
-    const std::int64_t cc = cta.tile * kC + col;
-    if (cc >= p.DV) continue;
-    float hsum = 0.f;
-    for (int gg = 0; gg < kGroups; ++gg) hsum += s_part[gg][col];
-    mlstm_st(p.h, b * p.h.s0 + hd * p.h.s1 + cc, scale * hsum / den);
+      for (int i = 0; i < kR; ++i)
+        x[i] = col_ok ? *reinterpret_cast<const float4*>(C + (r0 + kGroups * i) * rs) : make_float4(0.f, 0.f, 0.f, 0.f);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kR; ++i)
+        x[i] = col_ok && r0 + g + kGroups * i < nq ? *reinterpret_cast<const float4*>(C + (r0 + kGroups * i) * rs)
+                                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  float4 a[kR], bb[PF ? kR : 1];  // [kR] rows of this thread's 4 columns: the current block (and the next)
+  load(a, 0);
+  if constexpr (PF)
+    if (kBlock < nq) load(bb, kBlock);
+  const Gates gt = step_gates(p, b, hd);
+  const float den = step_den<kT>(p, b, hd, gt, s_red, s_q, s_k);  // (s_q, s_k: DQK <= kLeanMaxQ, host-checked)
+  step_read_done<kT>(fuse_nm, den);
+  const float scale = rsqrtf(float(p.DQK));
+  float vc[4];  // ia v of this thread's columns
+#pragma unroll
+  for (int j = 0; j < 4; ++j) vc[j] = c + j < p.DV ? gt.ia * mlstm_ld(p.v, vo + c + j) : 0.f;
+  float part[4] = {0.f, 0.f, 0.f, 0.f};
+  auto update = [&](const float4 (&x)[kR], int r0) {  // C' = fa C + k (ia v)^T of a block, stored; q^T C'
+    if (!col_ok) return;
+    const bool full = r0 + kBlock <= nq;
+#pragma unroll
+    for (int i = 0; i < kR; ++i) {
+      const int r = r0 + g + kGroups * i;
+      if (!full && r >= nq) break;
+      const float kr = s_k[r], qr = s_q[r];
+      float4 y = x[i];
+      y.x = fmaf(gt.fa, y.x, kr * vc[0]), y.y = fmaf(gt.fa, y.y, kr * vc[1]);
+      y.z = fmaf(gt.fa, y.z, kr * vc[2]), y.w = fmaf(gt.fa, y.w, kr * vc[3]);
+      st_global_v4f(Co + (r0 + kGroups * i) * ros, y);  // may be the element just read (in place)
+      part[0] = fmaf(qr, y.x, part[0]), part[1] = fmaf(qr, y.y, part[1]);
+      part[2] = fmaf(qr, y.z, part[2]), part[3] = fmaf(qr, y.w, part[3]);
+    }
+  };
+  if constexpr (PF) {
+    for (int r0 = 0; r0 < nq; r0 += 2 * kBlock) {
+      update(a, r0);
+      if (r0 + 2 * kBlock < nq) load(a, r0 + 2 * kBlock);
+      if (r0 + kBlock < nq) {
+        update(bb, r0 + kBlock);
+        if (r0 + 3 * kBlock < nq) load(bb, r0 + 3 * kBlock);
+      }
+    }
+  } else {
+    for (int r0 = 0; r0 < nq; r0 += kBlock) {
+      update(a, r0);
+      if (r0 + kBlock < nq) load(a, r0 + kBlock);  // after this block's stores, as the row-block kernel
+    }
   }
-  if (fuse_nm && cta.tile == 0) step_nm(p, b, hd, gt, tid, blockDim.x);  // n', m' apart from n, m (out of place)
+  step_h_out<kC, kT, kGroups>(p, s_part, part, g, cq, cta.tile, b, hd, gt, scale, den, fuse_nm);
 }
 
 // The C pass by the TMA engine (sm_90; fp32 states with 16-byte aligned rows and strides, DQK <= 256;
@@ -288,7 +389,7 @@ __global__ void __launch_bounds__(kTmaT) mlstm_step_c_tma_kernel(const MlstmPara
     }
   const Gates gt = step_gates(p, b, hd);
   const float den = step_den<kTmaT>(p, b, hd, gt, s_red, s_q, s_k);
-  step_read_done(fuse_nm, den);
+  step_read_done<kTmaT>(fuse_nm, den);
   const float scale = rsqrtf(float(p.DQK));
   const std::int64_t c = col0 + 4 * cq, vo = b * p.v.s0 + hd * p.v.s1;
   float vc[4];  // ia v of this thread's columns
@@ -341,10 +442,13 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_n_kernel(const MlstmParam
   pdl_wait_primary();
 }
 
-// The bytes [begin, end) a (B, NH, D) view spans (elements of at most 8 bytes; strides >= 0).
+// The bytes [begin, end) a (B, NH, D) view spans (strides >= 0). By its own element size: with 8 bytes
+// for every dtype, an fp32 n' allocated within |n| bytes after n (the caching allocator's habit at
+// B = 256, 2 MB each) counted as overlapping, and the out-of-place step took two launches.
 std::pair<std::uintptr_t, std::uintptr_t> span(const StridedView& t, std::int64_t B, std::int64_t NH, std::int64_t D) {
   const auto begin = reinterpret_cast<std::uintptr_t>(t.p);
-  return {begin, begin + std::uintptr_t(((B - 1) * t.s0 + (NH - 1) * t.s1 + (D - 1) * t.s2 + 1) * 8)};
+  const auto elems = std::uintptr_t((B - 1) * t.s0 + (NH - 1) * t.s1 + (D - 1) * t.s2 + 1);
+  return {begin, begin + elems * dtype_size(t.dtype)};
 }
 bool disjoint(const StridedView& a, const StridedView& b, std::int64_t B, std::int64_t NH, std::int64_t D) {
   const auto x = span(a, B, NH, D), y = span(b, B, NH, D);
@@ -358,7 +462,11 @@ bool aligned16(const StridedView& t) {
 }
 
 std::atomic<int> g_step_kernel{-1};  // set_mlstm_step_kernel; -1: the planner
-std::atomic<bool> g_step_pdl{false};  // set_mlstm_step_pdl (not yet measured)
+// set_mlstm_step_pdl: H100, session 34, in place B = 1 and 8 0.89x and 0.88x, B >= 64 within 1%
+std::atomic<bool> g_step_pdl{true};
+// set_mlstm_step_lean: H100, session 34, mode 3 at B = 64 / 256 0.965x / 0.964x kernel 2's time (modes 1, 2:
+// 0.98x); B <= 8 take the register tile (the planner), unchanged
+std::atomic<int> g_step_lean{3};
 
 constexpr int kTileThreads = 128, kTileRows = 8;  // the row-block kernel's planner instance (kCols columns)
 
@@ -400,6 +508,7 @@ bool launch_step_tma(const MlstmParams& p, bool tm, bool fuse, cudaStream_t s) {
 
 int set_mlstm_step_kernel(int kernel) { return g_step_kernel.exchange(kernel); }
 bool set_mlstm_step_pdl(bool on) { return g_step_pdl.exchange(on); }
+int set_mlstm_step_lean(int mode) { return g_step_lean.exchange(mode); }
 bool set_mlstm_step_fuse_nm(bool on) { return g_step_fuse_nm.exchange(on); }
 
 void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
@@ -407,9 +516,15 @@ void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
   if (heads == 0) return;
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   // the planner: the row-block kernel where the grid is a few waves deep (it keeps fewer bytes in flight
-  // per CTA, more CTAs per SM), the register tile (all of a thread's rows in flight at once) below
+  // per CTA, more CTAs per SM; its lean form by default, set_mlstm_step_lean), the register tile (all of
+  // a thread's rows in flight at once) below
   int kernel = g_step_kernel.load(std::memory_order_relaxed);
-  if (kernel < 0) kernel = p.DQK > kVecMaxQ || heads * tiles >= 4 * std::int64_t(sm_count()) ? 2 : 1;
+  // (the lean form takes over once the register tile's grid (2 CTAs per SM) passes a wave: H100, B = 8 at
+  // xLSTM 7B's heads, 512 CTAs: out of place 0.030 against 0.031 ms, in place 0.020 against 0.023; B = 1,
+  // 64 CTAs: the register tile, 0.007 against 0.008)
+  const bool lean3 = g_step_lean.load(std::memory_order_relaxed) == 3;
+  const std::int64_t ctas = heads * tiles, sms = sm_count();
+  if (kernel < 0) kernel = p.DQK > kVecMaxQ || (lean3 ? ctas > 2 * sms : ctas >= 4 * sms) ? 2 : 1;
   const bool f4 = p.c0.dtype == DType::f32 && p.c_last.dtype == DType::f32 && p.DV % 4 == 0 && aligned16(p.c0) &&
                   aligned16(p.c_last);
   const bool tm = g_step_tile_major.load(std::memory_order_relaxed);
@@ -420,8 +535,19 @@ void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
                     disjoint(p.m_last, p.m0, p.B, p.NH, 1);
   // kernels 3..8: other row-block shapes, for A/B sweeps only (set_mlstm_step_kernel)
   const bool vst = g_step_vec_stores.load(std::memory_order_relaxed);
+  // the lean row-block kernel (set_mlstm_step_lean): 16-byte stores, DQK <= kLeanMaxQ, 32-bit row offsets
+  const auto fits32 = [&](const StridedView& t) { return t.s2 >= 0 && t.s2 * p.DQK < (std::int64_t(1) << 31); };
+  const int lean = vst && p.DQK <= kLeanMaxQ && fits32(p.c0) && fits32(p.c_last)
+                       ? g_step_lean.load(std::memory_order_relaxed)
+                       : 0;
   if (f4 && kernel == 1 && p.DQK <= kVecMaxQ && vst) mlstm_step_c_vec_kernel<true><<<grid, kThreads, 0, s>>>(p, tm, fuse);
   else if (f4 && kernel == 1 && p.DQK <= kVecMaxQ) mlstm_step_c_vec_kernel<false><<<grid, kThreads, 0, s>>>(p, tm, fuse);
+  else if (f4 && kernel == 2 && lean) {
+    const dim3 lg = step_grid("mlstm_step", tm, heads, tiles);
+    if (lean == 1) mlstm_step_c_lean_kernel<kCols, kTileThreads, kTileRows, false><<<lg, kTileThreads, 0, s>>>(p, tm, fuse);
+    else if (lean == 2) mlstm_step_c_lean_kernel<kCols, kTileThreads, 4, true><<<lg, kTileThreads, 0, s>>>(p, tm, fuse);
+    else mlstm_step_c_lean_kernel<kCols, kTileThreads, kTileRows, true><<<lg, kTileThreads, 0, s>>>(p, tm, fuse);
+  }
   else if (f4 && kernel == 2) launch_row_block<kCols, kTileThreads, kTileRows>(p, tm, fuse, s);
   else if (f4 && kernel == 3) launch_row_block<64, 128, 16>(p, tm, fuse, s);
   else if (f4 && kernel == 4) launch_row_block<64, 64, 8>(p, tm, fuse, s);
