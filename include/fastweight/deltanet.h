@@ -65,6 +65,8 @@ namespace fastweight {
 // scale = kDeltanetDefaultScale: K^-0.5.
 inline constexpr double kDeltanetDefaultScale = std::numeric_limits<double>::quiet_NaN();
 
+// Outputs share memory with no input and no other output (an ArgumentError naming both, before anything
+// is written), except the step's new_state, which may be the very same view as its state.
 struct DeltanetFwdArgs {
   TensorRef q, k, v, beta;
   TensorRef initial_state;  // optional (N, H, K, V)
@@ -92,7 +94,7 @@ struct DeltanetBwdArgs {
 };
 
 // One decoding step for every (b, head): q, k (B, H, K), v (B, H, V), beta (B, H); the state
-// (B, H, K, V) is read and new_state written (they may be the same tensor: in place); o (B, H, V).
+// (B, H, K, V) is read and new_state written (the same view: in place; else apart); o (B, H, V).
 // The same function as deltanet_fwd with T = 1 and the state as initial / final state.
 struct DeltanetStepArgs {
   TensorRef q, k, v, beta;

@@ -27,6 +27,9 @@
 
 namespace fastweight {
 
+// Outputs share memory with no input and no other output (an ArgumentError naming both, before anything
+// is written), except a decoding step's new states, which may be the very same views as its states.
+
 struct MlstmFwdArgs {
   TensorRef q, k, v, i, f;
   TensorRef c_initial, n_initial, m_initial;  // optional (all or none)
@@ -48,7 +51,7 @@ struct MlstmBwdArgs {
 };
 
 // One decoding step: q, k (B, NH, DQK), v (B, NH, DV), i, f (B, NH) or (B, NH, 1); the states
-// c, n, m are read, and c_new, n_new, m_new written; they may be the same tensors (in place).
+// c, n, m are read, and c_new, n_new, m_new written; they may be the same views (in place), else apart.
 // h (B, NH, DV). No allocation, so it can be captured in a CUDA graph.
 struct MlstmStepArgs {
   TensorRef q, k, v, i, f;

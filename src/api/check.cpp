@@ -44,6 +44,69 @@ void check_shape(const char* op, const char* name, const TensorRef& t, std::init
   }
 }
 
+namespace {
+struct ByteRange {
+  std::uintptr_t begin = 0, end = 0;  // [begin, end)
+  bool dense = false;                 // every byte of the range is one element's, once
+};
+ByteRange byte_range(const TensorRef& t) {
+  std::int64_t lo = 0, hi = 0;  // element offsets of the first and the last element
+  for (int d = 0; d < t.ndim; ++d) {
+    const std::int64_t span = (t.shape[d] - 1) * t.strides[d];
+    (span < 0 ? lo : hi) += span;
+  }
+  const auto es = std::int64_t(dtype_size(t.dtype)), base = reinterpret_cast<std::intptr_t>(t.data);
+  // dense: the range holds numel elements and no stride 0 repeats one (a sufficient test for the
+  // layouts seen here: permuted contiguous views)
+  bool zero = false;
+  for (int d = 0; d < t.ndim; ++d) zero = zero || (t.shape[d] > 1 && t.strides[d] == 0);
+  return {std::uintptr_t(base + lo * es), std::uintptr_t(base + (hi + 1) * es), !zero && hi - lo + 1 == t.numel()};
+}
+bool same_view(const TensorRef& a, const TensorRef& b) {
+  if (a.data != b.data || a.dtype != b.dtype || a.ndim != b.ndim) return false;
+  for (int d = 0; d < a.ndim; ++d)
+    if (a.shape[d] != b.shape[d] || (a.shape[d] > 1 && a.strides[d] != b.strides[d])) return false;
+  return true;
+}
+}  // namespace
+
+Overlap overlap(const TensorRef& a, const TensorRef& b) {
+  if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return Overlap::none;
+  if (same_view(a, b)) return Overlap::same;
+  const ByteRange x = byte_range(a), y = byte_range(b);
+  if (x.end <= y.begin || y.end <= x.begin) return Overlap::none;
+  return x.dense && y.dense ? Overlap::partial : Overlap::unknown;
+}
+
+void check_outputs_apart(const char* op, std::initializer_list<NamedRef> outs, std::initializer_list<NamedRef> ins,
+                         std::initializer_list<std::pair<int, int>> in_place) {
+  int oi = 0;
+  for (const NamedRef& o : outs) {
+    int ii = 0;
+    for (const NamedRef& in : ins) {
+      bool paired = false;
+      for (const auto& pr : in_place) paired = paired || (pr.first == oi && pr.second == ii);
+      const Overlap ov = overlap(o.t, in.t);
+      if (ov == Overlap::same && paired) {
+        ++ii;
+        continue;
+      }
+      FW_CHECK_ARG(ov == Overlap::none || ov == Overlap::unknown, op, o.name, "shares memory with ", in.name,
+                   paired ? " without being the same view (in place: pass it itself)"
+                          : " (an output may not overlap an input)");
+      ++ii;
+    }
+    int oj = 0;
+    for (const NamedRef& o2 : outs) {
+      if (oj++ <= oi) continue;
+      const Overlap ov = overlap(o.t, o2.t);
+      FW_CHECK_ARG(ov == Overlap::none || ov == Overlap::unknown, op, o.name, "shares memory with ", o2.name,
+                   " (outputs may not overlap each other)");
+    }
+    ++oi;
+  }
+}
+
 void check_qv_shapes(const char* op, const TensorRef& q, const TensorRef& v, const char* q_dims, const char* k_dim,
                      const char* v_dims, const char* v_dim, int ndim) {
   FW_CHECK_ARG(q.defined(), op, "q", "is required");

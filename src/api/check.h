@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <utility>
 
 #include "fastweight/error.h"
 #include "fastweight/tensor.h"
@@ -41,6 +42,23 @@ struct SeqChecker {
   // Required, float32 (float64 on the CPU): recurrent states and their gradients.
   void state(const char* name, const TensorRef& t, std::initializer_list<std::int64_t> shape) const;
 };
+
+// How the memory of two views relates: none (disjoint byte ranges, or either empty or absent), same (the
+// very same view: pointer, dtype, shape, strides), partial (two dense views, each covering its byte range
+// exactly once, whose ranges meet), unknown (strided views whose ranges interleave, e.g. the states of a
+// packed per-head buffer: not decided, as torch leaves them, and not refused).
+enum class Overlap { none, same, partial, unknown };
+Overlap overlap(const TensorRef& a, const TensorRef& b);
+
+struct NamedRef {
+  const char* name;
+  const TensorRef& t;
+};
+// Outputs may share memory with no input and no other output, except that an output may be the very
+// same view as the input it is paired with in `in_place` ({output index, input index}: a decoding step's
+// new state and its state). Refused with the names of both before anything is written.
+void check_outputs_apart(const char* op, std::initializer_list<NamedRef> outs, std::initializer_list<NamedRef> ins,
+                         std::initializer_list<std::pair<int, int>> in_place = {});
 
 // A caller's workspace for a CUDA op: at least `need` bytes, not null and 16-byte aligned when need > 0.
 void check_workspace(const char* op, void* ws, std::size_t bytes, std::size_t need);

@@ -169,6 +169,9 @@ void check_fwd(const Call& call, const DeltanetFwdArgs& a) {
   call.c.io("o", a.o, {sh.B, sh.T, sh.H, sh.V});
   if (a.final_state.defined()) call.c.state("final_state", a.final_state, {sh.N, sh.H, sh.K, sh.V});
   check_wy_inverse(call, a.q, a.wy_inverse, a.split_operands);
+  detail::check_outputs_apart(call.c.op, {{"o", a.o}, {"final_state", a.final_state}, {"wy_inverse", a.wy_inverse}},
+                              {{"q", a.q}, {"k", a.k}, {"v", a.v}, {"beta", a.beta}, {"initial_state", a.initial_state},
+                               {"cu_seqlens", a.cu_seqlens}});
 #if FW_WITH_CUDA
   if (a.q.device == DeviceType::cuda) check_cuda_fwd(call.c.op, sh, a.q, a.v);
 #endif
@@ -253,6 +256,10 @@ void check_bwd(const Call& call, const DeltanetBwdArgs& a) {
     c.state("dinitial_state", a.dinitial_state, {sh.N, sh.H, sh.K, sh.V});
   }
   check_wy_inverse(call, a.q, a.wy_inverse, a.split_operands);
+  detail::check_outputs_apart(c.op, {{"dq", a.dq}, {"dk", a.dk}, {"dv", a.dv}, {"dbeta", a.dbeta}, {"dinitial_state", a.dinitial_state}},
+                              {{"q", a.q}, {"k", a.k}, {"v", a.v}, {"beta", a.beta}, {"initial_state", a.initial_state},
+                               {"cu_seqlens", a.cu_seqlens}, {"do_", a.do_}, {"dfinal_state", a.dfinal_state},
+                               {"wy_inverse", a.wy_inverse}});
 #if FW_WITH_CUDA
   if (a.q.device == DeviceType::cuda) check_cuda_fwd(c.op, sh, a.q, a.v);
 #endif
@@ -318,6 +325,9 @@ void deltanet_step(const DeltanetStepArgs& a, [[maybe_unused]] Stream stream) {
   c.io("o", a.o, {sh.B, sh.H, sh.V});
   c.state("new_state", a.new_state, {sh.B, sh.H, sh.K, sh.V});
   const detail::DeltanetOptions opt = options(op, a.scale, a.use_qk_l2norm_in_kernel);
+  // in place means the very same view; any other sharing would race (CUDA) or depend on the order
+  detail::check_outputs_apart(op, {{"o", a.o}, {"new_state", a.new_state}},
+                              {{"q", a.q}, {"k", a.k}, {"v", a.v}, {"beta", a.beta}, {"state", a.state}}, {{1, 4}});
   if (a.q.device == DeviceType::cuda) {
 #if FW_WITH_CUDA
     sh.N = sh.B;

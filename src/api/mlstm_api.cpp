@@ -161,6 +161,9 @@ std::pair<detail::MlstmShape, bool> validate_fwd(const MlstmFwdArgs& a) {
   const bool last = c.states("c_last", "n_last", "m_last", a.c_last, a.n_last, a.m_last, sh);
   c.eps(a.eps);
   c.chunk(a.chunk_size);
+  detail::check_outputs_apart(op, {{"h", a.h}, {"c_last", a.c_last}, {"n_last", a.n_last}, {"m_last", a.m_last}},
+                              {{"q", a.q}, {"k", a.k}, {"v", a.v}, {"i", a.i}, {"f", a.f}, {"c_initial", a.c_initial},
+                               {"n_initial", a.n_initial}, {"m_initial", a.m_initial}});
   return {sh, last};
 }
 }  // namespace
@@ -226,6 +229,11 @@ detail::MlstmShape validate_bwd(const MlstmBwdArgs& a) {
   }
   c.eps(a.eps);
   c.chunk(a.chunk_size);
+  detail::check_outputs_apart(op, {{"dq", a.dq}, {"dk", a.dk}, {"dv", a.dv}, {"di", a.di}, {"df", a.df},
+                                   {"dc_initial", a.dc_initial}, {"dn_initial", a.dn_initial}, {"dm_initial", a.dm_initial}},
+                              {{"q", a.q}, {"k", a.k}, {"v", a.v}, {"i", a.i}, {"f", a.f}, {"c_initial", a.c_initial},
+                               {"n_initial", a.n_initial}, {"m_initial", a.m_initial}, {"dh", a.dh},
+                               {"dc_last", a.dc_last}, {"dn_last", a.dn_last}, {"dm_last", a.dm_last}});
   return sh;
 }
 }  // namespace
@@ -289,6 +297,10 @@ void mlstm_step(const MlstmStepArgs& a, Stream stream) {
   FW_CHECK_ARG(c.states("c_new", "n_new", "m_new", a.c_new, a.n_new, a.m_new, sh), op, "c_new",
                "the new states c_new, n_new, m_new are required (they may be c, n, m themselves)");
   c.eps(a.eps);
+  // in place means the very same views; any other sharing would race (CUDA) or depend on the order
+  detail::check_outputs_apart(op, {{"h", a.h}, {"c_new", a.c_new}, {"n_new", a.n_new}, {"m_new", a.m_new}},
+                              {{"q", a.q}, {"k", a.k}, {"v", a.v}, {"i", a.i}, {"f", a.f}, {"c", a.c}, {"n", a.n}, {"m", a.m}},
+                              {{1, 5}, {2, 6}, {3, 7}});
   if (a.q.device == DeviceType::cuda) {
 #if FW_WITH_CUDA
     detail::DeviceGuard guard(a.q.device_index);

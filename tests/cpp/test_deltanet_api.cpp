@@ -363,7 +363,32 @@ TEST(DeltanetApi, StepEqualsAOneStepSequenceAndWorksInPlace) {
     expect_rejected({&o2}, [&] {
       deltanet_step({q.ref(), k.ref(), v.ref(), beta.ref(), bad.ref(), o2.ref(), bad.ref(), kDeltanetDefaultScale, l2});
     }, {"deltanet_step", "state", "(2, 3, 6, 5)"});
+    // new_state one row past state (it must be state itself or apart from it), o over v: refused, nothing written
+    HostTensor sbuf = make_host(DType::f32, {2 * 3 * 6 * 5 + 5});
+    fill_bytes(sbuf, kPoison);
+    TensorRef st_ref = st.ref(), shifted = st.ref();
+    st_ref.data = sbuf.base(), shifted.data = static_cast<float*>(sbuf.base()) + 5;
+    expect_rejected({&o2, &sbuf}, [&] {
+      deltanet_step({q.ref(), k.ref(), v.ref(), beta.ref(), st_ref, o2.ref(), shifted, kDeltanetDefaultScale, l2});
+    }, {"deltanet_step", "new_state", "shares memory with state", "same view"});
+    expect_rejected({&o2}, [&] {
+      deltanet_step({q.ref(), k.ref(), v.ref(), beta.ref(), st.ref(), v.ref(), st.ref(), kDeltanetDefaultScale, l2});
+    }, {"deltanet_step", "o", "shares memory with v"});
   }
+}
+
+// The forward's outputs apart from its inputs: final_state as initial_state itself (in place is a
+// decoding step's feature) or o over q is refused before anything is written.
+TEST(DeltanetApi, ForwardRefusesOutputsOverInputs) {
+  Dn s(DType::f32, {1, 8, 2, 4, 4}, 0, DType::f32);
+  const std::vector<const HostTensor*> outs = {&s.o, &s.ht};
+  auto run = [&](auto mutate) { auto a = s.args(); mutate(a); deltanet_fwd(a); };
+  using A = DeltanetFwdArgs;
+  HostTensor h0 = s.h0;  // a copy: the poisoned outputs stay as they are
+  expect_rejected(outs, [&] {
+    run([&](A& a) { a.initial_state = h0.ref(), a.final_state = h0.ref(); });
+  }, {"deltanet_fwd", "final_state", "shares memory with initial_state"});
+  expect_rejected(outs, [&] { run([&](A& a) { a.q = a.o; }); }, {"deltanet_fwd", "o", "shares memory with q"});
 }
 
 // CUDA tensors here are host buffers flagged as CUDA: never dereferenced, as every call below is

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "api/check.h"
 #include "reference/mlstm_ref.h"
 #include "test_util.h"
 
@@ -200,6 +201,81 @@ TEST(MlstmApi, RejectsBadInputBeforeWriting) {
   expect_rejected(s, [&] {
     run([&](MlstmFwdArgs& a) { a.k.device = DeviceType::cuda; });
   }, {"mlstm_fwd", "k", "device"});
+}
+
+// Outputs that share memory with an input (or each other) other than as the very same view: refused
+// before anything is written, where a CUDA kernel would race. A step's new state may be its state itself,
+// and states interleaved in one packed per-head buffer (ranges that interleave) are not refused.
+TEST(MlstmApi, OverlappingOutputsAreRefusedBeforeWriting) {
+  Seq s(DType::f32, {1, 2, 8, 4, 4}, 0, DType::f32);
+  auto run = [&](auto mutate) { auto a = s.args(); mutate(a); mlstm_fwd(a); };
+  auto shifted = [](TensorRef t, std::int64_t elems) {  // the same view moved by `elems` elements
+    t.data = static_cast<float*>(t.data) + elems;
+    return t;
+  };
+  // h over q (both (1, 2, 8, 4) float32), c_last as c_initial itself, c_last half over c_initial, h = k
+  expect_rejected(s, [&] {
+    run([&](MlstmFwdArgs& a) { a.q = a.h; });
+  }, {"mlstm_fwd", "h", "shares memory with q", "may not overlap an input"});
+  HostTensor cbuf = make_host(DType::f32, {2, 1, 2, 4, 4});  // room for a shifted (1, 2, 4, 4) view
+  std::mt19937_64 rng(9);
+  fill_random(cbuf, rng, -1.0, 1.0);
+  TensorRef c_in = cbuf.ref();
+  c_in.ndim = 4;
+  for (int d = 0; d < 4; ++d) c_in.shape[d] = c_in.shape[d + 1], c_in.strides[d] = c_in.strides[d + 1];
+  expect_rejected(s, [&] {
+    run([&](MlstmFwdArgs& a) { a.c_initial = c_in, a.c_last = c_in; });
+  }, {"mlstm_fwd", "c_last", "shares memory with c_initial"});
+  expect_rejected(s, [&] {
+    run([&](MlstmFwdArgs& a) { a.c_initial = c_in, a.c_last = shifted(c_in, 4); });
+  }, {"mlstm_fwd", "c_last", "shares memory with c_initial"});
+  expect_rejected(s, [&] {
+    run([&](MlstmFwdArgs& a) {  // n_last (1, 2, 4) on the first 8 floats of c_last
+      a.n_last = a.c_last, a.n_last.ndim = 3, a.n_last.strides[0] = 8, a.n_last.strides[1] = 4, a.n_last.strides[2] = 1;
+    });
+  }, {"mlstm_fwd", "c_last", "shares memory with n_last", "each other"});
+
+  // the step: c_new = c in place runs; c_new one row past c, or h over v, is refused (nothing written)
+  const std::int64_t B = 1, NH = 2, DQK = 4, DV = 4;
+  HostTensor q = make_host(DType::f32, {B, NH, DQK}), k = make_host(DType::f32, {B, NH, DQK}),
+             v = make_host(DType::f32, {B, NH, DV}), i = make_host(DType::f32, {B, NH}), f = make_host(DType::f32, {B, NH}),
+             h = make_host(DType::f32, {B, NH, DV}), n = make_host(DType::f32, {B, NH, DQK}), m = make_host(DType::f32, {B, NH, 1});
+  for (HostTensor* t : {&q, &k, &v, &i, &f, &n, &m}) fill_random(*t, rng, -1.0, 1.0);
+  fill_random(cbuf, rng, -1.0, 1.0);
+  fill_bytes(h, 0xab);
+  const std::vector<unsigned char> before = cbuf.bytes, n_before = n.bytes;
+  MlstmStepArgs a;
+  a.q = q.ref(), a.k = k.ref(), a.v = v.ref(), a.i = i.ref(), a.f = f.ref(), a.h = h.ref();
+  a.c = c_in, a.n = n.ref(), a.m = m.ref(), a.c_new = shifted(c_in, DV), a.n_new = a.n, a.m_new = a.m;
+  expect_argument_error([&] { mlstm_step(a); }, {"mlstm_step", "c_new", "shares memory with c", "same view"});
+  a.c_new = c_in, a.h = a.v;
+  expect_argument_error([&] { mlstm_step(a); }, {"mlstm_step", "h", "shares memory with v"});
+  EXPECT_EQ(cbuf.bytes, before);
+  EXPECT_EQ(n.bytes, n_before);
+  for (unsigned char c : h.bytes) ASSERT_EQ(c, 0xab);
+  a.h = h.ref();
+  mlstm_step(a);  // in place
+  EXPECT_NE(cbuf.bytes, before);
+
+  // a packed per-head state buffer: c (DQK x DV) then n (DQK) then m (1) per head, updated in place:
+  // the views' ranges interleave, nothing overlaps, and the step runs
+  const std::int64_t X = DQK * DV + DQK + 1;
+  HostTensor packed = make_host(DType::f32, {B * NH * X});
+  fill_random(packed, rng, -1.0, 1.0);
+  auto view = [&](std::int64_t off, std::vector<std::int64_t> shape, std::vector<std::int64_t> strides) {
+    TensorRef t = packed.ref();
+    t.data = static_cast<float*>(t.data) + off;
+    t.ndim = int(shape.size());
+    for (int d = 0; d < t.ndim; ++d) t.shape[d] = shape[std::size_t(d)], t.strides[d] = strides[std::size_t(d)];
+    return t;
+  };
+  a.c = a.c_new = view(0, {B, NH, DQK, DV}, {NH * X, X, DV, 1});
+  a.n = a.n_new = view(DQK * DV, {B, NH, DQK}, {NH * X, X, 1});
+  a.m = a.m_new = view(DQK * DV + DQK, {B, NH, 1}, {NH * X, X, 1});
+  EXPECT_EQ(fastweight::detail::overlap(a.c, a.n), fastweight::detail::Overlap::unknown);
+  const std::vector<unsigned char> packed_before = packed.bytes;
+  mlstm_step(a);
+  EXPECT_NE(packed.bytes, packed_before);
 }
 
 TEST(MlstmApi, CudaTensorsWithoutWorkspaceOrKernelAreRefusedBeforeAnything) {
