@@ -27,6 +27,9 @@
 
 namespace fastweight {
 
+// Outputs (y, mean, rstd; dx and the parameter gradients) share memory with no input and no other output:
+// an ArgumentError naming both, before anything is written.
+
 // ---- layernorm ----------------------------------------------------------------------------------
 struct LayerNormFwdArgs {
   TensorRef x;       // (..., N)

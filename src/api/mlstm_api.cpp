@@ -354,12 +354,16 @@ detail::MlstmShape validate_parallel_fwd(const MlstmParallelFwdArgs& a) {
     for (const auto& [name, t] : {std::pair<const char*, const TensorRef&>{"norm_weight", a.norm_weight},
                                   {"norm_bias", a.norm_bias}, {"norm_mean", a.norm_mean}, {"norm_rstd", a.norm_rstd}})
       FW_CHECK_ARG(!t.defined(), op, name, "is given but out is not (the head norm writes out)");
-    return sh;
+  } else {
+    c.io("out", a.out, {sh.B, sh.NH, sh.S, sh.DV});
+    check_norm_params(c, sh, a.norm_weight, a.norm_bias, a.norm_eps, a.weight_offset);
+    if (a.norm_mean.defined()) c.state("norm_mean", a.norm_mean, {sh.B, sh.NH, sh.S});
+    if (a.norm_rstd.defined()) c.state("norm_rstd", a.norm_rstd, {sh.B, sh.NH, sh.S});
   }
-  c.io("out", a.out, {sh.B, sh.NH, sh.S, sh.DV});
-  check_norm_params(c, sh, a.norm_weight, a.norm_bias, a.norm_eps, a.weight_offset);
-  if (a.norm_mean.defined()) c.state("norm_mean", a.norm_mean, {sh.B, sh.NH, sh.S});
-  if (a.norm_rstd.defined()) c.state("norm_rstd", a.norm_rstd, {sh.B, sh.NH, sh.S});
+  detail::check_outputs_apart(op, {{"h", a.h}, {"n", a.n}, {"m", a.m}, {"b", a.b}, {"out", a.out},
+                                   {"norm_mean", a.norm_mean}, {"norm_rstd", a.norm_rstd}},
+                              {{"q", a.q}, {"k", a.k}, {"v", a.v}, {"i", a.i}, {"f", a.f}, {"norm_weight", a.norm_weight},
+                               {"norm_bias", a.norm_bias}});
   return sh;
 }
 
@@ -400,6 +404,11 @@ detail::MlstmShape validate_parallel_bwd(const MlstmParallelBwdArgs& a) {
   if (a.di.defined()) c.gate("di", a.di, {sh.B, sh.NH, sh.S});
   if (a.df.defined()) c.gate("df", a.df, {sh.B, sh.NH, sh.S});
   c.eps(a.eps);
+  detail::check_outputs_apart(op, {{"dq", a.dq}, {"dk", a.dk}, {"dv", a.dv}, {"di", a.di}, {"df", a.df},
+                                   {"dnorm_weight", a.dnorm_weight}, {"dnorm_bias", a.dnorm_bias}},
+                              {{"q", a.q}, {"k", a.k}, {"v", a.v}, {"i", a.i}, {"f", a.f}, {"h", a.h}, {"n", a.n},
+                               {"m", a.m}, {"b", a.b}, {"dh", a.dh}, {"dout", a.dout}, {"norm_weight", a.norm_weight},
+                               {"norm_bias", a.norm_bias}});
   return sh;
 }
 
@@ -535,6 +544,7 @@ void mlstm_decay_matrix_fwd(const MlstmDecayMatrixFwdArgs& a, Stream stream) {
   c.io("i", a.i, {sh.B, sh.NH, sh.S});
   c.gate("f", a.f, {sh.B, sh.NH, sh.S});
   c.gate("D", a.D, {sh.B, sh.NH, sh.S, sh.S});
+  detail::check_outputs_apart(op, {{"D", a.D}}, {{"i", a.i}, {"f", a.f}});
   if (a.i.device == DeviceType::cuda) {
 #if FW_WITH_CUDA
     detail::DeviceGuard guard(a.i.device_index);
@@ -563,6 +573,7 @@ detail::MlstmShape validate_decay_bwd(const MlstmDecayMatrixBwdArgs& a) {
   c.gate("dD", a.dD, {sh.B, sh.NH, sh.S, sh.S});
   if (a.di.defined()) c.gate("di", a.di, {sh.B, sh.NH, sh.S});
   if (a.df.defined()) c.gate("df", a.df, {sh.B, sh.NH, sh.S});
+  detail::check_outputs_apart(op, {{"di", a.di}, {"df", a.df}}, {{"f", a.f}, {"dD", a.dD}});
   return sh;
 }
 }  // namespace

@@ -188,6 +188,8 @@ RowNormParams plan_fwd(const char* op, NormKind kind, const TensorRef& x, const 
     c.stats("rstd", rstd, p.rows);
     p.rstd = static_cast<float*>(rstd.data);
   }
+  const NormNames nm = names(kind);
+  detail::check_outputs_apart(op, {{"y", y}, {"mean", mean}, {"rstd", rstd}}, {{"x", x}, {nm.w, w}, {nm.b, b}});
   return p;
 }
 
@@ -229,6 +231,8 @@ RowNormParams plan_bwd(const char* op, NormKind kind, const TensorRef& dy, const
                  dtype_name(db.dtype));
     p.db = db.data;
   }
+  detail::check_outputs_apart(op, {{"dx", dx}, {nm.dw, dw}, {nm.db, db}},
+                              {{"dy", dy}, {"x", x}, {nm.w, w}, {"mean", mean}, {"rstd", rstd}});
   return p;
 }
 

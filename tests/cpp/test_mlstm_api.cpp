@@ -471,6 +471,8 @@ TEST(MlstmApi, ParallelRejectsBadInputAndCudaTensorsBeforeWriting) {
   expect_rejected(s, [&] { run([&](MlstmParallelFwdArgs& a) { a.n = n_f16.ref(); }); }, {op, "n", "float32"});
   expect_rejected(s, [&] { run([&](MlstmParallelFwdArgs& a) { a.eps = -1.0; }); }, {op, "eps"});
   expect_rejected(s, [&] { run([&](MlstmParallelFwdArgs& a) { a.b = n_f16.ref(); }); }, {op, "b", "float32"});
+  expect_rejected(s, [&] { run([&](MlstmParallelFwdArgs& a) { a.m = a.n; }); }, {op, "n", "shares memory with m"});
+  expect_rejected(s, [&] { run([&](MlstmParallelFwdArgs& a) { a.h = a.v; }); }, {op, "h", "shares memory with v"});
   // CUDA tensors (never read here): the tiled kernels need their workspace (a CPU-only build refuses)
   auto cuda_args = [&] {
     MlstmParallelFwdArgs a = args();

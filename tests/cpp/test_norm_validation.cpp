@@ -166,6 +166,36 @@ TEST(NormValidation, BackwardChecksGradientsAndStats) {
   EXPECT_EQ(dx.bytes, before);
 }
 
+// Outputs over inputs (y as x itself, mean over the weight, dx over dy half a row on) or over each other
+// (rstd as mean): refused before anything is written.
+TEST(NormValidation, OutputsMayNotOverlapInputsOrEachOther) {
+  Bufs b;
+  auto a = b.args();
+  HostTensor x = b.x;  // a copy: the poisoned outputs stay untouched
+  a.x = x.ref(), a.y = x.ref();
+  expect_rejected(b, [&] { layernorm_fwd(a); }, {"layernorm_fwd", "y", "shares memory with x"});
+  a = b.args();
+  HostTensor w = make_host(DType::f32, {16});
+  std::mt19937_64 rng(2);
+  fill_random(w, rng);
+  TensorRef mean_on_w = w.ref();
+  mean_on_w.shape[0] = 4;  // (4) floats, the first of the weight's 16
+  a.weight = w.ref(), a.mean = mean_on_w;
+  expect_rejected(b, [&] { layernorm_fwd(a); }, {"layernorm_fwd", "mean", "shares memory with weight"});
+  a = b.args();
+  a.rstd = a.mean;
+  expect_rejected(b, [&] { layernorm_fwd(a); }, {"layernorm_fwd", "mean", "shares memory with rstd", "each other"});
+  HostTensor dbuf = make_host(DType::f32, {5, 16});
+  fill_bytes(dbuf, 0xab);
+  TensorRef dy = dbuf.ref(), dx = dbuf.ref();
+  dy.shape[0] = dx.shape[0] = 4;
+  dx.data = static_cast<float*>(dbuf.base()) + 8;
+  const auto before = dbuf.bytes;
+  expect_argument_error([&] { layernorm_bwd({dy, b.x.ref(), b.w.ref(), b.mean.ref(), b.rstd.ref(), dx, {}, {}}, nullptr, 0); },
+                        {"layernorm_bwd", "dx", "shares memory with dy"});
+  EXPECT_EQ(dbuf.bytes, before);
+}
+
 TEST(NormValidation, CanImplementReportsWhy) {
   Bufs b;
   auto a = b.args();
