@@ -393,6 +393,29 @@ def _ada_backward(ctx, dy, _dmean, _drstd):
 _adalayernorm_fwd.register_autograd(_ada_backward, setup_context=_ada_setup)
 
 
+# ---- vmap (torch.func) --------------------------------------------------------------------------
+def _register_vmap(op, rows_only: bool) -> None:
+    """A batching rule for a norm op. rows_only (the forwards of LayerNorm, RMSNorm, head norm): where
+    only x is batched, the batch is one more leading dim of rows, so one call does it; otherwise (batched
+    parameters, adaLN's per-sample scale, the backwards, whose parameter gradients are per sample) one
+    call per sample, stacked. Without a rule torch falls back to the same loop, with a warning."""
+    def rule(info, in_dims, *args):
+        batched = [i for i, d in enumerate(in_dims) if d is not None]
+        if rows_only and batched == [0]:
+            out = op(args[0].movedim(in_dims[0], 0), *args[1:])
+            return out, tuple(0 for _ in out)
+        outs = [op(*(a.select(d, b) if d is not None else a for a, d in zip(args, in_dims)))
+                for b in range(info.batch_size)]
+        return tuple(torch.stack([o[k] for o in outs]) for k in range(len(outs[0]))), tuple(0 for _ in outs[0])
+    op.register_vmap(rule)
+
+
+for _op, _rows_only in ((_layernorm_fwd, True), (_headnorm_fwd, True), (_rmsnorm_fwd, True),
+                        (_adalayernorm_fwd, False), (_layernorm_bwd, False), (_headnorm_bwd, False),
+                        (_rmsnorm_bwd, False), (_adalayernorm_bwd, False)):
+    _register_vmap(_op, _rows_only)
+
+
 # ---- Python wrappers of the raw ops (they return the statistics, as cuDNN's API does) -----------
 def layernorm_fwd(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                   eps: float = 1e-5, weight_offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:

@@ -353,6 +353,52 @@ def test_compile_fullgraph_each_op(op):
         assert torch.equal(a, e)
 
 
+# ---- torch.func.vmap -----------------------------------------------------------------------------
+@pytest.mark.parametrize("op", OPS)
+def test_vmap(op):
+    """vmap over x alone (one call: the batch is more rows; in_dims 0 and 1), over x and the parameters
+    (one call per sample: adaLN's scale is per sample anyway), over the raw backward, and autograd
+    through a vmapped forward: the unbatched results, and no batching-rule fallback warning."""
+    import warnings
+    V = 3
+    xs, ws, bs = zip(*(make_inputs(op, 12, torch.float64, bias=op != "rmsnorm", seed=s) for s in range(V)))
+    X = torch.stack(xs)
+    w, b = ws[0], bs[0]
+    f = lambda x, w, b: fw_forward(op, x, w, b, EPS[op])  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's loop fallback warns; the registered rules do not
+        if op != "adalayernorm":  # (adaLN's x and scale share their batch dim B: no "x alone")
+            assert torch.equal(torch.func.vmap(lambda x: f(x, w, b))(X), torch.stack([f(x, w, b) for x in xs]))
+            Xt = X.movedim(0, 1).contiguous()
+            assert torch.equal(torch.func.vmap(lambda x: f(x, w, b), in_dims=1)(Xt), torch.stack([f(x, w, b) for x in xs]))
+        W = torch.stack(ws)
+        B = torch.stack(bs) if bs[0] is not None else None
+        got = torch.func.vmap(f, in_dims=(0, 0, 0 if B is not None else None))(X, W, B)
+        assert torch.equal(got, torch.stack([f(x, wi, bi) for x, wi, bi in zip(xs, ws, bs)]))
+        if op == "layernorm":
+            y, mean, rstd = torch.func.vmap(lambda x: ops.layernorm_fwd(x, w, b, EPS[op]))(X)
+            dY = torch.ones_like(X)
+            dx = torch.func.vmap(lambda dy, x, m, r: ops.layernorm_bwd(dy, x, w, m, r)[0])(dY, X, mean, rstd)
+            want = torch.stack([ops.layernorm_bwd(dY[i], xs[i], w, mean[i], rstd[i])[0] for i in range(V)])
+            assert torch.equal(dx, want)
+    # autograd through a vmapped forward: over x alone with a shared weight (adaLN: x and its scale)
+    Xg = X.clone().requires_grad_()
+    if op != "adalayernorm":
+        wg = w.clone().requires_grad_()
+        torch.func.vmap(lambda x: f(x, wg, b))(Xg).square().sum().backward()
+        x2, w2 = [x.clone().requires_grad_() for x in xs], w.clone().requires_grad_()
+        sum(f(x, w2, b).square().sum() for x in x2).backward()
+        w_got, w_want = wg.grad, w2.grad
+    else:
+        Wg = torch.stack(ws).requires_grad_()
+        torch.func.vmap(lambda x, s: f(x, s, None))(Xg, Wg).square().sum().backward()
+        x2, w2 = [x.clone().requires_grad_() for x in xs], [wi.clone().requires_grad_() for wi in ws]
+        sum(f(x, wi, None).square().sum() for x, wi in zip(x2, w2)).backward()
+        w_got, w_want = Wg.grad, torch.stack([wi.grad for wi in w2])
+    assert_rel(Xg.grad, torch.stack([x.grad for x in x2]), 1e-12, "dx through vmap")
+    assert_rel(w_got, w_want, 1e-12, "dw through vmap")
+
+
 # ---- strided inputs -----------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["strided", "every2", "transposed"])
 @pytest.mark.parametrize("op", OPS)
