@@ -602,6 +602,33 @@ _ln_apply, _hn_apply = _apply(_LayerNormFn), _apply(_HeadNormFn)
 _rms_apply, _ada_apply = _apply(_RMSNormFn), _apply(_AdaLayerNormFn)
 
 
+# ---- under torch.func's transforms (grad, vjp, jacrev, vmap) -----------------------------------
+# The autograd.Function that torch.library generates for a custom op has no setup_context, which those
+# transforms require (pytorch/pytorch#168393, #179652: "must override the setup_context staticmethod").
+# These carry the same custom ops, setup and backward with one of their own; vmap through the ops'
+# batching rules (generate_vmap_rule).
+def _func_fn(name, op, setup, backward):
+    return type(name, (torch.autograd.Function,), {
+        "generate_vmap_rule": True,
+        "forward": staticmethod(lambda *args: op(*args)),
+        "setup_context": staticmethod(setup),
+        # no_grad inside (the custom bwd ops' generated Function is the one without setup_context);
+        # differentiating the backward again raises instead of silently giving zeros
+        "backward": staticmethod(once_differentiable(backward)),
+    })
+
+
+_FuncLN = _func_fn("_FuncLN", _layernorm_fwd, _ln_setup, _make_ln_backward(_layernorm_bwd))
+_FuncHN = _func_fn("_FuncHN", _headnorm_fwd, _ln_setup, _make_ln_backward(_headnorm_bwd))
+_FuncRMS = _func_fn("_FuncRMS", _rmsnorm_fwd, _rms_setup, _rms_backward)
+_FuncAda = _func_fn("_FuncAda", _adalayernorm_fwd, _ada_setup, _ada_backward)
+
+
+def _under_func() -> bool:
+    """A torch.func transform, outside compilation (dynamo handles the transforms itself)."""
+    return _functorch_level() is not None and not _is_compiling()
+
+
 # ---- functional API -----------------------------------------------------------------------------
 # Without a gradient to compute, the eager path skips the statistics (the kernels write y the same).
 def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
@@ -613,6 +640,8 @@ def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor
         return _ln_apply(_LayerNormFn, x, weight, bias, float(eps), 0.0)
     if route == _NO_GRAD:
         return _ln_fwd(_C.layernorm_fwd, x, weight, bias, None, None, float(eps), 0.0)
+    if _under_func():
+        return _FuncLN.apply(x, weight, bias, float(eps), 0.0)[0]
     return torch.ops.fastweight.layernorm_fwd(x, weight, bias, float(eps), 0.0)[0]
 
 
@@ -624,6 +653,8 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) -> T
         return _rms_apply(x, weight, float(eps), 0.0)
     if route == _NO_GRAD:
         return _rms_fwd(x, weight, None, float(eps), 0.0)
+    if _under_func():
+        return _FuncRMS.apply(x, weight, float(eps), 0.0)[0]
     return torch.ops.fastweight.rmsnorm_fwd(x, weight, float(eps), 0.0)[0]
 
 
@@ -636,6 +667,8 @@ def head_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor]
         return _hn_apply(_HeadNormFn, x, weight, bias, float(eps), float(weight_offset))
     if route == _NO_GRAD:
         return _ln_fwd(_C.headnorm_fwd, x, weight, bias, None, None, float(eps), float(weight_offset))
+    if _under_func():
+        return _FuncHN.apply(x, weight, bias, float(eps), float(weight_offset))[0]
     return torch.ops.fastweight.headnorm_fwd(x, weight, bias, float(eps), float(weight_offset))[0]
 
 
@@ -647,4 +680,6 @@ def adaptive_layer_norm(x: Tensor, scale: Tensor, shift: Optional[Tensor], eps: 
         return _ada_apply(x, scale, shift, float(eps))
     if route == _NO_GRAD:
         return _ada_fwd(x, scale, shift, None, None, float(eps))
+    if _under_func():
+        return _FuncAda.apply(x, scale, shift, float(eps))[0]
     return torch.ops.fastweight.adalayernorm_fwd(x, scale, shift, float(eps))[0]

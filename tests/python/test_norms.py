@@ -399,6 +399,35 @@ def test_vmap(op):
     assert_rel(w_got, w_want, 1e-12, "dw through vmap")
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_torch_func_grad(op):
+    """torch.func.grad (x and the parameters), per-sample gradients (vmap of grad) and jacrev equal
+    autograd's; a second derivative (hessian: forward-mode) raises instead of giving zeros."""
+    V = 3
+    xs, ws, bs = zip(*(make_inputs(op, 12, torch.float64, bias=op != "rmsnorm", seed=s) for s in range(V)))
+    X, w, b = torch.stack(xs), ws[0], bs[0]  # (adaLN: w is the (B, 1, D) scale, b the shift)
+    f = lambda x, w: fw_forward(op, x, w, b, EPS[op]).sin().sum()  # noqa: E731
+
+    def autograd_grads(x, w):
+        x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        f(x, w).backward()
+        return x.grad, w.grad
+
+    gx, gw = torch.func.grad(f, argnums=(0, 1))(xs[0], w)
+    ax, aw = autograd_grads(xs[0], w)
+    assert_rel(gx, ax, 1e-12, "func.grad dx")
+    assert_rel(gw, aw, 1e-12, "func.grad dw")
+    per = torch.func.vmap(torch.func.grad(f, argnums=1), in_dims=(0, None))(X, w)
+    assert_rel(per, torch.stack([autograd_grads(x, w)[1] for x in xs]), 1e-12, "per-sample dw")
+    g = lambda r: fw_forward(op, r, w, b, EPS[op])  # noqa: E731
+    J, Jr = torch.func.jacrev(g)(xs[0]), torch.autograd.functional.jacobian(g, xs[0])
+    assert_rel(J, Jr, 1e-12, "jacrev")
+    import warnings
+    with pytest.raises((NotImplementedError, RuntimeError)), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (torch.jit.script's deprecation, inside torch.func)
+        torch.func.hessian(lambda r: f(r, w))(xs[0])
+
+
 # ---- strided inputs -----------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["strided", "every2", "transposed"])
 @pytest.mark.parametrize("op", OPS)
