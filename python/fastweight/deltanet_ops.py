@@ -44,8 +44,8 @@ from torch import Tensor
 
 from . import _C
 from .mlstm_ops import _workspace, _ws_spec
-from .ops import (_AUTOGRAD, _CUSTOM_OP, _NO_GRAD, _apply, _fast_once_differentiable, _last_contig, _nothing, _or_nothing,
-                  _prep_gate, _route_all, _spec, _stream)
+from .ops import (_AUTOGRAD, _CUSTOM_OP, _NO_GRAD, _apply, _fast_once_differentiable, _func_fn, _last_contig, _nothing,
+                  _or_nothing, _prep_gate, _register_vmap, _route_all, _spec, _stream, _under_func)
 
 __all__ = ["delta_rule", "delta_rule_step"]
 
@@ -159,6 +159,9 @@ def _deltanet_backward(ctx, do, dht, dwy):
 
 
 _deltanet_fwd.register_autograd(_deltanet_backward, setup_context=_deltanet_setup)
+_FuncDeltanet = _func_fn("_FuncDeltanet", _deltanet_fwd, _deltanet_setup, _deltanet_backward)  # torch.func (fastweight.ops)
+for _op in (_deltanet_fwd, _deltanet_bwd):
+    _register_vmap(_op, False)  # one call per sample (vmap of torch.func.grad: per-sample gradients)
 
 
 # ---- eager path: torch.autograd.Function over the same _C calls (fastweight.ops: _route_all) --------
@@ -273,7 +276,7 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, scale: Optional[fl
         o, ht, _ = _deltanet_fwd_run(*args)
     else:  # the custom op keeps the WY inverse only where a gradient will be taken
         save_wy = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, beta, h0))
-        o, ht, _ = _deltanet_fwd(*args, save_wy)
+        o, ht, _ = (_FuncDeltanet.apply if _under_func() else _deltanet_fwd)(*args, save_wy)
     return o, (ht if output_final_state else None)
 
 

@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from . import _C
-from .ops import (_AUTOGRAD, _CUSTOM_OP, _NO_GRAD, _apply, _fast_once_differentiable, _last_contig, _prep_gate, _route_all, _spec,
-                  _stream, head_norm)
+from .ops import (_AUTOGRAD, _CUSTOM_OP, _NO_GRAD, _apply, _fast_once_differentiable, _func_fn, _last_contig, _prep_gate,
+                  _register_vmap, _route_all, _spec, _stream, _under_func, head_norm)
 
 __all__ = ["mlstm", "mlstm_headnorm", "mlstm_step", "mlstm_parallel", "mlstm_parallel_headnorm", "mlstm_decay_matrix"]
 
@@ -152,6 +152,7 @@ def _mlstm_backward(ctx, dh, dc, dn, dm):
 
 
 _mlstm_fwd.register_autograd(_mlstm_backward, setup_context=_mlstm_setup)
+_FuncMlstm = _func_fn("_FuncMlstm", _mlstm_fwd, _mlstm_setup, _mlstm_backward)  # torch.func (fastweight.ops)
 
 
 # ---- eager path: torch.autograd.Function over the same _C calls (fastweight.ops: _route_all) --------
@@ -206,7 +207,7 @@ def mlstm(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, c_initial: Opti
     elif route == _NO_GRAD:
         h, c, n, m = _mlstm_fwd_run(*args)
     else:
-        h, c, n, m = _mlstm_fwd(*args)
+        h, c, n, m = (_FuncMlstm.apply if _under_func() else _mlstm_fwd)(*args)
     return (h, (c, n, m)) if return_last_states else h
 
 
@@ -348,6 +349,7 @@ def _parallel_backward(ctx, dh, dn, dm, db):
 
 
 _parallel_fwd.register_autograd(_parallel_backward, setup_context=_parallel_setup)
+_FuncParallel = _func_fn("_FuncParallel", _parallel_fwd, _parallel_setup, _parallel_backward)
 
 
 class _ParallelFn(torch.autograd.Function):
@@ -380,7 +382,8 @@ def mlstm_parallel(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: f
     route = _route_all((q, k, v, i, f))
     if route == _AUTOGRAD:
         return _parallel_apply(q, k, v, i, f, float(eps))
-    h, n, m, _ = (_parallel_fwd_run if route == _NO_GRAD else _parallel_fwd)(q, k, v, i, f, float(eps))
+    run = _parallel_fwd_run if route == _NO_GRAD else _FuncParallel.apply if _under_func() else _parallel_fwd
+    h, n, m, _ = run(q, k, v, i, f, float(eps))
     return h, n, m
 
 
@@ -457,6 +460,7 @@ def _par_hn_backward(ctx, dout, dh, dm, db):
 
 
 _par_hn_fwd.register_autograd(_par_hn_backward, setup_context=_par_hn_setup)
+_FuncParHn = _func_fn("_FuncParHn", _par_hn_fwd, _par_hn_setup, _par_hn_backward)
 
 
 class _ParHeadNormFn(torch.autograd.Function):
@@ -491,7 +495,7 @@ def mlstm_parallel_headnorm(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tenso
     route = _route_all(args[:7])
     if route == _AUTOGRAD:
         return _par_hn_apply(*args)
-    return (_par_hn_fwd_run if route == _NO_GRAD else _par_hn_fwd)(*args)[0]
+    return (_par_hn_fwd_run if route == _NO_GRAD else _FuncParHn.apply if _under_func() else _par_hn_fwd)(*args)[0]
 
 
 # ---- decay matrix ------------------------------------------------------------------------------------
@@ -535,10 +539,13 @@ def _decay_backward(ctx, dD):
 
 
 _decay_fwd.register_autograd(_decay_backward, setup_context=_decay_setup)
+_FuncDecay = _func_fn("_FuncDecay", _decay_fwd, _decay_setup, _decay_backward)
+for _op in (_mlstm_fwd, _mlstm_bwd, _parallel_fwd, _parallel_bwd, _par_hn_fwd, _par_hn_bwd, _decay_fwd, _decay_bwd):
+    _register_vmap(_op, False)  # one call per sample (vmap of torch.func.grad: per-sample gradients)
 
 
 def mlstm_decay_matrix(i: Tensor, f: Tensor) -> Tensor:
     """Seed 001's log-space decay matrix: D[t, s] = F_t - F_s + i_s for s <= t, -inf above the
     diagonal, F_t = logsigmoid(f_1) + ... + logsigmoid(f_t). i, f (B, NH, S) -> D (B, NH, S, S) in i's
     dtype. Differentiable in i and f (the -inf entries are constants)."""
-    return _decay_fwd(_last_contig(i), _prep_gate(f, i))
+    return (_FuncDecay.apply if _under_func() else _decay_fwd)(_last_contig(i), _prep_gate(f, i))

@@ -841,3 +841,29 @@ def test_cuda_shims_match_fla_kernels(varlen):
     assert all(e[0] <= 1e-2 for e in errs.values()), msg   # ours against the float64 loop form
     assert all(e[1] <= 3e-2 for e in errs.values()), msg   # FLA called as the shim is (its bf16 error)
     assert all(e[2] <= 3e-2 for e in errs.values()), msg   # the shim against FLA
+
+
+# ---- torch.func ----------------------------------------------------------------------------------
+def test_torch_func_grad_and_per_sample_grads():
+    """torch.func.grad of delta_rule (q, k, v, beta, the initial state) and per-sample gradients (vmap of
+    grad) against autograd (CPU, float64)."""
+    gen = torch.Generator().manual_seed(4)
+    B, T, H, K, V = 2, 12, 2, 8, 6
+    q, k = (torch.randn(B, T, H, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64)
+    fn = lambda q, k, v, b, h: fastweight.delta_rule(q, k, v, b, initial_state=h, output_final_state=True,  # noqa: E731
+                                                     use_qk_l2norm_in_kernel=True)[0].sin().sum()
+    args = (q, k, v, beta, h0)
+    ts = [a.clone().requires_grad_() for a in args]
+    fn(*ts).backward()
+    for got, t in zip(torch.func.grad(fn, argnums=(0, 1, 2, 3, 4))(*args), ts):
+        assert rel_err(got, t.grad) < 1e-12
+    per = torch.func.vmap(torch.func.grad(lambda *a: fn(*(t[None] for t in a))))(*args)
+    want = []
+    for b in range(B):
+        qb = q[b:b + 1].clone().requires_grad_()
+        fn(qb, k[b:b + 1], v[b:b + 1], beta[b:b + 1], h0[b:b + 1]).backward()
+        want.append(qb.grad[0])
+    assert rel_err(per, torch.stack(want)) < 1e-12
