@@ -400,11 +400,13 @@ def _register_vmap(op, rows_only: bool) -> None:
     parameters, adaLN's per-sample scale, the backwards, whose parameter gradients are per sample) one
     call per sample, stacked. Without a rule torch falls back to the same loop, with a warning."""
     def rule(info, in_dims, *args):
+        # (a batch dim that was the innermost leaves rows at a stride: contiguous copies then, as the
+        # functional API makes of such views)
         batched = [i for i, d in enumerate(in_dims) if d is not None]
         if rows_only and batched == [0]:
-            out = op(args[0].movedim(in_dims[0], 0), *args[1:])
+            out = op(_last_contig(args[0].movedim(in_dims[0], 0)), *args[1:])
             return out, tuple(0 for _ in out)
-        outs = [op(*(a.select(d, b) if d is not None else a for a, d in zip(args, in_dims)))
+        outs = [op(*(_last_contig(a.select(d, b)) if d is not None else a for a, d in zip(args, in_dims)))
                 for b in range(info.batch_size)]
         return tuple(torch.stack([o[k] for o in outs]) for k in range(len(outs[0]))), tuple(0 for _ in outs[0])
     op.register_vmap(rule)

@@ -371,6 +371,8 @@ def test_vmap(op):
             assert torch.equal(torch.func.vmap(lambda x: f(x, w, b))(X), torch.stack([f(x, w, b) for x in xs]))
             Xt = X.movedim(0, 1).contiguous()
             assert torch.equal(torch.func.vmap(lambda x: f(x, w, b), in_dims=1)(Xt), torch.stack([f(x, w, b) for x in xs]))
+            Xl = X.movedim(0, -1).contiguous()  # the batch dim innermost: rows at a stride of V
+            assert torch.equal(torch.func.vmap(lambda x: f(x, w, b), in_dims=-1)(Xl), torch.stack([f(x, w, b) for x in xs]))
         W = torch.stack(ws)
         B = torch.stack(bs) if bs[0] is not None else None
         got = torch.func.vmap(f, in_dims=(0, 0, 0 if B is not None else None))(X, W, B)
