@@ -495,13 +495,15 @@ TEST(MlstmCudaStep, MatchesReferenceInPlaceAndOutOfPlace) {
   // early would change h or C' of the late CTAs), the planner's kernel, the register tile and the TMA kernel
   for (int kernel : {-1, 1, 9})
     for (int pdl : {0, 1}) check_mlstm_step(256, 512, kernel, 32, 8, 0, pdl);
-  // the row-block kernel's short path (set_mlstm_step_lean 1..3): whole blocks (256), a short last one
+  // the row-block kernel's short path (set_mlstm_step_lean 1..4): whole blocks (256, 512), a short last one
   // (72, 300), a short last block pair (DQK 200 at 2 x 32 rows), odd DV tiles, a second wave of CTAs;
   // in place too (with 16-byte stores: the lean path needs them), the next block loaded before the stores
-  for (int lean = 1; lean <= 3; ++lean) {
-    for (auto [DQK, DV] : {std::pair<std::int64_t, std::int64_t>{72, 136}, {256, 512}, {300, 136}, {200, 520}})
-      check_mlstm_step(DQK, DV, 2, 2, 3, lean, lean % 2);
-    check_mlstm_step(256, 512, 2, 32, 8, lean, lean % 2);
+  // (mode 4: mode 3 with every small load issued at once; DQK 512: its most rows, 4 of q, k, n per thread)
+  for (int lean = 1; lean <= 4; ++lean) {
+    const int pdl = lean >= 3 ? 1 : lean % 2;
+    for (auto [DQK, DV] : {std::pair<std::int64_t, std::int64_t>{72, 136}, {256, 512}, {300, 136}, {200, 520}, {512, 64}})
+      check_mlstm_step(DQK, DV, 2, 2, 3, lean, pdl);
+    check_mlstm_step(256, 512, 2, 32, 8, lean, pdl);
   }
 }
 

@@ -12,6 +12,7 @@
 // No allocation and no host synchronisation: CUDA-graph safe.
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <utility>
 
 #include "cuda/common/bulk.cuh"
@@ -31,6 +32,8 @@ struct Gates {
   double m_new;
   float fa, ia;
 };
+// (Each value is used before the next load: f, its logsigmoid, then i, then m; the measured kernels'
+// order. step_head_early issues all three at once.)
 __device__ __forceinline__ Gates step_gates(const MlstmParams& p, std::int64_t b, std::int64_t hd) {
   const double lf = mlstm_logsigmoid(double(mlstm_ld(p.f, b * p.f.s0 + hd * p.f.s1)));
   const double ig = double(mlstm_ld(p.i, b * p.i.s0 + hd * p.i.s1));
@@ -49,6 +52,23 @@ __device__ __forceinline__ void step_nm(const MlstmParams& p, std::int64_t b, st
   if (tid == 0) mlstm_st(p.m_last, b * p.m_last.s0 + hd * p.m_last.s1, float(gt.m_new));
 }
 
+// The end of the h denominator: each thread's partial q . n and q . k summed over the CTA in a fixed
+// order (warp butterflies, then the warps in order: deterministic), then max(|scale q . n'|, exp(-m')) + eps.
+template <int kT>
+__device__ __forceinline__ float step_den_sum(const MlstmParams& p, const Gates& gt, float (&s_red)[2][kT / 32], float qn,
+                                              float qk) {
+  const int tid = threadIdx.x;
+  for (int off = 16; off > 0; off >>= 1) {
+    qn += __shfl_xor_sync(0xffffffffu, qn, off);
+    qk += __shfl_xor_sync(0xffffffffu, qk, off);
+  }
+  if ((tid & 31) == 0) s_red[0][tid >> 5] = qn, s_red[1][tid >> 5] = qk;
+  __syncthreads();
+  qn = qk = 0.f;
+  for (int w = 0; w < kT / 32; ++w) qn += s_red[0][w], qk += s_red[1][w];
+  return fmaxf(fabsf(rsqrtf(float(p.DQK)) * (gt.fa * qn + gt.ia * qk)), float(exp(-gt.m_new))) + p.eps;
+}
+
 // The h denominator max(|scale q . n'|, exp(-m')) + eps, q . n' = fa (q . n) + ia (q . k) from the old
 // n, by the kT threads of a CTA: block sums in a fixed order (deterministic). s_q, s_k (DQK floats),
 // where given, also keep q and k for the caller's rows.
@@ -64,15 +84,7 @@ __device__ __forceinline__ float step_den(const MlstmParams& p, std::int64_t b, 
     qn = fmaf(qr, mlstm_ld(p.n0, no + r), qn);
     qk = fmaf(qr, kr, qk);
   }
-  for (int off = 16; off > 0; off >>= 1) {
-    qn += __shfl_xor_sync(0xffffffffu, qn, off);
-    qk += __shfl_xor_sync(0xffffffffu, qk, off);
-  }
-  if ((tid & 31) == 0) s_red[0][tid >> 5] = qn, s_red[1][tid >> 5] = qk;
-  __syncthreads();
-  qn = qk = 0.f;
-  for (int w = 0; w < kT / 32; ++w) qn += s_red[0][w], qk += s_red[1][w];
-  return fmaxf(fabsf(rsqrtf(float(p.DQK)) * (gt.fa * qn + gt.ia * qk)), float(exp(-gt.m_new))) + p.eps;
+  return step_den_sum<kT>(p, gt, s_red, qn, qk);
 }
 
 // In place (no fuse_nm), after step_den: every thread of the CTA has consumed n (its loads feed
@@ -261,6 +273,53 @@ __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams
   step_h_out<kC, kT, kGroups>(p, s_part, part, g, cq, cta.tile, b, hd, gt, scale, den, fuse_nm);
 }
 
+constexpr int kLeanMaxQ = 512;  // the lean kernel's rows (q, k kept in shared memory)
+
+// The lean kernel's prologue with every small load issued at once (set_mlstm_step_lean mode 4; not yet
+// measured): f, i, m, v of the thread's columns and q, k, n of its rows (DQK <= kLeanMaxQ), before any of
+// them is used. step_gates and step_den load through mlstm_ld's dtype switch and use each value before the
+// next load; the SASS of mode 3 has f, then the double logsigmoid, then i, then m, then q, k, n, the
+// barrier, then v: five dependent trips to memory before a CTA can update its first block, which waits
+// in registers. At B = 8 (one wave of 512 CTAs) that is most of a CTA's life ahead of its first store.
+// The same arithmetic in the same order as step_gates + step_den: the same bits.
+template <int kT>
+__device__ __forceinline__ void step_head_early(const MlstmParams& p, std::int64_t b, std::int64_t hd, std::int64_t c,
+                                                float (&s_red)[2][kT / 32], float* s_q, float* s_k, Gates& gt,
+                                                float& den, float (&vraw)[4]) {
+  constexpr int kU = kLeanMaxQ / kT;  // rows of q, k, n per thread
+  const int tid = threadIdx.x;
+  const float fr = mlstm_ld(p.f, b * p.f.s0 + hd * p.f.s1), ir = mlstm_ld(p.i, b * p.i.s0 + hd * p.i.s1),
+              mr = mlstm_ld(p.m0, b * p.m0.s0 + hd * p.m0.s1);
+  const std::int64_t vo = b * p.v.s0 + hd * p.v.s1;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) vraw[j] = c + j < p.DV ? mlstm_ld(p.v, vo + c + j) : 0.f;
+  const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, no = b * p.n0.s0 + hd * p.n0.s1;
+  float qv[kU], kv[kU], nv[kU];  // rows tid + kT u
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const int r = tid + kT * u;
+    const bool in = r < p.DQK;
+    qv[u] = in ? mlstm_ld(p.q, qo + r) : 0.f;
+    kv[u] = in ? mlstm_ld(p.k, ko + r) : 0.f;
+    nv[u] = in ? mlstm_ld(p.n0, no + r) : 0.f;
+  }
+  // step_gates' formulas
+  const double lf = mlstm_logsigmoid(double(fr)), ig = double(ir), m = double(mr);
+  const double mn = fmax(lf + m, ig);
+  gt = {mn, float(exp(lf + m - mn)), float(exp(ig - mn))};
+  // step_den's sums, rows in its order
+  float qn = 0.f, qk = 0.f;
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const int r = tid + kT * u;
+    if (r >= p.DQK) break;
+    s_q[r] = qv[u], s_k[r] = kv[u];
+    qn = fmaf(qv[u], nv[u], qn);
+    qk = fmaf(qv[u], kv[u], qk);
+  }
+  den = step_den_sum<kT>(p, gt, s_red, qn, qk);
+}
+
 // The row-block kernel with a short per-row path (set_mlstm_step_lean; mode 3 the default). ncu of
 // mlstm_step_c_tile_kernel at (64, 8, 256, 512) (H200, session 34): 2.5x the instructions of
 // mlstm_kernels' Triton step (65.9M against 26.9M) and 47% of issue cycles busy against its 19%: per
@@ -273,8 +332,7 @@ __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams
 // H100, fastweight_bench graph ms at B = 64 / 256 (xLSTM 7B's heads): kernel 2 0.199 / 0.758, lean
 // 0.195 / 0.747, PF with 4 rows 0.194 / 0.744, PF with 8 rows (120 registers, 4 CTAs per SM) 0.192 /
 // 0.731 = 2.93 TB/s of state (mlstm_kernels' Triton step: 2.89 in bench_decode.py).
-constexpr int kLeanMaxQ = 512;
-template <int kC, int kT, int kR, bool PF>
+template <int kC, int kT, int kR, bool PF, bool EARLY = false>
 __global__ void __launch_bounds__(kT, !PF ? 7 : kR * kT > 512 ? 4 : 6) mlstm_step_c_lean_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
   constexpr int kQuads = kC / 4, kGroups = kT / kQuads, kBlock = kGroups * kR;
   static_assert(kT % kQuads == 0 && kT % 32 == 0, "whole warps of whole rows");
@@ -307,13 +365,22 @@ __global__ void __launch_bounds__(kT, !PF ? 7 : kR * kT > 512 ? 4 : 6) mlstm_ste
   load(a, 0);
   if constexpr (PF)
     if (kBlock < nq) load(bb, kBlock);
-  const Gates gt = step_gates(p, b, hd);
-  const float den = step_den<kT>(p, b, hd, gt, s_red, s_q, s_k);  // (s_q, s_k: DQK <= kLeanMaxQ, host-checked)
-  step_read_done<kT>(fuse_nm, den);
-  const float scale = rsqrtf(float(p.DQK));
-  float vc[4];  // ia v of this thread's columns
+  Gates gt;
+  float den, vc[4];  // vc: ia v of this thread's columns
+  if constexpr (EARLY) {
+    float vraw[4];
+    step_head_early<kT>(p, b, hd, c, s_red, s_q, s_k, gt, den, vraw);
+    step_read_done<kT>(fuse_nm, den);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) vc[j] = c + j < p.DV ? gt.ia * mlstm_ld(p.v, vo + c + j) : 0.f;
+    for (int j = 0; j < 4; ++j) vc[j] = gt.ia * vraw[j];  // (0 past DV: ia * 0, as below)
+  } else {
+    gt = step_gates(p, b, hd);
+    den = step_den<kT>(p, b, hd, gt, s_red, s_q, s_k);  // (s_q, s_k: DQK <= kLeanMaxQ, host-checked)
+    step_read_done<kT>(fuse_nm, den);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) vc[j] = c + j < p.DV ? gt.ia * mlstm_ld(p.v, vo + c + j) : 0.f;
+  }
+  const float scale = rsqrtf(float(p.DQK));
   float part[4] = {0.f, 0.f, 0.f, 0.f};
   auto update = [&](const float4 (&x)[kR], int r0) {  // C' = fa C + k (ia v)^T of a block, stored; q^T C'
     if (!col_ok) return;
@@ -465,8 +532,14 @@ std::atomic<int> g_step_kernel{-1};  // set_mlstm_step_kernel; -1: the planner
 // set_mlstm_step_pdl: H100, session 34, in place B = 1 and 8 0.89x and 0.88x, B >= 64 within 1%
 std::atomic<bool> g_step_pdl{true};
 // set_mlstm_step_lean: H100, session 34, mode 3 at B = 64 / 256 0.965x / 0.964x kernel 2's time (modes 1, 2:
-// 0.98x); B <= 8 take the register tile (the planner), unchanged
-std::atomic<int> g_step_lean{3};
+// 0.98x); the planner takes it from B = 8 (xLSTM 7B's heads), the register tile below
+// (FW_MLSTM_STEP_LEAN=0..4 in the environment sets the starting mode: A/B runs of the Python
+// benchmarks, which have no handle on the switches; unset or anything else: 3)
+int lean_from_env() {
+  const char* v = std::getenv("FW_MLSTM_STEP_LEAN");
+  return v && v[0] >= '0' && v[0] <= '4' && v[1] == '\0' ? v[0] - '0' : 3;
+}
+std::atomic<int> g_step_lean{lean_from_env()};
 
 constexpr int kTileThreads = 128, kTileRows = 8;  // the row-block kernel's planner instance (kCols columns)
 
@@ -522,7 +595,7 @@ void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
   // (the lean form takes over once the register tile's grid (2 CTAs per SM) passes a wave: H100, B = 8 at
   // xLSTM 7B's heads, 512 CTAs: out of place 0.030 against 0.031 ms, in place 0.020 against 0.023; B = 1,
   // 64 CTAs: the register tile, 0.007 against 0.008)
-  const bool lean3 = g_step_lean.load(std::memory_order_relaxed) == 3;
+  const bool lean3 = g_step_lean.load(std::memory_order_relaxed) >= 3;  // (modes 3 and 4: two blocks of 8 rows)
   const std::int64_t ctas = heads * tiles, sms = sm_count();
   if (kernel < 0) kernel = p.DQK > kVecMaxQ || (lean3 ? ctas > 2 * sms : ctas >= 4 * sms) ? 2 : 1;
   const bool f4 = p.c0.dtype == DType::f32 && p.c_last.dtype == DType::f32 && p.DV % 4 == 0 && aligned16(p.c0) &&
@@ -546,6 +619,7 @@ void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
     const dim3 lg = step_grid("mlstm_step", tm, heads, tiles);
     if (lean == 1) mlstm_step_c_lean_kernel<kCols, kTileThreads, kTileRows, false><<<lg, kTileThreads, 0, s>>>(p, tm, fuse);
     else if (lean == 2) mlstm_step_c_lean_kernel<kCols, kTileThreads, 4, true><<<lg, kTileThreads, 0, s>>>(p, tm, fuse);
+    else if (lean == 4) mlstm_step_c_lean_kernel<kCols, kTileThreads, kTileRows, true, true><<<lg, kTileThreads, 0, s>>>(p, tm, fuse);
     else mlstm_step_c_lean_kernel<kCols, kTileThreads, kTileRows, true><<<lg, kTileThreads, 0, s>>>(p, tm, fuse);
   }
   else if (f4 && kernel == 2) launch_row_block<kCols, kTileThreads, kTileRows>(p, tm, fuse, s);
