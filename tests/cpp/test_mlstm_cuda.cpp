@@ -505,6 +505,10 @@ TEST(MlstmCudaStep, MatchesReferenceInPlaceAndOutOfPlace) {
       check_mlstm_step(DQK, DV, 2, 2, 3, lean, pdl);
     check_mlstm_step(256, 512, 2, 32, 8, lean, pdl);
   }
+  // mode 4 also gives the register tile (kernel 1, DQK <= 256) its prologue
+  for (auto [DQK, DV] : {std::pair<std::int64_t, std::int64_t>{72, 136}, {256, 512}, {200, 520}})
+    check_mlstm_step(DQK, DV, 1, 2, 3, 4, 1);
+  check_mlstm_step(256, 512, 1, 32, 8, 4, 1);
 }
 
 TEST(MlstmCudaDecay, ForwardAndBackwardMatchReference) {

@@ -108,8 +108,8 @@ bool set_mlstm_step_pdl(bool on);
 // whole blocks, 32-bit row offsets (where 16-byte stores are on, DQK <= 512 and DQK row strides fit 31
 // bits). 1: one block of 8 rows in flight, as kernel 2; 2: two blocks of 4 rows (the next loaded before
 // this one's stores); 3 (the default; H100: 0.964x mode 0's time at B = 64 and 256): two blocks of 8
-// rows; 4: mode 3 with the gates', denominator's and v's loads issued together at the start (not yet
-// measured; the same bits); 0: kernel 2 as before. FW_MLSTM_STEP_LEAN=N in the environment sets the
+// rows; 4: mode 3 with the gates', denominator's and v's loads issued together at the start, and the
+// register tile (kernel 1) likewise (not yet measured; the same bits); 0: kernel 2 as before. FW_MLSTM_STEP_LEAN=N in the environment sets the
 // starting mode (Python benchmarks' A/B runs).
 // Returns the previous setting (tests, fastweight_bench --mlstm-step-lean=N).
 int set_mlstm_step_lean(int mode);

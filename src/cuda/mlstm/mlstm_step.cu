@@ -124,6 +124,75 @@ __device__ __forceinline__ void step_h_out(const MlstmParams& p, float (&s_part)
   if (fuse_nm && tile == 0) step_nm(p, b, hd, gt, tid, blockDim.x);  // n', m' apart from n, m (out of place)
 }
 
+constexpr int kLeanMaxQ = 512;  // the lean kernel's rows (q, k kept in shared memory)
+
+// The lean kernel's prologue with every small load issued at once (set_mlstm_step_lean mode 4; not yet
+// measured): f, i, m, v of the thread's columns and q, k, n of its rows (DQK <= kLeanMaxQ), before any of
+// them is used. step_gates and step_den load through mlstm_ld's dtype switch and use each value before the
+// next load; the SASS of mode 3 has f, then the double logsigmoid, then i, then m, then q, k, n, the
+// barrier, then v: five dependent trips to memory before a CTA can update its first block, which waits
+// in registers. At B = 8 (one wave of 512 CTAs) that is most of a CTA's life ahead of its first store.
+// The same arithmetic in the same order as step_gates + step_den: the same bits.
+template <int kT>
+__device__ __forceinline__ void step_head_early(const MlstmParams& p, std::int64_t b, std::int64_t hd, std::int64_t c,
+                                                float (&s_red)[2][kT / 32], float* s_q, float* s_k, Gates& gt,
+                                                float& den, float (&vraw)[4]) {
+  constexpr int kU = kLeanMaxQ / kT;  // rows of q, k, n per thread
+  const int tid = threadIdx.x;
+  const float fr = mlstm_ld(p.f, b * p.f.s0 + hd * p.f.s1), ir = mlstm_ld(p.i, b * p.i.s0 + hd * p.i.s1),
+              mr = mlstm_ld(p.m0, b * p.m0.s0 + hd * p.m0.s1);
+  const std::int64_t vo = b * p.v.s0 + hd * p.v.s1;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) vraw[j] = c + j < p.DV ? mlstm_ld(p.v, vo + c + j) : 0.f;
+  const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, no = b * p.n0.s0 + hd * p.n0.s1;
+  float qv[kU], kv[kU], nv[kU];  // rows tid + kT u
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const int r = tid + kT * u;
+    const bool in = r < p.DQK;
+    qv[u] = in ? mlstm_ld(p.q, qo + r) : 0.f;
+    kv[u] = in ? mlstm_ld(p.k, ko + r) : 0.f;
+    nv[u] = in ? mlstm_ld(p.n0, no + r) : 0.f;
+  }
+  // step_gates' formulas
+  const double lf = mlstm_logsigmoid(double(fr)), ig = double(ir), m = double(mr);
+  const double mn = fmax(lf + m, ig);
+  gt = {mn, float(exp(lf + m - mn)), float(exp(ig - mn))};
+  // step_den's sums, rows in its order
+  float qn = 0.f, qk = 0.f;
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const int r = tid + kT * u;
+    if (r >= p.DQK) break;
+    s_q[r] = qv[u], s_k[r] = kv[u];
+    qn = fmaf(qv[u], nv[u], qn);
+    qk = fmaf(qv[u], kv[u], qk);
+  }
+  den = step_den_sum<kT>(p, gt, s_red, qn, qk);
+}
+
+// The gates, the h denominator (q, k kept in s_q, s_k), the read-done signal and ia v of the thread's
+// columns c..c+3, as the register tile and the lean kernel form them before their rows: EARLY with
+// step_head_early's loads (set_mlstm_step_lean mode 4), else step_gates and step_den (the measured order).
+template <int kT, bool EARLY>
+__device__ __forceinline__ void step_prologue(const MlstmParams& p, std::int64_t b, std::int64_t hd, std::int64_t c,
+                                              std::int64_t vo, float (&s_red)[2][kT / 32], float* s_q, float* s_k,
+                                              bool fuse_nm, Gates& gt, float& den, float (&vc)[4]) {
+  if constexpr (EARLY) {
+    float vraw[4];
+    step_head_early<kT>(p, b, hd, c, s_red, s_q, s_k, gt, den, vraw);
+    step_read_done<kT>(fuse_nm, den);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) vc[j] = gt.ia * vraw[j];  // (0 past DV: ia * 0)
+  } else {
+    gt = step_gates(p, b, hd);
+    den = step_den<kT>(p, b, hd, gt, s_red, s_q, s_k);
+    step_read_done<kT>(fuse_nm, den);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) vc[j] = c + j < p.DV ? gt.ia * mlstm_ld(p.v, vo + c + j) : 0.f;
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
   __shared__ float s_red[2][kThreads / 32];
   __shared__ float s_part[4][kCols];
@@ -164,7 +233,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParam
 // H100, bench_decode.py session 21, against mlstm_kernels' Triton step at 2.9).
 constexpr int kVecQuads = kCols / 4, kVecGroups = kThreads / kVecQuads;  // 16 x 16
 constexpr int kVecMaxQ = 256, kVecRows = kVecMaxQ / kVecGroups;
-template <bool VST>
+template <bool VST, bool EARLY = false>
 __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
   __shared__ float s_q[kVecMaxQ], s_k[kVecMaxQ];
   __shared__ float s_red[2][kThreads / 32];
@@ -184,13 +253,10 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
     const std::int64_t r = g + kVecGroups * i;
     st[i] = r < p.DQK && c < p.DV ? *reinterpret_cast<const float4*>(C + r * p.c0.s2 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  const Gates gt = step_gates(p, b, hd);
-  const float den = step_den<kThreads>(p, b, hd, gt, s_red, s_q, s_k);
-  step_read_done<kThreads>(fuse_nm, den);
+  Gates gt;
+  float den, vc[4];  // vc: ia v of this thread's columns
+  step_prologue<kThreads, EARLY>(p, b, hd, c, vo, s_red, s_q, s_k, fuse_nm, gt, den, vc);
   const float scale = rsqrtf(float(p.DQK));
-  float vc[4];  // ia v of this thread's columns
-#pragma unroll
-  for (int j = 0; j < 4; ++j) vc[j] = c + j < p.DV ? gt.ia * mlstm_ld(p.v, vo + c + j) : 0.f;
   float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int i = 0; i < kVecRows; ++i) {
@@ -273,53 +339,6 @@ __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams
   step_h_out<kC, kT, kGroups>(p, s_part, part, g, cq, cta.tile, b, hd, gt, scale, den, fuse_nm);
 }
 
-constexpr int kLeanMaxQ = 512;  // the lean kernel's rows (q, k kept in shared memory)
-
-// The lean kernel's prologue with every small load issued at once (set_mlstm_step_lean mode 4; not yet
-// measured): f, i, m, v of the thread's columns and q, k, n of its rows (DQK <= kLeanMaxQ), before any of
-// them is used. step_gates and step_den load through mlstm_ld's dtype switch and use each value before the
-// next load; the SASS of mode 3 has f, then the double logsigmoid, then i, then m, then q, k, n, the
-// barrier, then v: five dependent trips to memory before a CTA can update its first block, which waits
-// in registers. At B = 8 (one wave of 512 CTAs) that is most of a CTA's life ahead of its first store.
-// The same arithmetic in the same order as step_gates + step_den: the same bits.
-template <int kT>
-__device__ __forceinline__ void step_head_early(const MlstmParams& p, std::int64_t b, std::int64_t hd, std::int64_t c,
-                                                float (&s_red)[2][kT / 32], float* s_q, float* s_k, Gates& gt,
-                                                float& den, float (&vraw)[4]) {
-  constexpr int kU = kLeanMaxQ / kT;  // rows of q, k, n per thread
-  const int tid = threadIdx.x;
-  const float fr = mlstm_ld(p.f, b * p.f.s0 + hd * p.f.s1), ir = mlstm_ld(p.i, b * p.i.s0 + hd * p.i.s1),
-              mr = mlstm_ld(p.m0, b * p.m0.s0 + hd * p.m0.s1);
-  const std::int64_t vo = b * p.v.s0 + hd * p.v.s1;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) vraw[j] = c + j < p.DV ? mlstm_ld(p.v, vo + c + j) : 0.f;
-  const std::int64_t qo = b * p.q.s0 + hd * p.q.s1, ko = b * p.k.s0 + hd * p.k.s1, no = b * p.n0.s0 + hd * p.n0.s1;
-  float qv[kU], kv[kU], nv[kU];  // rows tid + kT u
-#pragma unroll
-  for (int u = 0; u < kU; ++u) {
-    const int r = tid + kT * u;
-    const bool in = r < p.DQK;
-    qv[u] = in ? mlstm_ld(p.q, qo + r) : 0.f;
-    kv[u] = in ? mlstm_ld(p.k, ko + r) : 0.f;
-    nv[u] = in ? mlstm_ld(p.n0, no + r) : 0.f;
-  }
-  // step_gates' formulas
-  const double lf = mlstm_logsigmoid(double(fr)), ig = double(ir), m = double(mr);
-  const double mn = fmax(lf + m, ig);
-  gt = {mn, float(exp(lf + m - mn)), float(exp(ig - mn))};
-  // step_den's sums, rows in its order
-  float qn = 0.f, qk = 0.f;
-#pragma unroll
-  for (int u = 0; u < kU; ++u) {
-    const int r = tid + kT * u;
-    if (r >= p.DQK) break;
-    s_q[r] = qv[u], s_k[r] = kv[u];
-    qn = fmaf(qv[u], nv[u], qn);
-    qk = fmaf(qv[u], kv[u], qk);
-  }
-  den = step_den_sum<kT>(p, gt, s_red, qn, qk);
-}
-
 // The row-block kernel with a short per-row path (set_mlstm_step_lean; mode 3 the default). ncu of
 // mlstm_step_c_tile_kernel at (64, 8, 256, 512) (H200, session 34): 2.5x the instructions of
 // mlstm_kernels' Triton step (65.9M against 26.9M) and 47% of issue cycles busy against its 19%: per
@@ -366,20 +385,8 @@ __global__ void __launch_bounds__(kT, !PF ? 7 : kR * kT > 512 ? 4 : 6) mlstm_ste
   if constexpr (PF)
     if (kBlock < nq) load(bb, kBlock);
   Gates gt;
-  float den, vc[4];  // vc: ia v of this thread's columns
-  if constexpr (EARLY) {
-    float vraw[4];
-    step_head_early<kT>(p, b, hd, c, s_red, s_q, s_k, gt, den, vraw);
-    step_read_done<kT>(fuse_nm, den);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) vc[j] = gt.ia * vraw[j];  // (0 past DV: ia * 0, as below)
-  } else {
-    gt = step_gates(p, b, hd);
-    den = step_den<kT>(p, b, hd, gt, s_red, s_q, s_k);  // (s_q, s_k: DQK <= kLeanMaxQ, host-checked)
-    step_read_done<kT>(fuse_nm, den);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) vc[j] = c + j < p.DV ? gt.ia * mlstm_ld(p.v, vo + c + j) : 0.f;
-  }
+  float den, vc[4];  // vc: ia v of this thread's columns; (s_q, s_k: DQK <= kLeanMaxQ, host-checked)
+  step_prologue<kT, EARLY>(p, b, hd, c, vo, s_red, s_q, s_k, fuse_nm, gt, den, vc);
   const float scale = rsqrtf(float(p.DQK));
   float part[4] = {0.f, 0.f, 0.f, 0.f};
   auto update = [&](const float4 (&x)[kR], int r0) {  // C' = fa C + k (ia v)^T of a block, stored; q^T C'
@@ -613,7 +620,9 @@ void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
   const int lean = vst && p.DQK <= kLeanMaxQ && fits32(p.c0) && fits32(p.c_last)
                        ? g_step_lean.load(std::memory_order_relaxed)
                        : 0;
-  if (f4 && kernel == 1 && p.DQK <= kVecMaxQ && vst) mlstm_step_c_vec_kernel<true><<<grid, kThreads, 0, s>>>(p, tm, fuse);
+  if (f4 && kernel == 1 && p.DQK <= kVecMaxQ && vst && g_step_lean.load(std::memory_order_relaxed) == 4)
+    mlstm_step_c_vec_kernel<true, true><<<grid, kThreads, 0, s>>>(p, tm, fuse);  // (mode 4: its prologue too)
+  else if (f4 && kernel == 1 && p.DQK <= kVecMaxQ && vst) mlstm_step_c_vec_kernel<true><<<grid, kThreads, 0, s>>>(p, tm, fuse);
   else if (f4 && kernel == 1 && p.DQK <= kVecMaxQ) mlstm_step_c_vec_kernel<false><<<grid, kThreads, 0, s>>>(p, tm, fuse);
   else if (f4 && kernel == 2 && lean) {
     const dim3 lg = step_grid("mlstm_step", tm, heads, tiles);
