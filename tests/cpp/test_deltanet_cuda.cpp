@@ -934,8 +934,11 @@ TEST_P(DeltanetCudaStep, MatchesReferenceOutOfPlaceAndInPlace) {
   FW_TEST_CUDA(cudaMemset(gnst.ptr, 0xff, gnst.nbytes));
   FW_TEST_CUDA(cudaDeviceSynchronize());  // the memsets run on the legacy stream, not on `stream`
   const bool tile_major = fastweight::detail::set_step_tile_major(false);  // the other grid order: same bits
+  const bool early = fastweight::detail::set_deltanet_step_early(false);  // and the other load order
+  fastweight::detail::set_deltanet_step_early(!early);
   deltanet_step(a, s);
   FW_TEST_CUDA(cudaStreamSynchronize(stream));
+  fastweight::detail::set_deltanet_step_early(early);
   fastweight::detail::set_step_tile_major(tile_major);
   HostTensor o2 = o, n2 = nst;
   go.download(o2), gnst.download(n2);

@@ -253,6 +253,12 @@ bool deltanet_bwd_chunk_tc(const DeltanetBwdParams& p, const DnBwdWs& w, float* 
 // --no-step-kernel); returns the previous setting.
 inline constexpr int kStepMaxK = 256;
 bool set_deltanet_step_kernel(bool on);
+// The step kernel with every load issued before any use (the state tile, then q, k and the tile's beta,
+// v), where by default q, k are loaded and summed first and beta, v read after the first barrier. The
+// same bits; 16-byte-store instances only. Off by default: not yet measured. FW_DELTANET_STEP_EARLY=1 in
+// the environment turns it on at the start. Returns the previous setting (tests, fastweight_bench
+// --dn-step-early=on).
+bool set_deltanet_step_early(bool on);
 bool deltanet_step_kernel_applies(const DeltanetParams& p);
 void deltanet_step_cuda(const DeltanetParams& p, Stream stream);
 

@@ -9,6 +9,7 @@
 // H100 (bench_decode.py, session 21) against FLA's fused_recurrent 2.3 TB/s.
 // No allocation and no host synchronisation: CUDA-graph safe.
 #include <atomic>
+#include <cstdlib>
 
 #include "cuda/common/check.cuh"
 #include "cuda/common/step_grid.cuh"
@@ -26,7 +27,11 @@ constexpr int kThreads = kQuads * kGroups;   // 256
 // VEC: the state rows are 16-byte aligned fp32 with V % 4 == 0 (float4 loads and stores), else one
 // element at a time with column guards. kMaxRows: rows per thread, K <= 16 kMaxRows (8: K <= 128 in
 // fewer registers, so more CTAs per SM; 16: K <= kStepMaxK).
-template <bool VEC, int kMaxRows, bool VST = false>
+// EARLY (set_deltanet_step_early; not yet measured): the state tile's loads issued first, then q, k and
+// the tile's beta and v, all before any use. Without it q and k are loaded and used first (their sums)
+// and beta, v only after the first barrier: three dependent trips to memory before the update, where
+// the decoding step at small B is latency-bound. The same arithmetic in the same order: the same bits.
+template <bool VEC, int kMaxRows, bool VST = false, bool EARLY = false>
 __global__ void __launch_bounds__(kThreads) deltanet_step_kernel(const DeltanetParams p, const bool tile_major) {
   __shared__ float s_q[kStepMaxK], s_k[kStepMaxK];
   __shared__ float s_red[3][kThreads / 32];
@@ -38,11 +43,14 @@ __global__ void __launch_bounds__(kThreads) deltanet_step_kernel(const DeltanetP
   const std::int64_t c0 = cta.tile * kCols;
   // q, k (element (b, h, r) at b s0 + h s2 + r: the T stride s1 is unused); q . q, k . k, q . k
   float qq = 0.f, kk = 0.f, qk = 0.f;
-  for (std::int64_t r = tid; r < K; r += kThreads) {
-    const float qr = mlstm_ld(p.q, b * p.q.s0 + h * p.q.s2 + r), kr = mlstm_ld(p.k, b * p.k.s0 + h * p.k.s2 + r);
-    s_q[r] = qr, s_k[r] = kr;
-    qq = fmaf(qr, qr, qq), kk = fmaf(kr, kr, kk), qk = fmaf(qr, kr, qk);
-  }
+  auto load_qk = [&] {
+    for (std::int64_t r = tid; r < K; r += kThreads) {
+      const float qr = mlstm_ld(p.q, b * p.q.s0 + h * p.q.s2 + r), kr = mlstm_ld(p.k, b * p.k.s0 + h * p.k.s2 + r);
+      s_q[r] = qr, s_k[r] = kr;
+      qq = fmaf(qr, qr, qq), kk = fmaf(kr, kr, kk), qk = fmaf(qr, kr, qk);
+    }
+  };
+  if constexpr (!EARLY) load_qk();
   // the state tile into registers first: every load in flight before any use
   const int cq = tid % kQuads, g = tid / kQuads;
   const std::int64_t c = c0 + 4 * cq;  // this thread's first column
@@ -64,6 +72,13 @@ __global__ void __launch_bounds__(kThreads) deltanet_step_kernel(const DeltanetP
       if (c + 2 < V) st[i].z = row[c + 2];
       if (c + 3 < V) st[i].w = row[c + 3];
     }
+  }
+  // (EARLY: beta and v of the tile's column tid, for the threads that form e and o below)
+  float beta_r = 0.f, v_r = 0.f;
+  if constexpr (EARLY) {
+    if (tid < kCols && c0 + tid < V)
+      beta_r = mlstm_ld(p.beta, b * p.beta.s0 + h), v_r = mlstm_ld(p.v, b * p.v.s0 + h * p.v.s2 + c0 + tid);
+    load_qk();
   }
   // block sums in a fixed order (deterministic)
   for (int off = 16; off > 0; off >>= 1) {
@@ -95,8 +110,9 @@ __global__ void __launch_bounds__(kThreads) deltanet_step_kernel(const DeltanetP
   if (tid < kCols && c0 + tid < V) {  // column c0 + tid: beta e and o
     float a = 0.f, d = 0.f;
     for (int gg = 0; gg < kGroups; ++gg) a += s_part[0][gg][tid], d += s_part[1][gg][tid];
-    const float beta = mlstm_ld(p.beta, b * p.beta.s0 + h);
-    const float be = beta * (mlstm_ld(p.v, b * p.v.s0 + h * p.v.s2 + c0 + tid) - rk * a);  // beta (v - S^T k^)
+    const float beta = EARLY ? beta_r : mlstm_ld(p.beta, b * p.beta.s0 + h);
+    const float vv = EARLY ? v_r : mlstm_ld(p.v, b * p.v.s0 + h * p.v.s2 + c0 + tid);
+    const float be = beta * (vv - rk * a);  // beta (v - S^T k^)
     const float o = p.scale * (rq * d + (rq * rk * qk) * be);  // scale (S^T q^ + (q^ . k^) beta e)
     s_e[tid] = be;
     mlstm_st(p.o, b * p.o.s0 + h * p.o.s2 + c0 + tid, o);
@@ -130,10 +146,18 @@ bool aligned16(const StridedView& t) {
 }
 
 std::atomic<bool> g_step_kernel{true};  // set_deltanet_step_kernel
+// set_deltanet_step_early (not yet measured); FW_DELTANET_STEP_EARLY=1 in the environment turns it on at
+// the start (A/B runs of the Python benchmarks, which have no handle on the switches)
+bool early_from_env() {
+  const char* v = std::getenv("FW_DELTANET_STEP_EARLY");
+  return v && v[0] == '1' && v[1] == '\0';
+}
+std::atomic<bool> g_step_early{early_from_env()};
 
 }  // namespace
 
 bool set_deltanet_step_kernel(bool on) { return g_step_kernel.exchange(on); }
+bool set_deltanet_step_early(bool on) { return g_step_early.exchange(on); }
 
 bool deltanet_step_kernel_applies(const DeltanetParams& p) {
   return g_step_kernel.load(std::memory_order_relaxed) && p.T == 1 && !p.cu_seqlens && p.K >= 1 &&
@@ -148,12 +172,15 @@ void deltanet_step_cuda(const DeltanetParams& p, Stream stream) {
   const dim3 grid = step_grid("deltanet_step", tm, heads, tiles);
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   constexpr int kHalf = kStepMaxK / kGroups / 2;
+  const bool early = g_step_early.load(std::memory_order_relaxed);  // (the 16-byte-store instances)
   if (p.K <= kHalf * kGroups) {
-    if (vec && vst) deltanet_step_kernel<true, kHalf, true><<<grid, kThreads, 0, s>>>(p, tm);
+    if (vec && vst && early) deltanet_step_kernel<true, kHalf, true, true><<<grid, kThreads, 0, s>>>(p, tm);
+    else if (vec && vst) deltanet_step_kernel<true, kHalf, true><<<grid, kThreads, 0, s>>>(p, tm);
     else if (vec) deltanet_step_kernel<true, kHalf><<<grid, kThreads, 0, s>>>(p, tm);
     else deltanet_step_kernel<false, kHalf><<<grid, kThreads, 0, s>>>(p, tm);
   } else {
-    if (vec && vst) deltanet_step_kernel<true, 2 * kHalf, true><<<grid, kThreads, 0, s>>>(p, tm);
+    if (vec && vst && early) deltanet_step_kernel<true, 2 * kHalf, true, true><<<grid, kThreads, 0, s>>>(p, tm);
+    else if (vec && vst) deltanet_step_kernel<true, 2 * kHalf, true><<<grid, kThreads, 0, s>>>(p, tm);
     else if (vec) deltanet_step_kernel<true, 2 * kHalf><<<grid, kThreads, 0, s>>>(p, tm);
     else deltanet_step_kernel<false, 2 * kHalf><<<grid, kThreads, 0, s>>>(p, tm);
   }
