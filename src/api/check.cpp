@@ -80,30 +80,23 @@ Overlap overlap(const TensorRef& a, const TensorRef& b) {
 
 void check_outputs_apart(const char* op, std::initializer_list<NamedRef> outs, std::initializer_list<NamedRef> ins,
                          std::initializer_list<std::pair<int, int>> in_place) {
-  int oi = 0;
-  for (const NamedRef& o : outs) {
-    int ii = 0;
-    for (const NamedRef& in : ins) {
+  const NamedRef* out = outs.begin();
+  const NamedRef* in = ins.begin();
+  for (int oi = 0; oi < int(outs.size()); ++oi) {
+    for (int ii = 0; ii < int(ins.size()); ++ii) {
       bool paired = false;
       for (const auto& pr : in_place) paired = paired || (pr.first == oi && pr.second == ii);
-      const Overlap ov = overlap(o.t, in.t);
-      if (ov == Overlap::same && paired) {
-        ++ii;
-        continue;
-      }
-      FW_CHECK_ARG(ov == Overlap::none || ov == Overlap::unknown, op, o.name, "shares memory with ", in.name,
+      const Overlap ov = overlap(out[oi].t, in[ii].t);
+      FW_CHECK_ARG(ov == Overlap::none || ov == Overlap::unknown || (ov == Overlap::same && paired), op, out[oi].name,
+                   "shares memory with ", in[ii].name,
                    paired ? " without being the same view (in place: pass it itself)"
                           : " (an output may not overlap an input)");
-      ++ii;
     }
-    int oj = 0;
-    for (const NamedRef& o2 : outs) {
-      if (oj++ <= oi) continue;
-      const Overlap ov = overlap(o.t, o2.t);
-      FW_CHECK_ARG(ov == Overlap::none || ov == Overlap::unknown, op, o.name, "shares memory with ", o2.name,
-                   " (outputs may not overlap each other)");
+    for (int oj = oi + 1; oj < int(outs.size()); ++oj) {
+      const Overlap ov = overlap(out[oi].t, out[oj].t);
+      FW_CHECK_ARG(ov == Overlap::none || ov == Overlap::unknown, op, out[oi].name, "shares memory with ",
+                   out[oj].name, " (outputs may not overlap each other)");
     }
-    ++oi;
   }
 }
 
