@@ -395,7 +395,8 @@ _adalayernorm_fwd.register_autograd(_ada_backward, setup_context=_ada_setup)
 
 # ---- vmap (torch.func) --------------------------------------------------------------------------
 def _register_vmap(op, rows_only: bool) -> None:
-    """A batching rule for a norm op. rows_only (the forwards of LayerNorm, RMSNorm, head norm): where
+    """A batching rule for a custom op (the norms here; mlstm_ops, deltanet_ops). rows_only (the forwards of
+    LayerNorm, RMSNorm, head norm): where
     only x is batched, the batch is one more leading dim of rows, so one call does it; otherwise (batched
     parameters, adaLN's per-sample scale, the backwards, whose parameter gradients are per sample) one
     call per sample, stacked. Without a rule torch falls back to the same loop, with a warning."""
