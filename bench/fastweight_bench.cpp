@@ -23,6 +23,7 @@
 //   fastweight_bench --mlstm-step-fuse=off   mLSTM decoding step out of place in two launches, as in place (A/B)
 //   fastweight_bench --mlstm-step-pdl=off    mLSTM decoding step in place: its n, m kernel a programmatic dependent launch or not (A/B)
 //   fastweight_bench --mlstm-step-lean=N     mLSTM decoding step: the row-block kernel's short per-row path, mode N (A/B)
+//   fastweight_bench --mlstm-step-pdl-c=off  mLSTM decoding step: its C pass a programmatic dependent launch or not (A/B)
 //   fastweight_bench --dn-two-sync=off       DeltaNet serial kernels with three barriers per chunk step (A/B)
 //   fastweight_bench --dn-x-bf16=off         DeltaNet backward (bf16 operands) with X, Y in fp32 (A/B)
 //   fastweight_bench --dn-xu-bf16=off        DeltaNet (bf16 operands) with Xu in fp32 (A/B)
@@ -150,6 +151,7 @@ struct Options {
   bool mlstm_step_no_fuse = false;
   int mlstm_step_pdl = -1;  // -1: the default
   int mlstm_step_lean = -1;  // -1: the default
+  int mlstm_step_pdl_c = -1;  // -1: the default
   bool quick = false, timing_only = false, cpu = false, no_bulk = false, no_dprime = false, no_row1 = false;
   int bulk_vecs = 0;  // 0: the planner's choice
   int row1_vecs = 0;      // 0: the planner's choice
@@ -425,6 +427,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--mlstm-step-fuse=")) o.mlstm_step_no_fuse = !on(v);
     else if (const char* v = val("--mlstm-step-pdl=")) o.mlstm_step_pdl = on(v) ? 1 : 0;
     else if (const char* v = val("--mlstm-step-lean=")) o.mlstm_step_lean = std::atoi(v);
+    else if (const char* v = val("--mlstm-step-pdl-c=")) o.mlstm_step_pdl_c = on(v) ? 1 : 0;
     else if (a == "--cpu") o.cpu = true;
     else if (a == "--no-bulk") o.no_bulk = true;
     else if (a == "--no-dprime") o.no_dprime = true;
@@ -529,6 +532,7 @@ int main(int argc, char** argv) {
   if (o.mlstm_step_no_fuse) fastweight::detail::set_mlstm_step_fuse_nm(false);
   if (o.mlstm_step_pdl >= 0) fastweight::detail::set_mlstm_step_pdl(o.mlstm_step_pdl == 1);
   if (o.mlstm_step_lean >= 0) fastweight::detail::set_mlstm_step_lean(o.mlstm_step_lean);
+  if (o.mlstm_step_pdl_c >= 0) fastweight::detail::set_mlstm_step_pdl_c(o.mlstm_step_pdl_c == 1);
   if (o.mlstm_slab_overlap) fastweight::detail::set_mlstm_slab_overlap(o.mlstm_slab_overlap);
 #endif
   std::printf("fastweight_bench: %s; running on %s\n", build_info(), gpu ? "the GPU" : "the CPU (reference)");

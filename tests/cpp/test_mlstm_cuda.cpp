@@ -511,6 +511,85 @@ TEST(MlstmCudaStep, MatchesReferenceInPlaceAndOutOfPlace) {
   check_mlstm_step(256, 512, 1, 32, 8, 4, 1);
 }
 
+// A chain of steps as a decoder runs them: out of place A -> B -> A -> B (each step's outputs the next
+// one's states, the C pass writing n', m'), then twice in place on B (C pass and n, m kernel), on a stream
+// of its own, eagerly or captured in a CUDA graph. With the C pass a programmatic launch
+// (set_mlstm_step_pdl_c) a step's CTAs may be resident before the previous step has ended; a load or
+// store ahead of its wait would change bits. Against the chain of plain launches: the same bits.
+std::vector<HostTensor> run_mlstm_step_chain(std::int64_t B, std::int64_t NH, std::int64_t DQK, std::int64_t DV,
+                                             bool pdl_c, bool graph) {  // (EXPECT: a function with a result)
+  HostTensor q = make_host(DType::bf16, {B, NH, DQK}), k = make_host(DType::bf16, {B, NH, DQK}),
+             v = make_host(DType::bf16, {B, NH, DV}), i = make_host(DType::f32, {B, NH, 1}),
+             f = make_host(DType::f32, {B, NH, 1}), h = make_host(DType::bf16, {B, NH, DV}),
+             c = make_host(DType::f32, {B, NH, DQK, DV}), n = make_host(DType::f32, {B, NH, DQK}),
+             m = make_host(DType::f32, {B, NH, 1});
+  std::mt19937_64 rng(11);
+  for (HostTensor* t : {&q, &k, &v, &i, &c, &n, &m}) fill_random(*t, rng, -1.0, 1.0);
+  fill_random(f, rng, 0.0, 4.0);
+  fill_bytes(h, 0xff);
+  HostTensor c2 = c, n2 = n, m2 = m;
+  fill_bytes(c2, 0xff), fill_bytes(n2, 0xff), fill_bytes(m2, 0xff);  // B's states: NaN until the first step
+  DeviceMirror dq(q), dk(k), dv(v), di(i), df(f), dh(h), dc(c), dn(n), dm(m), dc2(c2), dn2(n2), dm2(m2);
+  cudaStream_t st = nullptr;
+  EXPECT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+  const bool prev = fastweight::detail::set_mlstm_step_pdl_c(pdl_c);
+  auto step = [&](DeviceMirror& ci, DeviceMirror& ni, DeviceMirror& mi, HostTensor& hc, HostTensor& hn, HostTensor& hm,
+                  DeviceMirror& co, DeviceMirror& no, DeviceMirror& mo, HostTensor& oc, HostTensor& on, HostTensor& om) {
+    MlstmStepArgs a;
+    a.q = dq.ref(q), a.k = dk.ref(k), a.v = dv.ref(v), a.i = di.ref(i), a.f = df.ref(f), a.h = dh.ref(h);
+    a.c = ci.ref(hc), a.n = ni.ref(hn), a.m = mi.ref(hm), a.c_new = co.ref(oc), a.n_new = no.ref(on), a.m_new = mo.ref(om);
+    fastweight::detail::mlstm_step_cuda(fastweight::detail::lower_mlstm_step(a), st);
+  };
+  auto chain = [&] {
+    step(dc, dn, dm, c, n, m, dc2, dn2, dm2, c2, n2, m2);
+    step(dc2, dn2, dm2, c2, n2, m2, dc, dn, dm, c, n, m);
+    step(dc, dn, dm, c, n, m, dc2, dn2, dm2, c2, n2, m2);
+    for (int r = 0; r < 2; ++r) step(dc2, dn2, dm2, c2, n2, m2, dc2, dn2, dm2, c2, n2, m2);
+  };
+  if (graph) {
+    cudaGraph_t g = nullptr;
+    cudaGraphExec_t ge = nullptr;
+    EXPECT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    chain();
+    EXPECT_EQ(cudaStreamEndCapture(st, &g), cudaSuccess);
+    EXPECT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
+    EXPECT_EQ(cudaGraphLaunch(ge, st), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+  } else {
+    chain();
+  }
+  EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+  fastweight::detail::set_mlstm_step_pdl_c(prev);
+  cudaStreamDestroy(st);
+  dh.download(h), dc2.download(c2), dn2.download(n2), dm2.download(m2), dc.download(c);
+  return {h, c2, n2, m2, c};
+}
+
+TEST(MlstmCudaStep, ProgrammaticChainSameBits) {
+  FW_REQUIRE_GPU();
+  // (32, 8, 256, 512): 2048 CTAs, several waves of the lean kernel; (2, 3, 72, 136): the register tile;
+  // (4, 3, 300, 136): the row-block kernel past the register tile's DQK
+  for (auto [B, NH, DQK, DV] : {std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>{32, 8, 256, 512},
+                                {2, 3, 72, 136}, {4, 3, 300, 136}}) {
+    SCOPED_TRACE("B " + std::to_string(B) + " NH " + std::to_string(NH) + " DQK " + std::to_string(DQK) + " DV " +
+                 std::to_string(DV));
+    const auto want = run_mlstm_step_chain(B, NH, DQK, DV, false, false);
+    for (bool graph : {false, true}) {
+      SCOPED_TRACE(graph ? "graph" : "eager");
+      const auto got = run_mlstm_step_chain(B, NH, DQK, DV, true, graph);
+      for (std::size_t t = 0; t < want.size(); ++t) {
+        SCOPED_TRACE("output " + std::to_string(t));
+        EXPECT_EQ(got[t].bytes, want[t].bytes);
+      }
+    }
+    // the plain chain's h and states are finite (every step ran on written states)
+    for (int t : {0, 1, 2, 3})
+      for (double x : want[std::size_t(t)].values()) ASSERT_TRUE(std::isfinite(x)) << "output " << t;
+  }
+}
+
 TEST(MlstmCudaDecay, ForwardAndBackwardMatchReference) {
   FW_REQUIRE_GPU();
   for (std::int64_t S : {1, 63, 200}) {

@@ -104,14 +104,24 @@ bool set_mlstm_step_fuse_nm(bool on);
 // default (H100, session 34: in place 0.89x at B = 1, 0.88x at B = 8, within 1% at B >= 64). Returns the
 // previous setting (tests, fastweight_bench --mlstm-step-pdl=off).
 bool set_mlstm_step_pdl(bool on);
+// The C pass itself as a programmatic dependent launch on sm_90 (on by default; H100, session 35, 20
+// chained steps: B = 8 0.97x the plain launch's time, in place 0.95x, B >= 64 within 0.5%): it may become
+// resident while the previous kernel in the stream ends and waits for it before its first load or store,
+// and out of place it lets the next step's C pass be scheduled at once (in place the n, m kernel does).
+// A chain of steps then overlaps each launch with the previous step's end; after a kernel that signals
+// nothing (most of torch's) it starts as a plain launch would. The same bits.
+// FW_MLSTM_STEP_PDL_C=0 in the environment turns it off at start. Returns the previous setting (tests,
+// fastweight_bench --mlstm-step-pdl-c=off).
+bool set_mlstm_step_pdl_c(bool on);
 // The row-block kernel (kernel 2) with a short per-row path: k, q from shared memory, no row checks in
 // whole blocks, 32-bit row offsets (where 16-byte stores are on, DQK <= 512 and DQK row strides fit 31
 // bits). 1: one block of 8 rows in flight, as kernel 2; 2: two blocks of 4 rows (the next loaded before
-// this one's stores); 3 (the default; H100: 0.964x mode 0's time at B = 64 and 256): two blocks of 8
-// rows; 4: mode 3 with the gates', denominator's and v's loads issued together at the start, and the
-// register tile (kernel 1) likewise (not yet measured; the same bits); 0: kernel 2 as before. FW_MLSTM_STEP_LEAN=N in the environment sets the
-// starting mode (Python benchmarks' A/B runs).
-// Returns the previous setting (tests, fastweight_bench --mlstm-step-lean=N).
+// this one's stores); 3 (H100: 0.964x mode 0's time at B = 64 and 256): two blocks of 8 rows; 4: mode 3
+// with the gates', denominator's and v's loads issued together at the start, and the register tile
+// (kernel 1) likewise (the same bits; H100: 0.86x mode 3's time at B = 1, 0.97x at B = 8, 0.99x at 64,
+// 1.003x at 256); 5 (the default): 4 while the grid is at most 8 waves of 4 CTAs per SM, else 3; 0:
+// kernel 2 as before. FW_MLSTM_STEP_LEAN=N in the environment sets the starting mode (Python benchmarks'
+// A/B runs). Returns the previous setting (tests, fastweight_bench --mlstm-step-lean=N).
 int set_mlstm_step_lean(int mode);
 
 // Parallel form (mlstm_parallel.cu): forward h (and n, m, b where P has them); backward the

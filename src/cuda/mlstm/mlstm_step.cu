@@ -104,6 +104,16 @@ __device__ __forceinline__ void step_read_done(bool fuse_nm, float den) {
   pdl_launch_dependents();
 }
 
+// Every C kernel's first step. Launched programmatically (set_mlstm_step_pdl_c), it may be resident before
+// the previous kernel in the stream has ended, so nothing is read or written before the wait (that
+// kernel's grid complete, its memory visible; without such a launch the wait does nothing). Out of place
+// the CTA then lets the next programmatic launch (the next step's C pass) be scheduled: that one waits in
+// turn. In place the signal is step_read_done's, for the n, m kernel.
+__device__ __forceinline__ void step_pdl_begin(bool fuse_nm) {
+  pdl_wait_primary();
+  if (fuse_nm) pdl_launch_dependents();
+}
+
 // The row-block kernels' end: h of the CTA's kC columns from the row groups' q^T C' partial sums (a fixed
 // order: deterministic), and n', m' from tile 0 where the C pass writes them (out of place).
 template <int kC, int kT, int kGroups>
@@ -194,6 +204,7 @@ __device__ __forceinline__ void step_prologue(const MlstmParams& p, std::int64_t
 }
 
 __global__ void __launch_bounds__(kThreads) mlstm_step_c_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
+  step_pdl_begin(fuse_nm);
   __shared__ float s_red[2][kThreads / 32];
   __shared__ float s_part[4][kCols];
   const int tid = threadIdx.x;
@@ -235,6 +246,7 @@ constexpr int kVecQuads = kCols / 4, kVecGroups = kThreads / kVecQuads;  // 16 x
 constexpr int kVecMaxQ = 256, kVecRows = kVecMaxQ / kVecGroups;
 template <bool VST, bool EARLY = false>
 __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
+  step_pdl_begin(fuse_nm);
   __shared__ float s_q[kVecMaxQ], s_k[kVecMaxQ];
   __shared__ float s_red[2][kThreads / 32];
   __shared__ float s_part[kVecGroups][kCols];  // q^T C' partial sums of each row group
@@ -291,6 +303,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_c_vec_kernel(const MlstmP
 // 256 threads x 4 rows (0.784) and 32-column CTAs (0.882 before it) were slower.
 template <int kC, int kT, int kR, bool VST>
 __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
+  step_pdl_begin(fuse_nm);
   constexpr int kQuads = kC / 4, kGroups = kT / kQuads, kBlock = kGroups * kR;
   static_assert(kT % kQuads == 0 && kT % 32 == 0, "whole warps of whole rows");
   __shared__ float s_red[2][kT / 32];
@@ -353,6 +366,7 @@ __global__ void __launch_bounds__(kT) mlstm_step_c_tile_kernel(const MlstmParams
 // 0.731 = 2.93 TB/s of state (mlstm_kernels' Triton step: 2.89 in bench_decode.py).
 template <int kC, int kT, int kR, bool PF, bool EARLY = false>
 __global__ void __launch_bounds__(kT, !PF ? 7 : kR * kT > 512 ? 4 : 6) mlstm_step_c_lean_kernel(const MlstmParams p, const bool tile_major, const bool fuse_nm) {
+  step_pdl_begin(fuse_nm);
   constexpr int kQuads = kC / 4, kGroups = kT / kQuads, kBlock = kGroups * kR;
   static_assert(kT % kQuads == 0 && kT % 32 == 0, "whole warps of whole rows");
   __shared__ float s_q[kLeanMaxQ], s_k[kLeanMaxQ];
@@ -439,6 +453,7 @@ __global__ void __launch_bounds__(kTmaT) mlstm_step_c_tma_kernel(const MlstmPara
                                                                   const __grid_constant__ CUtensorMap mc,
                                                                   const __grid_constant__ CUtensorMap mo) {
 #if defined(FW_HAS_BULK)
+  step_pdl_begin(fuse_nm);
   extern __shared__ __align__(128) float4 tma_smem[];  // [boxes][64 rows][64 columns] floats, + 128 slack
   __shared__ float s_q[kTmaMaxBoxes * kTmaBox], s_k[kTmaMaxBoxes * kTmaBox];
   __shared__ float s_red[2][kTmaT / 32];
@@ -507,6 +522,7 @@ __global__ void __launch_bounds__(kTmaT) mlstm_step_c_tma_kernel(const MlstmPara
 }
 
 __global__ void __launch_bounds__(kThreads) mlstm_step_n_kernel(const MlstmParams p) {
+  pdl_launch_dependents();  // the next step's programmatic C pass may be scheduled (it waits for this grid)
   const std::int64_t bh = blockIdx.x, b = bh / p.NH, hd = bh % p.NH;
   const Gates gt = step_gates(p, b, hd);
   __syncthreads();  // every thread has read the old m before thread 0 may overwrite it (in place)
@@ -539,33 +555,64 @@ std::atomic<int> g_step_kernel{-1};  // set_mlstm_step_kernel; -1: the planner
 // set_mlstm_step_pdl: H100, session 34, in place B = 1 and 8 0.89x and 0.88x, B >= 64 within 1%
 std::atomic<bool> g_step_pdl{true};
 // set_mlstm_step_lean: H100, session 34, mode 3 at B = 64 / 256 0.965x / 0.964x kernel 2's time (modes 1, 2:
-// 0.98x); the planner takes it from B = 8 (xLSTM 7B's heads), the register tile below
-// (FW_MLSTM_STEP_LEAN=0..4 in the environment sets the starting mode: A/B runs of the Python
-// benchmarks, which have no handle on the switches; unset or anything else: 3)
+// 0.98x); the planner takes it from B = 8 (xLSTM 7B's heads), the register tile below. Session 35, mode 4
+// against 3 (graph ms, one binary): B = 1 0.857x (the register tile), 8 0.967x, 64 0.990x, 256 1.003x;
+// mode 5 (the default) takes 4 up to 8 waves (B = 64 there), 3 beyond.
+// (FW_MLSTM_STEP_LEAN=0..5 in the environment sets the starting mode: A/B runs of the Python
+// benchmarks, which have no handle on the switches; unset or anything else: 5)
 int lean_from_env() {
   const char* v = std::getenv("FW_MLSTM_STEP_LEAN");
-  return v && v[0] >= '0' && v[0] <= '4' && v[1] == '\0' ? v[0] - '0' : 3;
+  return v && v[0] >= '0' && v[0] <= '5' && v[1] == '\0' ? v[0] - '0' : 5;
 }
 std::atomic<int> g_step_lean{lean_from_env()};
 
 constexpr int kTileThreads = 128, kTileRows = 8;  // the row-block kernel's planner instance (kCols columns)
 
+// set_mlstm_step_pdl_c: H100, session 35, graph ms of 20 chained steps against off: B = 8 0.966x (in place
+// 0.947x), B = 64 0.995x, B = 256 0.999x; bench_decode.py B = 8 cold 0.0299 ms against mlstm_kernels'
+// 0.0307 (off: 0.0325 against 0.0320)
+// (FW_MLSTM_STEP_PDL_C=0 or 1 in the environment sets the start: Python A/B runs; unset or anything else: on)
+bool pdl_c_from_env() {
+  const char* v = std::getenv("FW_MLSTM_STEP_PDL_C");
+  return !(v && v[0] == '0' && v[1] == '\0');
+}
+std::atomic<bool> g_step_pdl_c{pdl_c_from_env()};
+
+// A launch of kernel fn, programmatic (cudaLaunchAttributeProgrammaticStreamSerialization) where pdl.
+template <typename... P, typename... A>
+void step_launch(void (*fn)(P...), dim3 grid, unsigned threads, std::size_t smem, cudaStream_t s, bool pdl, A&&... a) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  FW_CUDA_CHECK("mlstm_step", cudaLaunchKernelEx(&cfg, fn, std::forward<A>(a)...));
+}
+
+// A C-pass kernel of the common signature and its CTA shape (threads, DV columns per CTA).
+struct CPass {
+  void (*fn)(MlstmParams, bool, bool);
+  unsigned threads;
+  int cols;
+};
+
 // A row-block instance <kC columns, kT threads, kR rows per thread and block>: its own grid of DV / kC tiles.
 template <int kC, int kT, int kR>
-void launch_row_block(const MlstmParams& p, bool tm, bool fuse, cudaStream_t s) {
-  const dim3 grid = step_grid("mlstm_step", tm, p.B * p.NH, (p.DV + kC - 1) / kC);
+CPass row_block() {
   constexpr bool planner = kC == kCols && kT == kTileThreads && kR == kTileRows;  // (16-byte stores: its instance only)
   if constexpr (planner)
-    if (g_step_vec_stores.load(std::memory_order_relaxed)) {
-      mlstm_step_c_tile_kernel<kC, kT, kR, true><<<grid, kT, 0, s>>>(p, tm, fuse);
-      return;
-    }
-  mlstm_step_c_tile_kernel<kC, kT, kR, false><<<grid, kT, 0, s>>>(p, tm, fuse);
+    if (g_step_vec_stores.load(std::memory_order_relaxed)) return {&mlstm_step_c_tile_kernel<kC, kT, kR, true>, kT, kC};
+  return {&mlstm_step_c_tile_kernel<kC, kT, kR, false>, kT, kC};
 }
 
 // Kernel 9: the TMA C pass where it applies (sm_90 binary and device, DQK <= 256, the maps encodable:
 // f4's alignment); false: the caller takes the row-block kernel.
-bool launch_step_tma(const MlstmParams& p, bool tm, bool fuse, cudaStream_t s) {
+bool launch_step_tma(const MlstmParams& p, bool tm, bool fuse, cudaStream_t s, bool pdl) {
   const void* fn = reinterpret_cast<const void*>(&mlstm_step_c_tma_kernel);
   if (p.DQK > kTmaBox * kTmaMaxBoxes || kernel_binary_version(fn) < 90) return false;
   auto map_of = [&](CUtensorMap* m, const StridedView& t) {  // (DV, DQK, NH, B) floats, boxes 64 x 64
@@ -580,7 +627,7 @@ bool launch_step_tma(const MlstmParams& p, bool tm, bool fuse, cudaStream_t s) {
   if (!map_of(&mc, p.c0) || !map_of(&mo, p.c_last)) return false;
   (void)resident_ctas_per_sm(fn, kTmaT, smem);  // raises the dynamic shared-memory limit past 48 KB
   const dim3 grid = step_grid("mlstm_step", tm, p.B * p.NH, (p.DV + kTmaBox - 1) / kTmaBox);
-  mlstm_step_c_tma_kernel<<<grid, kTmaT, smem, s>>>(p, tm, fuse, mc, mo);
+  step_launch(mlstm_step_c_tma_kernel, grid, kTmaT, smem, s, pdl, p, tm, fuse, mc, mo);
   return true;
 }
 
@@ -588,6 +635,7 @@ bool launch_step_tma(const MlstmParams& p, bool tm, bool fuse, cudaStream_t s) {
 
 int set_mlstm_step_kernel(int kernel) { return g_step_kernel.exchange(kernel); }
 bool set_mlstm_step_pdl(bool on) { return g_step_pdl.exchange(on); }
+bool set_mlstm_step_pdl_c(bool on) { return g_step_pdl_c.exchange(on); }
 int set_mlstm_step_lean(int mode) { return g_step_lean.exchange(mode); }
 bool set_mlstm_step_fuse_nm(bool on) { return g_step_fuse_nm.exchange(on); }
 
@@ -602,64 +650,56 @@ void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
   // (the lean form takes over once the register tile's grid (2 CTAs per SM) passes a wave: H100, B = 8 at
   // xLSTM 7B's heads, 512 CTAs: out of place 0.030 against 0.031 ms, in place 0.020 against 0.023; B = 1,
   // 64 CTAs: the register tile, 0.007 against 0.008)
-  const bool lean3 = g_step_lean.load(std::memory_order_relaxed) >= 3;  // (modes 3 and 4: two blocks of 8 rows)
+  int lean_mode = g_step_lean.load(std::memory_order_relaxed);
   const std::int64_t ctas = heads * tiles, sms = sm_count();
+  // mode 5: 4's early loads where the grid is at most 8 waves of the lean kernel's 4 CTAs per SM, else 3
+  if (lean_mode == 5) lean_mode = ctas <= 32 * sms ? 4 : 3;
+  const bool lean3 = lean_mode >= 3;  // (modes 3 and 4: two blocks of 8 rows)
   if (kernel < 0) kernel = p.DQK > kVecMaxQ || (lean3 ? ctas > 2 * sms : ctas >= 4 * sms) ? 2 : 1;
   const bool f4 = p.c0.dtype == DType::f32 && p.c_last.dtype == DType::f32 && p.DV % 4 == 0 && aligned16(p.c0) &&
                   aligned16(p.c_last);
   const bool tm = g_step_tile_major.load(std::memory_order_relaxed);
-  const dim3 grid = step_grid("mlstm_step", tm, heads, tiles);
   // out of place (n', m' apart from n, m, which every CTA of the head reads), the C pass's tile-0 CTAs
   // write n', m' too: one launch instead of two
   const bool fuse = g_step_fuse_nm.load(std::memory_order_relaxed) && disjoint(p.n_last, p.n0, p.B, p.NH, p.DQK) &&
                     disjoint(p.m_last, p.m0, p.B, p.NH, 1);
+  // (programmatic launches: sm_90 binaries only; a JIT-compiled compute_80 build would drop the kernels'
+  // waits)
+  const bool sm90 = cc_major() >= 9 && kernel_binary_version(reinterpret_cast<const void*>(&mlstm_step_n_kernel)) >= 90;
+  const bool pdl_c = sm90 && g_step_pdl_c.load(std::memory_order_relaxed);
   // kernels 3..8: other row-block shapes, for A/B sweeps only (set_mlstm_step_kernel)
   const bool vst = g_step_vec_stores.load(std::memory_order_relaxed);
   // the lean row-block kernel (set_mlstm_step_lean): 16-byte stores, DQK <= kLeanMaxQ, 32-bit row offsets
   const auto fits32 = [&](const StridedView& t) { return t.s2 >= 0 && t.s2 * p.DQK < (std::int64_t(1) << 31); };
-  const int lean = vst && p.DQK <= kLeanMaxQ && fits32(p.c0) && fits32(p.c_last)
-                       ? g_step_lean.load(std::memory_order_relaxed)
-                       : 0;
-  if (f4 && kernel == 1 && p.DQK <= kVecMaxQ && vst && g_step_lean.load(std::memory_order_relaxed) == 4)
-    mlstm_step_c_vec_kernel<true, true><<<grid, kThreads, 0, s>>>(p, tm, fuse);  // (mode 4: its prologue too)
-  else if (f4 && kernel == 1 && p.DQK <= kVecMaxQ && vst) mlstm_step_c_vec_kernel<true><<<grid, kThreads, 0, s>>>(p, tm, fuse);
-  else if (f4 && kernel == 1 && p.DQK <= kVecMaxQ) mlstm_step_c_vec_kernel<false><<<grid, kThreads, 0, s>>>(p, tm, fuse);
+  const int lean = vst && p.DQK <= kLeanMaxQ && fits32(p.c0) && fits32(p.c_last) ? lean_mode : 0;
+  CPass c{&mlstm_step_c_kernel, kThreads, kCols};
+  if (f4 && kernel == 1 && p.DQK <= kVecMaxQ && vst && lean_mode == 4)
+    c.fn = &mlstm_step_c_vec_kernel<true, true>;  // (mode 4: its prologue too)
+  else if (f4 && kernel == 1 && p.DQK <= kVecMaxQ && vst) c.fn = &mlstm_step_c_vec_kernel<true>;
+  else if (f4 && kernel == 1 && p.DQK <= kVecMaxQ) c.fn = &mlstm_step_c_vec_kernel<false>;
   else if (f4 && kernel == 2 && lean) {
-    const dim3 lg = step_grid("mlstm_step", tm, heads, tiles);
-    if (lean == 1) mlstm_step_c_lean_kernel<kCols, kTileThreads, kTileRows, false><<<lg, kTileThreads, 0, s>>>(p, tm, fuse);
-    else if (lean == 2) mlstm_step_c_lean_kernel<kCols, kTileThreads, 4, true><<<lg, kTileThreads, 0, s>>>(p, tm, fuse);
-    else if (lean == 4) mlstm_step_c_lean_kernel<kCols, kTileThreads, kTileRows, true, true><<<lg, kTileThreads, 0, s>>>(p, tm, fuse);
-    else mlstm_step_c_lean_kernel<kCols, kTileThreads, kTileRows, true><<<lg, kTileThreads, 0, s>>>(p, tm, fuse);
+    c = {&mlstm_step_c_lean_kernel<kCols, kTileThreads, kTileRows, true>, kTileThreads, kCols};
+    if (lean == 1) c.fn = &mlstm_step_c_lean_kernel<kCols, kTileThreads, kTileRows, false>;
+    else if (lean == 2) c.fn = &mlstm_step_c_lean_kernel<kCols, kTileThreads, 4, true>;
+    else if (lean == 4) c.fn = &mlstm_step_c_lean_kernel<kCols, kTileThreads, kTileRows, true, true>;
   }
-  else if (f4 && kernel == 2) launch_row_block<kCols, kTileThreads, kTileRows>(p, tm, fuse, s);
-  else if (f4 && kernel == 3) launch_row_block<64, 128, 16>(p, tm, fuse, s);
-  else if (f4 && kernel == 4) launch_row_block<64, 64, 8>(p, tm, fuse, s);
-  else if (f4 && kernel == 5) launch_row_block<128, 128, 8>(p, tm, fuse, s);
-  else if (f4 && kernel == 6) launch_row_block<32, 64, 8>(p, tm, fuse, s);
-  else if (f4 && kernel == 7) launch_row_block<64, 128, 4>(p, tm, fuse, s);
-  else if (f4 && kernel == 8) launch_row_block<128, 256, 8>(p, tm, fuse, s);
-  else if (f4 && kernel == 9) {
-    if (!launch_step_tma(p, tm, fuse, s)) launch_row_block<kCols, kTileThreads, kTileRows>(p, tm, fuse, s);
+  else if (f4 && kernel == 2) c = row_block<kCols, kTileThreads, kTileRows>();
+  else if (f4 && kernel == 3) c = row_block<64, 128, 16>();
+  else if (f4 && kernel == 4) c = row_block<64, 64, 8>();
+  else if (f4 && kernel == 5) c = row_block<128, 128, 8>();
+  else if (f4 && kernel == 6) c = row_block<32, 64, 8>();
+  else if (f4 && kernel == 7) c = row_block<64, 128, 4>();
+  else if (f4 && kernel == 8) c = row_block<128, 256, 8>();
+  if (!(f4 && kernel == 9 && launch_step_tma(p, tm, fuse, s, pdl_c))) {
+    if (f4 && kernel == 9) c = row_block<kCols, kTileThreads, kTileRows>();
+    const dim3 grid = step_grid("mlstm_step", tm, heads, (p.DV + c.cols - 1) / c.cols);
+    step_launch(c.fn, grid, c.threads, 0, s, pdl_c, p, tm, fuse);
   }
-  else mlstm_step_c_kernel<<<grid, kThreads, 0, s>>>(p, tm, fuse);
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
   if (fuse) return;
   // in place: n', m' by a second kernel, programmatically dependent on sm_90 where asked (it may run
   // as soon as every C-pass CTA has consumed n and m: step_read_done)
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(heads));
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  // (sm_90 binaries only: a JIT-compiled compute_80 build would drop the n kernel's final wait)
-  cfg.numAttrs = g_step_pdl.load(std::memory_order_relaxed) && cc_major() >= 9 &&
-                         kernel_binary_version(reinterpret_cast<const void*>(&mlstm_step_n_kernel)) >= 90
-                     ? 1
-                     : 0;
-  FW_CUDA_CHECK("mlstm_step", cudaLaunchKernelEx(&cfg, mlstm_step_n_kernel, p));
+  step_launch(mlstm_step_n_kernel, dim3(unsigned(heads)), kThreads, 0, s, sm90 && g_step_pdl.load(std::memory_order_relaxed), p);
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
 }
 
