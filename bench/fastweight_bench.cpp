@@ -20,6 +20,7 @@
 //   fastweight_bench --dn-fixed-k=off        DeltaNet serial kernels for a runtime K only (A/B)
 //   fastweight_bench --dn-step-kernel=off    DeltaNet decoding step by the forward over T = 1 (A/B)
 //   fastweight_bench --dn-step-early=on      DeltaNet decoding step: every load issued before any use (A/B)
+//   fastweight_bench --dn-step-pdl=on        DeltaNet decoding step: a programmatic dependent launch (A/B)
 //   fastweight_bench --mlstm-step-fuse=off   mLSTM decoding step out of place in two launches, as in place (A/B)
 //   fastweight_bench --mlstm-step-pdl=off    mLSTM decoding step in place: its n, m kernel a programmatic dependent launch or not (A/B)
 //   fastweight_bench --mlstm-step-lean=N     mLSTM decoding step: the row-block kernel's short per-row path, mode N (A/B)
@@ -170,6 +171,7 @@ struct Options {
   bool dn_no_fixed_k = false;
   bool dn_no_step_kernel = false;
   int dn_step_early = -1;  // -1: the default
+  int dn_step_pdl = -1;    // -1: the default
   int mlstm_step_kernel = -1;  // -1: the default
   bool step_heads_major = false;
   int step_vec_stores = -1;
@@ -454,6 +456,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--mlstm-dv-wide=")) o.mlstm_no_dv_wide = !on(v);
     else if (const char* v = val("--dn-step-kernel=")) o.dn_no_step_kernel = !on(v);
     else if (const char* v = val("--dn-step-early=")) o.dn_step_early = on(v) ? 1 : 0;
+    else if (const char* v = val("--dn-step-pdl=")) o.dn_step_pdl = on(v) ? 1 : 0;
     else if (const char* v = val("--mlstm-step-kernel=")) o.mlstm_step_kernel = std::atoi(v);
     else if (const char* v = val("--step-tile-major=")) o.step_heads_major = !on(v);
     else if (const char* v = val("--step-vec-stores=")) o.step_vec_stores = on(v) ? 1 : 0;
@@ -490,6 +493,7 @@ int main(int argc, char** argv) {
   if (o.dn_no_fixed_k) fastweight::detail::set_deltanet_fixed_k(false);
   if (o.dn_no_step_kernel) fastweight::detail::set_deltanet_step_kernel(false);
   if (o.dn_step_early >= 0) fastweight::detail::set_deltanet_step_early(o.dn_step_early == 1);
+  if (o.dn_step_pdl >= 0) fastweight::detail::set_deltanet_step_pdl(o.dn_step_pdl == 1);
   if (o.mlstm_step_kernel >= 0) fastweight::detail::set_mlstm_step_kernel(o.mlstm_step_kernel);
   if (o.step_heads_major) fastweight::detail::set_step_tile_major(false);
   if (o.step_vec_stores >= 0) fastweight::detail::set_step_vector_stores(o.step_vec_stores == 1);

@@ -26,6 +26,7 @@
 #include <random>
 #include <string>
 #include <utility>
+#include <tuple>
 #include <vector>
 
 #include "api/deltanet_lower.h"
@@ -1003,6 +1004,59 @@ std::vector<StepCase> step_cases() {
 }
 INSTANTIATE_TEST_SUITE_P(Cases, DeltanetCudaStep, ::testing::ValuesIn(step_cases()),
                          [](const auto& info) { return name_of(info.param); });
+
+// A chain of steps as a decoder runs them: out of place A -> B -> A -> B, then twice in place on B, on a
+// stream of its own, eagerly or captured in a CUDA graph. With the step a programmatic launch
+// (set_deltanet_step_pdl) a step's CTAs may be resident before the previous step has ended; a load or
+// store ahead of its wait would change bits. Against the chain of plain launches: the same bits.
+std::vector<HostTensor> run_deltanet_step_chain(std::int64_t B, std::int64_t H, std::int64_t K, std::int64_t V,
+                                                bool pdl, bool graph) {  // (EXPECT: a function with a result)
+  HostTensor q = make_host(DType::bf16, {B, H, K}), k = make_host(DType::bf16, {B, H, K}),
+             v = make_host(DType::bf16, {B, H, V}), beta = make_host(DType::bf16, {B, H}),
+             sa = make_host(DType::f32, {B, H, K, V}), sb = make_host(DType::f32, {B, H, K, V}),
+             o = make_host(DType::bf16, {B, H, V});
+  std::mt19937_64 rng(59);
+  fill_random(q, rng, -1.0, 1.0);
+  fill_random(k, rng, -1.0, 1.0);
+  fill_random(v, rng, -1.0, 1.0);
+  fill_random(beta, rng, 0.0, 1.0);
+  fill_random(sa, rng, -0.5, 0.5);
+  fill_bytes(sb, 0xff), fill_bytes(o, 0xff);  // B's state: NaN until the first step
+  DeviceMirror gq(q), gk(k), gv(v), gb(beta), ga(sa), gsb(sb), go(o);
+  cudaStream_t st = nullptr;
+  EXPECT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+  const bool prev = fastweight::detail::set_deltanet_step_pdl(pdl);
+  auto step = [&](DeviceMirror& si, HostTensor& hi, DeviceMirror& so, HostTensor& ho) {
+    DeltanetStepArgs a;
+    a.q = gq.ref(q), a.k = gk.ref(k), a.v = gv.ref(v), a.beta = gb.ref(beta), a.o = go.ref(o);
+    a.state = si.ref(hi), a.new_state = so.ref(ho);
+    a.use_qk_l2norm_in_kernel = true;
+    deltanet_step(a, reinterpret_cast<Stream>(st));
+  };
+  auto chain = [&] {
+    step(ga, sa, gsb, sb);
+    step(gsb, sb, ga, sa);
+    step(ga, sa, gsb, sb);
+    for (int r = 0; r < 2; ++r) step(gsb, sb, gsb, sb);
+  };
+  run_eager_or_graph(st, graph, chain);
+  fastweight::detail::set_deltanet_step_pdl(prev);
+  cudaStreamDestroy(st);
+  go.download(o), gsb.download(sb), ga.download(sa);
+  return {o, sb, sa};
+}
+
+TEST(DeltanetCudaStepChain, ProgrammaticChainSameBits) {
+  FW_REQUIRE_GPU();
+  // (64, 16, 128, 128): 2048 CTAs, several waves; (3, 2, 256, 72): the 16-row instance, a short last tile
+  for (auto [B, H, K, V] : {std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>{64, 16, 128, 128},
+                            {3, 2, 256, 72}}) {
+    SCOPED_TRACE("B " + std::to_string(B) + " H " + std::to_string(H) + " K " + std::to_string(K) + " V " +
+                 std::to_string(V));
+    // the output and state finite
+    expect_programmatic_chain_same_bits([&](bool pdl, bool graph) { return run_deltanet_step_chain(B, H, K, V, pdl, graph); }, 2);
+  }
+}
 
 }  // namespace
 }  // namespace fwtest

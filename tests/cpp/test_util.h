@@ -186,6 +186,46 @@ struct DeviceMirror {
     EXPECT_EQ(cudaMemcpy(h.bytes.data(), ptr, nbytes, cudaMemcpyDeviceToHost), cudaSuccess);
   }
 };
+
+// Runs `work` (its launches on stream st) eagerly, or captured in a CUDA graph and the graph launched
+// once; then waits for st. (EXPECT, not ASSERT: callers return results.)
+template <typename F>
+void run_eager_or_graph(cudaStream_t st, bool graph, F&& work) {
+  if (graph) {
+    cudaGraph_t g = nullptr;
+    cudaGraphExec_t ge = nullptr;
+    EXPECT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    work();
+    EXPECT_EQ(cudaStreamEndCapture(st, &g), cudaSuccess);
+    EXPECT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
+    EXPECT_EQ(cudaGraphLaunch(ge, st), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+  } else {
+    work();
+  }
+  EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+}
+
+// A chain of decoding steps with programmatic launches against plain ones: run(programmatic, graph)
+// returns the chain's outputs; with programmatic launches, eagerly and in a graph, they must be the
+// plain eager run's bytes, whose first `finite` outputs must be finite (the steps ran on written states).
+template <typename R>
+void expect_programmatic_chain_same_bits(R&& run, std::size_t finite) {
+  const std::vector<HostTensor> want = run(false, false);
+  for (bool graph : {false, true}) {
+    SCOPED_TRACE(graph ? "graph" : "eager");
+    const std::vector<HostTensor> got = run(true, graph);
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t t = 0; t < want.size(); ++t) {
+      SCOPED_TRACE("output " + std::to_string(t));
+      EXPECT_EQ(got[t].bytes, want[t].bytes);
+    }
+  }
+  for (std::size_t t = 0; t < finite && t < want.size(); ++t)
+    for (double x : want[t].values()) ASSERT_TRUE(std::isfinite(x)) << "output " << t;
+}
 #endif
 
 }  // namespace fwtest

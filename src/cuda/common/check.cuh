@@ -21,6 +21,25 @@
 #define FW_CUDA_CHECK_LAUNCH(op) FW_CUDA_CHECK(op, cudaGetLastError())
 
 namespace fastweight::detail {
+// A launch of kernel fn on stream s; programmatic where pdl (cudaLaunchAttributeProgrammaticStreamSerialization,
+// sm_90: it may be scheduled before the previous kernel in the stream has ended, so fn must wait
+// (pdl_wait_primary, cuda/common/bulk.cuh) before it touches that kernel's memory), else a plain launch.
+template <typename... P, typename... A>
+void launch_kernel(const char* op, void (*fn)(P...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t s, bool pdl,
+                   A&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  FW_CUDA_CHECK(op, cudaLaunchKernelEx(&cfg, fn, static_cast<A&&>(args)...));
+}
+
 // Multiprocessor count of the current device (cached).
 int sm_count();
 // Compute capability (major) of the current device (cached).

@@ -255,10 +255,17 @@ inline constexpr int kStepMaxK = 256;
 bool set_deltanet_step_kernel(bool on);
 // The step kernel with every load issued before any use (the state tile, then q, k and the tile's beta,
 // v), where by default q, k are loaded and summed first and beta, v read after the first barrier. The
-// same bits; 16-byte-store instances only. Off by default: not yet measured. FW_DELTANET_STEP_EARLY=1 in
-// the environment turns it on at the start. Returns the previous setting (tests, fastweight_bench
-// --dn-step-early=on).
+// same bits; 16-byte-store instances only. Off by default: H100, session 35, level at B = 1 and 8, 1.09x
+// and 1.10x the time at B = 64 and 256. FW_DELTANET_STEP_EARLY=1 in the environment turns it on at the
+// start. Returns the previous setting (tests, fastweight_bench --dn-step-early=on).
 bool set_deltanet_step_early(bool on);
+// The step kernel as a programmatic dependent launch on sm_90 (the 16-byte-store instances without the
+// early loads): it may become resident while the previous kernel in the stream ends, waits for it before
+// its first load or store, and lets the next step be scheduled at once; back-to-back steps overlap each
+// launch with the previous step's end (the mLSTM step's C pass does the same: set_mlstm_step_pdl_c).
+// The same bits. Off by default: not yet measured. FW_DELTANET_STEP_PDL=1 in the environment turns it on
+// at the start. Returns the previous setting (tests, fastweight_bench --dn-step-pdl=on).
+bool set_deltanet_step_pdl(bool on);
 bool deltanet_step_kernel_applies(const DeltanetParams& p);
 void deltanet_step_cuda(const DeltanetParams& p, Stream stream);
 

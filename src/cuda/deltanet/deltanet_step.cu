@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdlib>
 
+#include "cuda/common/bulk.cuh"
 #include "cuda/common/check.cuh"
 #include "cuda/common/step_grid.cuh"
 #include "cuda/deltanet/deltanet_common.cuh"
@@ -31,8 +32,15 @@ constexpr int kThreads = kQuads * kGroups;   // 256
 // the tile's beta and v, all before any use. Without it q and k are loaded and used first (their sums)
 // and beta, v only after the first barrier: three dependent trips to memory before the update, where
 // the decoding step at small B is latency-bound. The same arithmetic in the same order: the same bits.
-template <bool VEC, int kMaxRows, bool VST = false, bool EARLY = false>
+// PDL (set_deltanet_step_pdl; not yet measured): launched programmatically, so it may be resident before
+// the previous kernel in the stream has ended: it waits for that kernel before its first load or store,
+// then lets the next programmatic launch (the next step) be scheduled, which waits in turn.
+template <bool VEC, int kMaxRows, bool VST = false, bool EARLY = false, bool PDL = false>
 __global__ void __launch_bounds__(kThreads) deltanet_step_kernel(const DeltanetParams p, const bool tile_major) {
+  if constexpr (PDL) {
+    pdl_wait_primary();
+    pdl_launch_dependents();
+  }
   __shared__ float s_q[kStepMaxK], s_k[kStepMaxK];
   __shared__ float s_red[3][kThreads / 32];
   __shared__ float s_part[2][kGroups][kCols];  // (S^T k, S^T q) partial sums of each row group
@@ -153,11 +161,18 @@ bool early_from_env() {
   return v && v[0] == '1' && v[1] == '\0';
 }
 std::atomic<bool> g_step_early{early_from_env()};
+// set_deltanet_step_pdl (not yet measured); FW_DELTANET_STEP_PDL=1 in the environment turns it on at start
+bool pdl_from_env() {
+  const char* v = std::getenv("FW_DELTANET_STEP_PDL");
+  return v && v[0] == '1' && v[1] == '\0';
+}
+std::atomic<bool> g_step_pdl{pdl_from_env()};
 
 }  // namespace
 
 bool set_deltanet_step_kernel(bool on) { return g_step_kernel.exchange(on); }
 bool set_deltanet_step_early(bool on) { return g_step_early.exchange(on); }
+bool set_deltanet_step_pdl(bool on) { return g_step_pdl.exchange(on); }
 
 bool deltanet_step_kernel_applies(const DeltanetParams& p) {
   return g_step_kernel.load(std::memory_order_relaxed) && p.T == 1 && !p.cu_seqlens && p.K >= 1 &&
@@ -173,17 +188,25 @@ void deltanet_step_cuda(const DeltanetParams& p, Stream stream) {
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   constexpr int kHalf = kStepMaxK / kGroups / 2;
   const bool early = g_step_early.load(std::memory_order_relaxed);  // (the 16-byte-store instances)
+  // programmatic: the 16-byte-store instances without EARLY, sm_90 binaries only (a JIT-compiled
+  // compute_80 build would drop the kernel's wait)
+  const bool pdl = vec && vst && !early && g_step_pdl.load(std::memory_order_relaxed) && cc_major() >= 9 &&
+                   kernel_binary_version(reinterpret_cast<const void*>(&deltanet_step_kernel<true, kHalf, true, false, true>)) >= 90;
+  void (*fn)(DeltanetParams, bool) = nullptr;
   if (p.K <= kHalf * kGroups) {
-    if (vec && vst && early) deltanet_step_kernel<true, kHalf, true, true><<<grid, kThreads, 0, s>>>(p, tm);
-    else if (vec && vst) deltanet_step_kernel<true, kHalf, true><<<grid, kThreads, 0, s>>>(p, tm);
-    else if (vec) deltanet_step_kernel<true, kHalf><<<grid, kThreads, 0, s>>>(p, tm);
-    else deltanet_step_kernel<false, kHalf><<<grid, kThreads, 0, s>>>(p, tm);
+    if (pdl) fn = &deltanet_step_kernel<true, kHalf, true, false, true>;
+    else if (vec && vst && early) fn = &deltanet_step_kernel<true, kHalf, true, true>;
+    else if (vec && vst) fn = &deltanet_step_kernel<true, kHalf, true>;
+    else if (vec) fn = &deltanet_step_kernel<true, kHalf>;
+    else fn = &deltanet_step_kernel<false, kHalf>;
   } else {
-    if (vec && vst && early) deltanet_step_kernel<true, 2 * kHalf, true, true><<<grid, kThreads, 0, s>>>(p, tm);
-    else if (vec && vst) deltanet_step_kernel<true, 2 * kHalf, true><<<grid, kThreads, 0, s>>>(p, tm);
-    else if (vec) deltanet_step_kernel<true, 2 * kHalf><<<grid, kThreads, 0, s>>>(p, tm);
-    else deltanet_step_kernel<false, 2 * kHalf><<<grid, kThreads, 0, s>>>(p, tm);
+    if (pdl) fn = &deltanet_step_kernel<true, 2 * kHalf, true, false, true>;
+    else if (vec && vst && early) fn = &deltanet_step_kernel<true, 2 * kHalf, true, true>;
+    else if (vec && vst) fn = &deltanet_step_kernel<true, 2 * kHalf, true>;
+    else if (vec) fn = &deltanet_step_kernel<true, 2 * kHalf>;
+    else fn = &deltanet_step_kernel<false, 2 * kHalf>;
   }
+  launch_kernel("deltanet_step", fn, grid, kThreads, 0, s, pdl, p, tm);
   FW_CUDA_CHECK_LAUNCH("deltanet_step");
 }
 

@@ -578,22 +578,6 @@ bool pdl_c_from_env() {
 }
 std::atomic<bool> g_step_pdl_c{pdl_c_from_env()};
 
-// A launch of kernel fn, programmatic (cudaLaunchAttributeProgrammaticStreamSerialization) where pdl.
-template <typename... P, typename... A>
-void step_launch(void (*fn)(P...), dim3 grid, unsigned threads, std::size_t smem, cudaStream_t s, bool pdl, A&&... a) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  FW_CUDA_CHECK("mlstm_step", cudaLaunchKernelEx(&cfg, fn, std::forward<A>(a)...));
-}
-
 // A C-pass kernel of the common signature and its CTA shape (threads, DV columns per CTA).
 struct CPass {
   void (*fn)(MlstmParams, bool, bool);
@@ -627,7 +611,7 @@ bool launch_step_tma(const MlstmParams& p, bool tm, bool fuse, cudaStream_t s, b
   if (!map_of(&mc, p.c0) || !map_of(&mo, p.c_last)) return false;
   (void)resident_ctas_per_sm(fn, kTmaT, smem);  // raises the dynamic shared-memory limit past 48 KB
   const dim3 grid = step_grid("mlstm_step", tm, p.B * p.NH, (p.DV + kTmaBox - 1) / kTmaBox);
-  step_launch(mlstm_step_c_tma_kernel, grid, kTmaT, smem, s, pdl, p, tm, fuse, mc, mo);
+  launch_kernel("mlstm_step", mlstm_step_c_tma_kernel, grid, kTmaT, smem, s, pdl, p, tm, fuse, mc, mo);
   return true;
 }
 
@@ -693,13 +677,14 @@ void mlstm_step_cuda(const MlstmParams& p, Stream stream) {
   if (!(f4 && kernel == 9 && launch_step_tma(p, tm, fuse, s, pdl_c))) {
     if (f4 && kernel == 9) c = row_block<kCols, kTileThreads, kTileRows>();
     const dim3 grid = step_grid("mlstm_step", tm, heads, (p.DV + c.cols - 1) / c.cols);
-    step_launch(c.fn, grid, c.threads, 0, s, pdl_c, p, tm, fuse);
+    launch_kernel("mlstm_step", c.fn, grid, c.threads, 0, s, pdl_c, p, tm, fuse);
   }
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
   if (fuse) return;
   // in place: n', m' by a second kernel, programmatically dependent on sm_90 where asked (it may run
   // as soon as every C-pass CTA has consumed n and m: step_read_done)
-  step_launch(mlstm_step_n_kernel, dim3(unsigned(heads)), kThreads, 0, s, sm90 && g_step_pdl.load(std::memory_order_relaxed), p);
+  launch_kernel("mlstm_step", mlstm_step_n_kernel, dim3(unsigned(heads)), kThreads, 0, s,
+                sm90 && g_step_pdl.load(std::memory_order_relaxed), p);
   FW_CUDA_CHECK_LAUNCH("mlstm_step");
 }
 

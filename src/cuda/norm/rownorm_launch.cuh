@@ -403,17 +403,8 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
     // On sm_90 a programmatic dependent launch: its CTAs are scheduled as the backward's finish
     // (they signal after their row loops) instead of after the launch gap, and wait in the kernel
     // for the backward's completion before reading the partials.
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(fgrid, njobs);
-    cfg.blockDim = fblock;
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = cc_major() >= 9 ? 1 : 0;
-    FW_CUDA_CHECK("rownorm_bwd", cudaLaunchKernelEx(&cfg, rownorm_wgrad_finalize_kernel<T>, job, P, p.groups, p.n, f32));
+    launch_kernel("rownorm_bwd", rownorm_wgrad_finalize_kernel<T>, dim3(fgrid, njobs), fblock, 0, stream, cc_major() >= 9,
+                  job, P, p.groups, p.n, f32);
     FW_CUDA_CHECK_LAUNCH("rownorm_bwd");
   }
 }
