@@ -305,6 +305,31 @@ INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulk,
                          ::testing::Combine(kOps, kDtypes, ::testing::Values<std::int64_t>(8, 128, 1000, 8192, 16384)),
                          rows_case_name);
 
+// Aligned rows past the bulk forward's reach, up to twice it, through its unstaged-parameter form
+// (set_rownorm_fwd_bulk_long): one row group of 512 threads x 8 vectors per CTA (N just past the
+// reach leaves most of the last vectors' threads idle), CTAs capped at 3 per parameter group so that
+// each goes 4-5 times around its ring of row slots, padded rows, parameters in the IO dtype and none
+// (the path's rule: fp32 parameters of 16-bit rows stay on the persistent kernel).
+struct NormCudaBulkLong : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaBulkLong, PaddedAlignedRowsMatchReference) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  struct Restore {
+    int prev;
+    bool prev_long;
+    ~Restore() {
+      fastweight::detail::cap_rownorm_fwd_bulk_ctas(prev);
+      fastweight::detail::set_rownorm_fwd_bulk_long(prev_long);
+    }
+  } restore{fastweight::detail::cap_rownorm_fwd_bulk_ctas(3), fastweight::detail::set_rownorm_fwd_bulk_long(true)};
+  const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
+  const std::int64_t len = dt == DType::f32 ? n / 2 : n;  // fp32: the reach is half as many elements
+  for (Params par : {Params::io, Params::none}) check_case(op, dt, len, groups * 14, Layout::padded, par);
+}
+INSTANTIATE_TEST_SUITE_P(Long, NormCudaBulkLong,
+                         ::testing::Combine(kOps, kDtypes, ::testing::Values<std::int64_t>(16392, 24576, 32768)),
+                         rows_case_name);
+
 // Aligned 16-bit rows of 33 to 256 vectors in small problems through the one-row-per-CTA forward
 // (rownorm_fwd_row1_kernel), as planned and with 1 and 2 vectors per thread forced (2: up to 512
 // vectors): every CTA size it launches (32 to 256 threads; N just past a power of two leaves most of

@@ -19,6 +19,13 @@ void rownorm_bwd_cuda(const RowNormParams& p, void* workspace, std::size_t works
 // without bulk copies. Returns the previous setting.
 bool set_rownorm_fwd_bulk(bool enabled);
 bool rownorm_fwd_bulk_enabled();
+// The bulk forward also for aligned rows past its reach up to twice it (bf16 / fp16: 16385..32768,
+// fp32: 8193..16384), the scale and bias read per output vector from global memory instead of staged
+// in shared memory (rownorm_fwd_bulk.cuh, STAGED = false); else those rows take the persistent
+// register kernel. Not yet measured: off. FW_NORM_BULK_LONG=1 in the environment turns it on at start
+// (the Python benchmarks' A/B runs). Returns the previous setting (tests, fastweight_bench --bulk-long=on).
+bool set_rownorm_fwd_bulk_long(bool enabled);
+bool rownorm_fwd_bulk_long_enabled();
 // Tests only: at most `ctas` CTAs per parameter group for the bulk forward (0: no cap), so that few
 // rows take each row group's ring around many times. Returns the previous cap.
 int cap_rownorm_fwd_bulk_ctas(int ctas);

@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 
 #include <atomic>
+#include <cstdlib>
 
 #include "cuda/common/check.cuh"
 #include "cuda/norm/norm_cuda.h"
@@ -35,6 +36,11 @@ auto dispatch(const char* op, DType t, F&& f) {
 
 namespace {
 std::atomic<bool> g_fwd_bulk{true};
+bool bulk_long_from_env() {
+  const char* v = std::getenv("FW_NORM_BULK_LONG");
+  return v && v[0] == '1' && v[1] == '\0';
+}
+std::atomic<bool> g_fwd_bulk_long{bulk_long_from_env()};
 std::atomic<int> g_fwd_bulk_cap{0};
 std::atomic<int> g_fwd_bulk_vecs{0};
 std::atomic<bool> g_fwd_row1{true};
@@ -43,6 +49,8 @@ std::atomic<int> g_fwd_row1_cfg{0};  // tpr | vb << 16 | late << 24 | plain << 2
 }  // namespace
 bool set_rownorm_fwd_bulk(bool enabled) { return g_fwd_bulk.exchange(enabled); }
 bool rownorm_fwd_bulk_enabled() { return g_fwd_bulk.load(); }
+bool set_rownorm_fwd_bulk_long(bool enabled) { return g_fwd_bulk_long.exchange(enabled); }
+bool rownorm_fwd_bulk_long_enabled() { return g_fwd_bulk_long.load(); }
 int cap_rownorm_fwd_bulk_ctas(int ctas) { return g_fwd_bulk_cap.exchange(ctas); }
 int rownorm_fwd_bulk_cta_cap() { return g_fwd_bulk_cap.load(); }
 int force_rownorm_fwd_bulk_vecs(int vpt) { return g_fwd_bulk_vecs.exchange(vpt); }

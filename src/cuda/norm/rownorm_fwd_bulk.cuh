@@ -16,6 +16,13 @@
 // of the group has read it by then (its reductions synchronised the group).
 // Shared memory, in order: fp32 scale | fp32 bias (N each, the persistent kernel's float4 layout) |
 // ring (R, S, tpr * VPT) 16-byte vectors | mbarriers (R, S).
+// STAGED = false (set_rownorm_fwd_bulk_long; not yet measured): rows past kBulkMaxN up to twice it,
+// where 2 N fp32 parameters would not fit beside the ring (N = 32768: 256 KB): no staged parameters,
+// each output vector reads its scale and bias (IO dtype, aligned rows, or none: the planner's rule;
+// the general loader spilled at 128 registers) from global memory (the L2, after the first row), and
+// the ring starts the shared memory. Long rows (512 x 32768 bf16) took the persistent register kernel
+// (H100: 0.0443 ms, 1.5 TB/s; FLA's Triton kernel 0.0337); here each CTA keeps S - 1 rows of 64 KB
+// in flight by the TMA engine.
 #pragma once
 
 #include "cuda/common/bulk.cuh"
@@ -28,10 +35,11 @@ inline constexpr int kBulkVecs = 4;        // 16-byte vectors per thread per row
 inline constexpr int kBulkMaxStages = 4;   // row slots per row group
 template <typename T> inline constexpr std::int64_t kBulkMaxN = std::int64_t(kBulkThreads) * kBulkVecs * kVecElems<T>;
 
-// Bytes of dynamic shared memory for (N, tpr, S, vectors per thread).
-inline std::size_t bulk_smem_bytes(std::int64_t n, int tpr, int stages, int vpt) {
+// Bytes of dynamic shared memory for (N, tpr, S, vectors per thread, parameters staged).
+inline std::size_t bulk_smem_bytes(std::int64_t n, int tpr, int stages, int vpt, bool staged = true) {
   const std::size_t R = std::size_t(kBulkThreads / tpr);
-  return std::size_t(n) * 2 * sizeof(float) + R * stages * (std::size_t(tpr) * vpt * 16 + sizeof(std::uint64_t));
+  return (staged ? std::size_t(n) * 2 * sizeof(float) : 0) +
+         R * stages * (std::size_t(tpr) * vpt * 16 + sizeof(std::uint64_t));
 }
 
 // Sum over the row group rg of tpr threads: warp butterflies, then (tpr > 32) one named barrier over
@@ -52,7 +60,7 @@ __device__ __forceinline__ float bulk_group_sum(float v, int tpr, int rg, float*
   return tree_sum<W>(t);
 }
 
-template <typename T, int VPT>
+template <typename T, int VPT, bool STAGED = true>
 __global__ void __launch_bounds__(kBulkThreads, 1) rownorm_fwd_bulk_kernel(const RowNormParams p, const RowLaunch L,
                                                                           const int S) {
 #if defined(FW_HAS_BULK)
@@ -64,7 +72,7 @@ __global__ void __launch_bounds__(kBulkThreads, 1) rownorm_fwd_bulk_kernel(const
   const int slot_vecs = tpr * VPT;
   float4* s_par = reinterpret_cast<float4*>(smem_bulk);  // (E/4, nvec) scale | (E/4, nvec) bias
   const int bias4 = nvec * (E / 4);
-  uint4* ring = smem_bulk + n / 2;  // after 2 N floats: (R, S, slot_vecs)
+  uint4* ring = smem_bulk + (STAGED ? n / 2 : 0);  // after 2 N floats (if staged): (R, S, slot_vecs)
   std::uint64_t* bars = reinterpret_cast<std::uint64_t*>(ring + std::size_t(R) * S * slot_vecs);  // (R, S)
   const std::int64_t g = blockIdx.x / L.P, pi = blockIdx.x % L.P;
   const std::int64_t J = p.rows_per_group, jstep = std::int64_t(L.P) * R;
@@ -76,7 +84,7 @@ __global__ void __launch_bounds__(kBulkThreads, 1) rownorm_fwd_bulk_kernel(const
   // at the barrier below (ncu, 4096 x 2048 bf16: ~20% of the stall samples on the staging line).
   // Measured (H200, A/B): 4096 x 2048 -1.7%, 4096 x 1024 -0.4%; with 8 vectors (4096 x 4096) +4%: not there.
   float sc0[E], bi0[E];
-  const bool par0 = VPT == 4 && int(threadIdx.x) < nvec;
+  const bool par0 = STAGED && VPT == 4 && int(threadIdx.x) < nvec;
   if (par0) load_params_vec<T, true>(p, g, int(threadIdx.x) * E, n, sc0, bi0);
   for (int i = threadIdx.x; i < R * S; i += NT) mbar_init(bars + i, 1);
   mbar_init_fence();
@@ -100,10 +108,15 @@ __global__ void __launch_bounds__(kBulkThreads, 1) rownorm_fwd_bulk_kernel(const
     for (int s = 0; s < S - 1; ++s)
       if (jf + s * jstep < J) issue(jf + s * jstep, s);
   // the group's scale and bias, staged while the first rows are in flight
-  if (par0) put_fwd_params<E>(s_par, nvec, int(threadIdx.x), sc0, bi0);
-  stage_fwd_params<T, true, 2>(p, g, n, s_par, int(threadIdx.x) + (VPT == 4 ? NT : 0));
-  __syncthreads();
+  if constexpr (STAGED) {
+    if (par0) put_fwd_params<E>(s_par, nvec, int(threadIdx.x), sc0, bi0);
+    stage_fwd_params<T, true, 2>(p, g, n, s_par, int(threadIdx.x) + (VPT == 4 ? NT : 0));
+    __syncthreads();
+  }
 
+  // unstaged: this group's scale and bias rows (IO dtype, 16-byte aligned rows; null without them)
+  const T* wrow = !STAGED && p.w ? static_cast<const T*>(p.w) + g * p.w_group_stride : nullptr;
+  const T* brow = !STAGED && p.b ? static_cast<const T*>(p.b) + g * p.b_group_stride : nullptr;
   int stage = 0, red_parity = 0;
   unsigned phase = 0;
   for (std::int64_t j0 = pi * R; j0 < J; j0 += jstep) {  // uniform over the CTA (warp shuffles)
@@ -153,11 +166,26 @@ __global__ void __launch_bounds__(kBulkThreads, 1) rownorm_fwd_bulk_kernel(const
         const int cv = k * tpr + lane;
         if (cv >= nvec) continue;
         float sc[E], bi[E], out[E];
+        if constexpr (STAGED) {
 #pragma unroll
-        for (int i = 0; i < E / 4; ++i) {
-          const float4 a = s_par[i * nvec + cv], c = s_par[bias4 + i * nvec + cv];
-          sc[4 * i] = a.x, sc[4 * i + 1] = a.y, sc[4 * i + 2] = a.z, sc[4 * i + 3] = a.w;
-          bi[4 * i] = c.x, bi[4 * i + 1] = c.y, bi[4 * i + 2] = c.z, bi[4 * i + 3] = c.w;
+          for (int i = 0; i < E / 4; ++i) {
+            const float4 a = s_par[i * nvec + cv], c = s_par[bias4 + i * nvec + cv];
+            sc[4 * i] = a.x, sc[4 * i + 1] = a.y, sc[4 * i + 2] = a.z, sc[4 * i + 3] = a.w;
+            bi[4 * i] = c.x, bi[4 * i + 1] = c.y, bi[4 * i + 2] = c.z, bi[4 * i + 3] = c.w;
+          }
+        } else {  // parameters in the IO dtype with aligned rows, or none (the planner's rule)
+#pragma unroll
+          for (int e = 0; e < E; ++e) sc[e] = 1.f, bi[e] = 0.f;
+          if (wrow) {
+            const uint4 raw = __ldg(reinterpret_cast<const uint4*>(wrow) + cv);
+#pragma unroll
+            for (int e = 0; e < E; ++e) sc[e] = p.weight_offset + raw_get<T>(raw, e);
+          }
+          if (brow) {
+            const uint4 raw = __ldg(reinterpret_cast<const uint4*>(brow) + cv);
+#pragma unroll
+            for (int e = 0; e < E; ++e) bi[e] = raw_get<T>(raw, e);
+          }
         }
 #pragma unroll
         for (int e = 0; e < E; ++e) out[e] = (xf[k][e] - mean) * rstd * sc[e] + bi[e];

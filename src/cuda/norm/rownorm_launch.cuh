@@ -42,6 +42,7 @@ struct RowPlan {
   bool row1_plain = false; // its loads through ld.global, not ld.global.nc (forced only, A/B)
   int stages = 0;          // its row slots per row group
   int bulk_vecs = 0;       // its 16-byte vectors per thread (4 or 8)
+  bool bulk_staged = true; // its parameters staged in shared memory (else read per row: long rows)
   int threads = 256;
   std::size_t smem = 0;
   RowLaunch L;
@@ -80,9 +81,10 @@ const void* fwd_cached_kernel(bool aligned, bool big) {
   return reinterpret_cast<const void*>(k);
 }
 
-// The bulk-copy forward kernel with `vpt` vectors per thread.
+// The bulk-copy forward kernel with `vpt` vectors per thread (unstaged parameters: 8 only).
 template <typename T>
-const void* bulk_fwd_kernel(int vpt) {
+const void* bulk_fwd_kernel(int vpt, bool staged = true) {
+  if (!staged) return reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, 8, false>);
   return vpt == 8 ? reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, 8>)
                   : reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, kBulkVecs>);
 }
@@ -159,7 +161,11 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
         plan.L.P = int(p.rows);
         return plan;
       }
-      if (al && p.n <= kBulkMaxN<T> && rownorm_fwd_bulk_enabled() && cc_major() >= 9 &&
+      // rows past kBulkMaxN up to twice it (set_rownorm_fwd_bulk_long): 8 vectors, unstaged parameters
+      // (parameters in the IO dtype with aligned rows, or none)
+      const bool long_rows = p.n > kBulkMaxN<T> && p.n <= 2 * kBulkMaxN<T> && rownorm_fwd_bulk_long_enabled() &&
+                             ((p.param == p.io && p.param_aligned) || (!p.w && !p.b));
+      if (al && (p.n <= kBulkMaxN<T> || long_rows) && rownorm_fwd_bulk_enabled() && cc_major() >= 9 &&
           kernel_binary_version(bulk_fwd_kernel<T>(kBulkVecs)) >= 90) {
         // the bulk-copy kernel: as many row slots (<= kBulkMaxStages) as the shared memory holds, >= 2;
         // 8 vectors per thread where rows have >= 64 such threads (twice the row groups per SM) and
@@ -170,23 +176,25 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
           tpr = next_pow2((p.n / E + v - 1) / v);
           if (tpr > kBulkThreads) return false;
           stages = kBulkMaxStages;
-          while (stages >= 2 && bulk_smem_bytes(p.n, tpr, stages, v) > budget) --stages;
+          while (stages >= 2 && bulk_smem_bytes(p.n, tpr, stages, v, !long_rows) > budget) --stages;
           return stages >= 2;
         };
         const int forced = rownorm_fwd_bulk_vecs();
-        if ((forced == 8 || (forced == 0 && p.n / E >= 8 * 64)) && fits(8)) vpt = 8;
+        if (long_rows) vpt = fits(8) ? 8 : 0;
+        else if ((forced == 8 || (forced == 0 && p.n / E >= 8 * 64)) && fits(8)) vpt = 8;
         else if (fits(kBulkVecs)) vpt = kBulkVecs;
         if (vpt > 0) {
           plan.bulk = true;
           plan.bulk_vecs = vpt;
+          plan.bulk_staged = !long_rows;
           plan.stages = stages;
           plan.L.tpr = tpr;
           plan.threads = kBulkThreads;
-          plan.smem = bulk_smem_bytes(p.n, tpr, stages, vpt);
+          plan.smem = bulk_smem_bytes(p.n, tpr, stages, vpt, !long_rows);
           // P per group: one wave rounded down (a second partial wave of these one-per-SM CTAs cost
           // head norm's 16 groups 30%), at most the row groups the rows need
           const int R = kBulkThreads / tpr;
-          plan.L.P = ctas_per_unit(bulk_fwd_kernel<T>(vpt), plan.threads, plan.smem, p.groups, (J + R - 1) / R);
+          plan.L.P = ctas_per_unit(bulk_fwd_kernel<T>(vpt, !long_rows), plan.threads, plan.smem, p.groups, (J + R - 1) / R);
           if (const int cap = rownorm_fwd_bulk_cta_cap(); cap > 0) plan.L.P = std::min(plan.L.P, cap);
           return plan;
         }
@@ -314,7 +322,8 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
       }
     }
   } else if (plan.bulk) {
-    if (plan.bulk_vecs == 8) rownorm_fwd_bulk_kernel<T, 8><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
+    if (!plan.bulk_staged) rownorm_fwd_bulk_kernel<T, 8, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
+    else if (plan.bulk_vecs == 8) rownorm_fwd_bulk_kernel<T, 8><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
     else rownorm_fwd_bulk_kernel<T, kBulkVecs><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
   } else if (plan.cached && !plan.persistent) {
     if (plan.L.aligned) rownorm_fwd_row_kernel<T, kRowFwdVecs, true><<<grid, plan.threads, 0, stream>>>(p, plan.L);
