@@ -8,6 +8,7 @@
 //   fastweight_bench --no-dprime             DeltaNet forward with X in fp32 between its kernels (A/B)
 //   fastweight_bench --bulk-vecs=4|8         the bulk forward's vectors per thread where it fits (A/B)
 //   fastweight_bench --bulk-long=on          the bulk forward for rows past its reach (unstaged parameters, A/B)
+//   fastweight_bench --bulk-unstaged=on      the bulk forward's unstaged form for rows within its reach too (A/B)
 //   fastweight_bench --no-row1               norm forward without the one-row-per-CTA kernel (A/B)
 //   fastweight_bench --row1-vecs=1|2         its vectors per thread (A/B)
 //   fastweight_bench --row1-cfg=TPR:VB:LATE[:PLAIN]  force its shape on every aligned 16-bit row it can
@@ -157,6 +158,7 @@ struct Options {
   bool quick = false, timing_only = false, cpu = false, no_bulk = false, no_dprime = false, no_row1 = false;
   int bulk_vecs = 0;  // 0: the planner's choice
   int bulk_long = -1;  // -1: the default
+  bool bulk_unstaged = false;
   int row1_vecs = 0;      // 0: the planner's choice
   fastweight::detail::Row1Config row1_cfg;  // tpr 0: the planner's choice
   bool dn_no_db2 = false;
@@ -437,6 +439,7 @@ int main(int argc, char** argv) {
     else if (a == "--no-dprime") o.no_dprime = true;
     else if (const char* v = val("--bulk-vecs=")) o.bulk_vecs = std::atoi(v);
     else if (const char* v = val("--bulk-long=")) o.bulk_long = on(v) ? 1 : 0;
+    else if (const char* v = val("--bulk-unstaged=")) o.bulk_unstaged = on(v);
     else if (a == "--no-row1") o.no_row1 = true;
     else if (const char* v = val("--row1-vecs=")) o.row1_vecs = std::atoi(v);
     else if (const char* v = val("--row1-cfg=")) {
@@ -478,6 +481,7 @@ int main(int argc, char** argv) {
   if (o.no_dprime) fastweight::detail::set_deltanet_fwd_dprime(false);  // DeltaNet forward: X in fp32 (A/B)
   if (o.bulk_vecs) fastweight::detail::force_rownorm_fwd_bulk_vecs(o.bulk_vecs);
   if (o.bulk_long >= 0) fastweight::detail::set_rownorm_fwd_bulk_long(o.bulk_long == 1);
+  if (o.bulk_unstaged) fastweight::detail::force_rownorm_fwd_bulk_unstaged(true);
   if (o.no_row1) fastweight::detail::set_rownorm_fwd_row1(false);
   if (o.row1_vecs) fastweight::detail::force_rownorm_fwd_row1_vecs(o.row1_vecs);
   if (o.row1_cfg.tpr) fastweight::detail::force_rownorm_fwd_row1_config(o.row1_cfg);

@@ -305,29 +305,40 @@ INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulk,
                          ::testing::Combine(kOps, kDtypes, ::testing::Values<std::int64_t>(8, 128, 1000, 8192, 16384)),
                          rows_case_name);
 
-// Aligned rows past the bulk forward's reach, up to twice it, through its unstaged-parameter form
-// (set_rownorm_fwd_bulk_long): one row group of 512 threads x 8 vectors per CTA (N just past the
-// reach leaves most of the last vectors' threads idle), CTAs capped at 3 per parameter group so that
-// each goes 4-5 times around its ring of row slots, padded rows, parameters in the IO dtype and none
-// (the path's rule: fp32 parameters of 16-bit rows stay on the persistent kernel).
-struct NormCudaBulkLong : ::testing::TestWithParam<BulkParam> {};
-TEST_P(NormCudaBulkLong, PaddedAlignedRowsMatchReference) {
+// The bulk forward's unstaged-parameter form: aligned rows past its reach, up to twice it
+// (set_rownorm_fwd_bulk_long: one row group of 512 threads x 8 vectors per CTA; N just past the reach
+// leaves most of the last vectors' threads idle), and rows within it where forced
+// (force_rownorm_fwd_bulk_unstaged: 1 to 64 row groups per CTA). CTAs capped at 3 per parameter group so
+// that each row group goes several times around its ring of row slots; padded rows; parameters in the IO
+// dtype and none (the form's rule: fp32 parameters of 16-bit rows stay on the other kernels).
+struct NormCudaBulkUnstaged : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaBulkUnstaged, PaddedAlignedRowsMatchReference) {
   FW_REQUIRE_GPU();
   const auto [op, dt, n] = GetParam();
   struct Restore {
     int prev;
-    bool prev_long;
+    bool prev_long, prev_unstaged, prev_row1;
     ~Restore() {
       fastweight::detail::cap_rownorm_fwd_bulk_ctas(prev);
       fastweight::detail::set_rownorm_fwd_bulk_long(prev_long);
+      fastweight::detail::force_rownorm_fwd_bulk_unstaged(prev_unstaged);
+      fastweight::detail::set_rownorm_fwd_row1(prev_row1);
     }
-  } restore{fastweight::detail::cap_rownorm_fwd_bulk_ctas(3), fastweight::detail::set_rownorm_fwd_bulk_long(true)};
-  const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
+  } restore{fastweight::detail::cap_rownorm_fwd_bulk_ctas(3), fastweight::detail::set_rownorm_fwd_bulk_long(true),
+            fastweight::detail::force_rownorm_fwd_bulk_unstaged(true),
+            fastweight::detail::set_rownorm_fwd_row1(false)};  // (rows it would take go to the bulk kernel)
   const std::int64_t len = dt == DType::f32 ? n / 2 : n;  // fp32: the reach is half as many elements
-  for (Params par : {Params::io, Params::none}) check_case(op, dt, len, groups * 14, Layout::padded, par);
+  const std::int64_t esz = dt == DType::f32 ? 4 : 2, vecs = std::max<std::int64_t>(1, len * esz / 16);
+  std::int64_t tpr = 1;
+  while (tpr * 8 < vecs) tpr *= 2;
+  const std::int64_t R = 512 / tpr;  // row groups per CTA
+  const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
+  const std::int64_t rows = groups * (3 * R * 4 + std::max<std::int64_t>(1, R / 2));
+  for (Params par : {Params::io, Params::none}) check_case(op, dt, len, rows, Layout::padded, par);
 }
-INSTANTIATE_TEST_SUITE_P(Long, NormCudaBulkLong,
-                         ::testing::Combine(kOps, kDtypes, ::testing::Values<std::int64_t>(16392, 24576, 32768)),
+INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulkUnstaged,
+                         ::testing::Combine(kOps, kDtypes,
+                                            ::testing::Values<std::int64_t>(1000, 8192, 16384, 16392, 24576, 32768)),
                          rows_case_name);
 
 // Aligned 16-bit rows of 33 to 256 vectors in small problems through the one-row-per-CTA forward

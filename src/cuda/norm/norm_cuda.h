@@ -26,6 +26,12 @@ bool rownorm_fwd_bulk_enabled();
 // (the Python benchmarks' A/B runs). Returns the previous setting (tests, fastweight_bench --bulk-long=on).
 bool set_rownorm_fwd_bulk_long(bool enabled);
 bool rownorm_fwd_bulk_long_enabled();
+// Tests and benchmarks only: the same unstaged form for the rows within the bulk forward's reach too
+// (with the parameters above; 8 vectors per thread): the shared memory the staged parameters took
+// becomes more row slots (4096 x 16384 bf16: 2 row groups of 3 slots against 1 of 3). Default off.
+// Returns the previous setting (fastweight_bench --bulk-unstaged=on).
+bool force_rownorm_fwd_bulk_unstaged(bool on);
+bool rownorm_fwd_bulk_unstaged();
 // Tests only: at most `ctas` CTAs per parameter group for the bulk forward (0: no cap), so that few
 // rows take each row group's ring around many times. Returns the previous cap.
 int cap_rownorm_fwd_bulk_ctas(int ctas);

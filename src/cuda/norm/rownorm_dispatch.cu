@@ -41,6 +41,7 @@ bool bulk_long_from_env() {
   return v && v[0] == '1' && v[1] == '\0';
 }
 std::atomic<bool> g_fwd_bulk_long{bulk_long_from_env()};
+std::atomic<bool> g_fwd_bulk_unstaged{false};
 std::atomic<int> g_fwd_bulk_cap{0};
 std::atomic<int> g_fwd_bulk_vecs{0};
 std::atomic<bool> g_fwd_row1{true};
@@ -51,6 +52,8 @@ bool set_rownorm_fwd_bulk(bool enabled) { return g_fwd_bulk.exchange(enabled); }
 bool rownorm_fwd_bulk_enabled() { return g_fwd_bulk.load(); }
 bool set_rownorm_fwd_bulk_long(bool enabled) { return g_fwd_bulk_long.exchange(enabled); }
 bool rownorm_fwd_bulk_long_enabled() { return g_fwd_bulk_long.load(); }
+bool force_rownorm_fwd_bulk_unstaged(bool on) { return g_fwd_bulk_unstaged.exchange(on); }
+bool rownorm_fwd_bulk_unstaged() { return g_fwd_bulk_unstaged.load(); }
 int cap_rownorm_fwd_bulk_ctas(int ctas) { return g_fwd_bulk_cap.exchange(ctas); }
 int rownorm_fwd_bulk_cta_cap() { return g_fwd_bulk_cap.load(); }
 int force_rownorm_fwd_bulk_vecs(int vpt) { return g_fwd_bulk_vecs.exchange(vpt); }

@@ -161,10 +161,13 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
         plan.L.P = int(p.rows);
         return plan;
       }
-      // rows past kBulkMaxN up to twice it (set_rownorm_fwd_bulk_long): 8 vectors, unstaged parameters
-      // (parameters in the IO dtype with aligned rows, or none)
+      // rows past kBulkMaxN up to twice it (set_rownorm_fwd_bulk_long), and those within it where forced
+      // (force_rownorm_fwd_bulk_unstaged): 8 vectors, unstaged parameters (parameters in the IO dtype
+      // with aligned rows, or none)
+      const bool unstaged_par = (p.param == p.io && p.param_aligned) || (!p.w && !p.b);
       const bool long_rows = p.n > kBulkMaxN<T> && p.n <= 2 * kBulkMaxN<T> && rownorm_fwd_bulk_long_enabled() &&
-                             ((p.param == p.io && p.param_aligned) || (!p.w && !p.b));
+                             unstaged_par;
+      const bool unstaged = long_rows || (p.n <= kBulkMaxN<T> && rownorm_fwd_bulk_unstaged() && unstaged_par);
       if (al && (p.n <= kBulkMaxN<T> || long_rows) && rownorm_fwd_bulk_enabled() && cc_major() >= 9 &&
           kernel_binary_version(bulk_fwd_kernel<T>(kBulkVecs)) >= 90) {
         // the bulk-copy kernel: as many row slots (<= kBulkMaxStages) as the shared memory holds, >= 2;
@@ -176,25 +179,25 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
           tpr = next_pow2((p.n / E + v - 1) / v);
           if (tpr > kBulkThreads) return false;
           stages = kBulkMaxStages;
-          while (stages >= 2 && bulk_smem_bytes(p.n, tpr, stages, v, !long_rows) > budget) --stages;
+          while (stages >= 2 && bulk_smem_bytes(p.n, tpr, stages, v, !unstaged) > budget) --stages;
           return stages >= 2;
         };
         const int forced = rownorm_fwd_bulk_vecs();
-        if (long_rows) vpt = fits(8) ? 8 : 0;
+        if (unstaged) vpt = fits(8) ? 8 : 0;
         else if ((forced == 8 || (forced == 0 && p.n / E >= 8 * 64)) && fits(8)) vpt = 8;
         else if (fits(kBulkVecs)) vpt = kBulkVecs;
         if (vpt > 0) {
           plan.bulk = true;
           plan.bulk_vecs = vpt;
-          plan.bulk_staged = !long_rows;
+          plan.bulk_staged = !unstaged;
           plan.stages = stages;
           plan.L.tpr = tpr;
           plan.threads = kBulkThreads;
-          plan.smem = bulk_smem_bytes(p.n, tpr, stages, vpt, !long_rows);
+          plan.smem = bulk_smem_bytes(p.n, tpr, stages, vpt, !unstaged);
           // P per group: one wave rounded down (a second partial wave of these one-per-SM CTAs cost
           // head norm's 16 groups 30%), at most the row groups the rows need
           const int R = kBulkThreads / tpr;
-          plan.L.P = ctas_per_unit(bulk_fwd_kernel<T>(vpt, !long_rows), plan.threads, plan.smem, p.groups, (J + R - 1) / R);
+          plan.L.P = ctas_per_unit(bulk_fwd_kernel<T>(vpt, !unstaged), plan.threads, plan.smem, p.groups, (J + R - 1) / R);
           if (const int cap = rownorm_fwd_bulk_cta_cap(); cap > 0) plan.L.P = std::min(plan.L.P, cap);
           return plan;
         }
