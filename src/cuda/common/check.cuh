@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdlib>
 
 #include "fastweight/error.h"
 
@@ -21,6 +22,13 @@
 #define FW_CUDA_CHECK_LAUNCH(op) FW_CUDA_CHECK(op, cudaGetLastError())
 
 namespace fastweight::detail {
+// The A/B switches' starting values from the environment (the Python benchmarks have no handle on the
+// switches): the variable `name` as one digit 0..9, else (unset, empty, anything else) `fallback`.
+inline int env_digit(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && v[0] >= '0' && v[0] <= '9' && v[1] == '\0' ? v[0] - '0' : fallback;
+}
+
 // A launch of kernel fn on stream s; programmatic where pdl (cudaLaunchAttributeProgrammaticStreamSerialization,
 // sm_90: it may be scheduled before the previous kernel in the stream has ended, so fn must wait
 // (pdl_wait_primary, cuda/common/bulk.cuh) before it touches that kernel's memory), else a plain launch.

@@ -9,7 +9,6 @@
 // H100 (bench_decode.py, session 21) against FLA's fused_recurrent 2.3 TB/s.
 // No allocation and no host synchronisation: CUDA-graph safe.
 #include <atomic>
-#include <cstdlib>
 
 #include "cuda/common/bulk.cuh"
 #include "cuda/common/check.cuh"
@@ -28,7 +27,7 @@ constexpr int kThreads = kQuads * kGroups;   // 256
 // VEC: the state rows are 16-byte aligned fp32 with V % 4 == 0 (float4 loads and stores), else one
 // element at a time with column guards. kMaxRows: rows per thread, K <= 16 kMaxRows (8: K <= 128 in
 // fewer registers, so more CTAs per SM; 16: K <= kStepMaxK).
-// EARLY (set_deltanet_step_early; not yet measured): the state tile's loads issued first, then q, k and
+// EARLY (set_deltanet_step_early; off, measured slower at B >= 64): the state tile's loads issued first, then q, k and
 // the tile's beta and v, all before any use. Without it q and k are loaded and used first (their sums)
 // and beta, v only after the first barrier: three dependent trips to memory before the update, where
 // the decoding step at small B is latency-bound. The same arithmetic in the same order: the same bits.
@@ -154,19 +153,11 @@ bool aligned16(const StridedView& t) {
 }
 
 std::atomic<bool> g_step_kernel{true};  // set_deltanet_step_kernel
-// set_deltanet_step_early (not yet measured); FW_DELTANET_STEP_EARLY=1 in the environment turns it on at
-// the start (A/B runs of the Python benchmarks, which have no handle on the switches)
-bool early_from_env() {
-  const char* v = std::getenv("FW_DELTANET_STEP_EARLY");
-  return v && v[0] == '1' && v[1] == '\0';
-}
-std::atomic<bool> g_step_early{early_from_env()};
+// set_deltanet_step_early (off: H100, session 35, 1.09-1.10x the time at B >= 64, level below);
+// FW_DELTANET_STEP_EARLY=1 in the environment turns it on at the start
+std::atomic<bool> g_step_early{env_digit("FW_DELTANET_STEP_EARLY", 0) == 1};
 // set_deltanet_step_pdl (not yet measured); FW_DELTANET_STEP_PDL=1 in the environment turns it on at start
-bool pdl_from_env() {
-  const char* v = std::getenv("FW_DELTANET_STEP_PDL");
-  return v && v[0] == '1' && v[1] == '\0';
-}
-std::atomic<bool> g_step_pdl{pdl_from_env()};
+std::atomic<bool> g_step_pdl{env_digit("FW_DELTANET_STEP_PDL", 0) == 1};
 
 }  // namespace
 

@@ -10,9 +10,9 @@
 //      so kernel 2 may run while the C pass streams C; it waits for the C pass only at its end.
 // m' = max(lf + m, i), fa = exp(lf + m - m'), ia = exp(i - m'), lf = logsigmoid(f) (MATH.md §2).
 // No allocation and no host synchronisation: CUDA-graph safe.
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <utility>
 
 #include "cuda/common/bulk.cuh"
@@ -558,25 +558,16 @@ std::atomic<bool> g_step_pdl{true};
 // 0.98x); the planner takes it from B = 8 (xLSTM 7B's heads), the register tile below. Session 35, mode 4
 // against 3 (graph ms, one binary): B = 1 0.857x (the register tile), 8 0.967x, 64 0.990x, 256 1.003x;
 // mode 5 (the default) takes 4 up to 8 waves (B = 64 there), 3 beyond.
-// (FW_MLSTM_STEP_LEAN=0..5 in the environment sets the starting mode: A/B runs of the Python
-// benchmarks, which have no handle on the switches; unset or anything else: 5)
-int lean_from_env() {
-  const char* v = std::getenv("FW_MLSTM_STEP_LEAN");
-  return v && v[0] >= '0' && v[0] <= '5' && v[1] == '\0' ? v[0] - '0' : 5;
-}
-std::atomic<int> g_step_lean{lean_from_env()};
+// (FW_MLSTM_STEP_LEAN=0..5 in the environment sets the starting mode; unset or anything else: 5)
+std::atomic<int> g_step_lean{std::min(env_digit("FW_MLSTM_STEP_LEAN", 5), 5)};
 
 constexpr int kTileThreads = 128, kTileRows = 8;  // the row-block kernel's planner instance (kCols columns)
 
 // set_mlstm_step_pdl_c: H100, session 35, graph ms of 20 chained steps against off: B = 8 0.966x (in place
 // 0.947x), B = 64 0.995x, B = 256 0.999x; bench_decode.py B = 8 cold 0.0299 ms against mlstm_kernels'
 // 0.0307 (off: 0.0325 against 0.0320)
-// (FW_MLSTM_STEP_PDL_C=0 or 1 in the environment sets the start: Python A/B runs; unset or anything else: on)
-bool pdl_c_from_env() {
-  const char* v = std::getenv("FW_MLSTM_STEP_PDL_C");
-  return !(v && v[0] == '0' && v[1] == '\0');
-}
-std::atomic<bool> g_step_pdl_c{pdl_c_from_env()};
+// (FW_MLSTM_STEP_PDL_C=0 in the environment turns it off at the start; unset or anything else: on)
+std::atomic<bool> g_step_pdl_c{env_digit("FW_MLSTM_STEP_PDL_C", 1) != 0};
 
 // A C-pass kernel of the common signature and its CTA shape (threads, DV columns per CTA).
 struct CPass {

@@ -4,7 +4,6 @@
 #include <cuda_fp16.h>
 
 #include <atomic>
-#include <cstdlib>
 
 #include "cuda/common/check.cuh"
 #include "cuda/norm/norm_cuda.h"
@@ -36,11 +35,7 @@ auto dispatch(const char* op, DType t, F&& f) {
 
 namespace {
 std::atomic<bool> g_fwd_bulk{true};
-bool bulk_long_from_env() {
-  const char* v = std::getenv("FW_NORM_BULK_LONG");
-  return v && v[0] == '1' && v[1] == '\0';
-}
-std::atomic<bool> g_fwd_bulk_long{bulk_long_from_env()};
+std::atomic<bool> g_fwd_bulk_long{env_digit("FW_NORM_BULK_LONG", 0) == 1};  // (FW_NORM_BULK_LONG=1: on at start)
 std::atomic<bool> g_fwd_bulk_unstaged{false};
 std::atomic<int> g_fwd_bulk_cap{0};
 std::atomic<int> g_fwd_bulk_vecs{0};

@@ -16,7 +16,8 @@
 // of the group has read it by then (its reductions synchronised the group).
 // Shared memory, in order: fp32 scale | fp32 bias (N each, the persistent kernel's float4 layout) |
 // ring (R, S, tpr * VPT) 16-byte vectors | mbarriers (R, S).
-// STAGED = false (set_rownorm_fwd_bulk_long; not yet measured): rows past kBulkMaxN up to twice it,
+// STAGED = false (set_rownorm_fwd_bulk_long, force_rownorm_fwd_bulk_unstaged within the reach; not yet
+// measured): rows past kBulkMaxN up to twice it,
 // where 2 N fp32 parameters would not fit beside the ring (N = 32768: 256 KB): no staged parameters,
 // each output vector reads its scale and bias (IO dtype, aligned rows, or none: the planner's rule;
 // the general loader spilled at 128 registers) from global memory (the L2, after the first row), and

@@ -42,7 +42,7 @@ struct RowPlan {
   bool row1_plain = false; // its loads through ld.global, not ld.global.nc (forced only, A/B)
   int stages = 0;          // its row slots per row group
   int bulk_vecs = 0;       // its 16-byte vectors per thread (4 or 8)
-  bool bulk_staged = true; // its parameters staged in shared memory (else read per row: long rows)
+  bool bulk_staged = true; // its parameters staged in shared memory (else read per output vector)
   int threads = 256;
   std::size_t smem = 0;
   RowLaunch L;
