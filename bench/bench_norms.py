@@ -898,6 +898,9 @@ def run(args):
         wanted.discard("compile")
     cases = [(op, s, getattr(torch, dt)) for op in ops
              for s, dts in shapes_for(op, quick, env.cpu, args.all_dtypes, args.bf16_only) for dt in dts]
+    if args.shapes:  # keep the listed shapes only (A/B runs of one shape)
+        keep = {s.strip() for s in args.shapes.split(",")}
+        cases = [c for c in cases if shape_str(c[1]) in keep]
     n_cases_op = {op: sum(1 for c in cases if c[0] == op) for op in ops}
     budget = CompileBudget(args.compile_budget if args.compile_budget is not None else (0 if quick else 150))
     log(f"[run] {len(cases)} cases; providers {sorted(wanted)}")
@@ -1282,6 +1285,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="a handful of shapes, bf16 only (under a minute)")
     p.add_argument("--out", default=str(REPO / "bench" / "out"), help="folder for the CSV, JSON, markdown and PNG")
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated ops")
+    p.add_argument("--shapes", default="", help="comma-separated shapes to keep, as the table writes them (e.g. 512x32768)")
     p.add_argument("--providers", default="", help="comma-separated subset of " + ",".join(PROVIDERS) + " (default all)")
     p.add_argument("--bf16-only", action="store_true", help="skip the fp16 cases")
     p.add_argument("--all-dtypes", action="store_true",

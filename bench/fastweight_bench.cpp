@@ -7,7 +7,8 @@
 //   fastweight_bench --no-bulk               norm forward without the Hopper bulk-copy kernel (A/B)
 //   fastweight_bench --no-dprime             DeltaNet forward with X in fp32 between its kernels (A/B)
 //   fastweight_bench --bulk-vecs=4|8         the bulk forward's vectors per thread where it fits (A/B)
-//   fastweight_bench --bulk-long=on          the bulk forward for rows past its reach (unstaged parameters, A/B)
+//   fastweight_bench --bulk-long=off|on|all  the bulk forward for rows past its reach (unstaged parameters;
+//                                            on: the planner's rule, the default; all: every such row; A/B)
 //   fastweight_bench --bulk-unstaged=on      the bulk forward's unstaged form for rows within its reach too (A/B)
 //   fastweight_bench --no-row1               norm forward without the one-row-per-CTA kernel (A/B)
 //   fastweight_bench --row1-vecs=1|2         its vectors per thread (A/B)
@@ -22,7 +23,8 @@
 //   fastweight_bench --dn-fixed-k=off        DeltaNet serial kernels for a runtime K only (A/B)
 //   fastweight_bench --dn-step-kernel=off    DeltaNet decoding step by the forward over T = 1 (A/B)
 //   fastweight_bench --dn-step-early=on      DeltaNet decoding step: every load issued before any use (A/B)
-//   fastweight_bench --dn-step-pdl=on        DeltaNet decoding step: a programmatic dependent launch (A/B)
+//   fastweight_bench --dn-step-pdl=off|on|all DeltaNet decoding step: a programmatic dependent launch (on: grids of
+//                                            at most one CTA per SM, the default; all: always; A/B)
 //   fastweight_bench --mlstm-step-fuse=off   mLSTM decoding step out of place in two launches, as in place (A/B)
 //   fastweight_bench --mlstm-step-pdl=off    mLSTM decoding step in place: its n, m kernel a programmatic dependent launch or not (A/B)
 //   fastweight_bench --mlstm-step-lean=N     mLSTM decoding step: the row-block kernel's short per-row path, mode N (A/B)
@@ -438,7 +440,7 @@ int main(int argc, char** argv) {
     else if (a == "--no-bulk") o.no_bulk = true;
     else if (a == "--no-dprime") o.no_dprime = true;
     else if (const char* v = val("--bulk-vecs=")) o.bulk_vecs = std::atoi(v);
-    else if (const char* v = val("--bulk-long=")) o.bulk_long = on(v) ? 1 : 0;
+    else if (const char* v = val("--bulk-long=")) o.bulk_long = std::strcmp(v, "all") == 0 ? 2 : on(v) ? 1 : 0;
     else if (const char* v = val("--bulk-unstaged=")) o.bulk_unstaged = on(v);
     else if (a == "--no-row1") o.no_row1 = true;
     else if (const char* v = val("--row1-vecs=")) o.row1_vecs = std::atoi(v);
@@ -462,7 +464,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--mlstm-dv-wide=")) o.mlstm_no_dv_wide = !on(v);
     else if (const char* v = val("--dn-step-kernel=")) o.dn_no_step_kernel = !on(v);
     else if (const char* v = val("--dn-step-early=")) o.dn_step_early = on(v) ? 1 : 0;
-    else if (const char* v = val("--dn-step-pdl=")) o.dn_step_pdl = on(v) ? 1 : 0;
+    else if (const char* v = val("--dn-step-pdl=")) o.dn_step_pdl = std::strcmp(v, "all") == 0 ? 2 : on(v) ? 1 : 0;
     else if (const char* v = val("--mlstm-step-kernel=")) o.mlstm_step_kernel = std::atoi(v);
     else if (const char* v = val("--step-tile-major=")) o.step_heads_major = !on(v);
     else if (const char* v = val("--step-vec-stores=")) o.step_vec_stores = on(v) ? 1 : 0;
@@ -480,7 +482,7 @@ int main(int argc, char** argv) {
   if (o.no_bulk) fastweight::detail::set_rownorm_fwd_bulk(false);
   if (o.no_dprime) fastweight::detail::set_deltanet_fwd_dprime(false);  // DeltaNet forward: X in fp32 (A/B)
   if (o.bulk_vecs) fastweight::detail::force_rownorm_fwd_bulk_vecs(o.bulk_vecs);
-  if (o.bulk_long >= 0) fastweight::detail::set_rownorm_fwd_bulk_long(o.bulk_long == 1);
+  if (o.bulk_long >= 0) fastweight::detail::set_rownorm_fwd_bulk_long(o.bulk_long);
   if (o.bulk_unstaged) fastweight::detail::force_rownorm_fwd_bulk_unstaged(true);
   if (o.no_row1) fastweight::detail::set_rownorm_fwd_row1(false);
   if (o.row1_vecs) fastweight::detail::force_rownorm_fwd_row1_vecs(o.row1_vecs);
@@ -501,7 +503,7 @@ int main(int argc, char** argv) {
   if (o.dn_no_fixed_k) fastweight::detail::set_deltanet_fixed_k(false);
   if (o.dn_no_step_kernel) fastweight::detail::set_deltanet_step_kernel(false);
   if (o.dn_step_early >= 0) fastweight::detail::set_deltanet_step_early(o.dn_step_early == 1);
-  if (o.dn_step_pdl >= 0) fastweight::detail::set_deltanet_step_pdl(o.dn_step_pdl == 1);
+  if (o.dn_step_pdl >= 0) fastweight::detail::set_deltanet_step_pdl(o.dn_step_pdl);
   if (o.mlstm_step_kernel >= 0) fastweight::detail::set_mlstm_step_kernel(o.mlstm_step_kernel);
   if (o.step_heads_major) fastweight::detail::set_step_tile_major(false);
   if (o.step_vec_stores >= 0) fastweight::detail::set_step_vector_stores(o.step_vec_stores == 1);
@@ -602,8 +604,11 @@ int main(int argc, char** argv) {
       double ms;
       if (j.bwd) { p.fwd(nullptr); p.prepare_bwd(); }
 #if FW_WITH_CUDA
-      if (gpu) ms = timer->time_ms([&](Stream st) { p.run(st); }, o.reps);
-      else
+      if (gpu) {
+        ms = timer->time_ms([&](Stream st) { p.run(st); }, o.reps);
+        if (!j.bwd && jobs.size() == 1)  // one op (A/B runs): which forward kernel the planner took
+          std::printf("%s: forward kernel %s\n", op.c_str(), fastweight::detail::rownorm_fwd_last_kernel());
+      } else
 #endif
         ms = cpu_time_ms(p, std::max(3, o.reps / 10));
       const double gbps = p.bytes() / (ms * 1e-3) / 1e9;

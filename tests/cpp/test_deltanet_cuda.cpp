@@ -1025,7 +1025,7 @@ std::vector<HostTensor> run_deltanet_step_chain(std::int64_t B, std::int64_t H, 
   DeviceMirror gq(q), gk(k), gv(v), gb(beta), ga(sa), gsb(sb), go(o);
   cudaStream_t st = nullptr;
   EXPECT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
-  const bool prev = fastweight::detail::set_deltanet_step_pdl(pdl);
+  const int prev = fastweight::detail::set_deltanet_step_pdl(pdl ? 2 : 0);  // always / never
   auto step = [&](DeviceMirror& si, HostTensor& hi, DeviceMirror& so, HostTensor& ho) {
     DeltanetStepArgs a;
     a.q = gq.ref(q), a.k = gk.ref(k), a.v = gv.ref(v), a.beta = gb.ref(beta), a.o = go.ref(o);

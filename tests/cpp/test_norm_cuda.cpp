@@ -153,7 +153,9 @@ using CaseParam = std::tuple<Op, DType, std::int64_t, Layout, Params>;
 struct NormCuda : ::testing::TestWithParam<CaseParam> {};
 
 // One case: fwd + bwd of (op, dtype, rows x n) twice on the device against the float64 reference.
-void check_case(Op op, DType dt, std::int64_t n, std::int64_t rows, Layout layout, Params params) {
+// expect_kernel: the forward kernel the case must have run (rownorm_fwd_last_kernel), where given.
+void check_case(Op op, DType dt, std::int64_t n, std::int64_t rows, Layout layout, Params params,
+                const char* expect_kernel = nullptr) {
   const Problem pb = make_problem(op, rows, n);
   const bool rms = op == Op::rmsnorm;
   const bool has_w = params != Params::none || op == Op::adalayernorm, has_b = has_w && pb.has_b;
@@ -189,6 +191,7 @@ void check_case(Op op, DType dt, std::int64_t n, std::int64_t rows, Layout layou
   const double tol = tolerance(dt);
   const std::string what = std::string(op_name(op)) + " " + dtype_name(dt) + " rows=" + std::to_string(rows) +
                            " n=" + std::to_string(n);
+  if (expect_kernel) EXPECT_STREQ(fastweight::detail::rownorm_fwd_last_kernel(), expect_kernel) << what;
   EXPECT_LE(rel_err(o1.y, y64), tol) << what << " y";
   EXPECT_LE(rel_err(o1.rstd, rstd64), 1e-5) << what << " rstd";
   if (!rms) EXPECT_LE(rel_err(o1.mean, mean64), 1e-5) << what << " mean";
@@ -298,7 +301,9 @@ TEST_P(NormCudaBulk, PaddedAlignedRowsMatchReference) {
       int prev;
       ~RestoreVecs() { fastweight::detail::force_rownorm_fwd_bulk_vecs(prev); }
     } restore_vecs{fastweight::detail::force_rownorm_fwd_bulk_vecs(vpt)};
-    check_case(op, dt, n, rows, Layout::padded, Params::io);
+    // the bulk kernel must have run where the rows are within its reach (512 threads x 4 vectors)
+    const bool reach = fastweight::detail::cc_major() >= 9 && n * esz <= 512 * 4 * 16;
+    check_case(op, dt, n, rows, Layout::padded, Params::io, reach ? "bulk" : nullptr);
   }
 }
 INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulk,
@@ -306,7 +311,7 @@ INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulk,
                          rows_case_name);
 
 // The bulk forward's unstaged-parameter form: aligned rows past its reach, up to twice it
-// (set_rownorm_fwd_bulk_long: one row group of 512 threads x 8 vectors per CTA; N just past the reach
+// (set_rownorm_fwd_bulk_long mode 2, every such row: one row group of 512 threads x 8 vectors per CTA; N just past the reach
 // leaves most of the last vectors' threads idle), and rows within it where forced
 // (force_rownorm_fwd_bulk_unstaged: 1 to 64 row groups per CTA). CTAs capped at 3 per parameter group so
 // that each row group goes several times around its ring of row slots; padded rows; parameters in the IO
@@ -317,14 +322,15 @@ TEST_P(NormCudaBulkUnstaged, PaddedAlignedRowsMatchReference) {
   const auto [op, dt, n] = GetParam();
   struct Restore {
     int prev;
-    bool prev_long, prev_unstaged, prev_row1;
+    int prev_long;
+    bool prev_unstaged, prev_row1;
     ~Restore() {
       fastweight::detail::cap_rownorm_fwd_bulk_ctas(prev);
       fastweight::detail::set_rownorm_fwd_bulk_long(prev_long);
       fastweight::detail::force_rownorm_fwd_bulk_unstaged(prev_unstaged);
       fastweight::detail::set_rownorm_fwd_row1(prev_row1);
     }
-  } restore{fastweight::detail::cap_rownorm_fwd_bulk_ctas(3), fastweight::detail::set_rownorm_fwd_bulk_long(true),
+  } restore{fastweight::detail::cap_rownorm_fwd_bulk_ctas(3), fastweight::detail::set_rownorm_fwd_bulk_long(2),
             fastweight::detail::force_rownorm_fwd_bulk_unstaged(true),
             fastweight::detail::set_rownorm_fwd_row1(false)};  // (rows it would take go to the bulk kernel)
   const std::int64_t len = dt == DType::f32 ? n / 2 : n;  // fp32: the reach is half as many elements
@@ -334,7 +340,11 @@ TEST_P(NormCudaBulkUnstaged, PaddedAlignedRowsMatchReference) {
   const std::int64_t R = 512 / tpr;  // row groups per CTA
   const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
   const std::int64_t rows = groups * (3 * R * 4 + std::max<std::int64_t>(1, R / 2));
-  for (Params par : {Params::io, Params::none}) check_case(op, dt, len, rows, Layout::padded, par);
+  // the path must have run: the unstaged bulk kernel on Hopper (each of these rows is within its reach)
+  const char* expect = fastweight::detail::cc_major() >= 9 ? "bulk_unstaged" : nullptr;
+  for (Params par : {Params::io, Params::none}) check_case(op, dt, len, rows, Layout::padded, par, expect);
+  // and the staged parameters (fp32) it cannot take go to the planner's other kernels
+  check_case(op, dt, len, rows, Layout::padded, Params::f32);
 }
 INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulkUnstaged,
                          ::testing::Combine(kOps, kDtypes,

@@ -263,9 +263,12 @@ bool set_deltanet_step_early(bool on);
 // early loads): it may become resident while the previous kernel in the stream ends, waits for it before
 // its first load or store, and lets the next step be scheduled at once; back-to-back steps overlap each
 // launch with the previous step's end (the mLSTM step's C pass does the same: set_mlstm_step_pdl_c).
-// The same bits. Off by default: not yet measured. FW_DELTANET_STEP_PDL=1 in the environment turns it on
-// at the start. Returns the previous setting (tests, fastweight_bench --dn-step-pdl=on).
-bool set_deltanet_step_pdl(bool on);
+// The same bits. Mode 1 (default): grids of at most one CTA per SM (B * H * ceil(V / 64) <= SMs; H200,
+// session 36, bench_decode cold ms without / with: B = 1 0.0049 / 0.0041, in place 0.0051 / 0.0043;
+// B = 8 0.0080 / 0.0081, in place 0.0089 / 0.0093; B = 64, 256 within 2%); 2: always (tests, A/B);
+// 0: never. FW_DELTANET_STEP_PDL=0|1|2 in the environment sets the mode at the start. Returns the
+// previous mode (tests, fastweight_bench --dn-step-pdl=off|on|all).
+int set_deltanet_step_pdl(int mode);
 bool deltanet_step_kernel_applies(const DeltanetParams& p);
 void deltanet_step_cuda(const DeltanetParams& p, Stream stream);
 

@@ -31,7 +31,7 @@ constexpr int kThreads = kQuads * kGroups;   // 256
 // the tile's beta and v, all before any use. Without it q and k are loaded and used first (their sums)
 // and beta, v only after the first barrier: three dependent trips to memory before the update, where
 // the decoding step at small B is latency-bound. The same arithmetic in the same order: the same bits.
-// PDL (set_deltanet_step_pdl; not yet measured): launched programmatically, so it may be resident before
+// PDL (set_deltanet_step_pdl; by default where the grid is at most one CTA per SM): launched programmatically, so it may be resident before
 // the previous kernel in the stream has ended: it waits for that kernel before its first load or store,
 // then lets the next programmatic launch (the next step) be scheduled, which waits in turn.
 template <bool VEC, int kMaxRows, bool VST = false, bool EARLY = false, bool PDL = false>
@@ -156,14 +156,15 @@ std::atomic<bool> g_step_kernel{true};  // set_deltanet_step_kernel
 // set_deltanet_step_early (off: H100, session 35, 1.09-1.10x the time at B >= 64, level below);
 // FW_DELTANET_STEP_EARLY=1 in the environment turns it on at the start
 std::atomic<bool> g_step_early{env_digit("FW_DELTANET_STEP_EARLY", 0) == 1};
-// set_deltanet_step_pdl (not yet measured); FW_DELTANET_STEP_PDL=1 in the environment turns it on at start
-std::atomic<bool> g_step_pdl{env_digit("FW_DELTANET_STEP_PDL", 0) == 1};
+// set_deltanet_step_pdl: 0 never, 1 grids of at most one CTA per SM (default), 2 always;
+// FW_DELTANET_STEP_PDL=0|1|2 in the environment sets it at start
+std::atomic<int> g_step_pdl{env_digit("FW_DELTANET_STEP_PDL", 1)};
 
 }  // namespace
 
 bool set_deltanet_step_kernel(bool on) { return g_step_kernel.exchange(on); }
 bool set_deltanet_step_early(bool on) { return g_step_early.exchange(on); }
-bool set_deltanet_step_pdl(bool on) { return g_step_pdl.exchange(on); }
+int set_deltanet_step_pdl(int mode) { return g_step_pdl.exchange(mode); }
 
 bool deltanet_step_kernel_applies(const DeltanetParams& p) {
   return g_step_kernel.load(std::memory_order_relaxed) && p.T == 1 && !p.cu_seqlens && p.K >= 1 &&
@@ -181,7 +182,10 @@ void deltanet_step_cuda(const DeltanetParams& p, Stream stream) {
   const bool early = g_step_early.load(std::memory_order_relaxed);  // (the 16-byte-store instances)
   // programmatic: the 16-byte-store instances without EARLY, sm_90 binaries only (a JIT-compiled
   // compute_80 build would drop the kernel's wait)
-  const bool pdl = vec && vst && !early && g_step_pdl.load(std::memory_order_relaxed) && cc_major() >= 9 &&
+  // (H200, session 36: B = 1, 32 CTAs, back to back -16%; B = 8, 256 CTAs, +1..4%; B >= 64 within 2%)
+  const int pdl_mode = g_step_pdl.load(std::memory_order_relaxed);
+  const bool small = std::int64_t(grid.x) * grid.y * grid.z <= sm_count();
+  const bool pdl = vec && vst && !early && (pdl_mode == 2 || (pdl_mode == 1 && small)) && cc_major() >= 9 &&
                    kernel_binary_version(reinterpret_cast<const void*>(&deltanet_step_kernel<true, kHalf, true, false, true>)) >= 90;
   void (*fn)(DeltanetParams, bool) = nullptr;
   if (p.K <= kHalf * kGroups) {

@@ -17,15 +17,21 @@ void rownorm_bwd_cuda(const RowNormParams& p, void* workspace, std::size_t works
 // The Hopper bulk-copy forward (rownorm_fwd_bulk.cuh) for aligned rows where it applies (default on).
 // Tests and benchmarks only: off routes those rows to the persistent kernel, the path of devices
 // without bulk copies. Returns the previous setting.
+// Tests only: the forward kernel the calling thread's last norm forward launched ("row1", "bulk",
+// "bulk_unstaged", "row", "cached", "stream"; "" before any), so that a test of a path can check it ran.
+const char* rownorm_fwd_last_kernel();
+void note_rownorm_fwd_kernel(const char* name);
 bool set_rownorm_fwd_bulk(bool enabled);
 bool rownorm_fwd_bulk_enabled();
 // The bulk forward also for aligned rows past its reach up to twice it (bf16 / fp16: 16385..32768,
 // fp32: 8193..16384), the scale and bias read per output vector from global memory instead of staged
-// in shared memory (rownorm_fwd_bulk.cuh, STAGED = false); else those rows take the persistent
-// register kernel. Not yet measured: off. FW_NORM_BULK_LONG=1 in the environment turns it on at start
-// (the Python benchmarks' A/B runs). Returns the previous setting (tests, fastweight_bench --bulk-long=on).
-bool set_rownorm_fwd_bulk_long(bool enabled);
-bool rownorm_fwd_bulk_long_enabled();
+// in shared memory (rownorm_fwd_bulk.cuh, STAGED = false); else those rows take the streaming kernel.
+// Mode 1 (default): LayerNorm rows always, RMSNorm rows from 8 rows per SM (below that the streaming
+// kernel was faster: H200 512 x 32768 bf16 0.0309 ms against 0.0320); 2: all such rows (tests, A/B);
+// 0: off. FW_NORM_BULK_LONG=0|1|2 in the environment sets the mode at start (the Python benchmarks'
+// A/B runs). Returns the previous mode (tests, fastweight_bench --bulk-long=off|on|all).
+int set_rownorm_fwd_bulk_long(int mode);
+int rownorm_fwd_bulk_long_mode();
 // Tests and benchmarks only: the same unstaged form for the rows within the bulk forward's reach too
 // (with the parameters above; 8 vectors per thread): the shared memory the staged parameters took
 // becomes more row slots (4096 x 16384 bf16: 2 row groups of 3 slots against 1 of 3). Default off.

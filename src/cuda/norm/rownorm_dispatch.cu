@@ -35,7 +35,7 @@ auto dispatch(const char* op, DType t, F&& f) {
 
 namespace {
 std::atomic<bool> g_fwd_bulk{true};
-std::atomic<bool> g_fwd_bulk_long{env_digit("FW_NORM_BULK_LONG", 0) == 1};  // (FW_NORM_BULK_LONG=1: on at start)
+std::atomic<int> g_fwd_bulk_long{env_digit("FW_NORM_BULK_LONG", 1)};  // (FW_NORM_BULK_LONG=0|1|2: the mode at start)
 std::atomic<bool> g_fwd_bulk_unstaged{false};
 std::atomic<int> g_fwd_bulk_cap{0};
 std::atomic<int> g_fwd_bulk_vecs{0};
@@ -43,10 +43,13 @@ std::atomic<bool> g_fwd_row1{true};
 std::atomic<int> g_fwd_row1_vecs{0};
 std::atomic<int> g_fwd_row1_cfg{0};  // tpr | vb << 16 | late << 24 | plain << 25
 }  // namespace
+static thread_local const char* t_fwd_last_kernel = "";
+const char* rownorm_fwd_last_kernel() { return t_fwd_last_kernel; }
+void note_rownorm_fwd_kernel(const char* name) { t_fwd_last_kernel = name; }
 bool set_rownorm_fwd_bulk(bool enabled) { return g_fwd_bulk.exchange(enabled); }
 bool rownorm_fwd_bulk_enabled() { return g_fwd_bulk.load(); }
-bool set_rownorm_fwd_bulk_long(bool enabled) { return g_fwd_bulk_long.exchange(enabled); }
-bool rownorm_fwd_bulk_long_enabled() { return g_fwd_bulk_long.load(); }
+int set_rownorm_fwd_bulk_long(int mode) { return g_fwd_bulk_long.exchange(mode); }
+int rownorm_fwd_bulk_long_mode() { return g_fwd_bulk_long.load(); }
 bool force_rownorm_fwd_bulk_unstaged(bool on) { return g_fwd_bulk_unstaged.exchange(on); }
 bool rownorm_fwd_bulk_unstaged() { return g_fwd_bulk_unstaged.load(); }
 int cap_rownorm_fwd_bulk_ctas(int ctas) { return g_fwd_bulk_cap.exchange(ctas); }

@@ -16,14 +16,18 @@
 // of the group has read it by then (its reductions synchronised the group).
 // Shared memory, in order: fp32 scale | fp32 bias (N each, the persistent kernel's float4 layout) |
 // ring (R, S, tpr * VPT) 16-byte vectors | mbarriers (R, S).
-// STAGED = false (set_rownorm_fwd_bulk_long, force_rownorm_fwd_bulk_unstaged within the reach; not yet
-// measured): rows past kBulkMaxN up to twice it,
+// STAGED = false (set_rownorm_fwd_bulk_long; force_rownorm_fwd_bulk_unstaged within the reach, A/B
+// only): rows past kBulkMaxN up to twice it,
 // where 2 N fp32 parameters would not fit beside the ring (N = 32768: 256 KB): no staged parameters,
 // each output vector reads its scale and bias (IO dtype, aligned rows, or none: the planner's rule;
 // the general loader spilled at 128 registers) from global memory (the L2, after the first row), and
-// the ring starts the shared memory. Long rows (512 x 32768 bf16) took the persistent register kernel
-// (H100: 0.0443 ms, 1.5 TB/s; FLA's Triton kernel 0.0337); here each CTA keeps S - 1 rows of 64 KB
-// in flight by the TMA engine.
+// the ring starts the shared memory; each CTA keeps S - 1 rows of 64 KB in flight by the TMA engine.
+// Measured (H200, fastweight_bench ms, streaming kernel / this): LayerNorm bf16 512 x 32768 0.0396 /
+// 0.0353, 1024 x 32768 0.0707 / 0.0599, 2048 x 24576 0.0989 / 0.0836, 4096 x 32768 0.2469 / 0.1957;
+// RMSNorm 512 x 32768 0.0309 / 0.0320 (slower: the planner keeps it on the streaming kernel below 8
+// rows per SM), 2048 x 24576 0.0779 / 0.0756, 4096 x 32768 0.1976 / 0.1834. Within the reach the
+// staged form stays: unstaged, 4096 x 8192 took 0.0545 against 0.0418, 4096 x 16384 0.1031 against
+// 0.0797 (more row slots in flight did not pay for the parameters' reloads).
 #pragma once
 
 #include "cuda/common/bulk.cuh"

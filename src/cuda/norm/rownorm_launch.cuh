@@ -4,7 +4,8 @@
 // Plan, forward: aligned 16-bit rows of 33..256 16-byte vectors (Hopper: 33..512) in small problems ->
 // one row per CTA of one or two vectors per thread (rownorm_fwd_row1_kernel); other aligned rows with N <= kBulkMaxN
 // on a device with bulk copies (sm_90, the kernel compiled for it) -> the bulk-copy kernel (rownorm_fwd_bulk.cuh), one 512-thread CTA per SM, P per
-// group rounded down to one wave; otherwise N <= kCachedMaxNFwd -> cached engines with tpr = next_pow2(ceil(N / elements per
+// group rounded down to one wave (rows up to 2 kBulkMaxN too, with parameters unstaged:
+// set_rownorm_fwd_bulk_long); otherwise N <= kCachedMaxNFwd -> cached engines with tpr = next_pow2(ceil(N / elements per
 // thread)) threads per row and max(tpr, 256) threads per CTA; short rows: one row group per CTA (P =
 // row groups in all), longer rows: persistent, P per parameter group about one wave of resident
 // CTAs; beyond that the streaming kernel (512 threads per row, persistent).
@@ -111,6 +112,51 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   // the ring's smem (up to 203 KB: bf16 N = 16384) must fit the device's opt-in limit (sm_80: 163 KB)
   const bool ring = bwd && al && ring_tpr >= kRingMinTpr && p.n <= kRingMaxN<T> &&
                     ring_smem_bytes(p.n, E) <= smem_per_block_optin();
+  // The bulk-copy forward (Hopper): rows within kBulkMaxN with staged parameters; rows past it up to
+  // twice it (set_rownorm_fwd_bulk_long), and those within it where forced
+  // (force_rownorm_fwd_bulk_unstaged), with unstaged parameters (IO dtype with aligned rows, or none)
+  // and 8 vectors per thread. Fills plan and returns true where it is taken.
+  const bool unstaged_par = (p.param == p.io && p.param_aligned) || (!p.w && !p.b);
+  const int long_mode = rownorm_fwd_bulk_long_mode();
+  const bool long_rows = !bwd && p.n > kBulkMaxN<T> && p.n <= 2 * kBulkMaxN<T> && unstaged_par &&
+                         (long_mode == 2 || (long_mode == 1 && (!p.rms || p.rows >= 8 * std::int64_t(sm_count()))));
+  auto plan_bulk = [&]() {
+    const bool unstaged = long_rows || (p.n <= kBulkMaxN<T> && rownorm_fwd_bulk_unstaged() && unstaged_par);
+    if (!(al && (p.n <= kBulkMaxN<T> || long_rows) && rownorm_fwd_bulk_enabled() && cc_major() >= 9 &&
+          kernel_binary_version(bulk_fwd_kernel<T>(kBulkVecs)) >= 90))
+      return false;
+    // as many row slots (<= kBulkMaxStages) as the shared memory holds, >= 2; 8 vectors per thread
+    // where rows have >= 64 such threads (twice the row groups per SM) and the slots fit, else 4
+    const std::size_t budget = smem_per_block_optin() - 8 * (kBulkThreads / 32) * sizeof(float) - 1024;
+    int vpt = 0, tpr = 0, stages = 0;
+    auto fits = [&](int v) {
+      tpr = next_pow2((p.n / E + v - 1) / v);
+      if (tpr > kBulkThreads) return false;
+      stages = kBulkMaxStages;
+      while (stages >= 2 && bulk_smem_bytes(p.n, tpr, stages, v, !unstaged) > budget) --stages;
+      return stages >= 2;
+    };
+    const int forced = rownorm_fwd_bulk_vecs();
+    if (unstaged) vpt = fits(8) ? 8 : 0;
+    else if ((forced == 8 || (forced == 0 && p.n / E >= 8 * 64)) && fits(8)) vpt = 8;
+    else if (fits(kBulkVecs)) vpt = kBulkVecs;
+    if (vpt == 0) return false;
+    plan.cached = true;
+    plan.bulk = true;
+    plan.bulk_vecs = vpt;
+    plan.bulk_staged = !unstaged;
+    plan.stages = stages;
+    plan.L.tpr = tpr;
+    plan.threads = kBulkThreads;
+    plan.smem = bulk_smem_bytes(p.n, tpr, stages, vpt, !unstaged);
+    // P per group: one wave rounded down (a second partial wave of these one-per-SM CTAs cost head
+    // norm's 16 groups 30%), at most the row groups the rows need
+    const int R = kBulkThreads / tpr;
+    plan.L.P = ctas_per_unit(bulk_fwd_kernel<T>(vpt, !unstaged), plan.threads, plan.smem, p.groups, (J + R - 1) / R);
+    if (const int cap = rownorm_fwd_bulk_cta_cap(); cap > 0) plan.L.P = std::min(plan.L.P, cap);
+    return true;
+  };
+  if (long_rows && plan_bulk()) return plan;
   const std::int64_t cached_max = bwd ? kCachedMaxNBwd<T> : kCachedMaxNFwd<T>;
   if (p.n <= cached_max || ring) {
     plan.cached = true;
@@ -161,47 +207,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
         plan.L.P = int(p.rows);
         return plan;
       }
-      // rows past kBulkMaxN up to twice it (set_rownorm_fwd_bulk_long), and those within it where forced
-      // (force_rownorm_fwd_bulk_unstaged): 8 vectors, unstaged parameters (parameters in the IO dtype
-      // with aligned rows, or none)
-      const bool unstaged_par = (p.param == p.io && p.param_aligned) || (!p.w && !p.b);
-      const bool long_rows = p.n > kBulkMaxN<T> && p.n <= 2 * kBulkMaxN<T> && rownorm_fwd_bulk_long_enabled() &&
-                             unstaged_par;
-      const bool unstaged = long_rows || (p.n <= kBulkMaxN<T> && rownorm_fwd_bulk_unstaged() && unstaged_par);
-      if (al && (p.n <= kBulkMaxN<T> || long_rows) && rownorm_fwd_bulk_enabled() && cc_major() >= 9 &&
-          kernel_binary_version(bulk_fwd_kernel<T>(kBulkVecs)) >= 90) {
-        // the bulk-copy kernel: as many row slots (<= kBulkMaxStages) as the shared memory holds, >= 2;
-        // 8 vectors per thread where rows have >= 64 such threads (twice the row groups per SM) and
-        // the slots fit, else 4
-        const std::size_t budget = smem_per_block_optin() - 8 * (kBulkThreads / 32) * sizeof(float) - 1024;
-        int vpt = 0, tpr = 0, stages = 0;
-        auto fits = [&](int v) {
-          tpr = next_pow2((p.n / E + v - 1) / v);
-          if (tpr > kBulkThreads) return false;
-          stages = kBulkMaxStages;
-          while (stages >= 2 && bulk_smem_bytes(p.n, tpr, stages, v, !unstaged) > budget) --stages;
-          return stages >= 2;
-        };
-        const int forced = rownorm_fwd_bulk_vecs();
-        if (unstaged) vpt = fits(8) ? 8 : 0;
-        else if ((forced == 8 || (forced == 0 && p.n / E >= 8 * 64)) && fits(8)) vpt = 8;
-        else if (fits(kBulkVecs)) vpt = kBulkVecs;
-        if (vpt > 0) {
-          plan.bulk = true;
-          plan.bulk_vecs = vpt;
-          plan.bulk_staged = !unstaged;
-          plan.stages = stages;
-          plan.L.tpr = tpr;
-          plan.threads = kBulkThreads;
-          plan.smem = bulk_smem_bytes(p.n, tpr, stages, vpt, !unstaged);
-          // P per group: one wave rounded down (a second partial wave of these one-per-SM CTAs cost
-          // head norm's 16 groups 30%), at most the row groups the rows need
-          const int R = kBulkThreads / tpr;
-          plan.L.P = ctas_per_unit(bulk_fwd_kernel<T>(vpt, !unstaged), plan.threads, plan.smem, p.groups, (J + R - 1) / R);
-          if (const int cap = rownorm_fwd_bulk_cta_cap(); cap > 0) plan.L.P = std::min(plan.L.P, cap);
-          return plan;
-        }
-      }
+      if (plan_bulk()) return plan;
       plan.L.tpr = next_pow2((p.n + kFwdVecs * E - 1) / (kFwdVecs * E));
       plan.threads = std::max(plan.L.tpr, kSmallCta);
       const int tpr_row = next_pow2((p.n + kRowFwdVecs * E - 1) / (kRowFwdVecs * E));
@@ -290,6 +296,12 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   const std::int64_t blocks = std::int64_t(plan.L.P) * (plan.cached && !plan.persistent ? 1 : p.groups);
   if (blocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", blocks, " CTAs is too large"));
   const unsigned grid = unsigned(blocks);
+  note_rownorm_fwd_kernel(plan.row1                    ? "row1"
+                          : plan.bulk && !plan.bulk_staged ? "bulk_unstaged"
+                          : plan.bulk                      ? "bulk"
+                          : plan.cached && !plan.persistent ? "row"
+                          : plan.cached                    ? "cached"
+                                                           : "stream");
   if (plan.row1) {
     if constexpr (sizeof(T) == 2) {  // planned for 16-bit rows only
       const bool raw_par = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
