@@ -315,7 +315,8 @@ INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulk,
 // leaves most of the last vectors' threads idle), and rows within it where forced
 // (force_rownorm_fwd_bulk_unstaged: 1 to 64 row groups per CTA). CTAs capped at 3 per parameter group so
 // that each row group goes several times around its ring of row slots; padded rows; parameters in the IO
-// dtype and none (the form's rule: fp32 parameters of 16-bit rows stay on the other kernels).
+// dtype and none (the form's rule: fp32 parameters of 16-bit rows stay on the other kernels). Rows past
+// the reach again in CTAs of 1024 threads (set_rownorm_fwd_bulk_long_wide).
 struct NormCudaBulkUnstaged : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaBulkUnstaged, PaddedAlignedRowsMatchReference) {
   FW_REQUIRE_GPU();
@@ -345,6 +346,16 @@ TEST_P(NormCudaBulkUnstaged, PaddedAlignedRowsMatchReference) {
   for (Params par : {Params::io, Params::none}) check_case(op, dt, len, rows, Layout::padded, par, expect);
   // and the staged parameters (fp32) it cannot take go to the planner's other kernels
   check_case(op, dt, len, rows, Layout::padded, Params::f32);
+  // rows past the reach also in 1024-thread CTAs of 4 vectors (set_rownorm_fwd_bulk_long_wide)
+  if (len * esz > 512 * 4 * 16) {
+    struct RestoreWide {
+      bool prev;
+      ~RestoreWide() { fastweight::detail::set_rownorm_fwd_bulk_long_wide(prev); }
+    } restore_wide{fastweight::detail::set_rownorm_fwd_bulk_long_wide(true)};
+    SCOPED_TRACE("1024 threads");
+    const char* wide = fastweight::detail::cc_major() >= 9 ? "bulk_unstaged_1024" : nullptr;
+    for (Params par : {Params::io, Params::none}) check_case(op, dt, len, rows, Layout::padded, par, wide);
+  }
 }
 INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulkUnstaged,
                          ::testing::Combine(kOps, kDtypes,

@@ -36,6 +36,7 @@ auto dispatch(const char* op, DType t, F&& f) {
 namespace {
 std::atomic<bool> g_fwd_bulk{true};
 std::atomic<int> g_fwd_bulk_long{env_digit("FW_NORM_BULK_LONG", 1)};  // (FW_NORM_BULK_LONG=0|1|2: the mode at start)
+std::atomic<bool> g_fwd_bulk_long_wide{env_digit("FW_NORM_BULK_LONG_WIDE", 0) == 1};
 std::atomic<bool> g_fwd_bulk_unstaged{false};
 std::atomic<int> g_fwd_bulk_cap{0};
 std::atomic<int> g_fwd_bulk_vecs{0};
@@ -50,6 +51,8 @@ bool set_rownorm_fwd_bulk(bool enabled) { return g_fwd_bulk.exchange(enabled); }
 bool rownorm_fwd_bulk_enabled() { return g_fwd_bulk.load(); }
 int set_rownorm_fwd_bulk_long(int mode) { return g_fwd_bulk_long.exchange(mode); }
 int rownorm_fwd_bulk_long_mode() { return g_fwd_bulk_long.load(); }
+bool set_rownorm_fwd_bulk_long_wide(bool on) { return g_fwd_bulk_long_wide.exchange(on); }
+bool rownorm_fwd_bulk_long_wide() { return g_fwd_bulk_long_wide.load(); }
 bool force_rownorm_fwd_bulk_unstaged(bool on) { return g_fwd_bulk_unstaged.exchange(on); }
 bool rownorm_fwd_bulk_unstaged() { return g_fwd_bulk_unstaged.load(); }
 int cap_rownorm_fwd_bulk_ctas(int ctas) { return g_fwd_bulk_cap.exchange(ctas); }

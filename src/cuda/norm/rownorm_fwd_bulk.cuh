@@ -41,8 +41,9 @@ inline constexpr int kBulkMaxStages = 4;   // row slots per row group
 template <typename T> inline constexpr std::int64_t kBulkMaxN = std::int64_t(kBulkThreads) * kBulkVecs * kVecElems<T>;
 
 // Bytes of dynamic shared memory for (N, tpr, S, vectors per thread, parameters staged).
-inline std::size_t bulk_smem_bytes(std::int64_t n, int tpr, int stages, int vpt, bool staged = true) {
-  const std::size_t R = std::size_t(kBulkThreads / tpr);
+inline std::size_t bulk_smem_bytes(std::int64_t n, int tpr, int stages, int vpt, bool staged = true,
+                                   int threads = kBulkThreads) {
+  const std::size_t R = std::size_t(threads / tpr);
   return (staged ? std::size_t(n) * 2 * sizeof(float) : 0) +
          R * stages * (std::size_t(tpr) * vpt * 16 + sizeof(std::uint64_t));
 }
@@ -50,26 +51,34 @@ inline std::size_t bulk_smem_bytes(std::int64_t n, int tpr, int stages, int vpt,
 // Sum over the row group rg of tpr threads: warp butterflies, then (tpr > 32) one named barrier over
 // a double-buffered scratch of one float per warp (a buffer is rewritten only after the next
 // barrier, which every reader of it has passed). Fixed order: deterministic.
+template <int NT = kBulkThreads>
 __device__ __forceinline__ float bulk_group_sum(float v, int tpr, int rg, float* s_red, int& parity) {
-  constexpr int W = kBulkThreads / 32;
+  constexpr int W = NT / 32;
   v = group_sum_warp(v, tpr);
   if (tpr <= 32) return v;
   const int wpr = tpr >> 5, warp = threadIdx.x >> 5;
   float* buf = s_red + parity * W;
   if ((threadIdx.x & 31) == 0) buf[warp] = v;
   group_barrier(1 + rg, tpr);
-  float t[W];  // the group's warp partials (zeros past wpr: exact), loaded at once, summed as a tree
+  if constexpr (W == 32) {  // 1024 threads: lane i takes warp i's partial, a butterfly sums them (the
+    // same bits in every lane; 32 partials held at once spilled at 64 registers)
+    const int l = threadIdx.x & 31;
+    const float u = l < wpr ? buf[rg * wpr + l] : 0.f;
+    parity ^= 1;
+    return group_sum_warp(u, 32);
+  } else {
+    float t[W];  // the group's warp partials (zeros past wpr: exact), loaded at once, summed as a tree
 #pragma unroll
-  for (int i = 0; i < W; ++i) t[i] = i < wpr ? buf[rg * wpr + i] : 0.f;
-  parity ^= 1;
-  return tree_sum<W>(t);
+    for (int i = 0; i < W; ++i) t[i] = i < wpr ? buf[rg * wpr + i] : 0.f;
+    parity ^= 1;
+    return tree_sum<W>(t);
+  }
 }
 
-template <typename T, int VPT, bool STAGED = true>
-__global__ void __launch_bounds__(kBulkThreads, 1) rownorm_fwd_bulk_kernel(const RowNormParams p, const RowLaunch L,
-                                                                          const int S) {
+template <typename T, int VPT, bool STAGED = true, int NT = kBulkThreads>
+__global__ void __launch_bounds__(NT, 1) rownorm_fwd_bulk_kernel(const RowNormParams p, const RowLaunch L, const int S) {
 #if defined(FW_HAS_BULK)
-  constexpr int E = kVecElems<T>, NT = kBulkThreads;
+  constexpr int E = kVecElems<T>;
   extern __shared__ uint4 smem_bulk[];
   __shared__ float s_red[2 * NT / 32];
   const int n = int(p.n), nvec = n / E;  // aligned rows: N % E == 0
@@ -150,7 +159,7 @@ __global__ void __launch_bounds__(kBulkThreads, 1) rownorm_fwd_bulk_kernel(const
         for (int e = 0; e < E; ++e) xf[k][e] = 0.f;
     }
     float mean = 0.f;
-    if (!p.rms) mean = bulk_group_sum(tree_sum<VPT * E>(&xf[0][0]), tpr, rg, s_red, red_parity) * inv_n;
+    if (!p.rms) mean = bulk_group_sum<NT>(tree_sum<VPT * E>(&xf[0][0]), tpr, rg, s_red, red_parity) * inv_n;
     float sq[VPT][E];  // (VPT, E) (x - mean)^2, 0 past the row end
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
@@ -162,7 +171,7 @@ __global__ void __launch_bounds__(kBulkThreads, 1) rownorm_fwd_bulk_kernel(const
       }
     }
     const float ss = tree_sum<VPT * E>(&sq[0][0]);
-    const float rstd = rsqrtf(bulk_group_sum(ss, tpr, rg, s_red, red_parity) * inv_n + p.eps);
+    const float rstd = rsqrtf(bulk_group_sum<NT>(ss, tpr, rg, s_red, red_parity) * inv_n + p.eps);
     if (valid) {
       const std::int64_t r = p.row_of(g, j);
       T* yr = static_cast<T*>(p.y) + p.y_rows.offset(r);
@@ -192,8 +201,18 @@ __global__ void __launch_bounds__(kBulkThreads, 1) rownorm_fwd_bulk_kernel(const
             for (int e = 0; e < E; ++e) bi[e] = raw_get<T>(raw, e);
           }
         }
+        if constexpr (NT == 1024) {
+          // 1024 threads (64 registers): x read again from its slot (not yet refilled: that waits for
+          // the next iteration), so that the row's 32 values are not live across the second sum (held
+          // there, 9 of them spilled); the same values, the same bits
+          float xo[E];
+          unpack<T>(my_ring[stage * slot_vecs + cv], xo);
 #pragma unroll
-        for (int e = 0; e < E; ++e) out[e] = (xf[k][e] - mean) * rstd * sc[e] + bi[e];
+          for (int e = 0; e < E; ++e) out[e] = (xo[e] - mean) * rstd * sc[e] + bi[e];
+        } else {
+#pragma unroll
+          for (int e = 0; e < E; ++e) out[e] = (xf[k][e] - mean) * rstd * sc[e] + bi[e];
+        }
         store_vec<T>(yr, cv * E, n, true, out);
       }
       if (lane == 0) {

@@ -82,9 +82,11 @@ const void* fwd_cached_kernel(bool aligned, bool big) {
   return reinterpret_cast<const void*>(k);
 }
 
-// The bulk-copy forward kernel with `vpt` vectors per thread (unstaged parameters: 8 only).
+// The bulk-copy forward kernel with `vpt` vectors per thread (unstaged parameters: 8 vectors of 512
+// threads, or 4 of 1024).
 template <typename T>
-const void* bulk_fwd_kernel(int vpt, bool staged = true) {
+const void* bulk_fwd_kernel(int vpt, bool staged = true, int threads = kBulkThreads) {
+  if (!staged && threads == 1024) return reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, 4, false, 1024>);
   if (!staged) return reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, 8, false>);
   return vpt == 8 ? reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, 8>)
                   : reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, kBulkVecs>);
@@ -115,7 +117,8 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   // The bulk-copy forward (Hopper): rows within kBulkMaxN with staged parameters; rows past it up to
   // twice it (set_rownorm_fwd_bulk_long), and those within it where forced
   // (force_rownorm_fwd_bulk_unstaged), with unstaged parameters (IO dtype with aligned rows, or none)
-  // and 8 vectors per thread. Fills plan and returns true where it is taken.
+  // and 8 vectors per thread (long rows: 4 of 1024 threads where set_rownorm_fwd_bulk_long_wide
+  // says so). Fills plan and returns true where it is taken.
   const bool unstaged_par = (p.param == p.io && p.param_aligned) || (!p.w && !p.b);
   const int long_mode = rownorm_fwd_bulk_long_mode();
   const bool long_rows = !bwd && p.n > kBulkMaxN<T> && p.n <= 2 * kBulkMaxN<T> && unstaged_par &&
@@ -127,17 +130,19 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       return false;
     // as many row slots (<= kBulkMaxStages) as the shared memory holds, >= 2; 8 vectors per thread
     // where rows have >= 64 such threads (twice the row groups per SM) and the slots fit, else 4
-    const std::size_t budget = smem_per_block_optin() - 8 * (kBulkThreads / 32) * sizeof(float) - 1024;
+    const int nt = long_rows && rownorm_fwd_bulk_long_wide() ? 1024 : kBulkThreads;
+    const std::size_t budget = smem_per_block_optin() - 8 * (nt / 32) * sizeof(float) - 1024;
     int vpt = 0, tpr = 0, stages = 0;
     auto fits = [&](int v) {
       tpr = next_pow2((p.n / E + v - 1) / v);
-      if (tpr > kBulkThreads) return false;
+      if (tpr > nt) return false;
       stages = kBulkMaxStages;
-      while (stages >= 2 && bulk_smem_bytes(p.n, tpr, stages, v, !unstaged) > budget) --stages;
+      while (stages >= 2 && bulk_smem_bytes(p.n, tpr, stages, v, !unstaged, nt) > budget) --stages;
       return stages >= 2;
     };
     const int forced = rownorm_fwd_bulk_vecs();
-    if (unstaged) vpt = fits(8) ? 8 : 0;
+    if (unstaged && nt == 1024) vpt = fits(4) ? 4 : 0;
+    else if (unstaged) vpt = fits(8) ? 8 : 0;
     else if ((forced == 8 || (forced == 0 && p.n / E >= 8 * 64)) && fits(8)) vpt = 8;
     else if (fits(kBulkVecs)) vpt = kBulkVecs;
     if (vpt == 0) return false;
@@ -147,12 +152,12 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     plan.bulk_staged = !unstaged;
     plan.stages = stages;
     plan.L.tpr = tpr;
-    plan.threads = kBulkThreads;
-    plan.smem = bulk_smem_bytes(p.n, tpr, stages, vpt, !unstaged);
+    plan.threads = nt;
+    plan.smem = bulk_smem_bytes(p.n, tpr, stages, vpt, !unstaged, nt);
     // P per group: one wave rounded down (a second partial wave of these one-per-SM CTAs cost head
     // norm's 16 groups 30%), at most the row groups the rows need
-    const int R = kBulkThreads / tpr;
-    plan.L.P = ctas_per_unit(bulk_fwd_kernel<T>(vpt, !unstaged), plan.threads, plan.smem, p.groups, (J + R - 1) / R);
+    const int R = nt / tpr;
+    plan.L.P = ctas_per_unit(bulk_fwd_kernel<T>(vpt, !unstaged, nt), plan.threads, plan.smem, p.groups, (J + R - 1) / R);
     if (const int cap = rownorm_fwd_bulk_cta_cap(); cap > 0) plan.L.P = std::min(plan.L.P, cap);
     return true;
   };
@@ -297,6 +302,7 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   if (blocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", blocks, " CTAs is too large"));
   const unsigned grid = unsigned(blocks);
   note_rownorm_fwd_kernel(plan.row1                    ? "row1"
+                          : plan.bulk && !plan.bulk_staged && plan.threads == 1024 ? "bulk_unstaged_1024"
                           : plan.bulk && !plan.bulk_staged ? "bulk_unstaged"
                           : plan.bulk                      ? "bulk"
                           : plan.cached && !plan.persistent ? "row"
@@ -337,7 +343,9 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
       }
     }
   } else if (plan.bulk) {
-    if (!plan.bulk_staged) rownorm_fwd_bulk_kernel<T, 8, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
+    if (!plan.bulk_staged && plan.threads == 1024)
+      rownorm_fwd_bulk_kernel<T, 4, false, 1024><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
+    else if (!plan.bulk_staged) rownorm_fwd_bulk_kernel<T, 8, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
     else if (plan.bulk_vecs == 8) rownorm_fwd_bulk_kernel<T, 8><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
     else rownorm_fwd_bulk_kernel<T, kBulkVecs><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
   } else if (plan.cached && !plan.persistent) {
