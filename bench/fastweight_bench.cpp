@@ -656,7 +656,7 @@ int main(int argc, char** argv) {
     std::printf("\n%s\n| op | dtype | shape %s | rel err vs fp64 ref | ms | device |\n|---|---|---|---|---|---|\n",
                 title, shape_head);
     for (const BenchRow& r : rs)
-      std::printf("| %s | %s | %s | %.2e | %.3f | %s |\n", r.op.c_str(), r.dtype.c_str(), r.shape.c_str(), r.err, r.ms,
+      std::printf("| %s | %s | %s | %.2e | %.4f | %s |\n", r.op.c_str(), r.dtype.c_str(), r.shape.c_str(), r.err, r.ms,
                   r.device.c_str());
   };
   // device cpu: the float64 reference path on CPU tensors (wall clock); cuda: the CUDA kernels, timed as the norms
