@@ -316,7 +316,8 @@ INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulk,
 // (force_rownorm_fwd_bulk_unstaged: 1 to 64 row groups per CTA). CTAs capped at 3 per parameter group so
 // that each row group goes several times around its ring of row slots; padded rows; parameters in the IO
 // dtype and none (the form's rule: fp32 parameters of 16-bit rows stay on the other kernels). Rows past
-// the reach again in CTAs of 1024 threads (set_rownorm_fwd_bulk_long_wide).
+// the reach again in CTAs of 1024 threads (set_rownorm_fwd_bulk_long_wide); every row again with a
+// row's parameter loads issued at once (set_rownorm_fwd_bulk_hoist).
 struct NormCudaBulkUnstaged : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaBulkUnstaged, PaddedAlignedRowsMatchReference) {
   FW_REQUIRE_GPU();
@@ -346,6 +347,15 @@ TEST_P(NormCudaBulkUnstaged, PaddedAlignedRowsMatchReference) {
   for (Params par : {Params::io, Params::none}) check_case(op, dt, len, rows, Layout::padded, par, expect);
   // and the staged parameters (fp32) it cannot take go to the planner's other kernels
   check_case(op, dt, len, rows, Layout::padded, Params::f32);
+  {  // the parameter loads of a row issued at once (set_rownorm_fwd_bulk_hoist)
+    struct RestoreHoist {
+      bool prev;
+      ~RestoreHoist() { fastweight::detail::set_rownorm_fwd_bulk_hoist(prev); }
+    } restore_hoist{fastweight::detail::set_rownorm_fwd_bulk_hoist(true)};
+    SCOPED_TRACE("hoisted parameter loads");
+    const char* hoist = fastweight::detail::cc_major() >= 9 ? "bulk_unstaged_hoist" : nullptr;
+    for (Params par : {Params::io, Params::none}) check_case(op, dt, len, rows, Layout::padded, par, hoist);
+  }
   // rows past the reach also in 1024-thread CTAs of 4 vectors (set_rownorm_fwd_bulk_long_wide)
   if (len * esz > 512 * 4 * 16) {
     struct RestoreWide {

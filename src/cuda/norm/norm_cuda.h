@@ -34,11 +34,19 @@ int set_rownorm_fwd_bulk_long(int mode);
 int rownorm_fwd_bulk_long_mode();
 // The long rows above in CTAs of 1024 threads with 4 vectors each (64 registers at most) instead of
 // 512 threads with 8: twice the warps per SM to hide each row's dependent reductions and loads, where
-// one CTA per SM holds a row at a time (512 x 32768 bf16: ~4 rows per SM). Compiled only, not yet
-// measured: off. FW_NORM_BULK_LONG_WIDE=1 turns it on at start. Returns the previous setting (tests,
+// one CTA per SM holds a row at a time (512 x 32768 bf16: ~4 rows per SM); its parameter loads are
+// hoisted (set_rownorm_fwd_bulk_hoist). Compiled only, not yet measured: off. FW_NORM_BULK_LONG_WIDE=1 turns it on at start. Returns the previous setting (tests,
 // fastweight_bench --bulk-long-wide=on).
 bool set_rownorm_fwd_bulk_long_wide(bool on);
 bool rownorm_fwd_bulk_long_wide();
+// The unstaged bulk forward (long rows; rows within the reach where forced) with a row's scale and
+// bias loads all issued before its first store, x read again from its slot for the output. Without it
+// each vector's two loads wait in turn behind the previous vector's store (SASS: 8 dependent L2 trips
+// per row; FLA's kernel issues its 16 at once). The 1024-thread form always hoists. Compiled only, not
+// yet measured: off. FW_NORM_BULK_HOIST=1 turns it on at start. Returns the previous setting (tests,
+// fastweight_bench --bulk-hoist=on).
+bool set_rownorm_fwd_bulk_hoist(bool on);
+bool rownorm_fwd_bulk_hoist();
 // Tests and benchmarks only: the same unstaged form for the rows within the bulk forward's reach too
 // (with the parameters above; 8 vectors per thread): the shared memory the staged parameters took
 // becomes more row slots (4096 x 16384 bf16: 2 row groups of 3 slots against 1 of 3). Default off.

@@ -28,6 +28,10 @@
 // rows per SM), 2048 x 24576 0.0779 / 0.0756, 4096 x 32768 0.1976 / 0.1834. Within the reach the
 // staged form stays: unstaged, 4096 x 8192 took 0.0545 against 0.0418, 4096 x 16384 0.1031 against
 // 0.0797 (more row slots in flight did not pay for the parameters' reloads).
+// HOIST (unstaged only; set_rownorm_fwd_bulk_hoist, and the 1024-thread form; compiled only): the
+// SASS of the form above shows each vector's two parameter loads in the guarded block of that vector,
+// after the previous vector's store: 8 dependent L2 trips per row (FLA's row kernel issues its 16 at
+// once, after its sums). With HOIST a row's loads go out together and x is read again from the slot.
 #pragma once
 
 #include "cuda/common/bulk.cuh"
@@ -75,8 +79,9 @@ __device__ __forceinline__ float bulk_group_sum(float v, int tpr, int rg, float*
   }
 }
 
-template <typename T, int VPT, bool STAGED = true, int NT = kBulkThreads>
+template <typename T, int VPT, bool STAGED = true, int NT = kBulkThreads, bool HOIST = false>
 __global__ void __launch_bounds__(NT, 1) rownorm_fwd_bulk_kernel(const RowNormParams p, const RowLaunch L, const int S) {
+  static_assert(!(STAGED && HOIST), "HOIST: the unstaged parameters only");
 #if defined(FW_HAS_BULK)
   constexpr int E = kVecElems<T>;
   extern __shared__ uint4 smem_bulk[];
@@ -175,6 +180,26 @@ __global__ void __launch_bounds__(NT, 1) rownorm_fwd_bulk_kernel(const RowNormPa
     if (valid) {
       const std::int64_t r = p.row_of(g, j);
       T* yr = static_cast<T*>(p.y) + p.y_rows.offset(r);
+      // HOIST: every vector's raw scale and bias loaded at once, before the first store (one trip to
+      // the L2 per row; without it each vector's loads sit in its own guarded block after the previous
+      // store: VPT dependent trips), and x read again from its slot, not yet refilled (that waits for
+      // the next iteration), so that the row's values are not live beside the parameters. The same
+      // values in the same arithmetic: the same bits.
+      uint4 wr[HOIST ? VPT : 1], br[HOIST ? VPT : 1];
+      if constexpr (HOIST) {
+        const uint4* w4 = reinterpret_cast<const uint4*>(wrow);
+        const uint4* b4 = reinterpret_cast<const uint4*>(brow);
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) wr[k] = br[k] = make_uint4(0u, 0u, 0u, 0u);
+        if (wrow) {
+#pragma unroll
+          for (int k = 0; k < VPT; ++k) wr[k] = __ldg(w4 + min(k * tpr + lane, nvec - 1));
+        }
+        if (brow) {
+#pragma unroll
+          for (int k = 0; k < VPT; ++k) br[k] = __ldg(b4 + min(k * tpr + lane, nvec - 1));
+        }
+      }
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int cv = k * tpr + lane;
@@ -186,6 +211,12 @@ __global__ void __launch_bounds__(NT, 1) rownorm_fwd_bulk_kernel(const RowNormPa
             const float4 a = s_par[i * nvec + cv], c = s_par[bias4 + i * nvec + cv];
             sc[4 * i] = a.x, sc[4 * i + 1] = a.y, sc[4 * i + 2] = a.z, sc[4 * i + 3] = a.w;
             bi[4 * i] = c.x, bi[4 * i + 1] = c.y, bi[4 * i + 2] = c.z, bi[4 * i + 3] = c.w;
+          }
+        } else if constexpr (HOIST) {
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            sc[e] = wrow ? p.weight_offset + raw_get<T>(wr[k], e) : 1.f;
+            bi[e] = brow ? raw_get<T>(br[k], e) : 0.f;
           }
         } else {  // parameters in the IO dtype with aligned rows, or none (the planner's rule)
 #pragma unroll
@@ -201,10 +232,7 @@ __global__ void __launch_bounds__(NT, 1) rownorm_fwd_bulk_kernel(const RowNormPa
             for (int e = 0; e < E; ++e) bi[e] = raw_get<T>(raw, e);
           }
         }
-        if constexpr (NT == 1024) {
-          // 1024 threads (64 registers): x read again from its slot (not yet refilled: that waits for
-          // the next iteration), so that the row's 32 values are not live across the second sum (held
-          // there, 9 of them spilled); the same values, the same bits
+        if constexpr (HOIST) {
           float xo[E];
           unpack<T>(my_ring[stage * slot_vecs + cv], xo);
 #pragma unroll

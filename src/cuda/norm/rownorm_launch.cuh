@@ -44,6 +44,7 @@ struct RowPlan {
   int stages = 0;          // its row slots per row group
   int bulk_vecs = 0;       // its 16-byte vectors per thread (4 or 8)
   bool bulk_staged = true; // its parameters staged in shared memory (else read per output vector)
+  bool bulk_hoist = false; // unstaged: a row's parameter loads all issued before its first store
   int threads = 256;
   std::size_t smem = 0;
   RowLaunch L;
@@ -83,10 +84,11 @@ const void* fwd_cached_kernel(bool aligned, bool big) {
 }
 
 // The bulk-copy forward kernel with `vpt` vectors per thread (unstaged parameters: 8 vectors of 512
-// threads, or 4 of 1024).
+// threads, their loads hoisted or not, or 4 of 1024, hoisted).
 template <typename T>
-const void* bulk_fwd_kernel(int vpt, bool staged = true, int threads = kBulkThreads) {
-  if (!staged && threads == 1024) return reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, 4, false, 1024>);
+const void* bulk_fwd_kernel(int vpt, bool staged = true, int threads = kBulkThreads, bool hoist = false) {
+  if (!staged && threads == 1024) return reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, 4, false, 1024, true>);
+  if (!staged && hoist) return reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, 8, false, kBulkThreads, true>);
   if (!staged) return reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, 8, false>);
   return vpt == 8 ? reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, 8>)
                   : reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, kBulkVecs>);
@@ -150,6 +152,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     plan.bulk = true;
     plan.bulk_vecs = vpt;
     plan.bulk_staged = !unstaged;
+    plan.bulk_hoist = unstaged && (nt == 1024 || rownorm_fwd_bulk_hoist());
     plan.stages = stages;
     plan.L.tpr = tpr;
     plan.threads = nt;
@@ -157,7 +160,8 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     // P per group: one wave rounded down (a second partial wave of these one-per-SM CTAs cost head
     // norm's 16 groups 30%), at most the row groups the rows need
     const int R = nt / tpr;
-    plan.L.P = ctas_per_unit(bulk_fwd_kernel<T>(vpt, !unstaged, nt), plan.threads, plan.smem, p.groups, (J + R - 1) / R);
+    plan.L.P = ctas_per_unit(bulk_fwd_kernel<T>(vpt, !unstaged, nt, plan.bulk_hoist), plan.threads, plan.smem, p.groups,
+                             (J + R - 1) / R);
     if (const int cap = rownorm_fwd_bulk_cta_cap(); cap > 0) plan.L.P = std::min(plan.L.P, cap);
     return true;
   };
@@ -303,6 +307,7 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   const unsigned grid = unsigned(blocks);
   note_rownorm_fwd_kernel(plan.row1                    ? "row1"
                           : plan.bulk && !plan.bulk_staged && plan.threads == 1024 ? "bulk_unstaged_1024"
+                          : plan.bulk && !plan.bulk_staged && plan.bulk_hoist ? "bulk_unstaged_hoist"
                           : plan.bulk && !plan.bulk_staged ? "bulk_unstaged"
                           : plan.bulk                      ? "bulk"
                           : plan.cached && !plan.persistent ? "row"
@@ -344,7 +349,9 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
     }
   } else if (plan.bulk) {
     if (!plan.bulk_staged && plan.threads == 1024)
-      rownorm_fwd_bulk_kernel<T, 4, false, 1024><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
+      rownorm_fwd_bulk_kernel<T, 4, false, 1024, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
+    else if (!plan.bulk_staged && plan.bulk_hoist)
+      rownorm_fwd_bulk_kernel<T, 8, false, kBulkThreads, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
     else if (!plan.bulk_staged) rownorm_fwd_bulk_kernel<T, 8, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
     else if (plan.bulk_vecs == 8) rownorm_fwd_bulk_kernel<T, 8><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
     else rownorm_fwd_bulk_kernel<T, kBulkVecs><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
