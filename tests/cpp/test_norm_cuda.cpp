@@ -347,25 +347,16 @@ TEST_P(NormCudaBulkUnstaged, PaddedAlignedRowsMatchReference) {
   for (Params par : {Params::io, Params::none}) check_case(op, dt, len, rows, Layout::padded, par, expect);
   // and the staged parameters (fp32) it cannot take go to the planner's other kernels
   check_case(op, dt, len, rows, Layout::padded, Params::f32);
-  {  // the parameter loads of a row issued at once (set_rownorm_fwd_bulk_hoist)
-    struct RestoreHoist {
-      bool prev;
-      ~RestoreHoist() { fastweight::detail::set_rownorm_fwd_bulk_hoist(prev); }
-    } restore_hoist{fastweight::detail::set_rownorm_fwd_bulk_hoist(true)};
-    SCOPED_TRACE("hoisted parameter loads");
-    const char* hoist = fastweight::detail::cc_major() >= 9 ? "bulk_unstaged_hoist" : nullptr;
-    for (Params par : {Params::io, Params::none}) check_case(op, dt, len, rows, Layout::padded, par, hoist);
-  }
-  // rows past the reach also in 1024-thread CTAs of 4 vectors (set_rownorm_fwd_bulk_long_wide)
-  if (len * esz > 512 * 4 * 16) {
-    struct RestoreWide {
-      bool prev;
-      ~RestoreWide() { fastweight::detail::set_rownorm_fwd_bulk_long_wide(prev); }
-    } restore_wide{fastweight::detail::set_rownorm_fwd_bulk_long_wide(true)};
-    SCOPED_TRACE("1024 threads");
-    const char* wide = fastweight::detail::cc_major() >= 9 ? "bulk_unstaged_1024" : nullptr;
-    for (Params par : {Params::io, Params::none}) check_case(op, dt, len, rows, Layout::padded, par, wide);
-  }
+  // every case again with a row's parameter loads issued at once (set_rownorm_fwd_bulk_hoist), and rows
+  // past the reach in 1024-thread CTAs of 4 vectors (set_rownorm_fwd_bulk_long_wide)
+  auto with_switch = [&](bool (*set)(bool), const char* kernel) {
+    const ScopedSwitch<bool> on(set, true);
+    SCOPED_TRACE(kernel);
+    const char* expect_kernel = fastweight::detail::cc_major() >= 9 ? kernel : nullptr;
+    for (Params par : {Params::io, Params::none}) check_case(op, dt, len, rows, Layout::padded, par, expect_kernel);
+  };
+  with_switch(&fastweight::detail::set_rownorm_fwd_bulk_hoist, "bulk_unstaged_hoist");
+  if (len * esz > 512 * 4 * 16) with_switch(&fastweight::detail::set_rownorm_fwd_bulk_long_wide, "bulk_unstaged_1024");
 }
 INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulkUnstaged,
                          ::testing::Combine(kOps, kDtypes,

@@ -187,6 +187,21 @@ struct DeviceMirror {
   }
 };
 
+// A library switch (detail::set_* / force_*: each returns the previous value) set for a scope and put
+// back after it.
+template <typename V>
+class ScopedSwitch {
+ public:
+  ScopedSwitch(V (*set)(V), V value) : set_(set), prev_(set(value)) {}
+  ~ScopedSwitch() { set_(prev_); }
+  ScopedSwitch(const ScopedSwitch&) = delete;
+  ScopedSwitch& operator=(const ScopedSwitch&) = delete;
+
+ private:
+  V (*set_)(V);
+  V prev_;
+};
+
 // Runs `work` (its launches on stream st) eagerly, or captured in a CUDA graph and the graph launched
 // once; then waits for st. (EXPECT, not ASSERT: callers return results.)
 template <typename F>
