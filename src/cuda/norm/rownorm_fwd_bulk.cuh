@@ -142,8 +142,11 @@ __global__ void __launch_bounds__(NT, 1) rownorm_fwd_bulk_kernel(const RowNormPa
     const std::int64_t j = j0 + rg;
     const bool valid = j < J;
     // refill the slot the previous iteration read (its reductions synchronised the group; within a
-    // warp, __syncwarp orders those reads before the copy)
+    // warp, __syncwarp orders those reads before the copy). HOIST with groups of several warps: the
+    // previous iteration's output pass read x from that slot after the group's last barrier, and
+    // another warp of the group may still be in it: one more group barrier first.
     if (tpr <= 32) __syncwarp();
+    else if constexpr (HOIST) group_barrier(1 + rg, tpr);
     if (lane == 0) {
       const std::int64_t jn = j + (S - 1) * jstep;
       if (jn < J) issue(jn, stage == 0 ? S - 1 : stage - 1);
@@ -182,9 +185,9 @@ __global__ void __launch_bounds__(NT, 1) rownorm_fwd_bulk_kernel(const RowNormPa
       T* yr = static_cast<T*>(p.y) + p.y_rows.offset(r);
       // HOIST: every vector's raw scale and bias loaded at once, before the first store (one trip to
       // the L2 per row; without it each vector's loads sit in its own guarded block after the previous
-      // store: VPT dependent trips), and x read again from its slot, not yet refilled (that waits for
-      // the next iteration), so that the row's values are not live beside the parameters. The same
-      // values in the same arithmetic: the same bits.
+      // store: VPT dependent trips), and x read again from its slot (refilled only after the whole
+      // group has passed the barrier at the next iteration's start), so that the row's values are not
+      // live beside the parameters. The same values in the same arithmetic: the same bits.
       uint4 wr[HOIST ? VPT : 1], br[HOIST ? VPT : 1];
       if constexpr (HOIST) {
         const uint4* w4 = reinterpret_cast<const uint4*>(wrow);
