@@ -322,19 +322,10 @@ struct NormCudaBulkUnstaged : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaBulkUnstaged, PaddedAlignedRowsMatchReference) {
   FW_REQUIRE_GPU();
   const auto [op, dt, n] = GetParam();
-  struct Restore {
-    int prev;
-    int prev_long;
-    bool prev_unstaged, prev_row1;
-    ~Restore() {
-      fastweight::detail::cap_rownorm_fwd_bulk_ctas(prev);
-      fastweight::detail::set_rownorm_fwd_bulk_long(prev_long);
-      fastweight::detail::force_rownorm_fwd_bulk_unstaged(prev_unstaged);
-      fastweight::detail::set_rownorm_fwd_row1(prev_row1);
-    }
-  } restore{fastweight::detail::cap_rownorm_fwd_bulk_ctas(3), fastweight::detail::set_rownorm_fwd_bulk_long(2),
-            fastweight::detail::force_rownorm_fwd_bulk_unstaged(true),
-            fastweight::detail::set_rownorm_fwd_row1(false)};  // (rows it would take go to the bulk kernel)
+  const ScopedSwitch<int> cap(&fastweight::detail::cap_rownorm_fwd_bulk_ctas, 3);
+  const ScopedSwitch<int> long_rows(&fastweight::detail::set_rownorm_fwd_bulk_long, 2);
+  const ScopedSwitch<bool> unstaged(&fastweight::detail::force_rownorm_fwd_bulk_unstaged, true);
+  const ScopedSwitch<bool> no_row1(&fastweight::detail::set_rownorm_fwd_row1, false);  // (its rows: the bulk kernel)
   const std::int64_t len = dt == DType::f32 ? n / 2 : n;  // fp32: the reach is half as many elements
   const std::int64_t esz = dt == DType::f32 ? 4 : 2, vecs = std::max<std::int64_t>(1, len * esz / 16);
   std::int64_t tpr = 1;

@@ -14,13 +14,14 @@ std::size_t rownorm_bwd_workspace_bytes(const RowNormParams& p);
 void rownorm_bwd_cuda(const RowNormParams& p, void* workspace, std::size_t workspace_bytes,
                       Stream stream);
 
+// Tests only: the forward kernel the calling thread's last norm forward launched ("row1", "bulk",
+// "bulk_unstaged", "bulk_unstaged_hoist", "bulk_unstaged_1024", "row", "cached", "stream"; "" before
+// any), so that a test of a path can check it ran.
+const char* rownorm_fwd_last_kernel();
+void note_rownorm_fwd_kernel(const char* name);
 // The Hopper bulk-copy forward (rownorm_fwd_bulk.cuh) for aligned rows where it applies (default on).
 // Tests and benchmarks only: off routes those rows to the persistent kernel, the path of devices
 // without bulk copies. Returns the previous setting.
-// Tests only: the forward kernel the calling thread's last norm forward launched ("row1", "bulk",
-// "bulk_unstaged", "row", "cached", "stream"; "" before any), so that a test of a path can check it ran.
-const char* rownorm_fwd_last_kernel();
-void note_rownorm_fwd_kernel(const char* name);
 bool set_rownorm_fwd_bulk(bool enabled);
 bool rownorm_fwd_bulk_enabled();
 // The bulk forward also for aligned rows past its reach up to twice it (bf16 / fp16: 16385..32768,
@@ -35,8 +36,8 @@ int rownorm_fwd_bulk_long_mode();
 // The long rows above in CTAs of 1024 threads with 4 vectors each (64 registers at most) instead of
 // 512 threads with 8: twice the warps per SM to hide each row's dependent reductions and loads, where
 // one CTA per SM holds a row at a time (512 x 32768 bf16: ~4 rows per SM); its parameter loads are
-// hoisted (set_rownorm_fwd_bulk_hoist). Compiled only, not yet measured: off. FW_NORM_BULK_LONG_WIDE=1 turns it on at start. Returns the previous setting (tests,
-// fastweight_bench --bulk-long-wide=on).
+// hoisted (set_rownorm_fwd_bulk_hoist). Compiled only, not yet measured: off. FW_NORM_BULK_LONG_WIDE=1
+// turns it on at start. Returns the previous setting (tests, fastweight_bench --bulk-long-wide=on).
 bool set_rownorm_fwd_bulk_long_wide(bool on);
 bool rownorm_fwd_bulk_long_wide();
 // The unstaged bulk forward (long rows; rows within the reach where forced) with a row's scale and
