@@ -10,7 +10,8 @@
 //   fastweight_bench --bulk-long=off|on|all  the bulk forward for rows past its reach (unstaged parameters;
 //                                            on: the planner's rule, the default; all: every such row; A/B)
 //   fastweight_bench --bulk-long-wide=on     those rows in 1024-thread CTAs of 4 vectors per thread (A/B)
-//   fastweight_bench --bulk-hoist=on         the unstaged bulk forward's parameter loads issued at once per row (A/B)
+//   fastweight_bench --bulk-hoist=off|auto|on  the unstaged bulk forward's parameter loads issued at once per row
+//                                            (auto: long rows below 8 rows per SM, the default; on: every row; A/B)
 //   fastweight_bench --bulk-unstaged=on      the bulk forward's unstaged form for rows within its reach too (A/B)
 //   fastweight_bench --no-row1               norm forward without the one-row-per-CTA kernel (A/B)
 //   fastweight_bench --row1-vecs=1|2         its vectors per thread (A/B)
@@ -447,7 +448,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--bulk-long=")) o.bulk_long = std::strcmp(v, "all") == 0 ? 2 : on(v) ? 1 : 0;
     else if (const char* v = val("--bulk-unstaged=")) o.bulk_unstaged = on(v);
     else if (const char* v = val("--bulk-long-wide=")) o.bulk_long_wide = on(v) ? 1 : 0;
-    else if (const char* v = val("--bulk-hoist=")) o.bulk_hoist = on(v) ? 1 : 0;
+    else if (const char* v = val("--bulk-hoist=")) o.bulk_hoist = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (a == "--no-row1") o.no_row1 = true;
     else if (const char* v = val("--row1-vecs=")) o.row1_vecs = std::atoi(v);
     else if (const char* v = val("--row1-cfg=")) {
@@ -491,7 +492,7 @@ int main(int argc, char** argv) {
   if (o.bulk_long >= 0) fastweight::detail::set_rownorm_fwd_bulk_long(o.bulk_long);
   if (o.bulk_unstaged) fastweight::detail::force_rownorm_fwd_bulk_unstaged(true);
   if (o.bulk_long_wide >= 0) fastweight::detail::set_rownorm_fwd_bulk_long_wide(o.bulk_long_wide == 1);
-  if (o.bulk_hoist >= 0) fastweight::detail::set_rownorm_fwd_bulk_hoist(o.bulk_hoist == 1);
+  if (o.bulk_hoist >= 0) fastweight::detail::set_rownorm_fwd_bulk_hoist(o.bulk_hoist);
   if (o.no_row1) fastweight::detail::set_rownorm_fwd_row1(false);
   if (o.row1_vecs) fastweight::detail::force_rownorm_fwd_row1_vecs(o.row1_vecs);
   if (o.row1_cfg.tpr) fastweight::detail::force_rownorm_fwd_row1_config(o.row1_cfg);

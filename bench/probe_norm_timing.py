@@ -103,6 +103,14 @@ def main():
             kern = "; ".join(f"{k}: {statistics.median(v):.2f} us x{len(v)}" for k, v in durs.items())
             print(f"{shp:>11} {name:>10} " + " ".join(f"{v:8.4f}" for v in row) + f"   [{kern}]", flush=True)
 
+    if fla is not None:  # FLA autotunes its row kernels' num_warps per process: what it chose here
+        import importlib
+        mod = importlib.import_module(fla.layer_norm.__module__)
+        for kname in ("layer_norm_fwd_kernel_row", "layer_norm_fwd_kernel"):
+            tuner = getattr(mod, kname, None)
+            for key, cfg in (getattr(tuner, "cache", None) or {}).items():
+                print(f"FLA {kname} autotuned: key {key} -> {cfg}")
+
 
 if __name__ == "__main__":
     main()

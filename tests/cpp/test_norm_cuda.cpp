@@ -317,7 +317,8 @@ INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulk,
 // that each row group goes several times around its ring of row slots; padded rows; parameters in the IO
 // dtype and none (the form's rule: fp32 parameters of 16-bit rows stay on the other kernels). Rows past
 // the reach again in CTAs of 1024 threads (set_rownorm_fwd_bulk_long_wide); every row again with a
-// row's parameter loads issued at once (set_rownorm_fwd_bulk_hoist).
+// row's parameter loads issued at once (set_rownorm_fwd_bulk_hoist mode 2), and under the default mode
+// 1 (these few rows: hoisted past the reach only).
 struct NormCudaBulkUnstaged : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaBulkUnstaged, PaddedAlignedRowsMatchReference) {
   FW_REQUIRE_GPU();
@@ -326,6 +327,7 @@ TEST_P(NormCudaBulkUnstaged, PaddedAlignedRowsMatchReference) {
   const ScopedSwitch<int> long_rows(&fastweight::detail::set_rownorm_fwd_bulk_long, 2);
   const ScopedSwitch<bool> unstaged(&fastweight::detail::force_rownorm_fwd_bulk_unstaged, true);
   const ScopedSwitch<bool> no_row1(&fastweight::detail::set_rownorm_fwd_row1, false);  // (its rows: the bulk kernel)
+  const ScopedSwitch<int> no_hoist(&fastweight::detail::set_rownorm_fwd_bulk_hoist, 0);
   const std::int64_t len = dt == DType::f32 ? n / 2 : n;  // fp32: the reach is half as many elements
   const std::int64_t esz = dt == DType::f32 ? 4 : 2, vecs = std::max<std::int64_t>(1, len * esz / 16);
   std::int64_t tpr = 1;
@@ -340,26 +342,45 @@ TEST_P(NormCudaBulkUnstaged, PaddedAlignedRowsMatchReference) {
   check_case(op, dt, len, rows, Layout::padded, Params::f32);
   // every case again with a row's parameter loads issued at once (set_rownorm_fwd_bulk_hoist), and rows
   // past the reach in 1024-thread CTAs of 4 vectors (set_rownorm_fwd_bulk_long_wide)
-  auto with_switch = [&](bool (*set)(bool), const char* kernel) {
-    const ScopedSwitch<bool> on(set, true);
+  const bool past_reach = len * esz > 512 * 4 * 16;
+  auto with_switch = [&]<typename V>(V (*set)(V), V value, const char* kernel) {
+    const ScopedSwitch<V> on(set, value);
     SCOPED_TRACE(kernel);
     const char* expect_kernel = fastweight::detail::cc_major() >= 9 ? kernel : nullptr;
     for (Params par : {Params::io, Params::none}) check_case(op, dt, len, rows, Layout::padded, par, expect_kernel);
   };
-  with_switch(&fastweight::detail::set_rownorm_fwd_bulk_hoist, "bulk_unstaged_hoist");
-  if (len * esz > 512 * 4 * 16) with_switch(&fastweight::detail::set_rownorm_fwd_bulk_long_wide, "bulk_unstaged_1024");
+  with_switch(&fastweight::detail::set_rownorm_fwd_bulk_hoist, 2, "bulk_unstaged_hoist");
+  with_switch(&fastweight::detail::set_rownorm_fwd_bulk_hoist, 1, past_reach ? "bulk_unstaged_hoist" : "bulk_unstaged");
+  if (past_reach) with_switch(&fastweight::detail::set_rownorm_fwd_bulk_long_wide, true, "bulk_unstaged_1024");
 }
 INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulkUnstaged,
                          ::testing::Combine(kOps, kDtypes,
                                             ::testing::Values<std::int64_t>(1000, 8192, 16384, 16392, 24576, 32768)),
                          rows_case_name);
 
+// The planner's defaults for long rows in few rows per SM (set_rownorm_fwd_bulk_long mode 1,
+// set_rownorm_fwd_bulk_hoist mode 1): LayerNorm and RMSNorm take the hoisted unstaged bulk kernel;
+// without the hoist, RMSNorm goes back to the streaming kernel and LayerNorm keeps the unhoisted form.
+TEST(NormCudaBulkLongDefault, FewLongRowsTakeTheHoistedKernel) {
+  FW_REQUIRE_GPU();
+  const bool hopper = fastweight::detail::cc_major() >= 9;
+  const ScopedSwitch<int> long_mode(&fastweight::detail::set_rownorm_fwd_bulk_long, 1);
+  const ScopedSwitch<int> hoist_mode(&fastweight::detail::set_rownorm_fwd_bulk_hoist, 1);
+  for (Op op : {Op::layernorm, Op::rmsnorm}) {
+    SCOPED_TRACE(op == Op::layernorm ? "layernorm" : "rmsnorm");
+    check_case(op, DType::bf16, 32768, 5, Layout::padded, Params::io, hopper ? "bulk_unstaged_hoist" : nullptr);
+    const ScopedSwitch<int> no_hoist(&fastweight::detail::set_rownorm_fwd_bulk_hoist, 0);
+    check_case(op, DType::bf16, 32768, 5, Layout::padded, Params::io,
+               !hopper ? nullptr : op == Op::layernorm ? "bulk_unstaged" : "stream");
+  }
+}
+
 // Aligned 16-bit rows of 33 to 256 vectors in small problems through the one-row-per-CTA forward
-// (rownorm_fwd_row1_kernel), as planned and with 1 and 2 vectors per thread forced (2: up to 512
-// vectors): every CTA size it launches (32 to 256 threads; N just past a power of two leaves most of
-// the CTA's threads without a vector), padded and contiguous rows, both parameter
-// instances (IO dtype raw, fp32 through load_params_vec), rows in memory order over head norm's and
-// adaLN's parameter groups; and the same rows with it switched off (bulk / persistent kernels).
+// (rownorm_fwd_row1_kernel), as planned (4 vectors per thread at N 3080..4096 with IO-dtype parameters) and with 1 and
+// 2 forced (2: up to 512 vectors): every CTA size it launches (32 to 256 threads; N just past a power of two leaves
+// most of the CTA's threads without a vector), padded and contiguous rows, both parameter instances (IO dtype raw, fp32
+// through load_params_vec), rows in memory order over head norm's and adaLN's parameter groups; and the same rows with
+// it switched off (bulk / persistent kernels).
 struct NormCudaRow1 : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
   FW_REQUIRE_GPU();
@@ -385,10 +406,10 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1,
                                             ::testing::Values<std::int64_t>(264, 520, 1000, 2048, 4096)),
                          rows_case_name);
 
-// The one-row-per-CTA forward in every forced shape (force_rownorm_fwd_row1_config): 64 to 1024
-// threads per row, 8- and 16-byte vectors (1 or 2 per thread, as the shape implies), parameters
-// loaded with x or after the sums; the 8-warp and 32-warp sum trees; plain ld.global loads. Shapes it cannot take go to the
-// planner's kernel (also checked). Padded rows, IO-dtype parameters (the instances' only kind).
+// The one-row-per-CTA forward in every forced shape (force_rownorm_fwd_row1_config): 64 to 1024 threads per row, 8- and
+// 16-byte vectors (1 or 2 per thread as the shape implies; 4 and 8 with 16-byte vectors loaded after the sums),
+// parameters loaded with x or after the sums; the 8-warp and 32-warp sum trees; plain ld.global loads. Shapes it cannot
+// take go to the planner's kernel (also checked). Padded rows, IO-dtype parameters (the instances' only kind).
 struct NormCudaRow1Shapes : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaRow1Shapes, ForcedShapesMatchReference) {
   FW_REQUIRE_GPU();

@@ -27,27 +27,31 @@ bool rownorm_fwd_bulk_enabled();
 // The bulk forward also for aligned rows past its reach up to twice it (bf16 / fp16: 16385..32768,
 // fp32: 8193..16384), the scale and bias read per output vector from global memory instead of staged
 // in shared memory (rownorm_fwd_bulk.cuh, STAGED = false); else those rows take the streaming kernel.
-// Mode 1 (default): LayerNorm rows always, RMSNorm rows from 8 rows per SM (below that the streaming
-// kernel was faster: H200 512 x 32768 bf16 0.0309 ms against 0.0320); 2: all such rows (tests, A/B);
-// 0: off. FW_NORM_BULK_LONG=0|1|2 in the environment sets the mode at start (the Python benchmarks'
+// Mode 1 (default): LayerNorm rows always; RMSNorm rows too, except below 8 rows per SM with the
+// hoisted loads below switched off (there the streaming kernel was faster than the unhoisted form: H200
+// 512 x 32768 bf16 0.0309 ms against 0.0320); 2: all such rows (tests, A/B); 0: off. FW_NORM_BULK_LONG=0|1|2 in the environment sets the mode at start (the Python benchmarks'
 // A/B runs). Returns the previous mode (tests, fastweight_bench --bulk-long=off|on|all).
 int set_rownorm_fwd_bulk_long(int mode);
 int rownorm_fwd_bulk_long_mode();
 // The long rows above in CTAs of 1024 threads with 4 vectors each (64 registers at most) instead of
-// 512 threads with 8: twice the warps per SM to hide each row's dependent reductions and loads, where
-// one CTA per SM holds a row at a time (512 x 32768 bf16: ~4 rows per SM); its parameter loads are
-// hoisted (set_rownorm_fwd_bulk_hoist). Compiled only, not yet measured: off. FW_NORM_BULK_LONG_WIDE=1
-// turns it on at start. Returns the previous setting (tests, fastweight_bench --bulk-long-wide=on).
+// 512 threads with 8; its parameter loads are hoisted (set_rownorm_fwd_bulk_hoist). Measured slower
+// (H200, session 37, ms: 512 x 32768 bf16 LayerNorm 0.0372 against 0.0355, 4096 x 32768 0.2110 against
+// 0.1949): off, for tests and A/B. FW_NORM_BULK_LONG_WIDE=1 turns it on at start. Returns the previous
+// setting (tests, fastweight_bench --bulk-long-wide=on).
 bool set_rownorm_fwd_bulk_long_wide(bool on);
 bool rownorm_fwd_bulk_long_wide();
 // The unstaged bulk forward (long rows; rows within the reach where forced) with a row's scale and
 // bias loads all issued before its first store, x read again from its slot for the output. Without it
 // each vector's two loads wait in turn behind the previous vector's store (SASS: 8 dependent L2 trips
-// per row; FLA's kernel issues its 16 at once). The 1024-thread form always hoists. Compiled only, not
-// yet measured: off. FW_NORM_BULK_HOIST=1 turns it on at start. Returns the previous setting (tests,
-// fastweight_bench --bulk-hoist=on).
-bool set_rownorm_fwd_bulk_hoist(bool on);
-bool rownorm_fwd_bulk_hoist();
+// per row). It holds more registers (bf16 122): it wins where few rows per SM leave each row's latency
+// exposed and loses where many rows keep the pipe full (H200, session 37, bf16 ms, without / with:
+// LayerNorm 512 x 32768 0.0355 / 0.0340, 1024 x 32768 0.0595 / 0.0569, 2048 x 24576 0.0833 / 0.0849,
+// 4096 x 32768 0.1949 / 0.2086; RMSNorm 512 x 32768 0.0319 / 0.0296 (streaming 0.0304), 1024 x 32768
+// 0.0551 / 0.0505 (streaming 0.0540)). Mode 1 (default): long rows below 8 rows per SM; 2: every
+// unstaged row (tests, A/B); 0: never. The 1024-thread form always hoists. FW_NORM_BULK_HOIST=0|1|2
+// sets the mode at start. Returns the previous mode (tests, fastweight_bench --bulk-hoist=off|auto|on).
+int set_rownorm_fwd_bulk_hoist(int mode);
+int rownorm_fwd_bulk_hoist_mode();
 // Tests and benchmarks only: the same unstaged form for the rows within the bulk forward's reach too
 // (with the parameters above; 8 vectors per thread): the shared memory the staged parameters took
 // becomes more row slots (4096 x 16384 bf16: 2 row groups of 3 slots against 1 of 3). Default off.

@@ -38,7 +38,7 @@ std::atomic<bool> g_fwd_bulk{true};
 std::atomic<int> g_fwd_bulk_long{env_digit("FW_NORM_BULK_LONG", 1)};  // (FW_NORM_BULK_LONG=0|1|2: the mode at start)
 std::atomic<bool> g_fwd_bulk_long_wide{env_digit("FW_NORM_BULK_LONG_WIDE", 0) == 1};
 std::atomic<bool> g_fwd_bulk_unstaged{false};
-std::atomic<bool> g_fwd_bulk_hoist{env_digit("FW_NORM_BULK_HOIST", 0) == 1};
+std::atomic<int> g_fwd_bulk_hoist{env_digit("FW_NORM_BULK_HOIST", 1)};  // (0|1|2: the mode at start)
 std::atomic<int> g_fwd_bulk_cap{0};
 std::atomic<int> g_fwd_bulk_vecs{0};
 std::atomic<bool> g_fwd_row1{true};
@@ -54,8 +54,8 @@ int set_rownorm_fwd_bulk_long(int mode) { return g_fwd_bulk_long.exchange(mode);
 int rownorm_fwd_bulk_long_mode() { return g_fwd_bulk_long.load(); }
 bool set_rownorm_fwd_bulk_long_wide(bool on) { return g_fwd_bulk_long_wide.exchange(on); }
 bool rownorm_fwd_bulk_long_wide() { return g_fwd_bulk_long_wide.load(); }
-bool set_rownorm_fwd_bulk_hoist(bool on) { return g_fwd_bulk_hoist.exchange(on); }
-bool rownorm_fwd_bulk_hoist() { return g_fwd_bulk_hoist.load(); }
+int set_rownorm_fwd_bulk_hoist(int mode) { return g_fwd_bulk_hoist.exchange(mode); }
+int rownorm_fwd_bulk_hoist_mode() { return g_fwd_bulk_hoist.load(); }
 bool force_rownorm_fwd_bulk_unstaged(bool on) { return g_fwd_bulk_unstaged.exchange(on); }
 bool rownorm_fwd_bulk_unstaged() { return g_fwd_bulk_unstaged.load(); }
 int cap_rownorm_fwd_bulk_ctas(int ctas) { return g_fwd_bulk_cap.exchange(ctas); }

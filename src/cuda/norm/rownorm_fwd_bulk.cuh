@@ -28,10 +28,12 @@
 // rows per SM), 2048 x 24576 0.0779 / 0.0756, 4096 x 32768 0.1976 / 0.1834. Within the reach the
 // staged form stays: unstaged, 4096 x 8192 took 0.0545 against 0.0418, 4096 x 16384 0.1031 against
 // 0.0797 (more row slots in flight did not pay for the parameters' reloads).
-// HOIST (unstaged only; set_rownorm_fwd_bulk_hoist, and the 1024-thread form; compiled only): the
-// SASS of the form above shows each vector's two parameter loads in the guarded block of that vector,
-// after the previous vector's store: 8 dependent L2 trips per row (FLA's row kernel issues its 16 at
-// once, after its sums). With HOIST a row's loads go out together and x is read again from the slot.
+// HOIST (unstaged only; set_rownorm_fwd_bulk_hoist: long rows below 8 rows per SM by default, and the
+// 1024-thread form): the SASS of the form above shows each vector's two parameter loads in the guarded
+// block of that vector, after the previous vector's store: 8 dependent L2 trips per row (FLA's row
+// kernel issues its 16 at once, after its sums). With HOIST a row's loads go out together and x is read
+// again from the slot. Measured (H200, session 37): 4% faster at 512-1024 x 32768, 2-7% slower from 16
+// rows per SM (more registers); the numbers are at set_rownorm_fwd_bulk_hoist (norm_cuda.h).
 #pragma once
 
 #include "cuda/common/bulk.cuh"

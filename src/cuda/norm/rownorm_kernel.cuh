@@ -291,12 +291,12 @@ __device__ __forceinline__ void row1_store(T* row, int col, const float (&v)[VB 
 }
 
 // RAW_PAR: parameters in the IO dtype with aligned rows (or none), kept raw; else read after the sums
-// through load_params_vec (fp32 or unaligned parameters; a separate instance: that path's registers
-// would cost the common one 8, 32 -> 40). VPT: vectors per thread (1, or 2 with half the threads),
-// columns (k * tpr + tid) * EV + [0, EV). VB: the vectors' bytes (16, or 8 for twice the threads
-// per row). LATE: the raw parameters loaded after the sums (FLA's order; fewer live registers
-// across the barriers) instead of with x. W: warp slots of the sums (8: up to 256 threads, 32: 1024).
-// NC: loads through ld.global.nc (else plain ld.global).
+// through load_params_vec (fp32 or unaligned parameters; a separate instance: that path's registers would
+// cost the common one 8, 32 -> 40). VPT: vectors per thread (1; 2 or 4: half or a quarter of the threads; 8
+// forced only), columns (k * tpr + tid) * EV + [0, EV). VB: the vectors' bytes (16, or 8 for twice the
+// threads per row). LATE: the raw parameters loaded after the sums (FLA's order; fewer live registers
+// across the barriers) instead of with x. W: warp slots of the sums (8: up to 256 threads, 16: 512, 32: 1024). NC:
+// loads through ld.global.nc (else plain ld.global).
 template <typename T, bool RAW_PAR, int VPT, int VB = 16, bool LATE = false, int W = 8, bool NC = true>
 __global__ void __launch_bounds__(32 * W) rownorm_fwd_row1_kernel(const RowNormParams p) {
   constexpr int EV = VB / int(sizeof(T));

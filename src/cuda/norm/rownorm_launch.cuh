@@ -2,7 +2,7 @@
 // template per IO dtype, instantiated in rownorm_<dtype>.cu so that build options can drop dtypes.
 //
 // Plan, forward: aligned 16-bit rows of 33..256 16-byte vectors (Hopper: 33..512) in small problems ->
-// one row per CTA of one or two vectors per thread (rownorm_fwd_row1_kernel); other aligned rows with N <= kBulkMaxN
+// one row per CTA of one, two or four vectors per thread (rownorm_fwd_row1_kernel); other aligned rows with N <= kBulkMaxN
 // on a device with bulk copies (sm_90, the kernel compiled for it) -> the bulk-copy kernel (rownorm_fwd_bulk.cuh), one 512-thread CTA per SM, P per
 // group rounded down to one wave (rows up to 2 kBulkMaxN too, with parameters unstaged:
 // set_rownorm_fwd_bulk_long); otherwise N <= kCachedMaxNFwd -> cached engines with tpr = next_pow2(ceil(N / elements per
@@ -36,7 +36,7 @@ struct RowPlan {
   bool persistent = true;  // forward, cached: persistent CTAs (else one row group per CTA)
   bool ring = false;       // backward, cached: the cp.async ring kernel (aligned rows)
   bool bulk = false;       // forward: the bulk-copy kernel (Hopper, aligned rows)
-  bool row1 = false;       // forward: one row per CTA, 1 or 2 vectors per thread (aligned 16-bit rows)
+  bool row1 = false;       // forward: one row per CTA, 1, 2 or 4 (8 forced) vectors per thread (aligned 16-bit rows)
   int row1_vecs = 1;       // its vectors per thread
   int row1_vb = 16;        // its vectors' bytes (16, or 8)
   bool row1_late = false;  // its raw parameters loaded after the sums (the planner's choice)
@@ -122,9 +122,10 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   // and 8 vectors per thread (long rows: 4 of 1024 threads where set_rownorm_fwd_bulk_long_wide
   // says so). Fills plan and returns true where it is taken.
   const bool unstaged_par = (p.param == p.io && p.param_aligned) || (!p.w && !p.b);
-  const int long_mode = rownorm_fwd_bulk_long_mode();
+  const int long_mode = rownorm_fwd_bulk_long_mode(), hoist_mode = rownorm_fwd_bulk_hoist_mode();
+  const bool few_rows = p.rows < 8 * std::int64_t(sm_count());  // fewer than 8 rows per SM
   const bool long_rows = !bwd && p.n > kBulkMaxN<T> && p.n <= 2 * kBulkMaxN<T> && unstaged_par &&
-                         (long_mode == 2 || (long_mode == 1 && (!p.rms || p.rows >= 8 * std::int64_t(sm_count()))));
+                         (long_mode == 2 || (long_mode == 1 && (!p.rms || !few_rows || hoist_mode != 0)));
   auto plan_bulk = [&]() {
     const bool unstaged = long_rows || (p.n <= kBulkMaxN<T> && rownorm_fwd_bulk_unstaged() && unstaged_par);
     if (!(al && (p.n <= kBulkMaxN<T> || long_rows) && rownorm_fwd_bulk_enabled() && cc_major() >= 9 &&
@@ -152,7 +153,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     plan.bulk = true;
     plan.bulk_vecs = vpt;
     plan.bulk_staged = !unstaged;
-    plan.bulk_hoist = unstaged && (nt == 1024 || rownorm_fwd_bulk_hoist());
+    plan.bulk_hoist = unstaged && (nt == 1024 || hoist_mode == 2 || (hoist_mode == 1 && long_rows && few_rows));
     plan.stages = stages;
     plan.L.tpr = tpr;
     plan.threads = nt;
@@ -180,11 +181,16 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       // (0.0243 / 0.0287 with 512 threads / 0.0267 with 256) and for fp32 (4096 x 1024 0.0157 / 0.0179).
       const Row1Config fc = rownorm_fwd_row1_config();
       if (fc.tpr > 0 && sizeof(T) == 2 && al && rownorm_fwd_row1_enabled() && p.rows <= 0x7fffffff &&
-          (p.n * 2) % fc.vb == 0) {  // forced shape (tests, A/B): vectors per thread follow, 1 or 2
+          (p.n * 2) % fc.vb == 0) {  // forced shape (tests, A/B): vectors per thread follow (1, 2, 4 or 8)
         const std::int64_t nv = p.n * 2 / fc.vb, vpt = (nv + fc.tpr - 1) / fc.tpr;
         const bool raw = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
         const bool plain_ok = !fc.plain || (fc.vb == 16 && fc.late && fc.tpr <= kRow1MaxTpr);
-        if (vpt <= 2 && nv > fc.tpr / 2 && plain_ok && (raw || (fc.vb == 16 && !fc.late && !fc.plain && fc.tpr <= kRow1MaxTpr))) {
+        // 4 or 8 vectors per thread: 16-byte vectors, raw parameters after the sums (A/B, session 37)
+        // (4: up to 512 threads, 8: up to 256; 8 at 512 threads would spill past its 128 registers)
+        const bool deep_ok = vpt <= 2 || ((vpt == 4 || vpt == 8) && fc.tpr <= 1024 / int(vpt) && raw &&
+                                          fc.vb == 16 && fc.late && !fc.plain);
+        if (vpt <= 8 && deep_ok && nv > fc.tpr / 2 && plain_ok &&
+            (raw || (fc.vb == 16 && !fc.late && !fc.plain && fc.tpr <= kRow1MaxTpr))) {
           plan.row1 = true, plan.row1_vecs = int(vpt), plan.row1_vb = fc.vb, plan.row1_late = fc.late;
           plan.row1_plain = fc.plain;
           plan.persistent = false;
@@ -200,14 +206,22 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       // at most 8 rows: 4096 x 4096 0.0243 (bulk) -> 0.0235; not at 32768 x 4096 (0.1439 bulk ->
       // 0.1449). 512 or 1024 threads per row (FLA's shape) and 8-byte vectors were slower everywhere
       // (4096 x 2048 with 512 threads of 8 bytes: 0.0258; 4096 x 8192: 0.0556-0.0652 against 0.0416).
+      // Session 37 (H200, ms, 256 threads x 2 vectors / 128 x 4): rows of 385..512 vectors with raw
+      // parameters take 4 vectors per thread: LayerNorm bf16 2048 x 4096 0.0149 / 0.0145, 4096 x 4096
+      // 0.0236 / 0.0228, 8192 x 4096 (bulk) 0.0411 / 0.0389; fp16 4096 x 4096 0.0269 / 0.0237; RMSNorm
+      // 4096 x 4096 0.0228 / 0.0221. Not at 64 x 4 for 4096 x 2048 (0.0144 / 0.0146); 8 per thread lost
+      // (4096 x 4096 with 64 threads 0.0274, 4096 x 8192 with 128 0.0491).
       const int nvec = int(p.n / E), forced1 = rownorm_fwd_row1_vecs();
-      const int vpt1 = forced1 == 2 || (forced1 == 0 && nvec > 128) ? 2 : 1;
+      const bool raw1 = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
+      const bool deep1 = forced1 == 0 && raw1 && nvec > 3 * kRow1MaxTpr / 2 && nvec <= 2 * kRow1MaxTpr;
+      const int vpt1 = deep1 ? 4 : forced1 == 2 || (forced1 == 0 && nvec > 128) ? 2 : 1;
       const int tpr1 = next_pow2((nvec + vpt1 - 1) / vpt1);
       const std::int64_t bulk_groups = std::int64_t(sm_count()) * (kBulkThreads / next_pow2((nvec + 3) / 4));
       const bool wide_rows = nvec > kRow1MaxTpr;  // 257..512 vectors: Hopper, against the bulk kernel
       if (sizeof(T) == 2 && al && nvec > 32 && nvec <= (forced1 ? vpt1 : wide_rows ? 2 : 1) * kRow1MaxTpr &&
           rownorm_fwd_row1_enabled() && p.rows <= 0x7fffffff &&  // a CTA per row, 32-bit rows
-          (forced1 != 0 || (wide_rows ? cc_major() >= 9 && p.rows <= 8 * bulk_groups : p.rows <= 4 * bulk_groups))) {
+          (forced1 != 0 ||
+           (wide_rows ? cc_major() >= 9 && p.rows <= (deep1 ? 16 : 8) * bulk_groups : p.rows <= 4 * bulk_groups))) {
         plan.row1 = true;
         plan.row1_vecs = vpt1;
         plan.row1_late = true;
@@ -329,6 +343,7 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         };
         using I1 = std::integral_constant<int, 1>;
         using I2 = std::integral_constant<int, 2>;
+        using I4 = std::integral_constant<int, 4>;
         using V8 = std::integral_constant<int, 8>;
         using V16 = std::integral_constant<int, 16>;
         using W8 = std::integral_constant<int, 8>;
@@ -338,7 +353,12 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         auto by_w = [&](auto vpt, auto vb, auto late) { wide ? go(vpt, vb, late, W32{}) : go(vpt, vb, late, W8{}); };
         auto by_late = [&](auto vpt, auto vb) { plan.row1_late ? by_w(vpt, vb, L1{}) : by_w(vpt, vb, L0{}); };
         auto by_vb = [&](auto vpt) { plan.row1_vb == 8 ? by_late(vpt, V8{}) : by_late(vpt, V16{}); };
-        plan.row1_vecs == 2 ? by_vb(I2{}) : by_vb(I1{});
+        using W16 = std::integral_constant<int, 16>;  // 512 threads: 128 registers (W32's bound: 64)
+        if (plan.row1_vecs == 8) go(std::integral_constant<int, 8>{}, V16{}, L1{}, W8{});  // forced only
+        else if (plan.row1_vecs == 4) wide ? go(I4{}, V16{}, L1{}, W16{}) : go(I4{}, V16{}, L1{}, W8{});
+        else plan.row1_vecs == 2 ? by_vb(I2{}) : by_vb(I1{});
+      } else if (plan.row1_vecs > 2) {  // (the planner takes 4 and 8 with raw parameters only)
+        throw Error(cat("rownorm_fwd: no one-row instance of ", plan.row1_vecs, " vectors for these parameters"));
       } else if (plan.row1_vecs == 2) {
         if (raw_par) rownorm_fwd_row1_kernel<T, true, 2><<<grid, plan.threads, 0, stream>>>(p);
         else rownorm_fwd_row1_kernel<T, false, 2><<<grid, plan.threads, 0, stream>>>(p);
