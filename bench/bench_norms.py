@@ -900,6 +900,9 @@ def run(args):
              for s, dts in shapes_for(op, quick, env.cpu, args.all_dtypes, args.bf16_only) for dt in dts]
     if args.shapes:  # keep the listed shapes only (A/B runs of one shape)
         keep = {s.strip() for s in args.shapes.split(",")}
+        unmatched = keep - {shape_str(c[1]) for c in cases}
+        if unmatched:  # a filter, not a new shape: say which ones are not in the op's list
+            log(f"[run] --shapes: not among the benchmark shapes of {','.join(ops)}: {','.join(sorted(unmatched))}")
         cases = [c for c in cases if shape_str(c[1]) in keep]
     n_cases_op = {op: sum(1 for c in cases if c[0] == op) for op in ops}
     budget = CompileBudget(args.compile_budget if args.compile_budget is not None else (0 if quick else 150))
