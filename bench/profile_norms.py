@@ -24,6 +24,11 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--providers", default="fastweight,fla,torch")
     ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--flush", choices=["none", "memset"], default="none",
+                    help="memset: 256 MB memset before each provider's profiled call (do_bench's flush: the L2 left "
+                         "full of dirty lines; profile with ncu --cache-control none to keep that state)")
+    ap.add_argument("--fwd-only", action="store_true", help="forward calls only (no backward)")
+    ap.add_argument("--fla-warps", type=int, default=0, help="restrict FLA's row kernels' autotune to this num_warps")
     a = ap.parse_args()
     env = Env(SimpleNamespace(dry_cpu=False, fastweight_path=None))
     torch = env.torch
@@ -34,6 +39,14 @@ def main():
     b = torch.randn(N, device="cuda", dtype=dt, requires_grad=True) if a.op == "layernorm" else None
     dy = torch.randn(M, N, device="cuda", dtype=dt)
     fw, fla = env.fw, env.fla
+    if fla is not None and a.fla_warps:  # FLA autotunes num_warps per process (2..16): pin it for a like-for-like run
+        import importlib
+        mod = importlib.import_module(fla.layer_norm.__module__)
+        for kname in ("layer_norm_fwd_kernel_row", "layer_norm_fwd_kernel"):
+            tuner = getattr(mod, kname, None)
+            if tuner is not None and hasattr(tuner, "configs"):
+                tuner.configs = [c for c in tuner.configs if c.num_warps == a.fla_warps] or tuner.configs
+    flush = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device="cuda") if a.flush == "memset" else None
     calls = {
         "fastweight": (lambda: fw.layer_norm(x, w, b)) if a.op == "layernorm" else (lambda: fw.rms_norm(x, w)),
         "fla": (lambda: fla.layer_norm(x, w, b)) if a.op == "layernorm" else (lambda: fla.rms_norm(x, w, None)),
@@ -56,6 +69,12 @@ def main():
             if name == "cudnn" and cudnn_impl is not None:
                 run_cudnn()
             elif name in calls and (name != "fla" or fla is not None):
+                if flush is not None:
+                    flush.zero_()
+                if a.fwd_only:
+                    with torch.no_grad():
+                        calls[name]()
+                    continue
                 y = calls[name]()
                 y.backward(dy)
                 x.grad = w.grad = None
