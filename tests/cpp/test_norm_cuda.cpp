@@ -395,6 +395,11 @@ TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
     check_case(op, dt, n, groups * 37, Layout::padded, Params::io);
     check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);
   }
+  if (n > 3 * 1024) {  // the planner's 4-vector instance with registers capped (set_rownorm_fwd_row1_capped)
+    const ScopedSwitch<bool> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, true);
+    check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
+               fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
+  }
   struct Restore {
     bool prev;
     ~Restore() { fastweight::detail::set_rownorm_fwd_row1(prev); }
@@ -429,6 +434,13 @@ TEST_P(NormCudaRow1Shapes, ForcedShapesMatchReference) {
         if (vb == 16 && late && tpr <= 256) {  // the plain-load twin of the planner's instances
           SCOPED_TRACE("plain ld.global");
           fastweight::detail::force_rownorm_fwd_row1_config({tpr, vb, late, true});
+          check_case(op, dt, n, groups * 9, Layout::padded, Params::io);
+        }
+        const std::int64_t vpt = (n / 8 + tpr - 1) / tpr;  // 16-byte vectors per thread
+        if (vb == 16 && late && (vpt == 4 || vpt == 8)) {  // the register-capped twins (set_rownorm_fwd_row1_capped)
+          SCOPED_TRACE("registers capped");
+          const ScopedSwitch<bool> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, true);
+          fastweight::detail::force_rownorm_fwd_row1_config({tpr, vb, late, false});
           check_case(op, dt, n, groups * 9, Layout::padded, Params::io);
         }
       }

@@ -71,11 +71,19 @@ int rownorm_fwd_bulk_vecs();
 // setting.
 bool set_rownorm_fwd_row1(bool enabled);
 bool rownorm_fwd_row1_enabled();
-// Tests and benchmarks only: its vectors per thread, 1 or 2 (0: the planner's choice; forced, the
+// Tests and benchmarks only: its vectors per thread, 1 or 2 (0: the planner's choice, 4 at N 3080..4096; forced, the
 // planner gives it aligned 16-bit rows of 33..256 x vpt vectors whatever the row count). Returns the
 // previous setting.
 int force_rownorm_fwd_row1_vecs(int vpt);
 int rownorm_fwd_row1_vecs();
+// The one-row forward's 4- and 8-vector instances with registers capped for more CTAs per SM (A/B;
+// compiled only, off): 4 x 128 threads and 4 x 256 at 64 registers (8 and 4 CTAs per SM; 71 uncapped),
+// 8 x 256 at 128 (2 CTAs; 156 uncapped), as FLA's 8-warp row kernel (63 registers at D = 8192, 126 at
+// 16384), which led ours by 6-11% under ncu at 4096 x 4096 / 8192 with the same bytes and hit rates
+// (session 37). FW_NORM_ROW1_CAPPED=1 turns it on at start. Returns the previous setting (tests,
+// fastweight_bench --row1-capped=on).
+bool set_rownorm_fwd_row1_capped(bool on);
+bool rownorm_fwd_row1_capped();
 // Tests and benchmarks only: force the one-row-per-CTA forward's shape on every aligned 16-bit row it
 // can take: tpr threads (a power of two, 32..1024), vb-byte vectors (8 or 16; vectors per thread
 // follow, 1 or 2), late = parameters loaded after the sums, plain = x and the parameters through

@@ -297,8 +297,9 @@ __device__ __forceinline__ void row1_store(T* row, int col, const float (&v)[VB 
 // threads per row). LATE: the raw parameters loaded after the sums (FLA's order; fewer live registers
 // across the barriers) instead of with x. W: warp slots of the sums (8: up to 256 threads, 16: 512, 32: 1024). NC:
 // loads through ld.global.nc (else plain ld.global).
-template <typename T, bool RAW_PAR, int VPT, int VB = 16, bool LATE = false, int W = 8, bool NC = true>
-__global__ void __launch_bounds__(32 * W) rownorm_fwd_row1_kernel(const RowNormParams p) {
+// MINB: CTAs per SM the registers must allow (__launch_bounds__'s second argument; 0: no cap, no .minnctapersm).
+template <typename T, bool RAW_PAR, int VPT, int VB = 16, bool LATE = false, int W = 8, bool NC = true, int MINB = 0>
+__global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const RowNormParams p) {
   constexpr int EV = VB / int(sizeof(T));
   static_assert(sizeof(T) == 2 && (VB == 16 || VB == 8) && (!LATE || RAW_PAR), "16-bit rows, raw parameters");
   static_assert(VB == 16 || RAW_PAR, "8-byte vectors: raw parameters only");

@@ -311,6 +311,8 @@ RowNormParams with_param_alignment(const RowNormParams& p_in) {
   return p;
 }
 
+template <int V> using IC = std::integral_constant<int, V>;  // (compile-time instance arguments)
+
 template <typename T>
 void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   const RowNormParams p = with_param_alignment<T>(p_in);
@@ -341,22 +343,25 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
           rownorm_fwd_row1_kernel<T, true, decltype(vpt)::value, decltype(vb)::value, decltype(late)::value,
                                   decltype(w)::value><<<grid, plan.threads, 0, stream>>>(p);
         };
-        using I1 = std::integral_constant<int, 1>;
-        using I2 = std::integral_constant<int, 2>;
-        using I4 = std::integral_constant<int, 4>;
-        using V8 = std::integral_constant<int, 8>;
-        using V16 = std::integral_constant<int, 16>;
-        using W8 = std::integral_constant<int, 8>;
-        using W32 = std::integral_constant<int, 32>;
         using L0 = std::false_type;
         using L1 = std::true_type;
-        auto by_w = [&](auto vpt, auto vb, auto late) { wide ? go(vpt, vb, late, W32{}) : go(vpt, vb, late, W8{}); };
+        // (W: warp slots = the CTA bound / 32; 16 at 512 threads: 128 registers, W32's bound: 64)
+        auto by_w = [&](auto vpt, auto vb, auto late) { wide ? go(vpt, vb, late, IC<32>{}) : go(vpt, vb, late, IC<8>{}); };
         auto by_late = [&](auto vpt, auto vb) { plan.row1_late ? by_w(vpt, vb, L1{}) : by_w(vpt, vb, L0{}); };
-        auto by_vb = [&](auto vpt) { plan.row1_vb == 8 ? by_late(vpt, V8{}) : by_late(vpt, V16{}); };
-        using W16 = std::integral_constant<int, 16>;  // 512 threads: 128 registers (W32's bound: 64)
-        if (plan.row1_vecs == 8) go(std::integral_constant<int, 8>{}, V16{}, L1{}, W8{});  // forced only
-        else if (plan.row1_vecs == 4) wide ? go(I4{}, V16{}, L1{}, W16{}) : go(I4{}, V16{}, L1{}, W8{});
-        else plan.row1_vecs == 2 ? by_vb(I2{}) : by_vb(I1{});
+        auto by_vb = [&](auto vpt) { plan.row1_vb == 8 ? by_late(vpt, IC<8>{}) : by_late(vpt, IC<16>{}); };
+        // registers capped (set_rownorm_fwd_row1_capped): <VPT, warp slots, CTAs per SM>
+        auto capped = [&](auto vpt, auto w, auto minb) {
+          rownorm_fwd_row1_kernel<T, true, decltype(vpt)::value, 16, true, decltype(w)::value, true,
+                                  decltype(minb)::value><<<grid, plan.threads, 0, stream>>>(p);
+        };
+        const bool cap = rownorm_fwd_row1_capped() && plan.row1_vecs >= 4;
+        const bool small = plan.threads <= 128;
+        if (cap && plan.row1_vecs == 8) small ? capped(IC<8>{}, IC<4>{}, IC<4>{}) : capped(IC<8>{}, IC<8>{}, IC<2>{});
+        else if (cap && small) capped(IC<4>{}, IC<4>{}, IC<8>{});
+        else if (cap) wide ? capped(IC<4>{}, IC<16>{}, IC<2>{}) : capped(IC<4>{}, IC<8>{}, IC<4>{});
+        else if (plan.row1_vecs == 8) go(IC<8>{}, IC<16>{}, L1{}, IC<8>{});  // forced only
+        else if (plan.row1_vecs == 4) wide ? go(IC<4>{}, IC<16>{}, L1{}, IC<16>{}) : go(IC<4>{}, IC<16>{}, L1{}, IC<8>{});
+        else plan.row1_vecs == 2 ? by_vb(IC<2>{}) : by_vb(IC<1>{});
       } else if (plan.row1_vecs > 2) {  // (the planner takes 4 and 8 with raw parameters only)
         throw Error(cat("rownorm_fwd: no one-row instance of ", plan.row1_vecs, " vectors for these parameters"));
       } else if (plan.row1_vecs == 2) {
