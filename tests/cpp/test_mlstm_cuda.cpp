@@ -427,6 +427,24 @@ std::vector<FwdCase> bwd_cases() {
 INSTANTIATE_TEST_SUITE_P(Cases, MlstmCudaBwd, ::testing::ValuesIn(bwd_cases()),
                          [](const auto& info) { return name_of(info.param); });
 
+// One decoding step's host tensors, (B, NH, ...): q, k, v bf16 and the fp32 gates and states, random in
+// [-1, 1] (f in [0, 4]: mostly-open forget gates), h bf16 NaN-poisoned (0xff bytes).
+struct StepHost {
+  HostTensor q, k, v, i, f, h, c, n, m;
+};
+StepHost make_step_host(std::int64_t B, std::int64_t NH, std::int64_t DQK, std::int64_t DV, unsigned seed) {
+  StepHost t{make_host(DType::bf16, {B, NH, DQK}), make_host(DType::bf16, {B, NH, DQK}),
+             make_host(DType::bf16, {B, NH, DV}),  make_host(DType::f32, {B, NH, 1}),
+             make_host(DType::f32, {B, NH, 1}),    make_host(DType::bf16, {B, NH, DV}),
+             make_host(DType::f32, {B, NH, DQK, DV}), make_host(DType::f32, {B, NH, DQK}),
+             make_host(DType::f32, {B, NH, 1})};
+  std::mt19937_64 rng(seed);
+  for (HostTensor* x : {&t.q, &t.k, &t.v, &t.i, &t.c, &t.n, &t.m}) fill_random(*x, rng, -1.0, 1.0);
+  fill_random(t.f, rng, 0.0, 4.0);
+  fill_bytes(t.h, 0xff);
+  return t;
+}
+
 // Each of the C pass's kernels (set_mlstm_step_kernel: 0 the element kernel, 1 the register tile, 2 the
 // row-block kernel, 3..8 its other shapes; fp32 states with 16-byte rows and DV % 4 == 0 for 1 and 2, DQK <= 256 for 1) at DV 136, xLSTM 7B's (256, 512), DQK 300 (row blocks beyond 256, a short last one) and at
 // DV = 70, where the element kernel takes every setting.
@@ -436,15 +454,8 @@ void check_mlstm_step(std::int64_t DQK, std::int64_t DV, int kernel, std::int64_
                       int lean = 0, int pdl = -1) {
   SCOPED_TRACE("DQK " + std::to_string(DQK) + " DV " + std::to_string(DV) + " kernel " + std::to_string(kernel) +
                " B " + std::to_string(B) + " NH " + std::to_string(NH) + " lean " + std::to_string(lean) + " pdl " + std::to_string(pdl));
-  HostTensor q = make_host(DType::bf16, {B, NH, DQK}), k = make_host(DType::bf16, {B, NH, DQK}),
-             v = make_host(DType::bf16, {B, NH, DV}), i = make_host(DType::f32, {B, NH, 1}),
-             f = make_host(DType::f32, {B, NH, 1}), h = make_host(DType::bf16, {B, NH, DV}),
-             c = make_host(DType::f32, {B, NH, DQK, DV}), n = make_host(DType::f32, {B, NH, DQK}),
-             m = make_host(DType::f32, {B, NH, 1});
-  std::mt19937_64 rng(5);
-  for (HostTensor* t : {&q, &k, &v, &i, &c, &n, &m}) fill_random(*t, rng, -1.0, 1.0);
-  fill_random(f, rng, 0.0, 4.0);
-  fill_bytes(h, 0xff);                        // NaN poison, guard bytes included (compared below)
+  StepHost t = make_step_host(B, NH, DQK, DV, 5);  // (h: NaN poison, guard bytes included: compared below)
+  HostTensor &q = t.q, &k = t.k, &v = t.v, &i = t.i, &f = t.f, &h = t.h, &c = t.c, &n = t.n, &m = t.m;
   HostTensor c2 = c, n2 = n, m2 = m, h2 = h;  // out-of-place outputs
   DeviceMirror dq(q), dk(k), dv(v), di(i), df(f), dh(h), dc(c), dn(n), dm(m), dc2(c2), dn2(n2), dm2(m2), dh2(h2);
   MlstmStepArgs a;
@@ -518,15 +529,8 @@ TEST(MlstmCudaStep, MatchesReferenceInPlaceAndOutOfPlace) {
 // store ahead of its wait would change bits. Against the chain of plain launches: the same bits.
 std::vector<HostTensor> run_mlstm_step_chain(std::int64_t B, std::int64_t NH, std::int64_t DQK, std::int64_t DV,
                                              bool pdl_c, bool graph) {  // (EXPECT: a function with a result)
-  HostTensor q = make_host(DType::bf16, {B, NH, DQK}), k = make_host(DType::bf16, {B, NH, DQK}),
-             v = make_host(DType::bf16, {B, NH, DV}), i = make_host(DType::f32, {B, NH, 1}),
-             f = make_host(DType::f32, {B, NH, 1}), h = make_host(DType::bf16, {B, NH, DV}),
-             c = make_host(DType::f32, {B, NH, DQK, DV}), n = make_host(DType::f32, {B, NH, DQK}),
-             m = make_host(DType::f32, {B, NH, 1});
-  std::mt19937_64 rng(11);
-  for (HostTensor* t : {&q, &k, &v, &i, &c, &n, &m}) fill_random(*t, rng, -1.0, 1.0);
-  fill_random(f, rng, 0.0, 4.0);
-  fill_bytes(h, 0xff);
+  StepHost t = make_step_host(B, NH, DQK, DV, 11);
+  HostTensor &q = t.q, &k = t.k, &v = t.v, &i = t.i, &f = t.f, &h = t.h, &c = t.c, &n = t.n, &m = t.m;
   HostTensor c2 = c, n2 = n, m2 = m;
   fill_bytes(c2, 0xff), fill_bytes(n2, 0xff), fill_bytes(m2, 0xff);  // B's states: NaN until the first step
   DeviceMirror dq(q), dk(k), dv(v), di(i), df(f), dh(h), dc(c), dn(n), dm(m), dc2(c2), dn2(n2), dm2(m2);

@@ -29,8 +29,9 @@ bool rownorm_fwd_bulk_enabled();
 // in shared memory (rownorm_fwd_bulk.cuh, STAGED = false); else those rows take the streaming kernel.
 // Mode 1 (default): LayerNorm rows always; RMSNorm rows too, except below 8 rows per SM with the
 // hoisted loads below switched off (there the streaming kernel was faster than the unhoisted form: H200
-// 512 x 32768 bf16 0.0309 ms against 0.0320); 2: all such rows (tests, A/B); 0: off. FW_NORM_BULK_LONG=0|1|2 in the environment sets the mode at start (the Python benchmarks'
-// A/B runs). Returns the previous mode (tests, fastweight_bench --bulk-long=off|on|all).
+// 512 x 32768 bf16 0.0309 ms against 0.0320); 2: all such rows (tests, A/B); 0: off.
+// FW_NORM_BULK_LONG=0|1|2 in the environment sets the mode at start (the Python benchmarks' A/B runs).
+// Returns the previous mode (tests, fastweight_bench --bulk-long=off|on|all).
 int set_rownorm_fwd_bulk_long(int mode);
 int rownorm_fwd_bulk_long_mode();
 // The long rows above in CTAs of 1024 threads with 4 vectors each (64 registers at most) instead of
@@ -71,9 +72,9 @@ int rownorm_fwd_bulk_vecs();
 // setting.
 bool set_rownorm_fwd_row1(bool enabled);
 bool rownorm_fwd_row1_enabled();
-// Tests and benchmarks only: its vectors per thread, 1 or 2 (0: the planner's choice, 4 at N 3080..4096; forced, the
-// planner gives it aligned 16-bit rows of 33..256 x vpt vectors whatever the row count). Returns the
-// previous setting.
+// Tests and benchmarks only: its vectors per thread, 1 or 2 (0: the planner's choice, 4 at N 3080..4096
+// with raw parameters; forced, the planner gives it aligned 16-bit rows of 33..256 x vpt vectors whatever
+// the row count). Returns the previous setting.
 int force_rownorm_fwd_row1_vecs(int vpt);
 int rownorm_fwd_row1_vecs();
 // The one-row forward's 4- and 8-vector instances with registers capped for more CTAs per SM (A/B;

@@ -179,17 +179,18 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       // 2048 x 2048 0.0120 / 0.0100 / 0.0098, (1024, 16, 512) head norm 0.0164 / 0.0161; slower with
       // more rows per group (32768 x 1024 0.0431 / 0.0457, 32768 x 2048 0.0797 / 0.0896), at N = 4096
       // (0.0243 / 0.0287 with 512 threads / 0.0267 with 256) and for fp32 (4096 x 1024 0.0157 / 0.0179).
+      // the one-row kernel's raw-parameter instances: IO-dtype parameters with aligned rows, or none
+      const bool raw = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
       const Row1Config fc = rownorm_fwd_row1_config();
       if (fc.tpr > 0 && sizeof(T) == 2 && al && rownorm_fwd_row1_enabled() && p.rows <= 0x7fffffff &&
           (p.n * 2) % fc.vb == 0) {  // forced shape (tests, A/B): vectors per thread follow (1, 2, 4 or 8)
         const std::int64_t nv = p.n * 2 / fc.vb, vpt = (nv + fc.tpr - 1) / fc.tpr;
-        const bool raw = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
         const bool plain_ok = !fc.plain || (fc.vb == 16 && fc.late && fc.tpr <= kRow1MaxTpr);
         // 4 or 8 vectors per thread: 16-byte vectors, raw parameters after the sums (A/B, session 37)
         // (4: up to 512 threads, 8: up to 256; 8 at 512 threads would spill past its 128 registers)
         const bool deep_ok = vpt <= 2 || ((vpt == 4 || vpt == 8) && fc.tpr <= 1024 / int(vpt) && raw &&
                                           fc.vb == 16 && fc.late && !fc.plain);
-        if (vpt <= 8 && deep_ok && nv > fc.tpr / 2 && plain_ok &&
+        if (deep_ok && nv > fc.tpr / 2 && plain_ok &&
             (raw || (fc.vb == 16 && !fc.late && !fc.plain && fc.tpr <= kRow1MaxTpr))) {
           plan.row1 = true, plan.row1_vecs = int(vpt), plan.row1_vb = fc.vb, plan.row1_late = fc.late;
           plan.row1_plain = fc.plain;
@@ -212,8 +213,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       // 4096 x 4096 0.0228 / 0.0221. Not at 64 x 4 for 4096 x 2048 (0.0144 / 0.0146); 8 per thread lost
       // (4096 x 4096 with 64 threads 0.0274, 4096 x 8192 with 128 0.0491).
       const int nvec = int(p.n / E), forced1 = rownorm_fwd_row1_vecs();
-      const bool raw1 = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
-      const bool deep1 = forced1 == 0 && raw1 && nvec > 3 * kRow1MaxTpr / 2 && nvec <= 2 * kRow1MaxTpr;
+      const bool deep1 = forced1 == 0 && raw && nvec > 3 * kRow1MaxTpr / 2 && nvec <= 2 * kRow1MaxTpr;
       const int vpt1 = deep1 ? 4 : forced1 == 2 || (forced1 == 0 && nvec > 128) ? 2 : 1;
       const int tpr1 = next_pow2((nvec + vpt1 - 1) / vpt1);
       const std::int64_t bulk_groups = std::int64_t(sm_count()) * (kBulkThreads / next_pow2((nvec + 3) / 4));
