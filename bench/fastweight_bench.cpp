@@ -15,7 +15,7 @@
 //   fastweight_bench --bulk-unstaged=on      the bulk forward's unstaged form for rows within its reach too (A/B)
 //   fastweight_bench --no-row1               norm forward without the one-row-per-CTA kernel (A/B)
 //   fastweight_bench --row1-vecs=1|2         its vectors per thread (A/B)
-//   fastweight_bench --row1-capped=on        its 4- and 8-vector instances with registers capped (A/B)
+//   fastweight_bench --row1-capped=off|auto|on  the one-row forward's register-capped instances (auto: 4 x 256)
 //   fastweight_bench --row1-cfg=TPR:VB:LATE[:PLAIN]  force its shape on every aligned 16-bit row it can
 //                                            take: threads per row, vector bytes (8|16), parameters after the
 //                                            sums (0|1), ld.global instead of ld.global.nc (0|1)
@@ -453,7 +453,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--bulk-hoist=")) o.bulk_hoist = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (a == "--no-row1") o.no_row1 = true;
     else if (const char* v = val("--row1-vecs=")) o.row1_vecs = std::atoi(v);
-    else if (const char* v = val("--row1-capped=")) o.row1_capped = on(v) ? 1 : 0;
+    else if (const char* v = val("--row1-capped=")) o.row1_capped = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (const char* v = val("--row1-cfg=")) {
       int late = 0, plain = 0;  // TPR:VB:LATE[:PLAIN]
       if (std::sscanf(v, "%d:%d:%d:%d", &o.row1_cfg.tpr, &o.row1_cfg.vb, &late, &plain) < 3) usage(2);
@@ -498,7 +498,7 @@ int main(int argc, char** argv) {
   if (o.bulk_hoist >= 0) fastweight::detail::set_rownorm_fwd_bulk_hoist(o.bulk_hoist);
   if (o.no_row1) fastweight::detail::set_rownorm_fwd_row1(false);
   if (o.row1_vecs) fastweight::detail::force_rownorm_fwd_row1_vecs(o.row1_vecs);
-  if (o.row1_capped >= 0) fastweight::detail::set_rownorm_fwd_row1_capped(o.row1_capped == 1);
+  if (o.row1_capped >= 0) fastweight::detail::set_rownorm_fwd_row1_capped(o.row1_capped);
   if (o.row1_cfg.tpr) fastweight::detail::force_rownorm_fwd_row1_config(o.row1_cfg);
   if (o.dn_no_db2) fastweight::detail::set_deltanet_bwd_serial_db2(false);
   if (o.dn_wy_vbufs) fastweight::detail::set_deltanet_wy_vbufs(o.dn_wy_vbufs);

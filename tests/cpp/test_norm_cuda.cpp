@@ -376,7 +376,8 @@ TEST(NormCudaBulkLongDefault, FewLongRowsTakeTheHoistedKernel) {
 }
 
 // Aligned 16-bit rows of 33 to 256 vectors in small problems through the one-row-per-CTA forward
-// (rownorm_fwd_row1_kernel), as planned (4 vectors per thread at N 3080..4096 with IO-dtype parameters) and with 1 and
+// (rownorm_fwd_row1_kernel), as planned (4 vectors per thread at N 3080..4096 with IO-dtype parameters; 4 x 256 threads,
+// registers capped, at N 6152..8192 in capped mode 1, few rows) and with 1 and
 // 2 forced (2: up to 512 vectors): every CTA size it launches (32 to 256 threads; N just past a power of two leaves
 // most of the CTA's threads without a vector), padded and contiguous rows, both parameter instances (IO dtype raw, fp32
 // through load_params_vec), rows in memory order over head norm's and adaLN's parameter groups; and the same rows with
@@ -395,10 +396,16 @@ TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
     check_case(op, dt, n, groups * 37, Layout::padded, Params::io);
     check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);
   }
-  if (n > 3 * 1024) {  // the planner's 4-vector instance with registers capped (set_rownorm_fwd_row1_capped)
-    const ScopedSwitch<bool> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, true);
+  if (n > 3 * 1024 && n <= 4096) {  // the planner's 4 x 128 instance with registers capped (mode 2)
+    const ScopedSwitch<int> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, 2);
     check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
                fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
+  }
+  if (n > 6144) {  // rows of 769..1024 vectors: the planner's 4 x 256 instance with registers capped (mode 1)
+    const ScopedSwitch<int> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, 1);
+    check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
+               fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
+    check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);  // fp32 parameters: not raw
   }
   struct Restore {
     bool prev;
@@ -408,7 +415,7 @@ TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
 }
 INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1,
                          ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
-                                            ::testing::Values<std::int64_t>(264, 520, 1000, 2048, 4096)),
+                                            ::testing::Values<std::int64_t>(264, 520, 1000, 2048, 4096, 6400, 8192)),
                          rows_case_name);
 
 // The one-row-per-CTA forward in every forced shape (force_rownorm_fwd_row1_config): 64 to 1024 threads per row, 8- and
@@ -439,7 +446,7 @@ TEST_P(NormCudaRow1Shapes, ForcedShapesMatchReference) {
         const std::int64_t vpt = (n / 8 + tpr - 1) / tpr;  // 16-byte vectors per thread
         if (vb == 16 && late && (vpt == 4 || vpt == 8)) {  // the register-capped twins (set_rownorm_fwd_row1_capped)
           SCOPED_TRACE("registers capped");
-          const ScopedSwitch<bool> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, true);
+          const ScopedSwitch<int> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, 2);
           fastweight::detail::force_rownorm_fwd_row1_config({tpr, vb, late, false});
           check_case(op, dt, n, groups * 9, Layout::padded, Params::io);
         }

@@ -77,14 +77,17 @@ bool rownorm_fwd_row1_enabled();
 // the row count). Returns the previous setting.
 int force_rownorm_fwd_row1_vecs(int vpt);
 int rownorm_fwd_row1_vecs();
-// The one-row forward's 4- and 8-vector instances with registers capped for more CTAs per SM (A/B;
-// compiled only, off): 4 x 128 threads and 4 x 256 at 64 registers (8 and 4 CTAs per SM; 71 uncapped),
-// 8 x 256 at 128 (2 CTAs; 156 uncapped), as FLA's 8-warp row kernel (63 registers at D = 8192, 126 at
-// 16384), which led ours by 6-11% under ncu at 4096 x 4096 / 8192 with the same bytes and hit rates
-// (session 37). FW_NORM_ROW1_CAPPED=1 turns it on at start. Returns the previous setting (tests,
-// fastweight_bench --row1-capped=on).
-bool set_rownorm_fwd_row1_capped(bool on);
-bool rownorm_fwd_row1_capped();
+// The one-row forward's 4- and 8-vector instances with registers capped for more CTAs per SM, as FLA's
+// 8-warp row kernel (63 registers at D = 8192, 126 at 16384; it led ours by 6-11% under ncu at 4096 x
+// 4096 / 8192 with the same bytes and hit rates, session 37): 4 x 128 threads and 4 x 256 at 64
+// registers (8 and 4 CTAs per SM; 71 uncapped), 8 x 128 and 8 x 256 at 128 (4 and 2 CTAs; 156
+// uncapped). Mode 0: none; 1 (auto, the default): the 4 x 256 instance, which the planner then also
+// gives aligned 16-bit rows of 769..1024 vectors (N 6152..8192) with raw parameters on Hopper, in one
+// wave (rows <= 4 per SM) or from 24 rows per SM (session 38: 2-20% faster than the bulk kernel); 2:
+// every capped instance (forced shapes, A/B). FW_NORM_ROW1_CAPPED=0|1|2 sets the mode at start.
+// Returns the previous mode (tests, fastweight_bench --row1-capped=off|auto|on).
+int set_rownorm_fwd_row1_capped(int mode);
+int rownorm_fwd_row1_capped_mode();
 // Tests and benchmarks only: force the one-row-per-CTA forward's shape on every aligned 16-bit row it
 // can take: tpr threads (a power of two, 32..1024), vb-byte vectors (8 or 16; vectors per thread
 // follow, 1 or 2), late = parameters loaded after the sums, plain = x and the parameters through

@@ -188,7 +188,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
         const bool plain_ok = !fc.plain || (fc.vb == 16 && fc.late && fc.tpr <= kRow1MaxTpr);
         // 4 or 8 vectors per thread: 16-byte vectors, raw parameters after the sums (A/B, session 37)
         // (4: up to 512 threads, 8: up to 256; 8 at 512 threads would spill past its 128 registers)
-        const bool deep_ok = vpt <= 2 || ((vpt == 4 || vpt == 8) && fc.tpr <= 1024 / int(vpt) && raw &&
+        const bool deep_ok = vpt <= 2 || ((vpt == 4 || vpt == 8) && fc.tpr <= 2048 / int(vpt) && raw &&
                                           fc.vb == 16 && fc.late && !fc.plain);
         if (deep_ok && nv > fc.tpr / 2 && plain_ok &&
             (raw || (fc.vb == 16 && !fc.late && !fc.plain && fc.tpr <= kRow1MaxTpr))) {
@@ -212,16 +212,29 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       // 0.0236 / 0.0228, 8192 x 4096 (bulk) 0.0411 / 0.0389; fp16 4096 x 4096 0.0269 / 0.0237; RMSNorm
       // 4096 x 4096 0.0228 / 0.0221. Not at 64 x 4 for 4096 x 2048 (0.0144 / 0.0146); 8 per thread lost
       // (4096 x 4096 with 64 threads 0.0274, 4096 x 8192 with 128 0.0491).
+      // Session 38 (H200, ms, bulk / 4 x 256 with registers capped at 64, set_rownorm_fwd_row1_capped):
+      // rows of 769..1024 vectors with raw parameters in one wave of it (4 CTAs per SM) or from 24 rows
+      // per SM: LayerNorm bf16 x 8192 at 512 rows 0.0124 / 0.0099, 4096 0.0418 / 0.0408 (uncapped
+      // 0.0425), 8192 0.0771 / 0.0753, 16384 0.1438 / 0.1410, 32768 0.2833 / 0.2740; fp16 4096 0.0416
+      // / 0.0408; RMSNorm 4096 0.0406 / 0.0399. Not between (1024 rows 0.0157 / 0.0161, 2048 0.0239 /
+      // 0.0241, RMSNorm 1024 0.0144 / 0.0154), nor on shorter rows, whose CTAs idle threads (4096 x
+      // 6144 0.0339 / 0.0354, x 5120 0.0298 / 0.0331); level on adaLN 4 x 1024 x 8192 (0.0426). 8 x 256
+      // capped at 128 registers lost at 4096 x 16384 (0.0799 bulk / 0.0849; uncapped 0.1212).
       const int nvec = int(p.n / E), forced1 = rownorm_fwd_row1_vecs();
       const bool deep1 = forced1 == 0 && raw && nvec > 3 * kRow1MaxTpr / 2 && nvec <= 2 * kRow1MaxTpr;
-      const int vpt1 = deep1 ? 4 : forced1 == 2 || (forced1 == 0 && nvec > 128) ? 2 : 1;
+      const std::int64_t sms = sm_count();
+      const bool deep_cap = forced1 == 0 && raw && rownorm_fwd_row1_capped_mode() >= 1 && nvec > 3 * kRow1MaxTpr &&
+                            nvec <= 4 * kRow1MaxTpr && (p.rows <= 4 * sms || p.rows >= 24 * sms);
+      const int vpt1 = deep1 || deep_cap ? 4 : forced1 == 2 || (forced1 == 0 && nvec > 128) ? 2 : 1;
       const int tpr1 = next_pow2((nvec + vpt1 - 1) / vpt1);
-      const std::int64_t bulk_groups = std::int64_t(sm_count()) * (kBulkThreads / next_pow2((nvec + 3) / 4));
+      const std::int64_t bulk_groups = sms * (kBulkThreads / next_pow2((nvec + 3) / 4));
       const bool wide_rows = nvec > kRow1MaxTpr;  // 257..512 vectors: Hopper, against the bulk kernel
-      if (sizeof(T) == 2 && al && nvec > 32 && nvec <= (forced1 ? vpt1 : wide_rows ? 2 : 1) * kRow1MaxTpr &&
-          rownorm_fwd_row1_enabled() && p.rows <= 0x7fffffff &&  // a CTA per row, 32-bit rows
+      if (sizeof(T) == 2 && al && nvec > 32 &&
+          nvec <= (forced1 ? vpt1 : deep_cap ? 4 : wide_rows ? 2 : 1) * kRow1MaxTpr && rownorm_fwd_row1_enabled() &&
+          p.rows <= 0x7fffffff &&  // a CTA per row, 32-bit rows
           (forced1 != 0 ||
-           (wide_rows ? cc_major() >= 9 && p.rows <= (deep1 ? 16 : 8) * bulk_groups : p.rows <= 4 * bulk_groups))) {
+           (wide_rows ? cc_major() >= 9 && (deep_cap || p.rows <= (deep1 ? 16 : 8) * bulk_groups)
+                      : p.rows <= 4 * bulk_groups))) {
         plan.row1 = true;
         plan.row1_vecs = vpt1;
         plan.row1_late = true;
@@ -354,8 +367,10 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
           rownorm_fwd_row1_kernel<T, true, decltype(vpt)::value, 16, true, decltype(w)::value, true,
                                   decltype(minb)::value><<<grid, plan.threads, 0, stream>>>(p);
         };
-        const bool cap = rownorm_fwd_row1_capped() && plan.row1_vecs >= 4;
+        const int cap_mode = rownorm_fwd_row1_capped_mode();
         const bool small = plan.threads <= 128;
+        const bool cap = plan.row1_vecs >= 4 &&
+                         (cap_mode == 2 || (cap_mode == 1 && plan.row1_vecs == 4 && plan.threads == kRow1MaxTpr));
         if (cap && plan.row1_vecs == 8) small ? capped(IC<8>{}, IC<4>{}, IC<4>{}) : capped(IC<8>{}, IC<8>{}, IC<2>{});
         else if (cap && small) capped(IC<4>{}, IC<4>{}, IC<8>{});
         else if (cap) wide ? capped(IC<4>{}, IC<16>{}, IC<2>{}) : capped(IC<4>{}, IC<8>{}, IC<4>{});
