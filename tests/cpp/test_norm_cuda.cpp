@@ -454,7 +454,7 @@ TEST_P(NormCudaRow1Shapes, ForcedShapesMatchReference) {
 }
 INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1Shapes,
                          ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
-                                            ::testing::Values<std::int64_t>(264, 1000, 2048, 4096, 16384)),
+                                            ::testing::Values<std::int64_t>(264, 1000, 2048, 4096, 16384, 32768)),
                          rows_case_name);
 
 // Rows whose leading dims do not merge into one stride (Layout::gapped: head norm (rows / NH, NH, N),

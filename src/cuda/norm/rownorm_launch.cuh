@@ -187,9 +187,11 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
         const std::int64_t nv = p.n * 2 / fc.vb, vpt = (nv + fc.tpr - 1) / fc.tpr;
         const bool plain_ok = !fc.plain || (fc.vb == 16 && fc.late && fc.tpr <= kRow1MaxTpr);
         // 4 or 8 vectors per thread: 16-byte vectors, raw parameters after the sums (A/B, session 37)
-        // (4: up to 512 threads, 8: up to 256; 8 at 512 threads would spill past its 128 registers)
-        const bool deep_ok = vpt <= 2 || ((vpt == 4 || vpt == 8) && fc.tpr <= 2048 / int(vpt) && raw &&
-                                          fc.vb == 16 && fc.late && !fc.plain);
+        // (4: up to 512 threads, 8: up to 256; twice that with every instance capped (mode 2): one CTA
+        // per SM at 64 / 128 registers, where the uncapped 71 / 156 would not launch)
+        const int deep_max = (rownorm_fwd_row1_capped_mode() == 2 ? 4096 : 2048) / int(vpt);
+        const bool deep_ok = vpt <= 2 || ((vpt == 4 || vpt == 8) && fc.tpr <= deep_max && raw && fc.vb == 16 &&
+                                          fc.late && !fc.plain);
         if (deep_ok && nv > fc.tpr / 2 && plain_ok &&
             (raw || (fc.vb == 16 && !fc.late && !fc.plain && fc.tpr <= kRow1MaxTpr))) {
           plan.row1 = true, plan.row1_vecs = int(vpt), plan.row1_vb = fc.vb, plan.row1_late = fc.late;
@@ -371,9 +373,18 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         const bool small = plan.threads <= 128;
         const bool cap = plan.row1_vecs >= 4 &&
                          (cap_mode == 2 || (cap_mode == 1 && plan.row1_vecs == 4 && plan.threads == kRow1MaxTpr));
-        if (cap && plan.row1_vecs == 8) small ? capped(IC<8>{}, IC<4>{}, IC<4>{}) : capped(IC<8>{}, IC<8>{}, IC<2>{});
-        else if (cap && small) capped(IC<4>{}, IC<4>{}, IC<8>{});
-        else if (cap) wide ? capped(IC<4>{}, IC<16>{}, IC<2>{}) : capped(IC<4>{}, IC<8>{}, IC<4>{});
+        // (8 x 512 and 4 x 1024: one CTA per SM at 128 / 64 registers, FLA's N = 32768 shape; capped only)
+        if (cap && plan.row1_vecs == 8) {
+          if (small) capped(IC<8>{}, IC<4>{}, IC<4>{});
+          else if (wide) capped(IC<8>{}, IC<16>{}, IC<1>{});
+          else capped(IC<8>{}, IC<8>{}, IC<2>{});
+        } else if (cap && small) {
+          capped(IC<4>{}, IC<4>{}, IC<8>{});
+        } else if (cap) {
+          if (plan.threads > 2 * kRow1MaxTpr) capped(IC<4>{}, IC<32>{}, IC<1>{});
+          else if (wide) capped(IC<4>{}, IC<16>{}, IC<2>{});
+          else capped(IC<4>{}, IC<8>{}, IC<4>{});
+        }
         else if (plan.row1_vecs == 8) go(IC<8>{}, IC<16>{}, L1{}, IC<8>{});  // forced only
         else if (plan.row1_vecs == 4) wide ? go(IC<4>{}, IC<16>{}, L1{}, IC<16>{}) : go(IC<4>{}, IC<16>{}, L1{}, IC<8>{});
         else plan.row1_vecs == 2 ? by_vb(IC<2>{}) : by_vb(IC<1>{});
