@@ -81,10 +81,11 @@ int rownorm_fwd_row1_vecs();
 // 8-warp row kernel (63 registers at D = 8192, 126 at 16384; it led ours by 6-11% under ncu at 4096 x
 // 4096 / 8192 with the same bytes and hit rates, session 37): 4 x 128 threads and 4 x 256 at 64
 // registers (8 and 4 CTAs per SM; 71 uncapped), 8 x 128 and 8 x 256 at 128 (4 and 2 CTAs; 156
-// uncapped). Mode 0: none; 1 (auto, the default): the 4 x 256 instance, which the planner then also
-// gives aligned 16-bit rows of 769..1024 vectors (N 6152..8192) with raw parameters on Hopper, in one
-// wave (rows <= 4 per SM) or from 24 rows per SM (session 38: 2-20% faster than the bulk kernel); 2:
-// every capped instance (forced shapes, A/B). FW_NORM_ROW1_CAPPED=0|1|2 sets the mode at start.
+// uncapped). Mode 0: none; 1 (auto, the default): the 4 x 256 and 4 x 512 instances, which the planner
+// then also gives aligned 16-bit rows with raw parameters on Hopper: 769..1024 vectors (N 6152..8192)
+// at most 4 rows per SM or from 24, and 1537..2048 vectors (N 12296..16384) at most 4 rows per SM
+// (session 38: 2-20% faster than the bulk kernel there); 2: every capped instance, forced shapes of 8 x
+// 512 and 4 x 1024 (one CTA per SM) included (A/B). FW_NORM_ROW1_CAPPED=0|1|2 sets the mode at start.
 // Returns the previous mode (tests, fastweight_bench --row1-capped=off|auto|on).
 int set_rownorm_fwd_row1_capped(int mode);
 int rownorm_fwd_row1_capped_mode();

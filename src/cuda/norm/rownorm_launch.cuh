@@ -166,6 +166,37 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     if (const int cap = rownorm_fwd_bulk_cta_cap(); cap > 0) plan.L.P = std::min(plan.L.P, cap);
     return true;
   };
+  // the one-row kernel's raw-parameter instances: IO-dtype parameters with aligned rows, or none
+  const bool raw = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
+  // a forced one-row shape (force_rownorm_fwd_row1_config), long rows included; true where taken
+  auto forced_row1 = [&]() {
+    const Row1Config fc = rownorm_fwd_row1_config();
+    if (fc.tpr > 0 && sizeof(T) == 2 && al && rownorm_fwd_row1_enabled() && p.rows <= 0x7fffffff &&
+        (p.n * 2) % fc.vb == 0) {  // forced shape (tests, A/B): vectors per thread follow (1, 2, 4 or 8)
+      const std::int64_t nv = p.n * 2 / fc.vb, vpt = (nv + fc.tpr - 1) / fc.tpr;
+      const bool plain_ok = !fc.plain || (fc.vb == 16 && fc.late && fc.tpr <= kRow1MaxTpr);
+      // 4 or 8 vectors per thread: 16-byte vectors, raw parameters after the sums (A/B, session 37)
+      // (4: up to 512 threads, 8: up to 256; twice that with every instance capped (mode 2): one CTA
+      // per SM at 64 / 128 registers, where the uncapped 71 / 156 would not launch)
+      const int deep_max = (rownorm_fwd_row1_capped_mode() == 2 ? 4096 : 2048) / int(vpt);
+      const bool deep_ok = vpt <= 2 || ((vpt == 4 || vpt == 8) && fc.tpr <= deep_max && raw && fc.vb == 16 &&
+                                        fc.late && !fc.plain);
+      if (deep_ok && nv > fc.tpr / 2 && plain_ok &&
+          (raw || (fc.vb == 16 && !fc.late && !fc.plain && fc.tpr <= kRow1MaxTpr))) {
+        plan.row1 = true, plan.row1_vecs = int(vpt), plan.row1_vb = fc.vb, plan.row1_late = fc.late;
+        plan.row1_plain = fc.plain;
+        plan.persistent = false;
+        plan.L.tpr = plan.threads = fc.tpr;
+        plan.L.P = int(p.rows);
+        return true;
+      }
+    }
+    return false;
+  };
+  if (!bwd && forced_row1()) {
+    plan.cached = true;
+    return plan;
+  }
   if (long_rows && plan_bulk()) return plan;
   const std::int64_t cached_max = bwd ? kCachedMaxNBwd<T> : kCachedMaxNFwd<T>;
   if (p.n <= cached_max || ring) {
@@ -179,29 +210,6 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       // 2048 x 2048 0.0120 / 0.0100 / 0.0098, (1024, 16, 512) head norm 0.0164 / 0.0161; slower with
       // more rows per group (32768 x 1024 0.0431 / 0.0457, 32768 x 2048 0.0797 / 0.0896), at N = 4096
       // (0.0243 / 0.0287 with 512 threads / 0.0267 with 256) and for fp32 (4096 x 1024 0.0157 / 0.0179).
-      // the one-row kernel's raw-parameter instances: IO-dtype parameters with aligned rows, or none
-      const bool raw = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
-      const Row1Config fc = rownorm_fwd_row1_config();
-      if (fc.tpr > 0 && sizeof(T) == 2 && al && rownorm_fwd_row1_enabled() && p.rows <= 0x7fffffff &&
-          (p.n * 2) % fc.vb == 0) {  // forced shape (tests, A/B): vectors per thread follow (1, 2, 4 or 8)
-        const std::int64_t nv = p.n * 2 / fc.vb, vpt = (nv + fc.tpr - 1) / fc.tpr;
-        const bool plain_ok = !fc.plain || (fc.vb == 16 && fc.late && fc.tpr <= kRow1MaxTpr);
-        // 4 or 8 vectors per thread: 16-byte vectors, raw parameters after the sums (A/B, session 37)
-        // (4: up to 512 threads, 8: up to 256; twice that with every instance capped (mode 2): one CTA
-        // per SM at 64 / 128 registers, where the uncapped 71 / 156 would not launch)
-        const int deep_max = (rownorm_fwd_row1_capped_mode() == 2 ? 4096 : 2048) / int(vpt);
-        const bool deep_ok = vpt <= 2 || ((vpt == 4 || vpt == 8) && fc.tpr <= deep_max && raw && fc.vb == 16 &&
-                                          fc.late && !fc.plain);
-        if (deep_ok && nv > fc.tpr / 2 && plain_ok &&
-            (raw || (fc.vb == 16 && !fc.late && !fc.plain && fc.tpr <= kRow1MaxTpr))) {
-          plan.row1 = true, plan.row1_vecs = int(vpt), plan.row1_vb = fc.vb, plan.row1_late = fc.late;
-          plan.row1_plain = fc.plain;
-          plan.persistent = false;
-          plan.L.tpr = plan.threads = fc.tpr;
-          plan.L.P = int(p.rows);
-          return plan;
-        }
-      }
       // Session 17 (H200, fastweight_bench, ms): the raw parameters loaded after the sums (FLA's order)
       // instead of with x: 4096 x 2048 (2 vectors, 128 threads) 0.0159 -> 0.0143, 4096 x 1024 0.0104
       // -> 0.0100 (with x, two vectors per thread took 57-59 registers); and with that, rows of up to
@@ -221,18 +229,22 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       // / 0.0408; RMSNorm 4096 0.0406 / 0.0399. Not between (1024 rows 0.0157 / 0.0161, 2048 0.0239 /
       // 0.0241, RMSNorm 1024 0.0144 / 0.0154), nor on shorter rows, whose CTAs idle threads (4096 x
       // 6144 0.0339 / 0.0354, x 5120 0.0298 / 0.0331); level on adaLN 4 x 1024 x 8192 (0.0426). 8 x 256
-      // capped at 128 registers lost at 4096 x 16384 (0.0799 bulk / 0.0849; uncapped 0.1212).
+      // capped at 128 registers lost at 4096 x 16384 (0.0799 bulk / 0.0849; uncapped 0.1212). Rows of
+      // 1537..2048 vectors at most 4 per SM: 4 x 512 capped at 64 registers (2 CTAs per SM): 512 x 16384
+      // 0.0188 / 0.0165 (8 x 256 capped 0.0167); not at 4096 rows (0.0797 / 0.0823).
       const int nvec = int(p.n / E), forced1 = rownorm_fwd_row1_vecs();
       const bool deep1 = forced1 == 0 && raw && nvec > 3 * kRow1MaxTpr / 2 && nvec <= 2 * kRow1MaxTpr;
       const std::int64_t sms = sm_count();
-      const bool deep_cap = forced1 == 0 && raw && rownorm_fwd_row1_capped_mode() >= 1 && nvec > 3 * kRow1MaxTpr &&
-                            nvec <= 4 * kRow1MaxTpr && (p.rows <= 4 * sms || p.rows >= 24 * sms);
+      const bool capped_ok = forced1 == 0 && raw && rownorm_fwd_row1_capped_mode() >= 1;
+      const bool deep_cap = capped_ok && ((nvec > 3 * kRow1MaxTpr && nvec <= 4 * kRow1MaxTpr &&
+                                           (p.rows <= 4 * sms || p.rows >= 24 * sms)) ||
+                                          (nvec > 6 * kRow1MaxTpr && nvec <= 8 * kRow1MaxTpr && p.rows <= 4 * sms));
       const int vpt1 = deep1 || deep_cap ? 4 : forced1 == 2 || (forced1 == 0 && nvec > 128) ? 2 : 1;
       const int tpr1 = next_pow2((nvec + vpt1 - 1) / vpt1);
       const std::int64_t bulk_groups = sms * (kBulkThreads / next_pow2((nvec + 3) / 4));
       const bool wide_rows = nvec > kRow1MaxTpr;  // 257..512 vectors: Hopper, against the bulk kernel
       if (sizeof(T) == 2 && al && nvec > 32 &&
-          nvec <= (forced1 ? vpt1 : deep_cap ? 4 : wide_rows ? 2 : 1) * kRow1MaxTpr && rownorm_fwd_row1_enabled() &&
+          nvec <= (forced1 ? vpt1 : deep_cap ? 8 : wide_rows ? 2 : 1) * kRow1MaxTpr && rownorm_fwd_row1_enabled() &&
           p.rows <= 0x7fffffff &&  // a CTA per row, 32-bit rows
           (forced1 != 0 ||
            (wide_rows ? cc_major() >= 9 && (deep_cap || p.rows <= (deep1 ? 16 : 8) * bulk_groups)
@@ -372,7 +384,7 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         const int cap_mode = rownorm_fwd_row1_capped_mode();
         const bool small = plan.threads <= 128;
         const bool cap = plan.row1_vecs >= 4 &&
-                         (cap_mode == 2 || (cap_mode == 1 && plan.row1_vecs == 4 && plan.threads == kRow1MaxTpr));
+                         (cap_mode == 2 || (cap_mode == 1 && plan.row1_vecs == 4 && (plan.threads == kRow1MaxTpr || plan.threads == 2 * kRow1MaxTpr)));
         // (8 x 512 and 4 x 1024: one CTA per SM at 128 / 64 registers, FLA's N = 32768 shape; capped only)
         if (cap && plan.row1_vecs == 8) {
           if (small) capped(IC<8>{}, IC<4>{}, IC<4>{});
