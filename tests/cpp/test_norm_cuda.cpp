@@ -377,7 +377,8 @@ TEST(NormCudaBulkLongDefault, FewLongRowsTakeTheHoistedKernel) {
 
 // Aligned 16-bit rows of 33 to 256 vectors in small problems through the one-row-per-CTA forward
 // (rownorm_fwd_row1_kernel), as planned (4 vectors per thread at N 3080..4096 with IO-dtype parameters; 4 x 256 threads,
-// registers capped, at N 6152..8192 and 12296..16384 in capped mode 1, few rows) and with 1 and
+// registers capped, at N 6152..8192 and 12296..16384 in capped mode 1, few rows; 8 x 512 at N = 32768 where
+// set_rownorm_fwd_row1_long says so) and with 1 and
 // 2 forced (2: up to 512 vectors): every CTA size it launches (32 to 256 threads; N just past a power of two leaves
 // most of the CTA's threads without a vector), padded and contiguous rows, both parameter instances (IO dtype raw, fp32
 // through load_params_vec), rows in memory order over head norm's and adaLN's parameter groups; and the same rows with
@@ -401,8 +402,14 @@ TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
     check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
                fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
   }
-  if (n > 6144) {  // rows of 769..1024 / 1537..2048 vectors: the planner's 4 x 256 / 4 x 512 instances, capped (mode 1)
+  if (n > 6144 && n <= 16384) {  // rows of 769..1024 / 1537..2048 vectors: the planner's 4 x 256 / 4 x 512, capped
     const ScopedSwitch<int> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, 1);
+    check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
+               fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
+    check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);  // fp32 parameters: not raw
+  }
+  if (n > 24576) {  // few long rows: the capped 8 x 512 instance (set_rownorm_fwd_row1_long)
+    const ScopedSwitch<bool> long_rows(&fastweight::detail::set_rownorm_fwd_row1_long, true);
     check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
                fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
     check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);  // fp32 parameters: not raw
@@ -415,7 +422,7 @@ TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
 }
 INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1,
                          ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
-                                            ::testing::Values<std::int64_t>(264, 520, 1000, 2048, 4096, 6400, 8192, 16384)),
+                                            ::testing::Values<std::int64_t>(264, 520, 1000, 2048, 4096, 6400, 8192, 16384, 32768)),
                          rows_case_name);
 
 // The one-row-per-CTA forward in every forced shape (force_rownorm_fwd_row1_config): 64 to 1024 threads per row, 8- and

@@ -89,6 +89,13 @@ int rownorm_fwd_row1_vecs();
 // Returns the previous mode (tests, fastweight_bench --row1-capped=off|auto|on).
 int set_rownorm_fwd_row1_capped(int mode);
 int rownorm_fwd_row1_capped_mode();
+// A/B (compiled only, off): few long rows in the one-row kernel, 8 x 512 threads capped at 128
+// registers (one CTA per SM, FLA's shape): aligned 16-bit rows of 3073..4096 vectors (N 24584..32768)
+// with raw parameters, at most 4 rows per SM, on Hopper, instead of the hoisted bulk kernel (session
+// 38, forced: LayerNorm bf16 512 x 32768 0.0338 -> 0.0295 ms). FW_NORM_ROW1_LONG=1 turns it on at
+// start. Returns the previous setting (tests, fastweight_bench --row1-long=on).
+bool set_rownorm_fwd_row1_long(bool on);
+bool rownorm_fwd_row1_long();
 // Tests and benchmarks only: force the one-row-per-CTA forward's shape on every aligned 16-bit row it
 // can take: tpr threads (a power of two, 32..1024), vb-byte vectors (8 or 16; vectors per thread
 // follow, 1 or 2), late = parameters loaded after the sums, plain = x and the parameters through

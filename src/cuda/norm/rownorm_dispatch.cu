@@ -44,6 +44,7 @@ std::atomic<int> g_fwd_bulk_vecs{0};
 std::atomic<bool> g_fwd_row1{true};
 std::atomic<int> g_fwd_row1_vecs{0};
 std::atomic<int> g_fwd_row1_capped{env_digit("FW_NORM_ROW1_CAPPED", 1)};  // (0|1|2: the mode at start)
+std::atomic<bool> g_fwd_row1_long{env_digit("FW_NORM_ROW1_LONG", 0) == 1};
 std::atomic<int> g_fwd_row1_cfg{0};  // tpr | vb << 16 | late << 24 | plain << 25
 }  // namespace
 static thread_local const char* t_fwd_last_kernel = "";
@@ -69,6 +70,8 @@ int force_rownorm_fwd_row1_vecs(int vpt) { return g_fwd_row1_vecs.exchange(vpt);
 int rownorm_fwd_row1_vecs() { return g_fwd_row1_vecs.load(); }
 int set_rownorm_fwd_row1_capped(int mode) { return g_fwd_row1_capped.exchange(mode); }
 int rownorm_fwd_row1_capped_mode() { return g_fwd_row1_capped.load(); }
+bool set_rownorm_fwd_row1_long(bool on) { return g_fwd_row1_long.exchange(on); }
+bool rownorm_fwd_row1_long() { return g_fwd_row1_long.load(); }
 static Row1Config row1_cfg_of(int v) {
   return Row1Config{v & 0xffff, (v >> 16) & 0xff, ((v >> 24) & 1) != 0, ((v >> 25) & 1) != 0};
 }

@@ -197,6 +197,17 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     plan.cached = true;
     return plan;
   }
+  // few long rows: 8 x 512 capped (set_rownorm_fwd_row1_long, A/B)
+  if (!bwd && sizeof(T) == 2 && al && raw && rownorm_fwd_row1_long() && rownorm_fwd_row1_enabled() &&
+      p.n / E > 12 * kRow1MaxTpr && p.n / E <= 16 * kRow1MaxTpr && p.rows <= 4 * std::int64_t(sm_count()) &&
+      cc_major() >= 9) {
+    plan.cached = true;
+    plan.row1 = true, plan.row1_vecs = 8, plan.row1_late = true;
+    plan.persistent = false;
+    plan.L.tpr = plan.threads = 2 * kRow1MaxTpr;
+    plan.L.P = int(p.rows);
+    return plan;
+  }
   if (long_rows && plan_bulk()) return plan;
   const std::int64_t cached_max = bwd ? kCachedMaxNBwd<T> : kCachedMaxNFwd<T>;
   if (p.n <= cached_max || ring) {
@@ -383,8 +394,9 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         };
         const int cap_mode = rownorm_fwd_row1_capped_mode();
         const bool small = plan.threads <= 128;
+        // (8 x 512 and 4 x 1024 launch capped only: uncapped they would need 156 / 71 registers per thread)
         const bool cap = plan.row1_vecs >= 4 &&
-                         (cap_mode == 2 || (cap_mode == 1 && plan.row1_vecs == 4 && (plan.threads == kRow1MaxTpr || plan.threads == 2 * kRow1MaxTpr)));
+                         (cap_mode == 2 || plan.threads * plan.row1_vecs > 8 * kRow1MaxTpr || (cap_mode == 1 && plan.row1_vecs == 4 && (plan.threads == kRow1MaxTpr || plan.threads == 2 * kRow1MaxTpr)));
         // (8 x 512 and 4 x 1024: one CTA per SM at 128 / 64 registers, FLA's N = 32768 shape; capped only)
         if (cap && plan.row1_vecs == 8) {
           if (small) capped(IC<8>{}, IC<4>{}, IC<4>{});
