@@ -392,26 +392,30 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
           rownorm_fwd_row1_kernel<T, true, decltype(vpt)::value, 16, true, decltype(w)::value, true,
                                   decltype(minb)::value><<<grid, plan.threads, 0, stream>>>(p);
         };
+        // capped: every 4- and 8-vector instance in mode 2, the planner's 4 x 256 and 4 x 512 in mode 1,
+        // and 8 x 512 and 4 x 1024 always (one CTA per SM, FLA's N = 32768 shape: uncapped, their 156 /
+        // 71 registers per thread would not launch)
         const int cap_mode = rownorm_fwd_row1_capped_mode();
-        const bool small = plan.threads <= 128;
-        // (8 x 512 and 4 x 1024 launch capped only: uncapped they would need 156 / 71 registers per thread)
-        const bool cap = plan.row1_vecs >= 4 &&
-                         (cap_mode == 2 || plan.threads * plan.row1_vecs > 8 * kRow1MaxTpr || (cap_mode == 1 && plan.row1_vecs == 4 && (plan.threads == kRow1MaxTpr || plan.threads == 2 * kRow1MaxTpr)));
-        // (8 x 512 and 4 x 1024: one CTA per SM at 128 / 64 registers, FLA's N = 32768 shape; capped only)
+        const bool small = plan.threads <= 128, one_per_sm = plan.threads * plan.row1_vecs > 8 * kRow1MaxTpr;
+        const bool auto_cap = cap_mode == 1 && plan.row1_vecs == 4 &&
+                              (plan.threads == kRow1MaxTpr || plan.threads == 2 * kRow1MaxTpr);
+        const bool cap = plan.row1_vecs >= 4 && (cap_mode == 2 || one_per_sm || auto_cap);
         if (cap && plan.row1_vecs == 8) {
           if (small) capped(IC<8>{}, IC<4>{}, IC<4>{});
           else if (wide) capped(IC<8>{}, IC<16>{}, IC<1>{});
           else capped(IC<8>{}, IC<8>{}, IC<2>{});
-        } else if (cap && small) {
-          capped(IC<4>{}, IC<4>{}, IC<8>{});
         } else if (cap) {
-          if (plan.threads > 2 * kRow1MaxTpr) capped(IC<4>{}, IC<32>{}, IC<1>{});
+          if (small) capped(IC<4>{}, IC<4>{}, IC<8>{});
+          else if (plan.threads > 2 * kRow1MaxTpr) capped(IC<4>{}, IC<32>{}, IC<1>{});
           else if (wide) capped(IC<4>{}, IC<16>{}, IC<2>{});
           else capped(IC<4>{}, IC<8>{}, IC<4>{});
+        } else if (plan.row1_vecs == 8) {
+          go(IC<8>{}, IC<16>{}, L1{}, IC<8>{});  // forced only
+        } else if (plan.row1_vecs == 4) {
+          wide ? go(IC<4>{}, IC<16>{}, L1{}, IC<16>{}) : go(IC<4>{}, IC<16>{}, L1{}, IC<8>{});
+        } else {
+          plan.row1_vecs == 2 ? by_vb(IC<2>{}) : by_vb(IC<1>{});
         }
-        else if (plan.row1_vecs == 8) go(IC<8>{}, IC<16>{}, L1{}, IC<8>{});  // forced only
-        else if (plan.row1_vecs == 4) wide ? go(IC<4>{}, IC<16>{}, L1{}, IC<16>{}) : go(IC<4>{}, IC<16>{}, L1{}, IC<8>{});
-        else plan.row1_vecs == 2 ? by_vb(IC<2>{}) : by_vb(IC<1>{});
       } else if (plan.row1_vecs > 2) {  // (the planner takes 4 and 8 with raw parameters only)
         throw Error(cat("rownorm_fwd: no one-row instance of ", plan.row1_vecs, " vectors for these parameters"));
       } else if (plan.row1_vecs == 2) {
