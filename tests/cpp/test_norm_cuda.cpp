@@ -402,17 +402,25 @@ TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
     check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
                fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
   }
-  if (n > 6144 && n <= 16384) {  // rows of 769..1024 / 1537..2048 vectors: the planner's 4 x 256 / 4 x 512, capped
-    const ScopedSwitch<int> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, 1);
-    check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
-               fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
-    check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);  // fp32 parameters: not raw
-  }
-  if (n > 24576) {  // few long rows: the capped 8 x 512 instance (set_rownorm_fwd_row1_long)
-    const ScopedSwitch<bool> long_rows(&fastweight::detail::set_rownorm_fwd_row1_long, true);
-    check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
-               fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
-    check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);  // fp32 parameters: not raw
+  for (bool prefetch : {false, true}) {  // the 4- and 8-vector instances' parameters one vector ahead
+    SCOPED_TRACE(prefetch ? "parameters prefetched" : "parameters after the sums");
+    const ScopedSwitch<bool> pf(&fastweight::detail::set_rownorm_fwd_row1_prefetch, prefetch);
+    if (prefetch && n > 3 * 1024 && n <= 4096) {  // the planner's 4 x 128 instance
+      check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
+                 fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
+    }
+    if (n > 6144 && n <= 16384) {  // rows of 769..1024 / 1537..2048 vectors: the planner's 4 x 256 / 4 x 512, capped
+      const ScopedSwitch<int> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, 1);
+      check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
+                 fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
+      check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);  // fp32 parameters: not raw
+    }
+    if (n > 24576) {  // few long rows: the capped 8 x 512 instance (set_rownorm_fwd_row1_long)
+      const ScopedSwitch<bool> long_rows(&fastweight::detail::set_rownorm_fwd_row1_long, true);
+      check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
+                 fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
+      check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);  // fp32 parameters: not raw
+    }
   }
   struct Restore {
     bool prev;
@@ -427,8 +435,10 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1,
 
 // The one-row-per-CTA forward in every forced shape (force_rownorm_fwd_row1_config): 64 to 1024 threads per row, 8- and
 // 16-byte vectors (1 or 2 per thread as the shape implies; 4 and 8 with 16-byte vectors loaded after the sums),
-// parameters loaded with x or after the sums; the 8-warp and 32-warp sum trees; plain ld.global loads. Shapes it cannot
-// take go to the planner's kernel (also checked). Padded rows, IO-dtype parameters (the instances' only kind).
+// parameters loaded with x or after the sums; the 8-warp and 32-warp sum trees; plain ld.global loads; the 4- and
+// 8-vector shapes again with registers capped and with their parameters one vector ahead (set_rownorm_fwd_row1_prefetch).
+// Shapes it cannot take go to the planner's kernel (also checked). Padded rows, IO-dtype parameters (the instances' only
+// kind).
 struct NormCudaRow1Shapes : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaRow1Shapes, ForcedShapesMatchReference) {
   FW_REQUIRE_GPU();
@@ -452,8 +462,15 @@ TEST_P(NormCudaRow1Shapes, ForcedShapesMatchReference) {
         }
         const std::int64_t vpt = (n / 8 + tpr - 1) / tpr;  // 16-byte vectors per thread
         if (vb == 16 && late && (vpt == 4 || vpt == 8)) {  // the register-capped twins (set_rownorm_fwd_row1_capped)
-          SCOPED_TRACE("registers capped");
-          const ScopedSwitch<int> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, 2);
+          for (bool prefetch : {false, true}) {  // and those with the parameters one vector ahead
+            SCOPED_TRACE(prefetch ? "registers capped, parameters prefetched" : "registers capped");
+            const ScopedSwitch<int> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, 2);
+            const ScopedSwitch<bool> pf(&fastweight::detail::set_rownorm_fwd_row1_prefetch, prefetch);
+            fastweight::detail::force_rownorm_fwd_row1_config({tpr, vb, late, false});
+            check_case(op, dt, n, groups * 9, Layout::padded, Params::io);
+          }
+          SCOPED_TRACE("parameters prefetched, uncapped");
+          const ScopedSwitch<bool> pf(&fastweight::detail::set_rownorm_fwd_row1_prefetch, true);
           fastweight::detail::force_rownorm_fwd_row1_config({tpr, vb, late, false});
           check_case(op, dt, n, groups * 9, Layout::padded, Params::io);
         }

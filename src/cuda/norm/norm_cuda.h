@@ -96,6 +96,14 @@ int rownorm_fwd_row1_capped_mode();
 // start. Returns the previous setting (tests, fastweight_bench --row1-long=on).
 bool set_rownorm_fwd_row1_long(bool on);
 bool rownorm_fwd_row1_long();
+// A/B (compiled only, off): the one-row kernel's 4- and 8-vector instances load their raw parameters
+// one vector ahead of the output (the first during the second sum) instead of all at once after the
+// sums, so at most two vectors' parameters are live beside x. ptxas (sm_90a, bf16): 4 x 128 71 -> 62
+// registers (8 CTAs per SM instead of 7); capped 4 x 256 and 4 x 512 at 64 and 8 x 512 at 128 lose their
+// 20-32 spilled bytes. FW_NORM_ROW1_PREFETCH=1 turns it on at start. Returns the previous setting
+// (tests, fastweight_bench --row1-prefetch=on).
+bool set_rownorm_fwd_row1_prefetch(bool on);
+bool rownorm_fwd_row1_prefetch();
 // Tests and benchmarks only: force the one-row-per-CTA forward's shape on every aligned 16-bit row it
 // can take: tpr threads (a power of two, 32..1024), vb-byte vectors (8 or 16; vectors per thread
 // follow, 1 or 2), late = parameters loaded after the sums, plain = x and the parameters through

@@ -298,8 +298,10 @@ __device__ __forceinline__ void row1_store(T* row, int col, const float (&v)[VB 
 // across the barriers) instead of with x. W: warp slots of the sums (8: up to 256 threads, 16: 512, 32: 1024). NC:
 // loads through ld.global.nc (else plain ld.global).
 // MINB: CTAs per SM the registers must allow (__launch_bounds__'s second argument; 0: no cap, no .minnctapersm).
-template <typename T, bool RAW_PAR, int VPT, int VB = 16, bool LATE = false, int W = 8, bool NC = true, int MINB = 0>
+template <typename T, bool RAW_PAR, int VPT, int VB = 16, bool LATE = false, int W = 8, bool NC = true, int MINB = 0,
+          int PD = 0>
 __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const RowNormParams p) {
+  static_assert(PD == 0 || (RAW_PAR && LATE), "parameter prefetch: raw parameters after the sums");
   constexpr int EV = VB / int(sizeof(T));
   static_assert(sizeof(T) == 2 && (VB == 16 || VB == 8) && (!LATE || RAW_PAR), "16-bit rows, raw parameters");
   static_assert(VB == 16 || RAW_PAR, "8-byte vectors: raw parameters only");
@@ -315,14 +317,15 @@ __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const Ro
   const T* wrow = RAW_PAR && p.w ? static_cast<const T*>(p.w) + g * p.w_group_stride : nullptr;
   const T* brow = RAW_PAR && p.b ? static_cast<const T*>(p.b) + g * p.b_group_stride : nullptr;
   Row1Vec<VB> xr[VPT], wr[VPT], br[VPT];
+  auto load_par_k = [&](int k) {
+    const int col = (k * tpr + int(threadIdx.x)) * EV;
+    wr[k] = br[k] = Row1Vec<VB>{};
+    if (wrow) wr[k] = row1_load<T, VB, NC>(wrow, col, n);
+    if (brow) br[k] = row1_load<T, VB, NC>(brow, col, n);
+  };
   auto load_par = [&] {
 #pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int col = (k * tpr + int(threadIdx.x)) * EV;
-      wr[k] = br[k] = Row1Vec<VB>{};
-      if (wrow) wr[k] = row1_load<T, VB, NC>(wrow, col, n);
-      if (brow) br[k] = row1_load<T, VB, NC>(brow, col, n);
-    }
+    for (int k = 0; k < VPT; ++k) load_par_k(k);
   };
 #pragma unroll
   for (int k = 0; k < VPT; ++k) xr[k] = row1_load<T, VB, NC>(xrow, (k * tpr + int(threadIdx.x)) * EV, n);
@@ -348,11 +351,18 @@ __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const Ro
       sq[k][e] = in ? d * d : 0.f;
     }
   }
+  if constexpr (PD > 0) {  // the first PD vectors' parameters in flight across the second sum
+#pragma unroll
+    for (int k = 0; k < (PD < VPT ? PD : VPT); ++k) load_par_k(k);
+  }
   const float rstd = rsqrtf(row1_cta_sum<W>(tree_sum<VPT * EV>(&sq[0][0]), s_part[1]) * inv_n + p.eps);
-  if constexpr (RAW_PAR && LATE) load_par();
+  if constexpr (RAW_PAR && LATE && PD == 0) load_par();
   T* yrow = static_cast<T*>(p.y) + p.y_rows.offset32(r);
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
+    if constexpr (PD > 0) {  // PD vectors ahead: at most PD + 1 vectors' parameters live
+      if (k + PD < VPT) load_par_k(k + PD);
+    }
     const int col = (k * tpr + int(threadIdx.x)) * EV;
     if (col >= n) continue;
     float sc[EV], bi[EV], out[EV];

@@ -388,10 +388,15 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         auto by_late = [&](auto vpt, auto vb) { plan.row1_late ? by_w(vpt, vb, L1{}) : by_w(vpt, vb, L0{}); };
         auto by_vb = [&](auto vpt) { plan.row1_vb == 8 ? by_late(vpt, IC<8>{}) : by_late(vpt, IC<16>{}); };
         // registers capped (set_rownorm_fwd_row1_capped): <VPT, warp slots, CTAs per SM>
-        auto capped = [&](auto vpt, auto w, auto minb) {
-          rownorm_fwd_row1_kernel<T, true, decltype(vpt)::value, 16, true, decltype(w)::value, true,
-                                  decltype(minb)::value><<<grid, plan.threads, 0, stream>>>(p);
+        // the 4- and 8-vector instances: <VPT, warp slots, CTAs per SM (0: uncapped)>, their parameters
+        // all loaded after the sums or one vector ahead of the output (set_rownorm_fwd_row1_prefetch)
+        const bool prefetch = rownorm_fwd_row1_prefetch();
+        auto deep = [&](auto vpt, auto w, auto minb) {
+          constexpr int V = decltype(vpt)::value, Wv = decltype(w)::value, M = decltype(minb)::value;
+          if (prefetch) rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M, 1><<<grid, plan.threads, 0, stream>>>(p);
+          else rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M><<<grid, plan.threads, 0, stream>>>(p);
         };
+        auto capped = deep;  // (registers capped, set_rownorm_fwd_row1_capped: MINB > 0)
         // capped: every 4- and 8-vector instance in mode 2, the planner's 4 x 256 and 4 x 512 in mode 1,
         // and 8 x 512 and 4 x 1024 always (one CTA per SM, FLA's N = 32768 shape: uncapped, their 156 /
         // 71 registers per thread would not launch)
@@ -410,9 +415,9 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
           else if (wide) capped(IC<4>{}, IC<16>{}, IC<2>{});
           else capped(IC<4>{}, IC<8>{}, IC<4>{});
         } else if (plan.row1_vecs == 8) {
-          go(IC<8>{}, IC<16>{}, L1{}, IC<8>{});  // forced only
+          deep(IC<8>{}, IC<8>{}, IC<0>{});  // forced only
         } else if (plan.row1_vecs == 4) {
-          wide ? go(IC<4>{}, IC<16>{}, L1{}, IC<16>{}) : go(IC<4>{}, IC<16>{}, L1{}, IC<8>{});
+          wide ? deep(IC<4>{}, IC<16>{}, IC<0>{}) : deep(IC<4>{}, IC<8>{}, IC<0>{});
         } else {
           plan.row1_vecs == 2 ? by_vb(IC<2>{}) : by_vb(IC<1>{});
         }
