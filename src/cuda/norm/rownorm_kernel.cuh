@@ -298,6 +298,9 @@ __device__ __forceinline__ void row1_store(T* row, int col, const float (&v)[VB 
 // across the barriers) instead of with x. W: warp slots of the sums (8: up to 256 threads, 16: 512, 32: 1024). NC:
 // loads through ld.global.nc (else plain ld.global).
 // MINB: CTAs per SM the registers must allow (__launch_bounds__'s second argument; 0: no cap, no .minnctapersm).
+// PD (with LATE): 0 loads all the raw parameters after the sums; d > 0 loads the first d vectors' during the second
+// sum and vector k + d's before vector k's output, so at most d + 1 vectors' parameters are live beside x (A/B,
+// set_rownorm_fwd_row1_prefetch: 4 x 128 71 -> 62 registers at d = 1).
 template <typename T, bool RAW_PAR, int VPT, int VB = 16, bool LATE = false, int W = 8, bool NC = true, int MINB = 0,
           int PD = 0>
 __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const RowNormParams p) {
