@@ -470,6 +470,7 @@ TEST_P(NormCudaRow1Shapes, ForcedShapesMatchReference) {
             check_case(op, dt, n, groups * 9, Layout::padded, Params::io);
           }
           SCOPED_TRACE("parameters prefetched, uncapped");
+          const ScopedSwitch<int> uncapped(&fastweight::detail::set_rownorm_fwd_row1_capped, 0);
           const ScopedSwitch<bool> pf(&fastweight::detail::set_rownorm_fwd_row1_prefetch, true);
           fastweight::detail::force_rownorm_fwd_row1_config({tpr, vb, late, false});
           check_case(op, dt, n, groups * 9, Layout::padded, Params::io);
