@@ -389,16 +389,15 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         auto by_w = [&](auto vpt, auto vb, auto late) { wide ? go(vpt, vb, late, IC<32>{}) : go(vpt, vb, late, IC<8>{}); };
         auto by_late = [&](auto vpt, auto vb) { plan.row1_late ? by_w(vpt, vb, L1{}) : by_w(vpt, vb, L0{}); };
         auto by_vb = [&](auto vpt) { plan.row1_vb == 8 ? by_late(vpt, IC<8>{}) : by_late(vpt, IC<16>{}); };
-        // registers capped (set_rownorm_fwd_row1_capped): <VPT, warp slots, CTAs per SM>
-        // the 4- and 8-vector instances: <VPT, warp slots, CTAs per SM (0: uncapped)>, their parameters
-        // all loaded after the sums or one vector ahead of the output (set_rownorm_fwd_row1_prefetch)
+        // the 4- and 8-vector instances: <VPT, warp slots, CTAs per SM (0: uncapped; else registers capped,
+        // set_rownorm_fwd_row1_capped)>, their parameters all loaded after the sums or one vector ahead of
+        // the output (set_rownorm_fwd_row1_prefetch)
         const bool prefetch = rownorm_fwd_row1_prefetch();
         auto deep = [&](auto vpt, auto w, auto minb) {
           constexpr int V = decltype(vpt)::value, Wv = decltype(w)::value, M = decltype(minb)::value;
           if (prefetch) rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M, 1><<<grid, plan.threads, 0, stream>>>(p);
           else rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M><<<grid, plan.threads, 0, stream>>>(p);
         };
-        auto capped = deep;  // (registers capped, set_rownorm_fwd_row1_capped: MINB > 0)
         // capped: every 4- and 8-vector instance in mode 2, the planner's 4 x 256 and 4 x 512 in mode 1,
         // and 8 x 512 and 4 x 1024 always (one CTA per SM, FLA's N = 32768 shape: uncapped, their 156 /
         // 71 registers per thread would not launch)
@@ -408,14 +407,14 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
                               (plan.threads == kRow1MaxTpr || plan.threads == 2 * kRow1MaxTpr);
         const bool cap = plan.row1_vecs >= 4 && (cap_mode == 2 || one_per_sm || auto_cap);
         if (cap && plan.row1_vecs == 8) {
-          if (small) capped(IC<8>{}, IC<4>{}, IC<4>{});
-          else if (wide) capped(IC<8>{}, IC<16>{}, IC<1>{});
-          else capped(IC<8>{}, IC<8>{}, IC<2>{});
+          if (small) deep(IC<8>{}, IC<4>{}, IC<4>{});
+          else if (wide) deep(IC<8>{}, IC<16>{}, IC<1>{});
+          else deep(IC<8>{}, IC<8>{}, IC<2>{});
         } else if (cap) {
-          if (small) capped(IC<4>{}, IC<4>{}, IC<8>{});
-          else if (plan.threads > 2 * kRow1MaxTpr) capped(IC<4>{}, IC<32>{}, IC<1>{});
-          else if (wide) capped(IC<4>{}, IC<16>{}, IC<2>{});
-          else capped(IC<4>{}, IC<8>{}, IC<4>{});
+          if (small) deep(IC<4>{}, IC<4>{}, IC<8>{});
+          else if (plan.threads > 2 * kRow1MaxTpr) deep(IC<4>{}, IC<32>{}, IC<1>{});
+          else if (wide) deep(IC<4>{}, IC<16>{}, IC<2>{});
+          else deep(IC<4>{}, IC<8>{}, IC<4>{});
         } else if (plan.row1_vecs == 8) {
           deep(IC<8>{}, IC<8>{}, IC<0>{});  // forced only
         } else if (plan.row1_vecs == 4) {
