@@ -358,9 +358,10 @@ INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBulkUnstaged,
                                             ::testing::Values<std::int64_t>(1000, 8192, 16384, 16392, 24576, 32768)),
                          rows_case_name);
 
-// The planner's defaults for long rows in few rows per SM (set_rownorm_fwd_bulk_long mode 1,
-// set_rownorm_fwd_bulk_hoist mode 1): LayerNorm and RMSNorm take the hoisted unstaged bulk kernel;
-// without the hoist, RMSNorm goes back to the streaming kernel and LayerNorm keeps the unhoisted form.
+// The planner's defaults for long rows in few rows per SM: at N = 32768 the one-row kernel's capped 8 x 512
+// instance (set_rownorm_fwd_row1_long); with that off (set_rownorm_fwd_bulk_long mode 1, set_rownorm_fwd_bulk_hoist
+// mode 1), LayerNorm and RMSNorm take the hoisted unstaged bulk kernel; without the hoist, RMSNorm goes back to the
+// streaming kernel and LayerNorm keeps the unhoisted form.
 TEST(NormCudaBulkLongDefault, FewLongRowsTakeTheHoistedKernel) {
   FW_REQUIRE_GPU();
   const bool hopper = fastweight::detail::cc_major() >= 9;
@@ -368,6 +369,8 @@ TEST(NormCudaBulkLongDefault, FewLongRowsTakeTheHoistedKernel) {
   const ScopedSwitch<int> hoist_mode(&fastweight::detail::set_rownorm_fwd_bulk_hoist, 1);
   for (Op op : {Op::layernorm, Op::rmsnorm}) {
     SCOPED_TRACE(op == Op::layernorm ? "layernorm" : "rmsnorm");
+    check_case(op, DType::bf16, 32768, 5, Layout::padded, Params::io, hopper ? "row1" : nullptr);
+    const ScopedSwitch<bool> no_row1_long(&fastweight::detail::set_rownorm_fwd_row1_long, false);
     check_case(op, DType::bf16, 32768, 5, Layout::padded, Params::io, hopper ? "bulk_unstaged_hoist" : nullptr);
     const ScopedSwitch<int> no_hoist(&fastweight::detail::set_rownorm_fwd_bulk_hoist, 0);
     check_case(op, DType::bf16, 32768, 5, Layout::padded, Params::io,
@@ -377,8 +380,9 @@ TEST(NormCudaBulkLongDefault, FewLongRowsTakeTheHoistedKernel) {
 
 // Aligned 16-bit rows of 33 to 256 vectors in small problems through the one-row-per-CTA forward
 // (rownorm_fwd_row1_kernel), as planned (4 vectors per thread at N 3080..4096 with IO-dtype parameters; 4 x 256 threads,
-// registers capped, at N 6152..8192 and 12296..16384 in capped mode 1, few rows; 8 x 512 at N = 32768 where
-// set_rownorm_fwd_row1_long says so) and with 1 and
+// registers capped, at N 6152..8192 and 12296..16384 in capped mode 1, few rows; 8 x 512 at N 28680..32768 where
+// set_rownorm_fwd_row1_long says so, the default; parameters one vector ahead or not, set_rownorm_fwd_row1_prefetch
+// modes 0 and 2) and with 1 and
 // 2 forced (2: up to 512 vectors): every CTA size it launches (32 to 256 threads; N just past a power of two leaves
 // most of the CTA's threads without a vector), padded and contiguous rows, both parameter instances (IO dtype raw, fp32
 // through load_params_vec), rows in memory order over head norm's and adaLN's parameter groups; and the same rows with
@@ -402,9 +406,9 @@ TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
     check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
                fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
   }
-  for (bool prefetch : {false, true}) {  // the 4- and 8-vector instances' parameters one vector ahead
+  for (int prefetch : {0, 2}) {  // the 4- and 8-vector instances' parameters after the sums / one vector ahead
     SCOPED_TRACE(prefetch ? "parameters prefetched" : "parameters after the sums");
-    const ScopedSwitch<bool> pf(&fastweight::detail::set_rownorm_fwd_row1_prefetch, prefetch);
+    const ScopedSwitch<int> pf(&fastweight::detail::set_rownorm_fwd_row1_prefetch, prefetch);
     if (prefetch && n > 3 * 1024 && n <= 4096) {  // the planner's 4 x 128 instance
       check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
                  fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
@@ -415,7 +419,7 @@ TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
                  fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
       check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);  // fp32 parameters: not raw
     }
-    if (n > 24576) {  // few long rows: the capped 8 x 512 instance (set_rownorm_fwd_row1_long)
+    if (n > 28672) {  // long rows: the capped 8 x 512 instance (set_rownorm_fwd_row1_long)
       const ScopedSwitch<bool> long_rows(&fastweight::detail::set_rownorm_fwd_row1_long, true);
       check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
                  fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
@@ -462,16 +466,16 @@ TEST_P(NormCudaRow1Shapes, ForcedShapesMatchReference) {
         }
         const std::int64_t vpt = (n / 8 + tpr - 1) / tpr;  // 16-byte vectors per thread
         if (vb == 16 && late && (vpt == 4 || vpt == 8)) {  // the register-capped twins (set_rownorm_fwd_row1_capped)
-          for (bool prefetch : {false, true}) {  // and those with the parameters one vector ahead
+          for (int prefetch : {0, 2}) {  // and those with the parameters one vector ahead
             SCOPED_TRACE(prefetch ? "registers capped, parameters prefetched" : "registers capped");
             const ScopedSwitch<int> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, 2);
-            const ScopedSwitch<bool> pf(&fastweight::detail::set_rownorm_fwd_row1_prefetch, prefetch);
+            const ScopedSwitch<int> pf(&fastweight::detail::set_rownorm_fwd_row1_prefetch, prefetch);
             fastweight::detail::force_rownorm_fwd_row1_config({tpr, vb, late, false});
             check_case(op, dt, n, groups * 9, Layout::padded, Params::io);
           }
           SCOPED_TRACE("parameters prefetched, uncapped");
           const ScopedSwitch<int> uncapped(&fastweight::detail::set_rownorm_fwd_row1_capped, 0);
-          const ScopedSwitch<bool> pf(&fastweight::detail::set_rownorm_fwd_row1_prefetch, true);
+          const ScopedSwitch<int> pf(&fastweight::detail::set_rownorm_fwd_row1_prefetch, 2);
           fastweight::detail::force_rownorm_fwd_row1_config({tpr, vb, late, false});
           check_case(op, dt, n, groups * 9, Layout::padded, Params::io);
         }

@@ -89,21 +89,26 @@ int rownorm_fwd_row1_vecs();
 // Returns the previous mode (tests, fastweight_bench --row1-capped=off|auto|on).
 int set_rownorm_fwd_row1_capped(int mode);
 int rownorm_fwd_row1_capped_mode();
-// A/B (compiled only, off): few long rows in the one-row kernel, 8 x 512 threads capped at 128
-// registers (one CTA per SM, FLA's shape): aligned 16-bit rows of 3073..4096 vectors (N 24584..32768)
-// with raw parameters, at most 4 rows per SM, on Hopper, instead of the hoisted bulk kernel (session
-// 38, forced: LayerNorm bf16 512 x 32768 0.0338 -> 0.0295 ms). FW_NORM_ROW1_LONG=1 turns it on at
-// start. Returns the previous setting (tests, fastweight_bench --row1-long=on).
+// Long rows in the one-row kernel, 8 x 512 threads capped at 128 registers (one CTA per SM, FLA's
+// shape): aligned 16-bit rows of 3585..4096 vectors (N 28680..32768) with raw parameters, any number
+// of rows, on Hopper, instead of the bulk kernel (session 39, H200, LayerNorm bf16 x 32768, ms, bulk /
+// 8 x 512: 256 rows 0.0214 / 0.0180, 1024 0.0578 / 0.0516, 4096 0.1956 / 0.1789, 16384 0.7201 /
+// 0.6863; RMSNorm 4096 0.1833 / 0.1684; level at N 28672 and 24584, whose threads idle vectors).
+// On by default; FW_NORM_ROW1_LONG=0 turns it off at start. Returns the previous setting (tests,
+// fastweight_bench --row1-long=off).
 bool set_rownorm_fwd_row1_long(bool on);
 bool rownorm_fwd_row1_long();
-// A/B (compiled only, off): the one-row kernel's 4- and 8-vector instances load their raw parameters
-// one vector ahead of the output (the first during the second sum) instead of all at once after the
-// sums, so at most two vectors' parameters are live beside x. ptxas (sm_90a, bf16): 4 x 128 71 -> 62
-// registers (8 CTAs per SM instead of 7); capped 4 x 256 and 4 x 512 at 64 and 8 x 512 at 128 lose their
-// 20-32 spilled bytes. FW_NORM_ROW1_PREFETCH=1 turns it on at start. Returns the previous setting
-// (tests, fastweight_bench --row1-prefetch=on).
-bool set_rownorm_fwd_row1_prefetch(bool on);
-bool rownorm_fwd_row1_prefetch();
+// The one-row kernel's 4- and 8-vector instances may load their raw parameters one vector ahead of
+// the output (the first during the second sum) instead of all at once after the sums, so at most two
+// vectors' parameters are live beside x. ptxas (sm_90a, bf16): 4 x 128 71 -> 62 registers (8 CTAs per
+// SM instead of 7); capped 4 x 256 and 4 x 512 at 64 and 8 x 512 at 128 lose their 20-32 spilled
+// bytes. Mode 0: none; 1 (the default): the 4-vector instances (session 39, H200, ms, after the sums /
+// ahead: LayerNorm bf16 4096 x 4096 0.0229 / 0.0230, fp16 0.0237 / 0.0228, 4096 x 8192 0.0408 /
+// 0.0398, 32768 x 8192 0.2757 / 0.2686, 256 x 16384 0.0102 / 0.0098; RMSNorm 512 x 16384 0.0160 /
+// 0.0152); 2: the 8-vector ones too (8 x 512 lost: 512 x 32768 0.0297 / 0.0312). FW_NORM_ROW1_PREFETCH=
+// 0|1|2 sets the mode at start. Returns the previous mode (tests, fastweight_bench --row1-prefetch=off|auto|on).
+int set_rownorm_fwd_row1_prefetch(int mode);
+int rownorm_fwd_row1_prefetch_mode();
 // Tests and benchmarks only: force the one-row-per-CTA forward's shape on every aligned 16-bit row it
 // can take: tpr threads (a power of two, 32..1024), vb-byte vectors (8 or 16; vectors per thread
 // follow, 1 or 2), late = parameters loaded after the sums, plain = x and the parameters through

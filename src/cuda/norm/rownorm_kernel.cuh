@@ -293,14 +293,14 @@ __device__ __forceinline__ void row1_store(T* row, int col, const float (&v)[VB 
 // RAW_PAR: parameters in the IO dtype with aligned rows (or none), kept raw; else read after the sums
 // through load_params_vec (fp32 or unaligned parameters; a separate instance: that path's registers would
 // cost the common one 8, 32 -> 40). VPT: vectors per thread (1; 2 or 4: half or a quarter of the threads; 8
-// forced only), columns (k * tpr + tid) * EV + [0, EV). VB: the vectors' bytes (16, or 8 for twice the
+// for 8 x 512 at N 28680..32768), columns (k * tpr + tid) * EV + [0, EV). VB: the vectors' bytes (16, or 8 for twice the
 // threads per row). LATE: the raw parameters loaded after the sums (FLA's order; fewer live registers
 // across the barriers) instead of with x. W: warp slots of the sums (8: up to 256 threads, 16: 512, 32: 1024). NC:
 // loads through ld.global.nc (else plain ld.global).
 // MINB: CTAs per SM the registers must allow (__launch_bounds__'s second argument; 0: no cap, no .minnctapersm).
 // PD (with LATE): 0 loads all the raw parameters after the sums; d > 0 loads the first d vectors' during the second
-// sum and vector k + d's before vector k's output, so at most d + 1 vectors' parameters are live beside x (A/B,
-// set_rownorm_fwd_row1_prefetch: 4 x 128 71 -> 62 registers at d = 1).
+// sum and vector k + d's before vector k's output, so at most d + 1 vectors' parameters are live beside x
+// (set_rownorm_fwd_row1_prefetch, mode 1 the 4-vector instances: 4 x 128 71 -> 62 registers at d = 1).
 template <typename T, bool RAW_PAR, int VPT, int VB = 16, bool LATE = false, int W = 8, bool NC = true, int MINB = 0,
           int PD = 0>
 __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const RowNormParams p) {

@@ -199,10 +199,11 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     plan.cached = true;
     return plan;
   }
-  // few long rows: 8 x 512 capped (set_rownorm_fwd_row1_long, A/B)
+  // long rows: 8 x 512 capped, one CTA per SM (set_rownorm_fwd_row1_long; 5-16% ahead of the bulk kernel at
+  // N = 32768 over 256..16384 rows, level at 24584 and 28672, session 39)
   if (!bwd && sizeof(T) == 2 && al && raw && rownorm_fwd_row1_long() && rownorm_fwd_row1_enabled() &&
-      p.n / E > 12 * kRow1MaxTpr && p.n / E <= 16 * kRow1MaxTpr && p.rows <= 4 * std::int64_t(sm_count()) &&
-      cc_major() >= 9) {
+      rownorm_fwd_row1_vecs() == 0 &&
+      p.n / E > 14 * kRow1MaxTpr && p.n / E <= 16 * kRow1MaxTpr && p.rows <= 0x7fffffff && cc_major() >= 9) {
     plan.cached = true;
     plan.row1 = true, plan.row1_vecs = 8, plan.row1_late = true;
     plan.persistent = false;
@@ -391,11 +392,11 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         auto by_vb = [&](auto vpt) { plan.row1_vb == 8 ? by_late(vpt, IC<8>{}) : by_late(vpt, IC<16>{}); };
         // the 4- and 8-vector instances: <VPT, warp slots, CTAs per SM (0: uncapped; else registers capped,
         // set_rownorm_fwd_row1_capped)>, their parameters all loaded after the sums or one vector ahead of
-        // the output (set_rownorm_fwd_row1_prefetch)
-        const bool prefetch = rownorm_fwd_row1_prefetch();
+        // the output (set_rownorm_fwd_row1_prefetch: mode 1 the 4-vector instances, 2 all)
+        const int pf_mode = rownorm_fwd_row1_prefetch_mode();
         auto deep = [&](auto vpt, auto w, auto minb) {
           constexpr int V = decltype(vpt)::value, Wv = decltype(w)::value, M = decltype(minb)::value;
-          if (prefetch) rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M, 1><<<grid, plan.threads, 0, stream>>>(p);
+          if (pf_mode == 2 || (pf_mode == 1 && V == 4)) rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M, 1><<<grid, plan.threads, 0, stream>>>(p);
           else rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M><<<grid, plan.threads, 0, stream>>>(p);
         };
         // capped: every 4- and 8-vector instance in mode 2, the planner's 4 x 256 and 4 x 512 in mode 1,
