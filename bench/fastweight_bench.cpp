@@ -18,6 +18,7 @@
 //   fastweight_bench --row1-capped=off|auto|on  the one-row forward's register-capped instances (auto: 4 x 256, 4 x 512)
 //   fastweight_bench --row1-long=off         rows of N 28680..32768 not in its capped 8 x 512 instance (on: the default)
 //   fastweight_bench --row1-prefetch=off|auto|on  its 4- and 8-vector instances' parameters one vector ahead (auto: 4)
+//   fastweight_bench --row1-rawx=off|auto|on  its capped instances with x packed (auto, the default: 8 vectors at 2x CTAs; on: +4)
 //   fastweight_bench --row1-cfg=TPR:VB:LATE[:PLAIN]  force its shape on every aligned 16-bit row it can
 //                                            take: threads per row, vector bytes (8|16), parameters after the
 //                                            sums (0|1), ld.global instead of ld.global.nc (0|1)
@@ -173,6 +174,7 @@ struct Options {
   int row1_capped = -1;   // -1: the default
   int row1_long = -1;     // -1: the default
   int row1_prefetch = -1; // -1: the default
+  int row1_rawx = -1;     // -1: the default
   fastweight::detail::Row1Config row1_cfg;  // tpr 0: the planner's choice
   bool dn_no_db2 = false;
   int dn_wy_vbufs = 0;    // 0: the planner's choice
@@ -460,6 +462,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--row1-capped=")) o.row1_capped = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (const char* v = val("--row1-long=")) o.row1_long = on(v) ? 1 : 0;
     else if (const char* v = val("--row1-prefetch=")) o.row1_prefetch = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
+    else if (const char* v = val("--row1-rawx=")) o.row1_rawx = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (const char* v = val("--row1-cfg=")) {
       int late = 0, plain = 0;  // TPR:VB:LATE[:PLAIN]
       if (std::sscanf(v, "%d:%d:%d:%d", &o.row1_cfg.tpr, &o.row1_cfg.vb, &late, &plain) < 3) usage(2);
@@ -507,6 +510,7 @@ int main(int argc, char** argv) {
   if (o.row1_capped >= 0) fastweight::detail::set_rownorm_fwd_row1_capped(o.row1_capped);
   if (o.row1_long >= 0) fastweight::detail::set_rownorm_fwd_row1_long(o.row1_long == 1);
   if (o.row1_prefetch >= 0) fastweight::detail::set_rownorm_fwd_row1_prefetch(o.row1_prefetch);
+  if (o.row1_rawx >= 0) fastweight::detail::set_rownorm_fwd_row1_rawx(o.row1_rawx);
   if (o.row1_cfg.tpr) fastweight::detail::force_rownorm_fwd_row1_config(o.row1_cfg);
   if (o.dn_no_db2) fastweight::detail::set_deltanet_bwd_serial_db2(false);
   if (o.dn_wy_vbufs) fastweight::detail::set_deltanet_wy_vbufs(o.dn_wy_vbufs);

@@ -10,6 +10,7 @@
 //  - launched on a non-default stream.
 // Skipped (not passed) where no GPU is present.
 #include <algorithm>
+#include <functional>
 #include <tuple>
 
 #include "cuda/common/check.cuh"
@@ -154,8 +155,9 @@ struct NormCuda : ::testing::TestWithParam<CaseParam> {};
 
 // One case: fwd + bwd of (op, dtype, rows x n) twice on the device against the float64 reference.
 // expect_kernel: the forward kernel the case must have run (rownorm_fwd_last_kernel), where given.
+// before_second: called between the two runs (a switch to another instance that must give the same bits).
 void check_case(Op op, DType dt, std::int64_t n, std::int64_t rows, Layout layout, Params params,
-                const char* expect_kernel = nullptr) {
+                const char* expect_kernel = nullptr, const std::function<void()>& before_second = {}) {
   const Problem pb = make_problem(op, rows, n);
   const bool rms = op == Op::rmsnorm;
   const bool has_w = params != Params::none || op == Op::adalayernorm, has_b = has_w && pb.has_b;
@@ -185,6 +187,7 @@ void check_case(Op op, DType dt, std::int64_t n, std::int64_t rows, Layout layou
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   const Outputs o1 = run_device(pb, x, w, b, dy, has_w, has_b, layout, eps, offset, stream);
+  if (before_second) before_second();
   const Outputs o2 = run_device(pb, x, w, b, dy, has_w, has_b, layout, eps, offset, stream);
   cudaStreamDestroy(stream);
 
@@ -413,7 +416,7 @@ TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
       check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
                  fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
     }
-    if (n > 6144 && n <= 16384) {  // rows of 769..1024 / 1537..2048 vectors: the planner's 4 x 256 / 4 x 512, capped
+    if (n > 6144 && n <= 16384) {  // rows of 769..1024 / 1537..2048 vectors: the planner's 4 x 256 / 4 x 512, capped (8 x 256, x packed, past 1792)
       const ScopedSwitch<int> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, 1);
       check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
                  fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
@@ -424,6 +427,11 @@ TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
       check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
                  fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
       check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);  // fp32 parameters: not raw
+      // x kept packed, 2 CTAs per SM (set_rownorm_fwd_row1_rawx): the same bits as the instance above
+      const ScopedSwitch<int> rawx(&fastweight::detail::set_rownorm_fwd_row1_rawx, 0);
+      check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
+                 fastweight::detail::cc_major() >= 9 ? "row1" : nullptr,
+                 [] { fastweight::detail::set_rownorm_fwd_row1_rawx(1); });
     }
   }
   struct Restore {
@@ -440,7 +448,8 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1,
 // The one-row-per-CTA forward in every forced shape (force_rownorm_fwd_row1_config): 64 to 1024 threads per row, 8- and
 // 16-byte vectors (1 or 2 per thread as the shape implies; 4 and 8 with 16-byte vectors loaded after the sums),
 // parameters loaded with x or after the sums; the 8-warp and 32-warp sum trees; plain ld.global loads; the 4- and
-// 8-vector shapes again with registers capped and with their parameters one vector ahead (set_rownorm_fwd_row1_prefetch).
+// 8-vector shapes again with registers capped and with their parameters one vector ahead (set_rownorm_fwd_row1_prefetch),
+// and with x kept packed (set_rownorm_fwd_row1_rawx; capped: the same bits as without).
 // Shapes it cannot take go to the planner's kernel (also checked). Padded rows, IO-dtype parameters (the instances' only
 // kind).
 struct NormCudaRow1Shapes : ::testing::TestWithParam<BulkParam> {};
@@ -470,6 +479,22 @@ TEST_P(NormCudaRow1Shapes, ForcedShapesMatchReference) {
             SCOPED_TRACE(prefetch ? "registers capped, parameters prefetched" : "registers capped");
             const ScopedSwitch<int> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, 2);
             const ScopedSwitch<int> pf(&fastweight::detail::set_rownorm_fwd_row1_prefetch, prefetch);
+            fastweight::detail::force_rownorm_fwd_row1_config({tpr, vb, late, false});
+            check_case(op, dt, n, groups * 9, Layout::padded, Params::io);
+          }
+          {  // x kept packed (set_rownorm_fwd_row1_rawx mode 2; the 8-vector shapes at twice the CTAs per SM): the
+             // same bits as the capped instance without
+            SCOPED_TRACE("registers capped, x packed");
+            const ScopedSwitch<int> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, 2);
+            const ScopedSwitch<int> rawx(&fastweight::detail::set_rownorm_fwd_row1_rawx, 0);
+            fastweight::detail::force_rownorm_fwd_row1_config({tpr, vb, late, false});
+            check_case(op, dt, n, groups * 9, Layout::padded, Params::io, nullptr,
+                       [] { fastweight::detail::set_rownorm_fwd_row1_rawx(2); });
+          }
+          if (vpt == 4) {  // the uncapped 4-vector shapes x packed (48 registers at 4 x 128)
+            SCOPED_TRACE("uncapped, x packed");
+            const ScopedSwitch<int> uncapped(&fastweight::detail::set_rownorm_fwd_row1_capped, 0);
+            const ScopedSwitch<int> rawx(&fastweight::detail::set_rownorm_fwd_row1_rawx, 2);
             fastweight::detail::force_rownorm_fwd_row1_config({tpr, vb, late, false});
             check_case(op, dt, n, groups * 9, Layout::padded, Params::io);
           }

@@ -301,8 +301,11 @@ __device__ __forceinline__ void row1_store(T* row, int col, const float (&v)[VB 
 // PD (with LATE): 0 loads all the raw parameters after the sums; d > 0 loads the first d vectors' during the second
 // sum and vector k + d's before vector k's output, so at most d + 1 vectors' parameters are live beside x
 // (set_rownorm_fwd_row1_prefetch, mode 1 the 4-vector instances: 4 x 128 71 -> 62 registers at d = 1).
+// RX: x kept packed (raw vectors) across the sums and unpacked at each use, instead of held as fp32: VPT * EV / 2
+// registers instead of VPT * EV, so the 8-vector instances may cap at 64 (A/B, set_rownorm_fwd_row1_rawx). The
+// same sums in the same order (a vector's tree, then the tree over vectors), so the same bits.
 template <typename T, bool RAW_PAR, int VPT, int VB = 16, bool LATE = false, int W = 8, bool NC = true, int MINB = 0,
-          int PD = 0>
+          int PD = 0, bool RX = false>
 __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const RowNormParams p) {
   static_assert(PD == 0 || (RAW_PAR && LATE), "parameter prefetch: raw parameters after the sums");
   constexpr int EV = VB / int(sizeof(T));
@@ -333,32 +336,63 @@ __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const Ro
 #pragma unroll
   for (int k = 0; k < VPT; ++k) xr[k] = row1_load<T, VB, NC>(xrow, (k * tpr + int(threadIdx.x)) * EV, n);
   if constexpr (RAW_PAR && !LATE) load_par();
-  float xf[VPT][EV];  // (VPT, EV) fp32, 0 past the row end
+  float xf[RX ? 1 : VPT][EV];  // (VPT, EV) fp32, 0 past the row end (RX: unpacked from xr at each use)
+  if constexpr (!RX) {
 #pragma unroll
-  for (int k = 0; k < VPT; ++k) row1_unpack<T, VB>(xr[k], xf[k]);
+    for (int k = 0; k < VPT; ++k) row1_unpack<T, VB>(xr[k], xf[k]);
+  }
+  // RX: the tree over a thread's VPT x EV values of value_of(k, f) (vector k): each vector's tree, then the tree
+  // over vectors (tree_sum's halving order: the same bits as the other instances' one tree over all)
+  auto rx_sum = [&](auto&& value_of) {
+    float s[VPT];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      float f[EV];
+      value_of(k, f);
+      s[k] = tree_sum<EV>(f);
+    }
+    return tree_sum<VPT>(s);
+  };
+  auto rx_x = [&](int k, float (&f)[EV]) { row1_unpack<T, VB>(xr[k], f); };
   // the slots of warps this CTA does not have stay zero (written before the first barrier, by
   // threads other than the writers of live slots)
   const int nw = tpr >> 5;
   if (int(threadIdx.x) >= nw && threadIdx.x < W) s_part[0][threadIdx.x] = s_part[1][threadIdx.x] = 0.f;
   const float inv_n = 1.f / float(n);
   float mean = 0.f;
-  if (!p.rms) mean = row1_cta_sum<W>(tree_sum<VPT * EV>(&xf[0][0]), s_part[0]) * inv_n;
-  else __syncthreads();  // the zeros above before the one sum's reads
-  float sq[VPT][EV];  // (VPT, EV) (x - mean)^2, 0 past the row end
-#pragma unroll
-  for (int k = 0; k < VPT; ++k) {
+  if (!p.rms) {
+    float s;
+    if constexpr (RX) s = rx_sum(rx_x);
+    else s = tree_sum<VPT * EV>(&xf[0][0]);
+    mean = row1_cta_sum<W>(s, s_part[0]) * inv_n;
+  } else {
+    __syncthreads();  // the zeros above before the one sum's reads
+  }
+  // (x - mean)^2 of vector k, 0 past the row end
+  auto sq_of = [&](int k, float (&f)[EV]) {
     const bool in = (k * tpr + int(threadIdx.x)) * EV < n;
 #pragma unroll
     for (int e = 0; e < EV; ++e) {
-      const float d = xf[k][e] - mean;
-      sq[k][e] = in ? d * d : 0.f;
+      const float d = (RX ? f[e] : xf[k][e]) - mean;
+      f[e] = in ? d * d : 0.f;
     }
+  };
+  float sq[RX ? 1 : VPT][EV];  // (VPT, EV) (x - mean)^2 (RX: computed at the sum)
+  if constexpr (!RX) {
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) sq_of(k, sq[k]);
   }
   if constexpr (PD > 0) {  // the first PD vectors' parameters in flight across the second sum
 #pragma unroll
     for (int k = 0; k < (PD < VPT ? PD : VPT); ++k) load_par_k(k);
   }
-  const float rstd = rsqrtf(row1_cta_sum<W>(tree_sum<VPT * EV>(&sq[0][0]), s_part[1]) * inv_n + p.eps);
+  float ss;
+  if constexpr (RX) {
+    ss = rx_sum([&](int k, float (&f)[EV]) { rx_x(k, f), sq_of(k, f); });
+  } else {
+    ss = tree_sum<VPT * EV>(&sq[0][0]);
+  }
+  const float rstd = rsqrtf(row1_cta_sum<W>(ss, s_part[1]) * inv_n + p.eps);
   if constexpr (RAW_PAR && LATE && PD == 0) load_par();
   T* yrow = static_cast<T*>(p.y) + p.y_rows.offset32(r);
 #pragma unroll
@@ -368,7 +402,8 @@ __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const Ro
     }
     const int col = (k * tpr + int(threadIdx.x)) * EV;
     if (col >= n) continue;
-    float sc[EV], bi[EV], out[EV];
+    float sc[EV], bi[EV], out[EV], xk[EV];
+    if constexpr (RX) rx_x(k, xk);
     if constexpr (RAW_PAR) {
       row1_unpack<T, VB>(wr[k], sc);
       row1_unpack<T, VB>(br[k], bi);  // zeros without bias
@@ -378,7 +413,7 @@ __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const Ro
       load_params_vec<T, true>(p, g, col, n, sc, bi);
     }
 #pragma unroll
-    for (int e = 0; e < EV; ++e) out[e] = (xf[k][e] - mean) * rstd * sc[e] + bi[e];
+    for (int e = 0; e < EV; ++e) out[e] = ((RX ? xk[e] : xf[k][e]) - mean) * rstd * sc[e] + bi[e];
     row1_store<T, VB>(yrow, col, out);
   }
   if (threadIdx.x == 0) {

@@ -253,15 +253,19 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       const bool deep_cap = capped_ok && ((nvec > 3 * kRow1MaxTpr && nvec <= 4 * kRow1MaxTpr &&
                                            (p.rows <= 4 * sms || p.rows >= 24 * sms)) ||
                                           (nvec > 6 * kRow1MaxTpr && nvec <= 8 * kRow1MaxTpr && p.rows <= 4 * sms));
-      const int vpt1 = deep1 || deep_cap ? 4 : forced1 == 2 || (forced1 == 0 && nvec > 128) ? 2 : 1;
+      // rows of 1793..2048 vectors (N 14344..16384), any rows: 8 x 256 with x packed, 4 CTAs per SM
+      // (set_rownorm_fwd_row1_rawx; session 39: 4096 x 16384 0.0798 bulk -> 0.0741, 512 x 16384 0.0161 (4 x 512) -> 0.0148)
+      const bool deep8 = capped_ok && rownorm_fwd_row1_rawx_mode() >= 1 && cc_major() >= 9 &&
+                         nvec > 7 * kRow1MaxTpr && nvec <= 8 * kRow1MaxTpr;
+      const int vpt1 = deep8 ? 8 : deep1 || deep_cap ? 4 : forced1 == 2 || (forced1 == 0 && nvec > 128) ? 2 : 1;
       const int tpr1 = next_pow2((nvec + vpt1 - 1) / vpt1);
       const std::int64_t bulk_groups = sms * (kBulkThreads / next_pow2((nvec + 3) / 4));
       const bool wide_rows = nvec > kRow1MaxTpr;  // 257..512 vectors: Hopper, against the bulk kernel
       if (sizeof(T) == 2 && al && nvec > 32 &&
-          nvec <= (forced1 ? vpt1 : deep_cap ? 8 : wide_rows ? 2 : 1) * kRow1MaxTpr && rownorm_fwd_row1_enabled() &&
+          nvec <= (forced1 ? vpt1 : deep_cap || deep8 ? 8 : wide_rows ? 2 : 1) * kRow1MaxTpr && rownorm_fwd_row1_enabled() &&
           p.rows <= 0x7fffffff &&  // a CTA per row, 32-bit rows
           (forced1 != 0 ||
-           (wide_rows ? cc_major() >= 9 && (deep_cap || p.rows <= (deep1 ? 16 : 8) * bulk_groups)
+           (wide_rows ? cc_major() >= 9 && (deep_cap || deep8 || p.rows <= (deep1 ? 16 : 8) * bulk_groups)
                       : p.rows <= 4 * bulk_groups))) {
         plan.row1 = true;
         plan.row1_vecs = vpt1;
@@ -393,9 +397,16 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         // the 4- and 8-vector instances: <VPT, warp slots, CTAs per SM (0: uncapped; else registers capped,
         // set_rownorm_fwd_row1_capped)>, their parameters all loaded after the sums or one vector ahead of
         // the output (set_rownorm_fwd_row1_prefetch: mode 1 the 4-vector instances, 2 all)
-        const int pf_mode = rownorm_fwd_row1_prefetch_mode();
+        // (and x kept packed, set_rownorm_fwd_row1_rawx: mode 2 the 4-vector instances, parameters one ahead)
+        const int pf_mode = rownorm_fwd_row1_prefetch_mode(), rx_mode = rownorm_fwd_row1_rawx_mode();
         auto deep = [&](auto vpt, auto w, auto minb) {
           constexpr int V = decltype(vpt)::value, Wv = decltype(w)::value, M = decltype(minb)::value;
+          if constexpr (V == 4) {
+            if (rx_mode == 2) {
+              rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M, 1, true><<<grid, plan.threads, 0, stream>>>(p);
+              return;
+            }
+          }
           if (pf_mode == 2 || (pf_mode == 1 && V == 4)) rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M, 1><<<grid, plan.threads, 0, stream>>>(p);
           else rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M><<<grid, plan.threads, 0, stream>>>(p);
         };
@@ -404,10 +415,20 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         // 71 registers per thread would not launch)
         const int cap_mode = rownorm_fwd_row1_capped_mode();
         const bool small = plan.threads <= 128, one_per_sm = plan.threads * plan.row1_vecs > 8 * kRow1MaxTpr;
-        const bool auto_cap = cap_mode == 1 && plan.row1_vecs == 4 &&
-                              (plan.threads == kRow1MaxTpr || plan.threads == 2 * kRow1MaxTpr);
+        const bool auto_cap = cap_mode == 1 && ((plan.row1_vecs == 4 && (plan.threads == kRow1MaxTpr ||
+                                                                         plan.threads == 2 * kRow1MaxTpr)) ||
+                                                (plan.row1_vecs == 8 && rx_mode >= 1));
         const bool cap = plan.row1_vecs >= 4 && (cap_mode == 2 || one_per_sm || auto_cap);
-        if (cap && plan.row1_vecs == 8) {
+        // the capped 8-vector instances with x packed at twice the CTAs per SM (rawx modes 1, 2): 64 registers
+        auto rx8 = [&](auto w, auto minb) {
+          rownorm_fwd_row1_kernel<T, true, 8, 16, true, decltype(w)::value, true, decltype(minb)::value, 1, true>
+              <<<grid, plan.threads, 0, stream>>>(p);
+        };
+        if (cap && plan.row1_vecs == 8 && rx_mode >= 1) {
+          if (small) rx8(IC<4>{}, IC<8>{});
+          else if (wide) rx8(IC<16>{}, IC<2>{});
+          else rx8(IC<8>{}, IC<4>{});
+        } else if (cap && plan.row1_vecs == 8) {
           if (small) deep(IC<8>{}, IC<4>{}, IC<4>{});
           else if (wide) deep(IC<8>{}, IC<16>{}, IC<1>{});
           else deep(IC<8>{}, IC<8>{}, IC<2>{});
