@@ -383,10 +383,10 @@ TEST(NormCudaBulkLongDefault, FewLongRowsTakeTheHoistedKernel) {
 
 // Aligned 16-bit rows of 33 to 256 vectors in small problems through the one-row-per-CTA forward
 // (rownorm_fwd_row1_kernel), as planned (4 vectors per thread at N 3080..4096 with IO-dtype parameters; 4 x 256 threads,
-// registers capped, at N 6152..8192 and 12296..16384 in capped mode 1, few rows; 8 x 512 at N 28680..32768 where
-// set_rownorm_fwd_row1_long says so, the default; parameters one vector ahead or not, set_rownorm_fwd_row1_prefetch
-// modes 0 and 2) and with 1 and
-// 2 forced (2: up to 512 vectors): every CTA size it launches (32 to 256 threads; N just past a power of two leaves
+// registers capped, at N 6152..8192 and 12296..16384 in capped mode 1, few rows; 8 x 256 with x packed at N
+// 14344..16384 past 2 rows per SM; 8 x 512 at N 28680..32768 where set_rownorm_fwd_row1_long says so, the default, x
+// packed or not; parameters one vector ahead or not, set_rownorm_fwd_row1_prefetch modes 0 and 2) and with 1 and 2
+// forced (2: up to 512 vectors): every CTA size it launches (32 to 256 threads; N just past a power of two leaves
 // most of the CTA's threads without a vector), padded and contiguous rows, both parameter instances (IO dtype raw, fp32
 // through load_params_vec), rows in memory order over head norm's and adaLN's parameter groups; and the same rows with
 // it switched off (bulk / persistent kernels).
@@ -416,7 +416,8 @@ TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
       check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
                  fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
     }
-    if (n > 6144 && n <= 16384) {  // rows of 769..1024 / 1537..2048 vectors: the planner's 4 x 256 / 4 x 512, capped (8 x 256, x packed, past 1792)
+    // rows of 769..1024 / 1537..2048 vectors: the planner's 4 x 256 / 4 x 512, capped (these few rows)
+    if (n > 6144 && n <= 16384) {
       const ScopedSwitch<int> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, 1);
       check_case(op, dt, n, groups * 37, Layout::padded, Params::io,
                  fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
@@ -433,6 +434,11 @@ TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
                  fastweight::detail::cc_major() >= 9 ? "row1" : nullptr,
                  [] { fastweight::detail::set_rownorm_fwd_row1_rawx(1); });
     }
+  }
+  if (n > 14336 && n <= 16384) {  // more than 2 rows per SM: the planner's 8 x 256 with x packed (rawx mode 1)
+    const std::int64_t sms = fastweight::detail::sm_count();
+    check_case(op, dt, n, groups * (2 * sms / groups + 3), Layout::padded, Params::io,
+               fastweight::detail::cc_major() >= 9 ? "row1" : nullptr);
   }
   struct Restore {
     bool prev;

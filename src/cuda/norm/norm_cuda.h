@@ -113,12 +113,13 @@ int rownorm_fwd_row1_prefetch_mode();
 // parameters one vector ahead. ptxas (sm_90a, bf16): 8 vectors x 512 / 256 / 128 threads fit 64 registers (4
 // spilled bytes), so twice the CTAs per SM (2 / 4 / 8: at N = 32768 a second row per SM in flight); 4 x 128
 // uncapped 62 -> 48 registers. Mode 1 (the default): the capped 8-vector instances at twice the CTAs per SM, and
-// the planner gives aligned 16-bit rows of 1793..2048 vectors (N 14344..16384) with raw parameters on Hopper to
-// 8 x 256 (session 39, H200, ms, before / x packed: LayerNorm bf16 512 x 32768 0.0295 / 0.0280, 4096 x 32768
-// 0.1781 / 0.1447, fp16 0.1773 / 0.1406; RMSNorm 512 x 32768 0.0280 / 0.0248, 4096 x 32768 0.1676 / 0.1379;
-// 4096 x 16384 0.0798 (bulk) / 0.0741, 512 x 16384 0.0161 (4 x 512) / 0.0148); 2: also the 4-vector instances
-// at their own caps (lost 1-3%: 4096 x 8192 0.0396 / 0.0406, 4096 x 4096 0.0227 / 0.0230). FW_NORM_ROW1_RAWX=
-// 0|1|2 sets the mode at start. Returns the previous mode (tests, fastweight_bench --row1-rawx=off|auto|on).
+// the planner gives aligned 16-bit rows of 1793..2048 vectors (N 14344..16384) with raw parameters on Hopper,
+// more than 2 rows per SM, to 8 x 256. Session 39, H200, ms, before / x packed: LayerNorm bf16 512 x 32768
+// 0.0295 / 0.0280, 4096 x 32768 0.1781 / 0.1447, fp16 0.1773 / 0.1406; RMSNorm 512 x 32768 0.0280 / 0.0248,
+// 4096 x 32768 0.1676 / 0.1379; 4096 x 16384 0.0798 (bulk) / 0.0741, 512 x 16384 0.0161 (4 x 512) / 0.0148.
+// Mode 2: also the 4-vector instances at their own caps (lost 1-3%: 4096 x 8192 0.0396 / 0.0406, 4096 x 4096
+// 0.0227 / 0.0230). FW_NORM_ROW1_RAWX=0|1|2 sets the mode at start. Returns the previous mode (tests,
+// fastweight_bench --row1-rawx=off|auto|on).
 int set_rownorm_fwd_row1_rawx(int mode);
 int rownorm_fwd_row1_rawx_mode();
 // Tests and benchmarks only: force the one-row-per-CTA forward's shape on every aligned 16-bit row it

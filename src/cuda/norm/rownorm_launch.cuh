@@ -253,10 +253,12 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       const bool deep_cap = capped_ok && ((nvec > 3 * kRow1MaxTpr && nvec <= 4 * kRow1MaxTpr &&
                                            (p.rows <= 4 * sms || p.rows >= 24 * sms)) ||
                                           (nvec > 6 * kRow1MaxTpr && nvec <= 8 * kRow1MaxTpr && p.rows <= 4 * sms));
-      // rows of 1793..2048 vectors (N 14344..16384), any rows: 8 x 256 with x packed, 4 CTAs per SM
-      // (set_rownorm_fwd_row1_rawx; session 39: 4096 x 16384 0.0798 bulk -> 0.0741, 512 x 16384 0.0161 (4 x 512) -> 0.0148)
+      // rows of 1793..2048 vectors (N 14344..16384) from 2 rows per SM on: 8 x 256 with x packed, 4 CTAs per
+      // SM (set_rownorm_fwd_row1_rawx; session 39, x 16384: 4096 rows 0.0798 bulk -> 0.0741, 16384 0.2828 ->
+      // 0.2685, RMSNorm 4096 0.0779 -> 0.0716; 512 rows 0.0161 (4 x 512) -> 0.0148; not at 256 rows: 0.0098
+      // (4 x 512) / 0.0112, whose rows keep the 4 x 512 rule above)
       const bool deep8 = capped_ok && rownorm_fwd_row1_rawx_mode() >= 1 && cc_major() >= 9 &&
-                         nvec > 7 * kRow1MaxTpr && nvec <= 8 * kRow1MaxTpr;
+                         nvec > 7 * kRow1MaxTpr && nvec <= 8 * kRow1MaxTpr && p.rows > 2 * sms;
       const int vpt1 = deep8 ? 8 : deep1 || deep_cap ? 4 : forced1 == 2 || (forced1 == 0 && nvec > 128) ? 2 : 1;
       const int tpr1 = next_pow2((nvec + vpt1 - 1) / vpt1);
       const std::int64_t bulk_groups = sms * (kBulkThreads / next_pow2((nvec + 3) / 4));
