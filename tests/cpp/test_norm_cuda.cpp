@@ -517,6 +517,51 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1Shapes,
                                             ::testing::Values<std::int64_t>(264, 1000, 2048, 4096, 16384, 32768)),
                          rows_case_name);
 
+// The one-row forward's CTAs need not be a power of two: any multiple of 32 threads (its sums run over whole warps and
+// zero the other warp slots). Forced shapes that give every thread its vectors at hidden sizes whose rows a power of
+// two would leave partly idle (N 3072 .. 28672: tpr = 16-byte vectors / VPT, a multiple of 32): the default modes,
+// every capped instance (mode 2), and, for 4 and 8 vectors, x packed against the instance without (the same bits).
+// Padded rows, IO-dtype parameters (the deep instances' only kind).
+struct NormCudaRow1Tight : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaRow1Tight, WholeWarpShapesMatchReference) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
+  struct Restore {
+    fastweight::detail::Row1Config prev;
+    ~Restore() { fastweight::detail::force_rownorm_fwd_row1_config(prev); }
+  } restore{fastweight::detail::rownorm_fwd_row1_config()};
+  const std::int64_t nvec = n / 8;
+  int shapes = 0;
+  for (int vpt : {2, 4, 8}) {
+    if (nvec % vpt != 0 || (nvec / vpt) % 32 != 0 || nvec / vpt > 1024 || nvec / vpt == 256 || nvec / vpt == 512)
+      continue;  // (whole warps, not a power of two)
+    const int tpr = int(nvec / vpt);
+    ++shapes;
+    SCOPED_TRACE("row1 shape: " + std::to_string(tpr) + " threads x " + std::to_string(vpt) + " vectors");
+    fastweight::detail::force_rownorm_fwd_row1_config({tpr, 16, true, false});
+    const bool deep_default = vpt <= 2 || tpr <= (vpt == 8 ? 512 : 2048 / vpt);  // taken in the default modes
+    check_case(op, dt, n, groups * 9, Layout::padded, Params::io, deep_default ? "row1" : nullptr);
+    {
+      SCOPED_TRACE("every instance capped");
+      const ScopedSwitch<int> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, 2);
+      check_case(op, dt, n, groups * 9, Layout::padded, Params::io, "row1");
+      if (vpt >= 4) {
+        SCOPED_TRACE("x packed against not");
+        const ScopedSwitch<int> rawx(&fastweight::detail::set_rownorm_fwd_row1_rawx, 0);
+        check_case(op, dt, n, groups * 9, Layout::padded, Params::io, "row1",
+                   [] { fastweight::detail::set_rownorm_fwd_row1_rawx(2); });
+      }
+    }
+  }
+  EXPECT_GT(shapes, 0) << "no whole-warp shape at n = " << n;
+}
+INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1Tight,
+                         ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
+                                            ::testing::Values<std::int64_t>(3072, 5120, 6144, 7168, 12288, 24576,
+                                                                            28672)),
+                         rows_case_name);
+
 // Rows whose leading dims do not merge into one stride (Layout::gapped: head norm (rows / NH, NH, N),
 // adaLN (B, S, N) with a gap row after each run of NH / S rows): the general row indexing of every
 // forward (one-row-per-CTA, bulk, persistent / streaming) and backward (cached, ring, long-row) kernel.

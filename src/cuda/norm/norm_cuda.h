@@ -123,7 +123,7 @@ int rownorm_fwd_row1_prefetch_mode();
 int set_rownorm_fwd_row1_rawx(int mode);
 int rownorm_fwd_row1_rawx_mode();
 // Tests and benchmarks only: force the one-row-per-CTA forward's shape on every aligned 16-bit row it
-// can take: tpr threads (a power of two, 32..1024), vb-byte vectors (8 or 16; vectors per thread
+// can take: tpr threads (a multiple of 32, 32..1024; the planner's are powers of two), vb-byte vectors (8 or 16; vectors per thread
 // follow, 1 or 2), late = parameters loaded after the sums, plain = x and the parameters through
 // ld.global instead of ld.global.nc (only with 16-byte vectors, late, up to 256 threads). tpr 0: the
 // planner's choice. Returns the previous setting.

@@ -179,8 +179,10 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       const bool plain_ok = !fc.plain || (fc.vb == 16 && fc.late && fc.tpr <= kRow1MaxTpr);
       // 4 or 8 vectors per thread: 16-byte vectors, raw parameters after the sums (A/B, session 37)
       // (4: up to 512 threads, 8: up to 256; twice that with every instance capped (mode 2): one CTA
-      // per SM at 64 / 128 registers, where the uncapped 71 / 156 would not launch)
-      const int deep_max = (rownorm_fwd_row1_capped_mode() == 2 ? 4096 : 2048) / int(vpt);
+      // per SM at 64 / 128 registers, where the uncapped 71 / 156 would not launch; 8 with x packed (rawx
+      // modes 1, 2) is always capped)
+      const bool all_capped = rownorm_fwd_row1_capped_mode() == 2 || (vpt == 8 && rownorm_fwd_row1_rawx_mode() >= 1);
+      const int deep_max = (all_capped ? 4096 : 2048) / int(vpt);
       const bool deep_ok = vpt <= 2 || ((vpt == 4 || vpt == 8) && fc.tpr <= deep_max && raw && fc.vb == 16 &&
                                         fc.late && !fc.plain);
       if (deep_ok && nv > fc.tpr / 2 && plain_ok &&
