@@ -458,15 +458,17 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1,
 // and with x kept packed (set_rownorm_fwd_row1_rawx; capped: the same bits as without).
 // Shapes it cannot take go to the planner's kernel (also checked). Padded rows, IO-dtype parameters (the instances' only
 // kind).
+// Restores the forced one-row shape (force_rownorm_fwd_row1_config) at scope exit.
+struct RestoreRow1Config {
+  fastweight::detail::Row1Config prev = fastweight::detail::rownorm_fwd_row1_config();
+  ~RestoreRow1Config() { fastweight::detail::force_rownorm_fwd_row1_config(prev); }
+};
 struct NormCudaRow1Shapes : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaRow1Shapes, ForcedShapesMatchReference) {
   FW_REQUIRE_GPU();
   const auto [op, dt, n] = GetParam();
   const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
-  struct Restore {
-    fastweight::detail::Row1Config prev;
-    ~Restore() { fastweight::detail::force_rownorm_fwd_row1_config(prev); }
-  } restore{fastweight::detail::rownorm_fwd_row1_config()};
+  const RestoreRow1Config restore;
   for (int tpr : {64, 128, 256, 512, 1024})
     for (int vb : {8, 16})
       for (bool late : {false, true}) {
@@ -527,10 +529,7 @@ TEST_P(NormCudaRow1Tight, WholeWarpShapesMatchReference) {
   FW_REQUIRE_GPU();
   const auto [op, dt, n] = GetParam();
   const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
-  struct Restore {
-    fastweight::detail::Row1Config prev;
-    ~Restore() { fastweight::detail::force_rownorm_fwd_row1_config(prev); }
-  } restore{fastweight::detail::rownorm_fwd_row1_config()};
+  const RestoreRow1Config restore;
   const std::int64_t nvec = n / 8;
   int shapes = 0;
   for (int vpt : {2, 4, 8}) {
