@@ -150,6 +150,15 @@ bool same_view_bits(const HostTensor& a, const HostTensor& b) {
   return true;
 }
 
+// Parameter groups of the row-sweep tests' problems: head norm 4 heads, adaLN 2 samples, else 1 (rows are a multiple).
+std::int64_t param_groups(Op op) { return op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1; }
+
+// Restores the forced one-row shape (force_rownorm_fwd_row1_config) at scope exit.
+struct RestoreRow1Config {
+  fastweight::detail::Row1Config prev = fastweight::detail::rownorm_fwd_row1_config();
+  ~RestoreRow1Config() { fastweight::detail::force_rownorm_fwd_row1_config(prev); }
+};
+
 using CaseParam = std::tuple<Op, DType, std::int64_t, Layout, Params>;
 struct NormCuda : ::testing::TestWithParam<CaseParam> {};
 
@@ -296,7 +305,7 @@ TEST_P(NormCudaBulk, PaddedAlignedRowsMatchReference) {
   while (tpr * 4 < vecs) tpr *= 2;
   const std::int64_t R = 512 / tpr;  // row groups per CTA (kBulkThreads / tpr)
   // head norm's 4 and adaLN's 2 parameter groups (norm_cases.h) each get 3 CTAs
-  const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
+  const std::int64_t groups = param_groups(op);
   const std::int64_t rows = groups * (3 * R * 6 + std::max<std::int64_t>(1, R / 2));
   for (int vpt : {4, 8}) {
     SCOPED_TRACE("bulk vectors per thread " + std::to_string(vpt));
@@ -336,7 +345,7 @@ TEST_P(NormCudaBulkUnstaged, PaddedAlignedRowsMatchReference) {
   std::int64_t tpr = 1;
   while (tpr * 8 < vecs) tpr *= 2;
   const std::int64_t R = 512 / tpr;  // row groups per CTA
-  const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
+  const std::int64_t groups = param_groups(op);
   const std::int64_t rows = groups * (3 * R * 4 + std::max<std::int64_t>(1, R / 2));
   // the path must have run: the unstaged bulk kernel on Hopper (each of these rows is within its reach)
   const char* expect = fastweight::detail::cc_major() >= 9 ? "bulk_unstaged" : nullptr;
@@ -394,7 +403,7 @@ struct NormCudaRow1 : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaRow1, AlignedRowsMatchReference) {
   FW_REQUIRE_GPU();
   const auto [op, dt, n] = GetParam();
-  const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
+  const std::int64_t groups = param_groups(op);
   for (int vpt : {0, 1, 2}) {  // 0: the planner's choice; 1, 2 forced (2 also takes N = 4096)
     SCOPED_TRACE("row1 vectors per thread (0: planner) " + std::to_string(vpt));
     struct RestoreVecs {
@@ -458,16 +467,11 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1,
 // and with x kept packed (set_rownorm_fwd_row1_rawx; capped: the same bits as without).
 // Shapes it cannot take go to the planner's kernel (also checked). Padded rows, IO-dtype parameters (the instances' only
 // kind).
-// Restores the forced one-row shape (force_rownorm_fwd_row1_config) at scope exit.
-struct RestoreRow1Config {
-  fastweight::detail::Row1Config prev = fastweight::detail::rownorm_fwd_row1_config();
-  ~RestoreRow1Config() { fastweight::detail::force_rownorm_fwd_row1_config(prev); }
-};
 struct NormCudaRow1Shapes : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaRow1Shapes, ForcedShapesMatchReference) {
   FW_REQUIRE_GPU();
   const auto [op, dt, n] = GetParam();
-  const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
+  const std::int64_t groups = param_groups(op);
   const RestoreRow1Config restore;
   for (int tpr : {64, 128, 256, 512, 1024})
     for (int vb : {8, 16})
@@ -528,7 +532,7 @@ struct NormCudaRow1Tight : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaRow1Tight, WholeWarpShapesMatchReference) {
   FW_REQUIRE_GPU();
   const auto [op, dt, n] = GetParam();
-  const std::int64_t groups = op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1;
+  const std::int64_t groups = param_groups(op);
   const RestoreRow1Config restore;
   const std::int64_t nvec = n / 8;
   int shapes = 0;

@@ -89,10 +89,10 @@ int rownorm_fwd_row1_vecs();
 // Returns the previous mode (tests, fastweight_bench --row1-capped=off|auto|on).
 int set_rownorm_fwd_row1_capped(int mode);
 int rownorm_fwd_row1_capped_mode();
-// Long rows in the one-row kernel, 8 x 512 threads capped at 128 registers (one CTA per SM, FLA's
-// shape): aligned 16-bit rows of 3585..4096 vectors (N 28680..32768) with raw parameters, any number
+// Long rows in the one-row kernel, 8 x 512 threads (FLA's shape), capped: 2 CTAs per SM at 64 registers
+// with x packed (set_rownorm_fwd_row1_rawx, the default), else 1 at 128: aligned 16-bit rows of 3585..4096 vectors (N 28680..32768) with raw parameters, any number
 // of rows, on Hopper, instead of the bulk kernel (session 39, H200, LayerNorm bf16 x 32768, ms, bulk /
-// 8 x 512: 256 rows 0.0214 / 0.0180, 1024 0.0578 / 0.0516, 4096 0.1956 / 0.1789, 16384 0.7201 /
+// 8 x 512 at 1 CTA per SM: 256 rows 0.0214 / 0.0180, 1024 0.0578 / 0.0516, 4096 0.1956 / 0.1789, 16384 0.7201 /
 // 0.6863; RMSNorm 4096 0.1833 / 0.1684; level at N 28672 and 24584, whose threads idle vectors).
 // On by default; FW_NORM_ROW1_LONG=0 turns it off at start. Returns the previous setting (tests,
 // fastweight_bench --row1-long=off).

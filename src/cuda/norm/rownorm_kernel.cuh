@@ -368,7 +368,7 @@ __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const Ro
   } else {
     __syncthreads();  // the zeros above before the one sum's reads
   }
-  // (x - mean)^2 of vector k, 0 past the row end
+  // (x - mean)^2 of vector k into f, 0 past the row end (RX: f holds vector k of x on entry; else x is xf[k])
   auto sq_of = [&](int k, float (&f)[EV]) {
     const bool in = (k * tpr + int(threadIdx.x)) * EV < n;
 #pragma unroll
@@ -388,7 +388,10 @@ __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const Ro
   }
   float ss;
   if constexpr (RX) {
-    ss = rx_sum([&](int k, float (&f)[EV]) { rx_x(k, f), sq_of(k, f); });
+    ss = rx_sum([&](int k, float (&f)[EV]) {
+      rx_x(k, f);
+      sq_of(k, f);
+    });
   } else {
     ss = tree_sum<VPT * EV>(&sq[0][0]);
   }

@@ -201,8 +201,8 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     plan.cached = true;
     return plan;
   }
-  // long rows: 8 x 512 capped, one CTA per SM (set_rownorm_fwd_row1_long; 5-16% ahead of the bulk kernel at
-  // N = 32768 over 256..16384 rows, level at 24584 and 28672, session 39)
+  // long rows: 8 x 512 capped (set_rownorm_fwd_row1_long; at one CTA per SM 5-16% ahead of the bulk kernel at
+  // N = 32768 over 256..16384 rows, level at 24584 and 28672; x packed, 2 per SM, a further 5-19%; session 39)
   if (!bwd && sizeof(T) == 2 && al && raw && rownorm_fwd_row1_long() && rownorm_fwd_row1_enabled() &&
       rownorm_fwd_row1_vecs() == 0 &&
       p.n / E > 14 * kRow1MaxTpr && p.n / E <= 16 * kRow1MaxTpr && p.rows <= 0x7fffffff && cc_major() >= 9) {
