@@ -16,6 +16,7 @@
 //   fastweight_bench --no-row1               norm forward without the one-row-per-CTA kernel (A/B)
 //   fastweight_bench --row1-vecs=1|2         its vectors per thread (A/B)
 //   fastweight_bench --row1-capped=off|auto|on  the one-row forward's register-capped instances (auto: 4 x 256, 4 x 512)
+//   fastweight_bench --row1-tight=off|on     one-row CTAs of whole warps, not powers of two, and the 4 x 129..192 / 8 x 129..448 rules (on: the default)
 //   fastweight_bench --row1-long=off         rows of N 28680..32768 not in its capped 8 x 512 instance (on: the default)
 //   fastweight_bench --row1-prefetch=off|auto|on  its 4- and 8-vector instances' parameters one vector ahead (auto: 4)
 //   fastweight_bench --row1-rawx=off|auto|on  its capped instances with x packed (auto, the default: 8 vectors at 2x CTAs; on: +4)
@@ -173,6 +174,7 @@ struct Options {
   int row1_vecs = 0;      // 0: the planner's choice
   int row1_capped = -1;   // -1: the default
   int row1_long = -1;     // -1: the default
+  int row1_tight = -1;    // -1: the default
   int row1_prefetch = -1; // -1: the default
   int row1_rawx = -1;     // -1: the default
   fastweight::detail::Row1Config row1_cfg;  // tpr 0: the planner's choice
@@ -461,6 +463,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--row1-vecs=")) o.row1_vecs = std::atoi(v);
     else if (const char* v = val("--row1-capped=")) o.row1_capped = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (const char* v = val("--row1-long=")) o.row1_long = on(v) ? 1 : 0;
+    else if (const char* v = val("--row1-tight=")) o.row1_tight = on(v) ? 1 : 0;
     else if (const char* v = val("--row1-prefetch=")) o.row1_prefetch = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (const char* v = val("--row1-rawx=")) o.row1_rawx = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (const char* v = val("--row1-cfg=")) {
@@ -509,6 +512,7 @@ int main(int argc, char** argv) {
   if (o.row1_vecs) fastweight::detail::force_rownorm_fwd_row1_vecs(o.row1_vecs);
   if (o.row1_capped >= 0) fastweight::detail::set_rownorm_fwd_row1_capped(o.row1_capped);
   if (o.row1_long >= 0) fastweight::detail::set_rownorm_fwd_row1_long(o.row1_long == 1);
+  if (o.row1_tight >= 0) fastweight::detail::set_rownorm_fwd_row1_tight(o.row1_tight == 1);
   if (o.row1_prefetch >= 0) fastweight::detail::set_rownorm_fwd_row1_prefetch(o.row1_prefetch);
   if (o.row1_rawx >= 0) fastweight::detail::set_rownorm_fwd_row1_rawx(o.row1_rawx);
   if (o.row1_cfg.tpr) fastweight::detail::force_rownorm_fwd_row1_config(o.row1_cfg);

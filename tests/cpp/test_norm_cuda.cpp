@@ -565,6 +565,36 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1Tight,
                                                                             28672)),
                          rows_case_name);
 
+// The planner's whole-warp shapes (set_rownorm_fwd_row1_tight, on by default; also checked off): threads rounded up to a multiple of 32, so the last
+// warp's lanes hold a part of a row's vectors (N 1544: 2 x 97 -> 128; 4104: 4 x 129 -> 160; 10000: 8 x 157 -> 160;
+// 20000: 8 x 313 -> 320); on Hopper with raw parameters the 4- and 8-vector rules (x packed); fp32 parameters and
+// the rows above 4 per SM of 1537..1792 vectors (8 x 224) too.
+struct NormCudaRow1TightPlanned : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaRow1TightPlanned, PartialWarpShapesMatchReference) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t groups = param_groups(op);
+  const ScopedSwitch<bool> tight(&fastweight::detail::set_rownorm_fwd_row1_tight, true);
+  const bool hopper = fastweight::detail::cc_major() >= 9;
+  const std::int64_t nvec = n / 8;
+  // row1 is planned here for every N on Hopper with these few rows (elsewhere: where the 1- and 2-vector rules say)
+  check_case(op, dt, n, groups * 9, Layout::padded, Params::io, hopper ? "row1" : nullptr);
+  check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);  // fp32 parameters: not raw
+  {  // switched off: the power-of-two shapes (and the bulk kernel for the 4- and 8-vector rows)
+    const ScopedSwitch<bool> off(&fastweight::detail::set_rownorm_fwd_row1_tight, false);
+    check_case(op, dt, n, groups * 9, Layout::padded, Params::io);
+  }
+  if (nvec > 1536 && nvec <= 1792) {  // more than 4 rows per SM: 8 x 224 (fewer: 4 x 416..448)
+    const std::int64_t sms = fastweight::detail::sm_count();
+    check_case(op, dt, n, groups * (4 * sms / groups + 3), Layout::padded, Params::io, hopper ? "row1" : nullptr);
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1TightPlanned,
+                         ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
+                                            ::testing::Values<std::int64_t>(1544, 2600, 4104, 5000, 8200, 10000, 13000,
+                                                                            16392, 20000, 28672)),
+                         rows_case_name);
+
 // Rows whose leading dims do not merge into one stride (Layout::gapped: head norm (rows / NH, NH, N),
 // adaLN (B, S, N) with a gap row after each run of NH / S rows): the general row indexing of every
 // forward (one-row-per-CTA, bulk, persistent / streaming) and backward (cached, ring, long-row) kernel.

@@ -122,6 +122,19 @@ int rownorm_fwd_row1_prefetch_mode();
 // fastweight_bench --row1-rawx=off|auto|on).
 int set_rownorm_fwd_row1_rawx(int mode);
 int rownorm_fwd_row1_rawx_mode();
+// Whole-warp one-row CTAs: the planner's one-row threads per row rounded up to a multiple of 32 instead of
+// a power of two (N 3072: 2 x 192, not 2 x 256 with a quarter idle), and on Hopper with raw parameters
+// aligned 16-bit rows of 513..768 vectors (N 4104..6144) in 4 x 129..192 and of 1025..3584 vectors (N
+// 8200..28672) in 8 x 129..448 with x packed (rawx mode 1), where the bulk kernel took them (the 4 x 256 / 4
+// x 512 / 8 x 256 rules above keep their rows). Session 40 (H200, LayerNorm bf16, ms, off / on): 4096 x 2560
+// 0.0204 / 0.0168, x 3072 0.0214 / 0.0196, x 4608 0.0292 / 0.0264, x 6144 0.0338 / 0.0320, x 9216 0.0510 /
+// 0.0464, x 14336 0.0766 / 0.0658, x 18432 0.1321 / 0.0851, x 24576 0.1547 / 0.1115; 16384 x 9216 0.1761 /
+// 0.1535, x 20480 0.5112 / 0.3380; 256 x 6144 0.0095 / 0.0072, x 24576 0.0188 / 0.0130; RMSNorm 4096 x 24576
+// 0.1392 / 0.1054; level (within 1%) at the powers of two' neighbours 3584 and 7168 and at 16384 rows of
+// N <= 3584; 256 x 1536 / x 2560 0.0051 / 0.0052, 0.0056 / 0.0058. On by default; FW_NORM_ROW1_TIGHT=0
+// turns it off at start. Returns the previous setting (tests, fastweight_bench --row1-tight=off|on).
+bool set_rownorm_fwd_row1_tight(bool on);
+bool rownorm_fwd_row1_tight();
 // Tests and benchmarks only: force the one-row-per-CTA forward's shape on every aligned 16-bit row it
 // can take: tpr threads (a multiple of 32, 32..1024; the planner's are powers of two), vb-byte vectors (8 or 16; vectors per thread
 // follow, 1 or 2), late = parameters loaded after the sums, plain = x and the parameters through

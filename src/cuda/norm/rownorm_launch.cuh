@@ -203,13 +203,18 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   }
   // long rows: 8 x 512 capped (set_rownorm_fwd_row1_long; at one CTA per SM 5-16% ahead of the bulk kernel at
   // N = 32768 over 256..16384 rows, level at 24584 and 28672; x packed, 2 per SM, a further 5-19%; session 39)
-  if (!bwd && sizeof(T) == 2 && al && raw && rownorm_fwd_row1_long() && rownorm_fwd_row1_enabled() &&
-      rownorm_fwd_row1_vecs() == 0 &&
-      p.n / E > 14 * kRow1MaxTpr && p.n / E <= 16 * kRow1MaxTpr && p.rows <= 0x7fffffff && cc_major() >= 9) {
+  // and whole-warp 8 x 257..448 with x packed for N 16392..28672 (set_rownorm_fwd_row1_tight; session 40, H200,
+  // bulk -> 8 x 288..448: 4096 x 18432 0.1321 -> 0.0851, 16384 x 20480 0.5112 -> 0.3380, 256 x 28672 0.0204 -> 0.0143)
+  const std::int64_t nv8 = p.n / E;
+  const bool long8 = rownorm_fwd_row1_long() && nv8 > 14 * kRow1MaxTpr && nv8 <= 16 * kRow1MaxTpr;
+  const bool tight8_long = rownorm_fwd_row1_tight() && rownorm_fwd_row1_rawx_mode() >= 1 && nv8 > 8 * kRow1MaxTpr &&
+                           nv8 <= 14 * kRow1MaxTpr;
+  if (!bwd && sizeof(T) == 2 && al && raw && (long8 || tight8_long) && rownorm_fwd_row1_enabled() &&
+      rownorm_fwd_row1_vecs() == 0 && p.rows <= 0x7fffffff && cc_major() >= 9) {
     plan.cached = true;
     plan.row1 = true, plan.row1_vecs = 8, plan.row1_late = true;
     plan.persistent = false;
-    plan.L.tpr = plan.threads = 2 * kRow1MaxTpr;
+    plan.L.tpr = plan.threads = long8 ? 2 * kRow1MaxTpr : int((nv8 + 8 * 32 - 1) / (8 * 32) * 32);
     plan.L.P = int(p.rows);
     return plan;
   }
@@ -261,15 +266,29 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       // (4 x 512) / 0.0112, whose rows keep the 4 x 512 rule above)
       const bool deep8 = capped_ok && rownorm_fwd_row1_rawx_mode() >= 1 && cc_major() >= 9 &&
                          nvec > 7 * kRow1MaxTpr && nvec <= 8 * kRow1MaxTpr && p.rows > 2 * sms;
-      const int vpt1 = deep8 ? 8 : deep1 || deep_cap ? 4 : forced1 == 2 || (forced1 == 0 && nvec > 128) ? 2 : 1;
-      const int tpr1 = next_pow2((nvec + vpt1 - 1) / vpt1);
+      // whole-warp CTAs (set_rownorm_fwd_row1_tight): threads rounded up to a multiple of 32, not a power of
+      // two; on Hopper 513..768 vectors (N 4104..6144) in 4 x 129..192 and 1025..2048 (N 8200..16384) in 8 x
+      // 129..256 with x packed, where no rule above takes them (session 40, H200: 4096 x 2560 0.0204 ->
+      // 0.0168, 4 x 160 at 4096 x 5120 0.0300 -> 0.0279, 8 x 160 at 16384 x 9216 0.1761 -> 0.1535, 8 x 224
+      // at 4096 x 14336 0.0766 -> 0.0658; longer rows: above; see norm_cuda.h)
+      const bool tight = forced1 == 0 && rownorm_fwd_row1_tight();
+      const bool tight4 = tight && raw && cc_major() >= 9 && nvec > 2 * kRow1MaxTpr && nvec <= 3 * kRow1MaxTpr;
+      const bool tight8 = tight && capped_ok && rownorm_fwd_row1_rawx_mode() >= 1 && cc_major() >= 9 && !deep_cap &&
+                          !deep8 && nvec > 4 * kRow1MaxTpr && nvec <= 8 * kRow1MaxTpr;
+      const int vpt1 = deep8 || tight8                ? 8
+                       : deep1 || deep_cap || tight4 ? 4
+                       : forced1 == 2 || (forced1 == 0 && nvec > 128) ? 2
+                                                                       : 1;
+      const int per_thread = (nvec + vpt1 - 1) / vpt1;
+      const int tpr1 = tight ? (per_thread + 31) / 32 * 32 : next_pow2(per_thread);
       const std::int64_t bulk_groups = sms * (kBulkThreads / next_pow2((nvec + 3) / 4));
       const bool wide_rows = nvec > kRow1MaxTpr;  // 257..512 vectors: Hopper, against the bulk kernel
       if (sizeof(T) == 2 && al && nvec > 32 &&
-          nvec <= (forced1 ? vpt1 : deep_cap || deep8 ? 8 : wide_rows ? 2 : 1) * kRow1MaxTpr && rownorm_fwd_row1_enabled() &&
-          p.rows <= 0x7fffffff &&  // a CTA per row, 32-bit rows
+          nvec <= (forced1 ? vpt1 : deep_cap || deep8 || tight8 ? 8 : tight4 ? 3 : wide_rows ? 2 : 1) * kRow1MaxTpr &&
+          rownorm_fwd_row1_enabled() && p.rows <= 0x7fffffff &&  // a CTA per row, 32-bit rows
           (forced1 != 0 ||
-           (wide_rows ? cc_major() >= 9 && (deep_cap || deep8 || p.rows <= (deep1 ? 16 : 8) * bulk_groups)
+           (wide_rows ? cc_major() >= 9 && (deep_cap || deep8 || tight4 || tight8 ||
+                                            p.rows <= (deep1 ? 16 : 8) * bulk_groups)
                       : p.rows <= 4 * bulk_groups))) {
         plan.row1 = true;
         plan.row1_vecs = vpt1;
