@@ -14,9 +14,11 @@
 //                                            (auto: long rows below 8 rows per SM, the default; on: every row; A/B)
 //   fastweight_bench --bulk-unstaged=on      the bulk forward's unstaged form for rows within its reach too (A/B)
 //   fastweight_bench --no-row1               norm forward without the one-row-per-CTA kernel (A/B)
+//   fastweight_bench --params=f32|io         norm weight / bias in fp32 beside 16-bit rows (default io: the rows' dtype)
 //   fastweight_bench --row1-vecs=1|2         its vectors per thread (A/B)
 //   fastweight_bench --row1-capped=off|auto|on  the one-row forward's register-capped instances (auto: 4 x 256, 4 x 512)
 //   fastweight_bench --row1-tight=off|on     one-row CTAs of whole warps, not powers of two, and the 4 x 129..192 / 8 x 129..448 rules (on: the default)
+//   fastweight_bench --row1-f32par=off|on    its 4- and 8-vector instances for fp32 parameters too (with --params=f32)
 //   fastweight_bench --row1-long=off         rows of N 28680..32768 not in its capped 8 x 512 instance (on: the default)
 //   fastweight_bench --row1-prefetch=off|auto|on  its 4- and 8-vector instances' parameters one vector ahead (auto: 4)
 //   fastweight_bench --row1-rawx=off|auto|on  its capped instances with x packed (auto, the default: 8 vectors at 2x CTAs; on: +4)
@@ -175,6 +177,7 @@ struct Options {
   int row1_capped = -1;   // -1: the default
   int row1_long = -1;     // -1: the default
   int row1_tight = -1;    // -1: the default
+  int row1_f32par = -1;   // -1: the default
   int row1_prefetch = -1; // -1: the default
   int row1_rawx = -1;     // -1: the default
   fastweight::detail::Row1Config row1_cfg;  // tpr 0: the planner's choice
@@ -277,6 +280,10 @@ double rel_err(const Buf& a, const Buf& ref) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// --params=f32: the norm problems' weight and bias (and their gradients) in fp32 beside 16-bit rows (the
+// planner's other instances: FLA's and Megatron's fp32 norm parameters with bf16 activations)
+bool g_params_f32 = false;
+
 // One norm problem: shapes of x and the parameters for an op family.
 struct Shape {
   std::vector<std::int64_t> x, p;
@@ -300,8 +307,8 @@ struct Problem {
   std::size_t wsb = 0;
   Problem(const std::string& f, bool bw, bool g, DType d, std::int64_t r, std::int64_t n)
       : fam(f), bwd(bw), gpu(g), dt(d), s(shape_for(f, r, n)), rows(r),
-        x(d, s.x, g), w(d, s.p, g), b(d, s.p, g), dy(d, s.x, g), y(d, s.x, g), mean(DType::f32, {r}, g),
-        rstd(DType::f32, {r}, g), dx(d, s.x, g), dw(d, s.p, g), db(d, s.p, g) {
+        x(d, s.x, g), w(pdt(d), s.p, g), b(pdt(d), s.p, g), dy(d, s.x, g), y(d, s.x, g), mean(DType::f32, {r}, g),
+        rstd(DType::f32, {r}, g), dx(d, s.x, g), dw(pdt(d), s.p, g), db(pdt(d), s.p, g) {
     x.fill(1, -3.0, 5.0);
     w.fill(2, 0.5, 1.5);
     b.fill(3, -1.0, 1.0);
@@ -312,6 +319,7 @@ struct Problem {
     if (ws) cudaFree(ws);
 #endif
   }
+  static DType pdt(DType d) { return g_params_f32 && d != DType::f64 ? DType::f32 : d; }  // the parameters' dtype
   bool rms() const { return fam == "rmsnorm"; }
   double offset() const { return fam == "headnorm" ? 1.0 : 0.0; }
   void fwd(Stream st) {
@@ -460,10 +468,15 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--bulk-long-wide=")) o.bulk_long_wide = on(v) ? 1 : 0;
     else if (const char* v = val("--bulk-hoist=")) o.bulk_hoist = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (a == "--no-row1") o.no_row1 = true;
+    else if (const char* v = val("--params=")) {
+      if (std::strcmp(v, "f32") != 0 && std::strcmp(v, "io") != 0) usage(2);
+      g_params_f32 = std::strcmp(v, "f32") == 0;
+    }
     else if (const char* v = val("--row1-vecs=")) o.row1_vecs = std::atoi(v);
     else if (const char* v = val("--row1-capped=")) o.row1_capped = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (const char* v = val("--row1-long=")) o.row1_long = on(v) ? 1 : 0;
     else if (const char* v = val("--row1-tight=")) o.row1_tight = on(v) ? 1 : 0;
+    else if (const char* v = val("--row1-f32par=")) o.row1_f32par = on(v) ? 1 : 0;
     else if (const char* v = val("--row1-prefetch=")) o.row1_prefetch = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (const char* v = val("--row1-rawx=")) o.row1_rawx = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (const char* v = val("--row1-cfg=")) {
@@ -513,6 +526,7 @@ int main(int argc, char** argv) {
   if (o.row1_capped >= 0) fastweight::detail::set_rownorm_fwd_row1_capped(o.row1_capped);
   if (o.row1_long >= 0) fastweight::detail::set_rownorm_fwd_row1_long(o.row1_long == 1);
   if (o.row1_tight >= 0) fastweight::detail::set_rownorm_fwd_row1_tight(o.row1_tight == 1);
+  if (o.row1_f32par >= 0) fastweight::detail::set_rownorm_fwd_row1_f32par(o.row1_f32par == 1);
   if (o.row1_prefetch >= 0) fastweight::detail::set_rownorm_fwd_row1_prefetch(o.row1_prefetch);
   if (o.row1_rawx >= 0) fastweight::detail::set_rownorm_fwd_row1_rawx(o.row1_rawx);
   if (o.row1_cfg.tpr) fastweight::detail::force_rownorm_fwd_row1_config(o.row1_cfg);

@@ -565,10 +565,10 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1Tight,
                                                                             28672)),
                          rows_case_name);
 
-// The planner's whole-warp shapes (set_rownorm_fwd_row1_tight, on by default; also checked off): threads rounded up to a multiple of 32, so the last
-// warp's lanes hold a part of a row's vectors (N 1544: 2 x 97 -> 128; 4104: 4 x 129 -> 160; 10000: 8 x 157 -> 160;
-// 20000: 8 x 313 -> 320); on Hopper with raw parameters the 4- and 8-vector rules (x packed); fp32 parameters and
-// the rows above 4 per SM of 1537..1792 vectors (8 x 224) too.
+// The planner's whole-warp shapes (set_rownorm_fwd_row1_tight, on by default; also checked off): threads rounded
+// up to a multiple of 32, so the last warp's lanes hold a part of a row's vectors (N 1544: 2 x 97 -> 128; 4104:
+// 4 x 129 -> 160; 10000: 8 x 157 -> 160; 20000: 8 x 313 -> 320); on Hopper with raw parameters the 4- and
+// 8-vector rules (x packed); fp32 parameters and the rows above 4 per SM of 1537..1792 vectors (8 x 224) too.
 struct NormCudaRow1TightPlanned : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaRow1TightPlanned, PartialWarpShapesMatchReference) {
   FW_REQUIRE_GPU();
@@ -593,6 +593,33 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1TightPlanned,
                          ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
                                             ::testing::Values<std::int64_t>(1544, 2600, 4104, 5000, 8200, 10000, 13000,
                                                                             16392, 20000, 28672)),
+                         rows_case_name);
+
+// fp32 parameters as vectors in the one-row kernel's 4- and 8-vector instances (set_rownorm_fwd_row1_f32par, the
+// kernel's F32P): every planner rule that takes raw parameters, at these few rows (4 x 128 / 160 / 224 / 256 capped
+// / 416 / 512 capped, 8 x 160 / 320 / 512 x packed), 8 x 256 x packed past 2 rows per SM, 4 x 128 capped (mode 2).
+struct NormCudaRow1F32Par : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaRow1F32Par, Fp32ParameterVectorsMatchReference) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t groups = param_groups(op);
+  const ScopedSwitch<bool> f32par(&fastweight::detail::set_rownorm_fwd_row1_f32par, true);
+  const char* row1 = fastweight::detail::cc_major() >= 9 ? "row1" : nullptr;
+  check_case(op, dt, n, groups * 9, Layout::padded, Params::f32, row1);
+  check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32, row1);
+  if (n == 4096) {  // 4 x 128 capped (mode 2)
+    const ScopedSwitch<int> capped(&fastweight::detail::set_rownorm_fwd_row1_capped, 2);
+    check_case(op, dt, n, groups * 9, Layout::padded, Params::f32, row1);
+  }
+  if (n == 16384) {  // more than 2 rows per SM: 8 x 256 x packed
+    const std::int64_t sms = fastweight::detail::sm_count();
+    check_case(op, dt, n, groups * (2 * sms / groups + 3), Layout::padded, Params::f32, row1);
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1F32Par,
+                         ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
+                                            ::testing::Values<std::int64_t>(4096, 5000, 7168, 8192, 10000, 13000,
+                                                                            16384, 20000, 32768)),
                          rows_case_name);
 
 // Rows whose leading dims do not merge into one stride (Layout::gapped: head norm (rows / NH, NH, N),

@@ -48,6 +48,7 @@ std::atomic<bool> g_fwd_row1_long{env_digit("FW_NORM_ROW1_LONG", 1) == 1};
 std::atomic<int> g_fwd_row1_prefetch{env_digit("FW_NORM_ROW1_PREFETCH", 1)};  // (0|1|2: the mode at start)
 std::atomic<int> g_fwd_row1_rawx{env_digit("FW_NORM_ROW1_RAWX", 1)};          // (0|1|2: the mode at start)
 std::atomic<bool> g_fwd_row1_tight{env_digit("FW_NORM_ROW1_TIGHT", 1) == 1};
+std::atomic<bool> g_fwd_row1_f32par{env_digit("FW_NORM_ROW1_F32PAR", 0) == 1};
 std::atomic<int> g_fwd_row1_cfg{0};  // tpr | vb << 16 | late << 24 | plain << 25
 }  // namespace
 static thread_local const char* t_fwd_last_kernel = "";
@@ -81,6 +82,8 @@ int set_rownorm_fwd_row1_rawx(int mode) { return g_fwd_row1_rawx.exchange(mode);
 int rownorm_fwd_row1_rawx_mode() { return g_fwd_row1_rawx.load(); }
 bool set_rownorm_fwd_row1_tight(bool on) { return g_fwd_row1_tight.exchange(on); }
 bool rownorm_fwd_row1_tight() { return g_fwd_row1_tight.load(); }
+bool set_rownorm_fwd_row1_f32par(bool on) { return g_fwd_row1_f32par.exchange(on); }
+bool rownorm_fwd_row1_f32par() { return g_fwd_row1_f32par.load(); }
 static Row1Config row1_cfg_of(int v) {
   return Row1Config{v & 0xffff, (v >> 16) & 0xff, ((v >> 24) & 1) != 0, ((v >> 25) & 1) != 0};
 }

@@ -304,13 +304,19 @@ __device__ __forceinline__ void row1_store(T* row, int col, const float (&v)[VB 
 // RX: x kept packed (raw vectors) across the sums and unpacked at each use, instead of held as fp32: VPT * EV / 2
 // registers instead of VPT * EV, so the 8-vector instances may cap at 64 (A/B, set_rownorm_fwd_row1_rawx). The
 // same sums in the same order (a vector's tree, then the tree over vectors), so the same bits.
+// F32P (with RAW_PAR): the parameters fp32 with 16-byte aligned rows (N % 8 == 0: a vector wholly inside the row or
+// past it), loaded as 16-byte halves of a vector through the raw path's order (LATE, PD counted in halves) instead
+// of load_params_vec's per-element loads (set_rownorm_fwd_row1_f32par: compiled, not yet measured).
 template <typename T, bool RAW_PAR, int VPT, int VB = 16, bool LATE = false, int W = 8, bool NC = true, int MINB = 0,
-          int PD = 0, bool RX = false>
+          int PD = 0, bool RX = false, bool F32P = false>
 __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const RowNormParams p) {
   static_assert(PD == 0 || (RAW_PAR && LATE), "parameter prefetch: raw parameters after the sums");
   constexpr int EV = VB / int(sizeof(T));
   static_assert(sizeof(T) == 2 && (VB == 16 || VB == 8) && (!LATE || RAW_PAR), "16-bit rows, raw parameters");
   static_assert(VB == 16 || RAW_PAR, "8-byte vectors: raw parameters only");
+  static_assert(!F32P || (RAW_PAR && VB == 16), "fp32 parameter vectors: the raw path's 16-byte vectors");
+  using PT = std::conditional_t<F32P, float, T>;                   // the parameters' element type
+  using PV = std::conditional_t<F32P, float4, Row1Vec<VB>>;  // a parameter slot's w or b as loaded
   __shared__ __align__(16) float s_part[2][W];  // (sum, sum of squares) x (warp partials, W)
   const int n = int(p.n), tpr = int(blockDim.x);
   // rows in memory order, each row's parameter group from r (rows < 2^31: 32-bit divisions)
@@ -320,18 +326,30 @@ __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const Ro
   // of 3 E floats (60 -> 32 registers at bf16, VPT 1: more CTAs per SM); aligned rows: a vector is
   // wholly inside the row or wholly past it (zeros)
   const T* xrow = static_cast<const T*>(p.x) + p.x_rows.offset32(r);
-  const T* wrow = RAW_PAR && p.w ? static_cast<const T*>(p.w) + g * p.w_group_stride : nullptr;
-  const T* brow = RAW_PAR && p.b ? static_cast<const T*>(p.b) + g * p.b_group_stride : nullptr;
-  Row1Vec<VB> xr[VPT], wr[VPT], br[VPT];
-  auto load_par_k = [&](int k) {
-    const int col = (k * tpr + int(threadIdx.x)) * EV;
-    wr[k] = br[k] = Row1Vec<VB>{};
-    if (wrow) wr[k] = row1_load<T, VB, NC>(wrow, col, n);
-    if (brow) br[k] = row1_load<T, VB, NC>(brow, col, n);
+  const PT* wrow = RAW_PAR && p.w ? static_cast<const PT*>(p.w) + g * p.w_group_stride : nullptr;
+  const PT* brow = RAW_PAR && p.b ? static_cast<const PT*>(p.b) + g * p.b_group_stride : nullptr;
+  Row1Vec<VB> xr[VPT];
+  // the parameters in slots: a vector each, or (F32P) half a vector each, a float4 of w and of b (the slot is
+  // the prefetch unit, so PD = 1 keeps 16 registers in flight either way)
+  constexpr int SPV = F32P ? 2 : 1, NS = VPT * SPV;  // slots per vector, slots
+  PV wr[NS], br[NS];
+  auto load_par_k = [&](int j) {  // slot j
+    const int col = (j / SPV * tpr + int(threadIdx.x)) * EV;
+    wr[j] = br[j] = PV{};
+    if constexpr (F32P) {
+      if (col < n) {
+        const int c = col + 4 * (j % SPV);
+        if (wrow) wr[j] = NC ? __ldg(reinterpret_cast<const float4*>(wrow + c)) : *reinterpret_cast<const float4*>(wrow + c);
+        if (brow) br[j] = NC ? __ldg(reinterpret_cast<const float4*>(brow + c)) : *reinterpret_cast<const float4*>(brow + c);
+      }
+    } else {
+      if (wrow) wr[j] = row1_load<T, VB, NC>(wrow, col, n);
+      if (brow) br[j] = row1_load<T, VB, NC>(brow, col, n);
+    }
   };
   auto load_par = [&] {
 #pragma unroll
-    for (int k = 0; k < VPT; ++k) load_par_k(k);
+    for (int j = 0; j < NS; ++j) load_par_k(j);
   };
 #pragma unroll
   for (int k = 0; k < VPT; ++k) xr[k] = row1_load<T, VB, NC>(xrow, (k * tpr + int(threadIdx.x)) * EV, n);
@@ -382,9 +400,9 @@ __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const Ro
 #pragma unroll
     for (int k = 0; k < VPT; ++k) sq_of(k, sq[k]);
   }
-  if constexpr (PD > 0) {  // the first PD vectors' parameters in flight across the second sum
+  if constexpr (PD > 0) {  // the first PD slots' parameters in flight across the second sum
 #pragma unroll
-    for (int k = 0; k < (PD < VPT ? PD : VPT); ++k) load_par_k(k);
+    for (int j = 0; j < (PD < NS ? PD : NS); ++j) load_par_k(j);
   }
   float ss;
   if constexpr (RX) {
@@ -400,14 +418,24 @@ __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const Ro
   T* yrow = static_cast<T*>(p.y) + p.y_rows.offset32(r);
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
-    if constexpr (PD > 0) {  // PD vectors ahead: at most PD + 1 vectors' parameters live
-      if (k + PD < VPT) load_par_k(k + PD);
+    if constexpr (PD > 0) {  // PD slots ahead: at most PD + 1 slots' parameters live
+      if (k * SPV + PD < NS) load_par_k(k * SPV + PD);
     }
     const int col = (k * tpr + int(threadIdx.x)) * EV;
     if (col >= n) continue;
     float sc[EV], bi[EV], out[EV], xk[EV];
     if constexpr (RX) rx_x(k, xk);
-    if constexpr (RAW_PAR) {
+    if constexpr (F32P) {
+#pragma unroll
+      for (int h = 0; h < SPV; ++h) {  // slot k * SPV + h: elements [4 h, 4 h + 4)
+        const int j = k * SPV + h;
+        if (h > 0 && PD > 0 && j + PD < NS) load_par_k(j + PD);
+        const float4 w4 = wr[j], b4 = br[j];  // zeros without bias
+        const float wv[4] = {w4.x, w4.y, w4.z, w4.w}, bv[4] = {b4.x, b4.y, b4.z, b4.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[4 * h + e] = p.w ? p.weight_offset + wv[e] : 1.f, bi[4 * h + e] = bv[e];
+      }
+    } else if constexpr (RAW_PAR) {
       row1_unpack<T, VB>(wr[k], sc);
       row1_unpack<T, VB>(br[k], bi);  // zeros without bias
 #pragma unroll

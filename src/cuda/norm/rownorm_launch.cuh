@@ -168,8 +168,10 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     if (const int cap = rownorm_fwd_bulk_cta_cap(); cap > 0) plan.L.P = std::min(plan.L.P, cap);
     return true;
   };
-  // the one-row kernel's raw-parameter instances: IO-dtype parameters with aligned rows, or none
+  // the one-row kernel's raw-parameter instances: IO-dtype parameters with aligned rows, or none; its 4- and
+  // 8-vector ones (raw4) also fp32 parameters with aligned rows, as vectors (set_rownorm_fwd_row1_f32par)
   const bool raw = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
+  const bool raw4 = raw || (p.param == DType::f32 && p.param_aligned && rownorm_fwd_row1_f32par());
   // a forced one-row shape (force_rownorm_fwd_row1_config), long rows included; true where taken
   auto forced_row1 = [&]() {
     const Row1Config fc = rownorm_fwd_row1_config();
@@ -209,7 +211,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   const bool long8 = rownorm_fwd_row1_long() && nv8 > 14 * kRow1MaxTpr && nv8 <= 16 * kRow1MaxTpr;
   const bool tight8_long = rownorm_fwd_row1_tight() && rownorm_fwd_row1_rawx_mode() >= 1 && nv8 > 8 * kRow1MaxTpr &&
                            nv8 <= 14 * kRow1MaxTpr;
-  if (!bwd && sizeof(T) == 2 && al && raw && (long8 || tight8_long) && rownorm_fwd_row1_enabled() &&
+  if (!bwd && sizeof(T) == 2 && al && raw4 && (long8 || tight8_long) && rownorm_fwd_row1_enabled() &&
       rownorm_fwd_row1_vecs() == 0 && p.rows <= 0x7fffffff && cc_major() >= 9) {
     plan.cached = true;
     plan.row1 = true, plan.row1_vecs = 8, plan.row1_late = true;
@@ -254,9 +256,9 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       // 1537..2048 vectors at most 4 per SM: 4 x 512 capped at 64 registers (2 CTAs per SM): 512 x 16384
       // 0.0188 / 0.0165 (8 x 256 capped 0.0167); not at 4096 rows (0.0797 / 0.0823).
       const int nvec = int(p.n / E), forced1 = rownorm_fwd_row1_vecs();
-      const bool deep1 = forced1 == 0 && raw && nvec > 3 * kRow1MaxTpr / 2 && nvec <= 2 * kRow1MaxTpr;
+      const bool deep1 = forced1 == 0 && raw4 && nvec > 3 * kRow1MaxTpr / 2 && nvec <= 2 * kRow1MaxTpr;
       const std::int64_t sms = sm_count();
-      const bool capped_ok = forced1 == 0 && raw && rownorm_fwd_row1_capped_mode() >= 1;
+      const bool capped_ok = forced1 == 0 && raw4 && rownorm_fwd_row1_capped_mode() >= 1;
       const bool deep_cap = capped_ok && ((nvec > 3 * kRow1MaxTpr && nvec <= 4 * kRow1MaxTpr &&
                                            (p.rows <= 4 * sms || p.rows >= 24 * sms)) ||
                                           (nvec > 6 * kRow1MaxTpr && nvec <= 8 * kRow1MaxTpr && p.rows <= 4 * sms));
@@ -272,7 +274,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       // 0.0168, 4 x 160 at 4096 x 5120 0.0300 -> 0.0279, 8 x 160 at 16384 x 9216 0.1761 -> 0.1535, 8 x 224
       // at 4096 x 14336 0.0766 -> 0.0658; longer rows: above; see norm_cuda.h)
       const bool tight = forced1 == 0 && rownorm_fwd_row1_tight();
-      const bool tight4 = tight && raw && cc_major() >= 9 && nvec > 2 * kRow1MaxTpr && nvec <= 3 * kRow1MaxTpr;
+      const bool tight4 = tight && raw4 && cc_major() >= 9 && nvec > 2 * kRow1MaxTpr && nvec <= 3 * kRow1MaxTpr;
       const bool tight8 = tight && capped_ok && rownorm_fwd_row1_rawx_mode() >= 1 && cc_major() >= 9 && !deep_cap &&
                           !deep8 && nvec > 4 * kRow1MaxTpr && nvec <= 8 * kRow1MaxTpr;
       const int vpt1 = deep8 || tight8                ? 8
@@ -400,7 +402,77 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   if (plan.row1) {
     if constexpr (sizeof(T) == 2) {  // planned for 16-bit rows only
       const bool raw_par = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
+      const bool f32_par = p.param == DType::f32 && p.param_aligned;
       const bool wide = plan.threads > kRow1MaxTpr;
+      // the 4- and 8-vector instances: <VPT, warp slots, CTAs per SM (0: uncapped; else registers capped,
+      // set_rownorm_fwd_row1_capped)>, their parameters all loaded after the sums or one vector ahead of
+      // the output (set_rownorm_fwd_row1_prefetch: mode 1 the 4-vector instances, 2 all)
+      // (and x kept packed, set_rownorm_fwd_row1_rawx: mode 2 the 4-vector instances, parameters one ahead).
+      // F32P: fp32 parameters (set_rownorm_fwd_row1_f32par), always half a vector ahead, 8 vectors always x packed
+      // (all at once they spill 1040 B at 64 registers; ptxas, sm_90a, bf16).
+      auto deep_row1 = [&](auto f32p) {
+        constexpr bool F = decltype(f32p)::value;
+        const int pf_mode = rownorm_fwd_row1_prefetch_mode(), rx_mode = rownorm_fwd_row1_rawx_mode();
+        auto deep = [&](auto vpt, auto w, auto minb) {
+          constexpr int V = decltype(vpt)::value, Wv = decltype(w)::value, M = decltype(minb)::value;
+          if constexpr (F) {
+            static_assert(V == 4, "F32P: 8 vectors run x packed (rx8)");
+            rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M, 1, false, true><<<grid, plan.threads, 0, stream>>>(p);
+            return;
+          } else {
+            if constexpr (V == 4) {
+              if (rx_mode == 2) {
+                rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M, 1, true><<<grid, plan.threads, 0, stream>>>(p);
+                return;
+              }
+            }
+            if (pf_mode == 2 || (pf_mode == 1 && V == 4)) rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M, 1><<<grid, plan.threads, 0, stream>>>(p);
+            else rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M><<<grid, plan.threads, 0, stream>>>(p);
+          }
+        };
+        // capped: every 4- and 8-vector instance in mode 2, the planner's 4 x 256 and 4 x 512 in mode 1,
+        // and 8 x 512 and 4 x 1024 always (one CTA per SM, FLA's N = 32768 shape: uncapped, their 156 /
+        // 71 registers per thread would not launch)
+        const int cap_mode = rownorm_fwd_row1_capped_mode();
+        const bool small = plan.threads <= 128, one_per_sm = plan.threads * plan.row1_vecs > 8 * kRow1MaxTpr;
+        const bool rx8_on = F || rx_mode >= 1;
+        const bool auto_cap = cap_mode == 1 && ((plan.row1_vecs == 4 && (plan.threads == kRow1MaxTpr ||
+                                                                         plan.threads == 2 * kRow1MaxTpr)) ||
+                                                (plan.row1_vecs == 8 && rx8_on));
+        const bool cap = plan.row1_vecs >= 4 && (cap_mode == 2 || one_per_sm || auto_cap);
+        auto four = [&] {
+          if (cap) {
+            if (small) deep(IC<4>{}, IC<4>{}, IC<8>{});
+            else if (plan.threads > 2 * kRow1MaxTpr) deep(IC<4>{}, IC<32>{}, IC<1>{});
+            else if (wide) deep(IC<4>{}, IC<16>{}, IC<2>{});
+            else deep(IC<4>{}, IC<8>{}, IC<4>{});
+          } else {
+            wide ? deep(IC<4>{}, IC<16>{}, IC<0>{}) : deep(IC<4>{}, IC<8>{}, IC<0>{});
+          }
+        };
+        // the capped 8-vector instances with x packed at twice the CTAs per SM (rawx modes 1, 2): 64 registers
+        auto rx8 = [&](auto w, auto minb) {
+          rownorm_fwd_row1_kernel<T, true, 8, 16, true, decltype(w)::value, true, decltype(minb)::value, 1, true, F>
+              <<<grid, plan.threads, 0, stream>>>(p);
+        };
+        if (plan.row1_vecs == 8 && (F || (cap && rx_mode >= 1))) {
+          if (small) rx8(IC<4>{}, IC<8>{});
+          else if (wide) rx8(IC<16>{}, IC<2>{});
+          else rx8(IC<8>{}, IC<4>{});
+        } else if constexpr (!F) {
+          if (cap && plan.row1_vecs == 8) {
+            if (small) deep(IC<8>{}, IC<4>{}, IC<4>{});
+            else if (wide) deep(IC<8>{}, IC<16>{}, IC<1>{});
+            else deep(IC<8>{}, IC<8>{}, IC<2>{});
+          } else if (plan.row1_vecs == 8) {
+            deep(IC<8>{}, IC<8>{}, IC<0>{});  // forced only
+          } else {
+            four();
+          }
+        } else {
+          four();
+        }
+      };
       if (raw_par && plan.row1_plain) {  // forced: 16-byte vectors, late, <= 256 threads
         if (plan.row1_vecs == 2) rownorm_fwd_row1_kernel<T, true, 2, 16, true, 8, false><<<grid, plan.threads, 0, stream>>>(p);
         else rownorm_fwd_row1_kernel<T, true, 1, 16, true, 8, false><<<grid, plan.threads, 0, stream>>>(p);
@@ -417,57 +489,11 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         auto by_w = [&](auto vpt, auto vb, auto late) { wide ? go(vpt, vb, late, IC<32>{}) : go(vpt, vb, late, IC<8>{}); };
         auto by_late = [&](auto vpt, auto vb) { plan.row1_late ? by_w(vpt, vb, L1{}) : by_w(vpt, vb, L0{}); };
         auto by_vb = [&](auto vpt) { plan.row1_vb == 8 ? by_late(vpt, IC<8>{}) : by_late(vpt, IC<16>{}); };
-        // the 4- and 8-vector instances: <VPT, warp slots, CTAs per SM (0: uncapped; else registers capped,
-        // set_rownorm_fwd_row1_capped)>, their parameters all loaded after the sums or one vector ahead of
-        // the output (set_rownorm_fwd_row1_prefetch: mode 1 the 4-vector instances, 2 all)
-        // (and x kept packed, set_rownorm_fwd_row1_rawx: mode 2 the 4-vector instances, parameters one ahead)
-        const int pf_mode = rownorm_fwd_row1_prefetch_mode(), rx_mode = rownorm_fwd_row1_rawx_mode();
-        auto deep = [&](auto vpt, auto w, auto minb) {
-          constexpr int V = decltype(vpt)::value, Wv = decltype(w)::value, M = decltype(minb)::value;
-          if constexpr (V == 4) {
-            if (rx_mode == 2) {
-              rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M, 1, true><<<grid, plan.threads, 0, stream>>>(p);
-              return;
-            }
-          }
-          if (pf_mode == 2 || (pf_mode == 1 && V == 4)) rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M, 1><<<grid, plan.threads, 0, stream>>>(p);
-          else rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M><<<grid, plan.threads, 0, stream>>>(p);
-        };
-        // capped: every 4- and 8-vector instance in mode 2, the planner's 4 x 256 and 4 x 512 in mode 1,
-        // and 8 x 512 and 4 x 1024 always (one CTA per SM, FLA's N = 32768 shape: uncapped, their 156 /
-        // 71 registers per thread would not launch)
-        const int cap_mode = rownorm_fwd_row1_capped_mode();
-        const bool small = plan.threads <= 128, one_per_sm = plan.threads * plan.row1_vecs > 8 * kRow1MaxTpr;
-        const bool auto_cap = cap_mode == 1 && ((plan.row1_vecs == 4 && (plan.threads == kRow1MaxTpr ||
-                                                                         plan.threads == 2 * kRow1MaxTpr)) ||
-                                                (plan.row1_vecs == 8 && rx_mode >= 1));
-        const bool cap = plan.row1_vecs >= 4 && (cap_mode == 2 || one_per_sm || auto_cap);
-        // the capped 8-vector instances with x packed at twice the CTAs per SM (rawx modes 1, 2): 64 registers
-        auto rx8 = [&](auto w, auto minb) {
-          rownorm_fwd_row1_kernel<T, true, 8, 16, true, decltype(w)::value, true, decltype(minb)::value, 1, true>
-              <<<grid, plan.threads, 0, stream>>>(p);
-        };
-        if (cap && plan.row1_vecs == 8 && rx_mode >= 1) {
-          if (small) rx8(IC<4>{}, IC<8>{});
-          else if (wide) rx8(IC<16>{}, IC<2>{});
-          else rx8(IC<8>{}, IC<4>{});
-        } else if (cap && plan.row1_vecs == 8) {
-          if (small) deep(IC<8>{}, IC<4>{}, IC<4>{});
-          else if (wide) deep(IC<8>{}, IC<16>{}, IC<1>{});
-          else deep(IC<8>{}, IC<8>{}, IC<2>{});
-        } else if (cap) {
-          if (small) deep(IC<4>{}, IC<4>{}, IC<8>{});
-          else if (plan.threads > 2 * kRow1MaxTpr) deep(IC<4>{}, IC<32>{}, IC<1>{});
-          else if (wide) deep(IC<4>{}, IC<16>{}, IC<2>{});
-          else deep(IC<4>{}, IC<8>{}, IC<4>{});
-        } else if (plan.row1_vecs == 8) {
-          deep(IC<8>{}, IC<8>{}, IC<0>{});  // forced only
-        } else if (plan.row1_vecs == 4) {
-          wide ? deep(IC<4>{}, IC<16>{}, IC<0>{}) : deep(IC<4>{}, IC<8>{}, IC<0>{});
-        } else {
-          plan.row1_vecs == 2 ? by_vb(IC<2>{}) : by_vb(IC<1>{});
-        }
-      } else if (plan.row1_vecs > 2) {  // (the planner takes 4 and 8 with raw parameters only)
+        if (plan.row1_vecs >= 4) deep_row1(std::false_type{});
+        else plan.row1_vecs == 2 ? by_vb(IC<2>{}) : by_vb(IC<1>{});
+      } else if (f32_par && plan.row1_vecs >= 4) {  // fp32 parameters as vectors (set_rownorm_fwd_row1_f32par)
+        deep_row1(std::true_type{});
+      } else if (plan.row1_vecs > 2) {  // (the planner takes 4 and 8 with raw or fp32-vector parameters only)
         throw Error(cat("rownorm_fwd: no one-row instance of ", plan.row1_vecs, " vectors for these parameters"));
       } else if (plan.row1_vecs == 2) {
         if (raw_par) rownorm_fwd_row1_kernel<T, true, 2><<<grid, plan.threads, 0, stream>>>(p);
