@@ -23,7 +23,8 @@ Before timing, each peer's outputs are compared with fastweight's (relative Frob
 max over y or over the gradients); fastweight's own error is against an fp32 torch reference.
 Every peer is optional: a peer that is missing or raises gives 'n/a (reason)', never a crash.
 Shapes are BENCHMARKS.md's; bf16 everywhere, fp16 too for the M=4096 LayerNorm sweep and adaLN
-(--all-dtypes: fp16 for every shape). --quick: a handful of bf16 shapes.
+(--all-dtypes: fp16 for every shape). --quick: a handful of bf16 shapes. --extra-shapes MxN,... adds
+rows to layernorm and rmsnorm (e.g. hidden sizes that are not powers of two).
 
 Outputs: a markdown table on stdout (progress goes to stderr), and three files in DIR:
 bench_norms.csv (one row per op/shape/dtype/direction/provider), bench_norms.json (the same, the
@@ -898,6 +899,16 @@ def run(args):
         wanted.discard("compile")
     cases = [(op, s, getattr(torch, dt)) for op in ops
              for s, dts in shapes_for(op, quick, env.cpu, args.all_dtypes, args.bf16_only) for dt in dts]
+    if args.extra_shapes:  # MxN rows beside BENCHMARKS.md's, for the two row norms
+        try:
+            extra = [tuple(int(v) for v in e.strip().split("x")) for e in args.extra_shapes.split(",") if e.strip()]
+        except ValueError:
+            raise SystemExit(f"--extra-shapes: MxN shapes, comma-separated (got {args.extra_shapes!r})")
+        if any(len(e) != 2 or min(e) < 1 for e in extra):
+            raise SystemExit(f"--extra-shapes: MxN shapes, comma-separated (got {args.extra_shapes!r})")
+        dts = ["bfloat16", "float16"] if args.all_dtypes else ["bfloat16"]
+        cases += [(op, e, getattr(torch, dt)) for op in ops if op in ("layernorm", "rmsnorm")
+                  for e in extra for dt in dts if (op, e, getattr(torch, dt)) not in cases]
     if args.shapes:  # keep the listed shapes only (A/B runs of one shape)
         keep = {s.strip() for s in args.shapes.split(",")}
         unmatched = keep - {shape_str(c[1]) for c in cases}
@@ -1289,6 +1300,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(REPO / "bench" / "out"), help="folder for the CSV, JSON, markdown and PNG")
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated ops")
     p.add_argument("--shapes", default="", help="comma-separated shapes to keep, as the table writes them (e.g. 512x32768)")
+    p.add_argument("--extra-shapes", default="",
+                   help="comma-separated MxN shapes added to layernorm and rmsnorm (bf16; with --all-dtypes fp16 too), "
+                        "e.g. the hidden sizes that are not powers of two: 4096x5120,4096x12288")
     p.add_argument("--providers", default="", help="comma-separated subset of " + ",".join(PROVIDERS) + " (default all)")
     p.add_argument("--bf16-only", action="store_true", help="skip the fp16 cases")
     p.add_argument("--all-dtypes", action="store_true",

@@ -23,11 +23,11 @@ def table_rows(out: str):
     return rows[1:] if rows else rows  # without the header
 
 
-def run_dry(script: str, out: Path, timeout: int) -> subprocess.CompletedProcess:
-    """bench/<script> --dry-cpu in a subprocess that imports what this process imports (fastweight)."""
+def run_dry(script: str, out: Path, timeout: int, *args: str) -> subprocess.CompletedProcess:
+    """bench/<script> --dry-cpu [args] in a subprocess that imports what this process imports (fastweight)."""
     env = os.environ.copy()
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, str(REPO / "bench" / script), "--dry-cpu", "--out", str(out)],
+    return subprocess.run([sys.executable, str(REPO / "bench" / script), "--dry-cpu", "--out", str(out), *args],
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
 
 
@@ -51,3 +51,18 @@ def test_bench_norms_dry_cpu(tmp_path):
     assert r.returncode == 0, f"bench_norms.py failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     assert "[done]" in r.stdout + r.stderr
     assert (tmp_path / "bench_norms.json").exists() and (tmp_path / "bench_norms.csv").exists()
+
+
+def test_bench_norms_extra_shapes(tmp_path):
+    """--extra-shapes adds MxN rows to layernorm and rmsnorm (not to adaLN), which --shapes then keeps."""
+    pytest.importorskip("torch")
+    r = run_dry("bench_norms.py", tmp_path, 300, "--ops", "layernorm,rmsnorm,adalayernorm", "--no-compile",
+                "--no-overhead", "--extra-shapes", "24x200", "--shapes", "24x200")
+    assert r.returncode == 0, f"bench_norms.py failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    csv = (tmp_path / "bench_norms.csv").read_text()
+    for op in ("layernorm", "rmsnorm"):
+        assert any(line.startswith(op) and "24x200" in line for line in csv.splitlines()), f"no {op} 24x200 row:\n{csv}"
+    assert "adalayernorm" not in csv
+    bad = run_dry("bench_norms.py", tmp_path, 120, "--ops", "layernorm", "--extra-shapes", "24x")
+    assert bad.returncode != 0 and "--extra-shapes" in bad.stdout + bad.stderr
+
