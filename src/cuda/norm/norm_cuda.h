@@ -122,8 +122,8 @@ int rownorm_fwd_row1_prefetch_mode();
 // fastweight_bench --row1-rawx=off|auto|on).
 int set_rownorm_fwd_row1_rawx(int mode);
 int rownorm_fwd_row1_rawx_mode();
-// Whole-warp one-row CTAs: the planner's one-row threads per row rounded up to a multiple of 32 instead of
-// a power of two (N 3072: 2 x 192, not 2 x 256 with a quarter idle), and on Hopper with raw parameters
+// Whole-warp one-row CTAs (Hopper, where it was measured): the planner's one-row threads per row rounded up to a
+// multiple of 32 instead of a power of two (N 3072: 2 x 192, not 2 x 256 with a quarter idle), and with raw parameters
 // aligned 16-bit rows of 513..768 vectors (N 4104..6144) in 4 x 129..192 and of 1025..3584 vectors (N
 // 8200..28672) in 8 x 129..448 with x packed (rawx mode 1), where the bulk kernel took them (the 4 x 256 / 4
 // x 512 / 8 x 256 rules above keep their rows). Session 40 (H200, LayerNorm bf16, ms, off / on): 4096 x 2560

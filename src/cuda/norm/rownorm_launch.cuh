@@ -273,9 +273,9 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       // 129..256 with x packed, where no rule above takes them (session 40, H200: 4096 x 2560 0.0204 ->
       // 0.0168, 4 x 160 at 4096 x 5120 0.0300 -> 0.0279, 8 x 160 at 16384 x 9216 0.1761 -> 0.1535, 8 x 224
       // at 4096 x 14336 0.0766 -> 0.0658; longer rows: above; see norm_cuda.h)
-      const bool tight = forced1 == 0 && rownorm_fwd_row1_tight();
-      const bool tight4 = tight && raw4 && cc_major() >= 9 && nvec > 2 * kRow1MaxTpr && nvec <= 3 * kRow1MaxTpr;
-      const bool tight8 = tight && capped_ok && rownorm_fwd_row1_rawx_mode() >= 1 && cc_major() >= 9 && !deep_cap &&
+      const bool tight = forced1 == 0 && rownorm_fwd_row1_tight() && cc_major() >= 9;  // (measured on Hopper only)
+      const bool tight4 = tight && raw4 && nvec > 2 * kRow1MaxTpr && nvec <= 3 * kRow1MaxTpr;
+      const bool tight8 = tight && capped_ok && rownorm_fwd_row1_rawx_mode() >= 1 && !deep_cap &&
                           !deep8 && nvec > 4 * kRow1MaxTpr && nvec <= 8 * kRow1MaxTpr;
       const int vpt1 = deep8 || tight8                ? 8
                        : deep1 || deep_cap || tight4 ? 4
