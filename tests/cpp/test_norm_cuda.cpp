@@ -595,9 +595,9 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1TightPlanned,
                                                                             16392, 20000, 28672)),
                          rows_case_name);
 
-// fp32 parameters as vectors in the one-row kernel's 4- and 8-vector instances (set_rownorm_fwd_row1_f32par, the
-// kernel's F32P): every planner rule that takes raw parameters, at these few rows (4 x 128 / 160 / 224 / 256 capped
-// / 416 / 512 capped, 8 x 160 / 320 / 512 x packed), 8 x 256 x packed past 2 rows per SM, 4 x 128 capped (mode 2).
+// fp32 parameters as vectors in the one-row kernel (set_rownorm_fwd_row1_f32par, the kernel's F32P): every planner
+// rule that takes raw parameters, at these few rows (1 x 128, 2 x 128 / 192, 4 x 128 / 160 / 224 / 256 capped / 416
+// / 512 capped, 8 x 160 / 320 / 512 x packed), 8 x 256 x packed past 2 rows per SM, 4 x 128 capped (mode 2).
 struct NormCudaRow1F32Par : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaRow1F32Par, Fp32ParameterVectorsMatchReference) {
   FW_REQUIRE_GPU();
@@ -618,8 +618,8 @@ TEST_P(NormCudaRow1F32Par, Fp32ParameterVectorsMatchReference) {
 }
 INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1F32Par,
                          ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
-                                            ::testing::Values<std::int64_t>(4096, 5000, 7168, 8192, 10000, 13000,
-                                                                            16384, 20000, 32768)),
+                                            ::testing::Values<std::int64_t>(1000, 2048, 3072, 4096, 5000, 7168, 8192,
+                                                                            10000, 13000, 16384, 20000, 32768)),
                          rows_case_name);
 
 // Rows whose leading dims do not merge into one stride (Layout::gapped: head norm (rows / NH, NH, N),

@@ -135,9 +135,10 @@ int rownorm_fwd_row1_rawx_mode();
 // turns it off at start. Returns the previous setting (tests, fastweight_bench --row1-tight=off|on).
 bool set_rownorm_fwd_row1_tight(bool on);
 bool rownorm_fwd_row1_tight();
-// fp32 parameters (16-byte aligned rows) beside 16-bit rows in the one-row kernel's 4- and 8-vector instances,
-// loaded as 16-byte halves of a vector, half a vector ahead of the output (the kernel's F32P): every rule above
-// that takes raw parameters then takes these too, where they now go to the bulk kernel past 256 vectors.
+// fp32 parameters (16-byte aligned rows) beside 16-bit rows in the one-row kernel's vector instances, loaded as
+// 16-byte halves of a vector, half a vector ahead of the output (the kernel's F32P): every 4- and 8-vector rule
+// above that takes raw parameters then takes these too, where they now go to the bulk kernel past 256 vectors;
+// the planner's 1- and 2-vector shapes load them so instead of one element at a time (load_params_vec).
 // ptxas (sm_90a, bf16): 8 x 512 / 8 x 256 x packed 64 registers with 20 B spilled (4 B with bf16 parameters;
 // whole vectors ahead: 108 B; all after the sums: 1040 B); 4 x 256 capped 63, no spill; 4 x 128 79 (62).
 // Compiled, not yet measured: off by default; FW_NORM_ROW1_F32PAR=1 turns it on at start. Returns the previous
