@@ -205,8 +205,9 @@ __global__ void __launch_bounds__(kSmallCta, 4) rownorm_fwd_row_kernel(const Row
 }
 
 // Forward, aligned 16-bit rows of 33..256 vectors (N 264..2048) in small problems (the planner's
-// rule, rownorm_launch.cuh): one row per CTA of tpr = next_pow2(N / E / VPT) threads, VPT 16-byte
-// vectors per thread (1, or 2 beyond 128 vectors), no row loop and no shared staging: the row shape
+// rule, rownorm_launch.cuh): one row per CTA of tpr = N / E / VPT threads rounded up to a multiple of 32
+// (Hopper; elsewhere to a power of two), VPT 16-byte vectors per thread (1, or 2 beyond 128 vectors; 4 and
+// 8 for longer rows, below), no row loop and no shared staging: the row shape
 // of FLA's and torch.compile's Triton kernels. The bulk kernel's fixed costs (parameter staging,
 // mbarriers, one CTA per SM) dominated there: at 4096 x 2048 bf16 each of its row groups has ~4 rows.
 // x and the parameters are loaded together (the parameters do not depend on the statistics, so their
@@ -217,7 +218,7 @@ inline constexpr int kRow1MaxTpr = 256;
 // The wide instances (up to 1024 threads: FLA's row kernel runs rows of 2048..16384 bf16 with 512)
 inline constexpr int kRow1WideMaxTpr = 1024;
 
-// Sum over the CTA (tpr threads, a power of two in [32, 32 W]): `s_part` holds W floats, those of
+// Sum over the CTA (tpr threads, a multiple of 32 in [32, 32 W]): `s_part` holds W floats, those of
 // warps past the CTA's already zero; each s_part is used for one sum only (one barrier per sum).
 // A fixed W-leaf tree: deterministic, the same bits in every thread. W = 8: every thread reads the 8
 // slots (2 16-byte loads, 7 adds). The wide instances (W = 32, 512-1024 threads, FLA's row shape):

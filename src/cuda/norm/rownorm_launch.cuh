@@ -2,9 +2,11 @@
 // template per IO dtype, instantiated in rownorm_<dtype>.cu so that build options can drop dtypes.
 //
 // Plan, forward: aligned 16-bit rows of 33..256 16-byte vectors (Hopper: 33..512) in small problems, and on
-// Hopper rows of 769..1024 (few or many) and 1537..2048 (few) with raw parameters ->
-// one row per CTA of one, two or four vectors per thread (rownorm_fwd_row1_kernel; the last two with registers
-// capped, set_rownorm_fwd_row1_capped); other aligned rows with N <= kBulkMaxN
+// Hopper with raw parameters (IO dtype, or fp32 with set_rownorm_fwd_row1_f32par) rows of 385..768 vectors,
+// 769..1024 (few or many rows), 1025..3584 and 3585..4096 (any rows) -> one row per CTA of 1, 2, 4 or 8 vectors
+// per thread (rownorm_fwd_row1_kernel; 4 x 256 / 512 registers capped, set_rownorm_fwd_row1_capped; 8 with x
+// packed, set_rownorm_fwd_row1_rawx), threads per row in whole warps on Hopper (set_rownorm_fwd_row1_tight);
+// the rules and their measurements are in rownorm_plan; other aligned rows with N <= kBulkMaxN
 // on a device with bulk copies (sm_90, the kernel compiled for it) -> the bulk-copy kernel (rownorm_fwd_bulk.cuh), one 512-thread CTA per SM, P per
 // group rounded down to one wave (rows up to 2 kBulkMaxN too, with parameters unstaged:
 // set_rownorm_fwd_bulk_long); otherwise N <= kCachedMaxNFwd -> cached engines with tpr = next_pow2(ceil(N / elements per
