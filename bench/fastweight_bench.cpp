@@ -19,6 +19,7 @@
 //   fastweight_bench --row1-capped=off|auto|on  the one-row forward's register-capped instances (auto: 4 x 256, 4 x 512)
 //   fastweight_bench --row1-tight=off|on     one-row CTAs of whole warps, not powers of two, and the 4 x 129..192 / 8 x 129..448 rules (on: the default)
 //   fastweight_bench --row1-f32par=off|on    its 4- and 8-vector instances for fp32 parameters too (with --params=f32)
+//   fastweight_bench --bwd-ring3=off|on      norm backward's ring kernel at 3 vectors per thread where that idles fewer threads
 //   fastweight_bench --row1-long=off         rows of N 28680..32768 not in its capped 8 x 512 instance (on: the default)
 //   fastweight_bench --row1-prefetch=off|auto|on  its 4- and 8-vector instances' parameters one vector ahead (auto: 4)
 //   fastweight_bench --row1-rawx=off|auto|on  its capped instances with x packed (auto, the default: 8 vectors at 2x CTAs; on: +4)
@@ -178,6 +179,7 @@ struct Options {
   int row1_long = -1;     // -1: the default
   int row1_tight = -1;    // -1: the default
   int row1_f32par = -1;   // -1: the default
+  int bwd_ring3 = -1;     // -1: the default
   int row1_prefetch = -1; // -1: the default
   int row1_rawx = -1;     // -1: the default
   fastweight::detail::Row1Config row1_cfg;  // tpr 0: the planner's choice
@@ -477,6 +479,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--row1-long=")) o.row1_long = on(v) ? 1 : 0;
     else if (const char* v = val("--row1-tight=")) o.row1_tight = on(v) ? 1 : 0;
     else if (const char* v = val("--row1-f32par=")) o.row1_f32par = on(v) ? 1 : 0;
+    else if (const char* v = val("--bwd-ring3=")) o.bwd_ring3 = on(v) ? 1 : 0;
     else if (const char* v = val("--row1-prefetch=")) o.row1_prefetch = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (const char* v = val("--row1-rawx=")) o.row1_rawx = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (const char* v = val("--row1-cfg=")) {
@@ -527,6 +530,7 @@ int main(int argc, char** argv) {
   if (o.row1_long >= 0) fastweight::detail::set_rownorm_fwd_row1_long(o.row1_long == 1);
   if (o.row1_tight >= 0) fastweight::detail::set_rownorm_fwd_row1_tight(o.row1_tight == 1);
   if (o.row1_f32par >= 0) fastweight::detail::set_rownorm_fwd_row1_f32par(o.row1_f32par == 1);
+  if (o.bwd_ring3 >= 0) fastweight::detail::set_rownorm_bwd_ring3(o.bwd_ring3 == 1);
   if (o.row1_prefetch >= 0) fastweight::detail::set_rownorm_fwd_row1_prefetch(o.row1_prefetch);
   if (o.row1_rawx >= 0) fastweight::detail::set_rownorm_fwd_row1_rawx(o.row1_rawx);
   if (o.row1_cfg.tpr) fastweight::detail::force_rownorm_fwd_row1_config(o.row1_cfg);
@@ -651,6 +655,8 @@ int main(int argc, char** argv) {
         ms = timer->time_ms([&](Stream st) { p.run(st); }, o.reps);
         if (!j.bwd && jobs.size() == 1)  // one op (A/B runs): which forward kernel the planner took
           std::printf("%s: forward kernel %s\n", op.c_str(), fastweight::detail::rownorm_fwd_last_kernel());
+        else if (jobs.size() == 1)  // (and the backward's)
+          std::printf("%s: backward kernel %s\n", op.c_str(), fastweight::detail::rownorm_bwd_last_kernel());
       } else
 #endif
         ms = cpu_time_ms(p, std::max(3, o.reps / 10));

@@ -11,6 +11,7 @@
 // Skipped (not passed) where no GPU is present.
 #include <algorithm>
 #include <functional>
+#include <string>
 #include <tuple>
 
 #include "cuda/common/check.cuh"
@@ -620,6 +621,33 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1F32Par,
                          ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
                                             ::testing::Values<std::int64_t>(1000, 2048, 3072, 4096, 5000, 7168, 8192,
                                                                             10000, 13000, 16384, 20000, 32768)),
+                         rows_case_name);
+
+// The backward's ring kernel at 3 vectors per thread (set_rownorm_bwd_ring3): taken where 3 vectors fill more of a
+// row group's threads than 4 (bf16 N 3072, 5120, 6144, 10240, 12288; fp32 3072, 5120, 6144), the 4-vector ring
+// elsewhere (8192; fp32 past 8192 has no ring); padded rows and contiguous ones with fp32 parameters.
+struct NormCudaBwdRing3 : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaBwdRing3, ThreeVectorRingMatchesReference) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t groups = param_groups(op);
+  const ScopedSwitch<bool> ring3(&fastweight::detail::set_rownorm_bwd_ring3, true);
+  const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e;
+  auto pow2 = [](std::int64_t v) { std::int64_t t = 1; while (t < v) t *= 2; return t; };
+  const std::int64_t tpr4 = pow2((nvec + 3) / 4), tpr3 = pow2((nvec + 2) / 3);
+  const bool ring = tpr4 >= 64 && n <= 512 * 4 * e, expect3 = ring && tpr3 <= 512 && 3 * tpr3 < 4 * tpr4;
+  for (const auto& [layout, params, rows] : {std::tuple{Layout::padded, Params::io, groups * 37},
+                                             std::tuple{Layout::contiguous, Params::f32, groups * 5}}) {
+    check_case(op, dt, n, rows, layout, params);
+    const std::string ran = fastweight::detail::rownorm_bwd_last_kernel();
+    if (!ring) EXPECT_NE(ran, "ring3");              // (fp32 past 8192: no ring)
+    else if (fastweight::detail::cc_major() >= 9)    // (sm_80's shared memory may not hold the fp32 ring)
+      EXPECT_EQ(ran, expect3 ? "ring3" : "ring");
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Ring3, NormCudaBwdRing3,
+                         ::testing::Combine(kOps, kDtypes,
+                                            ::testing::Values<std::int64_t>(3072, 5120, 6144, 8192, 10240, 12288)),
                          rows_case_name);
 
 // Rows whose leading dims do not merge into one stride (Layout::gapped: head norm (rows / NH, NH, N),

@@ -653,10 +653,10 @@ inline constexpr int kRingStages = 2;
 inline constexpr int kRingMinTpr = 64;
 template <typename T> inline constexpr std::int64_t kRingMaxN = std::int64_t(kRingThreads) * kRingVecs * kVecElems<T>;
 
-inline std::size_t ring_smem_bytes(std::int64_t n, int elems) {
+inline std::size_t ring_smem_bytes(std::int64_t n, int elems, int vpt = kRingVecs) {
   const std::size_t n_pad = std::size_t((n + elems - 1) / elems * elems);
-  return std::size_t(kRingStages) * kRingThreads * (2 * kRingVecs * 16 + 2 * sizeof(float)) + n_pad * sizeof(float) +
-         2 * (kRingThreads / 32) * sizeof(float2);
+  return std::size_t(kRingStages) * kRingThreads * (2 * std::size_t(vpt) * 16 + 2 * sizeof(float)) +
+         n_pad * sizeof(float) + 2 * (kRingThreads / 32) * sizeof(float2);
 }
 
 // E fp32 scale values at `col` (a multiple of E) from shared memory, as float4 vectors.
@@ -675,11 +675,12 @@ __device__ __forceinline__ void group_barrier(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-template <typename T>
+// VPT: vectors per thread, kRingVecs; 3 where that fills more of a row group's threads (set_rownorm_bwd_ring3)
+template <typename T, int VPT = kRingVecs>
 __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const RowNormParams p, const RowLaunch L,
                                                                           float* __restrict__ ws_dw,
                                                                           float* __restrict__ ws_db) {
-  constexpr int E = kVecElems<T>, VPT = kRingVecs, S = kRingStages, NT = kRingThreads;
+  constexpr int E = kVecElems<T>, S = kRingStages, NT = kRingThreads;
   extern __shared__ uint4 smem_v[];
   const int n = int(p.n);
   const int n_pad = (n + E - 1) / E * E;

@@ -39,6 +39,7 @@ struct RowPlan {
   bool cached = true;
   bool persistent = true;  // forward, cached: persistent CTAs (else one row group per CTA)
   bool ring = false;       // backward, cached: the cp.async ring kernel (aligned rows)
+  int ring_vecs = kRingVecs;  // its vectors per thread (4, or 3: set_rownorm_bwd_ring3)
   bool bulk = false;       // forward: the bulk-copy kernel (Hopper, aligned rows)
   bool row1 = false;       // forward: one row per CTA, 1, 2 or 4 (8 forced) vectors per thread (aligned 16-bit rows)
   int row1_vecs = 1;       // its vectors per thread
@@ -120,6 +121,10 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   // the ring's smem (up to 203 KB: bf16 N = 16384) must fit the device's opt-in limit (sm_80: 163 KB)
   const bool ring = bwd && al && ring_tpr >= kRingMinTpr && p.n <= kRingMaxN<T> &&
                     ring_smem_bytes(p.n, E) <= smem_per_block_optin();
+  // 3 vectors per thread where that idles fewer of a row group's threads than 4 (3 tpr3 < 4 tpr: N 6144 bf16
+  // fills 256 x 3 where 4 leaves a quarter of 256 x 4 idle; set_rownorm_bwd_ring3, off: compiled, not measured)
+  const int ring3_tpr = next_pow2((p.n + 3 * E - 1) / (3 * E));
+  const bool ring3 = ring && rownorm_bwd_ring3() && ring3_tpr <= kRingThreads && 3 * ring3_tpr < 4 * ring_tpr;
   // The bulk-copy forward (Hopper): rows within kBulkMaxN with staged parameters; rows past it up to
   // twice it (set_rownorm_fwd_bulk_long), and those within it where forced
   // (force_rownorm_fwd_bulk_unstaged), with unstaged parameters (IO dtype with aligned rows, or none)
@@ -324,14 +329,16 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
                                (J + R - 1) / R);
       return plan;
     }
-    if (ring) {  // the ring kernel: 512 threads, 4 vectors per thread, R row groups
+    if (ring) {  // the ring kernel: 512 threads, 4 (or 3) vectors per thread, R row groups
       plan.ring = true;
-      plan.L.tpr = ring_tpr;
+      plan.ring_vecs = ring3 ? 3 : kRingVecs;
+      plan.L.tpr = ring3 ? ring3_tpr : ring_tpr;
       plan.threads = kRingThreads;
-      plan.smem = ring_smem_bytes(p.n, E);
+      plan.smem = ring_smem_bytes(p.n, E, plan.ring_vecs);
       const int R = plan.threads / plan.L.tpr;
-      plan.L.P = ctas_per_unit(reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T>), plan.threads, plan.smem,
-                               p.groups, (J + R - 1) / R);
+      const void* kernel = ring3 ? reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T, 3>)
+                                 : reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T>);
+      plan.L.P = ctas_per_unit(kernel, plan.threads, plan.smem, p.groups, (J + R - 1) / R);
       return plan;
     }
     plan.L.tpr = next_pow2((p.n + kBwdVecs * E - 1) / (kBwdVecs * E));
@@ -567,13 +574,15 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
   float* ws_db = p.db ? reinterpret_cast<float*>(ws + (p.dw ? w.partial_bytes : 0)) : nullptr;
   float2* rowsums = reinterpret_cast<float2*>(ws + (p.dw ? w.partial_bytes : 0) + (p.db ? w.partial_bytes : 0));
   const bool al = plan.L.aligned;
+  note_rownorm_bwd_kernel(!plan.cached ? "rowsum_coltile" : !plan.ring ? "cached" : plan.ring_vecs == 3 ? "ring3" : "ring");
   if (p.rows > 0) {
     if (plan.cached) {
       const std::int64_t blocks = std::int64_t(plan.L.P) * p.groups;
       if (blocks > 0x7fffffff) throw Error(cat("rownorm_bwd: grid of ", blocks, " CTAs is too large"));
       const unsigned grid = unsigned(blocks);
       const bool big = plan.threads > kSmallCta;
-      if (plan.ring) rownorm_bwd_ring_kernel<T><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
+      if (plan.ring && plan.ring_vecs == 3) rownorm_bwd_ring_kernel<T, 3><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
+      else if (plan.ring) rownorm_bwd_ring_kernel<T><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al && big) rownorm_bwd_cached_kernel<T, kBwdVecs, true, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al) rownorm_bwd_cached_kernel<T, kBwdVecs, true, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (big) rownorm_bwd_cached_kernel<T, kBwdVecs, false, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
