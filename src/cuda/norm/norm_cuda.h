@@ -100,10 +100,11 @@ int rownorm_fwd_row1_vecs();
 int set_rownorm_fwd_row1_capped(int mode);
 int rownorm_fwd_row1_capped_mode();
 // Long rows in the one-row kernel, 8 x 512 threads (FLA's shape), capped: 2 CTAs per SM at 64 registers
-// with x packed (set_rownorm_fwd_row1_rawx, the default), else 1 at 128: aligned 16-bit rows of 3585..4096 vectors (N 28680..32768) with raw parameters, any number
-// of rows, on Hopper, instead of the bulk kernel (session 39, H200, LayerNorm bf16 x 32768, ms, bulk /
-// 8 x 512 at 1 CTA per SM: 256 rows 0.0214 / 0.0180, 1024 0.0578 / 0.0516, 4096 0.1956 / 0.1789, 16384 0.7201 /
-// 0.6863; RMSNorm 4096 0.1833 / 0.1684; level at N 28672 and 24584, whose threads idle vectors).
+// with x packed (set_rownorm_fwd_row1_rawx, the default), else 1 at 128: aligned 16-bit rows of 3585..4096
+// vectors (N 28680..32768) with raw parameters, any number of rows, on Hopper, instead of the bulk kernel
+// (session 39, H200, LayerNorm bf16 x 32768, ms, bulk / 8 x 512 at 1 CTA per SM: 256 rows 0.0214 / 0.0180,
+// 1024 0.0578 / 0.0516, 4096 0.1956 / 0.1789, 16384 0.7201 / 0.6863; RMSNorm 4096 0.1833 / 0.1684; level at
+// N 28672 and 24584, whose threads idle vectors: those rows take whole-warp shapes now, below).
 // On by default; FW_NORM_ROW1_LONG=0 turns it off at start. Returns the previous setting (tests,
 // fastweight_bench --row1-long=off).
 bool set_rownorm_fwd_row1_long(bool on);
@@ -156,8 +157,9 @@ bool rownorm_fwd_row1_tight();
 bool set_rownorm_fwd_row1_f32par(bool on);
 bool rownorm_fwd_row1_f32par();
 // Tests and benchmarks only: force the one-row-per-CTA forward's shape on every aligned 16-bit row it
-// can take: tpr threads (a multiple of 32, 32..1024; the planner's are powers of two), vb-byte vectors (8 or 16; vectors per thread
-// follow, 1 or 2), late = parameters loaded after the sums, plain = x and the parameters through
+// can take: tpr threads (a multiple of 32, 32..1024; the planner's too on Hopper, set_rownorm_fwd_row1_tight),
+// vb-byte vectors (8 or 16; vectors per thread follow: 1, 2, 4 or 8), late = parameters loaded after the sums,
+// plain = x and the parameters through
 // ld.global instead of ld.global.nc (only with 16-byte vectors, late, up to 256 threads). tpr 0: the
 // planner's choice. Returns the previous setting.
 struct Row1Config { int tpr = 0, vb = 16; bool late = false, plain = false; };
