@@ -624,7 +624,7 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1F32Par,
                          rows_case_name);
 
 // The backward's ring kernel at 3 vectors per thread (set_rownorm_bwd_ring3): taken where 3 vectors fill more of a
-// row group's threads than 4 (bf16 N 3072, 5120, 6144, 10240, 12288; fp32 3072, 5120, 6144), the 4-vector ring
+// row group's threads than 4 (bf16 N 1536, 3072, 5120, 6144, 10240, 12288; fp32 1536 .. 6144), the 4-vector ring
 // elsewhere (8192; fp32 past 8192 has no ring); padded rows and contiguous ones with fp32 parameters.
 struct NormCudaBwdRing3 : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaBwdRing3, ThreeVectorRingMatchesReference) {
@@ -647,7 +647,8 @@ TEST_P(NormCudaBwdRing3, ThreeVectorRingMatchesReference) {
 }
 INSTANTIATE_TEST_SUITE_P(Ring3, NormCudaBwdRing3,
                          ::testing::Combine(kOps, kDtypes,
-                                            ::testing::Values<std::int64_t>(3072, 5120, 6144, 8192, 10240, 12288)),
+                                            ::testing::Values<std::int64_t>(1536, 3072, 5120, 6144, 8192, 10240,
+                                                                            12288)),
                          rows_case_name);
 
 // Rows whose leading dims do not merge into one stride (Layout::gapped: head norm (rows / NH, NH, N),

@@ -23,10 +23,10 @@ void note_rownorm_fwd_kernel(const char* name);
 const char* rownorm_bwd_last_kernel();
 void note_rownorm_bwd_kernel(const char* name);
 // The backward's ring kernel with 3 vectors per thread instead of 4 where that idles fewer of a row group's
-// threads (3 tpr3 < 4 tpr, tpr3 <= 512: bf16 N 2056..3072, 4104..6144, 8200..12288; 256 x 3 at N 6144, where 4
-// vectors leave a quarter of 256 x 4 idle). ptxas (sm_90a, bf16): 122 registers, no spill (4 vectors: 128).
-// Compiled, not yet measured: off by default; FW_NORM_BWD_RING3=1 turns it on at start. Returns the previous
-// setting (tests, fastweight_bench --bwd-ring3=off|on).
+// threads (3 tpr3 < 4 tpr, tpr3 <= 512: bf16 N 1032..1536, 2056..3072, 4104..6144, 8200..12288; 256 x 3 at
+// N 6144, where 4 vectors leave a quarter of 256 x 4 idle). ptxas (sm_90a, bf16): 122 registers, no spill
+// (4 vectors: 128). Compiled, not yet measured: off by default; FW_NORM_BWD_RING3=1 turns it on at start.
+// Returns the previous setting (tests, fastweight_bench --bwd-ring3=off|on).
 bool set_rownorm_bwd_ring3(bool on);
 bool rownorm_bwd_ring3();
 // The Hopper bulk-copy forward (rownorm_fwd_bulk.cuh) for aligned rows where it applies (default on).
