@@ -500,9 +500,10 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         auto by_vb = [&](auto vpt) { plan.row1_vb == 8 ? by_late(vpt, IC<8>{}) : by_late(vpt, IC<16>{}); };
         if (plan.row1_vecs >= 4) deep_row1(std::false_type{});
         else plan.row1_vecs == 2 ? by_vb(IC<2>{}) : by_vb(IC<1>{});
-      } else if (f32_par && (plan.row1_vecs >= 4 || (rownorm_fwd_row1_f32par() && !wide))) {
-        // fp32 parameters as vectors (set_rownorm_fwd_row1_f32par; the 1- and 2-vector shapes take them only where
-        // it is on, else load_params_vec's per-element loads below), half a vector ahead
+      } else if (f32_par && (plan.row1_vecs >= 4 || (rownorm_fwd_row1_f32par() && plan.row1_late && !wide))) {
+        // fp32 parameters as vectors (set_rownorm_fwd_row1_f32par; the planner's 1- and 2-vector shapes take them
+        // only where it is on, else, and for forced shapes with the parameters loaded with x, load_params_vec's
+        // per-element loads below), half a vector ahead
         if (plan.row1_vecs >= 4) deep_row1(std::true_type{});
         else if (plan.row1_vecs == 2) rownorm_fwd_row1_kernel<T, true, 2, 16, true, 8, true, 0, 1, false, true><<<grid, plan.threads, 0, stream>>>(p);
         else rownorm_fwd_row1_kernel<T, true, 1, 16, true, 8, true, 0, 1, false, true><<<grid, plan.threads, 0, stream>>>(p);
