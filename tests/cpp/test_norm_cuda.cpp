@@ -625,7 +625,8 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1F32Par,
 
 // The backward's ring kernel at 3 vectors per thread (set_rownorm_bwd_ring3): taken where 3 vectors fill more of a
 // row group's threads than 4 (bf16 N 1536, 3072, 5120, 6144, 10240, 12288; fp32 1536 .. 6144), the 4-vector ring
-// elsewhere (8192; fp32 past 8192 has no ring); padded rows and contiguous ones with fp32 parameters.
+// elsewhere (8192; fp32 past 8192 has no ring); padded rows and contiguous ones with fp32 parameters; where it is
+// taken, the 4-vector ring with the switch off too.
 struct NormCudaBwdRing3 : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaBwdRing3, ThreeVectorRingMatchesReference) {
   FW_REQUIRE_GPU();
@@ -644,11 +645,49 @@ TEST_P(NormCudaBwdRing3, ThreeVectorRingMatchesReference) {
     else if (fastweight::detail::cc_major() >= 9)    // (sm_80's shared memory may not hold the fp32 ring)
       EXPECT_EQ(ran, expect3 ? "ring3" : "ring");
   }
+  if (expect3) {  // the 4-vector ring these rows took before (the switch off)
+    const ScopedSwitch<bool> four(&fastweight::detail::set_rownorm_bwd_ring3, false);
+    check_case(op, dt, n, groups * 37, Layout::padded, Params::io);
+    if (fastweight::detail::cc_major() >= 9) EXPECT_STREQ(fastweight::detail::rownorm_bwd_last_kernel(), "ring");
+  }
 }
 INSTANTIATE_TEST_SUITE_P(Ring3, NormCudaBwdRing3,
                          ::testing::Combine(kOps, kDtypes,
                                             ::testing::Values<std::int64_t>(1536, 3072, 5120, 6144, 8192, 10240,
                                                                             12288)),
+                         rows_case_name);
+
+// Aligned rows past the ring kernel's reach (bf16 / fp16 N > 16384, fp32 N > 8192): the ring kernel in clusters of
+// C = ceil(N / reach) CTAs on Hopper (set_rownorm_bwd_cluster), C 2..8, 3 vectors per thread at N 24576 (bf16), ranks
+// whose last one holds fewer columns (20000, 40000), about 4 rows per cluster (the exchange slots' parities and
+// mbarrier phases turn over), padded rows and contiguous ones with fp32 parameters; then the same with the switch
+// off (rowsum + coltile).
+struct NormCudaBwdCluster : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaBwdCluster, ClusterRingMatchesReference) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t groups = param_groups(op);
+  const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e, reach = 512 * 4;
+  const std::int64_t C = (nvec + reach - 1) / reach, per = (nvec + C - 1) / C;
+  auto pow2 = [](std::int64_t v) { std::int64_t t = 1; while (t < v) t *= 2; return t; };
+  const bool three = 3 * pow2((per + 2) / 3) < 4 * pow2((per + 3) / 4) && pow2((per + 2) / 3) <= 512;
+  const std::int64_t rows = std::max(groups * 5, ((std::int64_t(1) << 23) / n + groups - 1) / groups * groups);
+  for (const bool on : {true, false}) {
+    const ScopedSwitch<bool> cluster(&fastweight::detail::set_rownorm_bwd_cluster, on);
+    for (const auto& [layout, params] : {std::pair{Layout::padded, Params::io}, std::pair{Layout::contiguous, Params::f32}}) {
+      if (!on && params == Params::f32) continue;  // (the long-row path has its own cases above)
+      check_case(op, dt, n, rows, layout, params);
+      const std::string ran = fastweight::detail::rownorm_bwd_last_kernel();
+      if (C == 1) EXPECT_EQ(ran.find("cluster"), std::string::npos) << n;  // (within the ring's reach)
+      else if (on && C <= 8 && fastweight::detail::cc_major() >= 9) EXPECT_EQ(ran, three ? "ring3_cluster" : "ring_cluster") << n;
+      else EXPECT_EQ(ran, "rowsum_coltile") << n;
+    }
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Cluster, NormCudaBwdCluster,
+                         ::testing::Combine(kOps, kDtypes,
+                                            ::testing::Values<std::int64_t>(8200, 16392, 20000, 24576, 32768, 40000,
+                                                                            65536, 131072)),
                          rows_case_name);
 
 // Rows whose leading dims do not merge into one stride (Layout::gapped: head norm (rows / NH, NH, N),

@@ -31,21 +31,36 @@ inline int env_digit(const char* name, int fallback) {
 
 // A launch of kernel fn on stream s; programmatic where pdl (cudaLaunchAttributeProgrammaticStreamSerialization,
 // sm_90: it may be scheduled before the previous kernel in the stream has ended, so fn must wait
-// (pdl_wait_primary, cuda/common/bulk.cuh) before it touches that kernel's memory), else a plain launch.
+// (pdl_wait_primary, cuda/common/bulk.cuh) before it touches that kernel's memory), else a plain launch;
+// in 1-D clusters of `cluster` CTAs where cluster > 1 (sm_90; grid.x a multiple of it).
 template <typename... P, typename... A>
-void launch_kernel(const char* op, void (*fn)(P...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t s, bool pdl,
-                   A&&... args) {
+void launch_kernel_cluster(const char* op, void (*fn)(P...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t s,
+                           bool pdl, unsigned cluster, A&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned na = 0;
+  if (pdl) {
+    attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[na++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attr[na].id = cudaLaunchAttributeClusterDimension;
+    attr[na].val.clusterDim.x = cluster;
+    attr[na].val.clusterDim.y = 1;
+    attr[na++].val.clusterDim.z = 1;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.numAttrs = na;
   FW_CUDA_CHECK(op, cudaLaunchKernelEx(&cfg, fn, static_cast<A&&>(args)...));
+}
+template <typename... P, typename... A>
+void launch_kernel(const char* op, void (*fn)(P...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t s, bool pdl,
+                   A&&... args) {
+  launch_kernel_cluster(op, fn, grid, block, smem, s, pdl, 1u, static_cast<A&&>(args)...);
 }
 
 // Multiprocessor count of the current device (cached).
@@ -67,6 +82,9 @@ bool kernel_runs_sm90a(const void* kernel);
 // Resident CTAs per SM of `kernel` at this launch shape on the current device; also raises the
 // kernel's dynamic shared-memory limit to `smem` when needed. Cached (thread-safe).
 int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem);
+// Clusters of `cluster` CTAs of `kernel` at this launch shape that the current device holds at once (0:
+// none fit); also raises the kernel's dynamic shared-memory limit as resident_ctas_per_sm. Cached.
+int resident_clusters(const void* kernel, int threads, std::size_t smem, int cluster);
 // The most dynamic + static shared memory a block may opt in to on the current device (cached).
 std::size_t smem_per_block_optin();
 // Tests only: caps what smem_per_block_optin() reports (0: no cap), so a Hopper run takes the paths

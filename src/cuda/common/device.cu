@@ -114,6 +114,32 @@ int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem) {
   return occ;
 }
 
+int resident_clusters(const void* kernel, int threads, std::size_t smem, int cluster) {
+  if (resident_ctas_per_sm(kernel, threads, smem) == 0) return 0;  // (raises the shared-memory limit too)
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int, std::size_t, int>, int> cache;
+  int dev = 0;
+  FW_CUDA_CHECK("fastweight", cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(dev, kernel, threads, smem, cluster);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(cluster) * unsigned(sm_count()));
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = unsigned(cluster);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  FW_CUDA_CHECK("fastweight", cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
+  cache[key] = n;
+  return n;
+}
+
 namespace {
 // FW_BUILD_ARCHS ("90a,80", CMake's list): does it name `arch` (a "-real" / "-virtual" suffix ignored)?
 constexpr bool build_names_arch(std::string_view list, std::string_view arch) {

@@ -19,16 +19,26 @@ void rownorm_bwd_cuda(const RowNormParams& p, void* workspace, std::size_t works
 // any), so that a test of a path can check it ran.
 const char* rownorm_fwd_last_kernel();
 void note_rownorm_fwd_kernel(const char* name);
-// Likewise the backward's ("ring", "ring3", "cached", "rowsum_coltile").
+// Likewise the backward's ("ring", "ring3", "ring_cluster", "ring3_cluster", "cached", "rowsum_coltile").
 const char* rownorm_bwd_last_kernel();
 void note_rownorm_bwd_kernel(const char* name);
 // The backward's ring kernel with 3 vectors per thread instead of 4 where that idles fewer of a row group's
 // threads (3 tpr3 < 4 tpr, tpr3 <= 512: bf16 N 1032..1536, 2056..3072, 4104..6144, 8200..12288; 256 x 3 at
 // N 6144, where 4 vectors leave a quarter of 256 x 4 idle). ptxas (sm_90a, bf16): 122 registers, no spill
-// (4 vectors: 128). Compiled, not yet measured: off by default; FW_NORM_BWD_RING3=1 turns it on at start.
+// (4 vectors: 128). Session 41 (H200, LayerNorm bf16 x 4096 rows, ms, 4 / 3 vectors): N 3072 0.0361 / 0.0341,
+// 5120 0.0571 / 0.0543, 6144 0.0612 / 0.0579, 10240 0.1071 / 0.1008, 12288 0.1158 / 0.1095; level where it is
+// not taken (8192, 16384). On by default; FW_NORM_BWD_RING3=0 turns it off at start.
 // Returns the previous setting (tests, fastweight_bench --bwd-ring3=off|on).
 bool set_rownorm_bwd_ring3(bool on);
 bool rownorm_bwd_ring3();
+// Aligned rows past the ring kernel's reach (bf16 / fp16 N > 16384, fp32 N > 8192) on Hopper: the ring kernel in
+// clusters of C = ceil(N / that reach) <= 8 CTAs (bf16 N <= 131072, fp32 <= 65536), each CTA the same rows' N / C
+// columns, the row sums exchanged through the peers' shared memory (st.async on their mbarriers) and added in
+// rank order; x and dy are read once, where rowsum + coltile (the path without it, and past 8 CTAs) reads them
+// twice. Compiled, not yet measured: off by default; FW_NORM_BWD_CLUSTER=1 turns it on at start. Returns the previous setting (tests,
+// fastweight_bench --bwd-cluster=off|on).
+bool set_rownorm_bwd_cluster(bool on);
+bool rownorm_bwd_cluster();
 // The Hopper bulk-copy forward (rownorm_fwd_bulk.cuh) for aligned rows where it applies (default on).
 // Tests and benchmarks only: off routes those rows to the persistent kernel, the path of devices
 // without bulk copies. Returns the previous setting.
@@ -152,8 +162,12 @@ bool rownorm_fwd_row1_tight();
 // the planner's 1- and 2-vector shapes load them so instead of one element at a time (load_params_vec).
 // ptxas (sm_90a, bf16): 8 x 512 / 8 x 256 x packed 64 registers with 20 B spilled (4 B with bf16 parameters;
 // whole vectors ahead: 108 B; all after the sums: 1040 B); 4 x 256 capped 63, no spill; 4 x 128 79 (62).
-// Compiled, not yet measured: off by default; FW_NORM_ROW1_F32PAR=1 turns it on at start. Returns the previous
-// setting (tests, fastweight_bench --row1-f32par=off|on with --params=f32).
+// Session 41 (H200, LayerNorm bf16 with fp32 parameters, ms, off / on): 512 rows x 2048 0.0079 / 0.0060, x 5120
+// 0.0109 / 0.0086, x 12288 0.0198 / 0.0148, x 32768 0.0607 / 0.0317; 4096 rows x 2048 0.0275 / 0.0168, x 4096
+// 0.0481 / 0.0264, x 24576 0.3132 / 0.1473, x 32768 0.4069 / 0.1872; but at 4096 rows x 5120 0.0300 / 0.0339, x
+// 8192 level, x 12288 0.0659 / 0.0677, x 16384 0.0850 / 0.0859, so rows of 513..2048 vectors from 8 rows per SM
+// keep the bulk kernel (rownorm_plan). On by default; FW_NORM_ROW1_F32PAR=0 turns it off at start. Returns the
+// previous setting (tests, fastweight_bench --row1-f32par=off|on with --params=f32).
 bool set_rownorm_fwd_row1_f32par(bool on);
 bool rownorm_fwd_row1_f32par();
 // Tests and benchmarks only: force the one-row-per-CTA forward's shape on every aligned 16-bit row it

@@ -48,8 +48,9 @@ std::atomic<bool> g_fwd_row1_long{env_digit("FW_NORM_ROW1_LONG", 1) == 1};
 std::atomic<int> g_fwd_row1_prefetch{env_digit("FW_NORM_ROW1_PREFETCH", 1)};  // (0|1|2: the mode at start)
 std::atomic<int> g_fwd_row1_rawx{env_digit("FW_NORM_ROW1_RAWX", 1)};          // (0|1|2: the mode at start)
 std::atomic<bool> g_fwd_row1_tight{env_digit("FW_NORM_ROW1_TIGHT", 1) == 1};
-std::atomic<bool> g_fwd_row1_f32par{env_digit("FW_NORM_ROW1_F32PAR", 0) == 1};
-std::atomic<bool> g_bwd_ring3{env_digit("FW_NORM_BWD_RING3", 0) == 1};
+std::atomic<bool> g_fwd_row1_f32par{env_digit("FW_NORM_ROW1_F32PAR", 1) == 1};
+std::atomic<bool> g_bwd_ring3{env_digit("FW_NORM_BWD_RING3", 1) == 1};
+std::atomic<bool> g_bwd_cluster{env_digit("FW_NORM_BWD_CLUSTER", 0) == 1};
 std::atomic<int> g_fwd_row1_cfg{0};  // tpr | vb << 16 | late << 24 | plain << 25
 }  // namespace
 static thread_local const char* t_fwd_last_kernel = "";
@@ -60,6 +61,8 @@ const char* rownorm_bwd_last_kernel() { return t_bwd_last_kernel; }
 void note_rownorm_bwd_kernel(const char* name) { t_bwd_last_kernel = name; }
 bool set_rownorm_bwd_ring3(bool on) { return g_bwd_ring3.exchange(on); }
 bool rownorm_bwd_ring3() { return g_bwd_ring3.load(); }
+bool set_rownorm_bwd_cluster(bool on) { return g_bwd_cluster.exchange(on); }
+bool rownorm_bwd_cluster() { return g_bwd_cluster.load(); }
 bool set_rownorm_fwd_bulk(bool enabled) { return g_fwd_bulk.exchange(enabled); }
 bool rownorm_fwd_bulk_enabled() { return g_fwd_bulk.load(); }
 int set_rownorm_fwd_bulk_long(int mode) { return g_fwd_bulk_long.exchange(mode); }

@@ -33,6 +33,7 @@
 
 #include "common/norm_params.h"
 #include "cuda/common/bulk.cuh"
+#include "cuda/common/cluster.cuh"
 #include "cuda/common/vec.cuh"
 
 namespace fastweight::detail {
@@ -614,21 +615,23 @@ inline std::size_t partials_comb_floats(int R, std::int64_t n, int elems, bool p
 }
 
 // The group's scale (weight_offset + w, or 1) as fp32 in shared memory, once per CTA; 0 in the padding.
+// col0 / n_cols: the columns [col0, col0 + n_cols) only (a cluster's CTA; n_pad covers n_cols), -1: all.
 // A vector of E parameters per load (16 bytes where they are aligned) and 4 vectors per thread in
 // flight: at N = 16384 the scalar loop's 32 dependent L2 round trips per thread were 8-12% of the
 // ring kernel's stall samples (ncu source counters, 4096 x 4096 / 16384 bf16).
 template <typename T, bool ALIGNED>
-__device__ __forceinline__ void stage_scale(const RowNormParams& p, std::int64_t g, int n_pad, float* s_scale) {
+__device__ __forceinline__ void stage_scale(const RowNormParams& p, std::int64_t g, int n_pad, float* s_scale,
+                                            int col0 = 0, int n_cols = -1) {
   constexpr int E = kVecElems<T>;
-  const int n = int(p.n), nvec = n_pad / E;
+  const int n = int(p.n), nvec = n_pad / E, nc = n_cols < 0 ? n : n_cols;
   float4* s4 = reinterpret_cast<float4*>(s_scale);
 #pragma unroll 4
   for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
     float sc[E], unused[E];
-    load_params_vec<T, ALIGNED>(p, g, v * E, n, sc, unused, /*bias=*/false);
+    load_params_vec<T, ALIGNED>(p, g, col0 + v * E, n, sc, unused, /*bias=*/false);
 #pragma unroll
     for (int e = 0; e < E; ++e)
-      if (v * E + e >= n) sc[e] = 0.f;  // 0 past the row end
+      if (v * E + e >= nc) sc[e] = 0.f;  // 0 past the row end (past this CTA's columns)
 #pragma unroll
     for (int i = 0; i < E / 4; ++i) s4[v * (E / 4) + i] = make_float4(sc[4 * i], sc[4 * i + 1], sc[4 * i + 2], sc[4 * i + 3]);
   }
@@ -641,9 +644,14 @@ __device__ __forceinline__ void stage_scale(const RowNormParams& p, std::int64_t
 // per-row work (reduction, barriers, addressing) is spread over 32 elements. The row stays in shared
 // memory, so the dx pass re-reads it there instead of holding xhat and g in registers (64 partials
 // already take half the register budget).
-// smem: (S, 2, VPT, 512) 16-byte vectors (x then dy) | (S, 2, 512) floats (mean, rstd) | scale (N
-// padded to E) | row sums (2 parities, 16 warps) float2 -- the partials (R, N / E, E + 1 floats)
-// reuses the ring after the loop.
+// Rows past kRingMaxN (Hopper): CLU, a cluster of C CTAs (2..8) per row group, rank c holding the cl_cols
+// columns from c * cl_cols of the same rows; each rank's row sums go to every rank's shared memory by st.async,
+// completing on that rank's mbarrier (one per row-group slot and row parity), and every rank adds the C of
+// them in rank order (the same bits everywhere). One pass over x and dy, where the long-row path (rowsum +
+// coltile) reads them twice.
+// smem: (S, 2, VPT, 512) 16-byte vectors (x then dy) | (S, 2, 512) floats (mean, rstd) | scale (N, or
+// cl_cols, padded to E) | row sums (2 parities, 16 warps) float2 | CLU: mbarriers (2, R) u64 | the ranks' sums
+// (2, R, kRingMaxCluster) float2 -- the partials (R, N / E, E + 1 floats) reuses the ring after the loop.
 inline constexpr int kRingThreads = 512;
 inline constexpr int kRingVecs = 4;
 inline constexpr int kRingStages = 2;
@@ -653,10 +661,13 @@ inline constexpr int kRingStages = 2;
 inline constexpr int kRingMinTpr = 64;
 template <typename T> inline constexpr std::int64_t kRingMaxN = std::int64_t(kRingThreads) * kRingVecs * kVecElems<T>;
 
-inline std::size_t ring_smem_bytes(std::int64_t n, int elems, int vpt = kRingVecs) {
+inline constexpr int kRingMaxCluster = 8;  // portable cluster sizes
+// n: the CTA's columns (cl_cols in a cluster); cluster: its exchange slots for R row groups (0: none)
+inline std::size_t ring_smem_bytes(std::int64_t n, int elems, int vpt = kRingVecs, int cluster_groups = 0) {
   const std::size_t n_pad = std::size_t((n + elems - 1) / elems * elems);
   return std::size_t(kRingStages) * kRingThreads * (2 * std::size_t(vpt) * 16 + 2 * sizeof(float)) +
-         n_pad * sizeof(float) + 2 * (kRingThreads / 32) * sizeof(float2);
+         n_pad * sizeof(float) + 2 * (kRingThreads / 32) * sizeof(float2) +
+         std::size_t(cluster_groups) * 2 * (sizeof(std::uint64_t) + kRingMaxCluster * sizeof(float2));
 }
 
 // E fp32 scale values at `col` (a multiple of E) from shared memory, as float4 vectors.
@@ -675,28 +686,47 @@ __device__ __forceinline__ void group_barrier(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-// VPT: vectors per thread, kRingVecs; 3 where that fills more of a row group's threads (set_rownorm_bwd_ring3)
-template <typename T, int VPT = kRingVecs>
+// VPT: vectors per thread, kRingVecs; 3 where that fills more of a row group's threads (set_rownorm_bwd_ring3).
+// CLU: launched in clusters that split the row's columns (cl_cols per rank, a multiple of E; above).
+template <typename T, int VPT = kRingVecs, bool CLU = false>
 __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const RowNormParams p, const RowLaunch L,
                                                                           float* __restrict__ ws_dw,
-                                                                          float* __restrict__ ws_db) {
+                                                                          float* __restrict__ ws_db, int cl_cols = 0) {
   constexpr int E = kVecElems<T>, S = kRingStages, NT = kRingThreads;
+#if !defined(FW_HAS_BULK)
+  if constexpr (CLU) {  // (planned on sm_90 binaries only)
+    __trap();
+    return;
+  }
+#endif
   extern __shared__ uint4 smem_v[];
-  const int n = int(p.n);
+  const int rank = CLU ? cluster_rank() : 0, ncta = CLU ? cluster_size() : 1;
+  const int c0 = rank * cl_cols;                                 // this CTA's first column
+  const int n = CLU ? min(cl_cols, int(p.n) - c0) : int(p.n);     // and its column count
   const int n_pad = (n + E - 1) / E * E;
+  const int tid = threadIdx.x, tpr = L.tpr, R = NT / tpr, rg = tid / tpr, lane = tid % tpr;
   uint4* s_pipe = smem_v;                                              // (S, 2, VPT, NT)
   float* s_stat = reinterpret_cast<float*>(smem_v + S * 2 * VPT * NT);  // (S, 2, NT)
   float* s_scale = s_stat + S * 2 * NT;                                // (n_pad)
   float2* s_red = reinterpret_cast<float2*>(s_scale + n_pad);          // (2, NT / 32)
-  const std::int64_t g = blockIdx.x / L.P, pi = blockIdx.x % L.P;
-  const int tid = threadIdx.x, tpr = L.tpr, R = NT / tpr, rg = tid / tpr, lane = tid % tpr;
-  const float inv_n = 1.f / float(n);
+  std::uint64_t* s_xbar = reinterpret_cast<std::uint64_t*>(s_red + 2 * (NT / 32));  // CLU: (2, R)
+  [[maybe_unused]] float2* s_xsum = reinterpret_cast<float2*>(s_xbar + 2 * R);       // CLU: (2, R, kRingMaxCluster)
+  const unsigned cta = CLU ? blockIdx.x / unsigned(ncta) : blockIdx.x;  // the cluster, or the CTA (32-bit divisions)
+  const std::int64_t g = cta / L.P, pi = cta % L.P;
+  const float inv_n = 1.f / float(p.n);
   const std::int64_t J = p.rows_per_group, jstep = std::int64_t(L.P) * R;
+  if constexpr (CLU) {
+#if defined(FW_HAS_BULK)
+    if (tid < 2 * R) mbar_init(&s_xbar[tid], 1);  // one arrival per phase: the row group's lane 0, with the bytes
+    mbar_init_fence();
+#endif
+    cluster_arrive();  // (waited for below, before the first exchange: the peers' mbarriers are ready)
+  }
   auto issue_row = [&](std::int64_t j, int stage) {  // cp.async into this thread's own slots
     const bool ok_row = j < J;
     const std::int64_t r = p.row_of(g, ok_row ? j : 0);  // rows past J: zero-filled (rstd 0: no effect)
-    const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(r);
-    const T* dyr = static_cast<const T*>(p.dy) + p.dy_rows.offset(r);
+    const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(r) + c0;
+    const T* dyr = static_cast<const T*>(p.dy) + p.dy_rows.offset(r) + c0;
     cp_async4(&s_stat[(stage * 2 + 0) * NT + tid], p.rms ? p.rstd + r : p.mean + r, ok_row && !p.rms);
     cp_async4(&s_stat[(stage * 2 + 1) * NT + tid], p.rstd + r, ok_row);
 #pragma unroll
@@ -713,8 +743,10 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
     issue_row(pi * R + rg + s * jstep, s);
     cp_async_commit();
   }
-  stage_scale<T, true>(p, g, n_pad, s_scale);  // while the first rows are in flight
+  stage_scale<T, true>(p, g, n_pad, s_scale, c0, n);  // while the first rows are in flight
+  if constexpr (CLU) cluster_wait();
   int stage = 0, parity = 0;
+  [[maybe_unused]] unsigned it = 0;  // CLU: rows so far (the exchange slot's parity and its mbarrier's phase)
   for (std::int64_t j0 = pi * R; j0 < J; j0 += jstep) {
     const std::int64_t j = j0 + rg;
     issue_row(j + (S - 1) * jstep, stage == 0 ? S - 1 : stage - 1);
@@ -760,11 +792,31 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
       }
       parity ^= 1;
     }
+#if defined(FW_HAS_BULK)
+    if constexpr (CLU) {
+      // the cluster's sums: this rank's into slot `rank` of every rank (lane c sends to rank c), the row group's
+      // lane 0 posting the C * 8 bytes it expects. A slot is written again two rows later, by a peer that has
+      // had this CTA's next sums, which come after every thread of the row group has read this row's (its
+      // barrier above); the phase is the slot's use count.
+      const int xs = int(it & 1) * R + rg;
+      float2* slot = s_xsum + xs * kRingMaxCluster;
+      if (lane == 0) mbar_arrive_expect_tx(&s_xbar[xs], 8u * unsigned(ncta));
+      if (lane < ncta) st_async_float2(slot + rank, sums, &s_xbar[xs], lane);
+      mbar_wait_cluster(&s_xbar[xs], (it >> 1) & 1u);
+      sums = slot[0];
+      for (int c = 1; c < ncta; ++c) {
+        const float2 t = slot[c];
+        sums.x += t.x;
+        sums.y += t.y;
+      }
+      ++it;
+    }
+#endif
     const float mg = p.rms ? 0.f : sums.x * inv_n;
     const float mgx = sums.y * inv_n;
     // pass 2: dx = rstd * (g - mean(g) - xhat * mean(g xhat)), the row re-read from shared memory
     if (j < J) {
-      T* dxr = static_cast<T*>(p.dx) + p.dx_rows.offset(p.row_of(g, j));
+      T* dxr = static_cast<T*>(p.dx) + p.dx_rows.offset(p.row_of(g, j)) + c0;
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int col = (k * tpr + lane) * E;
@@ -784,8 +836,9 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
     stage = stage == S - 1 ? 0 : stage + 1;
   }
   cp_async_wait<0>();
+  if constexpr (CLU) cluster_arrive();  // (waited for at the end: no CTA leaves while a peer may write to it)
   pdl_launch_dependents();  // the finalize may be scheduled while the partials are written
-  const std::int64_t slot = (pi * p.groups + g) * p.n;
+  const std::int64_t slot = (pi * p.groups + g) * p.n + c0;
   // The partials through shared memory (the whole buffer is idle now), each row group's vectors of E
   // columns padded to E + 1 floats: scalar stores without bank conflicts (unpadded, a warp's store
   // strided E words: 8-way conflicts, ~15% of the stall samples at 4096 x 4096 with 4 row groups),
@@ -818,6 +871,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
       *reinterpret_cast<float4*>(out + slot + c) = t;
     }
   }
+  if constexpr (CLU) cluster_wait();
 }
 
 // Short rows (ring tpr < kRingMinTpr) and unaligned rows: persistent CTAs of max(tpr, 256) threads,

@@ -40,6 +40,8 @@ struct RowPlan {
   bool persistent = true;  // forward, cached: persistent CTAs (else one row group per CTA)
   bool ring = false;       // backward, cached: the cp.async ring kernel (aligned rows)
   int ring_vecs = kRingVecs;  // its vectors per thread (4, or 3: set_rownorm_bwd_ring3)
+  int cluster = 1;         // its CTAs per cluster (rows past kRingMaxN: 2..8, set_rownorm_bwd_cluster)
+  int cl_cols = 0;         // and each one's columns (a multiple of E)
   bool bulk = false;       // forward: the bulk-copy kernel (Hopper, aligned rows)
   bool row1 = false;       // forward: one row per CTA, 1, 2 or 4 (8 forced) vectors per thread (aligned 16-bit rows)
   int row1_vecs = 1;       // its vectors per thread
@@ -178,7 +180,12 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   // the one-row kernel's raw-parameter instances: IO-dtype parameters with aligned rows, or none; its 4- and
   // 8-vector ones (raw4) also fp32 parameters with aligned rows, as vectors (set_rownorm_fwd_row1_f32par)
   const bool raw = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
-  const bool raw4 = raw || (p.param == DType::f32 && p.param_aligned && rownorm_fwd_row1_f32par());
+  const bool f32p = p.param == DType::f32 && p.param_aligned && rownorm_fwd_row1_f32par();
+  const bool raw4 = raw || f32p;
+  // ... except rows of 513..2048 vectors (N 4104..16384) from 8 rows per SM, which keep the bulk kernel: there
+  // F32P was level or slower (session 41, H200, LayerNorm bf16 x 4096 rows, bulk / F32P ms: N 5120 0.0300 /
+  // 0.0339, 8192 0.0420 / 0.0420, 12288 0.0659 / 0.0677, 16384 0.0850 / 0.0859), where at 512 rows it won 21-33%
+  const bool raw4_mid = raw || (f32p && p.rows < 8 * std::int64_t(sm_count()));
   // a forced one-row shape (force_rownorm_fwd_row1_config), long rows included; true where taken
   auto forced_row1 = [&]() {
     const Row1Config fc = rownorm_fwd_row1_config();
@@ -228,6 +235,35 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     return plan;
   }
   if (long_rows && plan_bulk()) return plan;
+  // Aligned rows past the ring's reach (Hopper): the ring kernel in clusters of C = ceil(N / kRingMaxN) <= 8 CTAs,
+  // each the same rows' N / C columns, exchanging the row sums through shared memory (set_rownorm_bwd_cluster),
+  // instead of rowsum + coltile's two reads of x and dy. 3 vectors per thread where that idles fewer threads.
+  if (bwd && al && !ring && p.n > kRingMaxN<T> && rownorm_bwd_cluster() && cc_major() >= 9) {
+    const std::int64_t nvec = p.n / E, maxv = std::int64_t(kRingThreads) * kRingVecs;
+    const std::int64_t C = (nvec + maxv - 1) / maxv;
+    const int per = int((nvec + C - 1) / std::max<std::int64_t>(C, 1));  // vectors per rank
+    const int t4 = next_pow2((per + kRingVecs - 1) / kRingVecs), t3 = next_pow2((per + 2) / 3);
+    const bool use3 = rownorm_bwd_ring3() && t3 <= kRingThreads && 3 * t3 < 4 * t4;
+    const int vpt = use3 ? 3 : kRingVecs, tpr = use3 ? t3 : t4, R = kRingThreads / tpr;
+    const void* kernel = use3 ? reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T, 3, true>)
+                              : reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T, kRingVecs, true>);
+    const std::size_t smem = ring_smem_bytes(std::int64_t(per) * E, E, vpt, R);
+    if (C <= kRingMaxCluster && smem <= smem_per_block_optin() && kernel_binary_version(kernel) >= 90) {
+      if (const int clusters = resident_clusters(kernel, kRingThreads, smem, int(C)); clusters > 0) {
+        plan.cached = true;
+        plan.ring = true;
+        plan.cluster = int(C);
+        plan.cl_cols = per * E;
+        plan.ring_vecs = vpt;
+        plan.L.tpr = tpr;
+        plan.threads = kRingThreads;
+        plan.smem = smem;
+        // clusters per group: one wave of them rounded down, at most the row groups the rows need
+        plan.L.P = int(std::max<std::int64_t>(1, std::min<std::int64_t>((J + R - 1) / R, clusters / p.groups)));
+        return plan;
+      }
+    }
+  }
   const std::int64_t cached_max = bwd ? kCachedMaxNBwd<T> : kCachedMaxNFwd<T>;
   if (p.n <= cached_max || ring) {
     plan.cached = true;
@@ -265,7 +301,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       const int nvec = int(p.n / E), forced1 = rownorm_fwd_row1_vecs();
       const bool deep1 = forced1 == 0 && raw4 && nvec > 3 * kRow1MaxTpr / 2 && nvec <= 2 * kRow1MaxTpr;
       const std::int64_t sms = sm_count();
-      const bool capped_ok = forced1 == 0 && raw4 && rownorm_fwd_row1_capped_mode() >= 1;
+      const bool capped_ok = forced1 == 0 && raw4_mid && rownorm_fwd_row1_capped_mode() >= 1;
       const bool deep_cap = capped_ok && ((nvec > 3 * kRow1MaxTpr && nvec <= 4 * kRow1MaxTpr &&
                                            (p.rows <= 4 * sms || p.rows >= 24 * sms)) ||
                                           (nvec > 6 * kRow1MaxTpr && nvec <= 8 * kRow1MaxTpr && p.rows <= 4 * sms));
@@ -281,7 +317,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       // 0.0168, 4 x 160 at 4096 x 5120 0.0300 -> 0.0279, 8 x 160 at 16384 x 9216 0.1761 -> 0.1535, 8 x 224
       // at 4096 x 14336 0.0766 -> 0.0658; longer rows: above; see norm_cuda.h)
       const bool tight = forced1 == 0 && rownorm_fwd_row1_tight() && cc_major() >= 9;  // (measured on Hopper only)
-      const bool tight4 = tight && raw4 && nvec > 2 * kRow1MaxTpr && nvec <= 3 * kRow1MaxTpr;
+      const bool tight4 = tight && raw4_mid && nvec > 2 * kRow1MaxTpr && nvec <= 3 * kRow1MaxTpr;
       const bool tight8 = tight && capped_ok && rownorm_fwd_row1_rawx_mode() >= 1 && !deep_cap &&
                           !deep8 && nvec > 4 * kRow1MaxTpr && nvec <= 8 * kRow1MaxTpr;
       const int vpt1 = deep8 || tight8                ? 8
@@ -575,9 +611,23 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
   float* ws_db = p.db ? reinterpret_cast<float*>(ws + (p.dw ? w.partial_bytes : 0)) : nullptr;
   float2* rowsums = reinterpret_cast<float2*>(ws + (p.dw ? w.partial_bytes : 0) + (p.db ? w.partial_bytes : 0));
   const bool al = plan.L.aligned;
-  note_rownorm_bwd_kernel(!plan.cached ? "rowsum_coltile" : !plan.ring ? "cached" : plan.ring_vecs == 3 ? "ring3" : "ring");
+  note_rownorm_bwd_kernel(!plan.cached ? "rowsum_coltile"
+                          : !plan.ring ? "cached"
+                          : plan.cluster > 1 ? (plan.ring_vecs == 3 ? "ring3_cluster" : "ring_cluster")
+                          : plan.ring_vecs == 3 ? "ring3"
+                                                : "ring");
   if (p.rows > 0) {
-    if (plan.cached) {
+    if (plan.cluster > 1) {
+      const std::int64_t blocks = std::int64_t(plan.L.P) * p.groups * plan.cluster;
+      if (blocks > 0x7fffffff) throw Error(cat("rownorm_bwd: grid of ", blocks, " CTAs is too large"));
+      auto go = [&](auto kernel) {
+        launch_kernel_cluster("rownorm_bwd", kernel, dim3(unsigned(blocks)), dim3(plan.threads), plan.smem, stream, false,
+                              unsigned(plan.cluster), p, plan.L, ws_dw, ws_db, plan.cl_cols);
+      };
+      if (plan.ring_vecs == 3) go(&rownorm_bwd_ring_kernel<T, 3, true>);
+      else go(&rownorm_bwd_ring_kernel<T, kRingVecs, true>);
+      FW_CUDA_CHECK_LAUNCH("rownorm_bwd");
+    } else if (plan.cached) {
       const std::int64_t blocks = std::int64_t(plan.L.P) * p.groups;
       if (blocks > 0x7fffffff) throw Error(cat("rownorm_bwd: grid of ", blocks, " CTAs is too large"));
       const unsigned grid = unsigned(blocks);
