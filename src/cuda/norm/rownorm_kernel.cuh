@@ -703,7 +703,9 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
   const int rank = CLU ? cluster_rank() : 0, ncta = CLU ? cluster_size() : 1;
   const int c0 = rank * cl_cols;                                 // this CTA's first column
   const int n = CLU ? min(cl_cols, int(p.n) - c0) : int(p.n);     // and its column count
-  const int n_pad = (n + E - 1) / E * E;
+  // (CLU: every rank lays out cl_cols, so that the exchange slots below sit at the same offset in each CTA, as
+  // st.async addresses them; the last rank may hold fewer columns)
+  const int n_pad = ((CLU ? cl_cols : n) + E - 1) / E * E;
   const int tid = threadIdx.x, tpr = L.tpr, R = NT / tpr, rg = tid / tpr, lane = tid % tpr;
   uint4* s_pipe = smem_v;                                              // (S, 2, VPT, NT)
   float* s_stat = reinterpret_cast<float*>(smem_v + S * 2 * VPT * NT);  // (S, 2, NT)
