@@ -15,9 +15,11 @@
 //    variance is an exact two-pass over registers. tpr <= 32: shuffles only, several rows per CTA;
 //    tpr > 32: a shared-memory step. Forward: short rows one row group per CTA, longer rows
 //    persistent CTAs. Backward: persistent CTAs (P about one wave); aligned rows stream through a
-//    cp.async ring per row group (the ring kernel), unaligned rows through registers.
+//    cp.async ring per row group (the ring kernel; on Hopper past its reach in clusters of CTAs that
+//    split the columns), unaligned rows through registers.
 //  * streaming (any N): forward: one row per CTA iteration, re-reading the row (from L2) per pass;
-//    backward: a row-sum pass, then column tiles that keep dW/dB in registers (see below).
+//    backward (unaligned rows, rows past 8 clusters' reach, devices without clusters): a row-sum pass,
+//    then column tiles that keep dW/dB in registers (see below).
 //
 // Backward weight gradients are deterministic: each CTA accumulates dy * xhat and dy for its rows
 // in fp32 registers, in row order, and writes one partial row per CTA (per column tile for long

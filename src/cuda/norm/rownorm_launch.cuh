@@ -16,8 +16,10 @@
 // Backward: persistent CTAs, P per parameter group about one wave of resident CTAs spread over the
 // groups, so the weight-gradient partials stay small (P * G * N floats) and every CTA sees many rows:
 // aligned rows with kRingMinTpr <= ring tpr and N <= kRingMaxN -> the ring kernel (512 threads, one
-// CTA per SM); other rows with N <= kCachedMaxNBwd -> the 2-vector cached kernel (max(tpr, 256)
-// threads); longer rows -> rowsum + coltile (P per column tile, likewise one wave).
+// CTA per SM); aligned rows past kRingMaxN on Hopper -> the ring kernel in clusters of ceil(N / kRingMaxN) <= 8
+// CTAs that split the columns (set_rownorm_bwd_cluster; P clusters per group); other rows with N <=
+// kCachedMaxNBwd -> the 2-vector cached kernel (max(tpr, 256) threads); longer rows -> rowsum + coltile (P per
+// column tile, likewise one wave).
 //
 // Backward workspace (bytes, each part 256-aligned): dW partials (P*G*N fp32) | dB partials (same)
 // | row sums (rows float2, long rows only).
