@@ -690,6 +690,38 @@ INSTANTIATE_TEST_SUITE_P(Cluster, NormCudaBwdCluster,
                                                                             65536, 131072)),
                          rows_case_name);
 
+// 16-bit rows past the one-row kernel's reach (N > 32768): that kernel in clusters of C CTAs per row on Hopper
+// (set_rownorm_fwd_cluster; mode 1 C = ceil(N / 32768), mode 2 ceil(N / 16384) <= 8), ranks whose last one holds
+// fewer columns (32776: 2049 + 2048 vectors, 98312: 3 x 3073 + 3070), C 2..8, padded rows with IO-dtype parameters,
+// contiguous ones with fp32 parameters and without parameters; rows past 8 CTAs (262152) and unaligned rows (40001)
+// keep the streaming kernel, as do all of them with the switch off.
+struct NormCudaFwdCluster : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaFwdCluster, ClusterRowMatchesReference) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t groups = param_groups(op);
+  const std::int64_t nvec = n / 8;
+  const std::int64_t rows = std::max(groups * 3, ((std::int64_t(1) << 21) / n + groups - 1) / groups * groups);
+  for (const int mode : {1, 2, 0}) {
+    const ScopedSwitch<int> cluster(&fastweight::detail::set_rownorm_fwd_cluster, mode);
+    const std::int64_t C = mode == 0 ? 0
+                           : mode == 2 && (nvec + 2047) / 2048 <= 8 ? (nvec + 2047) / 2048
+                                                                    : (nvec + 4095) / 4096;
+    const bool taken = mode > 0 && n % 8 == 0 && C >= 2 && C <= 8 && fastweight::detail::cc_major() >= 9;
+    const char* expect = taken ? "row1_cluster" : "stream";
+    for (const auto& [layout, params] : {std::pair{Layout::padded, Params::io}, std::pair{Layout::contiguous, Params::f32},
+                                         std::pair{Layout::contiguous, Params::none}}) {
+      if (mode == 0 && params != Params::io) continue;  // (the streaming kernel has its own cases)
+      check_case(op, dt, n, rows, layout, params, expect);
+    }
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Cluster, NormCudaFwdCluster,
+                         ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
+                                            ::testing::Values<std::int64_t>(32776, 40000, 40001, 65536, 98312, 131072,
+                                                                            262144, 262152)),
+                         rows_case_name);
+
 // Rows whose leading dims do not merge into one stride (Layout::gapped: head norm (rows / NH, NH, N),
 // adaLN (B, S, N) with a gap row after each run of NH / S rows): the general row indexing of every
 // forward (one-row-per-CTA, bulk, persistent / streaming) and backward (cached, ring, long-row) kernel.

@@ -172,6 +172,21 @@ bool rownorm_fwd_row1_tight();
 // previous setting (tests, fastweight_bench --row1-f32par=off|on with --params=f32).
 bool set_rownorm_fwd_row1_f32par(bool on);
 bool rownorm_fwd_row1_f32par();
+// Aligned 16-bit rows past the one-row kernel's reach (N > 32768: 4096 vectors) with raw or fp32-vector parameters
+// (as above), on Hopper: the one-row kernel in clusters of C CTAs per row (8 vectors per thread, x packed, 64
+// registers, no spill with IO-dtype parameters, 24 B with fp32 ones; ptxas, sm_90a, bf16), each its share of the
+// columns, the row's (sum, M2) merged through the peers' shared memory (rownorm_fwd_row1_kernel's CL); rows up to 8
+// CTAs' reach (N <= 262144), which took the streaming kernel (each row re-read from L2). Mode 2 (the default): C =
+// ceil(N / 16384) <= 8, CTAs of up to 256 threads, 4 per SM (rows past 131072 as mode 1); mode 1: C = ceil(N /
+// 32768), up to 512 threads, 2 per SM; 0: off. Session 42 (H200, LayerNorm bf16 unless said, ms, off / mode 1 / mode
+// 2, with an end-of-kernel cluster barrier since dropped: 2-6% more): 512 x 65536 0.0763 / 0.0538 / 0.0535, 512 x
+// 131072 0.1759 / 0.1034 / 0.0991, 512 x 262144 0.3405 / 0.2104 / 0.2103, 4096 x 65536 0.5658 / 0.3654 / 0.3616, 2048
+// x 49152 0.1991 / 0.1485 / 0.1366, 512 x 98312 0.1304 / 0.0900 / 0.0833, 128 x 40960 0.0222 / 0.0137 / 0.0148, RMSNorm
+// 512 x 65536 0.0633 / 0.0492 / 0.0494, fp32 parameters 512 x 65536 0.1159 / 0.0649 / 0.0638, fp16 1024 x 65536 0.1436
+// / 0.0962 / 0.0958. FW_NORM_FWD_CLUSTER=0|1|2 sets the mode at start. Returns the previous mode (tests,
+// fastweight_bench --fwd-cluster=off|on|small).
+int set_rownorm_fwd_cluster(int mode);
+int rownorm_fwd_cluster_mode();
 // Tests and benchmarks only: force the one-row-per-CTA forward's shape on every aligned 16-bit row it
 // can take: tpr threads (a multiple of 32, 32..1024; the planner's too on Hopper, set_rownorm_fwd_row1_tight),
 // vb-byte vectors (8 or 16; vectors per thread follow: 1, 2, 4 or 8), late = parameters loaded after the sums,

@@ -17,6 +17,8 @@
 //    persistent CTAs. Backward: persistent CTAs (P about one wave); aligned rows stream through a
 //    cp.async ring per row group (the ring kernel; on Hopper past its reach in clusters of CTAs that
 //    split the columns), unaligned rows through registers.
+//  * one-row clusters (forward, aligned 16-bit rows past 4096 vectors, Hopper): the one-row kernel's CTAs in
+//    clusters of up to 8 per row, each its share of the columns, the row statistics merged over the cluster.
 //  * streaming (any N): forward: one row per CTA iteration, re-reading the row (from L2) per pass;
 //    backward (unaligned rows, rows past 8 clusters' reach, devices without clusters): a row-sum pass,
 //    then column tiles that keep dW/dB in registers (see below).
@@ -310,28 +312,58 @@ __device__ __forceinline__ void row1_store(T* row, int col, const float (&v)[VB 
 // same sums in the same order (a vector's tree, then the tree over vectors), so the same bits.
 // F32P (with RAW_PAR): the parameters fp32 with 16-byte aligned rows (N % 8 == 0: a vector wholly inside the row or
 // past it), loaded as 16-byte halves of a vector through the raw path's order (LATE, PD counted in halves) instead
-// of load_params_vec's per-element loads (set_rownorm_fwd_row1_f32par: compiled, not yet measured).
+// of load_params_vec's per-element loads (set_rownorm_fwd_row1_f32par).
+// CL (Hopper): a row per cluster of C CTAs (rows past one CTA's reach, set_rownorm_fwd_cluster), rank c holding the
+// cl_cols columns from c * cl_cols (the last rank may hold fewer). Each rank sums its columns and their squares about
+// its own mean (the same two-pass as one CTA), sends (sum, M2) by st.async into slot c of every rank's shared memory,
+// completing on that rank's mbarrier, and every rank merges the C pairs in rank order (Chan et al.: M2 = sum of M2_c +
+// n_c (mean_c - mean)^2), so the statistics are the same bits in every rank: one exchange per row.
+inline constexpr int kFwdMaxCluster = 8;  // portable cluster sizes
+// A cluster per row, no cluster barrier at the end: a CTA leaves only after all its peers' bytes have reached it, and
+// st.async reads no shared memory of the sender. (Measured, session 42, H200: an end barrier cost 2-6%; one wave of
+// clusters walking the rows, with two exchange buffers, was level or up to 4% slower and spilled 416 B with fp32
+// parameters.)
 template <typename T, bool RAW_PAR, int VPT, int VB = 16, bool LATE = false, int W = 8, bool NC = true, int MINB = 0,
-          int PD = 0, bool RX = false, bool F32P = false>
-__global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const RowNormParams p) {
+          int PD = 0, bool RX = false, bool F32P = false, bool CL = false>
+__global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const RowNormParams p, const int cl_cols = 0) {
   static_assert(PD == 0 || (RAW_PAR && LATE), "parameter prefetch: raw parameters after the sums");
   constexpr int EV = VB / int(sizeof(T));
   static_assert(sizeof(T) == 2 && (VB == 16 || VB == 8) && (!LATE || RAW_PAR), "16-bit rows, raw parameters");
   static_assert(VB == 16 || RAW_PAR, "8-byte vectors: raw parameters only");
   static_assert(!F32P || (RAW_PAR && VB == 16), "fp32 parameter vectors: the raw path's 16-byte vectors");
+  static_assert(!CL || (RAW_PAR && LATE), "clusters: raw parameters (offset to the rank's columns), after the sums");
   using PT = std::conditional_t<F32P, float, T>;                   // the parameters' element type
   using PV = std::conditional_t<F32P, float4, Row1Vec<VB>>;  // a parameter slot's w or b as loaded
   __shared__ __align__(16) float s_part[2][W];  // (sum, sum of squares) x (warp partials, W)
-  const int n = int(p.n), tpr = int(blockDim.x);
-  // rows in memory order, each row's parameter group from r (rows < 2^31: 32-bit divisions)
-  const std::uint32_t r = blockIdx.x;
+#if !defined(FW_HAS_BULK)
+  if constexpr (CL) {  // (planned on sm_90 binaries only)
+    __trap();
+    return;
+  }
+#endif
+  // CL: the exchange, an mbarrier and the ranks' (sum, M2) slots (kFwdMaxCluster)
+  [[maybe_unused]] __shared__ __align__(8) std::uint64_t s_xbar[1];
+  [[maybe_unused]] __shared__ __align__(8) float2 s_xsum[CL ? kFwdMaxCluster : 1];
+  const int rank = CL ? cluster_rank() : 0, ncta = CL ? cluster_size() : 1;
+  const int c0 = rank * cl_cols;                             // CL: this rank's first column
+  const int n = CL ? min(cl_cols, int(p.n) - c0) : int(p.n);  // and its column count (else the row's)
+  const int tpr = int(blockDim.x);
+  if constexpr (CL) {
+#if defined(FW_HAS_BULK)
+    if (threadIdx.x == 0) mbar_init(&s_xbar[0], 1);  // one arrival (thread 0, with the bytes it expects)
+    mbar_init_fence();
+#endif
+    cluster_arrive();  // (waited for before the exchange: every peer's mbarrier is ready)
+  }
+  // rows in memory order, each row's parameter group from r (rows (x C) < 2^31: 32-bit divisions)
+  const std::uint32_t r = CL ? blockIdx.x / unsigned(ncta) : blockIdx.x;
   const std::uint32_t g = p.group_of_row<std::uint32_t>(r);
   // x and (IO-dtype, aligned) parameters kept raw across the sums: 12 registers per vector instead
   // of 3 E floats (60 -> 32 registers at bf16, VPT 1: more CTAs per SM); aligned rows: a vector is
   // wholly inside the row or wholly past it (zeros)
-  const T* xrow = static_cast<const T*>(p.x) + p.x_rows.offset32(r);
-  const PT* wrow = RAW_PAR && p.w ? static_cast<const PT*>(p.w) + g * p.w_group_stride : nullptr;
-  const PT* brow = RAW_PAR && p.b ? static_cast<const PT*>(p.b) + g * p.b_group_stride : nullptr;
+  const T* xrow = static_cast<const T*>(p.x) + p.x_rows.offset32(r) + c0;
+  const PT* wrow = RAW_PAR && p.w ? static_cast<const PT*>(p.w) + g * p.w_group_stride + c0 : nullptr;
+  const PT* brow = RAW_PAR && p.b ? static_cast<const PT*>(p.b) + g * p.b_group_stride + c0 : nullptr;
   Row1Vec<VB> xr[VPT];
   // the parameters in slots: a vector each, or (F32P) half a vector each, a float4 of w and of b (the slot is
   // the prefetch unit, so PD = 1 keeps 16 registers in flight either way)
@@ -380,13 +412,14 @@ __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const Ro
   // threads other than the writers of live slots)
   const int nw = tpr >> 5;
   if (int(threadIdx.x) >= nw && threadIdx.x < W) s_part[0][threadIdx.x] = s_part[1][threadIdx.x] = 0.f;
-  const float inv_n = 1.f / float(n);
-  float mean = 0.f;
+  const float inv_n = 1.f / float(n);  // (CL: this rank's columns)
+  float mean = 0.f, s_cta = 0.f;
   if (!p.rms) {
     float s;
     if constexpr (RX) s = rx_sum(rx_x);
     else s = tree_sum<VPT * EV>(&xf[0][0]);
-    mean = row1_cta_sum<W>(s, s_part[0]) * inv_n;
+    s_cta = row1_cta_sum<W>(s, s_part[0]);
+    mean = s_cta * inv_n;
   } else {
     __syncthreads();  // the zeros above before the one sum's reads
   }
@@ -417,9 +450,37 @@ __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const Ro
   } else {
     ss = tree_sum<VPT * EV>(&sq[0][0]);
   }
-  const float rstd = rsqrtf(row1_cta_sum<W>(ss, s_part[1]) * inv_n + p.eps);
+  const float ss_cta = row1_cta_sum<W>(ss, s_part[1]);
+  float rstd;
+  if constexpr (CL) {
+#if defined(FW_HAS_BULK)
+    cluster_wait();
+    // this rank's (sum, M2) into slot `rank` of every rank (thread c sends to rank c); thread 0 posts the C * 8 bytes
+    // its mbarrier expects (one phase: a cluster serves one row)
+    const float2* slot = s_xsum;
+    if (threadIdx.x == 0) mbar_arrive_expect_tx(&s_xbar[0], 8u * unsigned(ncta));
+    if (int(threadIdx.x) < ncta) st_async_float2(&s_xsum[rank], make_float2(s_cta, ss_cta), &s_xbar[0], int(threadIdx.x));
+    mbar_wait_cluster(&s_xbar[0], 0u);
+    const int nrow = int(p.n);
+    float sum = 0.f, m2 = 0.f;
+    for (int c = 0; c < ncta; ++c) sum += slot[c].x;
+    const float gmean = p.rms ? 0.f : sum / float(nrow);
+    for (int c = 0; c < ncta; ++c) {
+      const float2 t = slot[c];
+      const int nc = min(cl_cols, nrow - c * cl_cols);  // rank c's columns (> 0: the planner's split)
+      const float d = p.rms ? 0.f : t.x / float(nc) - gmean;
+      m2 += t.y + float(nc) * d * d;
+    }
+    mean = gmean;
+    rstd = rsqrtf(m2 / float(nrow) + p.eps);
+#else
+    rstd = 0.f;
+#endif
+  } else {
+    rstd = rsqrtf(ss_cta * inv_n + p.eps);
+  }
   if constexpr (RAW_PAR && LATE && PD == 0) load_par();
-  T* yrow = static_cast<T*>(p.y) + p.y_rows.offset32(r);
+  T* yrow = static_cast<T*>(p.y) + p.y_rows.offset32(r) + c0;
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
     if constexpr (PD > 0) {  // PD slots ahead: at most PD + 1 slots' parameters live
@@ -451,7 +512,7 @@ __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const Ro
     for (int e = 0; e < EV; ++e) out[e] = ((RX ? xk[e] : xf[k][e]) - mean) * rstd * sc[e] + bi[e];
     row1_store<T, VB>(yrow, col, out);
   }
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0 && rank == 0) {
     if (p.mean) p.mean[r] = mean;
     if (p.rstd) p.rstd[r] = rstd;
   }

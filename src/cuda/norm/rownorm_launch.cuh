@@ -12,7 +12,9 @@
 // set_rownorm_fwd_bulk_long); otherwise N <= kCachedMaxNFwd -> cached engines with tpr = next_pow2(ceil(N / elements per
 // thread)) threads per row and max(tpr, 256) threads per CTA; short rows: one row group per CTA (P =
 // row groups in all), longer rows: persistent, P per parameter group about one wave of resident
-// CTAs; beyond that the streaming kernel (512 threads per row, persistent).
+// CTAs; aligned 16-bit rows past 4096 vectors (N > 32768) on Hopper -> the one-row kernel in clusters of C <= 8 CTAs
+// per row that split the columns (set_rownorm_fwd_cluster); beyond that the streaming kernel (512 threads per row,
+// persistent).
 // Backward: persistent CTAs, P per parameter group about one wave of resident CTAs spread over the
 // groups, so the weight-gradient partials stay small (P * G * N floats) and every CTA sees many rows:
 // aligned rows with kRingMinTpr <= ring tpr and N <= kRingMaxN -> the ring kernel (512 threads, one
@@ -42,7 +44,8 @@ struct RowPlan {
   bool persistent = true;  // forward, cached: persistent CTAs (else one row group per CTA)
   bool ring = false;       // backward, cached: the cp.async ring kernel (aligned rows)
   int ring_vecs = kRingVecs;  // its vectors per thread (4, or 3: set_rownorm_bwd_ring3)
-  int cluster = 1;         // its CTAs per cluster (rows past kRingMaxN: 2..8, set_rownorm_bwd_cluster)
+  int cluster = 1;         // CTAs per cluster: the backward's ring (rows past kRingMaxN: 2..8, set_rownorm_bwd_cluster),
+                           // the forward's one-row kernel (rows past 4096 vectors: 2..8, set_rownorm_fwd_cluster)
   int cl_cols = 0;         // and each one's columns (a multiple of E)
   bool bulk = false;       // forward: the bulk-copy kernel (Hopper, aligned rows)
   bool row1 = false;       // forward: one row per CTA, 1, 2 or 4 (8 forced) vectors per thread (aligned 16-bit rows)
@@ -111,6 +114,27 @@ const void* cached_bwd_kernel(bool aligned, bool big) {
                       : (big ? &rownorm_bwd_cached_kernel<T, kBwdVecs, false, true> : &rownorm_bwd_cached_kernel<T, kBwdVecs, false, false>);
   return reinterpret_cast<const void*>(k);
 }
+
+// The one-row forward in clusters (rows past 4096 vectors, 16-bit): 8 vectors per thread, x packed, parameters after
+// the sums, the first (half) vector's ahead; 257..512 threads at 2 CTAs per SM (64 registers), else up to 256 at 4.
+// fp32: fp32 parameter vectors (F32P).
+using Row1ClusterFn = void (*)(const RowNormParams, const int);
+template <typename T>
+Row1ClusterFn row1_cluster_kernel(bool f32_par, bool wide) {
+  if constexpr (sizeof(T) == 2) {
+    if (f32_par) {
+      return wide ? &rownorm_fwd_row1_kernel<T, true, 8, 16, true, 16, true, 2, 1, true, true, true>
+                  : &rownorm_fwd_row1_kernel<T, true, 8, 16, true, 8, true, 4, 1, true, true, true>;
+    }
+    return wide ? &rownorm_fwd_row1_kernel<T, true, 8, 16, true, 16, true, 2, 1, true, false, true>
+                : &rownorm_fwd_row1_kernel<T, true, 8, 16, true, 8, true, 4, 1, true, false, true>;
+  } else {
+    (void)f32_par, (void)wide;
+    return nullptr;  // (planned for 16-bit rows only)
+  }
+}
+// Whether the cluster forward's parameters are fp32 vectors (else the IO dtype, or none).
+inline bool row1_cluster_f32(const RowNormParams& p) { return p.param == DType::f32 && (p.w || p.b); }
 
 template <typename T>
 RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
@@ -235,6 +259,32 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     plan.L.tpr = plan.threads = long8 ? 2 * kRow1MaxTpr : int((nv8 + 8 * 32 - 1) / (8 * 32) * 32);
     plan.L.P = int(p.rows);
     return plan;
+  }
+  // Rows past the one-row kernel's reach (4096 vectors: N > 32768) on Hopper: that kernel in clusters of C CTAs per
+  // row (8 vectors x ceil(N / C / 8 / 32) warps each, x packed), the row's statistics merged through the peers'
+  // shared memory (set_rownorm_fwd_cluster: mode 1 C = ceil(N / 4096 vectors), 2 C = ceil(N / 2048 vectors) <= 8),
+  // instead of the streaming kernel's re-reads from L2. Every rank holds at least one vector: (C - 1) ceil(nv / C)
+  // < nv for C (C - 1) < nv, and nv > 4096 here.
+  if (const int cl_mode = rownorm_fwd_cluster_mode();
+      !bwd && sizeof(T) == 2 && al && raw4 && cl_mode >= 1 && nv8 > 16 * kRow1MaxTpr && rownorm_fwd_row1_enabled() &&
+      rownorm_fwd_row1_vecs() == 0 && cc_major() >= 9) {
+    const std::int64_t small_v = 8 * kRow1MaxTpr, big_v = 16 * kRow1MaxTpr;  // vectors per rank: 8 x 256, 8 x 512
+    std::int64_t C = (nv8 + big_v - 1) / big_v;
+    if (cl_mode == 2 && (nv8 + small_v - 1) / small_v <= kFwdMaxCluster) C = (nv8 + small_v - 1) / small_v;
+    const std::int64_t per = (nv8 + C - 1) / C, threads = (per + 8 * 32 - 1) / (8 * 32) * 32;
+    const void* kernel = reinterpret_cast<const void*>(row1_cluster_kernel<T>(row1_cluster_f32(p), threads > kRow1MaxTpr));
+    const int clusters = C <= kFwdMaxCluster && kernel_binary_version(kernel) >= 90
+                             ? resident_clusters(kernel, int(threads), 0, int(C)) : 0;
+    if (clusters > 0 && p.rows * C <= 0x7fffffff) {
+      plan.cached = true;
+      plan.row1 = true, plan.row1_vecs = 8, plan.row1_late = true;
+      plan.persistent = false;
+      plan.cluster = int(C);
+      plan.cl_cols = int(per * E);
+      plan.L.tpr = plan.threads = int(threads);
+      plan.L.P = int(p.rows);  // a cluster per row
+      return plan;
+    }
   }
   if (long_rows && plan_bulk()) return plan;
   // Aligned rows past the ring's reach (Hopper): the ring kernel in clusters of C = ceil(N / kRingMaxN) <= 8 CTAs,
@@ -438,7 +488,8 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   const std::int64_t blocks = std::int64_t(plan.L.P) * (plan.cached && !plan.persistent ? 1 : p.groups);
   if (blocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", blocks, " CTAs is too large"));
   const unsigned grid = unsigned(blocks);
-  note_rownorm_fwd_kernel(plan.row1                    ? "row1"
+  note_rownorm_fwd_kernel(plan.row1 && plan.cluster > 1 ? "row1_cluster"
+                          : plan.row1                    ? "row1"
                           : plan.bulk && !plan.bulk_staged && plan.threads == 1024 ? "bulk_unstaged_1024"
                           : plan.bulk && !plan.bulk_staged && plan.bulk_hoist ? "bulk_unstaged_hoist"
                           : plan.bulk && !plan.bulk_staged ? "bulk_unstaged"
@@ -446,7 +497,13 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
                           : plan.cached && !plan.persistent ? "row"
                           : plan.cached                    ? "cached"
                                                            : "stream");
-  if (plan.row1) {
+  if (plan.row1 && plan.cluster > 1) {  // a cluster of C CTAs per row (planned for 16-bit rows only)
+    const std::int64_t cblocks = std::int64_t(plan.L.P) * plan.cluster;
+    if (cblocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", cblocks, " CTAs is too large"));
+    launch_kernel_cluster("rownorm_fwd", row1_cluster_kernel<T>(row1_cluster_f32(p), plan.threads > kRow1MaxTpr),
+                          dim3(unsigned(cblocks)), dim3(plan.threads), 0, stream, false, unsigned(plan.cluster), p,
+                          plan.cl_cols);
+  } else if (plan.row1) {
     if constexpr (sizeof(T) == 2) {  // planned for 16-bit rows only
       const bool raw_par = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
       const bool f32_par = p.param == DType::f32 && p.param_aligned;
