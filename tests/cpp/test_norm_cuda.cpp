@@ -690,6 +690,38 @@ INSTANTIATE_TEST_SUITE_P(Cluster, NormCudaBwdCluster,
                                                                             65536, 131072)),
                          rows_case_name);
 
+// The cluster ring with m times its CTAs per cluster (set_rownorm_bwd_cluster_mult), rows within the ring's reach
+// too: several row groups per CTA in a cluster (R = 512 / tpr > 1, which the default's split never gives), C 2..8,
+// 3 vectors per thread where they fit better (N 6144 / 12288 bf16), padded rows and contiguous ones with fp32
+// parameters, about 4 rows per row group (the exchange slots' parities turn over).
+struct NormCudaBwdClusterMult : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaBwdClusterMult, WiderClustersMatchReference) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t groups = param_groups(op);
+  const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e, reach = 512 * 4;
+  auto pow2 = [](std::int64_t v) { std::int64_t t = 1; while (t < v) t *= 2; return t; };
+  const std::int64_t rows = std::max(groups * 5, ((std::int64_t(1) << 23) / n + groups - 1) / groups * groups);
+  for (const int m : {2, 4}) {
+    const ScopedSwitch<int> mult(&fastweight::detail::set_rownorm_bwd_cluster_mult, m);
+    const std::int64_t C = std::min<std::int64_t>(8, (nvec + reach - 1) / reach * m), per = (nvec + C - 1) / C;
+    const std::int64_t t4 = pow2((per + 3) / 4), t3 = pow2((per + 2) / 3);
+    const bool three = 3 * t3 < 4 * t4 && t3 <= 512;
+    // (every N here is within the plain ring's limits, or past its reach; the rank's row groups need 64 threads)
+    const bool taken = fastweight::detail::cc_major() >= 9 && (three ? t3 : t4) >= 64;
+    for (const auto& [layout, params] : {std::pair{Layout::padded, Params::io}, std::pair{Layout::contiguous, Params::f32}}) {
+      check_case(op, dt, n, rows, layout, params);
+      const std::string ran = fastweight::detail::rownorm_bwd_last_kernel();
+      if (taken) EXPECT_EQ(ran, three ? "ring3_cluster" : "ring_cluster") << n << " m " << m;
+    }
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Cluster, NormCudaBwdClusterMult,
+                         ::testing::Combine(kOps, kDtypes,
+                                            ::testing::Values<std::int64_t>(4096, 6144, 8192, 12288, 16384, 24576,
+                                                                            32768, 65536)),
+                         rows_case_name);
+
 // 16-bit rows past the one-row kernel's reach (N > 32768): that kernel in clusters of C CTAs per row on Hopper
 // (set_rownorm_fwd_cluster; mode 1 C = ceil(N / 32768), mode 2 ceil(N / 16384) <= 8), ranks whose last one holds
 // fewer columns (32776: 2049 + 2048 vectors, 98312: 3 x 3073 + 3070), C 2..8, padded rows with IO-dtype parameters,

@@ -41,6 +41,12 @@ bool rownorm_bwd_ring3();
 // FW_NORM_BWD_CLUSTER=0 turns it off at start. Returns the previous setting (tests, fastweight_bench --bwd-cluster=off|on).
 bool set_rownorm_bwd_cluster(bool on);
 bool rownorm_bwd_cluster();
+// A/B: m times the cluster ring's CTAs per cluster (at most 8), and clusters of m CTAs for rows within the ring's
+// reach too, where each rank then keeps at least 64 threads per row group (bf16 N >= 2048 m); fewer weight-gradient
+// partial rows (rownorm_plan). 1 (the default): off. FW_NORM_BWD_CLUSTER_MULT=1|2|4 at start. Compiled in session 42,
+// not yet run on a GPU. Returns the previous setting (tests, fastweight_bench --bwd-cluster-mult=M).
+int set_rownorm_bwd_cluster_mult(int m);
+int rownorm_bwd_cluster_mult();
 // The Hopper bulk-copy forward (rownorm_fwd_bulk.cuh) for aligned rows where it applies (default on).
 // Tests and benchmarks only: off routes those rows to the persistent kernel, the path of devices
 // without bulk copies. Returns the previous setting.

@@ -51,6 +51,7 @@ std::atomic<bool> g_fwd_row1_tight{env_digit("FW_NORM_ROW1_TIGHT", 1) == 1};
 std::atomic<bool> g_fwd_row1_f32par{env_digit("FW_NORM_ROW1_F32PAR", 1) == 1};
 std::atomic<bool> g_bwd_ring3{env_digit("FW_NORM_BWD_RING3", 1) == 1};
 std::atomic<bool> g_bwd_cluster{env_digit("FW_NORM_BWD_CLUSTER", 1) == 1};
+std::atomic<int> g_bwd_cluster_mult{env_digit("FW_NORM_BWD_CLUSTER_MULT", 1)};
 std::atomic<int> g_fwd_cluster{env_digit("FW_NORM_FWD_CLUSTER", 2)};  // (0|1|2: the mode at start)
 std::atomic<int> g_fwd_row1_cfg{0};  // tpr | vb << 16 | late << 24 | plain << 25
 }  // namespace
@@ -64,6 +65,8 @@ bool set_rownorm_bwd_ring3(bool on) { return g_bwd_ring3.exchange(on); }
 bool rownorm_bwd_ring3() { return g_bwd_ring3.load(); }
 bool set_rownorm_bwd_cluster(bool on) { return g_bwd_cluster.exchange(on); }
 bool rownorm_bwd_cluster() { return g_bwd_cluster.load(); }
+int set_rownorm_bwd_cluster_mult(int m) { return g_bwd_cluster_mult.exchange(m); }
+int rownorm_bwd_cluster_mult() { return g_bwd_cluster_mult.load(); }
 int set_rownorm_fwd_cluster(int mode) { return g_fwd_cluster.exchange(mode); }
 int rownorm_fwd_cluster_mode() { return g_fwd_cluster.load(); }
 bool set_rownorm_fwd_bulk(bool enabled) { return g_fwd_bulk.exchange(enabled); }

@@ -290,9 +290,15 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   // Aligned rows past the ring's reach (Hopper): the ring kernel in clusters of C = ceil(N / kRingMaxN) <= 8 CTAs,
   // each the same rows' N / C columns, exchanging the row sums through shared memory (set_rownorm_bwd_cluster),
   // instead of rowsum + coltile's two reads of x and dy. 3 vectors per thread where that idles fewer threads.
-  if (bwd && al && !ring && p.n > kRingMaxN<T> && rownorm_bwd_cluster() && cc_major() >= 9) {
+  // set_rownorm_bwd_cluster_mult m > 1: m times those CTAs per cluster (at most 8), rows within the ring's reach too:
+  // each CTA then holds R = 512 / tpr row groups of narrower rows, so P (the weight-gradient partial rows per column,
+  // which the finalize reads back) falls by up to m for the same rows in flight (A/B; 512 x 32768 bf16: 66 partial
+  // rows of 128 KB per gradient, written and read back: 17 MB per gradient beside x, dy and dx's 100 MB; predicted
+  // at m = 2 for LayerNorm there: ~0.0529 -> ~0.047 ms).
+  const int cl_mult = rownorm_bwd_cluster_mult();
+  if (bwd && al && cc_major() >= 9 && rownorm_bwd_cluster() && (p.n > kRingMaxN<T> ? !ring : ring && cl_mult > 1)) {
     const std::int64_t nvec = p.n / E, maxv = std::int64_t(kRingThreads) * kRingVecs;
-    const std::int64_t C = (nvec + maxv - 1) / maxv;
+    const std::int64_t C = std::min<std::int64_t>(kRingMaxCluster, (nvec + maxv - 1) / maxv * std::max(cl_mult, 1));
     const int per = int((nvec + C - 1) / std::max<std::int64_t>(C, 1));  // vectors per rank
     const int t4 = next_pow2((per + kRingVecs - 1) / kRingVecs), t3 = next_pow2((per + 2) / 3);
     const bool use3 = rownorm_bwd_ring3() && t3 <= kRingThreads && 3 * t3 < 4 * t4;
@@ -300,7 +306,9 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     const void* kernel = use3 ? reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T, 3, true>)
                               : reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T, kRingVecs, true>);
     const std::size_t smem = ring_smem_bytes(std::int64_t(per) * E, E, vpt, R);
-    if (C <= kRingMaxCluster && smem <= smem_per_block_optin() && kernel_binary_version(kernel) >= 90) {
+    // (C (C - 1) < nvec: every rank holds at least one vector; tpr >= kRingMinTpr: the ring's shortest rows)
+    if (C >= 2 && C <= kRingMaxCluster && tpr >= kRingMinTpr && smem <= smem_per_block_optin() &&
+        kernel_binary_version(kernel) >= 90) {
       if (const int clusters = resident_clusters(kernel, kRingThreads, smem, int(C)); clusters > 0) {
         plan.cached = true;
         plan.ring = true;
