@@ -23,6 +23,7 @@
 //   fastweight_bench --bwd-cluster=off|on    norm backward's ring kernel in clusters for rows past its reach (else rowsum + coltile)
 //   fastweight_bench --fwd-cluster=off|on|small  norm forward's one-row kernel in clusters for 16-bit rows past 32768
 //                                            (small: 256-thread ranks; else the streaming kernel)
+//   fastweight_bench --fwd-cluster-f32=off|on  the cluster forward for fp32 rows past 16384 too
 //   fastweight_bench --bwd-cluster-mult=M    M times the backward cluster ring's CTAs per cluster (rows within its reach too)
 //   fastweight_bench --row1-long=off         rows of N 28680..32768 not in its capped 8 x 512 instance (on: the default)
 //   fastweight_bench --row1-prefetch=off|auto|on  its 4- and 8-vector instances' parameters one vector ahead (auto: 4)
@@ -187,6 +188,7 @@ struct Options {
   int bwd_cluster = -1;   // -1: the default
   int fwd_cluster = -1;   // -1: the default; 0 off, 1 on, 2 small
   int bwd_cluster_mult = -1;  // -1: the default
+  int fwd_cluster_f32 = -1;   // -1: the default
   int row1_prefetch = -1; // -1: the default
   int row1_rawx = -1;     // -1: the default
   fastweight::detail::Row1Config row1_cfg;  // tpr 0: the planner's choice
@@ -490,6 +492,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--bwd-cluster=")) o.bwd_cluster = on(v) ? 1 : 0;
     else if (const char* v = val("--fwd-cluster=")) o.fwd_cluster = std::strcmp(v, "small") == 0 ? 2 : on(v) ? 1 : 0;
     else if (const char* v = val("--bwd-cluster-mult=")) o.bwd_cluster_mult = std::atoi(v);
+    else if (const char* v = val("--fwd-cluster-f32=")) o.fwd_cluster_f32 = on(v) ? 1 : 0;
     else if (const char* v = val("--row1-prefetch=")) o.row1_prefetch = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (const char* v = val("--row1-rawx=")) o.row1_rawx = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (const char* v = val("--row1-cfg=")) {
@@ -544,6 +547,7 @@ int main(int argc, char** argv) {
   if (o.bwd_cluster >= 0) fastweight::detail::set_rownorm_bwd_cluster(o.bwd_cluster == 1);
   if (o.fwd_cluster >= 0) fastweight::detail::set_rownorm_fwd_cluster(o.fwd_cluster);
   if (o.bwd_cluster_mult >= 1) fastweight::detail::set_rownorm_bwd_cluster_mult(o.bwd_cluster_mult);
+  if (o.fwd_cluster_f32 >= 0) fastweight::detail::set_rownorm_fwd_cluster_f32(o.fwd_cluster_f32 == 1);
   if (o.row1_prefetch >= 0) fastweight::detail::set_rownorm_fwd_row1_prefetch(o.row1_prefetch);
   if (o.row1_rawx >= 0) fastweight::detail::set_rownorm_fwd_row1_rawx(o.row1_rawx);
   if (o.row1_cfg.tpr) fastweight::detail::force_rownorm_fwd_row1_config(o.row1_cfg);

@@ -722,24 +722,27 @@ INSTANTIATE_TEST_SUITE_P(Cluster, NormCudaBwdClusterMult,
                                                                             32768, 65536)),
                          rows_case_name);
 
-// 16-bit rows past the one-row kernel's reach (N > 32768): that kernel in clusters of C CTAs per row on Hopper
-// (set_rownorm_fwd_cluster; mode 1 C = ceil(N / 32768), mode 2 ceil(N / 16384) <= 8), ranks whose last one holds
-// fewer columns (32776: 2049 + 2048 vectors, 98312: 3 x 3073 + 3070), C 2..8, padded rows with IO-dtype parameters,
-// contiguous ones with fp32 parameters and without parameters; rows past 8 CTAs (262152) and unaligned rows (40001)
-// keep the streaming kernel, as do all of them with the switch off.
+// Rows past the one-row kernel's reach (4096 vectors: N > 32768 16-bit, N > 16384 fp32, the latter with
+// set_rownorm_fwd_cluster_f32): that kernel in clusters of C CTAs per row on Hopper (set_rownorm_fwd_cluster; mode 1
+// C = ceil(N / 4096 vectors), mode 2 ceil(N / 2048 vectors) <= 8), ranks whose last one holds fewer columns (32776
+// bf16: 2049 + 2048 vectors, 98312: 3 x 3073 + 3070; fp32 20000: 3 ranks of 1667, 1667, 1666), C 2..8, padded rows
+// with IO-dtype parameters, contiguous ones with fp32 parameters and without parameters; rows past 8 CTAs and
+// unaligned rows keep the streaming kernel, as do all of them with the switch off (and fp32 rows with its own off).
 struct NormCudaFwdCluster : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaFwdCluster, ClusterRowMatchesReference) {
   FW_REQUIRE_GPU();
   const auto [op, dt, n] = GetParam();
   const std::int64_t groups = param_groups(op);
-  const std::int64_t nvec = n / 8;
+  const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e;
   const std::int64_t rows = std::max(groups * 3, ((std::int64_t(1) << 21) / n + groups - 1) / groups * groups);
+  const ScopedSwitch<bool> f32(&fastweight::detail::set_rownorm_fwd_cluster_f32, true);
+  ASSERT_GT(nvec, 4096) << "a row within one CTA's reach";
   for (const int mode : {1, 2, 0}) {
     const ScopedSwitch<int> cluster(&fastweight::detail::set_rownorm_fwd_cluster, mode);
     const std::int64_t C = mode == 0 ? 0
                            : mode == 2 && (nvec + 2047) / 2048 <= 8 ? (nvec + 2047) / 2048
                                                                     : (nvec + 4095) / 4096;
-    const bool taken = mode > 0 && n % 8 == 0 && C >= 2 && C <= 8 && fastweight::detail::cc_major() >= 9;
+    const bool taken = mode > 0 && n % e == 0 && C >= 2 && C <= 8 && fastweight::detail::cc_major() >= 9;
     const char* expect = taken ? "row1_cluster" : "stream";
     for (const auto& [layout, params] : {std::pair{Layout::padded, Params::io}, std::pair{Layout::contiguous, Params::f32},
                                          std::pair{Layout::contiguous, Params::none}}) {
@@ -747,11 +750,20 @@ TEST_P(NormCudaFwdCluster, ClusterRowMatchesReference) {
       check_case(op, dt, n, rows, layout, params, expect);
     }
   }
+  if (dt == DType::f32) {  // fp32 rows with their switch off: the streaming kernel
+    const ScopedSwitch<bool> f32_off(&fastweight::detail::set_rownorm_fwd_cluster_f32, false);
+    check_case(op, dt, n, rows, Layout::padded, Params::io, "stream");
+  }
 }
 INSTANTIATE_TEST_SUITE_P(Cluster, NormCudaFwdCluster,
                          ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
                                             ::testing::Values<std::int64_t>(32776, 40000, 40001, 65536, 98312, 131072,
                                                                             262144, 262152)),
+                         rows_case_name);
+INSTANTIATE_TEST_SUITE_P(ClusterF32, NormCudaFwdCluster,
+                         ::testing::Combine(kOps, ::testing::Values(DType::f32),
+                                            ::testing::Values<std::int64_t>(16388, 20000, 20001, 32768, 65536, 98312,
+                                                                            131072, 131076)),
                          rows_case_name);
 
 // Rows whose leading dims do not merge into one stride (Layout::gapped: head norm (rows / NH, NH, N),

@@ -193,6 +193,13 @@ bool rownorm_fwd_row1_f32par();
 // fastweight_bench --fwd-cluster=off|on|small).
 int set_rownorm_fwd_cluster(int mode);
 int rownorm_fwd_cluster_mode();
+// The same for aligned fp32 rows past 4096 vectors (N > 16384, where the unstaged bulk kernel stops; mode 2's CTAs
+// of <= 256 threads up to N = 65536, then mode 1's up to 131072), with fp32 parameters (aligned) or none; else
+// those rows take the streaming kernel. Off by default: compiled in session 42, not yet run on a GPU.
+// FW_NORM_FWD_CLUSTER_F32=1 turns it on at start. Returns the previous setting (tests, fastweight_bench
+// --fwd-cluster-f32=off|on).
+bool set_rownorm_fwd_cluster_f32(bool on);
+bool rownorm_fwd_cluster_f32();
 // Tests and benchmarks only: force the one-row-per-CTA forward's shape on every aligned 16-bit row it
 // can take: tpr threads (a multiple of 32, 32..1024; the planner's too on Hopper, set_rownorm_fwd_row1_tight),
 // vb-byte vectors (8 or 16; vectors per thread follow: 1, 2, 4 or 8), late = parameters loaded after the sums,

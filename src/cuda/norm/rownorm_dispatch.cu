@@ -53,6 +53,7 @@ std::atomic<bool> g_bwd_ring3{env_digit("FW_NORM_BWD_RING3", 1) == 1};
 std::atomic<bool> g_bwd_cluster{env_digit("FW_NORM_BWD_CLUSTER", 1) == 1};
 std::atomic<int> g_bwd_cluster_mult{env_digit("FW_NORM_BWD_CLUSTER_MULT", 1)};
 std::atomic<int> g_fwd_cluster{env_digit("FW_NORM_FWD_CLUSTER", 2)};  // (0|1|2: the mode at start)
+std::atomic<bool> g_fwd_cluster_f32{env_digit("FW_NORM_FWD_CLUSTER_F32", 0) == 1};
 std::atomic<int> g_fwd_row1_cfg{0};  // tpr | vb << 16 | late << 24 | plain << 25
 }  // namespace
 static thread_local const char* t_fwd_last_kernel = "";
@@ -69,6 +70,8 @@ int set_rownorm_bwd_cluster_mult(int m) { return g_bwd_cluster_mult.exchange(m);
 int rownorm_bwd_cluster_mult() { return g_bwd_cluster_mult.load(); }
 int set_rownorm_fwd_cluster(int mode) { return g_fwd_cluster.exchange(mode); }
 int rownorm_fwd_cluster_mode() { return g_fwd_cluster.load(); }
+bool set_rownorm_fwd_cluster_f32(bool on) { return g_fwd_cluster_f32.exchange(on); }
+bool rownorm_fwd_cluster_f32() { return g_fwd_cluster_f32.load(); }
 bool set_rownorm_fwd_bulk(bool enabled) { return g_fwd_bulk.exchange(enabled); }
 bool rownorm_fwd_bulk_enabled() { return g_fwd_bulk.load(); }
 int set_rownorm_fwd_bulk_long(int mode) { return g_fwd_bulk_long.exchange(mode); }

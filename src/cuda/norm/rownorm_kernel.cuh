@@ -265,12 +265,15 @@ __device__ __forceinline__ Row1Vec<VB> row1_load(const T* row, int col, int n) {
   }
   return v;
 }
+// (fp32 rows: the cluster instances only, 16-byte vectors of 4 floats)
 template <typename T, int VB>
-__device__ __forceinline__ void row1_unpack(const Row1Vec<VB>& raw, float (&f)[VB / 2]) {
+__device__ __forceinline__ void row1_unpack(const Row1Vec<VB>& raw, float (&f)[VB / sizeof(T)]) {
   const unsigned* u = reinterpret_cast<const unsigned*>(&raw);
 #pragma unroll
   for (int i = 0; i < VB / 4; ++i) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if constexpr (std::is_same_v<T, float>) {
+      f[i] = __uint_as_float(u[i]);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
       f[2 * i] = __uint_as_float(u[i] << 16);
       f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
     } else {
@@ -280,12 +283,14 @@ __device__ __forceinline__ void row1_unpack(const Row1Vec<VB>& raw, float (&f)[V
   }
 }
 template <typename T, int VB>
-__device__ __forceinline__ void row1_store(T* row, int col, const float (&v)[VB / 2]) {
+__device__ __forceinline__ void row1_store(T* row, int col, const float (&v)[VB / sizeof(T)]) {
   Row1Vec<VB> raw;
   unsigned* u = reinterpret_cast<unsigned*>(&raw);
 #pragma unroll
   for (int i = 0; i < VB / 4; ++i) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if constexpr (std::is_same_v<T, float>) {
+      u[i] = __float_as_uint(v[i]);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
       const __nv_bfloat162 e = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
       u[i] = *reinterpret_cast<const unsigned*>(&e);
     } else {
@@ -328,7 +333,11 @@ template <typename T, bool RAW_PAR, int VPT, int VB = 16, bool LATE = false, int
 __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const RowNormParams p, const int cl_cols = 0) {
   static_assert(PD == 0 || (RAW_PAR && LATE), "parameter prefetch: raw parameters after the sums");
   constexpr int EV = VB / int(sizeof(T));
-  static_assert(sizeof(T) == 2 && (VB == 16 || VB == 8) && (!LATE || RAW_PAR), "16-bit rows, raw parameters");
+  // fp32 rows: the cluster instances (16-byte vectors of 4 floats, kept raw: RX is free there; fp32 parameters are
+  // the IO dtype's, so RAW_PAR without F32P)
+  static_assert((sizeof(T) == 2 || (sizeof(T) == 4 && CL && VB == 16 && RX && !F32P)) && (VB == 16 || VB == 8) &&
+                    (!LATE || RAW_PAR),
+                "16-bit rows (fp32: clusters), raw parameters");
   static_assert(VB == 16 || RAW_PAR, "8-byte vectors: raw parameters only");
   static_assert(!F32P || (RAW_PAR && VB == 16), "fp32 parameter vectors: the raw path's 16-byte vectors");
   static_assert(!CL || (RAW_PAR && LATE), "clusters: raw parameters (offset to the rank's columns), after the sums");

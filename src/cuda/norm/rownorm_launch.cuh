@@ -128,13 +128,14 @@ Row1ClusterFn row1_cluster_kernel(bool f32_par, bool wide) {
     }
     return wide ? &rownorm_fwd_row1_kernel<T, true, 8, 16, true, 16, true, 2, 1, true, false, true>
                 : &rownorm_fwd_row1_kernel<T, true, 8, 16, true, 8, true, 4, 1, true, false, true>;
-  } else {
-    (void)f32_par, (void)wide;
-    return nullptr;  // (planned for 16-bit rows only)
+  } else {  // fp32 rows: 8 vectors of 4 floats, the parameters the IO dtype's (set_rownorm_fwd_cluster_f32)
+    (void)f32_par;
+    return wide ? &rownorm_fwd_row1_kernel<T, true, 8, 16, true, 16, true, 2, 1, true, false, true>
+                : &rownorm_fwd_row1_kernel<T, true, 8, 16, true, 8, true, 4, 1, true, false, true>;
   }
 }
-// Whether the cluster forward's parameters are fp32 vectors (else the IO dtype, or none).
-inline bool row1_cluster_f32(const RowNormParams& p) { return p.param == DType::f32 && (p.w || p.b); }
+// Whether the cluster forward's parameters are fp32 vectors beside 16-bit rows (else the IO dtype's, or none).
+inline bool row1_cluster_f32(const RowNormParams& p) { return p.io != DType::f32 && p.param == DType::f32 && (p.w || p.b); }
 
 template <typename T>
 RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
@@ -265,9 +266,12 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   // shared memory (set_rownorm_fwd_cluster: mode 1 C = ceil(N / 4096 vectors), 2 C = ceil(N / 2048 vectors) <= 8),
   // instead of the streaming kernel's re-reads from L2. Every rank holds at least one vector: (C - 1) ceil(nv / C)
   // < nv for C (C - 1) < nv, and nv > 4096 here.
+  // fp32 rows (set_rownorm_fwd_cluster_f32): the same past 4096 vectors of 4 floats (N > 16384, where the unstaged
+  // bulk kernel stops), with aligned parameters or none.
   if (const int cl_mode = rownorm_fwd_cluster_mode();
-      !bwd && sizeof(T) == 2 && al && raw4 && cl_mode >= 1 && nv8 > 16 * kRow1MaxTpr && rownorm_fwd_row1_enabled() &&
-      rownorm_fwd_row1_vecs() == 0 && cc_major() >= 9) {
+      !bwd && al && (sizeof(T) == 2 ? raw4 : rownorm_fwd_cluster_f32() && (p.param_aligned || (!p.w && !p.b))) &&
+      cl_mode >= 1 && nv8 > 16 * kRow1MaxTpr && rownorm_fwd_row1_enabled() && rownorm_fwd_row1_vecs() == 0 &&
+      cc_major() >= 9) {
     const std::int64_t small_v = 8 * kRow1MaxTpr, big_v = 16 * kRow1MaxTpr;  // vectors per rank: 8 x 256, 8 x 512
     std::int64_t C = (nv8 + big_v - 1) / big_v;
     if (cl_mode == 2 && (nv8 + small_v - 1) / small_v <= kFwdMaxCluster) C = (nv8 + small_v - 1) / small_v;
@@ -505,7 +509,7 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
                           : plan.cached && !plan.persistent ? "row"
                           : plan.cached                    ? "cached"
                                                            : "stream");
-  if (plan.row1 && plan.cluster > 1) {  // a cluster of C CTAs per row (planned for 16-bit rows only)
+  if (plan.row1 && plan.cluster > 1) {  // a cluster of C CTAs per row
     const std::int64_t cblocks = std::int64_t(plan.L.P) * plan.cluster;
     if (cblocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", cblocks, " CTAs is too large"));
     launch_kernel_cluster("rownorm_fwd", row1_cluster_kernel<T>(row1_cluster_f32(p), plan.threads > kRow1MaxTpr),
