@@ -623,6 +623,13 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1F32Par,
                                                                             10000, 13000, 16384, 20000, 32768)),
                          rows_case_name);
 
+// The smallest power of two >= v (the planner's thread counts per row group, as the backward tests predict them).
+std::int64_t pow2(std::int64_t v) {
+  std::int64_t t = 1;
+  while (t < v) t *= 2;
+  return t;
+}
+
 // The backward's ring kernel at 3 vectors per thread (set_rownorm_bwd_ring3): taken where 3 vectors fill more of a
 // row group's threads than 4 (bf16 N 1536, 3072, 5120, 6144, 10240, 12288; fp32 1536 .. 6144), the 4-vector ring
 // elsewhere (8192; fp32 past 8192 has no ring); padded rows and contiguous ones with fp32 parameters; where it is
@@ -634,7 +641,6 @@ TEST_P(NormCudaBwdRing3, ThreeVectorRingMatchesReference) {
   const std::int64_t groups = param_groups(op);
   const ScopedSwitch<bool> ring3(&fastweight::detail::set_rownorm_bwd_ring3, true);
   const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e;
-  auto pow2 = [](std::int64_t v) { std::int64_t t = 1; while (t < v) t *= 2; return t; };
   const std::int64_t tpr4 = pow2((nvec + 3) / 4), tpr3 = pow2((nvec + 2) / 3);
   const bool ring = tpr4 >= 64 && n <= 512 * 4 * e, expect3 = ring && tpr3 <= 512 && 3 * tpr3 < 4 * tpr4;
   for (const auto& [layout, params, rows] : {std::tuple{Layout::padded, Params::io, groups * 37},
@@ -669,7 +675,6 @@ TEST_P(NormCudaBwdCluster, ClusterRingMatchesReference) {
   const std::int64_t groups = param_groups(op);
   const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e, reach = 512 * 4;
   const std::int64_t C = (nvec + reach - 1) / reach, per = (nvec + C - 1) / C;
-  auto pow2 = [](std::int64_t v) { std::int64_t t = 1; while (t < v) t *= 2; return t; };
   const bool three = 3 * pow2((per + 2) / 3) < 4 * pow2((per + 3) / 4) && pow2((per + 2) / 3) <= 512;
   const std::int64_t rows = std::max(groups * 5, ((std::int64_t(1) << 23) / n + groups - 1) / groups * groups);
   for (const bool on : {true, false}) {
@@ -700,7 +705,6 @@ TEST_P(NormCudaBwdClusterMult, WiderClustersMatchReference) {
   const auto [op, dt, n] = GetParam();
   const std::int64_t groups = param_groups(op);
   const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e, reach = 512 * 4;
-  auto pow2 = [](std::int64_t v) { std::int64_t t = 1; while (t < v) t *= 2; return t; };
   const std::int64_t rows = std::max(groups * 5, ((std::int64_t(1) << 22) / n + groups - 1) / groups * groups);
   for (const int m : {2, 4}) {
     const ScopedSwitch<int> mult(&fastweight::detail::set_rownorm_bwd_cluster_mult, m);

@@ -466,16 +466,15 @@ __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const Ro
     cluster_wait();
     // this rank's (sum, M2) into slot `rank` of every rank (thread c sends to rank c); thread 0 posts the C * 8 bytes
     // its mbarrier expects (one phase: a cluster serves one row)
-    const float2* slot = s_xsum;
     if (threadIdx.x == 0) mbar_arrive_expect_tx(&s_xbar[0], 8u * unsigned(ncta));
     if (int(threadIdx.x) < ncta) st_async_float2(&s_xsum[rank], make_float2(s_cta, ss_cta), &s_xbar[0], int(threadIdx.x));
     mbar_wait_cluster(&s_xbar[0], 0u);
     const int nrow = int(p.n);
     float sum = 0.f, m2 = 0.f;
-    for (int c = 0; c < ncta; ++c) sum += slot[c].x;
+    for (int c = 0; c < ncta; ++c) sum += s_xsum[c].x;
     const float gmean = p.rms ? 0.f : sum / float(nrow);
     for (int c = 0; c < ncta; ++c) {
-      const float2 t = slot[c];
+      const float2 t = s_xsum[c];
       const int nc = min(cl_cols, nrow - c * cl_cols);  // rank c's columns (> 0: the planner's split)
       const float d = p.rms ? 0.f : t.x / float(nc) - gmean;
       m2 += t.y + float(nc) * d * d;
