@@ -24,7 +24,7 @@
 //   fastweight_bench --fwd-cluster=off|on|small  norm forward's one-row kernel in clusters for 16-bit rows past 32768
 //                                            (small: 256-thread ranks; else the streaming kernel)
 //   fastweight_bench --fwd-cluster-f32=off|on  the cluster forward for fp32 rows past 16384 too
-//   fastweight_bench --bwd-cluster-mult=M    M times the backward cluster ring's CTAs per cluster (rows within its reach too)
+//   fastweight_bench --bwd-cluster-mult=M    M times the backward cluster ring's CTAs per cluster (rows within its reach too; 0: the rule)
 //   fastweight_bench --row1-long=off         rows of N 28680..32768 not in its capped 8 x 512 instance (on: the default)
 //   fastweight_bench --row1-prefetch=off|auto|on  its 4- and 8-vector instances' parameters one vector ahead (auto: 4)
 //   fastweight_bench --row1-rawx=off|auto|on  its capped instances with x packed (auto, the default: 8 vectors at 2x CTAs; on: +4)
@@ -546,7 +546,7 @@ int main(int argc, char** argv) {
   if (o.bwd_ring3 >= 0) fastweight::detail::set_rownorm_bwd_ring3(o.bwd_ring3 == 1);
   if (o.bwd_cluster >= 0) fastweight::detail::set_rownorm_bwd_cluster(o.bwd_cluster == 1);
   if (o.fwd_cluster >= 0) fastweight::detail::set_rownorm_fwd_cluster(o.fwd_cluster);
-  if (o.bwd_cluster_mult >= 1) fastweight::detail::set_rownorm_bwd_cluster_mult(o.bwd_cluster_mult);
+  if (o.bwd_cluster_mult >= 0) fastweight::detail::set_rownorm_bwd_cluster_mult(o.bwd_cluster_mult);
   if (o.fwd_cluster_f32 >= 0) fastweight::detail::set_rownorm_fwd_cluster_f32(o.fwd_cluster_f32 == 1);
   if (o.row1_prefetch >= 0) fastweight::detail::set_rownorm_fwd_row1_prefetch(o.row1_prefetch);
   if (o.row1_rawx >= 0) fastweight::detail::set_rownorm_fwd_row1_rawx(o.row1_rawx);

@@ -640,6 +640,7 @@ TEST_P(NormCudaBwdRing3, ThreeVectorRingMatchesReference) {
   const auto [op, dt, n] = GetParam();
   const std::int64_t groups = param_groups(op);
   const ScopedSwitch<bool> ring3(&fastweight::detail::set_rownorm_bwd_ring3, true);
+  const ScopedSwitch<int> one_cta(&fastweight::detail::set_rownorm_bwd_cluster_mult, 1);  // (the ring, not in clusters)
   const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e;
   const std::int64_t tpr4 = pow2((nvec + 3) / 4), tpr3 = pow2((nvec + 2) / 3);
   const bool ring = tpr4 >= 64 && n <= 512 * 4 * e, expect3 = ring && tpr3 <= 512 && 3 * tpr3 < 4 * tpr4;
@@ -666,8 +667,9 @@ INSTANTIATE_TEST_SUITE_P(Ring3, NormCudaBwdRing3,
 // Aligned rows past the ring kernel's reach (bf16 / fp16 N > 16384, fp32 N > 8192): the ring kernel in clusters of
 // C = ceil(N / reach) CTAs on Hopper (set_rownorm_bwd_cluster), C 2..8, 3 vectors per thread at N 24576 (bf16), ranks
 // whose last one holds fewer columns (20000, 40000), about 4 rows per cluster (the exchange slots' parities and
-// mbarrier phases turn over), padded rows and contiguous ones with fp32 parameters; then the same with the switch
-// off (rowsum + coltile).
+// mbarrier phases turn over), padded rows and contiguous ones with fp32 parameters; rows just past 8 ranks (fp32
+// 98312: 13, bf16 131080: 9) keep rowsum + coltile (cbcfb7d clamped C to 8 there: ranks past 512 threads, a division
+// by zero in the planner); then the same with the switch off (rowsum + coltile).
 struct NormCudaBwdCluster : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaBwdCluster, ClusterRingMatchesReference) {
   FW_REQUIRE_GPU();
@@ -677,6 +679,7 @@ TEST_P(NormCudaBwdCluster, ClusterRingMatchesReference) {
   const std::int64_t C = (nvec + reach - 1) / reach, per = (nvec + C - 1) / C;
   const bool three = 3 * pow2((per + 2) / 3) < 4 * pow2((per + 3) / 4) && pow2((per + 2) / 3) <= 512;
   const std::int64_t rows = std::max(groups * 5, ((std::int64_t(1) << 23) / n + groups - 1) / groups * groups);
+  const ScopedSwitch<int> mult(&fastweight::detail::set_rownorm_bwd_cluster_mult, 1);  // (NormCudaBwdClusterMult: m > 1)
   for (const bool on : {true, false}) {
     const ScopedSwitch<bool> cluster(&fastweight::detail::set_rownorm_bwd_cluster, on);
     for (const auto& [layout, params] : {std::pair{Layout::padded, Params::io}, std::pair{Layout::contiguous, Params::f32}}) {
@@ -692,7 +695,7 @@ TEST_P(NormCudaBwdCluster, ClusterRingMatchesReference) {
 INSTANTIATE_TEST_SUITE_P(Cluster, NormCudaBwdCluster,
                          ::testing::Combine(kOps, kDtypes,
                                             ::testing::Values<std::int64_t>(8200, 16392, 20000, 24576, 32768, 40000,
-                                                                            65536, 131072)),
+                                                                            65536, 98312, 131072, 131080)),
                          rows_case_name);
 
 // The cluster ring with m times its CTAs per cluster (set_rownorm_bwd_cluster_mult), rows within the ring's reach
@@ -706,17 +709,20 @@ TEST_P(NormCudaBwdClusterMult, WiderClustersMatchReference) {
   const std::int64_t groups = param_groups(op);
   const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e, reach = 512 * 4;
   const std::int64_t rows = std::max(groups * 5, ((std::int64_t(1) << 22) / n + groups - 1) / groups * groups);
-  for (const int m : {2, 4}) {
-    const ScopedSwitch<int> mult(&fastweight::detail::set_rownorm_bwd_cluster_mult, m);
+  for (const int mode : {2, 4, 0}) {
+    const ScopedSwitch<int> mult(&fastweight::detail::set_rownorm_bwd_cluster_mult, mode);
+    // mode 0, the planner's rule: m = 2 up to 8 rows per SM on rows past 512 vectors (all these rows are few), else 1
+    const std::int64_t m = mode > 0 ? mode : rows <= 8 * std::int64_t(fastweight::detail::sm_count()) && nvec > 512 ? 2 : 1;
     const std::int64_t C = std::min<std::int64_t>(8, (nvec + reach - 1) / reach * m), per = (nvec + C - 1) / C;
     const std::int64_t t4 = pow2((per + 3) / 4), t3 = pow2((per + 2) / 3);
     const bool three = 3 * t3 < 4 * t4 && t3 <= 512;
     // (every N here is within the plain ring's limits, or past its reach; the rank's row groups need 64 threads)
-    const bool taken = fastweight::detail::cc_major() >= 9 && (three ? t3 : t4) >= 64;
+    const bool taken = fastweight::detail::cc_major() >= 9 && C >= 2 && (three ? t3 : t4) >= 64;
     for (const auto& [layout, params] : {std::pair{Layout::padded, Params::io}, std::pair{Layout::contiguous, Params::f32}}) {
       check_case(op, dt, n, rows, layout, params);
       const std::string ran = fastweight::detail::rownorm_bwd_last_kernel();
       if (taken) EXPECT_EQ(ran, three ? "ring3_cluster" : "ring_cluster") << n << " m " << m;
+      else if (C < 2) EXPECT_EQ(ran.find("cluster"), std::string::npos) << n << " m " << m;  // (the rule's m = 1)
     }
   }
 }

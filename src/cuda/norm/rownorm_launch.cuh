@@ -267,7 +267,9 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   // instead of the streaming kernel's re-reads from L2. Every rank holds at least one vector: (C - 1) ceil(nv / C)
   // < nv for C (C - 1) < nv, and nv > 4096 here.
   // fp32 rows (set_rownorm_fwd_cluster_f32): the same past 4096 vectors of 4 floats (N > 16384, where the unstaged
-  // bulk kernel stops), with aligned parameters or none.
+  // bulk kernel stops), with aligned parameters or none. Session 43, H200, LayerNorm unless said, ms, streaming /
+  // cluster: 512 x 16388 0.0369 / 0.0322, x 32768 0.0727 / 0.0518; 4096 x 20000 0.2946 / 0.2411, x 32768 0.5292 /
+  // 0.3410; RMSNorm 256 x 20000 0.0212 / 0.0200, 512 x 65536 0.1256 / 0.0893.
   if (const int cl_mode = rownorm_fwd_cluster_mode();
       !bwd && al && (sizeof(T) == 2 ? raw4 : rownorm_fwd_cluster_f32() && (p.param_aligned || (!p.w && !p.b))) &&
       cl_mode >= 1 && nv8 > 16 * kRow1MaxTpr && rownorm_fwd_row1_enabled() && rownorm_fwd_row1_vecs() == 0 &&
@@ -294,15 +296,25 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   // Aligned rows past the ring's reach (Hopper): the ring kernel in clusters of C = ceil(N / kRingMaxN) <= 8 CTAs,
   // each the same rows' N / C columns, exchanging the row sums through shared memory (set_rownorm_bwd_cluster),
   // instead of rowsum + coltile's two reads of x and dy. 3 vectors per thread where that idles fewer threads.
-  // set_rownorm_bwd_cluster_mult m > 1: m times those CTAs per cluster (at most 8), rows within the ring's reach too:
-  // each CTA then holds R = 512 / tpr row groups of narrower rows, so P (the weight-gradient partial rows per column,
-  // which the finalize reads back) falls by up to m for the same rows in flight (A/B; 512 x 32768 bf16: 66 partial
-  // rows of 128 KB per gradient, written and read back: 17 MB per gradient beside x, dy and dx's 100 MB; predicted
-  // at m = 2 for LayerNorm there: ~0.0529 -> ~0.047 ms).
-  const int cl_mult = rownorm_bwd_cluster_mult();
+  // m times those CTAs per cluster (at most 8; set_rownorm_bwd_cluster_mult), rows within the ring's reach too: each
+  // CTA then holds R = 512 / tpr row groups of narrower rows, so P (the weight-gradient partial rows per column,
+  // which the finalize reads back) falls by up to m for the same rows in flight (512 x 32768 bf16: 66 -> 33 partial
+  // rows of 128 KB per gradient, written and read back, beside x, dy and dx's 100 MB). The rule (m = 0): 2 up to 8
+  // rows per SM on rows past 512 vectors, else 1. Session 43, H200, LayerNorm bf16 unless said, ms, m = 1 / 2:
+  // 256 x 32768 0.0359 / 0.0335; 512 x 16384 0.0357 / 0.0305 (RMSNorm 0.0338 / 0.0287), x 32768 0.0518 / 0.0484
+  // (RMSNorm 0.0473 / 0.0452), x 65536 0.0906 / 0.0837, x 8192 0.0222 / 0.0219, fp32 x 16384 0.0415 / 0.0397, fp32
+  // x 32768 0.0679 / 0.0644; 1024 x 5120 0.0255 / 0.0240, x 8192 0.0310 / 0.0289, x 16384 0.0492 / 0.0450, x 32768
+  // 0.0820 / 0.0804. Not at 512 x 4096 (0.0170 / 0.0173) nor from 2048 rows (2048 x 5120 0.0341 / 0.0351, x 16384
+  // 0.0749 / 0.0739, x 32768 0.1416 / 0.1425; 4096 x 5120 0.0546 / 0.0580, x 12288 0.1109 / 0.1092, x 32768 0.2586 /
+  // 0.2668). m = 4 was level with 2 or slower (512 x 16384 0.0318, 4096 x 5120 0.0624).
+  const int cl_mult = rownorm_bwd_cluster_mult() > 0 ? rownorm_bwd_cluster_mult()
+                      : p.rows <= 8 * std::int64_t(sm_count()) && p.n / E > 512 ? 2 : 1;
   if (bwd && al && cc_major() >= 9 && rownorm_bwd_cluster() && (p.n > kRingMaxN<T> ? !ring : ring && cl_mult > 1)) {
     const std::int64_t nvec = p.n / E, maxv = std::int64_t(kRingThreads) * kRingVecs;
-    const std::int64_t C = std::min<std::int64_t>(kRingMaxCluster, (nvec + maxv - 1) / maxv * std::max(cl_mult, 1));
+    // C: the ranks the row needs (past kRingMaxCluster: rowsum + coltile; clamping it would leave ranks of more
+    // than 512 threads' vectors, R = 0), times m up to kRingMaxCluster
+    const std::int64_t C_need = (nvec + maxv - 1) / maxv;
+    const std::int64_t C = C_need > kRingMaxCluster ? 0 : std::min<std::int64_t>(kRingMaxCluster, C_need * std::max(cl_mult, 1));
     const int per = int((nvec + C - 1) / std::max<std::int64_t>(C, 1));  // vectors per rank
     const int t4 = next_pow2((per + kRingVecs - 1) / kRingVecs), t3 = next_pow2((per + 2) / 3);
     const bool use3 = rownorm_bwd_ring3() && t3 <= kRingThreads && 3 * t3 < 4 * t4;
@@ -311,7 +323,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
                               : reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T, kRingVecs, true>);
     const std::size_t smem = ring_smem_bytes(std::int64_t(per) * E, E, vpt, R);
     // (C (C - 1) < nvec: every rank holds at least one vector; tpr >= kRingMinTpr: the ring's shortest rows)
-    if (C >= 2 && C <= kRingMaxCluster && tpr >= kRingMinTpr && smem <= smem_per_block_optin() &&
+    if (C >= 2 && C <= kRingMaxCluster && tpr >= kRingMinTpr && tpr <= kRingThreads && smem <= smem_per_block_optin() &&
         kernel_binary_version(kernel) >= 90) {
       if (const int clusters = resident_clusters(kernel, kRingThreads, smem, int(C)); clusters > 0) {
         plan.cached = true;
