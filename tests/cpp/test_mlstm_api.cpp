@@ -329,7 +329,7 @@ TEST(MlstmApi, ParallelForwardAndBackwardMatchReference) {
       EXPECT_LT(rel_err(n, rn), dt == DType::f64 ? 1e-12 : 1e-6);
       EXPECT_LT(rel_err(m, rm), dt == DType::f64 ? 1e-12 : 1e-6);
       EXPECT_LT(rel_err(bs, rb), dt == DType::f64 ? 1e-12 : 1e-6);
-      for (std::size_t e = 0; e < n.offsets().size(); ++e) {  // n = max(|b|, exp(-m)), b signed
+      for (std::size_t e = 0; e < std::size_t(n.numel()); ++e) {  // n = max(|b|, exp(-m)), b signed
         const double be = p(rb)[e], me = p(rm)[e];
         EXPECT_NEAR(p(rn)[e], std::max(std::abs(be), std::exp(-me)), 1e-12 * (1 + std::abs(be)));
       }

@@ -51,20 +51,34 @@ struct HostTensor {
     t.device = dev;
     return t;
   }
+  // f(storage offset) for every element of the view, in row-major order of its shape: the last dim as an
+  // inner loop, the outer index stepped once per row (the GPU suites' checks walk millions of elements).
+  template <typename F>
+  void for_each_offset(F&& f) const {
+    const int nd = int(shape.size());
+    if (nd == 0) {
+      f(offset);
+      return;
+    }
+    const std::int64_t total = numel(), inner = shape[nd - 1], is = strides[nd - 1];
+    if (total == 0) return;
+    std::vector<std::int64_t> idx(std::size_t(nd - 1), 0);  // the outer dims' index
+    std::int64_t row = offset;
+    for (std::int64_t o = 0; o < total / inner; ++o) {
+      for (std::int64_t i = 0; i < inner; ++i) f(row + i * is);
+      for (int d = nd - 2; d >= 0; --d) {
+        row += strides[d];
+        if (++idx[std::size_t(d)] < shape[d]) break;
+        row -= strides[d] * shape[d];
+        idx[std::size_t(d)] = 0;
+      }
+    }
+  }
   // Element offsets of the view, in row-major order of its shape.
   std::vector<std::int64_t> offsets() const {
     std::vector<std::int64_t> out;
-    out.reserve(numel());
-    std::vector<std::int64_t> idx(shape.size(), 0);
-    for (std::int64_t i = 0; i < numel(); ++i) {
-      std::int64_t o = offset;
-      for (std::size_t d = 0; d < shape.size(); ++d) o += idx[d] * strides[d];
-      out.push_back(o);
-      for (int d = int(shape.size()) - 1; d >= 0; --d) {
-        if (++idx[d] < shape[d]) break;
-        idx[d] = 0;
-      }
-    }
+    out.reserve(std::size_t(numel()));
+    for_each_offset([&](std::int64_t o) { out.push_back(o); });
     return out;
   }
   double get(std::int64_t storage_index) const { return detail::load_as_double(bytes.data(), storage_index, dtype); }
@@ -72,17 +86,19 @@ struct HostTensor {
   // The view's element bytes in row-major order: bit comparisons of tensors whose buffers differ
   // outside the view (make_host's 8 elements of slack, row padding) compare only what an op writes.
   std::vector<unsigned char> elem_bytes() const {
-    std::vector<unsigned char> out;
-    out.reserve(std::size_t(numel()) * esize());
-    for (auto o : offsets()) {
-      const unsigned char* e = bytes.data() + std::size_t(o) * esize();
-      out.insert(out.end(), e, e + esize());
-    }
+    const std::size_t es = esize();
+    std::vector<unsigned char> out(std::size_t(numel()) * es);
+    unsigned char* dst = out.data();
+    for_each_offset([&](std::int64_t o) {
+      std::memcpy(dst, bytes.data() + std::size_t(o) * es, es);
+      dst += es;
+    });
     return out;
   }
   std::vector<double> values() const {
     std::vector<double> v;
-    for (auto o : offsets()) v.push_back(get(o));
+    v.reserve(std::size_t(numel()));
+    for_each_offset([&](std::int64_t o) { v.push_back(get(o)); });
     return v;
   }
 };
@@ -106,15 +122,15 @@ inline HostTensor make_host(DType dt, std::vector<std::int64_t> shape, std::int6
 
 inline void fill_random(HostTensor& t, std::mt19937_64& rng, double lo = -2.0, double hi = 2.0) {
   std::uniform_real_distribution<double> u(lo, hi);
-  for (auto o : t.offsets()) t.set(o, u(rng));
+  t.for_each_offset([&](std::int64_t o) { t.set(o, u(rng)); });
 }
 inline void fill_bytes(HostTensor& t, unsigned char b) { std::fill(t.bytes.begin(), t.bytes.end(), b); }
 
 // A float64 copy with the same shape (contiguous): the reference runs on these.
 inline HostTensor to_f64(const HostTensor& t) {
   HostTensor o = make_host(DType::f64, t.shape);
-  const auto src = t.offsets();
-  for (std::size_t i = 0; i < src.size(); ++i) o.set(std::int64_t(i), t.get(src[i]));
+  double* dst = static_cast<double*>(o.base());
+  t.for_each_offset([&](std::int64_t s) { *dst++ = t.get(s); });
   return o;
 }
 
@@ -133,7 +149,10 @@ inline double err_over(const HostTensor& a, const HostTensor& b, double scale) {
 
 inline double l2_norm(const HostTensor& a) {
   double s = 0.0;
-  for (double x : a.values()) s += x * x;
+  a.for_each_offset([&](std::int64_t o) {
+    const double x = a.get(o);
+    s += x * x;
+  });
   return std::sqrt(s);
 }
 
