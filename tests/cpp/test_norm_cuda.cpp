@@ -590,6 +590,36 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1TightPlanned,
                                                                             16392, 20000, 28672)),
                          rows_case_name);
 
+// The one-row forward held to fewer CTAs per SM (set_rownorm_fwd_row1_occupancy) by dynamic shared memory it does not
+// touch: 1 per SM (past the 48 KB default limit: the raised-limit path), 2, and the tail rule, over the planner's
+// instances at few rows (2 x 128, 4 x 160, 8 x 160 / 320 / 448 x packed, 8 x 512 capped), padded rows with IO-dtype
+// parameters and contiguous ones with fp32 parameters; with the switch off, no dynamic shared memory.
+struct NormCudaRow1Occupancy : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaRow1Occupancy, CappedOccupancyMatchesReference) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t groups = param_groups(op), sms = fastweight::detail::sm_count();
+  const char* row1 = fastweight::detail::cc_major() >= 9 ? "row1" : nullptr;
+  for (const int mode : {1, 2, -1, 0}) {
+    SCOPED_TRACE("occupancy mode " + std::to_string(mode));
+    const ScopedSwitch<int> occ(&fastweight::detail::set_rownorm_fwd_row1_occupancy, mode);
+    check_case(op, dt, n, groups * 9, Layout::padded, Params::io, row1);
+    const std::size_t smem = fastweight::detail::rownorm_fwd_last_row1_smem();
+    // (every instance here fits 2 or more CTAs per SM: 1 needs shared memory; the rule at fewer rows than SMs keeps k0)
+    if (row1 && mode == 1) EXPECT_GT(smem, std::size_t(48 * 1024)) << n;
+    if (mode == 0 || mode == -1) EXPECT_EQ(smem, 0u) << n;
+    check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);  // (F32P where the planner takes row1)
+  }
+  if (n <= 10000) {  // the rule past a wave of rows: 2 S + 5 (each planned as at few rows on Hopper)
+    const ScopedSwitch<int> occ(&fastweight::detail::set_rownorm_fwd_row1_occupancy, -1);
+    check_case(op, dt, n, groups * ((2 * sms + 5 + groups - 1) / groups), Layout::padded, Params::io);
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1Occupancy,
+                         ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
+                                            ::testing::Values<std::int64_t>(1544, 4104, 10000, 20000, 28672, 32768)),
+                         rows_case_name);
+
 // fp32 parameters as vectors in the one-row kernel (set_rownorm_fwd_row1_f32par, the kernel's F32P): every planner
 // rule that takes raw parameters, at these few rows (1 x 128, 2 x 128 / 192, 4 x 128 / 160 / 224 / 256 capped / 416
 // / 512 capped, 8 x 160 / 320 / 512 x packed), 8 x 256 x packed past 2 rows per SM, 4 x 128 capped (mode 2).

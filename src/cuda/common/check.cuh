@@ -85,6 +85,10 @@ int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem);
 // Clusters of `cluster` CTAs of `kernel` at this launch shape that the current device holds at once (0:
 // none fit); also raises the kernel's dynamic shared-memory limit as resident_ctas_per_sm. Cached.
 int resident_clusters(const void* kernel, int threads, std::size_t smem, int cluster);
+// The least dynamic shared memory (a multiple of 128 bytes, unused by the kernel) that holds `kernel` at this launch
+// shape to at most k CTAs per SM: 0 where it already runs at most k, or where no amount can (k < 1); the kernel's
+// limit raised as resident_ctas_per_sm. Cached (thread-safe).
+std::size_t smem_for_ctas_per_sm(const void* kernel, int threads, int k);
 // The most dynamic + static shared memory a block may opt in to on the current device (cached).
 std::size_t smem_per_block_optin();
 // Tests only: caps what smem_per_block_optin() reports (0: no cap), so a Hopper run takes the paths

@@ -19,6 +19,10 @@ void rownorm_bwd_cuda(const RowNormParams& p, void* workspace, std::size_t works
 // any), so that a test of a path can check it ran.
 const char* rownorm_fwd_last_kernel();
 void note_rownorm_fwd_kernel(const char* name);
+// Tests only: the dynamic shared memory of the last one-row forward launch on this thread (non-zero only where
+// set_rownorm_fwd_row1_occupancy held it to fewer CTAs per SM).
+std::size_t rownorm_fwd_last_row1_smem();
+void note_rownorm_fwd_row1_smem(std::size_t bytes);
 // Likewise the backward's ("ring", "ring3", "ring_cluster", "ring3_cluster", "cached", "rowsum_coltile").
 const char* rownorm_bwd_last_kernel();
 void note_rownorm_bwd_kernel(const char* name);
@@ -167,6 +171,18 @@ int rownorm_fwd_row1_rawx_mode();
 // turns it off at start. Returns the previous setting (tests, fastweight_bench --row1-tight=off|on).
 bool set_rownorm_fwd_row1_tight(bool on);
 bool rownorm_fwd_row1_tight();
+// A/B: the one-row forward (not in clusters) held to fewer CTAs per SM by dynamic shared memory it does not touch
+// (smem_for_ctas_per_sm), for its last wave of rows: with a CTA per row, R rows at k CTAs per SM on S SMs run in
+// about ceil(R / (S k)) waves of k rows per SM, so the time goes as ceil(R / (S k)) k. 4096 x 12288 bf16 (8 x 192
+// threads, 5 per SM by registers): 7 waves x 5 = 35 row-times per SM against 8 x 4 = 32 at 4 per SM, and 31.03 ideal
+// (the forward there runs at 80% of copy, against 86% at x 16384's 4 per SM; FLA is 4.6% ahead). 0 (the default):
+// off; k >= 1: at most k per SM; -1 the tail rule: the k in [ceil(k0 / 2), k0] of least ceil(R / (S k)) min(k,
+// ceil(R / S)) (the larger on ties), where that is at least 3% below k0's (k0: the CTAs per SM that fit; 700 rows
+// at k0 = 5: 3). Whether a partial last wave costs a full one (its rows each alone on an SM are latency-bound) is
+// what the A/B measures. Compiled in session 43,
+// not yet run on a GPU. Returns the previous setting (tests, fastweight_bench --row1-occupancy=off|rule|K).
+int set_rownorm_fwd_row1_occupancy(int v);
+int rownorm_fwd_row1_occupancy();
 // fp32 parameters (16-byte aligned rows) beside 16-bit rows in the one-row kernel's vector instances, loaded as
 // 16-byte halves of a vector, half a vector ahead of the output (the kernel's F32P): every 4- and 8-vector rule
 // above that takes raw parameters then takes these too, where they now go to the bulk kernel past 256 vectors;

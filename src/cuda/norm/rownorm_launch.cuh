@@ -504,6 +504,29 @@ RowNormParams with_param_alignment(const RowNormParams& p_in) {
 
 template <int V> using IC = std::integral_constant<int, V>;  // (compile-time instance arguments)
 
+// set_rownorm_fwd_row1_occupancy's CTAs per SM for a one-row launch of `rows` CTAs, k0 of which fit per SM: the
+// forced k, or (the tail rule) the k in [ceil(k0 / 2), k0] of least cost, the larger on ties, where that is at
+// least 3% below k0's. cost(k) = ceil(rows / (S k)) min(k, ceil(rows / S)): waves times the rows an SM holds in
+// one (a wave of fewer rows than SMs costs 1 whatever k).
+inline int row1_occupancy_ctas(std::int64_t rows, int k0) {
+  const int v = rownorm_fwd_row1_occupancy();
+  if (v >= 1) return v;
+  const std::int64_t sms = sm_count(), per_sm = (rows + sms - 1) / sms;
+  auto cost = [&](int k) { return (rows + sms * k - 1) / (sms * k) * std::min<std::int64_t>(k, per_sm); };
+  int best = k0;
+  for (int k = k0 - 1; k >= (k0 + 1) / 2 && k >= 1; --k)
+    if (cost(k) < cost(best)) best = k;
+  return cost(best) * 100 <= cost(k0) * 97 ? best : k0;
+}
+// The dynamic shared memory of a one-row launch (0 unless set_rownorm_fwd_row1_occupancy asks for fewer CTAs per
+// SM than fit).
+inline std::size_t row1_occupancy_smem(const void* kernel, int threads, std::int64_t rows) {
+  if (rownorm_fwd_row1_occupancy() == 0) return 0;
+  const int k0 = resident_ctas_per_sm(kernel, threads, 0);
+  const int k = row1_occupancy_ctas(rows, k0);
+  return k < k0 ? smem_for_ctas_per_sm(kernel, threads, k) : 0;
+}
+
 template <typename T>
 void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   const RowNormParams p = with_param_alignment<T>(p_in);
@@ -528,7 +551,14 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
                           dim3(unsigned(cblocks)), dim3(plan.threads), 0, stream, false, unsigned(plan.cluster), p,
                           plan.cl_cols);
   } else if (plan.row1) {
-    if constexpr (sizeof(T) == 2) {  // planned for 16-bit rows only
+    if constexpr (sizeof(T) == 2) {
+      // every instance below through launch1: with set_rownorm_fwd_row1_occupancy, dynamic shared memory the kernel
+      // does not touch holds it to fewer CTAs per SM (row1_occupancy_smem; 0 otherwise, the plain launch)
+      auto launch1 = [&](auto kernel) {
+        const std::size_t occ = row1_occupancy_smem(reinterpret_cast<const void*>(kernel), plan.threads, grid);
+        note_rownorm_fwd_row1_smem(occ);
+        kernel<<<grid, plan.threads, occ, stream>>>(p, 0);
+      };  // planned for 16-bit rows only
       const bool raw_par = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
       const bool f32_par = p.param == DType::f32 && p.param_aligned;
       const bool wide = plan.threads > kRow1MaxTpr;
@@ -545,17 +575,17 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
           constexpr int V = decltype(vpt)::value, Wv = decltype(w)::value, M = decltype(minb)::value;
           if constexpr (F) {
             static_assert(V == 4, "F32P: 8 vectors run x packed (rx8)");
-            rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M, 1, false, true><<<grid, plan.threads, 0, stream>>>(p);
+            launch1(&rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M, 1, false, true>);
             return;
           } else {
             if constexpr (V == 4) {
               if (rx_mode == 2) {
-                rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M, 1, true><<<grid, plan.threads, 0, stream>>>(p);
+                launch1(&rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M, 1, true>);
                 return;
               }
             }
-            if (pf_mode == 2 || (pf_mode == 1 && V == 4)) rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M, 1><<<grid, plan.threads, 0, stream>>>(p);
-            else rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M><<<grid, plan.threads, 0, stream>>>(p);
+            if (pf_mode == 2 || (pf_mode == 1 && V == 4)) launch1(&rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M, 1>);
+            else launch1(&rownorm_fwd_row1_kernel<T, true, V, 16, true, Wv, true, M>);
           }
         };
         // capped: every 4- and 8-vector instance in mode 2, the planner's 4 x 256 and 4 x 512 in mode 1,
@@ -580,8 +610,7 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         };
         // the capped 8-vector instances with x packed at twice the CTAs per SM (rawx modes 1, 2): 64 registers
         auto rx8 = [&](auto w, auto minb) {
-          rownorm_fwd_row1_kernel<T, true, 8, 16, true, decltype(w)::value, true, decltype(minb)::value, 1, true, F>
-              <<<grid, plan.threads, 0, stream>>>(p);
+          launch1(&rownorm_fwd_row1_kernel<T, true, 8, 16, true, decltype(w)::value, true, decltype(minb)::value, 1, true, F>);
         };
         if (plan.row1_vecs == 8 && (F || (cap && rx_mode >= 1))) {
           if (small) rx8(IC<4>{}, IC<8>{});
@@ -602,14 +631,14 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         }
       };
       if (raw_par && plan.row1_plain) {  // forced: 16-byte vectors, late, <= 256 threads
-        if (plan.row1_vecs == 2) rownorm_fwd_row1_kernel<T, true, 2, 16, true, 8, false><<<grid, plan.threads, 0, stream>>>(p);
-        else rownorm_fwd_row1_kernel<T, true, 1, 16, true, 8, false><<<grid, plan.threads, 0, stream>>>(p);
+        if (plan.row1_vecs == 2) launch1(&rownorm_fwd_row1_kernel<T, true, 2, 16, true, 8, false>);
+        else launch1(&rownorm_fwd_row1_kernel<T, true, 1, 16, true, 8, false>);
       } else if (raw_par && (plan.row1_vb != 16 || plan.row1_late || wide)) {
         // the planner's instances (16-byte vectors, parameters after the sums) and the forced shapes
         // (force_rownorm_fwd_row1_config): vector bytes, parameter order, warp slots
         auto go = [&](auto vpt, auto vb, auto late, auto w) {
-          rownorm_fwd_row1_kernel<T, true, decltype(vpt)::value, decltype(vb)::value, decltype(late)::value,
-                                  decltype(w)::value><<<grid, plan.threads, 0, stream>>>(p);
+          launch1(&rownorm_fwd_row1_kernel<T, true, decltype(vpt)::value, decltype(vb)::value, decltype(late)::value,
+                                  decltype(w)::value>);
         };
         using L0 = std::false_type;
         using L1 = std::true_type;
@@ -624,16 +653,16 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         // only where it is on, else, and for forced shapes with the parameters loaded with x, load_params_vec's
         // per-element loads below), half a vector ahead
         if (plan.row1_vecs >= 4) deep_row1(std::true_type{});
-        else if (plan.row1_vecs == 2) rownorm_fwd_row1_kernel<T, true, 2, 16, true, 8, true, 0, 1, false, true><<<grid, plan.threads, 0, stream>>>(p);
-        else rownorm_fwd_row1_kernel<T, true, 1, 16, true, 8, true, 0, 1, false, true><<<grid, plan.threads, 0, stream>>>(p);
+        else if (plan.row1_vecs == 2) launch1(&rownorm_fwd_row1_kernel<T, true, 2, 16, true, 8, true, 0, 1, false, true>);
+        else launch1(&rownorm_fwd_row1_kernel<T, true, 1, 16, true, 8, true, 0, 1, false, true>);
       } else if (plan.row1_vecs > 2) {  // (the planner takes 4 and 8 with raw or fp32-vector parameters only)
         throw Error(cat("rownorm_fwd: no one-row instance of ", plan.row1_vecs, " vectors for these parameters"));
       } else if (plan.row1_vecs == 2) {
-        if (raw_par) rownorm_fwd_row1_kernel<T, true, 2><<<grid, plan.threads, 0, stream>>>(p);
-        else rownorm_fwd_row1_kernel<T, false, 2><<<grid, plan.threads, 0, stream>>>(p);
+        if (raw_par) launch1(&rownorm_fwd_row1_kernel<T, true, 2>);
+        else launch1(&rownorm_fwd_row1_kernel<T, false, 2>);
       } else {
-        if (raw_par) rownorm_fwd_row1_kernel<T, true, 1><<<grid, plan.threads, 0, stream>>>(p);
-        else rownorm_fwd_row1_kernel<T, false, 1><<<grid, plan.threads, 0, stream>>>(p);
+        if (raw_par) launch1(&rownorm_fwd_row1_kernel<T, true, 1>);
+        else launch1(&rownorm_fwd_row1_kernel<T, false, 1>);
       }
     }
   } else if (plan.bulk) {
