@@ -799,6 +799,53 @@ INSTANTIATE_TEST_SUITE_P(ClusterF32, NormCudaFwdCluster,
                                                                             131072, 131076)),
                          rows_case_name);
 
+// The same rows in the persistent bulk kernel's clusters (set_rownorm_fwd_cluster_bulk, modes 1 and 2): C 2..8,
+// ranks whose last one holds fewer columns, 1 or 2 row groups per CTA; at most 2 clusters per parameter group, so
+// that 21 rows per group take each rank's ring of row slots around several times (slot reuse, the exchange slots'
+// parities and mbarrier phases, a last step with idle row groups), and once with the planner's clusters; padded rows
+// with IO-dtype parameters and contiguous ones without; fp32 parameters beside 16-bit rows keep the one-row clusters,
+// rows past 8 ranks the streaming kernel.
+struct NormCudaFwdClusterBulk : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaFwdClusterBulk, PersistentClustersMatchReference) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t groups = param_groups(op);
+  const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e, rows = groups * 21;
+  const ScopedSwitch<bool> f32(&fastweight::detail::set_rownorm_fwd_cluster_f32, true);
+  const ScopedSwitch<int> row1_cluster(&fastweight::detail::set_rownorm_fwd_cluster, 2);
+  const bool hopper = fastweight::detail::cc_major() >= 9;
+  for (const int mode : {1, 2}) {
+    SCOPED_TRACE("cluster bulk mode " + std::to_string(mode));
+    const ScopedSwitch<int> bulk(&fastweight::detail::set_rownorm_fwd_cluster_bulk, mode);
+    const std::int64_t small = (nvec + 2047) / 2048, big = (nvec + 4095) / 4096;
+    const std::int64_t C = mode == 2 && small <= 8 ? small : big;
+    const char* expect = !hopper ? nullptr : n % e == 0 && C >= 2 && C <= 8 ? "bulk_cluster" : "stream";
+    {
+      struct Restore {
+        int prev;
+        ~Restore() { fastweight::detail::cap_rownorm_fwd_bulk_ctas(prev); }
+      } restore{fastweight::detail::cap_rownorm_fwd_bulk_ctas(2)};
+      check_case(op, dt, n, rows, Layout::padded, Params::io, expect);
+      check_case(op, dt, n, rows, Layout::contiguous, Params::none, expect);
+    }
+    if (mode == 1) check_case(op, dt, n, rows, Layout::padded, Params::io, expect);  // (the planner's P)
+  }
+  if (dt != DType::f32 && n % e == 0) {  // fp32 parameters: the one-row clusters (16-bit rows within 8 ranks of 2048)
+    const ScopedSwitch<int> bulk(&fastweight::detail::set_rownorm_fwd_cluster_bulk, 1);
+    const bool row1_c = (nvec + 2047) / 2048 <= 8 || (nvec + 4095) / 4096 <= 8;
+    check_case(op, dt, n, rows, Layout::contiguous, Params::f32, hopper && row1_c ? "row1_cluster" : nullptr);
+  }
+}
+INSTANTIATE_TEST_SUITE_P(ClusterBulk, NormCudaFwdClusterBulk,
+                         ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
+                                            ::testing::Values<std::int64_t>(32776, 40000, 65536, 98312, 131072, 262144,
+                                                                            262152)),
+                         rows_case_name);
+INSTANTIATE_TEST_SUITE_P(ClusterBulkF32, NormCudaFwdClusterBulk,
+                         ::testing::Combine(kOps, ::testing::Values(DType::f32),
+                                            ::testing::Values<std::int64_t>(16388, 20000, 32768, 65536, 131072, 131076)),
+                         rows_case_name);
+
 // Rows whose leading dims do not merge into one stride (Layout::gapped: head norm (rows / NH, NH, N),
 // adaLN (B, S, N) with a gap row after each run of NH / S rows): the general row indexing of every
 // forward (one-row-per-CTA, bulk, persistent / streaming) and backward (cached, ring, long-row) kernel.

@@ -220,6 +220,17 @@ int rownorm_fwd_cluster_mode();
 // fastweight_bench --fwd-cluster-f32=off|on).
 bool set_rownorm_fwd_cluster_f32(bool on);
 bool rownorm_fwd_cluster_f32();
+// A/B: those rows (16-bit past 32768; fp32 past 16384 with set_rownorm_fwd_cluster_f32) in the bulk forward's
+// clusters instead (rownorm_fwd_bulk.cuh, CL): persistent CTAs of 512 threads, one per SM, in clusters of C (mode 1
+// C = ceil(N / 4096 vectors), 2 C = ceil(N / 2048 vectors) <= 8), each rank streaming its slices of the cluster's rows
+// through a ring of 2..4 row slots by bulk copies, so the next rows are in flight while one is reduced and stored;
+// the statistics exchanged per row as the one-row cluster forward does. IO-dtype parameters (aligned) or none, else
+// the one-row clusters. Aim: the one-row clusters run at 2.5-3.2 TB/s (RMSNorm 512 x 65536 bf16 0.0470 ms against
+// cuDNN's 0.0424, session 43); the long-row bulk kernel reached 3.4 TB/s at 4096 x 32768. 0 (the default): off.
+// FW_NORM_FWD_CLUSTER_BULK=0|1|2 at start. Compiled in session 43, not yet run on a GPU. Returns the previous mode
+// (tests, fastweight_bench --fwd-cluster-bulk=off|on|small).
+int set_rownorm_fwd_cluster_bulk(int mode);
+int rownorm_fwd_cluster_bulk_mode();
 // Tests and benchmarks only: force the one-row-per-CTA forward's shape on every aligned 16-bit row it
 // can take: tpr threads (a multiple of 32, 32..1024; the planner's too on Hopper, set_rownorm_fwd_row1_tight),
 // vb-byte vectors (8 or 16; vectors per thread follow: 1, 2, 4 or 8), late = parameters loaded after the sums,

@@ -106,6 +106,11 @@ const void* bulk_fwd_kernel(int vpt, bool staged = true, int threads = kBulkThre
                   : reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, kBulkVecs>);
 }
 
+// The bulk forward in clusters (set_rownorm_fwd_cluster_bulk): 8 vectors of 512 threads, unstaged parameters
+// loaded per vector (96 registers; the hoisted loads spilled).
+template <typename T>
+constexpr auto bulk_cluster_kernel = &rownorm_fwd_bulk_kernel<T, 8, false, kBulkThreads, false, true>;
+
 // The 2-vector cached backward kernel for (dtype, alignment, CTA size).
 template <typename T>
 const void* cached_bwd_kernel(bool aligned, bool big) {
@@ -260,6 +265,45 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     plan.L.tpr = plan.threads = long8 ? 2 * kRow1MaxTpr : int((nv8 + 8 * 32 - 1) / (8 * 32) * 32);
     plan.L.P = int(p.rows);
     return plan;
+  }
+  // The same rows in the bulk kernel's clusters (set_rownorm_fwd_cluster_bulk, A/B; mode 1 C = ceil(N / 4096
+  // vectors), 2 C = ceil(N / 2048 vectors) <= 8): persistent CTAs of 512 threads, one per SM, each rank's slices of
+  // the cluster's rows through a ring of row slots by the TMA engine, so the next rows are in flight while one is
+  // reduced and stored (the one-row cluster forward issues a row's loads only when its CTA starts), the statistics
+  // exchanged per row as there. Unstaged parameters (the IO dtype's, aligned, or none); fp32 rows with
+  // set_rownorm_fwd_cluster_f32.
+  if (const int cb_mode = rownorm_fwd_cluster_bulk_mode();
+      cb_mode >= 1 && !bwd && al && unstaged_par && nv8 > 16 * kRow1MaxTpr &&
+      (sizeof(T) == 2 || rownorm_fwd_cluster_f32()) && rownorm_fwd_bulk_enabled() && cc_major() >= 9) {
+    const std::int64_t small_v = 8 * kRow1MaxTpr, big_v = 16 * kRow1MaxTpr;  // vectors per rank: 2048, 4096
+    std::int64_t C = (nv8 + big_v - 1) / big_v;
+    if (cb_mode == 2 && (nv8 + small_v - 1) / small_v <= kFwdMaxCluster) C = (nv8 + small_v - 1) / small_v;
+    const std::int64_t per = (nv8 + C - 1) / C;  // vectors per rank (every rank holds some: as the one-row split)
+    const int tpr = next_pow2(int((per + 7) / 8)), R = kBulkThreads / tpr;
+    const void* kernel = reinterpret_cast<const void*>(bulk_cluster_kernel<T>);
+    const std::size_t budget = smem_per_block_optin() - 8 * (kBulkThreads / 32) * sizeof(float) - 1024;
+    int stages = kBulkMaxStages;
+    while (stages >= 2 && bulk_smem_bytes(per * E, tpr, stages, 8, false, kBulkThreads, true) > budget) --stages;
+    if (C >= 2 && C <= kFwdMaxCluster && tpr <= kBulkThreads && stages >= 2 && kernel_binary_version(kernel) >= 90) {
+      const std::size_t smem = bulk_smem_bytes(per * E, tpr, stages, 8, false, kBulkThreads, true);
+      if (const int clusters = resident_clusters(kernel, kBulkThreads, smem, int(C)); clusters > 0) {
+        plan.cached = true;
+        plan.bulk = true;
+        plan.bulk_vecs = 8;
+        plan.bulk_staged = false;
+        plan.bulk_hoist = false;
+        plan.stages = stages;
+        plan.L.tpr = tpr;
+        plan.threads = kBulkThreads;
+        plan.smem = smem;
+        plan.cluster = int(C);
+        plan.cl_cols = int(per * E);
+        // clusters per group: one wave of them rounded down, at most the row groups the rows need
+        plan.L.P = int(std::max<std::int64_t>(1, std::min<std::int64_t>((J + R - 1) / R, clusters / p.groups)));
+        if (const int cap = rownorm_fwd_bulk_cta_cap(); cap > 0) plan.L.P = std::min(plan.L.P, cap);
+        return plan;
+      }
+    }
   }
   // Rows past the one-row kernel's reach (4096 vectors: N > 32768) on Hopper: that kernel in clusters of C CTAs per
   // row (8 vectors x ceil(N / C / 8 / 32) warps each, x packed), the row's statistics merged through the peers'
@@ -537,6 +581,7 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   const unsigned grid = unsigned(blocks);
   note_rownorm_fwd_kernel(plan.row1 && plan.cluster > 1 ? "row1_cluster"
                           : plan.row1                    ? "row1"
+                          : plan.bulk && plan.cluster > 1 ? "bulk_cluster"
                           : plan.bulk && !plan.bulk_staged && plan.threads == 1024 ? "bulk_unstaged_1024"
                           : plan.bulk && !plan.bulk_staged && plan.bulk_hoist ? "bulk_unstaged_hoist"
                           : plan.bulk && !plan.bulk_staged ? "bulk_unstaged"
@@ -665,6 +710,12 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         else launch1(&rownorm_fwd_row1_kernel<T, false, 1>);
       }
     }
+  } else if (plan.bulk && plan.cluster > 1) {  // persistent clusters of C CTAs, P per group
+    const std::int64_t cblocks = std::int64_t(plan.L.P) * p.groups * plan.cluster;
+    if (cblocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", cblocks, " CTAs is too large"));
+    launch_kernel_cluster("rownorm_fwd", bulk_cluster_kernel<T>, dim3(unsigned(cblocks)),
+                          dim3(plan.threads), plan.smem, stream, false, unsigned(plan.cluster), p, plan.L, plan.stages,
+                          plan.cl_cols);
   } else if (plan.bulk) {
     if (!plan.bulk_staged && plan.threads == 1024)
       rownorm_fwd_bulk_kernel<T, 4, false, 1024, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
