@@ -247,18 +247,7 @@ __global__ void __launch_bounds__(NT, 1) rownorm_fwd_bulk_kernel(const RowNormPa
       if (lane == 0) mbar_arrive_expect_tx(&s_xbar[xs], 8u * unsigned(ncta));
       if (lane < ncta) st_async_float2(slot + rank, make_float2(s_loc, ss), &s_xbar[xs], lane);
       mbar_wait_cluster(&s_xbar[xs], (it >> 1) & 1u);
-      const int nrow = int(p.n);
-      float sum = 0.f, m2 = 0.f;
-      for (int c = 0; c < ncta; ++c) sum += slot[c].x;
-      const float gmean = p.rms ? 0.f : sum / float(nrow);
-      for (int c = 0; c < ncta; ++c) {
-        const float2 t = slot[c];
-        const int nc = min(cl_cols, nrow - c * cl_cols);  // rank c's columns (> 0: the planner's split)
-        const float d = p.rms ? 0.f : t.x / float(nc) - gmean;
-        m2 += t.y + float(nc) * d * d;
-      }
-      mean = gmean;
-      rstd = rsqrtf(m2 / float(nrow) + p.eps);
+      cluster_merge_stats(slot, ncta, cl_cols, p, mean, rstd);
       ++it;
     } else {
       rstd = rsqrtf(ss * inv_n + p.eps);

@@ -324,6 +324,24 @@ __device__ __forceinline__ void row1_store(T* row, int col, const float (&v)[VB 
 // completing on that rank's mbarrier, and every rank merges the C pairs in rank order (Chan et al.: M2 = sum of M2_c +
 // n_c (mean_c - mean)^2), so the statistics are the same bits in every rank: one exchange per row.
 inline constexpr int kFwdMaxCluster = 8;  // portable cluster sizes
+// The row's statistics from the C ranks' (sum, M2 about the rank's own mean) pairs in `slot`, rank c holding
+// min(cl_cols, N - c cl_cols) columns (> 0: the planners' splits), merged in rank order (Chan et al.: M2 = sum of
+// M2_c + n_c (mean_c - mean)^2; RMSNorm: the sum of squares): the same bits in every rank.
+__device__ __forceinline__ void cluster_merge_stats(const float2* slot, int ncta, int cl_cols, const RowNormParams& p,
+                                                    float& mean, float& rstd) {
+  const int nrow = int(p.n);
+  float sum = 0.f, m2 = 0.f;
+  for (int c = 0; c < ncta; ++c) sum += slot[c].x;
+  const float gmean = p.rms ? 0.f : sum / float(nrow);
+  for (int c = 0; c < ncta; ++c) {
+    const float2 t = slot[c];
+    const int nc = min(cl_cols, nrow - c * cl_cols);
+    const float d = p.rms ? 0.f : t.x / float(nc) - gmean;
+    m2 += t.y + float(nc) * d * d;
+  }
+  mean = gmean;
+  rstd = rsqrtf(m2 / float(nrow) + p.eps);
+}
 // A cluster per row, no cluster barrier at the end: a CTA leaves only after all its peers' bytes have reached it, and
 // st.async reads no shared memory of the sender. (Measured, session 42, H200: an end barrier cost 2-6%; one wave of
 // clusters walking the rows, with two exchange buffers, was level or up to 4% slower and spilled 416 B with fp32
@@ -469,18 +487,7 @@ __global__ void __launch_bounds__(32 * W, MINB) rownorm_fwd_row1_kernel(const Ro
     if (threadIdx.x == 0) mbar_arrive_expect_tx(&s_xbar[0], 8u * unsigned(ncta));
     if (int(threadIdx.x) < ncta) st_async_float2(&s_xsum[rank], make_float2(s_cta, ss_cta), &s_xbar[0], int(threadIdx.x));
     mbar_wait_cluster(&s_xbar[0], 0u);
-    const int nrow = int(p.n);
-    float sum = 0.f, m2 = 0.f;
-    for (int c = 0; c < ncta; ++c) sum += s_xsum[c].x;
-    const float gmean = p.rms ? 0.f : sum / float(nrow);
-    for (int c = 0; c < ncta; ++c) {
-      const float2 t = s_xsum[c];
-      const int nc = min(cl_cols, nrow - c * cl_cols);  // rank c's columns (> 0: the planner's split)
-      const float d = p.rms ? 0.f : t.x / float(nc) - gmean;
-      m2 += t.y + float(nc) * d * d;
-    }
-    mean = gmean;
-    rstd = rsqrtf(m2 / float(nrow) + p.eps);
+    cluster_merge_stats(s_xsum, ncta, cl_cols, p, mean, rstd);
 #else
     rstd = 0.f;
 #endif
