@@ -722,6 +722,42 @@ INSTANTIATE_TEST_SUITE_P(Cluster, NormCudaBwdCluster,
                                                                             65536, 98312, 131072, 131080)),
                          rows_case_name);
 
+// The plain ring finalizing the weight gradients itself (set_rownorm_bwd_fused_finalize: a cooperative launch, a
+// grid barrier, each CTA two of the finalize kernel's blocks per round): 3- and 4-vector rings, 1 to 8 row groups,
+// few rows and about 3 waves of row groups, padded rows and contiguous ones with fp32 parameters, without parameters
+// (no finalize: the plain ring's name), and the same bits as the separate finalize (the second run without it);
+// fp32 16384 is past the ring (the cluster ring: not fused).
+struct NormCudaBwdFusedFinalize : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaBwdFusedFinalize, InKernelFinalizeMatchesReferenceAndTheSeparateOne) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t groups = param_groups(op);
+  const ScopedSwitch<int> one_cta(&fastweight::detail::set_rownorm_bwd_cluster_mult, 1);  // (the plain ring)
+  const ScopedSwitch<bool> fused(&fastweight::detail::set_rownorm_bwd_fused_finalize, true);
+  const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e;
+  const std::int64_t tpr4 = pow2((nvec + 3) / 4), tpr3 = pow2((nvec + 2) / 3);
+  const bool three = tpr3 <= 512 && 3 * tpr3 < 4 * tpr4;
+  const bool ring = tpr4 >= 64 && n <= 512 * 4 * e && fastweight::detail::cc_major() >= 9;  // (fp32 16384: clusters)
+  const std::int64_t many = groups * ((3 * fastweight::detail::sm_count() * (512 / (three ? tpr3 : tpr4)) + groups - 1) / groups);
+  for (const auto& [layout, params, rows] : {std::tuple{Layout::padded, Params::io, groups * 37},
+                                             std::tuple{Layout::contiguous, Params::f32, groups * 5},
+                                             std::tuple{Layout::padded, Params::io, many}}) {
+    check_case(op, dt, n, rows, layout, params, nullptr,
+               [] { fastweight::detail::set_rownorm_bwd_fused_finalize(false); });  // (o2: the separate finalize)
+    fastweight::detail::set_rownorm_bwd_fused_finalize(true);
+    check_case(op, dt, n, rows, layout, params);
+    const std::string ran = fastweight::detail::rownorm_bwd_last_kernel();
+    if (ring) EXPECT_EQ(ran, three ? "ring3_fused" : "ring_fused") << n;
+  }
+  if (op == Op::rmsnorm) {  // no weight: nothing to finalize, the plain ring
+    check_case(op, dt, n, groups * 37, Layout::padded, Params::none);
+    if (ring) EXPECT_EQ(fastweight::detail::rownorm_bwd_last_kernel(), three ? "ring3" : "ring");
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBwdFusedFinalize,
+                         ::testing::Combine(kOps, kDtypes, ::testing::Values<std::int64_t>(2048, 3072, 5120, 8192, 16384)),
+                         rows_case_name);
+
 // The cluster ring with m times its CTAs per cluster (set_rownorm_bwd_cluster_mult), rows within the ring's reach
 // too: several row groups per CTA in a cluster (R = 512 / tpr > 1, which the default's split never gives), C 2..8,
 // 3 vectors per thread where they fit better (N 6144 bf16), padded rows and contiguous ones with fp32 parameters,

@@ -57,6 +57,22 @@ void launch_kernel_cluster(const char* op, void (*fn)(P...), dim3 grid, dim3 blo
   cfg.numAttrs = na;
   FW_CUDA_CHECK(op, cudaLaunchKernelEx(&cfg, fn, static_cast<A&&>(args)...));
 }
+// A cooperative launch (every CTA resident at once, or the launch fails: grid-wide barriers are safe in fn).
+template <typename... P, typename... A>
+void launch_kernel_cooperative(const char* op, void (*fn)(P...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t s,
+                               A&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeCooperative;
+  attr.val.cooperative = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  FW_CUDA_CHECK(op, cudaLaunchKernelEx(&cfg, fn, static_cast<A&&>(args)...));
+}
 template <typename... P, typename... A>
 void launch_kernel(const char* op, void (*fn)(P...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t s, bool pdl,
                    A&&... args) {

@@ -54,6 +54,14 @@ bool rownorm_bwd_cluster();
 // --bwd-cluster-mult=M).
 int set_rownorm_bwd_cluster_mult(int m);
 int rownorm_bwd_cluster_mult();
+// A/B: the plain ring backward finalizes the weight gradients itself (rownorm_bwd_ring_kernel's FIN): a cooperative
+// launch, a grid barrier after the partials, then each CTA sums its share of them in the finalize kernel's order
+// (the same bits), instead of the second launch, whose gap and small grid cost about 5 us per backward (4096 x 1024:
+// 18.3 + 5.5 us, ncu, session 16). Where all the CTAs fit at once and there is a weight or bias. Off by default;
+// FW_NORM_BWD_FUSED_FIN=1 at start. Compiled in session 43, not yet run on a GPU. Returns the previous setting
+// (tests, fastweight_bench --bwd-fused-fin=off|on).
+bool set_rownorm_bwd_fused_finalize(bool on);
+bool rownorm_bwd_fused_finalize();
 // The Hopper bulk-copy forward (rownorm_fwd_bulk.cuh) for aligned rows where it applies (default on).
 // Tests and benchmarks only: off routes those rows to the persistent kernel, the path of devices
 // without bulk copies. Returns the previous setting.

@@ -35,6 +35,8 @@
 #include <type_traits>
 #include <utility>
 
+#include <cooperative_groups.h>
+
 #include "common/norm_params.h"
 #include "cuda/common/bulk.cuh"
 #include "cuda/common/cluster.cuh"
@@ -716,6 +718,77 @@ __device__ __forceinline__ void stage_scale(const RowNormParams& p, std::int64_t
   __syncthreads();
 }
 
+// ---- weight-gradient finalize: out[g, c] = sum_{p < P} ws[(p * G + g) * N + c], fixed order ------
+// Block (32, kFinSlices): 32 x kFinCols consecutive columns (coalesced), kFinSlices strided slices of
+// p, then a fixed-order sum of the slice sums in shared memory. blockIdx.y picks the gradient (dW, dB): one
+// launch for both. (32 slices measured 4-9 us slower in the backward's total at 4096 x 8192/16384.)
+inline constexpr int kFinSlices = 8;
+inline constexpr int kFinCols = 4;  // consecutive columns per thread
+struct WgradJob {
+  const float* ws[2] = {nullptr, nullptr};  // (P, G, N) fp32 partials
+  void* out[2] = {nullptr, nullptr};        // (G, N) at out_group_stride, fp32 or the IO dtype
+  std::int64_t out_group_stride[2] = {0, 0};
+};
+// One block of the finalize: partials ws (P, G, N) into out_p (G, N at out_stride), the 32 x kFinCols columns from
+// bx * 32 * kFinCols, by the (32, kFinSlices) threads (tx, ty) over s_part (kFinSlices, 32); every thread of the
+// CTA calls it (a barrier inside), `active` false for those without a block this round.
+template <typename T>
+__device__ __forceinline__ void wgrad_finalize_block(const float* __restrict__ ws, void* const out_p,
+                                                     const std::int64_t out_stride, std::int64_t bx, int tx, int ty,
+                                                     bool active, float4 (*s_part)[32], std::int64_t P, std::int64_t G,
+                                                     std::int64_t n, bool out_f32) {
+  const std::int64_t cols = G * n;
+  const std::int64_t gc0 = (bx * 32 + tx) * kFinCols;
+  float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (active && gc0 < cols) {
+    std::int64_t q = ty;
+    if (cols % 4 == 0) {
+      const float4* __restrict__ w4 = reinterpret_cast<const float4*>(ws);
+      const std::int64_t c4 = cols / 4, i4 = gc0 / 4;
+      // 4 rows in flight, added in the same order as one at a time: each column's sum is the
+      // sequence ws[q] for q = y, y + kFinSlices, ... whatever the unrolling
+      for (; q + 3 * kFinSlices < P; q += 4 * kFinSlices) {
+        const float4 a0 = w4[q * c4 + i4], a1 = w4[(q + kFinSlices) * c4 + i4];
+        const float4 a2 = w4[(q + 2 * kFinSlices) * c4 + i4], a3 = w4[(q + 3 * kFinSlices) * c4 + i4];
+        t.x += a0.x, t.y += a0.y, t.z += a0.z, t.w += a0.w;
+        t.x += a1.x, t.y += a1.y, t.z += a1.z, t.w += a1.w;
+        t.x += a2.x, t.y += a2.y, t.z += a2.z, t.w += a2.w;
+        t.x += a3.x, t.y += a3.y, t.z += a3.z, t.w += a3.w;
+      }
+      for (; q < P; q += kFinSlices) {
+        const float4 a = w4[q * c4 + i4];
+        t.x += a.x, t.y += a.y, t.z += a.z, t.w += a.w;
+      }
+    } else {
+      for (; q < P; q += kFinSlices) {
+        const float* row = ws + q * cols + gc0;
+        t.x += row[0];
+        if (gc0 + 1 < cols) t.y += row[1];
+        if (gc0 + 2 < cols) t.z += row[2];
+        if (gc0 + 3 < cols) t.w += row[3];
+      }
+    }
+  }
+  s_part[ty][tx] = t;
+  __syncthreads();
+  if (active && ty == 0 && gc0 < cols) {
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < kFinSlices; ++i) {
+      const float4 v = s_part[i][tx];
+      s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+    }
+#pragma unroll
+    for (int i = 0; i < kFinCols; ++i) {
+      const std::int64_t gc = gc0 + i;
+      if (gc < cols) {
+        const std::int64_t g = gc / n, c = gc - g * n;
+        const float v = i == 0 ? s.x : i == 1 ? s.y : i == 2 ? s.z : s.w;
+        store_param<T>(out_p, g * out_stride + c, out_f32, v);
+      }
+    }
+  }
+}
 // Aligned rows ("ring"): 512 threads, one CTA per SM, R = 512 / tpr row groups that run independently
 // (a named barrier per row group), each streaming its rows through its own cp.async ring of
 // kRingStages rows. 4 vectors per thread: a row of 8192 bf16 is one row group of 256 threads, so the
@@ -766,10 +839,15 @@ __device__ __forceinline__ void group_barrier(int id, int count) {
 
 // VPT: vectors per thread, kRingVecs; 3 where that fills more of a row group's threads (set_rownorm_bwd_ring3).
 // CLU: launched in clusters that split the row's columns (cl_cols per rank, a multiple of E; above).
-template <typename T, int VPT = kRingVecs, bool CLU = false>
+// FIN (set_rownorm_bwd_fused_finalize; not with CLU): launched cooperatively (every CTA resident), the kernel
+// finalizes the weight gradients itself after a grid barrier, CTA c taking the finalize kernel's blocks 2c, 2c + 1,
+// 2c + 2 grid, ... in two halves of 256 threads (the same sums in the same order: the same bits), instead of a
+// second launch: its launch gap and its partial first wave (4096 x 1024 bf16: 18.3 + 5.5 us, ncu, session 16).
+template <typename T, int VPT = kRingVecs, bool CLU = false, bool FIN = false>
 __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const RowNormParams p, const RowLaunch L,
                                                                           float* __restrict__ ws_dw,
                                                                           float* __restrict__ ws_db, int cl_cols = 0) {
+  static_assert(!(CLU && FIN), "the fused finalize: the plain ring only");
   constexpr int E = kVecElems<T>, S = kRingStages, NT = kRingThreads;
 #if !defined(FW_HAS_BULK)
   if constexpr (CLU) {  // (planned on sm_90 binaries only)
@@ -949,6 +1027,25 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
         t.x += q[0], t.y += q[1], t.z += q[2], t.w += q[3];
       }
       *reinterpret_cast<float4*>(out + slot + c) = t;
+    }
+  }
+  if constexpr (FIN) {
+    static_assert(NT == 2 * 32 * kFinSlices, "two finalize blocks per CTA");
+    // every CTA's partials written (the grid barrier orders them before the reads), then this CTA's share of the
+    // finalize: gradient-major blocks (dW's, then dB's), as the finalize kernel's grid (fgrid, gradients)
+    cooperative_groups::this_grid().sync();
+    const int njobs = (ws_dw ? 1 : 0) + (ws_db ? 1 : 0);  // the finalize's gradients: dW (if any), then dB
+    const std::int64_t cols = p.groups * p.n, fgrid = (cols + 32 * kFinCols - 1) / (32 * kFinCols);
+    const std::int64_t blocks = fgrid * njobs;
+    auto s_fin = reinterpret_cast<float4(*)[kFinSlices][32]>(smem_v);  // (2, kFinSlices, 32): the halves' scratch
+    const int half = tid / (32 * kFinSlices), ft = tid % (32 * kFinSlices);
+    for (std::int64_t b0 = 2 * std::int64_t(blockIdx.x); b0 < blocks; b0 += 2 * std::int64_t(gridDim.x)) {
+      const std::int64_t b = b0 + half;  // (uniform trip count over the CTA: the block's barrier inside)
+      const bool active = b < blocks, bias = ws_db && (!ws_dw || (active && b >= fgrid));  // (dB's blocks follow dW's)
+      wgrad_finalize_block<T>(bias ? ws_db : ws_dw, bias ? p.db : p.dw, bias ? p.db_group_stride : p.dw_group_stride,
+                              active ? b % fgrid : 0, ft % 32, ft / 32, active, s_fin[half], std::int64_t(L.P),
+                              p.groups, p.n, p.param == DType::f32);
+      __syncthreads();  // (the scratch is written again next round)
     }
   }
   if constexpr (CLU) cluster_wait();
@@ -1225,17 +1322,6 @@ __global__ void __launch_bounds__(256) rownorm_bwd_coltile_kernel(const RowNormP
   }
 }
 
-// ---- weight-gradient finalize: out[g, c] = sum_{p < P} ws[(p * G + g) * N + c], fixed order ------
-// Block (32, kFinSlices): 32 x kFinCols consecutive columns (coalesced), kFinSlices strided slices of
-// p, then a fixed-order sum of the slice sums in shared memory. blockIdx.y picks the gradient (dW, dB): one
-// launch for both. (32 slices measured 4-9 us slower in the backward's total at 4096 x 8192/16384.)
-inline constexpr int kFinSlices = 8;
-inline constexpr int kFinCols = 4;  // consecutive columns per thread
-struct WgradJob {
-  const float* ws[2] = {nullptr, nullptr};  // (P, G, N) fp32 partials
-  void* out[2] = {nullptr, nullptr};        // (G, N) at out_group_stride, fp32 or the IO dtype
-  std::int64_t out_group_stride[2] = {0, 0};
-};
 template <typename T>
 __global__ void __launch_bounds__(32 * kFinSlices) rownorm_wgrad_finalize_kernel(const WgradJob job, std::int64_t P,
                                                                                std::int64_t G, std::int64_t n,
@@ -1246,60 +1332,9 @@ __global__ void __launch_bounds__(32 * kFinSlices) rownorm_wgrad_finalize_kernel
   __shared__ float4 s_part[kFinSlices][32];
   pdl_wait_primary();  // launched programmatically after the backward kernel (sm_90): its partials
   const bool second = blockIdx.y != 0;  // selects without indexing the parameter arrays (a local copy)
-  const float* __restrict__ ws = second ? job.ws[1] : job.ws[0];
-  void* const out_p = second ? job.out[1] : job.out[0];
-  const std::int64_t out_stride = second ? job.out_group_stride[1] : job.out_group_stride[0];
-  const std::int64_t cols = G * n;
-  const std::int64_t gc0 = (std::int64_t(blockIdx.x) * 32 + threadIdx.x) * kFinCols;
-  float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (gc0 < cols) {
-    std::int64_t q = threadIdx.y;
-    if (cols % 4 == 0) {
-      const float4* __restrict__ w4 = reinterpret_cast<const float4*>(ws);
-      const std::int64_t c4 = cols / 4, i4 = gc0 / 4;
-      // 4 rows in flight, added in the same order as one at a time: each column's sum is the
-      // sequence ws[q] for q = y, y + kFinSlices, ... whatever the unrolling
-      for (; q + 3 * kFinSlices < P; q += 4 * kFinSlices) {
-        const float4 a0 = w4[q * c4 + i4], a1 = w4[(q + kFinSlices) * c4 + i4];
-        const float4 a2 = w4[(q + 2 * kFinSlices) * c4 + i4], a3 = w4[(q + 3 * kFinSlices) * c4 + i4];
-        t.x += a0.x, t.y += a0.y, t.z += a0.z, t.w += a0.w;
-        t.x += a1.x, t.y += a1.y, t.z += a1.z, t.w += a1.w;
-        t.x += a2.x, t.y += a2.y, t.z += a2.z, t.w += a2.w;
-        t.x += a3.x, t.y += a3.y, t.z += a3.z, t.w += a3.w;
-      }
-      for (; q < P; q += kFinSlices) {
-        const float4 a = w4[q * c4 + i4];
-        t.x += a.x, t.y += a.y, t.z += a.z, t.w += a.w;
-      }
-    } else {
-      for (; q < P; q += kFinSlices) {
-        const float* row = ws + q * cols + gc0;
-        t.x += row[0];
-        if (gc0 + 1 < cols) t.y += row[1];
-        if (gc0 + 2 < cols) t.z += row[2];
-        if (gc0 + 3 < cols) t.w += row[3];
-      }
-    }
-  }
-  s_part[threadIdx.y][threadIdx.x] = t;
-  __syncthreads();
-  if (threadIdx.y == 0 && gc0 < cols) {
-    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int i = 0; i < kFinSlices; ++i) {
-      const float4 v = s_part[i][threadIdx.x];
-      s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
-    }
-#pragma unroll
-    for (int i = 0; i < kFinCols; ++i) {
-      const std::int64_t gc = gc0 + i;
-      if (gc < cols) {
-        const std::int64_t g = gc / n, c = gc - g * n;
-        const float v = i == 0 ? s.x : i == 1 ? s.y : i == 2 ? s.z : s.w;
-        store_param<T>(out_p, g * out_stride + c, out_f32, v);
-      }
-    }
-  }
+  wgrad_finalize_block<T>(second ? job.ws[1] : job.ws[0], second ? job.out[1] : job.out[0],
+                          second ? job.out_group_stride[1] : job.out_group_stride[0], blockIdx.x, int(threadIdx.x),
+                          int(threadIdx.y), true, s_part, P, G, n, out_f32);
 }
 
 }  // namespace fastweight::detail

@@ -774,9 +774,18 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
   float* ws_db = p.db ? reinterpret_cast<float*>(ws + (p.dw ? w.partial_bytes : 0)) : nullptr;
   float2* rowsums = reinterpret_cast<float2*>(ws + (p.dw ? w.partial_bytes : 0) + (p.db ? w.partial_bytes : 0));
   const bool al = plan.L.aligned;
+  // the plain ring with the weight gradients finalized in the kernel (set_rownorm_bwd_fused_finalize): a cooperative
+  // launch, so where all its CTAs fit at once (one wave per group: ctas_per_unit's rule, unless groups exceed it)
+  const auto fin_kernel = plan.ring_vecs == 3 ? &rownorm_bwd_ring_kernel<T, 3, false, true>
+                                              : &rownorm_bwd_ring_kernel<T, kRingVecs, false, true>;
+  const bool fused = p.rows > 0 && plan.ring && plan.cluster == 1 && (p.dw || p.db) && rownorm_bwd_fused_finalize() &&
+                     std::int64_t(plan.L.P) * p.groups <=
+                         std::int64_t(resident_ctas_per_sm(reinterpret_cast<const void*>(fin_kernel), plan.threads,
+                                                           plan.smem)) * sm_count();
   note_rownorm_bwd_kernel(!plan.cached ? "rowsum_coltile"
                           : !plan.ring ? "cached"
                           : plan.cluster > 1 ? (plan.ring_vecs == 3 ? "ring3_cluster" : "ring_cluster")
+                          : fused ? (plan.ring_vecs == 3 ? "ring3_fused" : "ring_fused")
                           : plan.ring_vecs == 3 ? "ring3"
                                                 : "ring");
   if (p.rows > 0) {
@@ -795,7 +804,9 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
       if (blocks > 0x7fffffff) throw Error(cat("rownorm_bwd: grid of ", blocks, " CTAs is too large"));
       const unsigned grid = unsigned(blocks);
       const bool big = plan.threads > kSmallCta;
-      if (plan.ring && plan.ring_vecs == 3) rownorm_bwd_ring_kernel<T, 3><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
+      if (fused) launch_kernel_cooperative("rownorm_bwd", fin_kernel, dim3(grid), dim3(plan.threads), plan.smem, stream, p,
+                                           plan.L, ws_dw, ws_db, 0);
+      else if (plan.ring && plan.ring_vecs == 3) rownorm_bwd_ring_kernel<T, 3><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (plan.ring) rownorm_bwd_ring_kernel<T><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al && big) rownorm_bwd_cached_kernel<T, kBwdVecs, true, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al) rownorm_bwd_cached_kernel<T, kBwdVecs, true, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
@@ -823,7 +834,7 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
   unsigned njobs = 0;
   if (p.dw) { job.ws[njobs] = ws_dw; job.out[njobs] = p.dw; job.out_group_stride[njobs] = p.dw_group_stride; ++njobs; }
   if (p.db) { job.ws[njobs] = ws_db; job.out[njobs] = p.db; job.out_group_stride[njobs] = p.db_group_stride; ++njobs; }
-  if (njobs > 0 && fgrid > 0) {
+  if (njobs > 0 && fgrid > 0 && !fused) {
     // On sm_90 a programmatic dependent launch: its CTAs are scheduled as the backward's finish
     // (they signal after their row loops) instead of after the launch gap, and wait in the kernel
     // for the backward's completion before reading the partials.
