@@ -143,7 +143,9 @@ double err_vs_scale(const HostTensor& a, const HostTensor& b, double scale) {
   return std::sqrt(num) / (d > 0 ? d : 1.0);
 }
 
-bool same_view_bits(const HostTensor& a, const HostTensor& b) { return a.shape == b.shape && a.elem_bytes() == b.elem_bytes(); }
+bool same_view_bits(const HostTensor& a, const HostTensor& b) {
+  return a.shape == b.shape && a.elem_bytes() == b.elem_bytes();
+}
 
 // Parameter groups of the row-sweep tests' problems: head norm 4 heads, adaLN 2 samples, else 1 (rows are a multiple).
 std::int64_t param_groups(Op op) { return op == Op::headnorm ? 4 : op == Op::adalayernorm ? 2 : 1; }
@@ -722,11 +724,12 @@ INSTANTIATE_TEST_SUITE_P(Cluster, NormCudaBwdCluster,
                                                                             65536, 98312, 131072, 131080)),
                          rows_case_name);
 
-// The plain ring finalizing the weight gradients itself (set_rownorm_bwd_fused_finalize: a cooperative launch, a
-// grid barrier, each CTA two of the finalize kernel's blocks per round): 3- and 4-vector rings, 1 to 8 row groups,
-// few rows and about 3 waves of row groups, padded rows and contiguous ones with fp32 parameters, without parameters
-// (no finalize: the plain ring's name), and the same bits as the separate finalize (the second run without it);
-// fp32 16384 is past the ring (the cluster ring: not fused).
+// The plain ring and the 256-thread cached kernel (aligned rows, N <= 1024 bf16) finalizing the weight gradients
+// themselves (set_rownorm_bwd_fused_finalize: a cooperative launch, a grid barrier, then the finalize kernel's
+// blocks, two per round in a ring CTA, one in a cached one): 3- and 4-vector rings, 1 to 8 row groups, few rows and
+// about 3 waves of row groups, padded rows and contiguous ones with fp32 parameters, and the same bits as the
+// separate finalize (the second run without it). Unaligned short rows and rows without parameters keep the plain
+// kernels; fp32 16384 is past the ring (the cluster ring: not fused).
 struct NormCudaBwdFusedFinalize : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaBwdFusedFinalize, InKernelFinalizeMatchesReferenceAndTheSeparateOne) {
   FW_REQUIRE_GPU();
@@ -737,7 +740,9 @@ TEST_P(NormCudaBwdFusedFinalize, InKernelFinalizeMatchesReferenceAndTheSeparateO
   const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e;
   const std::int64_t tpr4 = pow2((nvec + 3) / 4), tpr3 = pow2((nvec + 2) / 3);
   const bool three = tpr3 <= 512 && 3 * tpr3 < 4 * tpr4;
-  const bool ring = tpr4 >= 64 && n <= 512 * 4 * e && fastweight::detail::cc_major() >= 9;  // (fp32 16384: clusters)
+  const bool hopper = fastweight::detail::cc_major() >= 9;
+  const bool ring = tpr4 >= 64 && n <= 512 * 4 * e;  // (fp32 16384: clusters; short rows: the cached kernel)
+  const char* fused_name = ring ? (three ? "ring3_fused" : "ring_fused") : "cached_fused";
   const std::int64_t many = groups * ((3 * fastweight::detail::sm_count() * (512 / (three ? tpr3 : tpr4)) + groups - 1) / groups);
   for (const auto& [layout, params, rows] : {std::tuple{Layout::padded, Params::io, groups * 37},
                                              std::tuple{Layout::contiguous, Params::f32, groups * 5},
@@ -747,15 +752,21 @@ TEST_P(NormCudaBwdFusedFinalize, InKernelFinalizeMatchesReferenceAndTheSeparateO
     fastweight::detail::set_rownorm_bwd_fused_finalize(true);
     check_case(op, dt, n, rows, layout, params);
     const std::string ran = fastweight::detail::rownorm_bwd_last_kernel();
-    if (ring) EXPECT_EQ(ran, three ? "ring3_fused" : "ring_fused") << n;
+    if (hopper && (ring || tpr4 < 64)) EXPECT_EQ(ran, fused_name) << n;
+  }
+  if (tpr4 < 64) {  // unaligned short rows: the cached kernel with the separate finalize
+    check_case(op, dt, n, groups * 37, Layout::strided, Params::io);
+    EXPECT_EQ(std::string(fastweight::detail::rownorm_bwd_last_kernel()), "cached") << n;
   }
   if (op == Op::rmsnorm) {  // no weight: nothing to finalize, the plain ring
     check_case(op, dt, n, groups * 37, Layout::padded, Params::none);
-    if (ring) EXPECT_EQ(fastweight::detail::rownorm_bwd_last_kernel(), three ? "ring3" : "ring");
+    if (hopper && ring) EXPECT_EQ(std::string(fastweight::detail::rownorm_bwd_last_kernel()), three ? "ring3" : "ring");
+    else if (hopper && tpr4 < 64) EXPECT_EQ(std::string(fastweight::detail::rownorm_bwd_last_kernel()), "cached");
   }
 }
 INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBwdFusedFinalize,
-                         ::testing::Combine(kOps, kDtypes, ::testing::Values<std::int64_t>(2048, 3072, 5120, 8192, 16384)),
+                         ::testing::Combine(kOps, kDtypes,
+                                            ::testing::Values<std::int64_t>(256, 1000, 1024, 2048, 3072, 5120, 8192, 16384)),
                          rows_case_name);
 
 // The cluster ring with m times its CTAs per cluster (set_rownorm_bwd_cluster_mult), rows within the ring's reach

@@ -1056,9 +1056,12 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
 // per-thread slots, unaligned ones through a register double buffer. xhat and g stay in registers
 // between the two passes.
 // smem: scale (N) | reduction scratch (2 * blockDim / 32 + 2) | partial combine (R, ceil(N / E), E + 1) when R > 1
-template <typename T, int VPT, bool ALIGNED, bool BIG>
+// FIN (set_rownorm_bwd_fused_finalize; aligned rows in 256-thread CTAs only): as the ring's, one finalize block per
+// CTA per round, its scratch static (4 KB).
+template <typename T, int VPT, bool ALIGNED, bool BIG, bool FIN = false>
 __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownorm_bwd_cached_kernel(
     const RowNormParams p, const RowLaunch L, float* __restrict__ ws_dw, float* __restrict__ ws_db) {
+  static_assert(!(BIG && FIN), "the fused finalize: 256-thread CTAs");
   constexpr int E = kVecElems<T>;
   constexpr int S = kStages;
   extern __shared__ uint4 smem_v[];
@@ -1188,6 +1191,20 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
   const std::int64_t slot = (pi * p.groups + g) * p.n;
   if (ws_dw) write_partials<T, VPT, ALIGNED>(ws_dw, acc_dw, slot, n, L.tpr, R, rg, lane, s_comb);
   if (ws_db) write_partials<T, VPT, ALIGNED>(ws_db, acc_db, slot, n, L.tpr, R, rg, lane, s_comb);
+  if constexpr (FIN) {
+    static_assert(kSmallCta == 32 * kFinSlices, "one finalize block per CTA");
+    __shared__ float4 s_fin[kFinSlices][32];
+    cooperative_groups::this_grid().sync();  // every CTA's partials written
+    const int njobs = (ws_dw ? 1 : 0) + (ws_db ? 1 : 0);  // the finalize's gradients: dW (if any), then dB
+    const std::int64_t cols = p.groups * p.n, fgrid = (cols + 32 * kFinCols - 1) / (32 * kFinCols);
+    for (std::int64_t b = blockIdx.x; b < fgrid * njobs; b += gridDim.x) {  // (uniform over the CTA)
+      const bool bias = ws_db && (!ws_dw || b >= fgrid);  // (dB's blocks follow dW's)
+      wgrad_finalize_block<T>(bias ? ws_db : ws_dw, bias ? p.db : p.dw, bias ? p.db_group_stride : p.dw_group_stride,
+                              b % fgrid, int(threadIdx.x) % 32, int(threadIdx.x) / 32, true, s_fin, std::int64_t(L.P),
+                              p.groups, p.n, p.param == DType::f32);
+      __syncthreads();  // (the scratch is written again next round)
+    }
+  }
 }
 
 

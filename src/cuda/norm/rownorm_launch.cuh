@@ -774,16 +774,24 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
   float* ws_db = p.db ? reinterpret_cast<float*>(ws + (p.dw ? w.partial_bytes : 0)) : nullptr;
   float2* rowsums = reinterpret_cast<float2*>(ws + (p.dw ? w.partial_bytes : 0) + (p.db ? w.partial_bytes : 0));
   const bool al = plan.L.aligned;
-  // the plain ring with the weight gradients finalized in the kernel (set_rownorm_bwd_fused_finalize): a cooperative
-  // launch, so where all its CTAs fit at once (one wave per group: ctas_per_unit's rule, unless groups exceed it)
-  const auto fin_kernel = plan.ring_vecs == 3 ? &rownorm_bwd_ring_kernel<T, 3, false, true>
+  // the plain ring and the 256-thread cached kernel with the weight gradients finalized in the kernel
+  // (set_rownorm_bwd_fused_finalize): a cooperative launch, so where all its CTAs fit at once (one wave per group:
+  // ctas_per_unit's rule, unless the groups exceed it)
+  using BwdFn = void (*)(const RowNormParams, const RowLaunch, float*, float*);
+  using RingFn = void (*)(const RowNormParams, const RowLaunch, float*, float*, int);
+  const RingFn ring_fin = plan.ring_vecs == 3 ? &rownorm_bwd_ring_kernel<T, 3, false, true>
                                               : &rownorm_bwd_ring_kernel<T, kRingVecs, false, true>;
-  const bool fused = p.rows > 0 && plan.ring && plan.cluster == 1 && (p.dw || p.db) && rownorm_bwd_fused_finalize() &&
+  // (aligned rows only: the unaligned instance would spill 80 B, against 56 without FIN; ptxas, sm_90a, bf16)
+  const BwdFn cached_fin = &rownorm_bwd_cached_kernel<T, kBwdVecs, true, false, true>;
+  const bool fin_ring = plan.ring && plan.cluster == 1;
+  const bool fin_cached = plan.cached && !plan.ring && al && plan.threads <= kSmallCta;
+  const bool fused = p.rows > 0 && (fin_ring || fin_cached) && (p.dw || p.db) && rownorm_bwd_fused_finalize() &&
                      std::int64_t(plan.L.P) * p.groups <=
-                         std::int64_t(resident_ctas_per_sm(reinterpret_cast<const void*>(fin_kernel), plan.threads,
-                                                           plan.smem)) * sm_count();
+                         std::int64_t(resident_ctas_per_sm(fin_ring ? reinterpret_cast<const void*>(ring_fin)
+                                                                    : reinterpret_cast<const void*>(cached_fin),
+                                                           plan.threads, plan.smem)) * sm_count();
   note_rownorm_bwd_kernel(!plan.cached ? "rowsum_coltile"
-                          : !plan.ring ? "cached"
+                          : !plan.ring ? (fused ? "cached_fused" : "cached")
                           : plan.cluster > 1 ? (plan.ring_vecs == 3 ? "ring3_cluster" : "ring_cluster")
                           : fused ? (plan.ring_vecs == 3 ? "ring3_fused" : "ring_fused")
                           : plan.ring_vecs == 3 ? "ring3"
@@ -804,8 +812,10 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
       if (blocks > 0x7fffffff) throw Error(cat("rownorm_bwd: grid of ", blocks, " CTAs is too large"));
       const unsigned grid = unsigned(blocks);
       const bool big = plan.threads > kSmallCta;
-      if (fused) launch_kernel_cooperative("rownorm_bwd", fin_kernel, dim3(grid), dim3(plan.threads), plan.smem, stream, p,
-                                           plan.L, ws_dw, ws_db, 0);
+      if (fused && fin_ring) launch_kernel_cooperative("rownorm_bwd", ring_fin, dim3(grid), dim3(plan.threads), plan.smem,
+                                                       stream, p, plan.L, ws_dw, ws_db, 0);
+      else if (fused) launch_kernel_cooperative("rownorm_bwd", cached_fin, dim3(grid), dim3(plan.threads), plan.smem,
+                                                stream, p, plan.L, ws_dw, ws_db);
       else if (plan.ring && plan.ring_vecs == 3) rownorm_bwd_ring_kernel<T, 3><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (plan.ring) rownorm_bwd_ring_kernel<T><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al && big) rownorm_bwd_cached_kernel<T, kBwdVecs, true, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
