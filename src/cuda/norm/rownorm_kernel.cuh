@@ -734,7 +734,8 @@ struct WgradJob {
 // CTA calls it (a barrier inside), `active` false for those without a block this round.
 template <typename T>
 __device__ __forceinline__ void wgrad_finalize_block(const float* __restrict__ ws, void* const out_p,
-                                                     const std::int64_t out_stride, std::int64_t bx, int tx, int ty,
+                                                     const std::int64_t out_stride, std::int64_t bx, unsigned tx,
+                                                     unsigned ty,
                                                      bool active, float4 (*s_part)[32], std::int64_t P, std::int64_t G,
                                                      std::int64_t n, bool out_f32) {
   const std::int64_t cols = G * n;
@@ -1043,7 +1044,8 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
       const std::int64_t b = b0 + half;  // (uniform trip count over the CTA: the block's barrier inside)
       const bool active = b < blocks, bias = ws_db && (!ws_dw || (active && b >= fgrid));  // (dB's blocks follow dW's)
       wgrad_finalize_block<T>(bias ? ws_db : ws_dw, bias ? p.db : p.dw, bias ? p.db_group_stride : p.dw_group_stride,
-                              active ? b % fgrid : 0, ft % 32, ft / 32, active, s_fin[half], std::int64_t(L.P),
+                              active ? b % fgrid : 0, unsigned(ft % 32), unsigned(ft / 32), active, s_fin[half],
+                              std::int64_t(L.P),
                               p.groups, p.n, p.param == DType::f32);
       __syncthreads();  // (the scratch is written again next round)
     }
@@ -1200,7 +1202,7 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
     for (std::int64_t b = blockIdx.x; b < fgrid * njobs; b += gridDim.x) {  // (uniform over the CTA)
       const bool bias = ws_db && (!ws_dw || b >= fgrid);  // (dB's blocks follow dW's)
       wgrad_finalize_block<T>(bias ? ws_db : ws_dw, bias ? p.db : p.dw, bias ? p.db_group_stride : p.dw_group_stride,
-                              b % fgrid, int(threadIdx.x) % 32, int(threadIdx.x) / 32, true, s_fin, std::int64_t(L.P),
+                              b % fgrid, threadIdx.x % 32, threadIdx.x / 32, true, s_fin, std::int64_t(L.P),
                               p.groups, p.n, p.param == DType::f32);
       __syncthreads();  // (the scratch is written again next round)
     }
@@ -1350,8 +1352,8 @@ __global__ void __launch_bounds__(32 * kFinSlices) rownorm_wgrad_finalize_kernel
   pdl_wait_primary();  // launched programmatically after the backward kernel (sm_90): its partials
   const bool second = blockIdx.y != 0;  // selects without indexing the parameter arrays (a local copy)
   wgrad_finalize_block<T>(second ? job.ws[1] : job.ws[0], second ? job.out[1] : job.out[0],
-                          second ? job.out_group_stride[1] : job.out_group_stride[0], blockIdx.x, int(threadIdx.x),
-                          int(threadIdx.y), true, s_part, P, G, n, out_f32);
+                          second ? job.out_group_stride[1] : job.out_group_stride[0], blockIdx.x, threadIdx.x,
+                          threadIdx.y, true, s_part, P, G, n, out_f32);
 }
 
 }  // namespace fastweight::detail
