@@ -123,28 +123,34 @@ double dw_scale(const Problem& pb, const HostTensor& x64, const HostTensor& dy64
 }
 
 // ||a||, Frobenius
-double rel_norm(const HostTensor& a) {
-  double ss = 0.0;
-  for (double v : a.values()) ss += v * v;
-  return std::sqrt(ss);
-}
+double rel_norm(const HostTensor& a) { return l2_norm(a); }
 
 // ||a - b|| / max(||b||, scale), absolute where both are 0 (as rel_err: LayerNorm's N = 1 rows
 // have xhat = 0, so dweight and its scale are exactly 0)
 double err_vs_scale(const HostTensor& a, const HostTensor& b, double scale) {
-  const auto va = a.values(), vb = b.values();
+  EXPECT_EQ(a.shape, b.shape);  // (every pair here: an output and its reference)
+  if (a.shape != b.shape) return INFINITY;
   double num = 0.0, den = 0.0;
-  for (std::size_t i = 0; i < va.size(); ++i) {
-    if (!std::isfinite(va[i])) return INFINITY;
-    num += (va[i] - vb[i]) * (va[i] - vb[i]);
-    den += vb[i] * vb[i];
-  }
+  bool finite = true;
+  for_each_offset_pair(a, b, [&](std::int64_t oa, std::int64_t ob) {
+    const double x = a.get(oa), y = b.get(ob);
+    finite = finite && std::isfinite(x);
+    num += (x - y) * (x - y);
+    den += y * y;
+  });
+  if (!finite) return INFINITY;
   const double d = std::max(std::sqrt(den), scale);
   return std::sqrt(num) / (d > 0 ? d : 1.0);
 }
 
 bool same_view_bits(const HostTensor& a, const HostTensor& b) {
-  return a.shape == b.shape && a.elem_bytes() == b.elem_bytes();
+  if (a.shape != b.shape || a.dtype != b.dtype) return a.elem_bytes() == b.elem_bytes();
+  const std::size_t es = a.esize();
+  bool same = true;
+  for_each_offset_pair(a, b, [&](std::int64_t oa, std::int64_t ob) {
+    same = same && std::memcmp(a.bytes.data() + oa * es, b.bytes.data() + ob * es, es) == 0;
+  });
+  return same;
 }
 
 // Parameter groups of the row-sweep tests' problems: head norm 4 heads, adaLN 2 samples, else 1 (rows are a multiple).

@@ -103,6 +103,30 @@ struct HostTensor {
   }
 };
 
+// f(offset in a, offset in b) for every element of two views of the same shape, in row-major order (as
+// for_each_offset, both walked at once: the error measures compare millions of elements without copies).
+template <typename F>
+void for_each_offset_pair(const HostTensor& a, const HostTensor& b, F&& f) {
+  const int nd = int(a.shape.size());
+  if (nd == 0) {
+    f(a.offset, b.offset);
+    return;
+  }
+  const std::int64_t total = a.numel(), inner = a.shape[nd - 1], as = a.strides[nd - 1], bs = b.strides[nd - 1];
+  if (total == 0) return;
+  std::vector<std::int64_t> idx(std::size_t(nd - 1), 0);
+  std::int64_t ra = a.offset, rb = b.offset;
+  for (std::int64_t o = 0; o < total / inner; ++o) {
+    for (std::int64_t i = 0; i < inner; ++i) f(ra + i * as, rb + i * bs);
+    for (int d = nd - 2; d >= 0; --d) {
+      ra += a.strides[d], rb += b.strides[d];
+      if (++idx[std::size_t(d)] < a.shape[d]) break;
+      ra -= a.strides[d] * a.shape[d], rb -= b.strides[d] * a.shape[d];
+      idx[std::size_t(d)] = 0;
+    }
+  }
+}
+
 // Contiguous tensor, or rows cut from a larger buffer: the last dim padded by `pad` elements and the
 // view starting `lead` elements in (lead = 1 makes 16-bit rows unaligned for 16-byte vectors).
 inline HostTensor make_host(DType dt, std::vector<std::int64_t> shape, std::int64_t pad = 0, std::int64_t lead = 0) {
@@ -137,14 +161,24 @@ inline HostTensor to_f64(const HostTensor& t) {
 // ||a - b|| / scale: the error against a size chosen by the caller (where ||b|| itself is a cancellation);
 // NaN anywhere gives +inf.
 inline double err_over(const HostTensor& a, const HostTensor& b, double scale) {
-  const auto va = a.values(), vb = b.values();
-  EXPECT_EQ(va.size(), vb.size());
-  double num = 0.0;
-  for (std::size_t i = 0; i < va.size(); ++i) {
-    if (!std::isfinite(va[i]) || !std::isfinite(vb[i])) return INFINITY;
-    num += (va[i] - vb[i]) * (va[i] - vb[i]);
+  if (a.shape != b.shape) {  // (views of other shapes: element by element in row-major order, as copies)
+    const auto va = a.values(), vb = b.values();
+    EXPECT_EQ(va.size(), vb.size());
+    double num = 0.0;
+    for (std::size_t i = 0; i < va.size() && i < vb.size(); ++i) {
+      if (!std::isfinite(va[i]) || !std::isfinite(vb[i])) return INFINITY;
+      num += (va[i] - vb[i]) * (va[i] - vb[i]);
+    }
+    return std::sqrt(num) / scale;
   }
-  return std::sqrt(num) / scale;
+  double num = 0.0;
+  bool finite = true;
+  for_each_offset_pair(a, b, [&](std::int64_t oa, std::int64_t ob) {
+    const double x = a.get(oa), y = b.get(ob);
+    finite = finite && std::isfinite(x) && std::isfinite(y);
+    num += (x - y) * (x - y);
+  });
+  return finite ? std::sqrt(num) / scale : INFINITY;
 }
 
 inline double l2_norm(const HostTensor& a) {
