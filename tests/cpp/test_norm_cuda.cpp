@@ -874,10 +874,7 @@ TEST_P(NormCudaFwdClusterBulk, PersistentClustersMatchReference) {
     const std::int64_t C = mode == 2 && small <= 8 ? small : big;
     const char* expect = !hopper ? nullptr : n % e == 0 && C >= 2 && C <= 8 ? "bulk_cluster" : "stream";
     {
-      struct Restore {
-        int prev;
-        ~Restore() { fastweight::detail::cap_rownorm_fwd_bulk_ctas(prev); }
-      } restore{fastweight::detail::cap_rownorm_fwd_bulk_ctas(2)};
+      const ScopedSwitch<int> cap(&fastweight::detail::cap_rownorm_fwd_bulk_ctas, 2);
       check_case(op, dt, n, rows, Layout::padded, Params::io, expect);
       check_case(op, dt, n, rows, Layout::contiguous, Params::none, expect);
     }

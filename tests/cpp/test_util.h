@@ -28,6 +28,10 @@ using namespace fastweight;
     if (!::fastweight::cuda_available()) GTEST_SKIP() << "no CUDA device";   \
   } while (0)
 
+struct HostTensor;
+template <typename F>
+void for_each_offset_pair(const HostTensor& a, const HostTensor& b, F&& f);
+
 // A tensor in host memory: `storage` elements of `dtype`, viewed with shape/strides from `offset`.
 struct HostTensor {
   DType dtype = DType::f64;
@@ -51,28 +55,11 @@ struct HostTensor {
     t.device = dev;
     return t;
   }
-  // f(storage offset) for every element of the view, in row-major order of its shape: the last dim as an
-  // inner loop, the outer index stepped once per row (the GPU suites' checks walk millions of elements).
+  // f(storage offset) for every element of the view, in row-major order of its shape (for_each_offset_pair's
+  // walk over this view alone).
   template <typename F>
   void for_each_offset(F&& f) const {
-    const int nd = int(shape.size());
-    if (nd == 0) {
-      f(offset);
-      return;
-    }
-    const std::int64_t total = numel(), inner = shape[nd - 1], is = strides[nd - 1];
-    if (total == 0) return;
-    std::vector<std::int64_t> idx(std::size_t(nd - 1), 0);  // the outer dims' index
-    std::int64_t row = offset;
-    for (std::int64_t o = 0; o < total / inner; ++o) {
-      for (std::int64_t i = 0; i < inner; ++i) f(row + i * is);
-      for (int d = nd - 2; d >= 0; --d) {
-        row += strides[d];
-        if (++idx[std::size_t(d)] < shape[d]) break;
-        row -= strides[d] * shape[d];
-        idx[std::size_t(d)] = 0;
-      }
-    }
+    for_each_offset_pair(*this, *this, [&](std::int64_t o, std::int64_t) { f(o); });
   }
   // Element offsets of the view, in row-major order of its shape.
   std::vector<std::int64_t> offsets() const {
@@ -103,8 +90,9 @@ struct HostTensor {
   }
 };
 
-// f(offset in a, offset in b) for every element of two views of the same shape, in row-major order (as
-// for_each_offset, both walked at once: the error measures compare millions of elements without copies).
+// f(offset in a, offset in b) for every element of two views of the same shape, in row-major order: the last dim
+// as an inner loop, the outer index stepped once per row (the GPU suites' checks walk millions of elements, and
+// the error measures compare two views without copying them).
 template <typename F>
 void for_each_offset_pair(const HostTensor& a, const HostTensor& b, F&& f) {
   const int nd = int(a.shape.size());

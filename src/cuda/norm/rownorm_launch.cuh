@@ -266,6 +266,13 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     plan.L.P = int(p.rows);
     return plan;
   }
+  // the forward clusters' ranks per row of nv8 vectors: mode 1 ceil(nv8 / 4096), mode 2 ceil(nv8 / 2048) where that
+  // is at most 8 (vectors per rank: 8 x 512, 8 x 256)
+  auto fwd_cluster_ranks = [&](int mode) {
+    const std::int64_t small_v = 8 * kRow1MaxTpr, big_v = 16 * kRow1MaxTpr;
+    const std::int64_t small = (nv8 + small_v - 1) / small_v;
+    return mode == 2 && small <= kFwdMaxCluster ? small : (nv8 + big_v - 1) / big_v;
+  };
   // The same rows in the bulk kernel's clusters (set_rownorm_fwd_cluster_bulk, A/B; mode 1 C = ceil(N / 4096
   // vectors), 2 C = ceil(N / 2048 vectors) <= 8): persistent CTAs of 512 threads, one per SM, each rank's slices of
   // the cluster's rows through a ring of row slots by the TMA engine, so the next rows are in flight while one is
@@ -275,9 +282,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   if (const int cb_mode = rownorm_fwd_cluster_bulk_mode();
       cb_mode >= 1 && !bwd && al && unstaged_par && nv8 > 16 * kRow1MaxTpr &&
       (sizeof(T) == 2 || rownorm_fwd_cluster_f32()) && rownorm_fwd_bulk_enabled() && cc_major() >= 9) {
-    const std::int64_t small_v = 8 * kRow1MaxTpr, big_v = 16 * kRow1MaxTpr;  // vectors per rank: 2048, 4096
-    std::int64_t C = (nv8 + big_v - 1) / big_v;
-    if (cb_mode == 2 && (nv8 + small_v - 1) / small_v <= kFwdMaxCluster) C = (nv8 + small_v - 1) / small_v;
+    const std::int64_t C = fwd_cluster_ranks(cb_mode);
     const std::int64_t per = (nv8 + C - 1) / C;  // vectors per rank (every rank holds some: as the one-row split)
     const int tpr = next_pow2(int((per + 7) / 8)), R = kBulkThreads / tpr;
     const void* kernel = reinterpret_cast<const void*>(bulk_cluster_kernel<T>);
@@ -318,9 +323,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       !bwd && al && (sizeof(T) == 2 ? raw4 : rownorm_fwd_cluster_f32() && (p.param_aligned || (!p.w && !p.b))) &&
       cl_mode >= 1 && nv8 > 16 * kRow1MaxTpr && rownorm_fwd_row1_enabled() && rownorm_fwd_row1_vecs() == 0 &&
       cc_major() >= 9) {
-    const std::int64_t small_v = 8 * kRow1MaxTpr, big_v = 16 * kRow1MaxTpr;  // vectors per rank: 8 x 256, 8 x 512
-    std::int64_t C = (nv8 + big_v - 1) / big_v;
-    if (cl_mode == 2 && (nv8 + small_v - 1) / small_v <= kFwdMaxCluster) C = (nv8 + small_v - 1) / small_v;
+    const std::int64_t C = fwd_cluster_ranks(cl_mode);
     const std::int64_t per = (nv8 + C - 1) / C, threads = (per + 8 * 32 - 1) / (8 * 32) * 32;
     const void* kernel = reinterpret_cast<const void*>(row1_cluster_kernel<T>(row1_cluster_f32(p), threads > kRow1MaxTpr));
     const int clusters = C <= kFwdMaxCluster && kernel_binary_version(kernel) >= 90
