@@ -24,9 +24,6 @@
 //   fastweight_bench --fwd-cluster=off|on|small  norm forward's one-row kernel in clusters for 16-bit rows past 32768
 //                                            (small: 256-thread ranks; else the streaming kernel)
 //   fastweight_bench --fwd-cluster-f32=off|on  the cluster forward for fp32 rows past 16384 too
-//   fastweight_bench --bwd-fused-fin=off|on   the ring backward finalizing the weight gradients itself (cooperative)
-//   fastweight_bench --fwd-cluster-bulk=off|on|small  those rows in the persistent bulk kernel's clusters instead
-//   fastweight_bench --row1-occupancy=off|rule|K  the one-row forward held to K CTAs per SM (rule: for its last wave)
 //   fastweight_bench --bwd-cluster-mult=M    M times the backward cluster ring's CTAs per cluster (rows within its reach too; 0: the rule)
 //   fastweight_bench --row1-long=off         rows of N 28680..32768 not in its capped 8 x 512 instance (on: the default)
 //   fastweight_bench --row1-prefetch=off|auto|on  its 4- and 8-vector instances' parameters one vector ahead (auto: 4)
@@ -192,9 +189,6 @@ struct Options {
   int fwd_cluster = -1;   // -1: the default; 0 off, 1 on, 2 small
   int bwd_cluster_mult = -1;  // -1: the default
   int fwd_cluster_f32 = -1;   // -1: the default
-  int row1_occ = -2;          // -2: the default; 0 off, -1 the tail rule, k
-  int fwd_cluster_bulk = -1;  // -1: the default; 0 off, 1 on, 2 small
-  int bwd_fused_fin = -1;     // -1: the default
   int row1_prefetch = -1; // -1: the default
   int row1_rawx = -1;     // -1: the default
   fastweight::detail::Row1Config row1_cfg;  // tpr 0: the planner's choice
@@ -499,12 +493,6 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--fwd-cluster=")) o.fwd_cluster = std::strcmp(v, "small") == 0 ? 2 : on(v) ? 1 : 0;
     else if (const char* v = val("--bwd-cluster-mult=")) o.bwd_cluster_mult = std::atoi(v);
     else if (const char* v = val("--fwd-cluster-f32=")) o.fwd_cluster_f32 = on(v) ? 1 : 0;
-    else if (const char* v = val("--bwd-fused-fin=")) o.bwd_fused_fin = on(v) ? 1 : 0;
-    else if (const char* v = val("--fwd-cluster-bulk=")) o.fwd_cluster_bulk = std::strcmp(v, "small") == 0 ? 2 : on(v) ? 1 : 0;
-    else if (const char* v = val("--row1-occupancy=")) {
-      o.row1_occ = std::strcmp(v, "off") == 0 ? 0 : std::strcmp(v, "rule") == 0 ? -1 : std::atoi(v);
-      if (o.row1_occ < -1 || (o.row1_occ == 0 && std::strcmp(v, "off") != 0)) usage(2);
-    }
     else if (const char* v = val("--row1-prefetch=")) o.row1_prefetch = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (const char* v = val("--row1-rawx=")) o.row1_rawx = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (const char* v = val("--row1-cfg=")) {
@@ -560,9 +548,6 @@ int main(int argc, char** argv) {
   if (o.fwd_cluster >= 0) fastweight::detail::set_rownorm_fwd_cluster(o.fwd_cluster);
   if (o.bwd_cluster_mult >= 0) fastweight::detail::set_rownorm_bwd_cluster_mult(o.bwd_cluster_mult);
   if (o.fwd_cluster_f32 >= 0) fastweight::detail::set_rownorm_fwd_cluster_f32(o.fwd_cluster_f32 == 1);
-  if (o.row1_occ >= -1) fastweight::detail::set_rownorm_fwd_row1_occupancy(o.row1_occ);
-  if (o.fwd_cluster_bulk >= 0) fastweight::detail::set_rownorm_fwd_cluster_bulk(o.fwd_cluster_bulk);
-  if (o.bwd_fused_fin >= 0) fastweight::detail::set_rownorm_bwd_fused_finalize(o.bwd_fused_fin == 1);
   if (o.row1_prefetch >= 0) fastweight::detail::set_rownorm_fwd_row1_prefetch(o.row1_prefetch);
   if (o.row1_rawx >= 0) fastweight::detail::set_rownorm_fwd_row1_rawx(o.row1_rawx);
   if (o.row1_cfg.tpr) fastweight::detail::force_rownorm_fwd_row1_config(o.row1_cfg);

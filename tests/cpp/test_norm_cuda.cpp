@@ -598,36 +598,6 @@ INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1TightPlanned,
                                                                             16392, 20000, 28672)),
                          rows_case_name);
 
-// The one-row forward held to fewer CTAs per SM (set_rownorm_fwd_row1_occupancy) by dynamic shared memory it does not
-// touch: 1 per SM (past the 48 KB default limit: the raised-limit path), 2, and the tail rule, over the planner's
-// instances at few rows (2 x 128, 4 x 160, 8 x 160 / 320 / 448 x packed, 8 x 512 capped), padded rows with IO-dtype
-// parameters and contiguous ones with fp32 parameters; with the switch off, no dynamic shared memory.
-struct NormCudaRow1Occupancy : ::testing::TestWithParam<BulkParam> {};
-TEST_P(NormCudaRow1Occupancy, CappedOccupancyMatchesReference) {
-  FW_REQUIRE_GPU();
-  const auto [op, dt, n] = GetParam();
-  const std::int64_t groups = param_groups(op), sms = fastweight::detail::sm_count();
-  const char* row1 = fastweight::detail::cc_major() >= 9 ? "row1" : nullptr;
-  for (const int mode : {1, 2, -1, 0}) {
-    SCOPED_TRACE("occupancy mode " + std::to_string(mode));
-    const ScopedSwitch<int> occ(&fastweight::detail::set_rownorm_fwd_row1_occupancy, mode);
-    check_case(op, dt, n, groups * 9, Layout::padded, Params::io, row1);
-    const std::size_t smem = fastweight::detail::rownorm_fwd_last_row1_smem();
-    // (every instance here fits 2 or more CTAs per SM: 1 needs shared memory; the rule at fewer rows than SMs keeps k0)
-    if (row1 && mode == 1) EXPECT_GT(smem, std::size_t(48 * 1024)) << n;
-    if (mode == 0 || mode == -1) EXPECT_EQ(smem, 0u) << n;
-    check_case(op, dt, n, groups * 5, Layout::contiguous, Params::f32);  // (F32P where the planner takes row1)
-  }
-  if (n <= 10000) {  // the rule past a wave of rows: 2 S + 5 (each planned as at few rows on Hopper)
-    const ScopedSwitch<int> occ(&fastweight::detail::set_rownorm_fwd_row1_occupancy, -1);
-    check_case(op, dt, n, groups * ((2 * sms + 5 + groups - 1) / groups), Layout::padded, Params::io);
-  }
-}
-INSTANTIATE_TEST_SUITE_P(Row1, NormCudaRow1Occupancy,
-                         ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
-                                            ::testing::Values<std::int64_t>(1544, 4104, 10000, 20000, 28672, 32768)),
-                         rows_case_name);
-
 // fp32 parameters as vectors in the one-row kernel (set_rownorm_fwd_row1_f32par, the kernel's F32P): every planner
 // rule that takes raw parameters, at these few rows (1 x 128, 2 x 128 / 192, 4 x 128 / 160 / 224 / 256 capped / 416
 // / 512 capped, 8 x 160 / 320 / 512 x packed), 8 x 256 x packed past 2 rows per SM, 4 x 128 capped (mode 2).
@@ -730,51 +700,6 @@ INSTANTIATE_TEST_SUITE_P(Cluster, NormCudaBwdCluster,
                                                                             65536, 98312, 131072, 131080)),
                          rows_case_name);
 
-// The plain ring and the 256-thread cached kernel (aligned rows, N <= 1024 bf16) finalizing the weight gradients
-// themselves (set_rownorm_bwd_fused_finalize: a cooperative launch, a grid barrier, then the finalize kernel's
-// blocks, two per round in a ring CTA, one in a cached one): 3- and 4-vector rings, 1 to 8 row groups, few rows and
-// about 3 waves of row groups, padded rows and contiguous ones with fp32 parameters, and the same bits as the
-// separate finalize (the second run without it). Unaligned short rows and rows without parameters keep the plain
-// kernels; fp32 16384 is past the ring (the cluster ring: not fused).
-struct NormCudaBwdFusedFinalize : ::testing::TestWithParam<BulkParam> {};
-TEST_P(NormCudaBwdFusedFinalize, InKernelFinalizeMatchesReferenceAndTheSeparateOne) {
-  FW_REQUIRE_GPU();
-  const auto [op, dt, n] = GetParam();
-  const std::int64_t groups = param_groups(op);
-  const ScopedSwitch<int> one_cta(&fastweight::detail::set_rownorm_bwd_cluster_mult, 1);  // (the plain ring)
-  const ScopedSwitch<bool> fused(&fastweight::detail::set_rownorm_bwd_fused_finalize, true);
-  const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e;
-  const std::int64_t tpr4 = pow2((nvec + 3) / 4), tpr3 = pow2((nvec + 2) / 3);
-  const bool three = tpr3 <= 512 && 3 * tpr3 < 4 * tpr4;
-  const bool hopper = fastweight::detail::cc_major() >= 9;
-  const bool ring = tpr4 >= 64 && n <= 512 * 4 * e;  // (fp32 16384: clusters; short rows: the cached kernel)
-  const char* fused_name = ring ? (three ? "ring3_fused" : "ring_fused") : "cached_fused";
-  const std::int64_t many = groups * ((3 * fastweight::detail::sm_count() * (512 / (three ? tpr3 : tpr4)) + groups - 1) / groups);
-  for (const auto& [layout, params, rows] : {std::tuple{Layout::padded, Params::io, groups * 37},
-                                             std::tuple{Layout::contiguous, Params::f32, groups * 5},
-                                             std::tuple{Layout::padded, Params::io, many}}) {
-    check_case(op, dt, n, rows, layout, params, nullptr,
-               [] { fastweight::detail::set_rownorm_bwd_fused_finalize(false); });  // (o2: the separate finalize)
-    fastweight::detail::set_rownorm_bwd_fused_finalize(true);
-    check_case(op, dt, n, rows, layout, params);
-    const std::string ran = fastweight::detail::rownorm_bwd_last_kernel();
-    if (hopper && (ring || tpr4 < 64)) EXPECT_EQ(ran, fused_name) << n;
-  }
-  if (tpr4 < 64) {  // unaligned short rows: the cached kernel with the separate finalize
-    check_case(op, dt, n, groups * 37, Layout::strided, Params::io);
-    EXPECT_EQ(std::string(fastweight::detail::rownorm_bwd_last_kernel()), "cached") << n;
-  }
-  if (op == Op::rmsnorm) {  // no weight: nothing to finalize, the plain ring
-    check_case(op, dt, n, groups * 37, Layout::padded, Params::none);
-    if (hopper && ring) EXPECT_EQ(std::string(fastweight::detail::rownorm_bwd_last_kernel()), three ? "ring3" : "ring");
-    else if (hopper && tpr4 < 64) EXPECT_EQ(std::string(fastweight::detail::rownorm_bwd_last_kernel()), "cached");
-  }
-}
-INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBwdFusedFinalize,
-                         ::testing::Combine(kOps, kDtypes,
-                                            ::testing::Values<std::int64_t>(256, 1000, 1024, 2048, 3072, 5120, 8192, 16384)),
-                         rows_case_name);
-
 // The cluster ring with m times its CTAs per cluster (set_rownorm_bwd_cluster_mult), rows within the ring's reach
 // too: several row groups per CTA in a cluster (R = 512 / tpr > 1, which the default's split never gives), C 2..8,
 // 3 vectors per thread where they fit better (N 6144 bf16), padded rows and contiguous ones with fp32 parameters,
@@ -850,50 +775,6 @@ INSTANTIATE_TEST_SUITE_P(ClusterF32, NormCudaFwdCluster,
                          ::testing::Combine(kOps, ::testing::Values(DType::f32),
                                             ::testing::Values<std::int64_t>(16388, 20000, 20001, 32768, 65536, 98312,
                                                                             131072, 131076)),
-                         rows_case_name);
-
-// The same rows in the persistent bulk kernel's clusters (set_rownorm_fwd_cluster_bulk, modes 1 and 2): C 2..8,
-// ranks whose last one holds fewer columns, 1 or 2 row groups per CTA; at most 2 clusters per parameter group, so
-// that 21 rows per group take each rank's ring of row slots around several times (slot reuse, the exchange slots'
-// parities and mbarrier phases, a last step with idle row groups), and once with the planner's clusters; padded rows
-// with IO-dtype parameters and contiguous ones without; fp32 parameters beside 16-bit rows keep the one-row clusters,
-// rows past 8 ranks the streaming kernel.
-struct NormCudaFwdClusterBulk : ::testing::TestWithParam<BulkParam> {};
-TEST_P(NormCudaFwdClusterBulk, PersistentClustersMatchReference) {
-  FW_REQUIRE_GPU();
-  const auto [op, dt, n] = GetParam();
-  const std::int64_t groups = param_groups(op);
-  const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e, rows = groups * 21;
-  const ScopedSwitch<bool> f32(&fastweight::detail::set_rownorm_fwd_cluster_f32, true);
-  const ScopedSwitch<int> row1_cluster(&fastweight::detail::set_rownorm_fwd_cluster, 2);
-  const bool hopper = fastweight::detail::cc_major() >= 9;
-  for (const int mode : {1, 2}) {
-    SCOPED_TRACE("cluster bulk mode " + std::to_string(mode));
-    const ScopedSwitch<int> bulk(&fastweight::detail::set_rownorm_fwd_cluster_bulk, mode);
-    const std::int64_t small = (nvec + 2047) / 2048, big = (nvec + 4095) / 4096;
-    const std::int64_t C = mode == 2 && small <= 8 ? small : big;
-    const char* expect = !hopper ? nullptr : n % e == 0 && C >= 2 && C <= 8 ? "bulk_cluster" : "stream";
-    {
-      const ScopedSwitch<int> cap(&fastweight::detail::cap_rownorm_fwd_bulk_ctas, 2);
-      check_case(op, dt, n, rows, Layout::padded, Params::io, expect);
-      check_case(op, dt, n, rows, Layout::contiguous, Params::none, expect);
-    }
-    if (mode == 1) check_case(op, dt, n, rows, Layout::padded, Params::io, expect);  // (the planner's P)
-  }
-  if (dt != DType::f32 && n % e == 0) {  // fp32 parameters: the one-row clusters (16-bit rows within 8 ranks of 2048)
-    const ScopedSwitch<int> bulk(&fastweight::detail::set_rownorm_fwd_cluster_bulk, 1);
-    const bool row1_c = (nvec + 2047) / 2048 <= 8 || (nvec + 4095) / 4096 <= 8;
-    check_case(op, dt, n, rows, Layout::contiguous, Params::f32, hopper && row1_c ? "row1_cluster" : nullptr);
-  }
-}
-INSTANTIATE_TEST_SUITE_P(ClusterBulk, NormCudaFwdClusterBulk,
-                         ::testing::Combine(kOps, ::testing::Values(DType::f16, DType::bf16),
-                                            ::testing::Values<std::int64_t>(32776, 40000, 65536, 98312, 131072, 262144,
-                                                                            262152)),
-                         rows_case_name);
-INSTANTIATE_TEST_SUITE_P(ClusterBulkF32, NormCudaFwdClusterBulk,
-                         ::testing::Combine(kOps, ::testing::Values(DType::f32),
-                                            ::testing::Values<std::int64_t>(16388, 20000, 32768, 65536, 131072, 131076)),
                          rows_case_name);
 
 // Rows whose leading dims do not merge into one stride (Layout::gapped: head norm (rows / NH, NH, N),

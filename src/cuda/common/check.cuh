@@ -57,22 +57,6 @@ void launch_kernel_cluster(const char* op, void (*fn)(P...), dim3 grid, dim3 blo
   cfg.numAttrs = na;
   FW_CUDA_CHECK(op, cudaLaunchKernelEx(&cfg, fn, static_cast<A&&>(args)...));
 }
-// A cooperative launch (every CTA resident at once, or the launch fails: grid-wide barriers are safe in fn).
-template <typename... P, typename... A>
-void launch_kernel_cooperative(const char* op, void (*fn)(P...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t s,
-                               A&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeCooperative;
-  attr.val.cooperative = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  FW_CUDA_CHECK(op, cudaLaunchKernelEx(&cfg, fn, static_cast<A&&>(args)...));
-}
 template <typename... P, typename... A>
 void launch_kernel(const char* op, void (*fn)(P...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t s, bool pdl,
                    A&&... args) {
@@ -101,10 +85,6 @@ int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem);
 // Clusters of `cluster` CTAs of `kernel` at this launch shape that the current device holds at once (0:
 // none fit); also raises the kernel's dynamic shared-memory limit as resident_ctas_per_sm. Cached.
 int resident_clusters(const void* kernel, int threads, std::size_t smem, int cluster);
-// The least dynamic shared memory (a multiple of 128 bytes, unused by the kernel) that holds `kernel` at this launch
-// shape to at most k CTAs per SM: 0 where it already runs at most k, or where no amount can (k < 1); the kernel's
-// limit raised as resident_ctas_per_sm. Cached (thread-safe).
-std::size_t smem_for_ctas_per_sm(const void* kernel, int threads, int k);
 // The most dynamic + static shared memory a block may opt in to on the current device (cached).
 std::size_t smem_per_block_optin();
 // Tests only: caps what smem_per_block_optin() reports (0: no cap), so a Hopper run takes the paths

@@ -114,34 +114,6 @@ int resident_ctas_per_sm(const void* kernel, int threads, std::size_t smem) {
   return occ;
 }
 
-std::size_t smem_for_ctas_per_sm(const void* kernel, int threads, int k) {
-  if (k < 1 || resident_ctas_per_sm(kernel, threads, 0) <= k) return 0;
-  static std::mutex mu;
-  static std::map<std::tuple<int, const void*, int, int>, std::size_t> cache;
-  int dev = 0;
-  FW_CUDA_CHECK("fastweight", cudaGetDevice(&dev));
-  const auto key = std::make_tuple(dev, kernel, threads, k);
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (auto it = cache.find(key); it != cache.end()) return it->second;
-  }
-  cudaFuncAttributes attr{};
-  FW_CUDA_CHECK("fastweight", cudaFuncGetAttributes(&attr, kernel));
-  // bisection on 128-byte steps: resident(lo) > k, resident(hi) <= k (hi: the most a CTA may hold, one per SM)
-  std::size_t lo = 0, hi = (smem_per_block_optin() - attr.sharedSizeBytes) / 128 * 128;
-  std::size_t found = 0;
-  if (resident_ctas_per_sm(kernel, threads, hi) <= k) {
-    while (hi - lo > 128) {
-      const std::size_t mid = (lo + hi) / 256 * 128;
-      (resident_ctas_per_sm(kernel, threads, mid) <= k ? hi : lo) = mid;
-    }
-    found = hi;
-  }
-  std::lock_guard<std::mutex> lock(mu);
-  cache[key] = found;
-  return found;
-}
-
 int resident_clusters(const void* kernel, int threads, std::size_t smem, int cluster) {
   if (resident_ctas_per_sm(kernel, threads, smem) == 0) return 0;  // (raises the shared-memory limit too)
   static std::mutex mu;

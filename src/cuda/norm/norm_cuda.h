@@ -19,10 +19,6 @@ void rownorm_bwd_cuda(const RowNormParams& p, void* workspace, std::size_t works
 // any), so that a test of a path can check it ran.
 const char* rownorm_fwd_last_kernel();
 void note_rownorm_fwd_kernel(const char* name);
-// Tests only: the dynamic shared memory of the last one-row forward launch on this thread (non-zero only where
-// set_rownorm_fwd_row1_occupancy held it to fewer CTAs per SM).
-std::size_t rownorm_fwd_last_row1_smem();
-void note_rownorm_fwd_row1_smem(std::size_t bytes);
 // Likewise the backward's ("ring", "ring3", "ring_cluster", "ring3_cluster", "cached", "rowsum_coltile").
 const char* rownorm_bwd_last_kernel();
 void note_rownorm_bwd_kernel(const char* name);
@@ -54,14 +50,6 @@ bool rownorm_bwd_cluster();
 // --bwd-cluster-mult=M).
 int set_rownorm_bwd_cluster_mult(int m);
 int rownorm_bwd_cluster_mult();
-// A/B: the plain ring backward finalizes the weight gradients itself (rownorm_bwd_ring_kernel's FIN): a cooperative
-// launch, a grid barrier after the partials, then each CTA sums its share of them in the finalize kernel's order
-// (the same bits), instead of the second launch, whose gap and small grid cost about 5 us per backward (4096 x 1024:
-// 18.3 + 5.5 us, ncu, session 16). Where all the CTAs fit at once and there is a weight or bias. Off by default;
-// FW_NORM_BWD_FUSED_FIN=1 at start. Compiled in session 43, not yet run on a GPU. Returns the previous setting
-// (tests, fastweight_bench --bwd-fused-fin=off|on).
-bool set_rownorm_bwd_fused_finalize(bool on);
-bool rownorm_bwd_fused_finalize();
 // The Hopper bulk-copy forward (rownorm_fwd_bulk.cuh) for aligned rows where it applies (default on).
 // Tests and benchmarks only: off routes those rows to the persistent kernel, the path of devices
 // without bulk copies. Returns the previous setting.
@@ -179,18 +167,6 @@ int rownorm_fwd_row1_rawx_mode();
 // turns it off at start. Returns the previous setting (tests, fastweight_bench --row1-tight=off|on).
 bool set_rownorm_fwd_row1_tight(bool on);
 bool rownorm_fwd_row1_tight();
-// A/B: the one-row forward (not in clusters) held to fewer CTAs per SM by dynamic shared memory it does not touch
-// (smem_for_ctas_per_sm), for its last wave of rows: with a CTA per row, R rows at k CTAs per SM on S SMs run in
-// about ceil(R / (S k)) waves of k rows per SM, so the time goes as ceil(R / (S k)) k. 4096 x 12288 bf16 (8 x 192
-// threads, 5 per SM by registers): 7 waves x 5 = 35 row-times per SM against 8 x 4 = 32 at 4 per SM, and 31.03 ideal
-// (the forward there runs at 80% of copy, against 86% at x 16384's 4 per SM; FLA is 4.6% ahead). 0 (the default):
-// off; k >= 1: at most k per SM; -1 the tail rule: the k in [ceil(k0 / 2), k0] of least ceil(R / (S k)) min(k,
-// ceil(R / S)) (the larger on ties), where that is at least 3% below k0's (k0: the CTAs per SM that fit; 700 rows
-// at k0 = 5: 3). Whether a partial last wave costs a full one (its rows each alone on an SM are latency-bound) is
-// what the A/B measures. Compiled in session 43,
-// not yet run on a GPU. Returns the previous setting (tests, fastweight_bench --row1-occupancy=off|rule|K).
-int set_rownorm_fwd_row1_occupancy(int v);
-int rownorm_fwd_row1_occupancy();
 // fp32 parameters (16-byte aligned rows) beside 16-bit rows in the one-row kernel's vector instances, loaded as
 // 16-byte halves of a vector, half a vector ahead of the output (the kernel's F32P): every 4- and 8-vector rule
 // above that takes raw parameters then takes these too, where they now go to the bulk kernel past 256 vectors;
@@ -228,17 +204,6 @@ int rownorm_fwd_cluster_mode();
 // fastweight_bench --fwd-cluster-f32=off|on).
 bool set_rownorm_fwd_cluster_f32(bool on);
 bool rownorm_fwd_cluster_f32();
-// A/B: those rows (16-bit past 32768; fp32 past 16384 with set_rownorm_fwd_cluster_f32) in the bulk forward's
-// clusters instead (rownorm_fwd_bulk.cuh, CL): persistent CTAs of 512 threads, one per SM, in clusters of C (mode 1
-// C = ceil(N / 4096 vectors), 2 C = ceil(N / 2048 vectors) <= 8), each rank streaming its slices of the cluster's rows
-// through a ring of 2..4 row slots by bulk copies, so the next rows are in flight while one is reduced and stored;
-// the statistics exchanged per row as the one-row cluster forward does. IO-dtype parameters (aligned) or none, else
-// the one-row clusters. Aim: the one-row clusters run at 2.5-3.2 TB/s (RMSNorm 512 x 65536 bf16 0.0470 ms against
-// cuDNN's 0.0424, session 43); the long-row bulk kernel reached 3.4 TB/s at 4096 x 32768. 0 (the default): off.
-// FW_NORM_FWD_CLUSTER_BULK=0|1|2 at start. Compiled in session 43, not yet run on a GPU. Returns the previous mode
-// (tests, fastweight_bench --fwd-cluster-bulk=off|on|small).
-int set_rownorm_fwd_cluster_bulk(int mode);
-int rownorm_fwd_cluster_bulk_mode();
 // Tests and benchmarks only: force the one-row-per-CTA forward's shape on every aligned 16-bit row it
 // can take: tpr threads (a multiple of 32, 32..1024; the planner's too on Hopper, set_rownorm_fwd_row1_tight),
 // vb-byte vectors (8 or 16; vectors per thread follow: 1, 2, 4 or 8), late = parameters loaded after the sums,

@@ -54,23 +54,11 @@ std::atomic<bool> g_bwd_cluster{env_digit("FW_NORM_BWD_CLUSTER", 1) == 1};
 std::atomic<int> g_bwd_cluster_mult{env_digit("FW_NORM_BWD_CLUSTER_MULT", 0)};  // (0: the planner's rule)
 std::atomic<int> g_fwd_cluster{env_digit("FW_NORM_FWD_CLUSTER", 2)};  // (0|1|2: the mode at start)
 std::atomic<bool> g_fwd_cluster_f32{env_digit("FW_NORM_FWD_CLUSTER_F32", 1) == 1};
-std::atomic<int> g_fwd_row1_occ{0};  // (0: off, -1: the tail rule, k: at most k CTAs per SM)
-std::atomic<bool> g_bwd_fused_fin{env_digit("FW_NORM_BWD_FUSED_FIN", 0) == 1};
-std::atomic<int> g_fwd_cluster_bulk{env_digit("FW_NORM_FWD_CLUSTER_BULK", 0)};  // (0|1|2: the mode at start)
 std::atomic<int> g_fwd_row1_cfg{0};  // tpr | vb << 16 | late << 24 | plain << 25
 }  // namespace
 static thread_local const char* t_fwd_last_kernel = "";
 const char* rownorm_fwd_last_kernel() { return t_fwd_last_kernel; }
 void note_rownorm_fwd_kernel(const char* name) { t_fwd_last_kernel = name; }
-static thread_local std::size_t t_fwd_last_row1_smem = 0;
-std::size_t rownorm_fwd_last_row1_smem() { return t_fwd_last_row1_smem; }
-void note_rownorm_fwd_row1_smem(std::size_t bytes) { t_fwd_last_row1_smem = bytes; }
-int set_rownorm_fwd_row1_occupancy(int v) { return g_fwd_row1_occ.exchange(v); }
-int rownorm_fwd_row1_occupancy() { return g_fwd_row1_occ.load(); }
-bool set_rownorm_bwd_fused_finalize(bool on) { return g_bwd_fused_fin.exchange(on); }
-bool rownorm_bwd_fused_finalize() { return g_bwd_fused_fin.load(); }
-int set_rownorm_fwd_cluster_bulk(int mode) { return g_fwd_cluster_bulk.exchange(mode); }
-int rownorm_fwd_cluster_bulk_mode() { return g_fwd_cluster_bulk.load(); }
 static thread_local const char* t_bwd_last_kernel = "";
 const char* rownorm_bwd_last_kernel() { return t_bwd_last_kernel; }
 void note_rownorm_bwd_kernel(const char* name) { t_bwd_last_kernel = name; }

@@ -46,14 +46,12 @@ inline constexpr int kBulkVecs = 4;        // 16-byte vectors per thread per row
 inline constexpr int kBulkMaxStages = 4;   // row slots per row group
 template <typename T> inline constexpr std::int64_t kBulkMaxN = std::int64_t(kBulkThreads) * kBulkVecs * kVecElems<T>;
 
-// Bytes of dynamic shared memory for (N, tpr, S, vectors per thread, parameters staged; cluster: the exchange's
-// mbarriers (2, R) and the ranks' (sum, M2) slots (2, R, kFwdMaxCluster)).
+// Bytes of dynamic shared memory for (N, tpr, S, vectors per thread, parameters staged).
 inline std::size_t bulk_smem_bytes(std::int64_t n, int tpr, int stages, int vpt, bool staged = true,
-                                   int threads = kBulkThreads, bool cluster = false) {
+                                   int threads = kBulkThreads) {
   const std::size_t R = std::size_t(threads / tpr);
   return (staged ? std::size_t(n) * 2 * sizeof(float) : 0) +
-         R * stages * (std::size_t(tpr) * vpt * 16 + sizeof(std::uint64_t)) +
-         (cluster ? 2 * R * (sizeof(std::uint64_t) + kFwdMaxCluster * sizeof(float2)) : 0);
+         R * stages * (std::size_t(tpr) * vpt * 16 + sizeof(std::uint64_t));
 }
 
 // Sum over the row group rg of tpr threads: warp butterflies, then (tpr > 32) one named barrier over
@@ -83,41 +81,24 @@ __device__ __forceinline__ float bulk_group_sum(float v, int tpr, int rg, float*
   }
 }
 
-// CL (unstaged only; set_rownorm_fwd_cluster_bulk): rows past one CTA's reach in clusters of C CTAs, rank c
-// streaming the cl_cols columns from c * cl_cols of the cluster's rows through its ring (the last rank may hold
-// fewer), and exchanging each row's (sum, M2) about its own mean with every rank, as the one-row cluster forward
-// does (st.async on the peers' mbarriers, Chan's merge in rank order: the same bits in every rank). Persistent, so
-// the next rows' slices are in flight while this one is reduced and stored. Exchange slots (2, R): a row group's
-// slot of parity it is written again two rows later, by a peer that has had this rank's sums of the row between,
-// which this rank sends after its group barrier of that row, so after every thread of the group has read the slot;
-// each mbarrier's phase is its slot's use count. No end barrier: every rank walks the same rows, and a CTA leaves
-// only after its peers' sums of its last row have reached it (st.async reads no shared memory of the sender).
-template <typename T, int VPT, bool STAGED = true, int NT = kBulkThreads, bool HOIST = false, bool CL = false>
-__global__ void __launch_bounds__(NT, 1) rownorm_fwd_bulk_kernel(const RowNormParams p, const RowLaunch L, const int S,
-                                                                 const int cl_cols = 0) {
+template <typename T, int VPT, bool STAGED = true, int NT = kBulkThreads, bool HOIST = false>
+__global__ void __launch_bounds__(NT, 1) rownorm_fwd_bulk_kernel(const RowNormParams p, const RowLaunch L, const int S) {
   static_assert(!(STAGED && HOIST), "HOIST: the unstaged parameters only");
-  static_assert(!(STAGED && CL), "clusters: the unstaged parameters only");
-  static_assert(!(HOIST && CL), "clusters: the parameters per vector (hoisted, 120 B of spills at 128 registers)");
 #if defined(FW_HAS_BULK)
   constexpr int E = kVecElems<T>;
   extern __shared__ uint4 smem_bulk[];
   __shared__ float s_red[2 * NT / 32];
-  const int rank = CL ? cluster_rank() : 0, ncta = CL ? cluster_size() : 1;
-  const int c0 = rank * cl_cols;                                 // CL: this rank's first column
-  const int n = CL ? min(cl_cols, int(p.n) - c0) : int(p.n), nvec = n / E;  // its columns; aligned rows: N % E == 0
+  const int n = int(p.n), nvec = n / E;  // aligned rows: N % E == 0
   const int tpr = L.tpr, R = NT / tpr, rg = threadIdx.x / tpr, lane = threadIdx.x % tpr;
-  const int slot_vecs = tpr * VPT;  // (CL: the same in every rank, so the exchange slots share their offsets)
+  const int slot_vecs = tpr * VPT;
   float4* s_par = reinterpret_cast<float4*>(smem_bulk);  // (E/4, nvec) scale | (E/4, nvec) bias
   const int bias4 = nvec * (E / 4);
   uint4* ring = smem_bulk + (STAGED ? n / 2 : 0);  // after 2 N floats (if staged): (R, S, slot_vecs)
   std::uint64_t* bars = reinterpret_cast<std::uint64_t*>(ring + std::size_t(R) * S * slot_vecs);  // (R, S)
-  [[maybe_unused]] std::uint64_t* s_xbar = bars + R * S;                        // CL: (2, R)
-  [[maybe_unused]] float2* s_xsum = reinterpret_cast<float2*>(s_xbar + 2 * R);  // CL: (2, R, kFwdMaxCluster)
-  const unsigned cta = CL ? blockIdx.x / unsigned(ncta) : blockIdx.x;  // the cluster, or the CTA (32-bit divisions)
-  const std::int64_t g = cta / L.P, pi = cta % L.P;
+  const std::int64_t g = blockIdx.x / L.P, pi = blockIdx.x % L.P;
   const std::int64_t J = p.rows_per_group, jstep = std::int64_t(L.P) * R;
   const unsigned row_bytes = unsigned(n) * unsigned(sizeof(T));
-  const float inv_n = 1.f / float(n);  // (CL: this rank's columns)
+  const float inv_n = 1.f / float(n);
 
   // short rows (VPT 4): this thread's first parameter vector, loaded before any row copy is issued:
   // staged after them, the loads came back behind every SM's first rows, and the CTA waited for them
@@ -127,16 +108,12 @@ __global__ void __launch_bounds__(NT, 1) rownorm_fwd_bulk_kernel(const RowNormPa
   const bool par0 = STAGED && VPT == 4 && int(threadIdx.x) < nvec;
   if (par0) load_params_vec<T, true>(p, g, int(threadIdx.x) * E, n, sc0, bi0);
   for (int i = threadIdx.x; i < R * S; i += NT) mbar_init(bars + i, 1);
-  if constexpr (CL) {
-    if (int(threadIdx.x) < 2 * R) mbar_init(s_xbar + threadIdx.x, 1);  // one arrival: the row group's lane 0
-  }
   mbar_init_fence();
   __syncthreads();
-  if constexpr (CL) cluster_arrive();  // (waited for before the first exchange: every peer's mbarriers are ready)
   uint4* my_ring = ring + std::size_t(rg) * S * slot_vecs;
   std::uint64_t* my_bars = bars + rg * S;
   auto issue = [&](std::int64_t j, int s) {  // lane 0 of the group: row j into slot s
-    const T* src = static_cast<const T*>(p.x) + p.x_rows.offset(p.row_of(g, j)) + c0;
+    const T* src = static_cast<const T*>(p.x) + p.x_rows.offset(p.row_of(g, j));
     mbar_arrive_expect_tx(my_bars + s, row_bytes);
     bulk_g2s(my_ring + s * slot_vecs, src, row_bytes, my_bars + s);
   };
@@ -144,8 +121,8 @@ __global__ void __launch_bounds__(NT, 1) rownorm_fwd_bulk_kernel(const RowNormPa
   // queue behind the rows' copies (~10% of the kernel's stall samples at 4096 x 8192 without it)
   if (threadIdx.x == 0 && p.param_aligned) {
     const std::size_t psz = p.param == DType::f32 ? 4 : sizeof(T);
-    if (p.w) bulk_prefetch_l2(static_cast<const char*>(p.w) + (g * p.w_group_stride + c0) * psz, unsigned(n * psz));
-    if (p.b) bulk_prefetch_l2(static_cast<const char*>(p.b) + (g * p.b_group_stride + c0) * psz, unsigned(n * psz));
+    if (p.w) bulk_prefetch_l2(static_cast<const char*>(p.w) + g * p.w_group_stride * psz, unsigned(n * psz));
+    if (p.b) bulk_prefetch_l2(static_cast<const char*>(p.b) + g * p.b_group_stride * psz, unsigned(n * psz));
   }
   const std::int64_t jf = pi * R + rg;  // this group's first row
   if (lane == 0)
@@ -159,12 +136,10 @@ __global__ void __launch_bounds__(NT, 1) rownorm_fwd_bulk_kernel(const RowNormPa
   }
 
   // unstaged: this group's scale and bias rows (IO dtype, 16-byte aligned rows; null without them)
-  const T* wrow = !STAGED && p.w ? static_cast<const T*>(p.w) + g * p.w_group_stride + c0 : nullptr;
-  const T* brow = !STAGED && p.b ? static_cast<const T*>(p.b) + g * p.b_group_stride + c0 : nullptr;
+  const T* wrow = !STAGED && p.w ? static_cast<const T*>(p.w) + g * p.w_group_stride : nullptr;
+  const T* brow = !STAGED && p.b ? static_cast<const T*>(p.b) + g * p.b_group_stride : nullptr;
   int stage = 0, red_parity = 0;
   unsigned phase = 0;
-  [[maybe_unused]] unsigned it = 0;  // CL: rows so far (the exchange slot's parity and its mbarrier's phase)
-  if constexpr (CL) cluster_wait();
   for (std::int64_t j0 = pi * R; j0 < J; j0 += jstep) {  // uniform over the CTA (warp shuffles)
     const std::int64_t j = j0 + rg;
     const bool valid = j < J;
@@ -173,88 +148,43 @@ __global__ void __launch_bounds__(NT, 1) rownorm_fwd_bulk_kernel(const RowNormPa
     // previous iteration's output pass read x from that slot after the group's last barrier, and
     // another warp of the group may still be in it: one more group barrier first.
     if (tpr <= 32) __syncwarp();
-    else if constexpr (HOIST || CL) group_barrier(1 + rg, tpr);
+    else if constexpr (HOIST) group_barrier(1 + rg, tpr);
     if (lane == 0) {
       const std::int64_t jn = j + (S - 1) * jstep;
       if (jn < J) issue(jn, stage == 0 ? S - 1 : stage - 1);
     }
-    float mean = 0.f, s_loc = 0.f, ss;
-    float xf[CL ? 1 : VPT][E];  // (VPT, E) columns (k * tpr + lane) * E + [0, E) as fp32; 0 past the row end (not CL)
-    if constexpr (CL) {
-      // x read from the slot at each use, never held as (VPT, E) fp32 across the sums and the exchange (held, the
-      // instances spilled 40 / 112 B at 128 registers): each vector's tree, then the tree over vectors
-      if (valid) mbar_wait(my_bars + stage, phase);
+    float xf[VPT][E];  // (VPT, E) columns (k * tpr + lane) * E + [0, E) as fp32; 0 past the row end
+    if (valid) {
+      mbar_wait(my_bars + stage, phase);
       const uint4* src = my_ring + stage * slot_vecs;
-      auto row_sum = [&](auto&& value_of) {  // value_of(x of a vector in place, in the row) -> its E values
-        float s[VPT];
-#pragma unroll
-        for (int k = 0; k < VPT; ++k) {
-          const int cv = k * tpr + lane;
-          const bool in = valid && cv < nvec;
-          float f[E];
-          unpack<T>(in ? src[cv] : make_uint4(0u, 0u, 0u, 0u), f);
-          value_of(f, in);
-          s[k] = tree_sum<E>(f);
-        }
-        return tree_sum<VPT>(s);
-      };
-      if (!p.rms) {
-        s_loc = bulk_group_sum<NT>(row_sum([](float(&)[E], bool) {}), tpr, rg, s_red, red_parity);
-        mean = s_loc * inv_n;
-      }
-      ss = bulk_group_sum<NT>(row_sum([&](float (&f)[E], bool in) {
-                                #pragma unroll
-                                for (int e = 0; e < E; ++e) {
-                                  const float d = f[e] - mean;
-                                  f[e] = in ? d * d : 0.f;
-                                }
-                              }),
-                              tpr, rg, s_red, red_parity);
-    } else {
-      if (valid) {
-        mbar_wait(my_bars + stage, phase);
-        const uint4* src = my_ring + stage * slot_vecs;
-#pragma unroll
-        for (int k = 0; k < VPT; ++k) {
-          const int cv = k * tpr + lane;
-          unpack<T>(cv < nvec ? src[cv] : make_uint4(0u, 0u, 0u, 0u), xf[k]);
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < VPT; ++k)
-#pragma unroll
-          for (int e = 0; e < E; ++e) xf[k][e] = 0.f;
-      }
-      if (!p.rms) mean = bulk_group_sum<NT>(tree_sum<VPT * E>(&xf[0][0]), tpr, rg, s_red, red_parity) * inv_n;
-      float sq[VPT][E];  // (VPT, E) (x - mean)^2, 0 past the row end
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
-        const bool in = (k * tpr + lane) < nvec;
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-          const float d = xf[k][e] - mean;
-          sq[k][e] = in ? d * d : 0.f;
-        }
+        const int cv = k * tpr + lane;
+        unpack<T>(cv < nvec ? src[cv] : make_uint4(0u, 0u, 0u, 0u), xf[k]);
       }
-      ss = bulk_group_sum<NT>(tree_sum<VPT * E>(&sq[0][0]), tpr, rg, s_red, red_parity);
-    }
-    float rstd;
-    if constexpr (CL) {
-      // this rank's (sum, M2) into slot `rank` of every rank's exchange slot (lane c sends to rank c), lane 0 posting
-      // the C * 8 bytes it expects; then Chan's merge over the C ranks in rank order
-      const int xs = int(it & 1u) * R + rg;
-      float2* slot = s_xsum + xs * kFwdMaxCluster;
-      if (lane == 0) mbar_arrive_expect_tx(&s_xbar[xs], 8u * unsigned(ncta));
-      if (lane < ncta) st_async_float2(slot + rank, make_float2(s_loc, ss), &s_xbar[xs], lane);
-      mbar_wait_cluster(&s_xbar[xs], (it >> 1) & 1u);
-      cluster_merge_stats(slot, ncta, cl_cols, p, mean, rstd);
-      ++it;
     } else {
-      rstd = rsqrtf(ss * inv_n + p.eps);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k)
+#pragma unroll
+        for (int e = 0; e < E; ++e) xf[k][e] = 0.f;
     }
+    float mean = 0.f;
+    if (!p.rms) mean = bulk_group_sum<NT>(tree_sum<VPT * E>(&xf[0][0]), tpr, rg, s_red, red_parity) * inv_n;
+    float sq[VPT][E];  // (VPT, E) (x - mean)^2, 0 past the row end
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const bool in = (k * tpr + lane) < nvec;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float d = xf[k][e] - mean;
+        sq[k][e] = in ? d * d : 0.f;
+      }
+    }
+    const float ss = tree_sum<VPT * E>(&sq[0][0]);
+    const float rstd = rsqrtf(bulk_group_sum<NT>(ss, tpr, rg, s_red, red_parity) * inv_n + p.eps);
     if (valid) {
       const std::int64_t r = p.row_of(g, j);
-      T* yr = static_cast<T*>(p.y) + p.y_rows.offset(r) + c0;
+      T* yr = static_cast<T*>(p.y) + p.y_rows.offset(r);
       // HOIST: every vector's raw scale and bias loaded at once, before the first store (one trip to
       // the L2 per row; without it each vector's loads sit in its own guarded block after the previous
       // store: VPT dependent trips), and x read again from its slot (refilled only after the whole
@@ -307,18 +237,18 @@ __global__ void __launch_bounds__(NT, 1) rownorm_fwd_bulk_kernel(const RowNormPa
             for (int e = 0; e < E; ++e) bi[e] = raw_get<T>(raw, e);
           }
         }
-        if constexpr (HOIST || CL) {  // (CL: x not held across the exchange: 144 B of spills at 128 registers)
+        if constexpr (HOIST) {
           float xo[E];
           unpack<T>(my_ring[stage * slot_vecs + cv], xo);
 #pragma unroll
           for (int e = 0; e < E; ++e) out[e] = (xo[e] - mean) * rstd * sc[e] + bi[e];
         } else {
 #pragma unroll
-          for (int e = 0; e < E; ++e) out[e] = (xf[CL ? 0 : k][e] - mean) * rstd * sc[e] + bi[e];  // (CL: above)
+          for (int e = 0; e < E; ++e) out[e] = (xf[k][e] - mean) * rstd * sc[e] + bi[e];
         }
         store_vec<T>(yr, cv * E, n, true, out);
       }
-      if (lane == 0 && rank == 0) {
+      if (lane == 0) {
         if (p.mean) p.mean[r] = mean;
         if (p.rstd) p.rstd[r] = rstd;
       }

@@ -35,8 +35,6 @@
 #include <type_traits>
 #include <utility>
 
-#include <cooperative_groups.h>
-
 #include "common/norm_params.h"
 #include "cuda/common/bulk.cuh"
 #include "cuda/common/cluster.cuh"
@@ -840,15 +838,10 @@ __device__ __forceinline__ void group_barrier(int id, int count) {
 
 // VPT: vectors per thread, kRingVecs; 3 where that fills more of a row group's threads (set_rownorm_bwd_ring3).
 // CLU: launched in clusters that split the row's columns (cl_cols per rank, a multiple of E; above).
-// FIN (set_rownorm_bwd_fused_finalize; not with CLU): launched cooperatively (every CTA resident), the kernel
-// finalizes the weight gradients itself after a grid barrier, CTA c taking the finalize kernel's blocks 2c, 2c + 1,
-// 2c + 2 grid, ... in two halves of 256 threads (the same sums in the same order: the same bits), instead of a
-// second launch: its launch gap and its partial first wave (4096 x 1024 bf16: 18.3 + 5.5 us, ncu, session 16).
-template <typename T, int VPT = kRingVecs, bool CLU = false, bool FIN = false>
+template <typename T, int VPT = kRingVecs, bool CLU = false>
 __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const RowNormParams p, const RowLaunch L,
                                                                           float* __restrict__ ws_dw,
                                                                           float* __restrict__ ws_db, int cl_cols = 0) {
-  static_assert(!(CLU && FIN), "the fused finalize: the plain ring only");
   constexpr int E = kVecElems<T>, S = kRingStages, NT = kRingThreads;
 #if !defined(FW_HAS_BULK)
   if constexpr (CLU) {  // (planned on sm_90 binaries only)
@@ -1030,26 +1023,6 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
       *reinterpret_cast<float4*>(out + slot + c) = t;
     }
   }
-  if constexpr (FIN) {
-    static_assert(NT == 2 * 32 * kFinSlices, "two finalize blocks per CTA");
-    // every CTA's partials written (the grid barrier orders them before the reads), then this CTA's share of the
-    // finalize: gradient-major blocks (dW's, then dB's), as the finalize kernel's grid (fgrid, gradients)
-    cooperative_groups::this_grid().sync();
-    const int njobs = (ws_dw ? 1 : 0) + (ws_db ? 1 : 0);  // the finalize's gradients: dW (if any), then dB
-    const std::int64_t cols = p.groups * p.n, fgrid = (cols + 32 * kFinCols - 1) / (32 * kFinCols);
-    const std::int64_t blocks = fgrid * njobs;
-    auto s_fin = reinterpret_cast<float4(*)[kFinSlices][32]>(smem_v);  // (2, kFinSlices, 32): the halves' scratch
-    const int half = tid / (32 * kFinSlices), ft = tid % (32 * kFinSlices);
-    for (std::int64_t b0 = 2 * std::int64_t(blockIdx.x); b0 < blocks; b0 += 2 * std::int64_t(gridDim.x)) {
-      const std::int64_t b = b0 + half;  // (uniform trip count over the CTA: the block's barrier inside)
-      const bool active = b < blocks, bias = ws_db && (!ws_dw || (active && b >= fgrid));  // (dB's blocks follow dW's)
-      wgrad_finalize_block<T>(bias ? ws_db : ws_dw, bias ? p.db : p.dw, bias ? p.db_group_stride : p.dw_group_stride,
-                              active ? b % fgrid : 0, unsigned(ft % 32), unsigned(ft / 32), active, s_fin[half],
-                              std::int64_t(L.P),
-                              p.groups, p.n, p.param == DType::f32);
-      __syncthreads();  // (the scratch is written again next round)
-    }
-  }
   if constexpr (CLU) cluster_wait();
 }
 
@@ -1058,12 +1031,9 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
 // per-thread slots, unaligned ones through a register double buffer. xhat and g stay in registers
 // between the two passes.
 // smem: scale (N) | reduction scratch (2 * blockDim / 32 + 2) | partial combine (R, ceil(N / E), E + 1) when R > 1
-// FIN (set_rownorm_bwd_fused_finalize; aligned rows in 256-thread CTAs only): as the ring's, one finalize block per
-// CTA per round, its scratch static (4 KB).
-template <typename T, int VPT, bool ALIGNED, bool BIG, bool FIN = false>
+template <typename T, int VPT, bool ALIGNED, bool BIG>
 __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownorm_bwd_cached_kernel(
     const RowNormParams p, const RowLaunch L, float* __restrict__ ws_dw, float* __restrict__ ws_db) {
-  static_assert(!(BIG && FIN), "the fused finalize: 256-thread CTAs");
   constexpr int E = kVecElems<T>;
   constexpr int S = kStages;
   extern __shared__ uint4 smem_v[];
@@ -1193,20 +1163,6 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
   const std::int64_t slot = (pi * p.groups + g) * p.n;
   if (ws_dw) write_partials<T, VPT, ALIGNED>(ws_dw, acc_dw, slot, n, L.tpr, R, rg, lane, s_comb);
   if (ws_db) write_partials<T, VPT, ALIGNED>(ws_db, acc_db, slot, n, L.tpr, R, rg, lane, s_comb);
-  if constexpr (FIN) {
-    static_assert(kSmallCta == 32 * kFinSlices, "one finalize block per CTA");
-    __shared__ float4 s_fin[kFinSlices][32];
-    cooperative_groups::this_grid().sync();  // every CTA's partials written
-    const int njobs = (ws_dw ? 1 : 0) + (ws_db ? 1 : 0);  // the finalize's gradients: dW (if any), then dB
-    const std::int64_t cols = p.groups * p.n, fgrid = (cols + 32 * kFinCols - 1) / (32 * kFinCols);
-    for (std::int64_t b = blockIdx.x; b < fgrid * njobs; b += gridDim.x) {  // (uniform over the CTA)
-      const bool bias = ws_db && (!ws_dw || b >= fgrid);  // (dB's blocks follow dW's)
-      wgrad_finalize_block<T>(bias ? ws_db : ws_dw, bias ? p.db : p.dw, bias ? p.db_group_stride : p.dw_group_stride,
-                              b % fgrid, threadIdx.x % 32, threadIdx.x / 32, true, s_fin, std::int64_t(L.P),
-                              p.groups, p.n, p.param == DType::f32);
-      __syncthreads();  // (the scratch is written again next round)
-    }
-  }
 }
 
 

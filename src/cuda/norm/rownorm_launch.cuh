@@ -106,11 +106,6 @@ const void* bulk_fwd_kernel(int vpt, bool staged = true, int threads = kBulkThre
                   : reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, kBulkVecs>);
 }
 
-// The bulk forward in clusters (set_rownorm_fwd_cluster_bulk): 8 vectors of 512 threads, unstaged parameters
-// loaded per vector (96 registers; the hoisted loads spilled).
-template <typename T>
-constexpr auto bulk_cluster_kernel = &rownorm_fwd_bulk_kernel<T, 8, false, kBulkThreads, false, true>;
-
 // The 2-vector cached backward kernel for (dtype, alignment, CTA size).
 template <typename T>
 const void* cached_bwd_kernel(bool aligned, bool big) {
@@ -273,43 +268,6 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     const std::int64_t small = (nv8 + small_v - 1) / small_v;
     return mode == 2 && small <= kFwdMaxCluster ? small : (nv8 + big_v - 1) / big_v;
   };
-  // The same rows in the bulk kernel's clusters (set_rownorm_fwd_cluster_bulk, A/B; mode 1 C = ceil(N / 4096
-  // vectors), 2 C = ceil(N / 2048 vectors) <= 8): persistent CTAs of 512 threads, one per SM, each rank's slices of
-  // the cluster's rows through a ring of row slots by the TMA engine, so the next rows are in flight while one is
-  // reduced and stored (the one-row cluster forward issues a row's loads only when its CTA starts), the statistics
-  // exchanged per row as there. Unstaged parameters (the IO dtype's, aligned, or none); fp32 rows with
-  // set_rownorm_fwd_cluster_f32.
-  if (const int cb_mode = rownorm_fwd_cluster_bulk_mode();
-      cb_mode >= 1 && !bwd && al && unstaged_par && nv8 > 16 * kRow1MaxTpr &&
-      (sizeof(T) == 2 || rownorm_fwd_cluster_f32()) && rownorm_fwd_bulk_enabled() && cc_major() >= 9) {
-    const std::int64_t C = fwd_cluster_ranks(cb_mode);
-    const std::int64_t per = (nv8 + C - 1) / C;  // vectors per rank (every rank holds some: as the one-row split)
-    const int tpr = next_pow2(int((per + 7) / 8)), R = kBulkThreads / tpr;
-    const void* kernel = reinterpret_cast<const void*>(bulk_cluster_kernel<T>);
-    const std::size_t budget = smem_per_block_optin() - 8 * (kBulkThreads / 32) * sizeof(float) - 1024;
-    int stages = kBulkMaxStages;
-    while (stages >= 2 && bulk_smem_bytes(per * E, tpr, stages, 8, false, kBulkThreads, true) > budget) --stages;
-    if (C >= 2 && C <= kFwdMaxCluster && tpr <= kBulkThreads && stages >= 2 && kernel_binary_version(kernel) >= 90) {
-      const std::size_t smem = bulk_smem_bytes(per * E, tpr, stages, 8, false, kBulkThreads, true);
-      if (const int clusters = resident_clusters(kernel, kBulkThreads, smem, int(C)); clusters > 0) {
-        plan.cached = true;
-        plan.bulk = true;
-        plan.bulk_vecs = 8;
-        plan.bulk_staged = false;
-        plan.bulk_hoist = false;
-        plan.stages = stages;
-        plan.L.tpr = tpr;
-        plan.threads = kBulkThreads;
-        plan.smem = smem;
-        plan.cluster = int(C);
-        plan.cl_cols = int(per * E);
-        // clusters per group: one wave of them rounded down, at most the row groups the rows need
-        plan.L.P = int(std::max<std::int64_t>(1, std::min<std::int64_t>((J + R - 1) / R, clusters / p.groups)));
-        if (const int cap = rownorm_fwd_bulk_cta_cap(); cap > 0) plan.L.P = std::min(plan.L.P, cap);
-        return plan;
-      }
-    }
-  }
   // Rows past the one-row kernel's reach (4096 vectors: N > 32768) on Hopper: that kernel in clusters of C CTAs per
   // row (8 vectors x ceil(N / C / 8 / 32) warps each, x packed), the row's statistics merged through the peers'
   // shared memory (set_rownorm_fwd_cluster: mode 1 C = ceil(N / 4096 vectors), 2 C = ceil(N / 2048 vectors) <= 8),
@@ -551,29 +509,6 @@ RowNormParams with_param_alignment(const RowNormParams& p_in) {
 
 template <int V> using IC = std::integral_constant<int, V>;  // (compile-time instance arguments)
 
-// set_rownorm_fwd_row1_occupancy's CTAs per SM for a one-row launch of `rows` CTAs, k0 of which fit per SM: the
-// forced k, or (the tail rule) the k in [ceil(k0 / 2), k0] of least cost, the larger on ties, where that is at
-// least 3% below k0's. cost(k) = ceil(rows / (S k)) min(k, ceil(rows / S)): waves times the rows an SM holds in
-// one (a wave of fewer rows than SMs costs 1 whatever k).
-inline int row1_occupancy_ctas(std::int64_t rows, int k0) {
-  const int v = rownorm_fwd_row1_occupancy();
-  if (v >= 1) return v;
-  const std::int64_t sms = sm_count(), per_sm = (rows + sms - 1) / sms;
-  auto cost = [&](int k) { return (rows + sms * k - 1) / (sms * k) * std::min<std::int64_t>(k, per_sm); };
-  int best = k0;
-  for (int k = k0 - 1; k >= (k0 + 1) / 2 && k >= 1; --k)
-    if (cost(k) < cost(best)) best = k;
-  return cost(best) * 100 <= cost(k0) * 97 ? best : k0;
-}
-// The dynamic shared memory of a one-row launch (0 unless set_rownorm_fwd_row1_occupancy asks for fewer CTAs per
-// SM than fit).
-inline std::size_t row1_occupancy_smem(const void* kernel, int threads, std::int64_t rows) {
-  if (rownorm_fwd_row1_occupancy() == 0) return 0;
-  const int k0 = resident_ctas_per_sm(kernel, threads, 0);
-  const int k = row1_occupancy_ctas(rows, k0);
-  return k < k0 ? smem_for_ctas_per_sm(kernel, threads, k) : 0;
-}
-
 template <typename T>
 void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   const RowNormParams p = with_param_alignment<T>(p_in);
@@ -584,7 +519,6 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
   const unsigned grid = unsigned(blocks);
   note_rownorm_fwd_kernel(plan.row1 && plan.cluster > 1 ? "row1_cluster"
                           : plan.row1                    ? "row1"
-                          : plan.bulk && plan.cluster > 1 ? "bulk_cluster"
                           : plan.bulk && !plan.bulk_staged && plan.threads == 1024 ? "bulk_unstaged_1024"
                           : plan.bulk && !plan.bulk_staged && plan.bulk_hoist ? "bulk_unstaged_hoist"
                           : plan.bulk && !plan.bulk_staged ? "bulk_unstaged"
@@ -600,13 +534,8 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
                           plan.cl_cols);
   } else if (plan.row1) {
     if constexpr (sizeof(T) == 2) {
-      // every instance below through launch1: with set_rownorm_fwd_row1_occupancy, dynamic shared memory the kernel
-      // does not touch holds it to fewer CTAs per SM (row1_occupancy_smem; 0 otherwise, the plain launch)
-      auto launch1 = [&](auto kernel) {
-        const std::size_t occ = row1_occupancy_smem(reinterpret_cast<const void*>(kernel), plan.threads, grid);
-        note_rownorm_fwd_row1_smem(occ);
-        kernel<<<grid, plan.threads, occ, stream>>>(p, 0);
-      };  // planned for 16-bit rows only
+      // planned for 16-bit rows only; every instance below through one launch
+      auto launch1 = [&](auto kernel) { kernel<<<grid, plan.threads, 0, stream>>>(p, 0); };
       const bool raw_par = (p.param != DType::f32 && p.param_aligned) || (!p.w && !p.b);
       const bool f32_par = p.param == DType::f32 && p.param_aligned;
       const bool wide = plan.threads > kRow1MaxTpr;
@@ -713,12 +642,6 @@ void rownorm_fwd_launch(const RowNormParams& p_in, cudaStream_t stream) {
         else launch1(&rownorm_fwd_row1_kernel<T, false, 1>);
       }
     }
-  } else if (plan.bulk && plan.cluster > 1) {  // persistent clusters of C CTAs, P per group
-    const std::int64_t cblocks = std::int64_t(plan.L.P) * p.groups * plan.cluster;
-    if (cblocks > 0x7fffffff) throw Error(cat("rownorm_fwd: grid of ", cblocks, " CTAs is too large"));
-    launch_kernel_cluster("rownorm_fwd", bulk_cluster_kernel<T>, dim3(unsigned(cblocks)),
-                          dim3(plan.threads), plan.smem, stream, false, unsigned(plan.cluster), p, plan.L, plan.stages,
-                          plan.cl_cols);
   } else if (plan.bulk) {
     if (!plan.bulk_staged && plan.threads == 1024)
       rownorm_fwd_bulk_kernel<T, 4, false, 1024, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, plan.stages);
@@ -777,26 +700,9 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
   float* ws_db = p.db ? reinterpret_cast<float*>(ws + (p.dw ? w.partial_bytes : 0)) : nullptr;
   float2* rowsums = reinterpret_cast<float2*>(ws + (p.dw ? w.partial_bytes : 0) + (p.db ? w.partial_bytes : 0));
   const bool al = plan.L.aligned;
-  // the plain ring and the 256-thread cached kernel with the weight gradients finalized in the kernel
-  // (set_rownorm_bwd_fused_finalize): a cooperative launch, so where all its CTAs fit at once (one wave per group:
-  // ctas_per_unit's rule, unless the groups exceed it)
-  using BwdFn = void (*)(const RowNormParams, const RowLaunch, float*, float*);
-  using RingFn = void (*)(const RowNormParams, const RowLaunch, float*, float*, int);
-  const RingFn ring_fin = plan.ring_vecs == 3 ? &rownorm_bwd_ring_kernel<T, 3, false, true>
-                                              : &rownorm_bwd_ring_kernel<T, kRingVecs, false, true>;
-  // (aligned rows only: the unaligned instance would spill 80 B, against 56 without FIN; ptxas, sm_90a, bf16)
-  const BwdFn cached_fin = &rownorm_bwd_cached_kernel<T, kBwdVecs, true, false, true>;
-  const bool fin_ring = plan.ring && plan.cluster == 1;
-  const bool fin_cached = plan.cached && !plan.ring && al && plan.threads <= kSmallCta;
-  const bool fused = p.rows > 0 && (fin_ring || fin_cached) && (p.dw || p.db) && rownorm_bwd_fused_finalize() &&
-                     std::int64_t(plan.L.P) * p.groups <=
-                         std::int64_t(resident_ctas_per_sm(fin_ring ? reinterpret_cast<const void*>(ring_fin)
-                                                                    : reinterpret_cast<const void*>(cached_fin),
-                                                           plan.threads, plan.smem)) * sm_count();
   note_rownorm_bwd_kernel(!plan.cached ? "rowsum_coltile"
-                          : !plan.ring ? (fused ? "cached_fused" : "cached")
+                          : !plan.ring ? "cached"
                           : plan.cluster > 1 ? (plan.ring_vecs == 3 ? "ring3_cluster" : "ring_cluster")
-                          : fused ? (plan.ring_vecs == 3 ? "ring3_fused" : "ring_fused")
                           : plan.ring_vecs == 3 ? "ring3"
                                                 : "ring");
   if (p.rows > 0) {
@@ -815,11 +721,7 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
       if (blocks > 0x7fffffff) throw Error(cat("rownorm_bwd: grid of ", blocks, " CTAs is too large"));
       const unsigned grid = unsigned(blocks);
       const bool big = plan.threads > kSmallCta;
-      if (fused && fin_ring) launch_kernel_cooperative("rownorm_bwd", ring_fin, dim3(grid), dim3(plan.threads), plan.smem,
-                                                       stream, p, plan.L, ws_dw, ws_db, 0);
-      else if (fused) launch_kernel_cooperative("rownorm_bwd", cached_fin, dim3(grid), dim3(plan.threads), plan.smem,
-                                                stream, p, plan.L, ws_dw, ws_db);
-      else if (plan.ring && plan.ring_vecs == 3) rownorm_bwd_ring_kernel<T, 3><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
+      if (plan.ring && plan.ring_vecs == 3) rownorm_bwd_ring_kernel<T, 3><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (plan.ring) rownorm_bwd_ring_kernel<T><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al && big) rownorm_bwd_cached_kernel<T, kBwdVecs, true, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al) rownorm_bwd_cached_kernel<T, kBwdVecs, true, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
@@ -847,7 +749,7 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
   unsigned njobs = 0;
   if (p.dw) { job.ws[njobs] = ws_dw; job.out[njobs] = p.dw; job.out_group_stride[njobs] = p.dw_group_stride; ++njobs; }
   if (p.db) { job.ws[njobs] = ws_db; job.out[njobs] = p.db; job.out_group_stride[njobs] = p.db_group_stride; ++njobs; }
-  if (njobs > 0 && fgrid > 0 && !fused) {
+  if (njobs > 0 && fgrid > 0) {
     // On sm_90 a programmatic dependent launch: its CTAs are scheduled as the backward's finish
     // (they signal after their row loops) instead of after the launch gap, and wait in the kernel
     // for the backward's completion before reading the partials.
