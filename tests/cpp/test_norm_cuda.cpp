@@ -666,6 +666,56 @@ INSTANTIATE_TEST_SUITE_P(Ring3, NormCudaBwdRing3,
                                                                             12288)),
                          rows_case_name);
 
+// The plain ring's whole-warp row groups (set_rownorm_bwd_ring_tight) and 3 row slots per group
+// (set_rownorm_bwd_ring_stages), alone and together: taken where the planner's rules say (rederived here: groups of
+// a multiple of 32 threads where a CTA then holds more of them, bf16 N 2056..3072 and 4104..5120; 3 slots where the
+// shared memory fits), CTAs of fewer than 512 threads (5 x 96, 3 x 160), padded rows and contiguous ones with fp32
+// parameters, and about 3 waves of row groups (each ring's slots reused many times).
+struct NormCudaBwdRingTight : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaBwdRingTight, WholeWarpGroupsAndThreeStagesMatchReference) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t groups = param_groups(op);
+  const ScopedSwitch<bool> ring3(&fastweight::detail::set_rownorm_bwd_ring3, true);
+  const ScopedSwitch<int> one_cta(&fastweight::detail::set_rownorm_bwd_cluster_mult, 1);  // (the plain ring)
+  const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e;
+  const std::int64_t tpr4 = pow2((nvec + 3) / 4), tpr3 = pow2((nvec + 2) / 3);
+  const bool ring = tpr4 >= 64 && n <= 512 * 4 * e, three = tpr3 <= 512 && 3 * tpr3 < 4 * tpr4;
+  const bool hopper = fastweight::detail::cc_major() >= 9;
+  for (const auto& [tight, stages] : {std::pair{true, 2}, std::pair{false, 3}, std::pair{true, 3}}) {
+    SCOPED_TRACE(std::string("tight ") + (tight ? "on" : "off") + ", stages " + std::to_string(stages));
+    const ScopedSwitch<bool> t_sw(&fastweight::detail::set_rownorm_bwd_ring_tight, tight);
+    const ScopedSwitch<int> s_sw(&fastweight::detail::set_rownorm_bwd_ring_stages, stages);
+    // the expected shape: (vectors, threads per group, groups per CTA)
+    std::int64_t v = three ? 3 : 4, t = three ? tpr3 : tpr4, r = 512 / t;
+    bool is_tight = false;
+    if (tight) {
+      for (const std::int64_t cv : {4, 3}) {
+        const std::int64_t ct = (nvec + 32 * cv - 1) / (32 * cv) * 32, cr = 512 / ct;
+        if (ct < 64 || ct > 512 || cr < r || (cr == r && (!is_tight || ct * cv - nvec >= t * v - nvec))) continue;
+        is_tight = true, v = cv, t = ct, r = cr;
+      }
+    }
+    const std::size_t smem3 = std::size_t(3 * 512 * (2 * v * 16 + 8) + (n + e - 1) / e * e * 4 + 2 * 16 * 8);
+    const bool s3 = stages == 3 && smem3 <= fastweight::detail::smem_per_block_optin();
+    const std::string expect = std::string(v == 3 ? "ring3" : "ring") + (is_tight ? "_tight" : "") + (s3 ? "_s3" : "");
+    const std::int64_t many = groups * ((3 * fastweight::detail::sm_count() * r + groups - 1) / groups);
+    for (const auto& [layout, params, rows] : {std::tuple{Layout::padded, Params::io, groups * 37},
+                                               std::tuple{Layout::contiguous, Params::f32, groups * 5},
+                                               std::tuple{Layout::padded, Params::io, many}}) {
+      check_case(op, dt, n, rows, layout, params);
+      const std::string ran = fastweight::detail::rownorm_bwd_last_kernel();
+      if (ring && hopper) EXPECT_EQ(ran, expect) << n;
+      else if (!ring) EXPECT_TRUE(ran.find("_tight") == std::string::npos && ran.find("_s3") == std::string::npos) << ran;
+    }
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBwdRingTight,
+                         ::testing::Combine(kOps, kDtypes,
+                                            ::testing::Values<std::int64_t>(2048, 2560, 3072, 4104, 4608, 5120, 5128,
+                                                                            6144, 8192, 12288, 16384)),
+                         rows_case_name);
+
 // Aligned rows past the ring kernel's reach (bf16 / fp16 N > 16384, fp32 N > 8192): the ring kernel in clusters of
 // C = ceil(N / reach) CTAs on Hopper (set_rownorm_bwd_cluster), C 2..8, 3 vectors per thread at N 24576 (bf16), ranks
 // whose last one holds fewer columns (20000, 40000), about 4 rows per cluster (the exchange slots' parities and

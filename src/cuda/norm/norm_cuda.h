@@ -19,7 +19,8 @@ void rownorm_bwd_cuda(const RowNormParams& p, void* workspace, std::size_t works
 // any), so that a test of a path can check it ran.
 const char* rownorm_fwd_last_kernel();
 void note_rownorm_fwd_kernel(const char* name);
-// Likewise the backward's ("ring", "ring3", "ring_cluster", "ring3_cluster", "cached", "rowsum_coltile").
+// Likewise the backward's ("ring", "ring3", "ring_cluster", "ring3_cluster", "cached", "rowsum_coltile"; the plain
+// ring's with "_tight" for whole-warp row groups, "_s3" for 3 stages: "ring_tight_s3" ...).
 const char* rownorm_bwd_last_kernel();
 void note_rownorm_bwd_kernel(const char* name);
 // The backward's ring kernel with 3 vectors per thread instead of 4 where that idles fewer of a row group's
@@ -31,6 +32,22 @@ void note_rownorm_bwd_kernel(const char* name);
 // Returns the previous setting (tests, fastweight_bench --bwd-ring3=off|on).
 bool set_rownorm_bwd_ring3(bool on);
 bool rownorm_bwd_ring3();
+// A/B: the plain ring's row groups of any multiple of 32 threads (4 or 3 vectors each, at least kRingMinTpr threads),
+// where that gives a CTA more of them than the power-of-two groups: the CTA runs R = 512 / tpr whole groups (R tpr
+// threads). bf16: N 2056..3072 96 x 4 (5 groups, against 4 of 128), 4104..5120 160 x 4 (3, against 2 of 256 x 3,
+// which leaves 1/6 of the vector slots idle at N 5120). Hypothesis: the ring at 4096 x 5120 (2.3 TB/s, against 3.0 at
+// x 8192) is bound by its bytes in flight (2 rows of 20 KB per SM); 3 groups hold 3. Off by default;
+// FW_NORM_BWD_RING_TIGHT=1 at start. Compiled in session 45, not yet run on a GPU. Returns the previous setting
+// (tests, fastweight_bench --bwd-ring-tight=off|on).
+bool set_rownorm_bwd_ring_tight(bool on);
+bool rownorm_bwd_ring_tight();
+// A/B: the plain ring with 3 row slots per row group instead of 2 (two rows in flight while one is reduced) where
+// its shared memory fits (bf16 3 vectors x 512 threads: 156 KB of slots + the scale; 4 vectors: up to N 4096).
+// Same hypothesis: 4096 x 12288 (one row group per SM, 48 KB in flight) runs at 2.7 TB/s. Off by default;
+// FW_NORM_BWD_RING_STAGES=3 at start. Compiled in session 45, not yet run on a GPU. Returns the previous setting
+// (2 or 3; tests, fastweight_bench --bwd-ring-stages=2|3).
+int set_rownorm_bwd_ring_stages(int stages);
+int rownorm_bwd_ring_stages();
 // Aligned rows past the ring kernel's reach (bf16 / fp16 N > 16384, fp32 N > 8192) on Hopper: the ring kernel in
 // clusters of C = ceil(N / that reach) <= 8 CTAs (bf16 N <= 131072, fp32 <= 65536), each CTA the same rows' N / C
 // columns, the row sums exchanged through the peers' shared memory (st.async on their mbarriers) and added in

@@ -812,10 +812,12 @@ inline constexpr int kRingMinTpr = 64;
 template <typename T> inline constexpr std::int64_t kRingMaxN = std::int64_t(kRingThreads) * kRingVecs * kVecElems<T>;
 
 inline constexpr int kRingMaxCluster = 8;  // portable cluster sizes
-// n: the CTA's columns (cl_cols in a cluster); cluster: its exchange slots for R row groups (0: none)
-inline std::size_t ring_smem_bytes(std::int64_t n, int elems, int vpt = kRingVecs, int cluster_groups = 0) {
+// n: the CTA's columns (cl_cols in a cluster); cluster: its exchange slots for R row groups (0: none); stages: the
+// ring's rows per row group (kRingStages, or 3: set_rownorm_bwd_ring_stages)
+inline std::size_t ring_smem_bytes(std::int64_t n, int elems, int vpt = kRingVecs, int cluster_groups = 0,
+                                   int stages = kRingStages) {
   const std::size_t n_pad = std::size_t((n + elems - 1) / elems * elems);
-  return std::size_t(kRingStages) * kRingThreads * (2 * std::size_t(vpt) * 16 + 2 * sizeof(float)) +
+  return std::size_t(stages) * kRingThreads * (2 * std::size_t(vpt) * 16 + 2 * sizeof(float)) +
          n_pad * sizeof(float) + 2 * (kRingThreads / 32) * sizeof(float2) +
          std::size_t(cluster_groups) * 2 * (sizeof(std::uint64_t) + kRingMaxCluster * sizeof(float2));
 }
@@ -838,11 +840,15 @@ __device__ __forceinline__ void group_barrier(int id, int count) {
 
 // VPT: vectors per thread, kRingVecs; 3 where that fills more of a row group's threads (set_rownorm_bwd_ring3).
 // CLU: launched in clusters that split the row's columns (cl_cols per rank, a multiple of E; above).
-template <typename T, int VPT = kRingVecs, bool CLU = false>
+// STAGES: rows per row group's ring (kRingStages; 3 with set_rownorm_bwd_ring_stages: two rows in flight while one is
+// reduced). A CTA may hold fewer than 512 threads (R whole row groups of any multiple of 32, set_rownorm_bwd_ring_tight);
+// its shared-memory layout keeps 512 threads' slots.
+template <typename T, int VPT = kRingVecs, bool CLU = false, int STAGES = kRingStages>
 __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const RowNormParams p, const RowLaunch L,
                                                                           float* __restrict__ ws_dw,
                                                                           float* __restrict__ ws_db, int cl_cols = 0) {
-  constexpr int E = kVecElems<T>, S = kRingStages, NT = kRingThreads;
+  static_assert(!(CLU && STAGES != kRingStages), "the cluster ring: kRingStages");
+  constexpr int E = kVecElems<T>, S = STAGES, NT = kRingThreads;
 #if !defined(FW_HAS_BULK)
   if constexpr (CLU) {  // (planned on sm_90 binaries only)
     __trap();
@@ -1013,7 +1019,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
       for (int e = 0; e < E; ++e) s_part[rg * group_floats + v * (E + 1) + e] = w == 0 ? acc_dw[k][e] : acc_db[k][e];
     }
     __syncthreads();
-    for (int c = tid * 4; c < n; c += NT * 4) {
+    for (int c = tid * 4; c < n; c += (CLU ? NT : int(blockDim.x)) * 4) {  // (R tpr threads: 512, or fewer)
       const float* src = s_part + (c / E) * (E + 1) + c % E;
       float4 t = make_float4(src[0], src[1], src[2], src[3]);
       for (int i = 1; i < R; ++i) {

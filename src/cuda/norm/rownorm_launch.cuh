@@ -44,6 +44,8 @@ struct RowPlan {
   bool persistent = true;  // forward, cached: persistent CTAs (else one row group per CTA)
   bool ring = false;       // backward, cached: the cp.async ring kernel (aligned rows)
   int ring_vecs = kRingVecs;  // its vectors per thread (4, or 3: set_rownorm_bwd_ring3)
+  int ring_stages = kRingStages;  // its row slots per row group (2, or 3: set_rownorm_bwd_ring_stages; not in clusters)
+  bool ring_tight = false;  // its row groups of a multiple of 32 threads, not a power of two (set_rownorm_bwd_ring_tight)
   int cluster = 1;         // CTAs per cluster: the backward's ring (rows past kRingMaxN: 2..8, set_rownorm_bwd_cluster),
                            // the forward's one-row kernel (rows past 4096 vectors: 2..8, set_rownorm_fwd_cluster)
   int cl_cols = 0;         // and each one's columns (a multiple of E)
@@ -105,6 +107,16 @@ const void* bulk_fwd_kernel(int vpt, bool staged = true, int threads = kBulkThre
   return vpt == 8 ? reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, 8>)
                   : reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, kBulkVecs>);
 }
+
+// The plain ring backward (not in clusters) for (vectors per thread, row slots).
+using RingBwdFn = void (*)(const RowNormParams, const RowLaunch, float*, float*, int);
+template <typename T>
+RingBwdFn ring_bwd_fn(int vpt, int stages) {
+  if (stages == 3) return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, false, 3> : &rownorm_bwd_ring_kernel<T, kRingVecs, false, 3>;
+  return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3> : &rownorm_bwd_ring_kernel<T>;
+}
+template <typename T>
+const void* ring_bwd_kernel(int vpt, int stages) { return reinterpret_cast<const void*>(ring_bwd_fn<T>(vpt, stages)); }
 
 // The 2-vector cached backward kernel for (dtype, alignment, CTA size).
 template <typename T>
@@ -450,12 +462,27 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       plan.ring = true;
       plan.ring_vecs = ring3 ? 3 : kRingVecs;
       plan.L.tpr = ring3 ? ring3_tpr : ring_tpr;
-      plan.threads = kRingThreads;
-      plan.smem = ring_smem_bytes(p.n, E, plan.ring_vecs);
-      const int R = plan.threads / plan.L.tpr;
-      const void* kernel = ring3 ? reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T, 3>)
-                                 : reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T>);
-      plan.L.P = ctas_per_unit(kernel, plan.threads, plan.smem, p.groups, (J + R - 1) / R);
+      if (rownorm_bwd_ring_tight()) {
+        // whole-warp row groups of 4 or 3 vectors (set_rownorm_bwd_ring_tight): the most groups per CTA, then the
+        // fewest idle vector slots, where that is more groups than the power-of-two shape's
+        const std::int64_t nvec = p.n / E;
+        int best_r = kRingThreads / plan.L.tpr;
+        std::int64_t best_idle = 0;
+        for (const int v : {kRingVecs, 3}) {
+          const int t = int((nvec + 32 * v - 1) / (32 * v) * 32), r = kRingThreads / std::max(t, 1);
+          const std::int64_t idle = std::int64_t(t) * v - nvec;
+          if (t < kRingMinTpr || t > kRingThreads || r < best_r || (r == best_r && (!plan.ring_tight || idle >= best_idle)))
+            continue;
+          plan.ring_tight = true, plan.ring_vecs = v, plan.L.tpr = t, best_r = r, best_idle = idle;
+        }
+      }
+      const int R = kRingThreads / plan.L.tpr;
+      plan.threads = R * plan.L.tpr;  // (512, or fewer whole-warp groups)
+      if (rownorm_bwd_ring_stages() == 3 && ring_smem_bytes(p.n, E, plan.ring_vecs, 0, 3) <= smem_per_block_optin())
+        plan.ring_stages = 3;
+      plan.smem = ring_smem_bytes(p.n, E, plan.ring_vecs, 0, plan.ring_stages);
+      plan.L.P = ctas_per_unit(ring_bwd_kernel<T>(plan.ring_vecs, plan.ring_stages), plan.threads, plan.smem, p.groups,
+                               (J + R - 1) / R);
       return plan;
     }
     plan.L.tpr = next_pow2((p.n + kBwdVecs * E - 1) / (kBwdVecs * E));
@@ -690,6 +717,13 @@ std::size_t rownorm_bwd_workspace(const RowNormParams& p) {
   return (p.dw ? w.partial_bytes : 0) + (p.db ? w.partial_bytes : 0) + w.rowsum_bytes;
 }
 
+// The plain ring's name for rownorm_bwd_last_kernel: "ring" / "ring3", "_tight" (whole-warp groups), "_s3" (3 stages).
+inline const char* ring_kernel_name(bool three, bool tight, bool s3) {
+  static constexpr const char* names[8] = {"ring", "ring_s3", "ring_tight", "ring_tight_s3",
+                                           "ring3", "ring3_s3", "ring3_tight", "ring3_tight_s3"};
+  return names[(three ? 4 : 0) + (tight ? 2 : 0) + (s3 ? 1 : 0)];
+}
+
 template <typename T>
 void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t stream) {
   const RowNormParams p = with_param_alignment<T>(p_in);
@@ -703,8 +737,7 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
   note_rownorm_bwd_kernel(!plan.cached ? "rowsum_coltile"
                           : !plan.ring ? "cached"
                           : plan.cluster > 1 ? (plan.ring_vecs == 3 ? "ring3_cluster" : "ring_cluster")
-                          : plan.ring_vecs == 3 ? "ring3"
-                                                : "ring");
+                          : ring_kernel_name(plan.ring_vecs == 3, plan.ring_tight, plan.ring_stages == 3));
   if (p.rows > 0) {
     if (plan.cluster > 1) {
       const std::int64_t blocks = std::int64_t(plan.L.P) * p.groups * plan.cluster;
@@ -721,8 +754,8 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
       if (blocks > 0x7fffffff) throw Error(cat("rownorm_bwd: grid of ", blocks, " CTAs is too large"));
       const unsigned grid = unsigned(blocks);
       const bool big = plan.threads > kSmallCta;
-      if (plan.ring && plan.ring_vecs == 3) rownorm_bwd_ring_kernel<T, 3><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
-      else if (plan.ring) rownorm_bwd_ring_kernel<T><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
+      if (plan.ring)
+        ring_bwd_fn<T>(plan.ring_vecs, plan.ring_stages)<<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db, 0);
       else if (al && big) rownorm_bwd_cached_kernel<T, kBwdVecs, true, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al) rownorm_bwd_cached_kernel<T, kBwdVecs, true, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (big) rownorm_bwd_cached_kernel<T, kBwdVecs, false, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
