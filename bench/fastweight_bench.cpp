@@ -21,7 +21,7 @@
 //   fastweight_bench --row1-f32par=off|on    its 4- and 8-vector instances for fp32 parameters too (with --params=f32)
 //   fastweight_bench --bwd-ring3=off|on      norm backward's ring kernel at 3 vectors per thread where that idles fewer threads
 //   fastweight_bench --bwd-ring-tight=off|on  its row groups of any multiple of 32 threads where a CTA then holds more
-//   fastweight_bench --bwd-ring-stages=2|3   its row slots per row group (3 where the shared memory fits)
+//   fastweight_bench --bwd-ring-stages=auto|2|3  its row slots per row group (auto: 3 at one row group per CTA; 3 where it fits)
 //   fastweight_bench --bwd-cluster=off|on    norm backward's ring kernel in clusters for rows past its reach (else rowsum + coltile)
 //   fastweight_bench --fwd-cluster=off|on|small  norm forward's one-row kernel in clusters for 16-bit rows past 32768
 //                                            (small: 256-thread ranks; else the streaming kernel)
@@ -495,8 +495,8 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--bwd-ring3=")) o.bwd_ring3 = on(v) ? 1 : 0;
     else if (const char* v = val("--bwd-ring-tight=")) o.bwd_ring_tight = on(v) ? 1 : 0;
     else if (const char* v = val("--bwd-ring-stages=")) {
-      o.bwd_ring_stages = std::atoi(v);
-      if (o.bwd_ring_stages != 2 && o.bwd_ring_stages != 3) usage(2);
+      o.bwd_ring_stages = std::strcmp(v, "auto") == 0 ? 0 : std::atoi(v);
+      if (o.bwd_ring_stages != 0 && o.bwd_ring_stages != 2 && o.bwd_ring_stages != 3) usage(2);
     }
     else if (const char* v = val("--bwd-cluster=")) o.bwd_cluster = on(v) ? 1 : 0;
     else if (const char* v = val("--fwd-cluster=")) o.fwd_cluster = std::strcmp(v, "small") == 0 ? 2 : on(v) ? 1 : 0;

@@ -643,6 +643,9 @@ TEST_P(NormCudaBwdRing3, ThreeVectorRingMatchesReference) {
   const std::int64_t groups = param_groups(op);
   const ScopedSwitch<bool> ring3(&fastweight::detail::set_rownorm_bwd_ring3, true);
   const ScopedSwitch<int> one_cta(&fastweight::detail::set_rownorm_bwd_cluster_mult, 1);  // (the ring, not in clusters)
+  // (power-of-two row groups, 2 slots: NormCudaBwdRingTight covers the other shapes)
+  const ScopedSwitch<bool> pow2_groups(&fastweight::detail::set_rownorm_bwd_ring_tight, false);
+  const ScopedSwitch<int> two_slots(&fastweight::detail::set_rownorm_bwd_ring_stages, 2);
   const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e;
   const std::int64_t tpr4 = pow2((nvec + 3) / 4), tpr3 = pow2((nvec + 2) / 3);
   const bool ring = tpr4 >= 64 && n <= 512 * 4 * e, expect3 = ring && tpr3 <= 512 && 3 * tpr3 < 4 * tpr4;
@@ -667,9 +670,10 @@ INSTANTIATE_TEST_SUITE_P(Ring3, NormCudaBwdRing3,
                          rows_case_name);
 
 // The plain ring's whole-warp row groups (set_rownorm_bwd_ring_tight) and 3 row slots per group
-// (set_rownorm_bwd_ring_stages), alone and together: taken where the planner's rules say (rederived here: groups of
-// a multiple of 32 threads where a CTA then holds more of them, bf16 N 2056..3072 and 4104..5120; 3 slots where the
-// shared memory fits), CTAs of fewer than 512 threads (5 x 96, 3 x 160), padded rows and contiguous ones with fp32
+// (set_rownorm_bwd_ring_stages), each on and off, the slots forced and by the rule (the defaults: whole warps, the
+// rule): taken where the planner's rules say (rederived here: groups of a multiple of 32 threads where a CTA then
+// holds more of them, bf16 N 2056..3072 and 4104..5120; 3 slots where the shared memory fits, by the rule at one
+// group per CTA), CTAs of fewer than 512 threads (5 x 96, 3 x 160), padded rows and contiguous ones with fp32
 // parameters, and about 3 waves of row groups (each ring's slots reused many times).
 struct NormCudaBwdRingTight : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaBwdRingTight, WholeWarpGroupsAndThreeStagesMatchReference) {
@@ -682,7 +686,8 @@ TEST_P(NormCudaBwdRingTight, WholeWarpGroupsAndThreeStagesMatchReference) {
   const std::int64_t tpr4 = pow2((nvec + 3) / 4), tpr3 = pow2((nvec + 2) / 3);
   const bool ring = tpr4 >= 64 && n <= 512 * 4 * e, three = tpr3 <= 512 && 3 * tpr3 < 4 * tpr4;
   const bool hopper = fastweight::detail::cc_major() >= 9;
-  for (const auto& [tight, stages] : {std::pair{true, 2}, std::pair{false, 3}, std::pair{true, 3}}) {
+  for (const auto& [tight, stages] : {std::pair{false, 2}, std::pair{true, 2}, std::pair{false, 3}, std::pair{true, 3},
+                                      std::pair{false, 0}, std::pair{true, 0}}) {
     SCOPED_TRACE(std::string("tight ") + (tight ? "on" : "off") + ", stages " + std::to_string(stages));
     const ScopedSwitch<bool> t_sw(&fastweight::detail::set_rownorm_bwd_ring_tight, tight);
     const ScopedSwitch<int> s_sw(&fastweight::detail::set_rownorm_bwd_ring_stages, stages);
@@ -697,7 +702,7 @@ TEST_P(NormCudaBwdRingTight, WholeWarpGroupsAndThreeStagesMatchReference) {
       }
     }
     const std::size_t smem3 = std::size_t(3 * 512 * (2 * v * 16 + 8) + (n + e - 1) / e * e * 4 + 2 * 16 * 8);
-    const bool s3 = stages == 3 && smem3 <= fastweight::detail::smem_per_block_optin();
+    const bool s3 = (stages == 3 || (stages == 0 && r == 1)) && smem3 <= fastweight::detail::smem_per_block_optin();
     const std::string expect = std::string(v == 3 ? "ring3" : "ring") + (is_tight ? "_tight" : "") + (s3 ? "_s3" : "");
     const std::int64_t many = groups * ((3 * fastweight::detail::sm_count() * r + groups - 1) / groups);
     for (const auto& [layout, params, rows] : {std::tuple{Layout::padded, Params::io, groups * 37},

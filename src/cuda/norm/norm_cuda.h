@@ -32,20 +32,23 @@ void note_rownorm_bwd_kernel(const char* name);
 // Returns the previous setting (tests, fastweight_bench --bwd-ring3=off|on).
 bool set_rownorm_bwd_ring3(bool on);
 bool rownorm_bwd_ring3();
-// A/B: the plain ring's row groups of any multiple of 32 threads (4 or 3 vectors each, at least kRingMinTpr threads),
+// The plain ring's row groups of any multiple of 32 threads (4 or 3 vectors each, at least kRingMinTpr threads),
 // where that gives a CTA more of them than the power-of-two groups: the CTA runs R = 512 / tpr whole groups (R tpr
 // threads). bf16: N 2056..3072 96 x 4 (5 groups, against 4 of 128), 4104..5120 160 x 4 (3, against 2 of 256 x 3,
-// which leaves 1/6 of the vector slots idle at N 5120). Hypothesis: the ring at 4096 x 5120 (2.3 TB/s, against 3.0 at
-// x 8192) is bound by its bytes in flight (2 rows of 20 KB per SM); 3 groups hold 3. Off by default;
-// FW_NORM_BWD_RING_TIGHT=1 at start. Compiled in session 45, not yet run on a GPU. Returns the previous setting
-// (tests, fastweight_bench --bwd-ring-tight=off|on).
+// which leaves 1/6 of the vector slots idle at N 5120): more rows in flight per SM. Session 45 (H200, LayerNorm bf16
+// unless said, ms, off / on): 4096 x 5120 0.0550 / 0.0479, x 4608 0.0550 / 0.0463, 16384 x 5120 0.1786 / 0.1426,
+// RMSNorm 4096 x 5120 0.0498 / 0.0456, 4096 x 2560 0.0335 / 0.0327, fp32 4096 x 2560 0.0449 / 0.0443; 1024 x 5120
+// level (the cluster ring there). On by default; FW_NORM_BWD_RING_TIGHT=0 turns it off at start. Returns the
+// previous setting (tests, fastweight_bench --bwd-ring-tight=off|on).
 bool set_rownorm_bwd_ring_tight(bool on);
 bool rownorm_bwd_ring_tight();
-// A/B: the plain ring with 3 row slots per row group instead of 2 (two rows in flight while one is reduced) where
-// its shared memory fits (bf16 3 vectors x 512 threads: 156 KB of slots + the scale; 4 vectors: up to N 4096).
-// Same hypothesis: 4096 x 12288 (one row group per SM, 48 KB in flight) runs at 2.7 TB/s. Off by default;
-// FW_NORM_BWD_RING_STAGES=3 at start. Compiled in session 45, not yet run on a GPU. Returns the previous setting
-// (2 or 3; tests, fastweight_bench --bwd-ring-stages=2|3).
+// The plain ring's row slots per row group: 0 (the default) the rule, 3 where a CTA holds one row group (two rows in
+// flight while one is reduced: bf16 N 8200..12288, fp32 4100..6144) and its shared memory fits, else 2; 2 or 3
+// forces that (3 where it fits). Session 45 (H200, LayerNorm bf16 unless said, ms, 2 / 3 slots): 4096 x 12288
+// 0.1110 / 0.1080, x 10240 0.1032 / 0.1001, fp32 4096 x 5120 0.0835 / 0.0796; with more row groups per CTA level or
+// slower: x 6144 0.0579 / 0.0580, x 4096 0.0400 / 0.0419, x 2048 0.0268 / 0.0291, whole-warp x 5120 0.0479 / 0.0502.
+// FW_NORM_BWD_RING_STAGES=0|2|3 at start. Returns the previous setting (tests, fastweight_bench
+// --bwd-ring-stages=auto|2|3).
 int set_rownorm_bwd_ring_stages(int stages);
 int rownorm_bwd_ring_stages();
 // Aligned rows past the ring kernel's reach (bf16 / fp16 N > 16384, fp32 N > 8192) on Hopper: the ring kernel in

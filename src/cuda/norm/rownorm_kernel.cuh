@@ -840,8 +840,8 @@ __device__ __forceinline__ void group_barrier(int id, int count) {
 
 // VPT: vectors per thread, kRingVecs; 3 where that fills more of a row group's threads (set_rownorm_bwd_ring3).
 // CLU: launched in clusters that split the row's columns (cl_cols per rank, a multiple of E; above).
-// STAGES: rows per row group's ring (kRingStages; 3 with set_rownorm_bwd_ring_stages: two rows in flight while one is
-// reduced). A CTA may hold fewer than 512 threads (R whole row groups of any multiple of 32, set_rownorm_bwd_ring_tight);
+// STAGES: rows per row group's ring (kRingStages; 3 with set_rownorm_bwd_ring_stages, one row group per CTA: two rows
+// in flight while one is reduced). A CTA may hold fewer than 512 threads (R whole row groups of any multiple of 32, set_rownorm_bwd_ring_tight);
 // its shared-memory layout keeps 512 threads' slots.
 template <typename T, int VPT = kRingVecs, bool CLU = false, int STAGES = kRingStages>
 __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const RowNormParams p, const RowLaunch L,

@@ -478,7 +478,10 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       }
       const int R = kRingThreads / plan.L.tpr;
       plan.threads = R * plan.L.tpr;  // (512, or fewer whole-warp groups)
-      if (rownorm_bwd_ring_stages() == 3 && ring_smem_bytes(p.n, E, plan.ring_vecs, 0, 3) <= smem_per_block_optin())
+      // 3 row slots per group (set_rownorm_bwd_ring_stages): the rule, where a CTA holds one row group
+      const int stages_mode = rownorm_bwd_ring_stages();
+      if ((stages_mode == 3 || (stages_mode == 0 && R == 1)) &&
+          ring_smem_bytes(p.n, E, plan.ring_vecs, 0, 3) <= smem_per_block_optin())
         plan.ring_stages = 3;
       plan.smem = ring_smem_bytes(p.n, E, plan.ring_vecs, 0, plan.ring_stages);
       plan.L.P = ctas_per_unit(ring_bwd_kernel<T>(plan.ring_vecs, plan.ring_stages), plan.threads, plan.smem, p.groups,
