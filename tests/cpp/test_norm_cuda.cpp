@@ -644,7 +644,7 @@ TEST_P(NormCudaBwdRing3, ThreeVectorRingMatchesReference) {
   const ScopedSwitch<bool> ring3(&fastweight::detail::set_rownorm_bwd_ring3, true);
   const ScopedSwitch<int> one_cta(&fastweight::detail::set_rownorm_bwd_cluster_mult, 1);  // (the ring, not in clusters)
   // (power-of-two row groups, 2 slots: NormCudaBwdRingTight covers the other shapes)
-  const ScopedSwitch<bool> pow2_groups(&fastweight::detail::set_rownorm_bwd_ring_tight, false);
+  const ScopedSwitch<int> pow2_groups(&fastweight::detail::set_rownorm_bwd_ring_tight, 0);
   const ScopedSwitch<int> two_slots(&fastweight::detail::set_rownorm_bwd_ring_stages, 2);
   const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e;
   const std::int64_t tpr4 = pow2((nvec + 3) / 4), tpr3 = pow2((nvec + 2) / 3);
@@ -669,12 +669,12 @@ INSTANTIATE_TEST_SUITE_P(Ring3, NormCudaBwdRing3,
                                                                             12288)),
                          rows_case_name);
 
-// The plain ring's whole-warp row groups (set_rownorm_bwd_ring_tight) and 3 row slots per group
-// (set_rownorm_bwd_ring_stages), each on and off, the slots forced and by the rule (the defaults: whole warps, the
-// rule): taken where the planner's rules say (rederived here: groups of a multiple of 32 threads where a CTA then
-// holds more of them, bf16 N 2056..3072 and 4104..5120; 3 slots where the shared memory fits, by the rule at one
-// group per CTA), CTAs of fewer than 512 threads (5 x 96, 3 x 160), padded rows and contiguous ones with fp32
-// parameters, and about 3 waves of row groups (each ring's slots reused many times).
+// The plain ring's whole-warp row groups (set_rownorm_bwd_ring_tight, modes 0..2) and 3 row slots per group
+// (set_rownorm_bwd_ring_stages), forced and by the rule (the defaults: mode 1, the rule): taken where the planner's
+// rules say (rederived here: groups of a multiple of 32 threads where a CTA then holds more of them, bf16 N
+// 2056..3072 and 4104..5120, mode 2 also 7168, 9216, 10240, 13312; 3 slots where the shared memory fits, by the rule
+// at one group per CTA), CTAs of fewer than 512 threads (5 x 96, 3 x 160, 2 x 224, 288 ...), padded rows and
+// contiguous ones with fp32 parameters, and about 3 waves of row groups (each ring's slots reused many times).
 struct NormCudaBwdRingTight : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaBwdRingTight, WholeWarpGroupsAndThreeStagesMatchReference) {
   FW_REQUIRE_GPU();
@@ -686,20 +686,23 @@ TEST_P(NormCudaBwdRingTight, WholeWarpGroupsAndThreeStagesMatchReference) {
   const std::int64_t tpr4 = pow2((nvec + 3) / 4), tpr3 = pow2((nvec + 2) / 3);
   const bool ring = tpr4 >= 64 && n <= 512 * 4 * e, three = tpr3 <= 512 && 3 * tpr3 < 4 * tpr4;
   const bool hopper = fastweight::detail::cc_major() >= 9;
-  for (const auto& [tight, stages] : {std::pair{false, 2}, std::pair{true, 2}, std::pair{false, 3}, std::pair{true, 3},
-                                      std::pair{false, 0}, std::pair{true, 0}}) {
-    SCOPED_TRACE(std::string("tight ") + (tight ? "on" : "off") + ", stages " + std::to_string(stages));
-    const ScopedSwitch<bool> t_sw(&fastweight::detail::set_rownorm_bwd_ring_tight, tight);
+  for (const auto& [tight, stages] : {std::pair{0, 2}, std::pair{1, 2}, std::pair{0, 3}, std::pair{1, 3},
+                                      std::pair{0, 0}, std::pair{1, 0}, std::pair{2, 0}, std::pair{2, 2}}) {
+    SCOPED_TRACE("tight mode " + std::to_string(tight) + ", stages " + std::to_string(stages));
+    const ScopedSwitch<int> t_sw(&fastweight::detail::set_rownorm_bwd_ring_tight, tight);
     const ScopedSwitch<int> s_sw(&fastweight::detail::set_rownorm_bwd_ring_stages, stages);
-    // the expected shape: (vectors, threads per group, groups per CTA)
-    std::int64_t v = three ? 3 : 4, t = three ? tpr3 : tpr4, r = 512 / t;
+    // the expected shape (vectors, threads per group, groups per CTA): of the whole-warp candidates the mode admits
+    // (more groups than the power-of-two shape; mode 2 also as many with fewer idle slots, or as many idle and more
+    // threads), the most groups, then the fewest idle slots, then the most threads
+    const std::int64_t v0 = three ? 3 : 4, t0 = three ? tpr3 : tpr4, r0 = 512 / t0, idle0 = t0 * v0 - nvec;
+    std::int64_t v = v0, t = t0, r = r0;
     bool is_tight = false;
-    if (tight) {
-      for (const std::int64_t cv : {4, 3}) {
-        const std::int64_t ct = (nvec + 32 * cv - 1) / (32 * cv) * 32, cr = 512 / ct;
-        if (ct < 64 || ct > 512 || cr < r || (cr == r && (!is_tight || ct * cv - nvec >= t * v - nvec))) continue;
-        is_tight = true, v = cv, t = ct, r = cr;
-      }
+    std::tuple<std::int64_t, std::int64_t, std::int64_t> best{-1, 0, 0};  // (groups, -idle, threads)
+    for (const std::int64_t cv : {3, 4}) {
+      const std::int64_t ct = (nvec + 32 * cv - 1) / (32 * cv) * 32, cr = 512 / ct, idle = ct * cv - nvec;
+      const bool admitted = tight >= 1 && ct >= 64 && ct <= 512 &&
+                            (cr > r0 || (tight == 2 && cr == r0 && (idle < idle0 || (idle == idle0 && ct > t0))));
+      if (admitted && std::tuple{cr, -idle, ct} > best) best = {cr, -idle, ct}, is_tight = true, v = cv, t = ct, r = cr;
     }
     const std::size_t smem3 = std::size_t(3 * 512 * (2 * v * 16 + 8) + (n + e - 1) / e * e * 4 + 2 * 16 * 8);
     const bool s3 = (stages == 3 || (stages == 0 && r == 1)) && smem3 <= fastweight::detail::smem_per_block_optin();
@@ -718,7 +721,8 @@ TEST_P(NormCudaBwdRingTight, WholeWarpGroupsAndThreeStagesMatchReference) {
 INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBwdRingTight,
                          ::testing::Combine(kOps, kDtypes,
                                             ::testing::Values<std::int64_t>(2048, 2560, 3072, 4104, 4608, 5120, 5128,
-                                                                            6144, 8192, 12288, 16384)),
+                                                                            6144, 7168, 8192, 9216, 10240, 12288,
+                                                                            13312, 16384)),
                          rows_case_name);
 
 // Aligned rows past the ring kernel's reach (bf16 / fp16 N > 16384, fp32 N > 8192): the ring kernel in clusters of

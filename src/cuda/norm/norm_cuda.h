@@ -38,10 +38,13 @@ bool rownorm_bwd_ring3();
 // which leaves 1/6 of the vector slots idle at N 5120): more rows in flight per SM. Session 45 (H200, LayerNorm bf16
 // unless said, ms, off / on): 4096 x 5120 0.0550 / 0.0479, x 4608 0.0550 / 0.0463, 16384 x 5120 0.1786 / 0.1426,
 // RMSNorm 4096 x 5120 0.0498 / 0.0456, 4096 x 2560 0.0335 / 0.0327, fp32 4096 x 2560 0.0449 / 0.0443; 1024 x 5120
-// level (the cluster ring there). On by default; FW_NORM_BWD_RING_TIGHT=0 turns it off at start. Returns the
-// previous setting (tests, fastweight_bench --bwd-ring-tight=off|on).
-bool set_rownorm_bwd_ring_tight(bool on);
-bool rownorm_bwd_ring_tight();
+// level (the cluster ring there). Mode 1, the default; 0 off. Mode 2 (A/B, compiled in session 45, not yet run on
+// a GPU) also takes whole-warp groups where a CTA holds as many as before but fewer vector slots idle: bf16 N 7168
+// 224 x 4 (2 groups, against 256 x 4 with 1/8 idle), 9216..11264 at one group per CTA (9216 384 x 3 against 512 x 3),
+// 13312..14336 (416 / 448 x 4); fewer threads per SM, less work on zero-filled slots. FW_NORM_BWD_RING_TIGHT=0|1|2
+// at start. Returns the previous mode (tests, fastweight_bench --bwd-ring-tight=off|on|idle).
+int set_rownorm_bwd_ring_tight(int mode);
+int rownorm_bwd_ring_tight();
 // The plain ring's row slots per row group: 0 (the default) the rule, 3 where a CTA holds one row group (two rows in
 // flight while one is reduced: bf16 N 8200..12288, fp32 4100..6144) and its shared memory fits, else 2; 2 or 3
 // forces that (3 where it fits). Session 45 (H200, LayerNorm bf16 unless said, ms, 2 / 3 slots): 4096 x 12288

@@ -50,7 +50,7 @@ std::atomic<int> g_fwd_row1_rawx{env_digit("FW_NORM_ROW1_RAWX", 1)};          //
 std::atomic<bool> g_fwd_row1_tight{env_digit("FW_NORM_ROW1_TIGHT", 1) == 1};
 std::atomic<bool> g_fwd_row1_f32par{env_digit("FW_NORM_ROW1_F32PAR", 1) == 1};
 std::atomic<bool> g_bwd_ring3{env_digit("FW_NORM_BWD_RING3", 1) == 1};
-std::atomic<bool> g_bwd_ring_tight{env_digit("FW_NORM_BWD_RING_TIGHT", 1) == 1};
+std::atomic<int> g_bwd_ring_tight{env_digit("FW_NORM_BWD_RING_TIGHT", 1)};  // (0|1|2: the mode at start)
 std::atomic<int> g_bwd_ring_stages{env_digit("FW_NORM_BWD_RING_STAGES", 0)};  // (0: the rule; 2, 3: forced)
 std::atomic<bool> g_bwd_cluster{env_digit("FW_NORM_BWD_CLUSTER", 1) == 1};
 std::atomic<int> g_bwd_cluster_mult{env_digit("FW_NORM_BWD_CLUSTER_MULT", 0)};  // (0: the planner's rule)
@@ -66,8 +66,8 @@ const char* rownorm_bwd_last_kernel() { return t_bwd_last_kernel; }
 void note_rownorm_bwd_kernel(const char* name) { t_bwd_last_kernel = name; }
 bool set_rownorm_bwd_ring3(bool on) { return g_bwd_ring3.exchange(on); }
 bool rownorm_bwd_ring3() { return g_bwd_ring3.load(); }
-bool set_rownorm_bwd_ring_tight(bool on) { return g_bwd_ring_tight.exchange(on); }
-bool rownorm_bwd_ring_tight() { return g_bwd_ring_tight.load(); }
+int set_rownorm_bwd_ring_tight(int mode) { return g_bwd_ring_tight.exchange(mode); }
+int rownorm_bwd_ring_tight() { return g_bwd_ring_tight.load(); }
 int set_rownorm_bwd_ring_stages(int stages) { return g_bwd_ring_stages.exchange(stages == 2 || stages == 3 ? stages : 0); }
 int rownorm_bwd_ring_stages() { return g_bwd_ring_stages.load(); }
 bool set_rownorm_bwd_cluster(bool on) { return g_bwd_cluster.exchange(on); }

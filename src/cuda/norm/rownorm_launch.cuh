@@ -462,16 +462,19 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       plan.ring = true;
       plan.ring_vecs = ring3 ? 3 : kRingVecs;
       plan.L.tpr = ring3 ? ring3_tpr : ring_tpr;
-      if (rownorm_bwd_ring_tight()) {
+      if (const int tight = rownorm_bwd_ring_tight(); tight >= 1) {
         // whole-warp row groups of 4 or 3 vectors (set_rownorm_bwd_ring_tight): the most groups per CTA, then the
-        // fewest idle vector slots, where that is more groups than the power-of-two shape's
+        // fewest idle vector slots, then the most threads; mode 1 where that is more groups than the power-of-two
+        // shape's, mode 2 also as many groups with fewer idle slots
         const std::int64_t nvec = p.n / E;
         int best_r = kRingThreads / plan.L.tpr;
-        std::int64_t best_idle = 0;
+        std::int64_t best_idle = std::int64_t(plan.L.tpr) * plan.ring_vecs - nvec;
         for (const int v : {kRingVecs, 3}) {
           const int t = int((nvec + 32 * v - 1) / (32 * v) * 32), r = kRingThreads / std::max(t, 1);
           const std::int64_t idle = std::int64_t(t) * v - nvec;
-          if (t < kRingMinTpr || t > kRingThreads || r < best_r || (r == best_r && (!plan.ring_tight || idle >= best_idle)))
+          const bool same = r == best_r && (plan.ring_tight || tight == 2);  // (mode 1: past the power of two)
+          if (t < kRingMinTpr || t > kRingThreads ||
+              !(r > best_r || (same && (idle < best_idle || (idle == best_idle && t > plan.L.tpr)))))
             continue;
           plan.ring_tight = true, plan.ring_vecs = v, plan.L.tpr = t, best_r = r, best_idle = idle;
         }
