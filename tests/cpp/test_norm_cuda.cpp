@@ -725,6 +725,39 @@ INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBwdRingTight,
                                                                             13312, 16384)),
                          rows_case_name);
 
+// The rings' RMSNorm instances (set_rownorm_bwd_ring_rms: no mean, no row sum of g, no bias partials at compile
+// time), plain (whole-warp groups, 3 slots by the rule) and in clusters: the same bits as the generic instance (the
+// second run of each case with the switch off), with and without a weight, few rows and about 3 waves of row groups;
+// LayerNorm rows keep the generic instance.
+struct NormCudaBwdRingRms : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaBwdRingRms, RmsInstanceGivesTheGenericBits) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t groups = param_groups(op), many = groups * 3 * fastweight::detail::sm_count() * 4;
+  const ScopedSwitch<bool> rms(&fastweight::detail::set_rownorm_bwd_ring_rms, true);
+  const bool hopper = fastweight::detail::cc_major() >= 9;
+  for (const std::int64_t rows : {groups * 37, many}) {
+    if (rows == many && n > 16384) continue;  // (the float64 reference's time: few rows past the plain ring)
+    check_case(op, dt, n, rows, Layout::padded, Params::io, nullptr,
+               [] { fastweight::detail::set_rownorm_bwd_ring_rms(false); });  // (o2: the generic instance)
+    fastweight::detail::set_rownorm_bwd_ring_rms(true);
+    for (const Params params : {Params::io, Params::none}) {
+      check_case(op, dt, n, rows, Layout::contiguous, params);
+      const std::string ran = fastweight::detail::rownorm_bwd_last_kernel();
+      const bool ring = ran.rfind("ring", 0) == 0, tagged = ran.size() > 4 && ran.compare(ran.size() - 4, 4, "_rms") == 0;
+      if (op != Op::rmsnorm) EXPECT_FALSE(tagged) << ran;
+      else if (ring) EXPECT_TRUE(tagged) << ran;
+      // (every N here takes a ring on Hopper: the plain one, or clusters past its reach)
+      if (hopper) EXPECT_TRUE(ring) << n << " " << ran;
+    }
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBwdRingRms,
+                         ::testing::Combine(::testing::Values(Op::rmsnorm, Op::layernorm), kDtypes,
+                                            ::testing::Values<std::int64_t>(1536, 2048, 5120, 9216, 12288, 16384, 24576,
+                                                                            65536)),
+                         rows_case_name);
+
 // Aligned rows past the ring kernel's reach (bf16 / fp16 N > 16384, fp32 N > 8192): the ring kernel in clusters of
 // C = ceil(N / reach) CTAs on Hopper (set_rownorm_bwd_cluster), C 2..8, 3 vectors per thread at N 24576 (bf16), ranks
 // whose last one holds fewer columns (20000, 40000), about 4 rows per cluster (the exchange slots' parities and

@@ -20,7 +20,8 @@ void rownorm_bwd_cuda(const RowNormParams& p, void* workspace, std::size_t works
 const char* rownorm_fwd_last_kernel();
 void note_rownorm_fwd_kernel(const char* name);
 // Likewise the backward's ("ring", "ring3", "ring_cluster", "ring3_cluster", "cached", "rowsum_coltile"; the plain
-// ring's with "_tight" for whole-warp row groups, "_s3" for 3 stages: "ring_tight_s3" ...).
+// ring's with "_tight" for whole-warp row groups, "_s3" for 3 stages: "ring_tight_s3" ...; the rings' RMSNorm
+// instances end in "_rms").
 const char* rownorm_bwd_last_kernel();
 void note_rownorm_bwd_kernel(const char* name);
 // The backward's ring kernel with 3 vectors per thread instead of 4 where that idles fewer of a row group's
@@ -55,6 +56,15 @@ int rownorm_bwd_ring_tight();
 // --bwd-ring-stages=auto|2|3).
 int set_rownorm_bwd_ring_stages(int stages);
 int rownorm_bwd_ring_stages();
+// A/B: RMSNorm rows in the ring's RMSNorm instances (plain and in clusters; the kernel's RMS): the mean, the row sum
+// of g and the bias partials left out at compile time (the same bits; per element two adds and a subtraction fewer,
+// and one warp-sum chain per row). Hypothesis: session 45's whole-warp mode 2 found the ring at one row group per CTA
+// bound by its per-thread work (4096 x 9216: 0.87x with 1/4 fewer slots), and cuDNN's RMSNorm backward leads at
+// 4096 x 12288 (0.0863 ms against 0.1003) and 512 x 32768 (0.0439 / 0.0461). Off by default; FW_NORM_BWD_RING_RMS=1
+// at start. Compiled in session 45, not yet run on a GPU. Returns the previous setting (tests, fastweight_bench
+// --bwd-ring-rms=off|on).
+bool set_rownorm_bwd_ring_rms(bool on);
+bool rownorm_bwd_ring_rms();
 // Aligned rows past the ring kernel's reach (bf16 / fp16 N > 16384, fp32 N > 8192) on Hopper: the ring kernel in
 // clusters of C = ceil(N / that reach) <= 8 CTAs (bf16 N <= 131072, fp32 <= 65536), each CTA the same rows' N / C
 // columns, the row sums exchanged through the peers' shared memory (st.async on their mbarriers) and added in

@@ -51,6 +51,7 @@ std::atomic<bool> g_fwd_row1_tight{env_digit("FW_NORM_ROW1_TIGHT", 1) == 1};
 std::atomic<bool> g_fwd_row1_f32par{env_digit("FW_NORM_ROW1_F32PAR", 1) == 1};
 std::atomic<bool> g_bwd_ring3{env_digit("FW_NORM_BWD_RING3", 1) == 1};
 std::atomic<int> g_bwd_ring_tight{env_digit("FW_NORM_BWD_RING_TIGHT", 1)};  // (0|1|2: the mode at start)
+std::atomic<bool> g_bwd_ring_rms{env_digit("FW_NORM_BWD_RING_RMS", 0) == 1};
 std::atomic<int> g_bwd_ring_stages{env_digit("FW_NORM_BWD_RING_STAGES", 0)};  // (0: the rule; 2, 3: forced)
 std::atomic<bool> g_bwd_cluster{env_digit("FW_NORM_BWD_CLUSTER", 1) == 1};
 std::atomic<int> g_bwd_cluster_mult{env_digit("FW_NORM_BWD_CLUSTER_MULT", 0)};  // (0: the planner's rule)
@@ -70,6 +71,8 @@ int set_rownorm_bwd_ring_tight(int mode) { return g_bwd_ring_tight.exchange(mode
 int rownorm_bwd_ring_tight() { return g_bwd_ring_tight.load(); }
 int set_rownorm_bwd_ring_stages(int stages) { return g_bwd_ring_stages.exchange(stages == 2 || stages == 3 ? stages : 0); }
 int rownorm_bwd_ring_stages() { return g_bwd_ring_stages.load(); }
+bool set_rownorm_bwd_ring_rms(bool on) { return g_bwd_ring_rms.exchange(on); }
+bool rownorm_bwd_ring_rms() { return g_bwd_ring_rms.load(); }
 bool set_rownorm_bwd_cluster(bool on) { return g_bwd_cluster.exchange(on); }
 bool rownorm_bwd_cluster() { return g_bwd_cluster.load(); }
 int set_rownorm_bwd_cluster_mult(int m) { return g_bwd_cluster_mult.exchange(m); }

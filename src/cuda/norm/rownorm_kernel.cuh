@@ -843,7 +843,9 @@ __device__ __forceinline__ void group_barrier(int id, int count) {
 // STAGES: rows per row group's ring (kRingStages; 3 with set_rownorm_bwd_ring_stages, one row group per CTA: two rows
 // in flight while one is reduced). A CTA may hold fewer than 512 threads (R whole row groups of any multiple of 32, set_rownorm_bwd_ring_tight);
 // its shared-memory layout keeps 512 threads' slots.
-template <typename T, int VPT = kRingVecs, bool CLU = false, int STAGES = kRingStages>
+// RMS (set_rownorm_bwd_ring_rms; RMSNorm rows only, p.rms): the mean (0) and the row sum of g left out at compile
+// time, with the bias partials (RMSNorm has none): the same bits with fewer instructions per element.
+template <typename T, int VPT = kRingVecs, bool CLU = false, int STAGES = kRingStages, bool RMS = false>
 __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const RowNormParams p, const RowLaunch L,
                                                                           float* __restrict__ ws_dw,
                                                                           float* __restrict__ ws_db, int cl_cols = 0) {
@@ -885,7 +887,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
     const std::int64_t r = p.row_of(g, ok_row ? j : 0);  // rows past J: zero-filled (rstd 0: no effect)
     const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(r) + c0;
     const T* dyr = static_cast<const T*>(p.dy) + p.dy_rows.offset(r) + c0;
-    cp_async4(&s_stat[(stage * 2 + 0) * NT + tid], p.rms ? p.rstd + r : p.mean + r, ok_row && !p.rms);
+    if constexpr (!RMS) cp_async4(&s_stat[(stage * 2 + 0) * NT + tid], p.rms ? p.rstd + r : p.mean + r, ok_row && !p.rms);
     cp_async4(&s_stat[(stage * 2 + 1) * NT + tid], p.rstd + r, ok_row);
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
@@ -912,7 +914,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
     cp_async_wait<S - 1>();
     const uint4* sx = s_pipe + (stage * 2 + 0) * VPT * NT + tid;  // this thread's vectors k * NT
     const uint4* sdy = s_pipe + (stage * 2 + 1) * VPT * NT + tid;
-    const float mean = s_stat[(stage * 2 + 0) * NT + tid], rstd = s_stat[(stage * 2 + 1) * NT + tid];
+    const float mean = RMS ? 0.f : s_stat[(stage * 2 + 0) * NT + tid], rstd = s_stat[(stage * 2 + 1) * NT + tid];
     // pass 1: the row sums of g = dy * scale and g * xhat; the dW/dB partials
     float sg = 0.f, sgx = 0.f;
 #pragma unroll
@@ -928,15 +930,15 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
         // __fmul_rn: one rounded product used in both the sums and dx (no FMA contraction), so that
         // g - mean(g) cancels exactly where it should (N = 1 gives dx = 0, not rounding noise).
         const float gg = __fmul_rn(dyf[e], sc[e]);
-        sg += gg;
+        if constexpr (!RMS) sg += gg;
         sgx += gg * xh;
         acc_dw[k][e] += dyf[e] * xh;
-        acc_db[k][e] += dyf[e];
+        if constexpr (!RMS) acc_db[k][e] += dyf[e];
       }
     }
     // the row group's sums: warp butterflies, then (tpr > 32) one named barrier over a
     // double-buffered scratch (the buffer is rewritten two rows later, after the next barrier)
-    float2 sums = make_float2(group_sum_warp(sg, tpr), group_sum_warp(sgx, tpr));
+    float2 sums = make_float2(RMS ? 0.f : group_sum_warp(sg, tpr), group_sum_warp(sgx, tpr));
     if (tpr > 32) {
       const int wpr = tpr >> 5, warp = tid >> 5;
       float2* buf = s_red + parity * (NT / 32);
@@ -970,7 +972,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
       ++it;
     }
 #endif
-    const float mg = p.rms ? 0.f : sums.x * inv_n;
+    const float mg = RMS || p.rms ? 0.f : sums.x * inv_n;
     const float mgx = sums.y * inv_n;
     // pass 2: dx = rstd * (g - mean(g) - xhat * mean(g xhat)), the row re-read from shared memory
     if (j < J) {
@@ -1007,7 +1009,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
   float* s_part = reinterpret_cast<float*>(smem_v);  // (R, n / E, E + 1)
   const int group_floats = n / E * (E + 1);
 #pragma unroll
-  for (int w = 0; w < 2; ++w) {
+  for (int w = 0; w < (RMS ? 1 : 2); ++w) {  // (RMS: no bias)
     float* out = w == 0 ? ws_dw : ws_db;
     if (out == nullptr) continue;
     __syncthreads();  // the previous reads of this buffer (the row loop, or the last gradient)

@@ -45,6 +45,7 @@ struct RowPlan {
   bool ring = false;       // backward, cached: the cp.async ring kernel (aligned rows)
   int ring_vecs = kRingVecs;  // its vectors per thread (4, or 3: set_rownorm_bwd_ring3)
   int ring_stages = kRingStages;  // its row slots per row group (2, or 3: set_rownorm_bwd_ring_stages; not in clusters)
+  bool ring_rms = false;    // its RMSNorm instance (set_rownorm_bwd_ring_rms)
   bool ring_tight = false;  // its row groups of a multiple of 32 threads, not a power of two (set_rownorm_bwd_ring_tight)
   int cluster = 1;         // CTAs per cluster: the backward's ring (rows past kRingMaxN: 2..8, set_rownorm_bwd_cluster),
                            // the forward's one-row kernel (rows past 4096 vectors: 2..8, set_rownorm_fwd_cluster)
@@ -110,13 +111,30 @@ const void* bulk_fwd_kernel(int vpt, bool staged = true, int threads = kBulkThre
 
 // The plain ring backward (not in clusters) for (vectors per thread, row slots).
 using RingBwdFn = void (*)(const RowNormParams, const RowLaunch, float*, float*, int);
-template <typename T>
-RingBwdFn ring_bwd_fn(int vpt, int stages) {
-  if (stages == 3) return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, false, 3> : &rownorm_bwd_ring_kernel<T, kRingVecs, false, 3>;
-  return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3> : &rownorm_bwd_ring_kernel<T>;
+// rms: the RMSNorm instance (set_rownorm_bwd_ring_rms). The planner queries the instance it launches: the occupancy
+// query raises that kernel's dynamic shared-memory limit.
+template <typename T, bool RMS>
+RingBwdFn ring_bwd_fn_(int vpt, int stages) {
+  if (stages == 3)
+    return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, false, 3, RMS> : &rownorm_bwd_ring_kernel<T, kRingVecs, false, 3, RMS>;
+  return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, false, kRingStages, RMS>
+                  : &rownorm_bwd_ring_kernel<T, kRingVecs, false, kRingStages, RMS>;
 }
 template <typename T>
-const void* ring_bwd_kernel(int vpt, int stages) { return reinterpret_cast<const void*>(ring_bwd_fn<T>(vpt, stages)); }
+RingBwdFn ring_bwd_fn(int vpt, int stages, bool rms) {
+  return rms ? ring_bwd_fn_<T, true>(vpt, stages) : ring_bwd_fn_<T, false>(vpt, stages);
+}
+template <typename T>
+const void* ring_bwd_kernel(int vpt, int stages, bool rms) {
+  return reinterpret_cast<const void*>(ring_bwd_fn<T>(vpt, stages, rms));
+}
+// The cluster ring for (vectors per thread, rms).
+template <typename T>
+RingBwdFn ring_cluster_bwd_fn(int vpt, bool rms) {
+  if (rms) return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, true, kRingStages, true>
+                           : &rownorm_bwd_ring_kernel<T, kRingVecs, true, kRingStages, true>;
+  return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, true> : &rownorm_bwd_ring_kernel<T, kRingVecs, true>;
+}
 
 // The 2-vector cached backward kernel for (dtype, alignment, CTA size).
 template <typename T>
@@ -336,8 +354,8 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     const int t4 = next_pow2((per + kRingVecs - 1) / kRingVecs), t3 = next_pow2((per + 2) / 3);
     const bool use3 = rownorm_bwd_ring3() && t3 <= kRingThreads && 3 * t3 < 4 * t4;
     const int vpt = use3 ? 3 : kRingVecs, tpr = use3 ? t3 : t4, R = kRingThreads / tpr;
-    const void* kernel = use3 ? reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T, 3, true>)
-                              : reinterpret_cast<const void*>(&rownorm_bwd_ring_kernel<T, kRingVecs, true>);
+    const bool rms_k = p.rms && !p.db && rownorm_bwd_ring_rms();
+    const void* kernel = reinterpret_cast<const void*>(ring_cluster_bwd_fn<T>(vpt, rms_k));
     const std::size_t smem = ring_smem_bytes(std::int64_t(per) * E, E, vpt, R);
     // (C (C - 1) < nvec: every rank holds at least one vector; tpr >= kRingMinTpr: the ring's shortest rows)
     if (C >= 2 && C <= kRingMaxCluster && tpr >= kRingMinTpr && tpr <= kRingThreads && smem <= smem_per_block_optin() &&
@@ -348,6 +366,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
         plan.cluster = int(C);
         plan.cl_cols = per * E;
         plan.ring_vecs = vpt;
+        plan.ring_rms = rms_k;
         plan.L.tpr = tpr;
         plan.threads = kRingThreads;
         plan.smem = smem;
@@ -487,7 +506,8 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
           ring_smem_bytes(p.n, E, plan.ring_vecs, 0, 3) <= smem_per_block_optin())
         plan.ring_stages = 3;
       plan.smem = ring_smem_bytes(p.n, E, plan.ring_vecs, 0, plan.ring_stages);
-      plan.L.P = ctas_per_unit(ring_bwd_kernel<T>(plan.ring_vecs, plan.ring_stages), plan.threads, plan.smem, p.groups,
+      plan.ring_rms = p.rms && !p.db && rownorm_bwd_ring_rms();
+      plan.L.P = ctas_per_unit(ring_bwd_kernel<T>(plan.ring_vecs, plan.ring_stages, plan.ring_rms), plan.threads, plan.smem, p.groups,
                                (J + R - 1) / R);
       return plan;
     }
@@ -723,11 +743,17 @@ std::size_t rownorm_bwd_workspace(const RowNormParams& p) {
   return (p.dw ? w.partial_bytes : 0) + (p.db ? w.partial_bytes : 0) + w.rowsum_bytes;
 }
 
-// The plain ring's name for rownorm_bwd_last_kernel: "ring" / "ring3", "_tight" (whole-warp groups), "_s3" (3 stages).
-inline const char* ring_kernel_name(bool three, bool tight, bool s3) {
-  static constexpr const char* names[8] = {"ring", "ring_s3", "ring_tight", "ring_tight_s3",
-                                           "ring3", "ring3_s3", "ring3_tight", "ring3_tight_s3"};
-  return names[(three ? 4 : 0) + (tight ? 2 : 0) + (s3 ? 1 : 0)];
+// The ring's name for rownorm_bwd_last_kernel: "ring" / "ring3", "_tight" (whole-warp groups), "_s3" (3 stages), or
+// "_cluster"; "_rms" (the RMSNorm instance).
+inline const char* ring_kernel_name(bool three, bool tight, bool s3, bool cluster, bool rms) {
+  static constexpr const char* names[2][8] = {
+      {"ring", "ring_s3", "ring_tight", "ring_tight_s3", "ring3", "ring3_s3", "ring3_tight", "ring3_tight_s3"},
+      {"ring_rms", "ring_s3_rms", "ring_tight_rms", "ring_tight_s3_rms", "ring3_rms", "ring3_s3_rms", "ring3_tight_rms",
+       "ring3_tight_s3_rms"}};
+  static constexpr const char* cluster_names[2][2] = {{"ring_cluster", "ring3_cluster"},
+                                                      {"ring_cluster_rms", "ring3_cluster_rms"}};
+  if (cluster) return cluster_names[rms ? 1 : 0][three ? 1 : 0];
+  return names[rms ? 1 : 0][(three ? 4 : 0) + (tight ? 2 : 0) + (s3 ? 1 : 0)];
 }
 
 template <typename T>
@@ -742,8 +768,8 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
   const bool al = plan.L.aligned;
   note_rownorm_bwd_kernel(!plan.cached ? "rowsum_coltile"
                           : !plan.ring ? "cached"
-                          : plan.cluster > 1 ? (plan.ring_vecs == 3 ? "ring3_cluster" : "ring_cluster")
-                          : ring_kernel_name(plan.ring_vecs == 3, plan.ring_tight, plan.ring_stages == 3));
+                          : ring_kernel_name(plan.ring_vecs == 3, plan.ring_tight, plan.ring_stages == 3, plan.cluster > 1,
+                                             plan.ring_rms));
   if (p.rows > 0) {
     if (plan.cluster > 1) {
       const std::int64_t blocks = std::int64_t(plan.L.P) * p.groups * plan.cluster;
@@ -752,8 +778,7 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
         launch_kernel_cluster("rownorm_bwd", kernel, dim3(unsigned(blocks)), dim3(plan.threads), plan.smem, stream, false,
                               unsigned(plan.cluster), p, plan.L, ws_dw, ws_db, plan.cl_cols);
       };
-      if (plan.ring_vecs == 3) go(&rownorm_bwd_ring_kernel<T, 3, true>);
-      else go(&rownorm_bwd_ring_kernel<T, kRingVecs, true>);
+      go(ring_cluster_bwd_fn<T>(plan.ring_vecs, plan.ring_rms));
       FW_CUDA_CHECK_LAUNCH("rownorm_bwd");
     } else if (plan.cached) {
       const std::int64_t blocks = std::int64_t(plan.L.P) * p.groups;
@@ -761,7 +786,7 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
       const unsigned grid = unsigned(blocks);
       const bool big = plan.threads > kSmallCta;
       if (plan.ring)
-        ring_bwd_fn<T>(plan.ring_vecs, plan.ring_stages)<<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db, 0);
+        ring_bwd_fn<T>(plan.ring_vecs, plan.ring_stages, plan.ring_rms)<<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db, 0);
       else if (al && big) rownorm_bwd_cached_kernel<T, kBwdVecs, true, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al) rownorm_bwd_cached_kernel<T, kBwdVecs, true, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (big) rownorm_bwd_cached_kernel<T, kBwdVecs, false, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
