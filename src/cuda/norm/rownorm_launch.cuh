@@ -109,31 +109,27 @@ const void* bulk_fwd_kernel(int vpt, bool staged = true, int threads = kBulkThre
                   : reinterpret_cast<const void*>(&rownorm_fwd_bulk_kernel<T, kBulkVecs>);
 }
 
-// The plain ring backward (not in clusters) for (vectors per thread, row slots).
+// The ring backward for (vectors per thread, row slots, the RMSNorm instance: set_rownorm_bwd_ring_rms, in
+// clusters: kRingStages only). The planner queries the instance it launches: the occupancy query raises that
+// kernel's dynamic shared-memory limit.
 using RingBwdFn = void (*)(const RowNormParams, const RowLaunch, float*, float*, int);
-// rms: the RMSNorm instance (set_rownorm_bwd_ring_rms). The planner queries the instance it launches: the occupancy
-// query raises that kernel's dynamic shared-memory limit.
-template <typename T, bool RMS>
+template <typename T, bool CLU, bool RMS>
 RingBwdFn ring_bwd_fn_(int vpt, int stages) {
-  if (stages == 3)
-    return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, false, 3, RMS> : &rownorm_bwd_ring_kernel<T, kRingVecs, false, 3, RMS>;
-  return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, false, kRingStages, RMS>
-                  : &rownorm_bwd_ring_kernel<T, kRingVecs, false, kRingStages, RMS>;
+  if constexpr (!CLU) {
+    if (stages == 3)
+      return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, false, 3, RMS> : &rownorm_bwd_ring_kernel<T, kRingVecs, false, 3, RMS>;
+  }
+  return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, CLU, kRingStages, RMS>
+                  : &rownorm_bwd_ring_kernel<T, kRingVecs, CLU, kRingStages, RMS>;
 }
 template <typename T>
-RingBwdFn ring_bwd_fn(int vpt, int stages, bool rms) {
-  return rms ? ring_bwd_fn_<T, true>(vpt, stages) : ring_bwd_fn_<T, false>(vpt, stages);
+RingBwdFn ring_bwd_fn(int vpt, int stages, bool rms, bool cluster = false) {
+  if (cluster) return rms ? ring_bwd_fn_<T, true, true>(vpt, stages) : ring_bwd_fn_<T, true, false>(vpt, stages);
+  return rms ? ring_bwd_fn_<T, false, true>(vpt, stages) : ring_bwd_fn_<T, false, false>(vpt, stages);
 }
 template <typename T>
-const void* ring_bwd_kernel(int vpt, int stages, bool rms) {
-  return reinterpret_cast<const void*>(ring_bwd_fn<T>(vpt, stages, rms));
-}
-// The cluster ring for (vectors per thread, rms).
-template <typename T>
-RingBwdFn ring_cluster_bwd_fn(int vpt, bool rms) {
-  if (rms) return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, true, kRingStages, true>
-                           : &rownorm_bwd_ring_kernel<T, kRingVecs, true, kRingStages, true>;
-  return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, true> : &rownorm_bwd_ring_kernel<T, kRingVecs, true>;
+const void* ring_bwd_kernel(int vpt, int stages, bool rms, bool cluster = false) {
+  return reinterpret_cast<const void*>(ring_bwd_fn<T>(vpt, stages, rms, cluster));
 }
 
 // The 2-vector cached backward kernel for (dtype, alignment, CTA size).
@@ -355,7 +351,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     const bool use3 = rownorm_bwd_ring3() && t3 <= kRingThreads && 3 * t3 < 4 * t4;
     const int vpt = use3 ? 3 : kRingVecs, tpr = use3 ? t3 : t4, R = kRingThreads / tpr;
     const bool rms_k = p.rms && !p.db && rownorm_bwd_ring_rms();
-    const void* kernel = reinterpret_cast<const void*>(ring_cluster_bwd_fn<T>(vpt, rms_k));
+    const void* kernel = ring_bwd_kernel<T>(vpt, kRingStages, rms_k, true);
     const std::size_t smem = ring_smem_bytes(std::int64_t(per) * E, E, vpt, R);
     // (C (C - 1) < nvec: every rank holds at least one vector; tpr >= kRingMinTpr: the ring's shortest rows)
     if (C >= 2 && C <= kRingMaxCluster && tpr >= kRingMinTpr && tpr <= kRingThreads && smem <= smem_per_block_optin() &&
@@ -778,7 +774,7 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
         launch_kernel_cluster("rownorm_bwd", kernel, dim3(unsigned(blocks)), dim3(plan.threads), plan.smem, stream, false,
                               unsigned(plan.cluster), p, plan.L, ws_dw, ws_db, plan.cl_cols);
       };
-      go(ring_cluster_bwd_fn<T>(plan.ring_vecs, plan.ring_rms));
+      go(ring_bwd_fn<T>(plan.ring_vecs, kRingStages, plan.ring_rms, true));
       FW_CUDA_CHECK_LAUNCH("rownorm_bwd");
     } else if (plan.cached) {
       const std::int64_t blocks = std::int64_t(plan.L.P) * p.groups;
