@@ -21,8 +21,8 @@
 //   fastweight_bench --row1-f32par=off|on    its 4- and 8-vector instances for fp32 parameters too (with --params=f32)
 //   fastweight_bench --bwd-ring3=off|on      norm backward's ring kernel at 3 vectors per thread where that idles fewer threads
 //   fastweight_bench --bwd-ring-tight=off|on|idle  its row groups of any multiple of 32 threads where a CTA then holds
-//                                            more (idle: also as many, with fewer idle vector slots)
-//   fastweight_bench --bwd-ring-rms=off|on   RMSNorm rows in the rings' RMSNorm instances (no mean, no bias)
+//                                            more (idle, the default: also as many, with fewer idle vector slots)
+//   fastweight_bench --bwd-ring-rms=off|on   RMSNorm rows in the rings' RMSNorm instances (no mean, no bias; on: the default)
 //   fastweight_bench --bwd-ring-stages=auto|2|3  its row slots per row group (auto: 3 at one row group per CTA; 3 where it fits)
 //   fastweight_bench --bwd-cluster=off|on    norm backward's ring kernel in clusters for rows past its reach (else rowsum + coltile)
 //   fastweight_bench --fwd-cluster=off|on|small  norm forward's one-row kernel in clusters for 16-bit rows past 32768

@@ -39,12 +39,13 @@ bool rownorm_bwd_ring3();
 // which leaves 1/6 of the vector slots idle at N 5120): more rows in flight per SM. Session 45 (H200, LayerNorm bf16
 // unless said, ms, off / on): 4096 x 5120 0.0550 / 0.0479, x 4608 0.0550 / 0.0463, 16384 x 5120 0.1786 / 0.1426,
 // RMSNorm 4096 x 5120 0.0498 / 0.0456, 4096 x 2560 0.0335 / 0.0327, fp32 4096 x 2560 0.0449 / 0.0443; 1024 x 5120
-// level (the cluster ring there). Mode 1, the default; 0 off. Mode 2 (A/B; timed in session 45, its tests not yet
-// run on a GPU: 4096 x 9216 0.1000 / 0.0874, x 10240 0.1002 / 0.0938, x 11264 0.1045 / 0.0954, x 13312 0.1173 /
-// 0.1133, x 7168 and x 14336 level) also takes whole-warp groups where a CTA holds as many as before but fewer vector slots idle: bf16 N 7168
-// 224 x 4 (2 groups, against 256 x 4 with 1/8 idle), 9216..11264 at one group per CTA (9216 384 x 3 against 512 x 3),
-// 13312..14336 (416 / 448 x 4); fewer threads per SM, less work on zero-filled slots. FW_NORM_BWD_RING_TIGHT=0|1|2
-// at start. Returns the previous mode (tests, fastweight_bench --bwd-ring-tight=off|on|idle).
+// level (the cluster ring there). Mode 1 that alone; 0 off. Mode 2, the default since session 46, also takes
+// whole-warp groups where a CTA holds as many as before but fewer vector slots idle: bf16 N 7168 224 x 4 (2 groups,
+// against 256 x 4 with 1/8 idle), 9216..11264 at one group per CTA (9216 384 x 3 against 512 x 3), 13312..14336
+// (416 / 448 x 4); fewer threads per SM, less work on zero-filled slots. Session 46 (H200, bf16 unless said, ms,
+// mode 1 / 2): LayerNorm 4096 x 9216 0.0999 / 0.0873, RMSNorm 0.0914 / 0.0808, fp16 LayerNorm 4096 x 10240
+// 0.1001 / 0.0927; session 45: x 10240 0.1002 / 0.0938, x 11264 0.1045 / 0.0954, x 13312 0.1173 / 0.1133; x 7168
+// and x 14336 level (0.0631 / 0.0628, 0.1179 / 0.1171). FW_NORM_BWD_RING_TIGHT=0|1|2 at start. Returns the previous mode (tests, fastweight_bench --bwd-ring-tight=off|on|idle).
 int set_rownorm_bwd_ring_tight(int mode);
 int rownorm_bwd_ring_tight();
 // The plain ring's row slots per row group: 0 (the default) the rule, 3 where a CTA holds one row group (two rows in
@@ -56,12 +57,14 @@ int rownorm_bwd_ring_tight();
 // --bwd-ring-stages=auto|2|3).
 int set_rownorm_bwd_ring_stages(int stages);
 int rownorm_bwd_ring_stages();
-// A/B: RMSNorm rows in the ring's RMSNorm instances (plain and in clusters; the kernel's RMS): the mean, the row sum
-// of g and the bias partials left out at compile time (the same bits; per element two adds and a subtraction fewer,
-// and one warp-sum chain per row). Hypothesis: session 45's whole-warp mode 2 found the ring at one row group per CTA
-// bound by its per-thread work (4096 x 9216: 0.87x with 1/4 fewer slots), and cuDNN's RMSNorm backward leads at
-// 4096 x 12288 (0.0863 ms against 0.1003) and 512 x 32768 (0.0439 / 0.0461). Off by default; FW_NORM_BWD_RING_RMS=1
-// at start. Compiled in session 45, not yet run on a GPU. Returns the previous setting (tests, fastweight_bench
+// RMSNorm rows in the ring's RMSNorm instances (plain and in clusters; the kernel's RMS): the mean, the row sum of g
+// and the bias partials left out at compile time (per element two adds and a subtraction fewer, and one warp-sum
+// chain per row). The same bits as the generic instance: the kernel spells every rounding out with intrinsics (session
+// 46's first run found ptxas contracting the two instances' dx differently). Why: the ring at one row group per CTA
+// is bound by its per-thread work (mode 2 above), and cuDNN's RMSNorm backward led at 4096 x 12288 (0.0863 ms against
+// 0.1003). Session 46 (H200, RMSNorm bf16, ms, off / on): 4096 x 12288 0.0991 / 0.0897, 512 x 32768 (clusters)
+// 0.0450 / 0.0417, 4096 x 9216 (mode 2) 0.0808 / 0.0720, 4096 x 5120 0.0455 / 0.0461. On by default;
+// FW_NORM_BWD_RING_RMS=0 turns it off at start. Returns the previous setting (tests, fastweight_bench
 // --bwd-ring-rms=off|on).
 bool set_rownorm_bwd_ring_rms(bool on);
 bool rownorm_bwd_ring_rms();

@@ -926,13 +926,15 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
       scale_vec<E>(s_scale, col < n ? col : 0, sc);
 #pragma unroll
       for (int e = 0; e < E; ++e) {
-        const float xh = (xf[e] - mean) * rstd;
+        // every rounding spelled out (intrinsics: ptxas contracts plain a * b + c at will, and differently in
+        // the RMS instance, whose mean is a constant 0): the RMS and generic instances give the same bits.
+        const float xh = __fmul_rn(xf[e] - mean, rstd);
         // __fmul_rn: one rounded product used in both the sums and dx (no FMA contraction), so that
         // g - mean(g) cancels exactly where it should (N = 1 gives dx = 0, not rounding noise).
         const float gg = __fmul_rn(dyf[e], sc[e]);
         if constexpr (!RMS) sg += gg;
-        sgx += gg * xh;
-        acc_dw[k][e] += dyf[e] * xh;
+        sgx = __fmaf_rn(gg, xh, sgx);
+        acc_dw[k][e] = __fmaf_rn(dyf[e], xh, acc_dw[k][e]);
         if constexpr (!RMS) acc_db[k][e] += dyf[e];
       }
     }
@@ -987,8 +989,8 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
         scale_vec<E>(s_scale, col, sc);
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-          const float xh = (xf[e] - mean) * rstd;
-          out[e] = rstd * (__fmul_rn(dyf[e], sc[e]) - mg - xh * mgx);
+          const float xh = __fmul_rn(xf[e] - mean, rstd);
+          out[e] = rstd * __fmaf_rn(-xh, mgx, __fmul_rn(dyf[e], sc[e]) - mg);  // (RMS: g - 0 = g exactly)
         }
         store_vec<T>(dxr, col, n, true, out);
       }
