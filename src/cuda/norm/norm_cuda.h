@@ -39,13 +39,14 @@ bool rownorm_bwd_ring3();
 // which leaves 1/6 of the vector slots idle at N 5120): more rows in flight per SM. Session 45 (H200, LayerNorm bf16
 // unless said, ms, off / on): 4096 x 5120 0.0550 / 0.0479, x 4608 0.0550 / 0.0463, 16384 x 5120 0.1786 / 0.1426,
 // RMSNorm 4096 x 5120 0.0498 / 0.0456, 4096 x 2560 0.0335 / 0.0327, fp32 4096 x 2560 0.0449 / 0.0443; 1024 x 5120
-// level (the cluster ring there). Mode 1 that alone; 0 off. Mode 2, the default since session 46, also takes
+// level (the cluster ring there). Mode 1: that rule alone; 0 off. Mode 2, the default since session 46, also takes
 // whole-warp groups where a CTA holds as many as before but fewer vector slots idle: bf16 N 7168 224 x 4 (2 groups,
 // against 256 x 4 with 1/8 idle), 9216..11264 at one group per CTA (9216 384 x 3 against 512 x 3), 13312..14336
 // (416 / 448 x 4); fewer threads per SM, less work on zero-filled slots. Session 46 (H200, bf16 unless said, ms,
 // mode 1 / 2): LayerNorm 4096 x 9216 0.0999 / 0.0873, RMSNorm 0.0914 / 0.0808, fp16 LayerNorm 4096 x 10240
 // 0.1001 / 0.0927; session 45: x 10240 0.1002 / 0.0938, x 11264 0.1045 / 0.0954, x 13312 0.1173 / 0.1133; x 7168
-// and x 14336 level (0.0631 / 0.0628, 0.1179 / 0.1171). FW_NORM_BWD_RING_TIGHT=0|1|2 at start. Returns the previous mode (tests, fastweight_bench --bwd-ring-tight=off|on|idle).
+// and x 14336 level (0.0631 / 0.0628, 0.1179 / 0.1171). FW_NORM_BWD_RING_TIGHT=0|1|2 at start. Returns the
+// previous mode (tests, fastweight_bench --bwd-ring-tight=off|on|idle).
 int set_rownorm_bwd_ring_tight(int mode);
 int rownorm_bwd_ring_tight();
 // The plain ring's row slots per row group: 0 (the default) the rule, 3 where a CTA holds one row group (two rows in
