@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
-"""Why is the user-facing (U) LayerNorm backward slower in fp16 than in bf16 (bench_norms.py, H200,
-session 38: 4096 x 8192 0.1222 against 0.0681 ms; the graph-replayed kernels are level, 0.0675)?
+"""Where the user-facing (U) backward's time goes, per op, dtype and shape: first asked for the
+LayerNorm fp16 / bf16 gap (bench_norms.py, H200, session 38: 4096 x 8192 0.1222 against 0.0681 ms,
+graph-replayed kernels level), then for LayerNorm against RMSNorm (session 45: (U) minus kernel time
++73 us for LayerNorm at 4096 x 5120, +12 for RMSNorm).
 
-For each dtype and shape, in one process: the host time of one eager backward (torch.autograd.backward
-with retain_graph, grads set to None between calls, no synchronize inside the loop), the GPU time of
-the same loop (CUDA events over --iters calls), and a torch.profiler table of three calls (kernels and
-CUDA runtime calls), for fastweight.layer_norm and F.layer_norm. No assertions: a measurement.
+For each op, dtype and shape, in one process, for fastweight's functional API and torch's: the host
+time of one eager backward (torch.autograd.backward with retain_graph, grads set to None between
+calls, no synchronize inside the loop), the GPU time of the same loop (CUDA events over --iters
+calls), one call timed as bench_norms.py's (U) column times it (the L2 flushed by a 256 MB memset
+before each call, events around the call alone; median), and a torch.profiler table of three calls
+(kernels and CUDA runtime calls). No assertions: a measurement.
 
   PYTHONPATH=build/py/python python3 bench/probe_norm_u_dtype.py --shapes 4096x4096,4096x8192
+  ... --ops layernorm,layernorm_nobias,rmsnorm --dtypes bfloat16 --shapes 4096x5120
 """
 import argparse
 import sys
@@ -23,12 +28,14 @@ def main():
     ap.add_argument("--shapes", default="4096x4096,4096x8192")
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--ops", default="layernorm", help="comma-separated: layernorm, layernorm_nobias, rmsnorm")
     a = ap.parse_args()
     import torch
     import torch.nn.functional as F
     fw = import_fastweight()
     from torch.profiler import ProfilerActivity, profile
 
+    flush = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device="cuda")
     for shape in a.shapes.split(","):
         M, N = (int(s) for s in shape.split("x"))
         for dname in a.dtypes.split(","):
@@ -37,8 +44,15 @@ def main():
             w = torch.randn(N, device="cuda", dtype=dt).requires_grad_(True)
             b = torch.randn(N, device="cuda", dtype=dt).requires_grad_(True)
             dy = torch.randn(M, N, device="cuda", dtype=dt)
-            for name, fn in (("fastweight", lambda: fw.layer_norm(x, w, b, 1e-5)),
-                             ("torch", lambda: F.layer_norm(x, (N,), w, b, 1e-5))):
+            cases = {
+                "layernorm": (("fastweight", lambda: fw.layer_norm(x, w, b, 1e-5)),
+                              ("torch", lambda: F.layer_norm(x, (N,), w, b, 1e-5))),
+                "layernorm_nobias": (("fastweight", lambda: fw.layer_norm(x, w, None, 1e-5)),
+                                     ("torch", lambda: F.layer_norm(x, (N,), w, None, 1e-5))),
+                "rmsnorm": (("fastweight", lambda: fw.rms_norm(x, w, 1e-6)),
+                            ("torch", lambda: F.rms_norm(x, (N,), w, 1e-6))),
+            }
+            for op, name, fn in ((op, n, f) for op in a.ops.split(",") for n, f in cases[op]):
                 y = fn()
 
                 def bwd():
@@ -57,8 +71,19 @@ def main():
                 host_us = (time.perf_counter() - t0) / a.iters * 1e6
                 torch.cuda.synchronize()
                 gpu_us = e0.elapsed_time(e1) / a.iters * 1e3
-                print(f"{shape} {dname:9s} {name:10s} host {host_us:7.1f} us/call  gpu loop {gpu_us:7.1f} us/call  "
-                      f"grads {x.grad.dtype} {w.grad.dtype} {b.grad.dtype} x.grad strides {x.grad.stride()}")
+                flushed = []  # as bench_norms.py's (U) column: L2 flushed, events around the call alone
+                for _ in range(30):
+                    x.grad = w.grad = b.grad = None
+                    flush.zero_()
+                    e0.record()
+                    torch.autograd.backward(y, dy, retain_graph=True)
+                    e1.record()
+                    torch.cuda.synchronize()
+                    flushed.append(e0.elapsed_time(e1) * 1e3)
+                flushed.sort()
+                print(f"{op} {shape} {dname:9s} {name:10s} host {host_us:7.1f} us/call  gpu loop {gpu_us:7.1f} us/call  "
+                      f"flushed one call {flushed[len(flushed) // 2]:7.1f} us  grads {x.grad.dtype} {w.grad.dtype} "
+                      f"{None if b.grad is None else b.grad.dtype} x.grad strides {x.grad.stride()}")
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     for _ in range(3):
                         bwd()
