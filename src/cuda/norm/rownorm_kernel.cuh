@@ -849,10 +849,9 @@ __device__ __forceinline__ void group_barrier(int id, int count) {
 // BLK (set_rownorm_bwd_ring_bulk; Hopper, not in clusters): x and dy come in by bulk copies (cp.async.bulk, the TMA
 // engine), one per tpr-vector chunk of a row, issued by the row group's lane 0 and completing on the slot's mbarrier,
 // in place of 2 VPT 16-byte cp.async per thread and row (ncu, 4096 x 12288 RMSNorm: our L1 74% busy against 24% for
-// cuDNN's TMA-fed kernel, DRAM 69% against 80%). The same smem layout, so the same bits. Its tail vectors past the row
-// are zeroed once; rows past J get no copy (an arrival alone), and their stale slots add nothing to the partials.
-// A slot is refilled after the row sums' barrier of the next row (every thread's reads of it done then), not at
-// the top of it: session 50 measured the top with a barrier of its own 3-8% slower than the cp.async ring.
+// cuDNN's TMA-fed kernel, DRAM 69% against 80%). The same smem layout, so the same bits. A slot is refilled after a
+// row-group barrier at the top of the next row (every thread's reads of it done); its tail vectors past the row are
+// zeroed once; rows past J get no copy (an arrival alone), and their stale slots add nothing to the partials.
 template <typename T, int VPT = kRingVecs, bool CLU = false, int STAGES = kRingStages, bool RMS = false, bool BLK = false>
 __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const RowNormParams p, const RowLaunch L,
                                                                           float* __restrict__ ws_dw,
@@ -952,13 +951,10 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
   [[maybe_unused]] unsigned it = 0;  // CLU: rows so far (the exchange slot's parity and its mbarrier's phase)
   for (std::int64_t j0 = pi * R; j0 < J; j0 += jstep) {
     const std::int64_t j = j0 + rg;
-    if constexpr (BLK) {
-      cp_async_wait<S - 2>();  // (the refill comes after the row sums' barrier below: one group fewer since this row's)
-    } else {
-      issue_row(j + (S - 1) * jstep, stage == 0 ? S - 1 : stage - 1);
-      cp_async_commit();
-      cp_async_wait<S - 1>();
-    }
+    if constexpr (BLK) group_barrier(1 + rg, tpr);  // the slot refilled next: every thread's reads of it done
+    issue_row(j + (S - 1) * jstep, stage == 0 ? S - 1 : stage - 1);
+    cp_async_commit();
+    cp_async_wait<S - 1>();
     if constexpr (BLK) {
 #if defined(FW_HAS_BULK)
       mbar_wait(&s_xbar[stage * R + rg], (phases >> stage) & 1u);
@@ -1009,10 +1005,6 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
         sums.y += t.y;
       }
       parity ^= 1;
-    }
-    if constexpr (BLK) {  // every thread of the group is past the last row's reads of the slot refilled here
-      issue_row(j + (S - 1) * jstep, stage == 0 ? S - 1 : stage - 1);
-      cp_async_commit();
     }
 #if defined(FW_HAS_BULK)
     if constexpr (CLU) {
