@@ -766,38 +766,6 @@ INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBwdRingRms,
                                                                             65536)),
                          rows_case_name);
 
-// The plain ring fed by bulk copies (set_rownorm_bwd_ring_bulk, Hopper): the same bits as the cp.async ring (the second
-// run of each case with the switch off), over its shapes: 2 slots of several row groups, whole-warp groups, 3 slots of
-// one group, 3 vectors per thread, a last chunk shorter than its group (4104, 5128), rows that leave row groups idle in
-// the last pass (37 per group), about 3 waves, with and without parameters; rows past the plain ring's reach keep
-// the cluster ring.
-struct NormCudaBwdRingBulk : ::testing::TestWithParam<BulkParam> {};
-TEST_P(NormCudaBwdRingBulk, BulkRingGivesTheCpAsyncBits) {
-  FW_REQUIRE_GPU();
-  const auto [op, dt, n] = GetParam();
-  const std::int64_t groups = param_groups(op), many = groups * 3 * fastweight::detail::sm_count() * 4;
-  const ScopedSwitch<bool> bulk(&fastweight::detail::set_rownorm_bwd_ring_bulk, true);
-  const bool hopper = fastweight::detail::cc_major() >= 9;
-  for (const std::int64_t rows : {groups * 37, many, groups * 3}) {
-    if (rows == many && n > 16384) continue;  // (the float64 reference's time: few rows past the plain ring)
-    check_case(op, dt, n, rows, Layout::padded, Params::io, nullptr,
-               [] { fastweight::detail::set_rownorm_bwd_ring_bulk(false); });  // (o2: the cp.async ring)
-    fastweight::detail::set_rownorm_bwd_ring_bulk(true);
-    for (const Params params : {Params::io, Params::none, Params::f32}) {
-      check_case(op, dt, n, rows, Layout::contiguous, params);
-      const std::string ran = fastweight::detail::rownorm_bwd_last_kernel();
-      const bool ring = ran.rfind("ring", 0) == 0, cluster = ran.find("cluster") != std::string::npos;
-      if (hopper && ring && !cluster) EXPECT_NE(ran.find("_bulk"), std::string::npos) << n << " " << ran;
-      if (!hopper || cluster) EXPECT_EQ(ran.find("_bulk"), std::string::npos) << n << " " << ran;
-    }
-  }
-}
-INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBwdRingBulk,
-                         ::testing::Combine(kOps, kDtypes,
-                                            ::testing::Values<std::int64_t>(2048, 3072, 4104, 5120, 5128, 8192, 9216,
-                                                                            12288, 16384, 24576)),
-                         rows_case_name);
-
 // Aligned rows past the ring kernel's reach (bf16 / fp16 N > 16384, fp32 N > 8192): the ring kernel in clusters of
 // C = ceil(N / reach) CTAs on Hopper (set_rownorm_bwd_cluster), C 2..8, 3 vectors per thread at N 24576 (bf16), ranks
 // whose last one holds fewer columns (20000, 40000), about 4 rows per cluster (the exchange slots' parities and

@@ -69,14 +69,6 @@ int rownorm_bwd_ring_stages();
 // --bwd-ring-rms=off|on).
 bool set_rownorm_bwd_ring_rms(bool on);
 bool rownorm_bwd_ring_rms();
-// The plain ring (not in clusters) fed by bulk copies on Hopper (the kernel's BLK): per row and row group, lane 0
-// issues one cp.async.bulk per chunk of x and dy onto the slot's mbarrier, where every thread issued 2 VPT 16-byte
-// cp.async. Why: ncu at RMSNorm bf16 4096 x 12288 (session 50, H200) put our ring at 69% of DRAM bandwidth with L1
-// 74% busy, against cuDNN's TMA-fed kernel at 80% with L1 24% (85.9 against 75.1 us). The same bits. Off by default
-// (compiled only so far); FW_NORM_BWD_RING_BULK=1 turns it on at start. Returns the previous setting (tests,
-// fastweight_bench --bwd-ring-bulk=off|on).
-bool set_rownorm_bwd_ring_bulk(bool on);
-bool rownorm_bwd_ring_bulk();
 // Aligned rows past the ring kernel's reach (bf16 / fp16 N > 16384, fp32 N > 8192) on Hopper: the ring kernel in
 // clusters of C = ceil(N / that reach) <= 8 CTAs (bf16 N <= 131072, fp32 <= 65536), each CTA the same rows' N / C
 // columns, the row sums exchanged through the peers' shared memory (st.async on their mbarriers) and added in

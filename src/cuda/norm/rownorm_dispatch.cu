@@ -52,7 +52,6 @@ std::atomic<bool> g_fwd_row1_f32par{env_digit("FW_NORM_ROW1_F32PAR", 1) == 1};
 std::atomic<bool> g_bwd_ring3{env_digit("FW_NORM_BWD_RING3", 1) == 1};
 std::atomic<int> g_bwd_ring_tight{env_digit("FW_NORM_BWD_RING_TIGHT", 2)};  // (0|1|2: the mode at start)
 std::atomic<bool> g_bwd_ring_rms{env_digit("FW_NORM_BWD_RING_RMS", 1) == 1};
-std::atomic<bool> g_bwd_ring_bulk{env_digit("FW_NORM_BWD_RING_BULK", 0) == 1};
 std::atomic<int> g_bwd_ring_stages{env_digit("FW_NORM_BWD_RING_STAGES", 0)};  // (0: the rule; 2, 3: forced)
 std::atomic<bool> g_bwd_cluster{env_digit("FW_NORM_BWD_CLUSTER", 1) == 1};
 std::atomic<int> g_bwd_cluster_mult{env_digit("FW_NORM_BWD_CLUSTER_MULT", 0)};  // (0: the planner's rule)
@@ -74,8 +73,6 @@ int set_rownorm_bwd_ring_stages(int stages) { return g_bwd_ring_stages.exchange(
 int rownorm_bwd_ring_stages() { return g_bwd_ring_stages.load(); }
 bool set_rownorm_bwd_ring_rms(bool on) { return g_bwd_ring_rms.exchange(on); }
 bool rownorm_bwd_ring_rms() { return g_bwd_ring_rms.load(); }
-bool set_rownorm_bwd_ring_bulk(bool on) { return g_bwd_ring_bulk.exchange(on); }
-bool rownorm_bwd_ring_bulk() { return g_bwd_ring_bulk.load(); }
 bool set_rownorm_bwd_cluster(bool on) { return g_bwd_cluster.exchange(on); }
 bool rownorm_bwd_cluster() { return g_bwd_cluster.load(); }
 int set_rownorm_bwd_cluster_mult(int m) { return g_bwd_cluster_mult.exchange(m); }

@@ -815,12 +815,11 @@ inline constexpr int kRingMaxCluster = 8;  // portable cluster sizes
 // n: the CTA's columns (cl_cols in a cluster); cluster: its exchange slots for R row groups (0: none); stages: the
 // ring's rows per row group (kRingStages, or 3: set_rownorm_bwd_ring_stages)
 inline std::size_t ring_smem_bytes(std::int64_t n, int elems, int vpt = kRingVecs, int cluster_groups = 0,
-                                   int stages = kRingStages, bool bulk = false) {
+                                   int stages = kRingStages) {
   const std::size_t n_pad = std::size_t((n + elems - 1) / elems * elems);
   return std::size_t(stages) * kRingThreads * (2 * std::size_t(vpt) * 16 + 2 * sizeof(float)) +
          n_pad * sizeof(float) + 2 * (kRingThreads / 32) * sizeof(float2) +
-         std::size_t(cluster_groups) * 2 * (sizeof(std::uint64_t) + kRingMaxCluster * sizeof(float2)) +
-         (bulk ? std::size_t(stages) * (kRingThreads / kRingMinTpr) * sizeof(std::uint64_t) : 0);  // BLK: (S, R) mbarriers
+         std::size_t(cluster_groups) * 2 * (sizeof(std::uint64_t) + kRingMaxCluster * sizeof(float2));
 }
 
 // E fp32 scale values at `col` (a multiple of E) from shared memory, as float4 vectors.
@@ -846,21 +845,14 @@ __device__ __forceinline__ void group_barrier(int id, int count) {
 // its shared-memory layout keeps 512 threads' slots.
 // RMS (set_rownorm_bwd_ring_rms; RMSNorm rows only, p.rms): the mean (0) and the row sum of g left out at compile
 // time, with the bias partials (RMSNorm has none): the same bits with fewer instructions per element.
-// BLK (set_rownorm_bwd_ring_bulk; Hopper, not in clusters): x and dy come in by bulk copies (cp.async.bulk, the TMA
-// engine), one per tpr-vector chunk of a row, issued by the row group's lane 0 and completing on the slot's mbarrier,
-// in place of 2 VPT 16-byte cp.async per thread and row (ncu, 4096 x 12288 RMSNorm: our L1 74% busy against 24% for
-// cuDNN's TMA-fed kernel, DRAM 69% against 80%). The same smem layout, so the same bits. A slot is refilled after a
-// row-group barrier at the top of the next row (every thread's reads of it done); its tail vectors past the row are
-// zeroed once; rows past J get no copy (an arrival alone), and their stale slots add nothing to the partials.
-template <typename T, int VPT = kRingVecs, bool CLU = false, int STAGES = kRingStages, bool RMS = false, bool BLK = false>
+template <typename T, int VPT = kRingVecs, bool CLU = false, int STAGES = kRingStages, bool RMS = false>
 __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const RowNormParams p, const RowLaunch L,
                                                                           float* __restrict__ ws_dw,
                                                                           float* __restrict__ ws_db, int cl_cols = 0) {
   static_assert(!(CLU && STAGES != kRingStages), "the cluster ring: kRingStages");
-  static_assert(!(CLU && BLK), "the bulk-copy ring: not in clusters");
   constexpr int E = kVecElems<T>, S = STAGES, NT = kRingThreads;
 #if !defined(FW_HAS_BULK)
-  if constexpr (CLU || BLK) {  // (planned on sm_90 binaries only)
+  if constexpr (CLU) {  // (planned on sm_90 binaries only)
     __trap();
     return;
   }
@@ -877,7 +869,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
   float* s_stat = reinterpret_cast<float*>(smem_v + S * 2 * VPT * NT);  // (S, 2, NT)
   float* s_scale = s_stat + S * 2 * NT;                                // (n_pad)
   float2* s_red = reinterpret_cast<float2*>(s_scale + n_pad);          // (2, NT / 32)
-  std::uint64_t* s_xbar = reinterpret_cast<std::uint64_t*>(s_red + 2 * (NT / 32));  // CLU: (2, R); BLK: (S, R)
+  std::uint64_t* s_xbar = reinterpret_cast<std::uint64_t*>(s_red + 2 * (NT / 32));  // CLU: (2, R)
   [[maybe_unused]] float2* s_xsum = reinterpret_cast<float2*>(s_xbar + 2 * R);       // CLU: (2, R, kRingMaxCluster)
   const unsigned cta = CLU ? blockIdx.x / unsigned(ncta) : blockIdx.x;  // the cluster, or the CTA (32-bit divisions)
   const std::int64_t g = cta / L.P, pi = cta % L.P;
@@ -890,19 +882,6 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
 #endif
     cluster_arrive();  // (waited for below, before the first exchange: the peers' mbarriers are ready)
   }
-  [[maybe_unused]] unsigned phases = 0;  // BLK: bit s, the parity of slot s's next mbarrier phase
-  if constexpr (BLK) {
-#if defined(FW_HAS_BULK)
-    // the tail vectors past the row end, which no copy writes: zeros (dy = 0 there keeps the sums exact)
-#pragma unroll
-    for (int k = 0; k < VPT; ++k)
-      if ((k * tpr + lane) * E >= n)
-        for (int s = 0; s < S; ++s) s_pipe[((s * 2 + 0) * VPT + k) * NT + tid] = s_pipe[((s * 2 + 1) * VPT + k) * NT + tid] = uint4{};
-    if (tid < S * R) mbar_init(&s_xbar[tid], 1);  // one arrival per phase: the row group's lane 0, with the bytes
-    mbar_init_fence();
-    __syncthreads();
-#endif
-  }
   auto issue_row = [&](std::int64_t j, int stage) {  // cp.async into this thread's own slots
     const bool ok_row = j < J;
     const std::int64_t r = p.row_of(g, ok_row ? j : 0);  // rows past J: zero-filled (rstd 0: no effect)
@@ -910,33 +889,12 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
     const T* dyr = static_cast<const T*>(p.dy) + p.dy_rows.offset(r) + c0;
     if constexpr (!RMS) cp_async4(&s_stat[(stage * 2 + 0) * NT + tid], p.rms ? p.rstd + r : p.mean + r, ok_row && !p.rms);
     cp_async4(&s_stat[(stage * 2 + 1) * NT + tid], p.rstd + r, ok_row);
-    if constexpr (BLK) {
-#if defined(FW_HAS_BULK)
-      if (lane == 0) {  // (S, R) mbarriers; a chunk k: vectors k * tpr .. of the row, (tpr) at k * NT + rg * tpr
-        std::uint64_t* bar = &s_xbar[stage * R + rg];
-        if (!ok_row) {
-          mbar_arrive(bar);
-        } else {
-          const int nvec = n / E;
-          mbar_arrive_expect_tx(bar, 2u * unsigned(nvec) * 16u);
 #pragma unroll
-          for (int k = 0; k < VPT; ++k) {
-            const int v0 = k * tpr, cnt = min(tpr, nvec - v0);
-            if (cnt <= 0) continue;
-            bulk_g2s(&s_pipe[((stage * 2 + 0) * VPT + k) * NT + rg * tpr], xr + v0 * E, unsigned(cnt) * 16u, bar);
-            bulk_g2s(&s_pipe[((stage * 2 + 1) * VPT + k) * NT + rg * tpr], dyr + v0 * E, unsigned(cnt) * 16u, bar);
-          }
-        }
-      }
-#endif
-    } else {
-#pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int col = (k * tpr + lane) * E;
-        const bool ok = ok_row && col < n;
-        cp_async16(&s_pipe[((stage * 2 + 0) * VPT + k) * NT + tid], xr + (ok ? col : 0), ok);
-        cp_async16(&s_pipe[((stage * 2 + 1) * VPT + k) * NT + tid], dyr + (ok ? col : 0), ok);
-      }
+    for (int k = 0; k < VPT; ++k) {
+      const int col = (k * tpr + lane) * E;
+      const bool ok = ok_row && col < n;
+      cp_async16(&s_pipe[((stage * 2 + 0) * VPT + k) * NT + tid], xr + (ok ? col : 0), ok);
+      cp_async16(&s_pipe[((stage * 2 + 1) * VPT + k) * NT + tid], dyr + (ok ? col : 0), ok);
     }
   };
   float acc_dw[VPT][E] = {}, acc_db[VPT][E] = {};  // (VPT, E) fp32 partial sums over this thread's rows
@@ -951,17 +909,9 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
   [[maybe_unused]] unsigned it = 0;  // CLU: rows so far (the exchange slot's parity and its mbarrier's phase)
   for (std::int64_t j0 = pi * R; j0 < J; j0 += jstep) {
     const std::int64_t j = j0 + rg;
-    if constexpr (BLK) group_barrier(1 + rg, tpr);  // the slot refilled next: every thread's reads of it done
     issue_row(j + (S - 1) * jstep, stage == 0 ? S - 1 : stage - 1);
     cp_async_commit();
     cp_async_wait<S - 1>();
-    if constexpr (BLK) {
-#if defined(FW_HAS_BULK)
-      mbar_wait(&s_xbar[stage * R + rg], (phases >> stage) & 1u);
-      phases ^= 1u << stage;
-#endif
-    }
-    const bool live = !BLK || j < J;  // (BLK: a row past J leaves a stale slot, which must add nothing)
     const uint4* sx = s_pipe + (stage * 2 + 0) * VPT * NT + tid;  // this thread's vectors k * NT
     const uint4* sdy = s_pipe + (stage * 2 + 1) * VPT * NT + tid;
     const float mean = RMS ? 0.f : s_stat[(stage * 2 + 0) * NT + tid], rstd = s_stat[(stage * 2 + 1) * NT + tid];
@@ -984,10 +934,8 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
         const float gg = __fmul_rn(dyf[e], sc[e]);
         if constexpr (!RMS) sg += gg;
         sgx = __fmaf_rn(gg, xh, sgx);
-        if (live) {
-          acc_dw[k][e] = __fmaf_rn(dyf[e], xh, acc_dw[k][e]);
-          if constexpr (!RMS) acc_db[k][e] += dyf[e];
-        }
+        acc_dw[k][e] = __fmaf_rn(dyf[e], xh, acc_dw[k][e]);
+        if constexpr (!RMS) acc_db[k][e] += dyf[e];
       }
     }
     // the row group's sums: warp butterflies, then (tpr > 32) one named barrier over a

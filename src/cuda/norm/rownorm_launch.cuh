@@ -46,7 +46,6 @@ struct RowPlan {
   int ring_vecs = kRingVecs;  // its vectors per thread (4, or 3: set_rownorm_bwd_ring3)
   int ring_stages = kRingStages;  // its row slots per row group (2, or 3: set_rownorm_bwd_ring_stages; not in clusters)
   bool ring_rms = false;    // its RMSNorm instance (set_rownorm_bwd_ring_rms)
-  bool ring_bulk = false;   // its bulk-copy (TMA) loads (set_rownorm_bwd_ring_bulk; not in clusters)
   bool ring_tight = false;  // its row groups of a multiple of 32 threads, not a power of two (set_rownorm_bwd_ring_tight)
   int cluster = 1;         // CTAs per cluster: the backward's ring (rows past kRingMaxN: 2..8, set_rownorm_bwd_cluster),
                            // the forward's one-row kernel (rows past 4096 vectors: 2..8, set_rownorm_fwd_cluster)
@@ -114,25 +113,23 @@ const void* bulk_fwd_kernel(int vpt, bool staged = true, int threads = kBulkThre
 // clusters: kRingStages only). The planner queries the instance it launches: the occupancy query raises that
 // kernel's dynamic shared-memory limit.
 using RingBwdFn = void (*)(const RowNormParams, const RowLaunch, float*, float*, int);
-template <typename T, bool CLU, bool RMS, bool BLK = false>
+template <typename T, bool CLU, bool RMS>
 RingBwdFn ring_bwd_fn_(int vpt, int stages) {
   if constexpr (!CLU) {
     if (stages == 3)
-      return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, false, 3, RMS, BLK>
-                      : &rownorm_bwd_ring_kernel<T, kRingVecs, false, 3, RMS, BLK>;
+      return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, false, 3, RMS> : &rownorm_bwd_ring_kernel<T, kRingVecs, false, 3, RMS>;
   }
-  return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, CLU, kRingStages, RMS, BLK>
-                  : &rownorm_bwd_ring_kernel<T, kRingVecs, CLU, kRingStages, RMS, BLK>;
+  return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, CLU, kRingStages, RMS>
+                  : &rownorm_bwd_ring_kernel<T, kRingVecs, CLU, kRingStages, RMS>;
 }
 template <typename T>
-RingBwdFn ring_bwd_fn(int vpt, int stages, bool rms, bool cluster = false, bool bulk = false) {
+RingBwdFn ring_bwd_fn(int vpt, int stages, bool rms, bool cluster = false) {
   if (cluster) return rms ? ring_bwd_fn_<T, true, true>(vpt, stages) : ring_bwd_fn_<T, true, false>(vpt, stages);
-  if (bulk) return rms ? ring_bwd_fn_<T, false, true, true>(vpt, stages) : ring_bwd_fn_<T, false, false, true>(vpt, stages);
   return rms ? ring_bwd_fn_<T, false, true>(vpt, stages) : ring_bwd_fn_<T, false, false>(vpt, stages);
 }
 template <typename T>
-const void* ring_bwd_kernel(int vpt, int stages, bool rms, bool cluster = false, bool bulk = false) {
-  return reinterpret_cast<const void*>(ring_bwd_fn<T>(vpt, stages, rms, cluster, bulk));
+const void* ring_bwd_kernel(int vpt, int stages, bool rms, bool cluster = false) {
+  return reinterpret_cast<const void*>(ring_bwd_fn<T>(vpt, stages, rms, cluster));
 }
 
 // The 2-vector cached backward kernel for (dtype, alignment, CTA size).
@@ -504,13 +501,10 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       if ((stages_mode == 3 || (stages_mode == 0 && R == 1)) &&
           ring_smem_bytes(p.n, E, plan.ring_vecs, 0, 3) <= smem_per_block_optin())
         plan.ring_stages = 3;
+      plan.smem = ring_smem_bytes(p.n, E, plan.ring_vecs, 0, plan.ring_stages);
       plan.ring_rms = p.rms && !p.db && rownorm_bwd_ring_rms();
-      plan.ring_bulk = rownorm_bwd_ring_bulk() && cc_major() >= 9 &&
-                       kernel_binary_version(ring_bwd_kernel<T>(plan.ring_vecs, plan.ring_stages, plan.ring_rms, false, true)) >= 90 &&
-                       ring_smem_bytes(p.n, E, plan.ring_vecs, 0, plan.ring_stages, true) <= smem_per_block_optin();
-      plan.smem = ring_smem_bytes(p.n, E, plan.ring_vecs, 0, plan.ring_stages, plan.ring_bulk);
-      plan.L.P = ctas_per_unit(ring_bwd_kernel<T>(plan.ring_vecs, plan.ring_stages, plan.ring_rms, false, plan.ring_bulk),
-                               plan.threads, plan.smem, p.groups, (J + R - 1) / R);
+      plan.L.P = ctas_per_unit(ring_bwd_kernel<T>(plan.ring_vecs, plan.ring_stages, plan.ring_rms), plan.threads, plan.smem, p.groups,
+                               (J + R - 1) / R);
       return plan;
     }
     plan.L.tpr = next_pow2((p.n + kBwdVecs * E - 1) / (kBwdVecs * E));
@@ -747,18 +741,11 @@ std::size_t rownorm_bwd_workspace(const RowNormParams& p) {
 
 // The ring's name for rownorm_bwd_last_kernel: "ring" / "ring3", "_tight" (whole-warp groups), "_s3" (3 stages), or
 // "_cluster"; "_rms" (the RMSNorm instance).
-// "_bulk" (its bulk-copy loads) before "_rms".
-inline const char* ring_kernel_name(bool three, bool tight, bool s3, bool cluster, bool rms, bool bulk = false) {
+inline const char* ring_kernel_name(bool three, bool tight, bool s3, bool cluster, bool rms) {
   static constexpr const char* names[2][8] = {
       {"ring", "ring_s3", "ring_tight", "ring_tight_s3", "ring3", "ring3_s3", "ring3_tight", "ring3_tight_s3"},
       {"ring_rms", "ring_s3_rms", "ring_tight_rms", "ring_tight_s3_rms", "ring3_rms", "ring3_s3_rms", "ring3_tight_rms",
        "ring3_tight_s3_rms"}};
-  static constexpr const char* bulk_names[2][8] = {
-      {"ring_bulk", "ring_s3_bulk", "ring_tight_bulk", "ring_tight_s3_bulk", "ring3_bulk", "ring3_s3_bulk",
-       "ring3_tight_bulk", "ring3_tight_s3_bulk"},
-      {"ring_bulk_rms", "ring_s3_bulk_rms", "ring_tight_bulk_rms", "ring_tight_s3_bulk_rms", "ring3_bulk_rms",
-       "ring3_s3_bulk_rms", "ring3_tight_bulk_rms", "ring3_tight_s3_bulk_rms"}};
-  if (bulk && !cluster) return bulk_names[rms ? 1 : 0][(three ? 4 : 0) + (tight ? 2 : 0) + (s3 ? 1 : 0)];
   static constexpr const char* cluster_names[2][2] = {{"ring_cluster", "ring3_cluster"},
                                                       {"ring_cluster_rms", "ring3_cluster_rms"}};
   if (cluster) return cluster_names[rms ? 1 : 0][three ? 1 : 0];
@@ -778,7 +765,7 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
   note_rownorm_bwd_kernel(!plan.cached ? "rowsum_coltile"
                           : !plan.ring ? "cached"
                           : ring_kernel_name(plan.ring_vecs == 3, plan.ring_tight, plan.ring_stages == 3, plan.cluster > 1,
-                                             plan.ring_rms, plan.ring_bulk));
+                                             plan.ring_rms));
   if (p.rows > 0) {
     if (plan.cluster > 1) {
       const std::int64_t blocks = std::int64_t(plan.L.P) * p.groups * plan.cluster;
@@ -795,8 +782,7 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
       const unsigned grid = unsigned(blocks);
       const bool big = plan.threads > kSmallCta;
       if (plan.ring)
-        ring_bwd_fn<T>(plan.ring_vecs, plan.ring_stages, plan.ring_rms, false, plan.ring_bulk)<<<grid, plan.threads, plan.smem, stream>>>(
-            p, plan.L, ws_dw, ws_db, 0);
+        ring_bwd_fn<T>(plan.ring_vecs, plan.ring_stages, plan.ring_rms)<<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db, 0);
       else if (al && big) rownorm_bwd_cached_kernel<T, kBwdVecs, true, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al) rownorm_bwd_cached_kernel<T, kBwdVecs, true, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (big) rownorm_bwd_cached_kernel<T, kBwdVecs, false, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
