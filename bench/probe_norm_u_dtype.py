@@ -2,7 +2,8 @@
 """Where the user-facing (U) backward's time goes, per op, dtype and shape: first asked for the
 LayerNorm fp16 / bf16 gap (bench_norms.py, H200, session 38: 4096 x 8192 0.1222 against 0.0681 ms,
 graph-replayed kernels level), then for LayerNorm against RMSNorm (session 45: (U) minus kernel time
-+73 us for LayerNorm at 4096 x 5120, +12 for RMSNorm).
++73 us for LayerNorm at 4096 x 5120, +12 for RMSNorm; session 50 in docs/perf/norms.md: not
+LayerNorm's, the host floor of one eager backward).
 
 For each op, dtype and shape, in one process, for fastweight's functional API and torch's: the host
 time of one eager backward (torch.autograd.backward with retain_graph, grads set to None between
