@@ -766,6 +766,55 @@ INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBwdRingRms,
                                                                             65536)),
                          rows_case_name);
 
+// The plain ring's scale in registers (set_rownorm_bwd_ring_sreg) and its row statistics copied once per warp
+// (set_rownorm_bwd_ring_wstat), each alone and both: the same bits as the default (the second run of each case with
+// both off), over the ring's shapes (2 and 3 row slots, 3 and 4 vectors, whole-warp groups, several row groups per
+// CTA) and about 3 waves of row groups; the scale registers only where the fp32 scale is exactly the IO dtype (fp32
+// rows, no weight, a weight of the IO dtype without an offset: not head norm's weight_offset 1, not fp32 weights of
+// 16-bit rows). Past the plain ring's reach (clusters) the statistics switch alone applies.
+struct NormCudaBwdRingSreg : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaBwdRingSreg, ScaleRegistersAndWarpStatisticsGiveTheSameBits) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t groups = param_groups(op), many = groups * 3 * fastweight::detail::sm_count() * 4;
+  const bool hopper = fastweight::detail::cc_major() >= 9;
+  const std::int64_t e = dt == DType::f32 ? 4 : 8;
+  const bool plain = n <= 512 * 4 * e;  // (the plain ring's reach; past it, clusters on Hopper)
+  std::string ran;  // the first run's kernel and its scale registers, read before the second run turns both off
+  bool ran_sreg = false;
+  auto both_off = [&] {
+    ran = fastweight::detail::rownorm_bwd_last_kernel();
+    ran_sreg = fastweight::detail::rownorm_bwd_last_sreg();
+    fastweight::detail::set_rownorm_bwd_ring_sreg(false);
+    fastweight::detail::set_rownorm_bwd_ring_wstat(false);
+  };
+  const ScopedSwitch<bool> sreg(&fastweight::detail::set_rownorm_bwd_ring_sreg, false);
+  const ScopedSwitch<bool> wstat(&fastweight::detail::set_rownorm_bwd_ring_wstat, false);
+  // (the statistics switch alone is covered by both on: the two switches touch separate code)
+  for (const auto& [s_on, w_on] : {std::pair{true, false}, std::pair{true, true}}) {
+    for (const auto& [layout, params, rows] : {std::tuple{Layout::padded, Params::io, groups * 37},
+                                               std::tuple{Layout::contiguous, Params::io, many},
+                                               std::tuple{Layout::contiguous, Params::none, groups * 37},
+                                               std::tuple{Layout::padded, Params::f32, groups * 37}}) {
+      if (rows == many && n > 16384) continue;  // (the float64 reference's time)
+      fastweight::detail::set_rownorm_bwd_ring_sreg(s_on);
+      fastweight::detail::set_rownorm_bwd_ring_wstat(w_on);
+      check_case(op, dt, n, rows, layout, params, nullptr, both_off);
+      const bool has_w = params != Params::none || op == Op::adalayernorm;
+      const bool exact = dt == DType::f32 || !has_w || (params == Params::io && op != Op::headnorm);
+      if (hopper) EXPECT_EQ(ran.rfind("ring", 0), 0u) << n << " " << ran;
+      const bool ring_plain = ran.rfind("ring", 0) == 0 && ran.find("cluster") == std::string::npos;
+      EXPECT_EQ(ran_sreg, s_on && exact && ring_plain) << n << " " << ran << " params " << int(params);
+      if (hopper) EXPECT_EQ(ring_plain, plain) << n << " " << ran;
+    }
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBwdRingSreg,
+                         ::testing::Combine(kOps, kDtypes,
+                                            ::testing::Values<std::int64_t>(2048, 5120, 8192, 9216, 12288, 16384,
+                                                                            24576)),
+                         rows_case_name);
+
 // Aligned rows past the ring kernel's reach (bf16 / fp16 N > 16384, fp32 N > 8192): the ring kernel in clusters of
 // C = ceil(N / reach) CTAs on Hopper (set_rownorm_bwd_cluster), C 2..8, 3 vectors per thread at N 24576 (bf16), ranks
 // whose last one holds fewer columns (20000, 40000), about 4 rows per cluster (the exchange slots' parities and

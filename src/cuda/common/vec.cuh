@@ -32,28 +32,33 @@ template <> struct Num<__nv_bfloat16> {
 
 template <typename T> inline constexpr int kVecElems = 16 / int(sizeof(T));
 
+// E fp32 values as one raw 16-byte vector of T, rounded to nearest (one cvt per pair for 16-bit types).
+template <typename T>
+__device__ __forceinline__ uint4 pack(const float (&v)[kVecElems<T>]) {
+  constexpr int E = kVecElems<T>;
+  uint4 raw;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162* e2 = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < E / 2; ++i) e2[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    __half2* e2 = reinterpret_cast<__half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < E / 2; ++i) e2[i] = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+  } else {
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < E; ++i) e[i] = Num<T>::from_f(v[i]);
+  }
+  return raw;
+}
+
 template <typename T>
 __device__ __forceinline__ void store_vec(T* row, int col, int n, bool aligned,
                                           const float (&v)[kVecElems<T>]) {
   constexpr int E = kVecElems<T>;
   if (aligned) {
-    if (col < n) {
-      uint4 raw;
-      if constexpr (std::is_same_v<T, __nv_bfloat16>) {  // one cvt per pair (the same rounding)
-        __nv_bfloat162* e2 = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-        for (int i = 0; i < E / 2; ++i) e2[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-      } else if constexpr (std::is_same_v<T, __half>) {
-        __half2* e2 = reinterpret_cast<__half2*>(&raw);
-#pragma unroll
-        for (int i = 0; i < E / 2; ++i) e2[i] = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
-      } else {
-        T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-        for (int i = 0; i < E; ++i) e[i] = Num<T>::from_f(v[i]);
-      }
-      *reinterpret_cast<uint4*>(row + col) = raw;
-    }
+    if (col < n) *reinterpret_cast<uint4*>(row + col) = pack<T>(v);
   } else {
 #pragma unroll
     for (int i = 0; i < E; ++i)

@@ -69,6 +69,22 @@ int rownorm_bwd_ring_stages();
 // --bwd-ring-rms=off|on).
 bool set_rownorm_bwd_ring_rms(bool on);
 bool rownorm_bwd_ring_rms();
+// The plain ring's scale in registers (the kernel's SREG), as raw vectors of the IO dtype, where the fp32 scale is
+// exactly one (fp32 rows, no weight, or a weight of the IO dtype with weight_offset 0; else shared memory as before):
+// the same bits. Why: ncu (H200, RMSNorm bf16 4096 x 12288) put 36% of the ring's cycles between issues on
+// short-scoreboard stalls (shared memory); the scale was half the bytes the two passes read there. Off by default
+// (A/B); FW_NORM_BWD_RING_SREG=1 at start. Returns the previous setting (tests, fastweight_bench --bwd-ring-sreg).
+bool set_rownorm_bwd_ring_sreg(bool on);
+bool rownorm_bwd_ring_sreg();
+// Whether the last backward launched took the scale-register instance (tests).
+bool rownorm_bwd_last_sreg();
+void note_rownorm_bwd_sreg(bool on);
+// The rings' row statistics (mean, rstd) copied once per warp by lane 0 and read from its slot, instead of one
+// 4-byte cp.async per thread and row (2 VPT + 2 of them per thread and row for LayerNorm, 2 VPT + 1 for RMSNorm). Off
+// by default (A/B); FW_NORM_BWD_RING_WSTAT=1 at start. Returns the previous setting (tests, fastweight_bench
+// --bwd-ring-wstat).
+bool set_rownorm_bwd_ring_wstat(bool on);
+bool rownorm_bwd_ring_wstat();
 // Aligned rows past the ring kernel's reach (bf16 / fp16 N > 16384, fp32 N > 8192) on Hopper: the ring kernel in
 // clusters of C = ceil(N / that reach) <= 8 CTAs (bf16 N <= 131072, fp32 <= 65536), each CTA the same rows' N / C
 // columns, the row sums exchanged through the peers' shared memory (st.async on their mbarriers) and added in

@@ -53,6 +53,8 @@ std::atomic<bool> g_bwd_ring3{env_digit("FW_NORM_BWD_RING3", 1) == 1};
 std::atomic<int> g_bwd_ring_tight{env_digit("FW_NORM_BWD_RING_TIGHT", 2)};  // (0|1|2: the mode at start)
 std::atomic<bool> g_bwd_ring_rms{env_digit("FW_NORM_BWD_RING_RMS", 1) == 1};
 std::atomic<int> g_bwd_ring_stages{env_digit("FW_NORM_BWD_RING_STAGES", 0)};  // (0: the rule; 2, 3: forced)
+std::atomic<bool> g_bwd_ring_sreg{env_digit("FW_NORM_BWD_RING_SREG", 0) == 1};
+std::atomic<bool> g_bwd_ring_wstat{env_digit("FW_NORM_BWD_RING_WSTAT", 0) == 1};
 std::atomic<bool> g_bwd_cluster{env_digit("FW_NORM_BWD_CLUSTER", 1) == 1};
 std::atomic<int> g_bwd_cluster_mult{env_digit("FW_NORM_BWD_CLUSTER_MULT", 0)};  // (0: the planner's rule)
 std::atomic<int> g_fwd_cluster{env_digit("FW_NORM_FWD_CLUSTER", 2)};  // (0|1|2: the mode at start)
@@ -65,6 +67,9 @@ void note_rownorm_fwd_kernel(const char* name) { t_fwd_last_kernel = name; }
 static thread_local const char* t_bwd_last_kernel = "";
 const char* rownorm_bwd_last_kernel() { return t_bwd_last_kernel; }
 void note_rownorm_bwd_kernel(const char* name) { t_bwd_last_kernel = name; }
+static thread_local bool t_bwd_last_sreg = false;
+bool rownorm_bwd_last_sreg() { return t_bwd_last_sreg; }
+void note_rownorm_bwd_sreg(bool on) { t_bwd_last_sreg = on; }
 bool set_rownorm_bwd_ring3(bool on) { return g_bwd_ring3.exchange(on); }
 bool rownorm_bwd_ring3() { return g_bwd_ring3.load(); }
 int set_rownorm_bwd_ring_tight(int mode) { return g_bwd_ring_tight.exchange(mode); }
@@ -73,6 +78,10 @@ int set_rownorm_bwd_ring_stages(int stages) { return g_bwd_ring_stages.exchange(
 int rownorm_bwd_ring_stages() { return g_bwd_ring_stages.load(); }
 bool set_rownorm_bwd_ring_rms(bool on) { return g_bwd_ring_rms.exchange(on); }
 bool rownorm_bwd_ring_rms() { return g_bwd_ring_rms.load(); }
+bool set_rownorm_bwd_ring_sreg(bool on) { return g_bwd_ring_sreg.exchange(on); }
+bool rownorm_bwd_ring_sreg() { return g_bwd_ring_sreg.load(); }
+bool set_rownorm_bwd_ring_wstat(bool on) { return g_bwd_ring_wstat.exchange(on); }
+bool rownorm_bwd_ring_wstat() { return g_bwd_ring_wstat.load(); }
 bool set_rownorm_bwd_cluster(bool on) { return g_bwd_cluster.exchange(on); }
 bool rownorm_bwd_cluster() { return g_bwd_cluster.load(); }
 int set_rownorm_bwd_cluster_mult(int m) { return g_bwd_cluster_mult.exchange(m); }

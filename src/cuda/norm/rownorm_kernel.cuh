@@ -69,6 +69,7 @@ struct RowLaunch {
   int tpr = 1;           // threads per row (cached engine)
   int P = 1;             // CTAs per parameter group
   bool aligned = false;  // every row start 16-byte aligned and N % E == 0
+  bool warp_stat = false;  // the ring backward: a row's mean / rstd copied once per warp (set_rownorm_bwd_ring_wstat)
 };
 
 // Sum over the `tpr` threads of a row group. Every thread of the CTA calls it (uniform control
@@ -845,11 +846,19 @@ __device__ __forceinline__ void group_barrier(int id, int count) {
 // its shared-memory layout keeps 512 threads' slots.
 // RMS (set_rownorm_bwd_ring_rms; RMSNorm rows only, p.rms): the mean (0) and the row sum of g left out at compile
 // time, with the bias partials (RMSNorm has none): the same bits with fewer instructions per element.
-template <typename T, int VPT = kRingVecs, bool CLU = false, int STAGES = kRingStages, bool RMS = false>
+// SREG (set_rownorm_bwd_ring_sreg; not in clusters): the thread's scale values held in registers across the rows, as
+// raw vectors of T (VPT x 4 registers), in place of 2 x VPT x E / 4 shared-memory loads per row (ncu, RMSNorm 4096 x
+// 12288: short-scoreboard stalls, i.e. shared memory, 36% of the cycles between issues). Only where the fp32 scale is
+// exactly a T (the planner's rule: fp32 rows, no weight, or a weight of the IO dtype with weight_offset 0), so the
+// same bits. L.warp_stat: lane 0 of each warp copies the row's mean / rstd, the warp's lanes read its slot (one
+// 4-byte cp.async per warp instead of per thread); the same values.
+template <typename T, int VPT = kRingVecs, bool CLU = false, int STAGES = kRingStages, bool RMS = false,
+          bool SREG = false>
 __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const RowNormParams p, const RowLaunch L,
                                                                           float* __restrict__ ws_dw,
                                                                           float* __restrict__ ws_db, int cl_cols = 0) {
   static_assert(!(CLU && STAGES != kRingStages), "the cluster ring: kRingStages");
+  static_assert(!(CLU && SREG), "scale registers: the plain ring");
   constexpr int E = kVecElems<T>, S = STAGES, NT = kRingThreads;
 #if !defined(FW_HAS_BULK)
   if constexpr (CLU) {  // (planned on sm_90 binaries only)
@@ -882,13 +891,18 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
 #endif
     cluster_arrive();  // (waited for below, before the first exchange: the peers' mbarriers are ready)
   }
+  // the slot of the row's statistics this thread reads: its own, or (warp_stat) its warp's first, copied by lane 0
+  const bool wst = L.warp_stat;
+  const int stat_tid = wst ? tid & ~31 : tid;
   auto issue_row = [&](std::int64_t j, int stage) {  // cp.async into this thread's own slots
     const bool ok_row = j < J;
     const std::int64_t r = p.row_of(g, ok_row ? j : 0);  // rows past J: zero-filled (rstd 0: no effect)
     const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(r) + c0;
     const T* dyr = static_cast<const T*>(p.dy) + p.dy_rows.offset(r) + c0;
-    if constexpr (!RMS) cp_async4(&s_stat[(stage * 2 + 0) * NT + tid], p.rms ? p.rstd + r : p.mean + r, ok_row && !p.rms);
-    cp_async4(&s_stat[(stage * 2 + 1) * NT + tid], p.rstd + r, ok_row);
+    if (stat_tid == tid) {
+      if constexpr (!RMS) cp_async4(&s_stat[(stage * 2 + 0) * NT + tid], p.rms ? p.rstd + r : p.mean + r, ok_row && !p.rms);
+      cp_async4(&s_stat[(stage * 2 + 1) * NT + tid], p.rstd + r, ok_row);
+    }
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int col = (k * tpr + lane) * E;
@@ -904,17 +918,30 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
     cp_async_commit();
   }
   stage_scale<T, true>(p, g, n_pad, s_scale, c0, n);  // while the first rows are in flight
+  [[maybe_unused]] uint4 sreg[SREG ? VPT : 1];  // SREG: (VPT) this thread's scale vectors, raw T (exact: see above)
+  if constexpr (SREG) {
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int col = (k * tpr + lane) * E;
+      float sc[E];
+      scale_vec<E>(s_scale, col < n ? col : 0, sc);  // (the column pass 1 reads)
+      sreg[k] = pack<T>(sc);
+    }
+  }
   if constexpr (CLU) cluster_wait();
   int stage = 0, parity = 0;
   [[maybe_unused]] unsigned it = 0;  // CLU: rows so far (the exchange slot's parity and its mbarrier's phase)
   for (std::int64_t j0 = pi * R; j0 < J; j0 += jstep) {
     const std::int64_t j = j0 + rg;
+    if (wst) __syncwarp();  // (the lanes' reads of the slot lane 0 refills now, a row ago, are done)
     issue_row(j + (S - 1) * jstep, stage == 0 ? S - 1 : stage - 1);
     cp_async_commit();
     cp_async_wait<S - 1>();
+    if (wst) __syncwarp();  // lane 0's copy of the statistics, complete for lane 0, visible to the warp
     const uint4* sx = s_pipe + (stage * 2 + 0) * VPT * NT + tid;  // this thread's vectors k * NT
     const uint4* sdy = s_pipe + (stage * 2 + 1) * VPT * NT + tid;
-    const float mean = RMS ? 0.f : s_stat[(stage * 2 + 0) * NT + tid], rstd = s_stat[(stage * 2 + 1) * NT + tid];
+    const float mean = RMS ? 0.f : s_stat[(stage * 2 + 0) * NT + stat_tid];
+    const float rstd = s_stat[(stage * 2 + 1) * NT + stat_tid];
     // pass 1: the row sums of g = dy * scale and g * xhat; the dW/dB partials
     float sg = 0.f, sgx = 0.f;
 #pragma unroll
@@ -923,7 +950,8 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
       float xf[E], dyf[E], sc[E];  // (E) past the row end: x = dy = 0 (zero-filled), scale 0
       unpack<T>(sx[k * NT], xf);
       unpack<T>(sdy[k * NT], dyf);
-      scale_vec<E>(s_scale, col < n ? col : 0, sc);
+      if constexpr (SREG) unpack<T>(sreg[k], sc);
+      else scale_vec<E>(s_scale, col < n ? col : 0, sc);
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         // every rounding spelled out (intrinsics: ptxas contracts plain a * b + c at will, and differently in
@@ -986,7 +1014,8 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
         float xf[E], dyf[E], sc[E], out[E];
         unpack<T>(sx[k * NT], xf);
         unpack<T>(sdy[k * NT], dyf);
-        scale_vec<E>(s_scale, col, sc);
+        if constexpr (SREG) unpack<T>(sreg[k], sc);
+        else scale_vec<E>(s_scale, col, sc);
 #pragma unroll
         for (int e = 0; e < E; ++e) {
           const float xh = __fmul_rn(xf[e] - mean, rstd);

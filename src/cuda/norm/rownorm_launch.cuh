@@ -46,6 +46,7 @@ struct RowPlan {
   int ring_vecs = kRingVecs;  // its vectors per thread (4, or 3: set_rownorm_bwd_ring3)
   int ring_stages = kRingStages;  // its row slots per row group (2, or 3: set_rownorm_bwd_ring_stages; not in clusters)
   bool ring_rms = false;    // its RMSNorm instance (set_rownorm_bwd_ring_rms)
+  bool ring_sreg = false;   // its scale in registers (set_rownorm_bwd_ring_sreg; not in clusters)
   bool ring_tight = false;  // its row groups of a multiple of 32 threads, not a power of two (set_rownorm_bwd_ring_tight)
   int cluster = 1;         // CTAs per cluster: the backward's ring (rows past kRingMaxN: 2..8, set_rownorm_bwd_cluster),
                            // the forward's one-row kernel (rows past 4096 vectors: 2..8, set_rownorm_fwd_cluster)
@@ -113,23 +114,31 @@ const void* bulk_fwd_kernel(int vpt, bool staged = true, int threads = kBulkThre
 // clusters: kRingStages only). The planner queries the instance it launches: the occupancy query raises that
 // kernel's dynamic shared-memory limit.
 using RingBwdFn = void (*)(const RowNormParams, const RowLaunch, float*, float*, int);
-template <typename T, bool CLU, bool RMS>
+template <typename T, bool CLU, bool RMS, bool SREG = false>
 RingBwdFn ring_bwd_fn_(int vpt, int stages) {
   if constexpr (!CLU) {
     if (stages == 3)
-      return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, false, 3, RMS> : &rownorm_bwd_ring_kernel<T, kRingVecs, false, 3, RMS>;
+      return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, false, 3, RMS, SREG>
+                      : &rownorm_bwd_ring_kernel<T, kRingVecs, false, 3, RMS, SREG>;
   }
-  return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, CLU, kRingStages, RMS>
-                  : &rownorm_bwd_ring_kernel<T, kRingVecs, CLU, kRingStages, RMS>;
+  return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, CLU, kRingStages, RMS, SREG>
+                  : &rownorm_bwd_ring_kernel<T, kRingVecs, CLU, kRingStages, RMS, SREG>;
 }
 template <typename T>
-RingBwdFn ring_bwd_fn(int vpt, int stages, bool rms, bool cluster = false) {
+RingBwdFn ring_bwd_fn(int vpt, int stages, bool rms, bool cluster = false, bool sreg = false) {
   if (cluster) return rms ? ring_bwd_fn_<T, true, true>(vpt, stages) : ring_bwd_fn_<T, true, false>(vpt, stages);
+  if (sreg) return rms ? ring_bwd_fn_<T, false, true, true>(vpt, stages) : ring_bwd_fn_<T, false, false, true>(vpt, stages);
   return rms ? ring_bwd_fn_<T, false, true>(vpt, stages) : ring_bwd_fn_<T, false, false>(vpt, stages);
 }
 template <typename T>
-const void* ring_bwd_kernel(int vpt, int stages, bool rms, bool cluster = false) {
-  return reinterpret_cast<const void*>(ring_bwd_fn<T>(vpt, stages, rms, cluster));
+const void* ring_bwd_kernel(int vpt, int stages, bool rms, bool cluster = false, bool sreg = false) {
+  return reinterpret_cast<const void*>(ring_bwd_fn<T>(vpt, stages, rms, cluster, sreg));
+}
+// Whether the ring may hold the scale in registers as raw T (set_rownorm_bwd_ring_sreg): the fp32 scale
+// weight_offset + w is then exactly a T, so the same bits as from shared memory.
+template <typename T>
+bool ring_scale_exact(const RowNormParams& p) {
+  return sizeof(T) == 4 || !p.w || (p.param == p.io && p.weight_offset == 0.f);
 }
 
 // The 2-vector cached backward kernel for (dtype, alignment, CTA size).
@@ -363,6 +372,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
         plan.cl_cols = per * E;
         plan.ring_vecs = vpt;
         plan.ring_rms = rms_k;
+        plan.L.warp_stat = rownorm_bwd_ring_wstat();
         plan.L.tpr = tpr;
         plan.threads = kRingThreads;
         plan.smem = smem;
@@ -503,7 +513,10 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
         plan.ring_stages = 3;
       plan.smem = ring_smem_bytes(p.n, E, plan.ring_vecs, 0, plan.ring_stages);
       plan.ring_rms = p.rms && !p.db && rownorm_bwd_ring_rms();
-      plan.L.P = ctas_per_unit(ring_bwd_kernel<T>(plan.ring_vecs, plan.ring_stages, plan.ring_rms), plan.threads, plan.smem, p.groups,
+      plan.ring_sreg = rownorm_bwd_ring_sreg() && ring_scale_exact<T>(p);
+      plan.L.warp_stat = rownorm_bwd_ring_wstat();
+      plan.L.P = ctas_per_unit(ring_bwd_kernel<T>(plan.ring_vecs, plan.ring_stages, plan.ring_rms, false, plan.ring_sreg),
+                               plan.threads, plan.smem, p.groups,
                                (J + R - 1) / R);
       return plan;
     }
@@ -766,6 +779,7 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
                           : !plan.ring ? "cached"
                           : ring_kernel_name(plan.ring_vecs == 3, plan.ring_tight, plan.ring_stages == 3, plan.cluster > 1,
                                              plan.ring_rms));
+  note_rownorm_bwd_sreg(plan.cached && plan.ring && plan.ring_sreg);
   if (p.rows > 0) {
     if (plan.cluster > 1) {
       const std::int64_t blocks = std::int64_t(plan.L.P) * p.groups * plan.cluster;
@@ -782,7 +796,7 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
       const unsigned grid = unsigned(blocks);
       const bool big = plan.threads > kSmallCta;
       if (plan.ring)
-        ring_bwd_fn<T>(plan.ring_vecs, plan.ring_stages, plan.ring_rms)<<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db, 0);
+        ring_bwd_fn<T>(plan.ring_vecs, plan.ring_stages, plan.ring_rms, false, plan.ring_sreg)<<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db, 0);
       else if (al && big) rownorm_bwd_cached_kernel<T, kBwdVecs, true, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al) rownorm_bwd_cached_kernel<T, kBwdVecs, true, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (big) rownorm_bwd_cached_kernel<T, kBwdVecs, false, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
