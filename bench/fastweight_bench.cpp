@@ -24,7 +24,7 @@
 //                                            more (idle, the default: also as many, with fewer idle vector slots)
 //   fastweight_bench --bwd-ring-rms=off|on   RMSNorm rows in the rings' RMSNorm instances (no mean, no bias; on: the default)
 //   fastweight_bench --bwd-ring-sreg=off|on  the plain ring's scale in registers where it is exactly the IO dtype (off: the default)
-//   fastweight_bench --bwd-ring-wstat=off|on the rings' row statistics copied once per warp (off: the default)
+//   fastweight_bench --bwd-ring-wstat=off|on the backward's row statistics copied once per warp (on: the default)
 //   fastweight_bench --bwd-ring-stages=auto|2|3  its row slots per row group (auto: 3 at one row group per CTA; 3 where it fits)
 //   fastweight_bench --bwd-cluster=off|on    norm backward's ring kernel in clusters for rows past its reach (else rowsum + coltile)
 //   fastweight_bench --fwd-cluster=off|on|small  norm forward's one-row kernel in clusters for 16-bit rows past 32768

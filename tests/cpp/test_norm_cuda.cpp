@@ -766,20 +766,23 @@ INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBwdRingRms,
                                                                             65536)),
                          rows_case_name);
 
-// The plain ring's scale in registers (set_rownorm_bwd_ring_sreg) and its row statistics copied once per warp
-// (set_rownorm_bwd_ring_wstat), each alone and both: the same bits as the default (the second run of each case with
-// both off), over the ring's shapes (2 and 3 row slots, 3 and 4 vectors, whole-warp groups, several row groups per
-// CTA) and about 3 waves of row groups; the scale registers only where the fp32 scale is exactly the IO dtype (fp32
-// rows, no weight, a weight of the IO dtype without an offset: not head norm's weight_offset 1, not fp32 weights of
-// 16-bit rows). Past the plain ring's reach (clusters) the statistics switch alone applies.
+// The plain ring's scale in registers (set_rownorm_bwd_ring_sreg) and the row statistics copied once per warp or row
+// group (set_rownorm_bwd_ring_wstat: the rings and the cached kernel), the first alone and both: the same bits as
+// both off (the second run of each case), over the cached kernel's aligned shapes (row groups of 8, 32 and 64
+// threads), the ring's (2 and 3 row slots, 3 and 4 vectors, whole-warp groups, several row groups per CTA), the
+// cluster ring past its reach, and about 3 waves of row groups. The scale registers are taken only by the plain ring
+// and only where the fp32 scale is exactly the IO dtype: fp32 rows, no weight, a weight of the IO dtype without an
+// offset (not head norm's weight_offset 1, not fp32 weights of 16-bit rows).
 struct NormCudaBwdRingSreg : ::testing::TestWithParam<BulkParam> {};
 TEST_P(NormCudaBwdRingSreg, ScaleRegistersAndWarpStatisticsGiveTheSameBits) {
   FW_REQUIRE_GPU();
   const auto [op, dt, n] = GetParam();
   const std::int64_t groups = param_groups(op), many = groups * 3 * fastweight::detail::sm_count() * 4;
   const bool hopper = fastweight::detail::cc_major() >= 9;
-  const std::int64_t e = dt == DType::f32 ? 4 : 8;
-  const bool plain = n <= 512 * 4 * e;  // (the plain ring's reach; past it, clusters on Hopper)
+  const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e;
+  // the kernel the planner takes (one CTA per row group below the ring's reach: no cluster ring there)
+  const std::string want = pow2((nvec + 3) / 4) < 64 ? "cached" : nvec <= 512 * 4 ? "plain" : hopper ? "cluster" : "rowsum_coltile";
+  const ScopedSwitch<int> one_cta(&fastweight::detail::set_rownorm_bwd_cluster_mult, 1);
   std::string ran;  // the first run's kernel and its scale registers, read before the second run turns both off
   bool ran_sreg = false;
   auto both_off = [&] {
@@ -790,7 +793,7 @@ TEST_P(NormCudaBwdRingSreg, ScaleRegistersAndWarpStatisticsGiveTheSameBits) {
   };
   const ScopedSwitch<bool> sreg(&fastweight::detail::set_rownorm_bwd_ring_sreg, false);
   const ScopedSwitch<bool> wstat(&fastweight::detail::set_rownorm_bwd_ring_wstat, false);
-  // (the statistics switch alone is covered by both on: the two switches touch separate code)
+  // (the statistics switch alone: in both on, and against the default where it is on)
   for (const auto& [s_on, w_on] : {std::pair{true, false}, std::pair{true, true}}) {
     for (const auto& [layout, params, rows] : {std::tuple{Layout::padded, Params::io, groups * 37},
                                                std::tuple{Layout::contiguous, Params::io, many},
@@ -800,19 +803,19 @@ TEST_P(NormCudaBwdRingSreg, ScaleRegistersAndWarpStatisticsGiveTheSameBits) {
       fastweight::detail::set_rownorm_bwd_ring_sreg(s_on);
       fastweight::detail::set_rownorm_bwd_ring_wstat(w_on);
       check_case(op, dt, n, rows, layout, params, nullptr, both_off);
-      const bool has_w = params != Params::none || op == Op::adalayernorm;
-      const bool exact = dt == DType::f32 || !has_w || (params == Params::io && op != Op::headnorm);
-      if (hopper) EXPECT_EQ(ran.rfind("ring", 0), 0u) << n << " " << ran;
-      const bool ring_plain = ran.rfind("ring", 0) == 0 && ran.find("cluster") == std::string::npos;
-      EXPECT_EQ(ran_sreg, s_on && exact && ring_plain) << n << " " << ran << " params " << int(params);
-      if (hopper) EXPECT_EQ(ring_plain, plain) << n << " " << ran;
+      const bool has_w = params != Params::none || op == Op::adalayernorm;  // (adaLN's scale: always given)
+      const bool exact = dt == DType::f32 || !has_w || (params != Params::f32 && op != Op::headnorm);
+      const bool is_ring = ran.rfind("ring", 0) == 0, cluster = ran.find("cluster") != std::string::npos;
+      EXPECT_EQ(want == "plain" ? is_ring && !cluster : want == "cluster" ? is_ring && cluster : ran == want, true)
+          << n << " " << ran << " (expected " << want << ")";
+      EXPECT_EQ(ran_sreg, s_on && exact && is_ring && !cluster) << n << " " << ran << " params " << int(params);
     }
   }
 }
 INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBwdRingSreg,
                          ::testing::Combine(kOps, kDtypes,
-                                            ::testing::Values<std::int64_t>(2048, 5120, 8192, 9216, 12288, 16384,
-                                                                            24576)),
+                                            ::testing::Values<std::int64_t>(64, 256, 1024, 2048, 5120, 8192, 9216,
+                                                                            12288, 16384, 24576)),
                          rows_case_name);
 
 // Aligned rows past the ring kernel's reach (bf16 / fp16 N > 16384, fp32 N > 8192): the ring kernel in clusters of

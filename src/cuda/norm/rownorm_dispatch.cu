@@ -54,7 +54,7 @@ std::atomic<int> g_bwd_ring_tight{env_digit("FW_NORM_BWD_RING_TIGHT", 2)};  // (
 std::atomic<bool> g_bwd_ring_rms{env_digit("FW_NORM_BWD_RING_RMS", 1) == 1};
 std::atomic<int> g_bwd_ring_stages{env_digit("FW_NORM_BWD_RING_STAGES", 0)};  // (0: the rule; 2, 3: forced)
 std::atomic<bool> g_bwd_ring_sreg{env_digit("FW_NORM_BWD_RING_SREG", 0) == 1};
-std::atomic<bool> g_bwd_ring_wstat{env_digit("FW_NORM_BWD_RING_WSTAT", 0) == 1};
+std::atomic<bool> g_bwd_ring_wstat{env_digit("FW_NORM_BWD_RING_WSTAT", 1) == 1};
 std::atomic<bool> g_bwd_cluster{env_digit("FW_NORM_BWD_CLUSTER", 1) == 1};
 std::atomic<int> g_bwd_cluster_mult{env_digit("FW_NORM_BWD_CLUSTER_MULT", 0)};  // (0: the planner's rule)
 std::atomic<int> g_fwd_cluster{env_digit("FW_NORM_FWD_CLUSTER", 2)};  // (0|1|2: the mode at start)

@@ -1108,12 +1108,18 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
       dys[k] = load_raw<T>(dyr, (k * L.tpr + lane) * E, j < J ? n : 0, ALIGNED);
     }
   };
+  // the slot of the row's statistics this thread reads: its own, or (L.warp_stat) that of its row group's first
+  // thread in its warp, which copies them (one 4-byte cp.async per warp, or per row group below 32 threads)
+  const bool wst = ALIGNED && L.warp_stat;
+  const int stat_tid = !wst ? int(threadIdx.x) : L.tpr >= 32 ? int(threadIdx.x) & ~31 : int(threadIdx.x) - lane;
   auto issue_row = [&](std::int64_t j, int stage) {  // aligned: cp.async into this thread's slots
     const auto [xr, dyr] = row_ptrs(j);
     const std::int64_t rr = p.row_of(g, j < J ? j : 0);  // statistics of rows past J: zero (rstd 0)
-    cp_async4(&s_stat[(stage * 2 + 0) * blockDim.x + threadIdx.x], p.rms ? p.rstd + rr : p.mean + rr,
-              j < J && !p.rms);
-    cp_async4(&s_stat[(stage * 2 + 1) * blockDim.x + threadIdx.x], p.rstd + rr, j < J);
+    if (stat_tid == int(threadIdx.x)) {
+      cp_async4(&s_stat[(stage * 2 + 0) * blockDim.x + threadIdx.x], p.rms ? p.rstd + rr : p.mean + rr,
+                j < J && !p.rms);
+      cp_async4(&s_stat[(stage * 2 + 1) * blockDim.x + threadIdx.x], p.rstd + rr, j < J);
+    }
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int col = (k * L.tpr + lane) * E;
@@ -1137,15 +1143,17 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
   for (std::int64_t j0 = pi * R; j0 < J; j0 += jstep) {
     const std::int64_t j = j0 + rg;
     if constexpr (ALIGNED) {
+      if (wst) __syncwarp();  // (the lanes' reads of the slot refilled now, rows ago, are done)
       issue_row(j + (S - 1) * jstep, stage == 0 ? S - 1 : stage - 1);
       cp_async_commit();
       cp_async_wait<S - 1>();
+      if (wst) __syncwarp();  // the first thread's copy of the statistics, complete for it, visible to the warp
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         xv[k] = s_pipe[((stage * 2 + 0) * VPT + k) * blockDim.x + threadIdx.x];
         dyv[k] = s_pipe[((stage * 2 + 1) * VPT + k) * blockDim.x + threadIdx.x];
       }
-      st = make_float2(s_stat[(stage * 2 + 0) * blockDim.x + threadIdx.x], s_stat[(stage * 2 + 1) * blockDim.x + threadIdx.x]);
+      st = make_float2(s_stat[(stage * 2 + 0) * blockDim.x + stat_tid], s_stat[(stage * 2 + 1) * blockDim.x + stat_tid]);
       stage = stage == S - 1 ? 0 : stage + 1;
     } else {
       load_row(j + jstep, xnext, dynext, stnext);  // in flight while this row is reduced and written

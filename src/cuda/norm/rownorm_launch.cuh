@@ -528,6 +528,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     const std::size_t red = 2 * (plan.threads / 32) + 2;
     const std::size_t n_pad = std::size_t((p.n + E - 1) / E * E);
     plan.smem = sizeof(float) * (red + n_pad + partials_comb_floats(R, p.n, E, al));
+    plan.L.warp_stat = rownorm_bwd_ring_wstat();
     if (al) plan.smem += std::size_t(kStages) * plan.threads * (2 * kBwdVecs * sizeof(uint4) + 2 * sizeof(float));
     plan.L.P = ctas_per_unit(cached_bwd_kernel<T>(al, plan.threads > kSmallCta), plan.threads, plan.smem, p.groups,
                              (J + R - 1) / R);
