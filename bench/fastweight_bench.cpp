@@ -23,7 +23,7 @@
 //   fastweight_bench --bwd-ring-tight=off|on|idle  its row groups of any multiple of 32 threads where a CTA then holds
 //                                            more (idle, the default: also as many, with fewer idle vector slots)
 //   fastweight_bench --bwd-ring-rms=off|on   RMSNorm rows in the rings' RMSNorm instances (no mean, no bias; on: the default)
-//   fastweight_bench --bwd-ring-sreg=off|on  the plain ring's scale in registers where it is exactly the IO dtype (off: the default)
+//   fastweight_bench --bwd-ring-sreg=off|auto|on  the plain ring's scale in registers (on: wherever exactly the IO dtype; auto: the default)
 //   fastweight_bench --bwd-ring-wstat=off|on the backward's row statistics copied once per warp (on: the default)
 //   fastweight_bench --bwd-ring-stages=auto|2|3  its row slots per row group (auto: 3 at one row group per CTA; 3 where it fits)
 //   fastweight_bench --bwd-cluster=off|on    norm backward's ring kernel in clusters for rows past its reach (else rowsum + coltile)
@@ -502,7 +502,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--bwd-ring3=")) o.bwd_ring3 = on(v) ? 1 : 0;
     else if (const char* v = val("--bwd-ring-tight=")) o.bwd_ring_tight = std::strcmp(v, "idle") == 0 ? 2 : on(v) ? 1 : 0;
     else if (const char* v = val("--bwd-ring-rms=")) o.bwd_ring_rms = on(v) ? 1 : 0;
-    else if (const char* v = val("--bwd-ring-sreg=")) o.bwd_ring_sreg = on(v) ? 1 : 0;
+    else if (const char* v = val("--bwd-ring-sreg=")) o.bwd_ring_sreg = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (const char* v = val("--bwd-ring-wstat=")) o.bwd_ring_wstat = on(v) ? 1 : 0;
     else if (const char* v = val("--bwd-ring-stages=")) {
       o.bwd_ring_stages = std::strcmp(v, "auto") == 0 ? 0 : std::atoi(v);
@@ -565,7 +565,7 @@ int main(int argc, char** argv) {
   if (o.bwd_ring3 >= 0) fastweight::detail::set_rownorm_bwd_ring3(o.bwd_ring3 == 1);
   if (o.bwd_ring_tight >= 0) fastweight::detail::set_rownorm_bwd_ring_tight(o.bwd_ring_tight);
   if (o.bwd_ring_rms >= 0) fastweight::detail::set_rownorm_bwd_ring_rms(o.bwd_ring_rms == 1);
-  if (o.bwd_ring_sreg >= 0) fastweight::detail::set_rownorm_bwd_ring_sreg(o.bwd_ring_sreg == 1);
+  if (o.bwd_ring_sreg >= 0) fastweight::detail::set_rownorm_bwd_ring_sreg(o.bwd_ring_sreg);
   if (o.bwd_ring_wstat >= 0) fastweight::detail::set_rownorm_bwd_ring_wstat(o.bwd_ring_wstat == 1);
   if (o.bwd_ring_stages >= 0) fastweight::detail::set_rownorm_bwd_ring_stages(o.bwd_ring_stages);
   if (o.bwd_cluster >= 0) fastweight::detail::set_rownorm_bwd_cluster(o.bwd_cluster == 1);

@@ -72,10 +72,15 @@ bool rownorm_bwd_ring_rms();
 // The plain ring's scale in registers (the kernel's SREG), as raw vectors of the IO dtype, where the fp32 scale is
 // exactly one (fp32 rows, no weight, or a weight of the IO dtype with weight_offset 0; else shared memory as before):
 // the same bits. Why: ncu (H200, RMSNorm bf16 4096 x 12288) put 36% of the ring's cycles between issues on
-// short-scoreboard stalls (shared memory); the scale was half the bytes the two passes read there. Off by default
-// (A/B); FW_NORM_BWD_RING_SREG=1 at start. Returns the previous setting (tests, fastweight_bench --bwd-ring-sreg).
-bool set_rownorm_bwd_ring_sreg(bool on);
-bool rownorm_bwd_ring_sreg();
+// short-scoreboard stalls (shared memory); the scale was half the bytes the two passes read there. Mode 1 (the
+// default): the generic 16-bit instance of 3 vectors and 3 row slots only (bf16 N 8200..12288 at one row group per
+// CTA; 128 registers, no spill); mode 2: wherever exact; 0: off. Session 51 (H200, bf16 bwd, the statistics once per
+// warp, ms, off / mode 2): LayerNorm 4096 x 9216 0.0775 / 0.0728, 4096 x 12288 0.0950 / 0.0900, fp16 0.0962 /
+// 0.0901; slower where the instance spills (the generic 4-vector ones, 68-124 bytes): 4096 x 5120 0.0472 / 0.0604,
+// 4096 x 16384 0.1150 / 0.1620; RMSNorm level to 2% slower (4096 x 12288 0.0881 / 0.0899); fp32 level.
+// FW_NORM_BWD_RING_SREG=0|1|2 at start. Returns the previous mode (tests, fastweight_bench --bwd-ring-sreg=off|auto|on).
+int set_rownorm_bwd_ring_sreg(int mode);
+int rownorm_bwd_ring_sreg();
 // Whether the last backward launched took the scale-register instance (tests).
 bool rownorm_bwd_last_sreg();
 void note_rownorm_bwd_sreg(bool on);

@@ -53,7 +53,7 @@ std::atomic<bool> g_bwd_ring3{env_digit("FW_NORM_BWD_RING3", 1) == 1};
 std::atomic<int> g_bwd_ring_tight{env_digit("FW_NORM_BWD_RING_TIGHT", 2)};  // (0|1|2: the mode at start)
 std::atomic<bool> g_bwd_ring_rms{env_digit("FW_NORM_BWD_RING_RMS", 1) == 1};
 std::atomic<int> g_bwd_ring_stages{env_digit("FW_NORM_BWD_RING_STAGES", 0)};  // (0: the rule; 2, 3: forced)
-std::atomic<bool> g_bwd_ring_sreg{env_digit("FW_NORM_BWD_RING_SREG", 0) == 1};
+std::atomic<int> g_bwd_ring_sreg{env_digit("FW_NORM_BWD_RING_SREG", 1)};  // (0|1|2: the mode at start)
 std::atomic<bool> g_bwd_ring_wstat{env_digit("FW_NORM_BWD_RING_WSTAT", 1) == 1};
 std::atomic<bool> g_bwd_cluster{env_digit("FW_NORM_BWD_CLUSTER", 1) == 1};
 std::atomic<int> g_bwd_cluster_mult{env_digit("FW_NORM_BWD_CLUSTER_MULT", 0)};  // (0: the planner's rule)
@@ -78,8 +78,8 @@ int set_rownorm_bwd_ring_stages(int stages) { return g_bwd_ring_stages.exchange(
 int rownorm_bwd_ring_stages() { return g_bwd_ring_stages.load(); }
 bool set_rownorm_bwd_ring_rms(bool on) { return g_bwd_ring_rms.exchange(on); }
 bool rownorm_bwd_ring_rms() { return g_bwd_ring_rms.load(); }
-bool set_rownorm_bwd_ring_sreg(bool on) { return g_bwd_ring_sreg.exchange(on); }
-bool rownorm_bwd_ring_sreg() { return g_bwd_ring_sreg.load(); }
+int set_rownorm_bwd_ring_sreg(int mode) { return g_bwd_ring_sreg.exchange(mode); }
+int rownorm_bwd_ring_sreg() { return g_bwd_ring_sreg.load(); }
 bool set_rownorm_bwd_ring_wstat(bool on) { return g_bwd_ring_wstat.exchange(on); }
 bool rownorm_bwd_ring_wstat() { return g_bwd_ring_wstat.load(); }
 bool set_rownorm_bwd_cluster(bool on) { return g_bwd_cluster.exchange(on); }

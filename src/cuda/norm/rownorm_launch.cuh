@@ -513,7 +513,13 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
         plan.ring_stages = 3;
       plan.smem = ring_smem_bytes(p.n, E, plan.ring_vecs, 0, plan.ring_stages);
       plan.ring_rms = p.rms && !p.db && rownorm_bwd_ring_rms();
-      plan.ring_sreg = rownorm_bwd_ring_sreg() && ring_scale_exact<T>(p);
+      // scale registers (set_rownorm_bwd_ring_sreg): mode 1, the generic 16-bit instance of 3 vectors and 3 slots
+      // (one row group per CTA: bf16 N 8200..12288; 128 registers without spills, where the 4-vector ones spill
+      // 68-124 bytes), mode 2 wherever exact
+      const int sreg = rownorm_bwd_ring_sreg();
+      plan.ring_sreg = ring_scale_exact<T>(p) &&
+                       (sreg == 2 || (sreg == 1 && sizeof(T) == 2 && !plan.ring_rms && plan.ring_vecs == 3 &&
+                                      plan.ring_stages == 3));
       plan.L.warp_stat = rownorm_bwd_ring_wstat();
       plan.L.P = ctas_per_unit(ring_bwd_kernel<T>(plan.ring_vecs, plan.ring_stages, plan.ring_rms, false, plan.ring_sreg),
                                plan.threads, plan.smem, p.groups,
