@@ -89,7 +89,8 @@ void note_rownorm_bwd_sreg(bool on);
 // thread and row: 2 VPT + 2 cp.async per thread and row become 2 VPT for LayerNorm (2 VPT + 1 for RMSNorm). The same
 // values, so the same bits. Session 51 (H200, bf16 bwd, ms, off / on): LayerNorm 4096 x 12288 0.1091 / 0.0948,
 // 4096 x 5120 0.0481 / 0.0470; RMSNorm 4096 x 12288 0.0924 / 0.0881, 4096 x 5120 0.0459 / 0.0457, 512 x 32768
-// (clusters) 0.0424 / 0.0410. On by default; FW_NORM_BWD_RING_WSTAT=0 turns it off at start. Returns the previous
+// (clusters) 0.0424 / 0.0410; slower only at RMSNorm 4096 x 16384, 0.1116 / 0.1156 twice, so the RMSNorm ring's
+// 4 x 512 row groups (bf16 N 12296..16384) keep a copy per thread. On by default; FW_NORM_BWD_RING_WSTAT=0 turns it off at start. Returns the previous
 // setting (tests, fastweight_bench --bwd-ring-wstat).
 bool set_rownorm_bwd_ring_wstat(bool on);
 bool rownorm_bwd_ring_wstat();
