@@ -818,6 +818,36 @@ INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBwdRingSreg,
                                                                             12288, 16384, 24576)),
                          rows_case_name);
 
+// The plain ring fed by a producer warp (set_rownorm_bwd_ring_prod: full / empty mbarriers per row slot, bulk copies
+// of x and dy): against the float64 reference and bitwise the same over two runs, where it applies (Hopper, whole-warp
+// row groups within 480 consumer threads: 16-bit N <= 15360, fp32 <= 7680), with one and two rows per row group (most
+// groups hold only rows past J, whose slots are never copied), 37 rows and about 3 waves of row groups; padded rows
+// and fp32 / absent weights. Its row groups differ from the default ring's, so its bits do too.
+struct NormCudaBwdRingProd : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaBwdRingProd, ProducerWarpRingMatchesReference) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t groups = param_groups(op), many = groups * 3 * fastweight::detail::sm_count() * 4;
+  const std::int64_t e = dt == DType::f32 ? 4 : 8, nvec = n / e;
+  const bool expect = fastweight::detail::cc_major() >= 9 && nvec <= 480 * 4;
+  const ScopedSwitch<int> prod(&fastweight::detail::set_rownorm_bwd_ring_prod, 1);
+  const ScopedSwitch<int> one_cta(&fastweight::detail::set_rownorm_bwd_cluster_mult, 1);  // (the plain ring)
+  for (const auto& [layout, params, rows] : {std::tuple{Layout::padded, Params::io, groups * 1},
+                                             std::tuple{Layout::contiguous, Params::io, groups * 2},
+                                             std::tuple{Layout::padded, Params::io, groups * 37},
+                                             std::tuple{Layout::contiguous, Params::f32, groups * 37},
+                                             std::tuple{Layout::contiguous, Params::none, many}}) {
+    check_case(op, dt, n, rows, layout, params);
+    EXPECT_EQ(fastweight::detail::rownorm_bwd_last_prod(), expect)
+        << n << " rows " << rows << " " << fastweight::detail::rownorm_bwd_last_kernel();
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBwdRingProd,
+                         ::testing::Combine(kOps, kDtypes,
+                                            ::testing::Values<std::int64_t>(2048, 4096, 5120, 8192, 9216, 12288,
+                                                                            16384)),
+                         rows_case_name);
+
 // Aligned rows past the ring kernel's reach (bf16 / fp16 N > 16384, fp32 N > 8192): the ring kernel in clusters of
 // C = ceil(N / reach) CTAs on Hopper (set_rownorm_bwd_cluster), C 2..8, 3 vectors per thread at N 24576 (bf16), ranks
 // whose last one holds fewer columns (20000, 40000), about 4 rows per cluster (the exchange slots' parities and

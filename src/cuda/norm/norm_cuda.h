@@ -92,6 +92,15 @@ void note_rownorm_bwd_sreg(bool on);
 // (clusters) 0.0424 / 0.0410; slower only at RMSNorm 4096 x 16384, 0.1116 / 0.1156 twice, so the RMSNorm ring's
 // 4 x 512 row groups (bf16 N 12296..16384) keep a copy per thread. On by default; FW_NORM_BWD_RING_WSTAT=0 turns it off at start. Returns the previous
 // setting (tests, fastweight_bench --bwd-ring-wstat).
+// The plain ring fed by a producer warp (the kernel's PROD: full / empty mbarriers per row slot, x and dy by bulk
+// copies; whole-warp row groups within 480 consumer threads, bf16 N <= 15360, fp32 <= 7680): off (0, the default) or
+// forced (1) wherever it applies (Hopper). Compiled in session 51, not measured yet: the A/B is session 52's.
+// FW_NORM_BWD_RING_PROD=0|1 at start. Returns the previous mode (tests, fastweight_bench --bwd-ring-prod=off|on).
+int set_rownorm_bwd_ring_prod(int mode);
+int rownorm_bwd_ring_prod();
+// Whether the last backward launched took the producer-warp ring (tests).
+bool rownorm_bwd_last_prod();
+void note_rownorm_bwd_prod(bool on);
 bool set_rownorm_bwd_ring_wstat(bool on);
 bool rownorm_bwd_ring_wstat();
 // Aligned rows past the ring kernel's reach (bf16 / fp16 N > 16384, fp32 N > 8192) on Hopper: the ring kernel in

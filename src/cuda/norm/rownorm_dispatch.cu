@@ -54,6 +54,7 @@ std::atomic<int> g_bwd_ring_tight{env_digit("FW_NORM_BWD_RING_TIGHT", 2)};  // (
 std::atomic<bool> g_bwd_ring_rms{env_digit("FW_NORM_BWD_RING_RMS", 1) == 1};
 std::atomic<int> g_bwd_ring_stages{env_digit("FW_NORM_BWD_RING_STAGES", 0)};  // (0: the rule; 2, 3: forced)
 std::atomic<int> g_bwd_ring_sreg{env_digit("FW_NORM_BWD_RING_SREG", 1)};  // (0|1|2: the mode at start)
+std::atomic<int> g_bwd_ring_prod{env_digit("FW_NORM_BWD_RING_PROD", 0)};
 std::atomic<bool> g_bwd_ring_wstat{env_digit("FW_NORM_BWD_RING_WSTAT", 1) == 1};
 std::atomic<bool> g_bwd_cluster{env_digit("FW_NORM_BWD_CLUSTER", 1) == 1};
 std::atomic<int> g_bwd_cluster_mult{env_digit("FW_NORM_BWD_CLUSTER_MULT", 0)};  // (0: the planner's rule)
@@ -80,6 +81,11 @@ bool set_rownorm_bwd_ring_rms(bool on) { return g_bwd_ring_rms.exchange(on); }
 bool rownorm_bwd_ring_rms() { return g_bwd_ring_rms.load(); }
 int set_rownorm_bwd_ring_sreg(int mode) { return g_bwd_ring_sreg.exchange(mode); }
 int rownorm_bwd_ring_sreg() { return g_bwd_ring_sreg.load(); }
+int set_rownorm_bwd_ring_prod(int mode) { return g_bwd_ring_prod.exchange(mode); }
+int rownorm_bwd_ring_prod() { return g_bwd_ring_prod.load(); }
+static thread_local bool t_bwd_last_prod = false;
+bool rownorm_bwd_last_prod() { return t_bwd_last_prod; }
+void note_rownorm_bwd_prod(bool on) { t_bwd_last_prod = on; }
 bool set_rownorm_bwd_ring_wstat(bool on) { return g_bwd_ring_wstat.exchange(on); }
 bool rownorm_bwd_ring_wstat() { return g_bwd_ring_wstat.load(); }
 bool set_rownorm_bwd_cluster(bool on) { return g_bwd_cluster.exchange(on); }

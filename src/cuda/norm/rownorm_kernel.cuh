@@ -815,13 +815,18 @@ template <typename T> inline constexpr std::int64_t kRingMaxN = std::int64_t(kRi
 inline constexpr int kRingMaxCluster = 8;  // portable cluster sizes
 // n: the CTA's columns (cl_cols in a cluster); cluster: its exchange slots for R row groups (0: none); stages: the
 // ring's rows per row group (kRingStages, or 3: set_rownorm_bwd_ring_stages)
+// prod_slots (the producer-warp ring): its consumer threads R tpr, the slots' stride, with (2, R, stages) mbarriers
 inline std::size_t ring_smem_bytes(std::int64_t n, int elems, int vpt = kRingVecs, int cluster_groups = 0,
-                                   int stages = kRingStages) {
+                                   int stages = kRingStages, int prod_slots = 0, int prod_groups = 0) {
   const std::size_t n_pad = std::size_t((n + elems - 1) / elems * elems);
-  return std::size_t(stages) * kRingThreads * (2 * std::size_t(vpt) * 16 + 2 * sizeof(float)) +
+  const std::size_t slots = prod_slots > 0 ? std::size_t(prod_slots) : std::size_t(kRingThreads);
+  return std::size_t(stages) * slots * (2 * std::size_t(vpt) * 16 + 2 * sizeof(float)) +
          n_pad * sizeof(float) + 2 * (kRingThreads / 32) * sizeof(float2) +
-         std::size_t(cluster_groups) * 2 * (sizeof(std::uint64_t) + kRingMaxCluster * sizeof(float2));
+         std::size_t(cluster_groups) * 2 * (sizeof(std::uint64_t) + kRingMaxCluster * sizeof(float2)) +
+         std::size_t(prod_groups) * 2 * std::size_t(stages) * sizeof(std::uint64_t);
 }
+// The producer-warp ring's consumer threads (R tpr <= this; one warp more copies).
+inline constexpr int kRingProdConsumers = kRingThreads - 32;
 
 // E fp32 scale values at `col` (a multiple of E) from shared memory, as float4 vectors.
 template <int E>
@@ -852,16 +857,24 @@ __device__ __forceinline__ void group_barrier(int id, int count) {
 // exactly a T (the planner's rule: fp32 rows, no weight, or a weight of the IO dtype with weight_offset 0), so the
 // same bits. L.warp_stat: lane 0 of each warp copies the row's mean / rstd, the warp's lanes read its slot (one
 // 4-byte cp.async per warp instead of per thread); the same values.
+// PROD (set_rownorm_bwd_ring_prod; Hopper, not in clusters): a producer warp after the R tpr <= 480 consumer threads
+// feeds the rings, as cuDNN's ln_tma_bwd_kernel does (ncu, session 50: its 17th warp, L1 24% busy against our 74%).
+// Its lane q serves row group q: per row, the statistics by cp.async (arriving on the slot's "full" mbarrier when
+// they land), then x and dy by bulk copies of tpr vectors (the TMA engine, counted in bytes on the same mbarrier);
+// a slot is refilled once every consumer warp of the group has arrived on its "empty" mbarrier after pass 2, so no
+// consumer waits on another's reads (session 50's bulk forms put a barrier there and lost 3-8%). The slots' stride
+// is R tpr, not 512. Rows past J get the statistics (zeros) and no copy: their stale slots add nothing (masked).
 template <typename T, int VPT = kRingVecs, bool CLU = false, int STAGES = kRingStages, bool RMS = false,
-          bool SREG = false>
+          bool SREG = false, bool PROD = false>
 __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const RowNormParams p, const RowLaunch L,
                                                                           float* __restrict__ ws_dw,
                                                                           float* __restrict__ ws_db, int cl_cols = 0) {
   static_assert(!(CLU && STAGES != kRingStages), "the cluster ring: kRingStages");
   static_assert(!(CLU && SREG), "scale registers: the plain ring");
+  static_assert(!(CLU && PROD), "the producer warp: the plain ring");
   constexpr int E = kVecElems<T>, S = STAGES, NT = kRingThreads;
 #if !defined(FW_HAS_BULK)
-  if constexpr (CLU) {  // (planned on sm_90 binaries only)
+  if constexpr (CLU || PROD) {  // (planned on sm_90 binaries only)
     __trap();
     return;
   }
@@ -873,12 +886,13 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
   // (CLU: every rank lays out cl_cols, so that the exchange slots below sit at the same offset in each CTA, as
   // st.async addresses them; the last rank may hold fewer columns)
   const int n_pad = ((CLU ? cl_cols : n) + E - 1) / E * E;
-  const int tid = threadIdx.x, tpr = L.tpr, R = NT / tpr, rg = tid / tpr, lane = tid % tpr;
-  uint4* s_pipe = smem_v;                                              // (S, 2, VPT, NT)
-  float* s_stat = reinterpret_cast<float*>(smem_v + S * 2 * VPT * NT);  // (S, 2, NT)
-  float* s_scale = s_stat + S * 2 * NT;                                // (n_pad)
+  const int tid = threadIdx.x, tpr = L.tpr, R = (PROD ? kRingProdConsumers : NT) / tpr, rg = tid / tpr, lane = tid % tpr;
+  const int ns = PROD ? R * tpr : NT;  // the slots' stride: 512 threads' (PROD: the consumers')
+  uint4* s_pipe = smem_v;                                              // (S, 2, VPT, ns)
+  float* s_stat = reinterpret_cast<float*>(smem_v + S * 2 * VPT * ns);  // (S, 2, ns)
+  float* s_scale = s_stat + S * 2 * ns;                                // (n_pad)
   float2* s_red = reinterpret_cast<float2*>(s_scale + n_pad);          // (2, NT / 32)
-  std::uint64_t* s_xbar = reinterpret_cast<std::uint64_t*>(s_red + 2 * (NT / 32));  // CLU: (2, R)
+  std::uint64_t* s_xbar = reinterpret_cast<std::uint64_t*>(s_red + 2 * (NT / 32));  // CLU: (2, R); PROD: (2, R, S)
   [[maybe_unused]] float2* s_xsum = reinterpret_cast<float2*>(s_xbar + 2 * R);       // CLU: (2, R, kRingMaxCluster)
   const unsigned cta = CLU ? blockIdx.x / unsigned(ncta) : blockIdx.x;  // the cluster, or the CTA (32-bit divisions)
   const std::int64_t g = cta / L.P, pi = cta % L.P;
@@ -890,6 +904,23 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
     mbar_init_fence();
 #endif
     cluster_arrive();  // (waited for below, before the first exchange: the peers' mbarriers are ready)
+  }
+  [[maybe_unused]] std::uint64_t* s_full = s_xbar;       // PROD: (R, S) the slot's statistics and bytes have landed
+  [[maybe_unused]] std::uint64_t* s_empty = s_xbar + R * S;  // PROD: (R, S) its consumer warps are done with it
+  [[maybe_unused]] const bool producer = PROD && rg >= R;   // PROD: the last warp
+  if constexpr (PROD) {
+#if defined(FW_HAS_BULK)
+    if (!producer) {  // the vectors past the row end, which no copy writes: zeros (dy = 0 keeps the sums exact)
+#pragma unroll
+      for (int k = 0; k < VPT; ++k)
+        if ((k * tpr + lane) * E >= n)
+          for (int st = 0; st < S; ++st) s_pipe[((st * 2 + 0) * VPT + k) * ns + tid] = s_pipe[((st * 2 + 1) * VPT + k) * ns + tid] = uint4{};
+    }
+    // full: two arrivals per phase (the statistics' cp.async, then the copies' byte count); empty: one per consumer warp
+    if (tid < R * S) mbar_init(&s_full[tid], 2);
+    else if (tid < 2 * R * S) mbar_init(&s_xbar[tid], unsigned(tpr / 32));
+    mbar_init_fence();  // (published by stage_scale's barrier below, before the producer's first copy)
+#endif
   }
   // the slot of the row's statistics this thread reads: its own, or (warp_stat) its warp's first, copied by lane 0
   const bool wst = L.warp_stat;
@@ -912,10 +943,12 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
     }
   };
   float acc_dw[VPT][E] = {}, acc_db[VPT][E] = {};  // (VPT, E) fp32 partial sums over this thread's rows
+  if constexpr (!PROD) {
 #pragma unroll
-  for (int s = 0; s < S - 1; ++s) {
-    issue_row(pi * R + rg + s * jstep, s);
-    cp_async_commit();
+    for (int s = 0; s < S - 1; ++s) {
+      issue_row(pi * R + rg + s * jstep, s);
+      cp_async_commit();
+    }
   }
   stage_scale<T, true>(p, g, n_pad, s_scale, c0, n);  // while the first rows are in flight
   [[maybe_unused]] uint4 sreg[SREG ? VPT : 1];  // SREG: (VPT) this thread's scale vectors, raw T (exact: see above)
@@ -929,27 +962,78 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
     }
   }
   if constexpr (CLU) cluster_wait();
+#if defined(FW_HAS_BULK)
+  if constexpr (PROD) {
+    if (producer) {  // lane q feeds row group q, the consumers' rows in their order
+      const int q = tid - R * tpr, nvec = n / E;
+      if (q < R) {
+        unsigned itp = 0;
+        for (std::int64_t j0 = pi * R; j0 < J; j0 += jstep, ++itp) {
+          const int st = int(itp % unsigned(S));
+          if (itp >= unsigned(S)) mbar_wait(&s_empty[q * S + st], (itp / unsigned(S) - 1) & 1u);
+          const std::int64_t j = j0 + q;
+          const bool ok_row = j < J;
+          const std::int64_t r = p.row_of(g, ok_row ? j : 0);
+          std::uint64_t* full = &s_full[q * S + st];
+          if constexpr (!RMS) cp_async4(&s_stat[(st * 2 + 0) * ns + q * tpr], p.rms ? p.rstd + r : p.mean + r, ok_row && !p.rms);
+          cp_async4(&s_stat[(st * 2 + 1) * ns + q * tpr], p.rstd + r, ok_row);  // (rows past J: zeros)
+          cp_async_mbar_arrive(full);
+          if (!ok_row) {
+            mbar_arrive(full);
+            continue;
+          }
+          mbar_arrive_expect_tx(full, 2u * unsigned(nvec) * 16u);
+          const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(r);
+          const T* dyr = static_cast<const T*>(p.dy) + p.dy_rows.offset(r);
+#pragma unroll
+          for (int k = 0; k < VPT; ++k) {  // chunk k: vectors k tpr .. of the row, (tpr) at k ns + q tpr
+            const int v0 = k * tpr, cnt = min(tpr, nvec - v0);
+            if (cnt <= 0) continue;
+            bulk_g2s(&s_pipe[((st * 2 + 0) * VPT + k) * ns + q * tpr], xr + v0 * E, unsigned(cnt) * 16u, full);
+            bulk_g2s(&s_pipe[((st * 2 + 1) * VPT + k) * ns + q * tpr], dyr + v0 * E, unsigned(cnt) * 16u, full);
+          }
+        }
+        // the tail: every slot's last use consumed (no copy of this lane's outlives the consumers' reads)
+        for (unsigned st = 0; st < unsigned(S) && st < itp; ++st) {
+          const unsigned uses = (itp - st + unsigned(S) - 1) / unsigned(S);
+          mbar_wait(&s_empty[q * S + int(st)], (uses - 1) & 1u);
+        }
+      }
+      cp_async_wait<0>();
+      return;  // (the partials below are the consumers': their barriers count R tpr threads; acc is dead here)
+    }
+  }
+#endif
   int stage = 0, parity = 0;
   [[maybe_unused]] unsigned it = 0;  // CLU: rows so far (the exchange slot's parity and its mbarrier's phase)
+  [[maybe_unused]] unsigned itc = 0;  // PROD: rows so far (the full mbarrier's phase)
   for (std::int64_t j0 = pi * R; j0 < J; j0 += jstep) {
     const std::int64_t j = j0 + rg;
-    if (wst) __syncwarp();  // (the lanes' reads of the slot lane 0 refills now, a row ago, are done)
-    issue_row(j + (S - 1) * jstep, stage == 0 ? S - 1 : stage - 1);
-    cp_async_commit();
-    cp_async_wait<S - 1>();
-    if (wst) __syncwarp();  // lane 0's copy of the statistics, complete for lane 0, visible to the warp
-    const uint4* sx = s_pipe + (stage * 2 + 0) * VPT * NT + tid;  // this thread's vectors k * NT
-    const uint4* sdy = s_pipe + (stage * 2 + 1) * VPT * NT + tid;
-    const float mean = RMS ? 0.f : s_stat[(stage * 2 + 0) * NT + stat_tid];
-    const float rstd = s_stat[(stage * 2 + 1) * NT + stat_tid];
+    if constexpr (PROD) {
+#if defined(FW_HAS_BULK)
+      mbar_wait(&s_full[rg * S + stage], (itc / unsigned(S)) & 1u);
+#endif
+    } else {
+      if (wst) __syncwarp();  // (the lanes' reads of the slot lane 0 refills now, a row ago, are done)
+      issue_row(j + (S - 1) * jstep, stage == 0 ? S - 1 : stage - 1);
+      cp_async_commit();
+      cp_async_wait<S - 1>();
+      if (wst) __syncwarp();  // lane 0's copy of the statistics, complete for lane 0, visible to the warp
+    }
+    const bool live = !PROD || j < J;  // (PROD: a row past J leaves a stale slot, which must add nothing)
+    const uint4* sx = s_pipe + (stage * 2 + 0) * VPT * ns + tid;  // this thread's vectors k * ns
+    const uint4* sdy = s_pipe + (stage * 2 + 1) * VPT * ns + tid;
+    const int stat_at = PROD ? rg * tpr : stat_tid;  // (PROD: the row group's first slot, the producer's copy)
+    const float mean = RMS ? 0.f : s_stat[(stage * 2 + 0) * ns + stat_at];
+    const float rstd = s_stat[(stage * 2 + 1) * ns + stat_at];
     // pass 1: the row sums of g = dy * scale and g * xhat; the dW/dB partials
     float sg = 0.f, sgx = 0.f;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int col = (k * tpr + lane) * E;
       float xf[E], dyf[E], sc[E];  // (E) past the row end: x = dy = 0 (zero-filled), scale 0
-      unpack<T>(sx[k * NT], xf);
-      unpack<T>(sdy[k * NT], dyf);
+      unpack<T>(sx[k * ns], xf);
+      unpack<T>(sdy[k * ns], dyf);
       if constexpr (SREG) unpack<T>(sreg[k], sc);
       else scale_vec<E>(s_scale, col < n ? col : 0, sc);
 #pragma unroll
@@ -962,8 +1046,10 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
         const float gg = __fmul_rn(dyf[e], sc[e]);
         if constexpr (!RMS) sg += gg;
         sgx = __fmaf_rn(gg, xh, sgx);
-        acc_dw[k][e] = __fmaf_rn(dyf[e], xh, acc_dw[k][e]);
-        if constexpr (!RMS) acc_db[k][e] += dyf[e];
+        if (live) {
+          acc_dw[k][e] = __fmaf_rn(dyf[e], xh, acc_dw[k][e]);
+          if constexpr (!RMS) acc_db[k][e] += dyf[e];
+        }
       }
     }
     // the row group's sums: warp butterflies, then (tpr > 32) one named barrier over a
@@ -1012,8 +1098,8 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
         const int col = (k * tpr + lane) * E;
         if (col >= n) continue;
         float xf[E], dyf[E], sc[E], out[E];
-        unpack<T>(sx[k * NT], xf);
-        unpack<T>(sdy[k * NT], dyf);
+        unpack<T>(sx[k * ns], xf);
+        unpack<T>(sdy[k * ns], dyf);
         if constexpr (SREG) unpack<T>(sreg[k], sc);
         else scale_vec<E>(s_scale, col, sc);
 #pragma unroll
@@ -1024,6 +1110,13 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
         store_vec<T>(dxr, col, n, true, out);
       }
     }
+#if defined(FW_HAS_BULK)
+    if constexpr (PROD) {  // this warp's reads of the slot are done: the producer may refill it
+      __syncwarp();
+      if ((tid & 31) == 0) mbar_arrive(&s_empty[rg * S + stage]);
+      ++itc;
+    }
+#endif
     stage = stage == S - 1 ? 0 : stage + 1;
   }
   cp_async_wait<0>();
@@ -1039,11 +1132,16 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
   // 0.198 ms against 0.170 at 4096 x 16384 bf16 (20% of the stall samples, in the tail).
   float* s_part = reinterpret_cast<float*>(smem_v);  // (R, n / E, E + 1)
   const int group_floats = n / E * (E + 1);
+  // (PROD: the consumers only, on named barrier 15; their row groups use 1..R <= 7)
+  auto cta_barrier = [&] {
+    if constexpr (PROD) group_barrier(15, ns);
+    else __syncthreads();
+  };
 #pragma unroll
   for (int w = 0; w < (RMS ? 1 : 2); ++w) {  // (RMS: no bias)
     float* out = w == 0 ? ws_dw : ws_db;
     if (out == nullptr) continue;
-    __syncthreads();  // the previous reads of this buffer (the row loop, or the last gradient)
+    cta_barrier();  // the previous reads of this buffer (the row loop, or the last gradient)
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int v = k * tpr + lane;  // this thread's vector of E columns
@@ -1051,8 +1149,8 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
 #pragma unroll
       for (int e = 0; e < E; ++e) s_part[rg * group_floats + v * (E + 1) + e] = w == 0 ? acc_dw[k][e] : acc_db[k][e];
     }
-    __syncthreads();
-    for (int c = tid * 4; c < n; c += (CLU ? NT : int(blockDim.x)) * 4) {  // (R tpr threads: 512, or fewer)
+    cta_barrier();
+    for (int c = tid * 4; c < n; c += (CLU ? NT : PROD ? ns : int(blockDim.x)) * 4) {  // (R tpr threads: 512, or fewer)
       const float* src = s_part + (c / E) * (E + 1) + c % E;
       float4 t = make_float4(src[0], src[1], src[2], src[3]);
       for (int i = 1; i < R; ++i) {

@@ -47,6 +47,7 @@ struct RowPlan {
   int ring_stages = kRingStages;  // its row slots per row group (2, or 3: set_rownorm_bwd_ring_stages; not in clusters)
   bool ring_rms = false;    // its RMSNorm instance (set_rownorm_bwd_ring_rms)
   bool ring_sreg = false;   // its scale in registers (set_rownorm_bwd_ring_sreg; not in clusters)
+  bool ring_prod = false;   // its producer-warp form (set_rownorm_bwd_ring_prod; not in clusters)
   bool ring_tight = false;  // its row groups of a multiple of 32 threads, not a power of two (set_rownorm_bwd_ring_tight)
   int cluster = 1;         // CTAs per cluster: the backward's ring (rows past kRingMaxN: 2..8, set_rownorm_bwd_cluster),
                            // the forward's one-row kernel (rows past 4096 vectors: 2..8, set_rownorm_fwd_cluster)
@@ -114,25 +115,27 @@ const void* bulk_fwd_kernel(int vpt, bool staged = true, int threads = kBulkThre
 // clusters: kRingStages only). The planner queries the instance it launches: the occupancy query raises that
 // kernel's dynamic shared-memory limit.
 using RingBwdFn = void (*)(const RowNormParams, const RowLaunch, float*, float*, int);
-template <typename T, bool CLU, bool RMS, bool SREG = false>
+template <typename T, bool CLU, bool RMS, bool SREG = false, bool PROD = false>
 RingBwdFn ring_bwd_fn_(int vpt, int stages) {
   if constexpr (!CLU) {
     if (stages == 3)
-      return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, false, 3, RMS, SREG>
-                      : &rownorm_bwd_ring_kernel<T, kRingVecs, false, 3, RMS, SREG>;
+      return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, false, 3, RMS, SREG, PROD>
+                      : &rownorm_bwd_ring_kernel<T, kRingVecs, false, 3, RMS, SREG, PROD>;
   }
-  return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, CLU, kRingStages, RMS, SREG>
-                  : &rownorm_bwd_ring_kernel<T, kRingVecs, CLU, kRingStages, RMS, SREG>;
+  return vpt == 3 ? &rownorm_bwd_ring_kernel<T, 3, CLU, kRingStages, RMS, SREG, PROD>
+                  : &rownorm_bwd_ring_kernel<T, kRingVecs, CLU, kRingStages, RMS, SREG, PROD>;
 }
+// (prod: the producer-warp form, without scale registers)
 template <typename T>
-RingBwdFn ring_bwd_fn(int vpt, int stages, bool rms, bool cluster = false, bool sreg = false) {
+RingBwdFn ring_bwd_fn(int vpt, int stages, bool rms, bool cluster = false, bool sreg = false, bool prod = false) {
   if (cluster) return rms ? ring_bwd_fn_<T, true, true>(vpt, stages) : ring_bwd_fn_<T, true, false>(vpt, stages);
+  if (prod) return rms ? ring_bwd_fn_<T, false, true, false, true>(vpt, stages) : ring_bwd_fn_<T, false, false, false, true>(vpt, stages);
   if (sreg) return rms ? ring_bwd_fn_<T, false, true, true>(vpt, stages) : ring_bwd_fn_<T, false, false, true>(vpt, stages);
   return rms ? ring_bwd_fn_<T, false, true>(vpt, stages) : ring_bwd_fn_<T, false, false>(vpt, stages);
 }
 template <typename T>
-const void* ring_bwd_kernel(int vpt, int stages, bool rms, bool cluster = false, bool sreg = false) {
-  return reinterpret_cast<const void*>(ring_bwd_fn<T>(vpt, stages, rms, cluster, sreg));
+const void* ring_bwd_kernel(int vpt, int stages, bool rms, bool cluster = false, bool sreg = false, bool prod = false) {
+  return reinterpret_cast<const void*>(ring_bwd_fn<T>(vpt, stages, rms, cluster, sreg, prod));
 }
 // Whether the ring may hold the scale in registers as raw T (set_rownorm_bwd_ring_sreg): the fp32 scale
 // weight_offset + w is then exactly a T, so the same bits as from shared memory.
@@ -523,6 +526,34 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       // (the statistics once per warp, except the RMSNorm instance's 4 x 512 row groups: 3.5% slower there, twice,
       // at bf16 4096 x 16384 in session 51; the only shape measured slower)
       plan.L.warp_stat = rownorm_bwd_ring_wstat() && !(plan.ring_rms && plan.ring_vecs == 4 && plan.L.tpr == kRingThreads);
+      // The producer-warp form (set_rownorm_bwd_ring_prod, forced: A/B): whole-warp row groups of 4 or 3 vectors
+      // within 480 consumer threads, the most groups, then the fewest idle slots, then the most threads; 3 row
+      // slots where they fit (the slots' stride is the consumers' count), else 2.
+      if (rownorm_bwd_ring_prod() != 0 && cc_major() >= 9 &&
+          kernel_binary_version(ring_bwd_kernel<T>(kRingVecs, kRingStages, false, false, false, true)) >= 90) {
+        const std::int64_t nvec = p.n / E;
+        int best_v = 0, best_t = 0, best_r = 0;
+        std::int64_t best_idle = 0;
+        for (const int v : {kRingVecs, 3}) {
+          const int t = std::max(kRingMinTpr, int((nvec + 32 * v - 1) / (32 * v) * 32)), r = kRingProdConsumers / t;
+          const std::int64_t idle = std::int64_t(t) * v - nvec;
+          if (t > kRingProdConsumers || r < 1) continue;
+          if (r > best_r || (r == best_r && (idle < best_idle || (idle == best_idle && t > best_t))))
+            best_v = v, best_t = t, best_r = r, best_idle = idle;
+        }
+        if (best_r >= 1) {
+          const int st = ring_smem_bytes(p.n, E, best_v, 0, 3, best_r * best_t, best_r) <= smem_per_block_optin() ? 3 : 2;
+          const std::size_t smem = ring_smem_bytes(p.n, E, best_v, 0, st, best_r * best_t, best_r);
+          if (smem <= smem_per_block_optin()) {
+            plan.ring_prod = true, plan.ring_sreg = false, plan.ring_tight = true;
+            plan.ring_vecs = best_v, plan.ring_stages = st, plan.L.tpr = best_t;
+            plan.threads = best_r * best_t + 32, plan.smem = smem;
+            plan.L.P = ctas_per_unit(ring_bwd_kernel<T>(best_v, st, plan.ring_rms, false, false, true), plan.threads,
+                                     plan.smem, p.groups, (J + best_r - 1) / best_r);
+            return plan;
+          }
+        }
+      }
       plan.L.P = ctas_per_unit(ring_bwd_kernel<T>(plan.ring_vecs, plan.ring_stages, plan.ring_rms, false, plan.ring_sreg),
                                plan.threads, plan.smem, p.groups,
                                (J + R - 1) / R);
@@ -789,6 +820,7 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
                           : ring_kernel_name(plan.ring_vecs == 3, plan.ring_tight, plan.ring_stages == 3, plan.cluster > 1,
                                              plan.ring_rms));
   note_rownorm_bwd_sreg(plan.cached && plan.ring && plan.ring_sreg);
+  note_rownorm_bwd_prod(plan.cached && plan.ring && plan.ring_prod);
   if (p.rows > 0) {
     if (plan.cluster > 1) {
       const std::int64_t blocks = std::int64_t(plan.L.P) * p.groups * plan.cluster;
@@ -805,7 +837,7 @@ void rownorm_bwd_launch(const RowNormParams& p_in, void* workspace, cudaStream_t
       const unsigned grid = unsigned(blocks);
       const bool big = plan.threads > kSmallCta;
       if (plan.ring)
-        ring_bwd_fn<T>(plan.ring_vecs, plan.ring_stages, plan.ring_rms, false, plan.ring_sreg)<<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db, 0);
+        ring_bwd_fn<T>(plan.ring_vecs, plan.ring_stages, plan.ring_rms, false, plan.ring_sreg, plan.ring_prod)<<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db, 0);
       else if (al && big) rownorm_bwd_cached_kernel<T, kBwdVecs, true, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (al) rownorm_bwd_cached_kernel<T, kBwdVecs, true, false><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
       else if (big) rownorm_bwd_cached_kernel<T, kBwdVecs, false, true><<<grid, plan.threads, plan.smem, stream>>>(p, plan.L, ws_dw, ws_db);
