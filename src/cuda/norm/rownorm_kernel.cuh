@@ -69,7 +69,9 @@ struct RowLaunch {
   int tpr = 1;           // threads per row (cached engine)
   int P = 1;             // CTAs per parameter group
   bool aligned = false;  // every row start 16-byte aligned and N % E == 0
-  bool warp_stat = false;  // the ring backward: a row's mean / rstd copied once per warp (set_rownorm_bwd_ring_wstat)
+  // the backward: the slot of a row's mean / rstd a thread reads, tid & stat_mask (~0: its own; ~31: its warp's first,
+  // ~(tpr - 1): its row group's first below 32 threads; set_rownorm_bwd_ring_wstat), copied by the thread it names
+  int stat_mask = ~0;
 };
 
 // Sum over the `tpr` threads of a row group. Every thread of the CTA calls it (uniform control
@@ -855,7 +857,7 @@ __device__ __forceinline__ void group_barrier(int id, int count) {
 // raw vectors of T (VPT x 4 registers), in place of 2 x VPT x E / 4 shared-memory loads per row (ncu, RMSNorm 4096 x
 // 12288: short-scoreboard stalls, i.e. shared memory, 36% of the cycles between issues). Only where the fp32 scale is
 // exactly a T (the planner's rule: fp32 rows, no weight, or a weight of the IO dtype with weight_offset 0), so the
-// same bits. L.warp_stat: lane 0 of each warp copies the row's mean / rstd, the warp's lanes read its slot (one
+// same bits. L.stat_mask ~31: lane 0 of each warp copies the row's mean / rstd, the warp's lanes read its slot (one
 // 4-byte cp.async per warp instead of per thread); the same values.
 // PROD (set_rownorm_bwd_ring_prod; Hopper, not in clusters): a producer warp after the R tpr <= 480 consumer threads
 // feeds the rings, as cuDNN's ln_tma_bwd_kernel does (ncu, session 50: its 17th warp, L1 24% busy against our 74%).
@@ -922,9 +924,8 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
     mbar_init_fence();  // (published by stage_scale's barrier below, before the producer's first copy)
 #endif
   }
-  // the slot of the row's statistics this thread reads: its own, or (warp_stat) its warp's first, copied by lane 0
-  const bool wst = L.warp_stat;
-  const int stat_tid = wst ? tid & ~31 : tid;
+  // the slot of the row's statistics this thread reads (L.stat_mask: its own, or its warp's first, copied by lane 0)
+  const int stat_tid = tid & L.stat_mask;
   auto issue_row = [&](std::int64_t j, int stage) {  // cp.async into this thread's own slots
     const bool ok_row = j < J;
     const std::int64_t r = p.row_of(g, ok_row ? j : 0);  // rows past J: zero-filled (rstd 0: no effect)
@@ -1014,11 +1015,11 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
       mbar_wait(&s_full[rg * S + stage], (itc / unsigned(S)) & 1u);
 #endif
     } else {
-      if (wst) __syncwarp();  // (the lanes' reads of the slot lane 0 refills now, a row ago, are done)
+      __syncwarp();  // (the lanes' reads of the slot lane 0 refills now, a row ago, are done)
       issue_row(j + (S - 1) * jstep, stage == 0 ? S - 1 : stage - 1);
       cp_async_commit();
       cp_async_wait<S - 1>();
-      if (wst) __syncwarp();  // lane 0's copy of the statistics, complete for lane 0, visible to the warp
+      __syncwarp();  // lane 0's copy of the statistics, complete for lane 0, visible to the warp
     }
     const bool live = !PROD || j < J;  // (PROD: a row past J leaves a stale slot, which must add nothing)
     const uint4* sx = s_pipe + (stage * 2 + 0) * VPT * ns + tid;  // this thread's vectors k * ns
@@ -1206,10 +1207,9 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
       dys[k] = load_raw<T>(dyr, (k * L.tpr + lane) * E, j < J ? n : 0, ALIGNED);
     }
   };
-  // the slot of the row's statistics this thread reads: its own, or (L.warp_stat) that of its row group's first
-  // thread in its warp, which copies them (one 4-byte cp.async per warp, or per row group below 32 threads)
-  const bool wst = ALIGNED && L.warp_stat;
-  const int stat_tid = !wst ? int(threadIdx.x) : L.tpr >= 32 ? int(threadIdx.x) & ~31 : int(threadIdx.x) - lane;
+  // the slot of the row's statistics this thread reads (L.stat_mask: its own, or that of its row group's first
+  // thread in its warp, which copies them: one 4-byte cp.async per warp, or per row group below 32 threads)
+  const int stat_tid = int(threadIdx.x) & L.stat_mask;
   auto issue_row = [&](std::int64_t j, int stage) {  // aligned: cp.async into this thread's slots
     const auto [xr, dyr] = row_ptrs(j);
     const std::int64_t rr = p.row_of(g, j < J ? j : 0);  // statistics of rows past J: zero (rstd 0)
@@ -1241,11 +1241,11 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
   for (std::int64_t j0 = pi * R; j0 < J; j0 += jstep) {
     const std::int64_t j = j0 + rg;
     if constexpr (ALIGNED) {
-      if (wst) __syncwarp();  // (the lanes' reads of the slot refilled now, rows ago, are done)
+      __syncwarp();  // (the lanes' reads of the slot refilled now, rows ago, are done)
       issue_row(j + (S - 1) * jstep, stage == 0 ? S - 1 : stage - 1);
       cp_async_commit();
       cp_async_wait<S - 1>();
-      if (wst) __syncwarp();  // the first thread's copy of the statistics, complete for it, visible to the warp
+      __syncwarp();  // the first thread's copy of the statistics, complete for it, visible to the warp
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         xv[k] = s_pipe[((stage * 2 + 0) * VPT + k) * blockDim.x + threadIdx.x];

@@ -375,7 +375,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
         plan.cl_cols = per * E;
         plan.ring_vecs = vpt;
         plan.ring_rms = rms_k;
-        plan.L.warp_stat = rownorm_bwd_ring_wstat();
+        plan.L.stat_mask = rownorm_bwd_ring_wstat() ? ~31 : ~0;
         plan.L.tpr = tpr;
         plan.threads = kRingThreads;
         plan.smem = smem;
@@ -525,7 +525,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
                                       plan.ring_stages == 3));
       // (the statistics once per warp, except the RMSNorm instance's 4 x 512 row groups: 3.5% slower there, twice,
       // at bf16 4096 x 16384 in session 51; the only shape measured slower)
-      plan.L.warp_stat = rownorm_bwd_ring_wstat() && !(plan.ring_rms && plan.ring_vecs == 4 && plan.L.tpr == kRingThreads);
+      plan.L.stat_mask = rownorm_bwd_ring_wstat() && !(plan.ring_rms && plan.ring_vecs == 4 && plan.L.tpr == kRingThreads) ? ~31 : ~0;
       // The producer-warp form (set_rownorm_bwd_ring_prod, forced: A/B): whole-warp row groups of 4 or 3 vectors
       // within 480 consumer threads, the most groups, then the fewest idle slots, then the most threads; 3 row
       // slots where they fit (the slots' stride is the consumers' count), else 2.
@@ -567,7 +567,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     const std::size_t red = 2 * (plan.threads / 32) + 2;
     const std::size_t n_pad = std::size_t((p.n + E - 1) / E * E);
     plan.smem = sizeof(float) * (red + n_pad + partials_comb_floats(R, p.n, E, al));
-    plan.L.warp_stat = rownorm_bwd_ring_wstat();
+    plan.L.stat_mask = rownorm_bwd_ring_wstat() && al ? ~(std::min(plan.L.tpr, 32) - 1) : ~0;
     if (al) plan.smem += std::size_t(kStages) * plan.threads * (2 * kBwdVecs * sizeof(uint4) + 2 * sizeof(float));
     plan.L.P = ctas_per_unit(cached_bwd_kernel<T>(al, plan.threads > kSmallCta), plan.threads, plan.smem, p.groups,
                              (J + R - 1) / R);
