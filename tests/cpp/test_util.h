@@ -32,6 +32,26 @@ struct HostTensor;
 template <typename F>
 void for_each_offset_pair(const HostTensor& a, const HostTensor& b, F&& f);
 
+// f.template operator()<D>() with D the runtime dtype as a constant: element loops written once, with the dtype's
+// switch (load_as_double, store_from_double) folded out of them (the GPU suites walk tens of millions of elements
+// per case on the host, which dominated their run time).
+template <typename F>
+decltype(auto) visit_dtype(DType t, F&& f) {
+  switch (t) {
+    case DType::f32: return f.template operator()<DType::f32>();
+    case DType::f64: return f.template operator()<DType::f64>();
+    case DType::f16: return f.template operator()<DType::f16>();
+    case DType::bf16: return f.template operator()<DType::bf16>();
+    case DType::i32: return f.template operator()<DType::i32>();
+    case DType::i64: return f.template operator()<DType::i64>();
+  }
+  return f.template operator()<DType::f64>();
+}
+template <DType D>
+inline double load_elem(const unsigned char* base, std::int64_t i) { return detail::load_as_double(base, i, D); }
+template <DType D>
+inline void store_elem(unsigned char* base, std::int64_t i, double v) { detail::store_from_double(base, i, D, v); }
+
 // A tensor in host memory: `storage` elements of `dtype`, viewed with shape/strides from `offset`.
 struct HostTensor {
   DType dtype = DType::f64;
@@ -72,32 +92,23 @@ struct HostTensor {
   void set(std::int64_t storage_index, double v) { detail::store_from_double(bytes.data(), storage_index, dtype, v); }
   // The view's element bytes in row-major order: bit comparisons of tensors whose buffers differ
   // outside the view (make_host's 8 elements of slack, row padding) compare only what an op writes.
-  std::vector<unsigned char> elem_bytes() const {
-    const std::size_t es = esize();
-    std::vector<unsigned char> out(std::size_t(numel()) * es);
-    unsigned char* dst = out.data();
-    for_each_offset([&](std::int64_t o) {
-      std::memcpy(dst, bytes.data() + std::size_t(o) * es, es);
-      dst += es;
-    });
-    return out;
-  }
+  std::vector<unsigned char> elem_bytes() const;
   std::vector<double> values() const {
     std::vector<double> v;
     v.reserve(std::size_t(numel()));
-    for_each_offset([&](std::int64_t o) { v.push_back(get(o)); });
+    visit_dtype(dtype, [&]<DType D>() { for_each_offset([&](std::int64_t o) { v.push_back(load_elem<D>(bytes.data(), o)); }); });
     return v;
   }
 };
 
-// f(offset in a, offset in b) for every element of two views of the same shape, in row-major order: the last dim
-// as an inner loop, the outer index stepped once per row (the GPU suites' checks walk millions of elements, and
-// the error measures compare two views without copying them).
+// f(first offset in a, in b, count, step in a, in b) for every row (the last dim) of two views of the same shape,
+// in row-major order, the outer index stepped once per row: the loops below run over whole rows, and the error
+// measures compare two views without copying them. A 0-dim view is one row of one element.
 template <typename F>
-void for_each_offset_pair(const HostTensor& a, const HostTensor& b, F&& f) {
+void for_each_row_pair(const HostTensor& a, const HostTensor& b, F&& f) {
   const int nd = int(a.shape.size());
   if (nd == 0) {
-    f(a.offset, b.offset);
+    f(a.offset, b.offset, std::int64_t(1), std::int64_t(1), std::int64_t(1));
     return;
   }
   const std::int64_t total = a.numel(), inner = a.shape[nd - 1], as = a.strides[nd - 1], bs = b.strides[nd - 1];
@@ -105,7 +116,7 @@ void for_each_offset_pair(const HostTensor& a, const HostTensor& b, F&& f) {
   std::vector<std::int64_t> idx(std::size_t(nd - 1), 0);
   std::int64_t ra = a.offset, rb = b.offset;
   for (std::int64_t o = 0; o < total / inner; ++o) {
-    for (std::int64_t i = 0; i < inner; ++i) f(ra + i * as, rb + i * bs);
+    f(ra, rb, inner, as, bs);
     for (int d = nd - 2; d >= 0; --d) {
       ra += a.strides[d], rb += b.strides[d];
       if (++idx[std::size_t(d)] < a.shape[d]) break;
@@ -113,6 +124,28 @@ void for_each_offset_pair(const HostTensor& a, const HostTensor& b, F&& f) {
       idx[std::size_t(d)] = 0;
     }
   }
+}
+// f(offset in a, offset in b) for every element of two views of the same shape, in row-major order.
+template <typename F>
+void for_each_offset_pair(const HostTensor& a, const HostTensor& b, F&& f) {
+  for_each_row_pair(a, b, [&](std::int64_t ra, std::int64_t rb, std::int64_t cnt, std::int64_t as, std::int64_t bs) {
+    for (std::int64_t i = 0; i < cnt; ++i) f(ra + i * as, rb + i * bs);
+  });
+}
+
+inline std::vector<unsigned char> HostTensor::elem_bytes() const {
+  const std::size_t es = esize();
+  std::vector<unsigned char> out(std::size_t(numel()) * es);
+  unsigned char* dst = out.data();
+  for_each_row_pair(*this, *this, [&](std::int64_t r, std::int64_t, std::int64_t cnt, std::int64_t st, std::int64_t) {
+    if (st == 1) {  // (a contiguous row: one copy)
+      std::memcpy(dst, bytes.data() + std::size_t(r) * es, std::size_t(cnt) * es);
+      dst += std::size_t(cnt) * es;
+      return;
+    }
+    for (std::int64_t i = 0; i < cnt; ++i, dst += es) std::memcpy(dst, bytes.data() + std::size_t(r + i * st) * es, es);
+  });
+  return out;
 }
 
 // Contiguous tensor, or rows cut from a larger buffer: the last dim padded by `pad` elements and the
@@ -132,9 +165,23 @@ inline HostTensor make_host(DType dt, std::vector<std::int64_t> shape, std::int6
   return t;
 }
 
+// Uniform in [lo, hi): a splitmix64 stream seeded by one draw of rng (mt19937_64 per element took 7-11 ns, a third
+// of a GPU case's host time at tens of millions of elements), 53 random bits per value.
 inline void fill_random(HostTensor& t, std::mt19937_64& rng, double lo = -2.0, double hi = 2.0) {
-  std::uniform_real_distribution<double> u(lo, hi);
-  t.for_each_offset([&](std::int64_t o) { t.set(o, u(rng)); });
+  std::uint64_t state = rng();
+  const double scale = (hi - lo) * 0x1.0p-53;
+  auto next = [&state, lo, scale] {
+    std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return lo + double((z ^ (z >> 31)) >> 11) * scale;
+  };
+  visit_dtype(t.dtype, [&]<DType D>() {
+    unsigned char* base = t.bytes.data();
+    for_each_row_pair(t, t, [&](std::int64_t r, std::int64_t, std::int64_t cnt, std::int64_t st, std::int64_t) {
+      for (std::int64_t i = 0; i < cnt; ++i) store_elem<D>(base, r + i * st, next());
+    });
+  });
 }
 inline void fill_bytes(HostTensor& t, unsigned char b) { std::fill(t.bytes.begin(), t.bytes.end(), b); }
 
@@ -142,7 +189,12 @@ inline void fill_bytes(HostTensor& t, unsigned char b) { std::fill(t.bytes.begin
 inline HostTensor to_f64(const HostTensor& t) {
   HostTensor o = make_host(DType::f64, t.shape);
   double* dst = static_cast<double*>(o.base());
-  t.for_each_offset([&](std::int64_t s) { *dst++ = t.get(s); });
+  visit_dtype(t.dtype, [&]<DType D>() {
+    const unsigned char* base = t.bytes.data();
+    for_each_row_pair(t, t, [&](std::int64_t r, std::int64_t, std::int64_t cnt, std::int64_t st, std::int64_t) {
+      for (std::int64_t i = 0; i < cnt; ++i) *dst++ = load_elem<D>(base, r + i * st);
+    });
+  });
   return o;
 }
 
@@ -161,19 +213,31 @@ inline double err_over(const HostTensor& a, const HostTensor& b, double scale) {
   }
   double num = 0.0;
   bool finite = true;
-  for_each_offset_pair(a, b, [&](std::int64_t oa, std::int64_t ob) {
-    const double x = a.get(oa), y = b.get(ob);
-    finite = finite && std::isfinite(x) && std::isfinite(y);
-    num += (x - y) * (x - y);
+  visit_dtype(a.dtype, [&]<DType DA>() {
+    visit_dtype(b.dtype, [&]<DType DB>() {
+      const unsigned char *pa = a.bytes.data(), *pb = b.bytes.data();
+      for_each_row_pair(a, b, [&](std::int64_t ra, std::int64_t rb, std::int64_t cnt, std::int64_t as, std::int64_t bs) {
+        for (std::int64_t i = 0; i < cnt; ++i) {
+          const double x = load_elem<DA>(pa, ra + i * as), y = load_elem<DB>(pb, rb + i * bs);
+          finite = finite && std::isfinite(x) && std::isfinite(y);
+          num += (x - y) * (x - y);
+        }
+      });
+    });
   });
   return finite ? std::sqrt(num) / scale : INFINITY;
 }
 
 inline double l2_norm(const HostTensor& a) {
   double s = 0.0;
-  a.for_each_offset([&](std::int64_t o) {
-    const double x = a.get(o);
-    s += x * x;
+  visit_dtype(a.dtype, [&]<DType D>() {
+    const unsigned char* base = a.bytes.data();
+    for_each_row_pair(a, a, [&](std::int64_t r, std::int64_t, std::int64_t cnt, std::int64_t st, std::int64_t) {
+      for (std::int64_t i = 0; i < cnt; ++i) {
+        const double x = load_elem<D>(base, r + i * st);
+        s += x * x;
+      }
+    });
   });
   return std::sqrt(s);
 }
