@@ -126,7 +126,7 @@ double dw_scale(const Problem& pb, const HostTensor& x64, const HostTensor& dy64
 double db_scale(const Problem& pb, const HostTensor& dy64) {
   const std::int64_t n = pb.n, groups = pb.p_shape.size() > 1 ? pb.p_shape[0] : 1;
   std::vector<double> acc(static_cast<std::size_t>(groups * n), 0.0);
-  const double* dy = static_cast<const double*>(const_cast<HostTensor&>(dy64).base());  // (contiguous: to_f64)
+  const double* dy = static_cast<const double*>(dy64.base());  // (contiguous: to_f64)
   for (std::int64_t r = 0; r < pb.rows; ++r) {
     double* a = acc.data() + group_of(pb, r) * n;
     for (std::int64_t c = 0; c < n; ++c) a[c] += std::fabs(dy[r * n + c]);

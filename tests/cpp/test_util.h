@@ -66,6 +66,7 @@ struct HostTensor {
   }
   std::size_t esize() const { return dtype_size(dtype); }
   void* base() { return bytes.data() + offset * esize(); }
+  const void* base() const { return bytes.data() + offset * esize(); }
   TensorRef ref(DeviceType dev = DeviceType::cpu, void* data = nullptr) {
     TensorRef t;
     t.data = data ? data : base();
