@@ -25,6 +25,7 @@
 //   fastweight_bench --bwd-ring-rms=off|on   RMSNorm rows in the rings' RMSNorm instances (no mean, no bias; on: the default)
 //   fastweight_bench --bwd-ring-sreg=off|auto|on  the plain ring's scale in registers (on: wherever exactly the IO dtype; auto: the default)
 //   fastweight_bench --bwd-ring-prod=off|on  the plain ring fed by a producer warp (bulk copies; off: the default)
+//   fastweight_bench --bwd-general=on        every norm backward on rowsum + coltile (the general path; off: the default)
 //   fastweight_bench --bwd-ring-wstat=off|on the backward's row statistics copied once per warp (on: the default)
 //   fastweight_bench --bwd-ring-stages=auto|2|3  its row slots per row group (auto: 3 at one row group per CTA; 3 where it fits)
 //   fastweight_bench --bwd-cluster=off|on    norm backward's ring kernel in clusters for rows past its reach (else rowsum + coltile)
@@ -198,6 +199,7 @@ struct Options {
   int bwd_ring_sreg = -1;    // -1: the default
   int bwd_ring_wstat = -1;   // -1: the default
   int bwd_ring_prod = -1;    // -1: the default
+  int bwd_general = -1;      // -1: the default (off)
   int bwd_cluster = -1;   // -1: the default
   int fwd_cluster = -1;   // -1: the default; 0 off, 1 on, 2 small
   int bwd_cluster_mult = -1;  // -1: the default
@@ -507,6 +509,7 @@ int main(int argc, char** argv) {
     else if (const char* v = val("--bwd-ring-sreg=")) o.bwd_ring_sreg = std::strcmp(v, "auto") == 0 ? 1 : on(v) ? 2 : 0;
     else if (const char* v = val("--bwd-ring-wstat=")) o.bwd_ring_wstat = on(v) ? 1 : 0;
     else if (const char* v = val("--bwd-ring-prod=")) o.bwd_ring_prod = on(v) ? 1 : 0;
+    else if (const char* v = val("--bwd-general=")) o.bwd_general = on(v) ? 1 : 0;
     else if (const char* v = val("--bwd-ring-stages=")) {
       o.bwd_ring_stages = std::strcmp(v, "auto") == 0 ? 0 : std::atoi(v);
       if (o.bwd_ring_stages != 0 && o.bwd_ring_stages != 2 && o.bwd_ring_stages != 3) usage(2);
@@ -571,6 +574,7 @@ int main(int argc, char** argv) {
   if (o.bwd_ring_sreg >= 0) fastweight::detail::set_rownorm_bwd_ring_sreg(o.bwd_ring_sreg);
   if (o.bwd_ring_wstat >= 0) fastweight::detail::set_rownorm_bwd_ring_wstat(o.bwd_ring_wstat == 1);
   if (o.bwd_ring_prod >= 0) fastweight::detail::set_rownorm_bwd_ring_prod(o.bwd_ring_prod);
+  if (o.bwd_general >= 0) fastweight::detail::force_rownorm_bwd_general(o.bwd_general == 1);
   if (o.bwd_ring_stages >= 0) fastweight::detail::set_rownorm_bwd_ring_stages(o.bwd_ring_stages);
   if (o.bwd_cluster >= 0) fastweight::detail::set_rownorm_bwd_cluster(o.bwd_cluster == 1);
   if (o.fwd_cluster >= 0) fastweight::detail::set_rownorm_fwd_cluster(o.fwd_cluster);

@@ -37,6 +37,14 @@ struct RowIndexer {
   // The same for r < 2^31 (every size then fits 32 bits, being a factor of the row count): 32-bit
   // divisions (a few instructions) instead of 64-bit ones (a called routine and its registers).
   FW_HD std::int64_t offset32(std::uint32_t r) const { return offset_as<std::uint32_t>(r); }
+  // The backward's form (rownorm_bwd_ring_kernel, rownorm_bwd_cached_kernel): one multiply for rows at one stride
+  // (nd <= 1, any row count), 32-bit divisions for merged dims, where lean(rows) holds. The 64-bit division is a
+  // called routine whose mere presence (never taken) made the 128-register kernels spill 48-136 B (session 52).
+  FW_HD std::int64_t offset_lean(std::int64_t r) const {
+    return nd <= 1 ? r * stride[0] : offset_as<std::uint32_t>(std::uint32_t(r));
+  }
+  // Whether offset_lean is exact for every row below `rows` (the planner's guard).
+  FW_HD bool lean(std::int64_t rows) const { return nd <= 1 || rows < (std::int64_t(1) << 31); }
   // I: the index type of the divisions
   template <typename I>
   FW_HD std::int64_t offset_as(I r) const {

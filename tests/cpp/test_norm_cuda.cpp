@@ -726,7 +726,9 @@ TEST_P(NormCudaBwdRingTight, WholeWarpGroupsAndThreeStagesMatchReference) {
       if (admitted && std::tuple{cr, -idle, ct} > best) best = {cr, -idle, ct}, is_tight = true, v = cv, t = ct, r = cr;
     }
     const std::size_t smem3 = std::size_t(3 * 512 * (2 * v * 16 + 8) + (n + e - 1) / e * e * 4 + 2 * 16 * 8);
-    const bool s3 = (stages == 3 || (stages == 0 && r == 1)) && smem3 <= fastweight::detail::smem_per_block_optin();
+    // (the rule's exception: the RMSNorm instance's 512-thread group keeps 2 slots)
+    const bool rule3 = r == 1 && !(op == Op::rmsnorm && t == 512);
+    const bool s3 = (stages == 3 || (stages == 0 && rule3)) && smem3 <= fastweight::detail::smem_per_block_optin();
     const std::string expect = std::string(v == 3 ? "ring3" : "ring") + (is_tight ? "_tight" : "") + (s3 ? "_s3" : "");
     const std::int64_t many = groups * ((3 * fastweight::detail::sm_count() * r + groups - 1) / groups);
     for (const auto& [layout, params, rows] : {std::tuple{Layout::padded, Params::io, groups * 37},
@@ -777,6 +779,27 @@ INSTANTIATE_TEST_SUITE_P(Ring, NormCudaBwdRingRms,
                          ::testing::Combine(::testing::Values(Op::rmsnorm, Op::layernorm), kDtypes,
                                             ::testing::Values<std::int64_t>(1536, 2048, 5120, 9216, 12288, 16384, 24576,
                                                                             65536)),
+                         rows_case_name);
+
+// The general backward, rowsum + coltile (force_rownorm_bwd_general), on rows of every kind: the path of rows the
+// ring and cached kernels cannot index with RowIndexer::offset_lean (merged leading dims with 2^31 rows or more,
+// too many to test) and of rows past the ring clusters' reach. It must have run: contiguous, padded (unaligned
+// where N is odd) and gapped rows (RowIndexer nd 2 for head norm and adaLN), from N = 1 up.
+struct NormCudaBwdGeneral : ::testing::TestWithParam<BulkParam> {};
+TEST_P(NormCudaBwdGeneral, RowsumColtileMatchesReference) {
+  FW_REQUIRE_GPU();
+  const auto [op, dt, n] = GetParam();
+  const std::int64_t groups = param_groups(op);
+  const ScopedSwitch<bool> general(&fastweight::detail::force_rownorm_bwd_general, true);
+  for (const auto& [layout, params, rows] : {std::tuple{Layout::contiguous, Params::io, groups * 37},
+                                             std::tuple{Layout::padded, Params::f32, groups * 5},
+                                             std::tuple{Layout::gapped, Params::io, groups * 12}}) {
+    check_case(op, dt, n, rows, layout, params);
+    EXPECT_EQ(bwd_kernel_shape(), "rowsum_coltile") << n;
+  }
+}
+INSTANTIATE_TEST_SUITE_P(General, NormCudaBwdGeneral,
+                         ::testing::Combine(kOps, kDtypes, ::testing::Values<std::int64_t>(1, 7, 1000, 4097, 16384, 40000)),
                          rows_case_name);
 
 // The plain ring's scale in registers (set_rownorm_bwd_ring_sreg) and the row statistics copied once per warp or row

@@ -7,6 +7,7 @@
 #include <map>
 #include <sstream>
 
+#include "common/norm_params.h"
 #include "norm_cases.h"
 
 namespace fwtest {
@@ -187,6 +188,48 @@ TEST(NormForms, NonMergeableRowStridesGiveTheContiguousResult) {
   EXPECT_TRUE(same(mg, mc) && same(rg, rc)) << "mean / rstd";
   EXPECT_TRUE(same(dwg, dwc) && same(dbg, dbc)) << "dweight / dbias";
   EXPECT_NE(yc.values(), xc.values());  // something was computed
+}
+
+// RowIndexer::offset_lean, the CUDA backward's row offsets (one multiply for rows at one stride, 32-bit divisions for
+// merged dims), gives offset's 64-bit value wherever lean(rows) admits the rows: random shapes of 1..kMaxLeadDims
+// dims and strides up to 2^40 elements, every row of the small ones and random rows below 2^31 of large ones; the
+// guard admits any row count at one stride and refuses merged dims from 2^31 rows on.
+TEST(NormRowIndexer, LeanOffsetsMatchTheGeneralOnes) {
+  using fastweight::detail::RowIndexer;
+  using fastweight::detail::kMaxLeadDims;
+  std::mt19937_64 rng(53);
+  int checked = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    RowIndexer ix;
+    ix.nd = 1 + int(rng() % kMaxLeadDims);
+    const bool big = trial % 2 == 1;
+    std::int64_t rows = 1;
+    for (int d = 0; d < ix.nd; ++d) {
+      ix.size[d] = big ? std::int64_t(1 + rng() % (std::uint64_t(1) << (30 / ix.nd))) : std::int64_t(1 + rng() % 9);
+      ix.stride[d] = std::int64_t(rng() % (std::uint64_t(1) << 40));
+      rows *= ix.size[d];
+    }
+    ASSERT_TRUE(ix.lean(rows)) << rows;
+    const std::int64_t n = big ? 2000 : rows;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t r = big ? std::int64_t(rng() % std::uint64_t(rows)) : i;
+      ASSERT_EQ(ix.offset_lean(r), ix.offset(r)) << "nd " << ix.nd << " row " << r;
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 100000);
+  RowIndexer one;  // rows at one stride: exact for any row, 2^31 and past
+  one.nd = 1, one.size[0] = std::int64_t(1) << 40, one.stride[0] = 4097;
+  EXPECT_TRUE(one.lean(one.size[0]));
+  for (const std::int64_t r : {std::int64_t(0), (std::int64_t(1) << 31) + 5, (std::int64_t(1) << 40) - 1})
+    EXPECT_EQ(one.offset_lean(r), one.offset(r)) << r;
+  RowIndexer single;  // nd 0: a single row
+  EXPECT_EQ(single.offset_lean(0), 0);
+  RowIndexer two;
+  two.nd = 2, two.size[0] = std::int64_t(1) << 20, two.size[1] = std::int64_t(1) << 11, two.stride[0] = 1 << 12,
+  two.stride[1] = 1;
+  EXPECT_TRUE(two.lean((std::int64_t(1) << 31) - 1));
+  EXPECT_FALSE(two.lean(std::int64_t(1) << 31));  // merged dims of 2^31 rows: the general path
 }
 
 TEST(NormForms, EmptyBatchGivesZeroWeightGradients) {

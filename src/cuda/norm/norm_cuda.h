@@ -50,7 +50,8 @@ bool rownorm_bwd_ring3();
 int set_rownorm_bwd_ring_tight(int mode);
 int rownorm_bwd_ring_tight();
 // The plain ring's row slots per row group: 0 (the default) the rule, 3 where a CTA holds one row group (two rows in
-// flight while one is reduced: bf16 N 8200..12288, fp32 4100..6144) and its shared memory fits, else 2; 2 or 3
+// flight while one is reduced: bf16 N 8200..12288, fp32 4100..6144; not the RMSNorm instance's 512-thread group, bf16
+// N 11528..12288, fp32 5764..6144: 2 slots 2.1-2.7% faster there, session 52) and its shared memory fits, else 2; 2 or 3
 // forces that (3 where it fits). Session 45 (H200, LayerNorm bf16 unless said, ms, 2 / 3 slots): 4096 x 12288
 // 0.1110 / 0.1080, x 10240 0.1032 / 0.1001, fp32 4096 x 5120 0.0835 / 0.0796; with more row groups per CTA level or
 // slower: x 6144 0.0579 / 0.0580, x 4096 0.0400 / 0.0419, x 2048 0.0268 / 0.0291, whole-warp x 5120 0.0479 / 0.0502.
@@ -101,6 +102,12 @@ int rownorm_bwd_ring_prod();
 // Whether the last backward launched took the producer-warp ring (tests).
 bool rownorm_bwd_last_prod();
 void note_rownorm_bwd_prod(bool on);
+// Tests and benchmarks only: every backward on rowsum + coltile, the general path that the planner otherwise keeps
+// for rows the ring and cached kernels cannot index with RowIndexer::offset_lean (merged leading dims with 2^31
+// rows or more) and for rows past the cached kernel's and the ring clusters' reach. Default off. Returns the
+// previous setting (fastweight_bench --bwd-general=on).
+bool force_rownorm_bwd_general(bool on);
+bool rownorm_bwd_general();
 bool set_rownorm_bwd_ring_wstat(bool on);
 bool rownorm_bwd_ring_wstat();
 // Aligned rows past the ring kernel's reach (bf16 / fp16 N > 16384, fp32 N > 8192) on Hopper: the ring kernel in

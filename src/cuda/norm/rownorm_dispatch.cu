@@ -55,6 +55,7 @@ std::atomic<bool> g_bwd_ring_rms{env_digit("FW_NORM_BWD_RING_RMS", 1) == 1};
 std::atomic<int> g_bwd_ring_stages{env_digit("FW_NORM_BWD_RING_STAGES", 0)};  // (0: the rule; 2, 3: forced)
 std::atomic<int> g_bwd_ring_sreg{env_digit("FW_NORM_BWD_RING_SREG", 1)};  // (0|1|2: the mode at start)
 std::atomic<int> g_bwd_ring_prod{env_digit("FW_NORM_BWD_RING_PROD", 0)};
+std::atomic<bool> g_bwd_general{false};
 std::atomic<bool> g_bwd_ring_wstat{env_digit("FW_NORM_BWD_RING_WSTAT", 1) == 1};
 std::atomic<bool> g_bwd_cluster{env_digit("FW_NORM_BWD_CLUSTER", 1) == 1};
 std::atomic<int> g_bwd_cluster_mult{env_digit("FW_NORM_BWD_CLUSTER_MULT", 0)};  // (0: the planner's rule)
@@ -86,6 +87,8 @@ int rownorm_bwd_ring_prod() { return g_bwd_ring_prod.load(); }
 static thread_local bool t_bwd_last_prod = false;
 bool rownorm_bwd_last_prod() { return t_bwd_last_prod; }
 void note_rownorm_bwd_prod(bool on) { t_bwd_last_prod = on; }
+bool force_rownorm_bwd_general(bool on) { return g_bwd_general.exchange(on); }
+bool rownorm_bwd_general() { return g_bwd_general.load(); }
 bool set_rownorm_bwd_ring_wstat(bool on) { return g_bwd_ring_wstat.exchange(on); }
 bool rownorm_bwd_ring_wstat() { return g_bwd_ring_wstat.load(); }
 bool set_rownorm_bwd_cluster(bool on) { return g_bwd_cluster.exchange(on); }

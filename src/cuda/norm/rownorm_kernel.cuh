@@ -929,8 +929,8 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
   auto issue_row = [&](std::int64_t j, int stage) {  // cp.async into this thread's own slots
     const bool ok_row = j < J;
     const std::int64_t r = p.row_of(g, ok_row ? j : 0);  // rows past J: zero-filled (rstd 0: no effect)
-    const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(r) + c0;
-    const T* dyr = static_cast<const T*>(p.dy) + p.dy_rows.offset(r) + c0;
+    const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset_lean(r) + c0;
+    const T* dyr = static_cast<const T*>(p.dy) + p.dy_rows.offset_lean(r) + c0;
     if (stat_tid == tid) {
       if constexpr (!RMS) cp_async4(&s_stat[(stage * 2 + 0) * NT + tid], p.rms ? p.rstd + r : p.mean + r, ok_row && !p.rms);
       cp_async4(&s_stat[(stage * 2 + 1) * NT + tid], p.rstd + r, ok_row);
@@ -984,8 +984,8 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
             continue;
           }
           mbar_arrive_expect_tx(full, 2u * unsigned(nvec) * 16u);
-          const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset(r);
-          const T* dyr = static_cast<const T*>(p.dy) + p.dy_rows.offset(r);
+          const T* xr = static_cast<const T*>(p.x) + p.x_rows.offset_lean(r);
+          const T* dyr = static_cast<const T*>(p.dy) + p.dy_rows.offset_lean(r);
 #pragma unroll
           for (int k = 0; k < VPT; ++k) {  // chunk k: vectors k tpr .. of the row, (tpr) at k ns + q tpr
             const int v0 = k * tpr, cnt = min(tpr, nvec - v0);
@@ -1093,7 +1093,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) rownorm_bwd_ring_kernel(const
     const float mgx = sums.y * inv_n;
     // pass 2: dx = rstd * (g - mean(g) - xhat * mean(g xhat)), the row re-read from shared memory
     if (j < J) {
-      T* dxr = static_cast<T*>(p.dx) + p.dx_rows.offset(p.row_of(g, j)) + c0;
+      T* dxr = static_cast<T*>(p.dx) + p.dx_rows.offset_lean(p.row_of(g, j)) + c0;
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int col = (k * tpr + lane) * E;
@@ -1194,8 +1194,8 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
   const std::int64_t J = p.rows_per_group, jstep = std::int64_t(L.P) * R;
   auto row_ptrs = [&](std::int64_t j) {
     const std::int64_t rr = p.row_of(g, j < J ? j : 0);
-    return std::make_pair(static_cast<const T*>(p.x) + p.x_rows.offset(rr),
-                          static_cast<const T*>(p.dy) + p.dy_rows.offset(rr));
+    return std::make_pair(static_cast<const T*>(p.x) + p.x_rows.offset_lean(rr),
+                          static_cast<const T*>(p.dy) + p.dy_rows.offset_lean(rr));
   };
   auto load_row = [&](std::int64_t j, uint4 (&xs)[VPT], uint4 (&dys)[VPT], float2& st) {  // unaligned: registers
     const auto [xr, dyr] = row_ptrs(j);
@@ -1284,7 +1284,7 @@ __global__ void __launch_bounds__(BIG ? kMaxTpr : kSmallCta, BIG ? 1 : 2) rownor
     const float mg = p.rms ? 0.f : sums.x * inv_n;
     const float mgx = sums.y * inv_n;
     if (valid) {
-      T* dxr = static_cast<T*>(p.dx) + p.dx_rows.offset(r);
+      T* dxr = static_cast<T*>(p.dx) + p.dx_rows.offset_lean(r);
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int col = (k * L.tpr + lane) * E;

@@ -184,9 +184,14 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
                    (bwd ? rows_aligned(p.dy, p.dy_rows, sizeof(T)) && rows_aligned(p.dx, p.dx_rows, sizeof(T))
                         : rows_aligned(p.y, p.y_rows, sizeof(T)));
   const bool al = plan.L.aligned;
+  // The ring and cached backward kernels index rows with RowIndexer::offset_lean (one multiply, or 32-bit
+  // divisions): rows it cannot index (merged leading dims with 2^31 rows or more) take rowsum + coltile, as do
+  // all rows where force_rownorm_bwd_general says so (tests)
+  const bool bwd_fast = !bwd || (!rownorm_bwd_general() && p.x_rows.lean(p.rows) && p.dy_rows.lean(p.rows) &&
+                                 p.dx_rows.lean(p.rows));
   const int ring_tpr = next_pow2((p.n + kRingVecs * E - 1) / (kRingVecs * E));
   // the ring's smem (up to 203 KB: bf16 N = 16384) must fit the device's opt-in limit (sm_80: 163 KB)
-  const bool ring = bwd && al && ring_tpr >= kRingMinTpr && p.n <= kRingMaxN<T> &&
+  const bool ring = bwd && bwd_fast && al && ring_tpr >= kRingMinTpr && p.n <= kRingMaxN<T> &&
                     ring_smem_bytes(p.n, E) <= smem_per_block_optin();
   // 3 vectors per thread where that idles fewer of a row group's threads than 4 (3 tpr3 < 4 tpr: N 6144 bf16
   // fills 256 x 3 where 4 leaves a quarter of 256 x 4 idle; set_rownorm_bwd_ring3, off: compiled, not measured)
@@ -352,7 +357,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
   // 0.2668). m = 4 was level with 2 or slower (512 x 16384 0.0318, 4096 x 5120 0.0624).
   const int cl_mult = rownorm_bwd_cluster_mult() > 0 ? rownorm_bwd_cluster_mult()
                       : p.rows <= 8 * std::int64_t(sm_count()) && p.n / E > 512 ? 2 : 1;
-  if (bwd && al && cc_major() >= 9 && rownorm_bwd_cluster() && (p.n > kRingMaxN<T> ? !ring : ring && cl_mult > 1)) {
+  if (bwd && bwd_fast && al && cc_major() >= 9 && rownorm_bwd_cluster() && (p.n > kRingMaxN<T> ? !ring : ring && cl_mult > 1)) {
     const std::int64_t nvec = p.n / E, maxv = std::int64_t(kRingThreads) * kRingVecs;
     // C: the ranks the row needs (past kRingMaxCluster: rowsum + coltile; clamping it would leave ranks of more
     // than 512 threads' vectors, R = 0), times m up to kRingMaxCluster
@@ -386,7 +391,7 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
     }
   }
   const std::int64_t cached_max = bwd ? kCachedMaxNBwd<T> : kCachedMaxNFwd<T>;
-  if (p.n <= cached_max || ring) {
+  if ((p.n <= cached_max || ring) && bwd_fast) {
     plan.cached = true;
     if (!bwd) {
       // aligned 16-bit rows of 33..256 vectors (N 264..2048) in small problems: one row per CTA
@@ -509,13 +514,17 @@ RowPlan rownorm_plan(const RowNormParams& p, bool bwd) {
       }
       const int R = kRingThreads / plan.L.tpr;
       plan.threads = R * plan.L.tpr;  // (512, or fewer whole-warp groups)
-      // 3 row slots per group (set_rownorm_bwd_ring_stages): the rule, where a CTA holds one row group
+      plan.ring_rms = p.rms && !p.db && rownorm_bwd_ring_rms();
+      // 3 row slots per group (set_rownorm_bwd_ring_stages): the rule, where a CTA holds one row group, but the
+      // RMSNorm instance's group of 512 threads (3 vectors: bf16 / fp16 N 11528..12288, fp32 5764..6144), where 2
+      // slots ran 2.1-2.7% faster (session 52, H200, RMSNorm 4096 x 12288 bf16 0.0891 / 0.0868, fp16 0.0887 /
+      // 0.0868, fp32 x 6144 0.0878 / 0.0856); its 384 x 3 group (bf16 N 9216) kept 3 (2 slots: +1.6%)
       const int stages_mode = rownorm_bwd_ring_stages();
-      if ((stages_mode == 3 || (stages_mode == 0 && R == 1)) &&
+      const bool rule3 = R == 1 && !(plan.ring_rms && plan.L.tpr == kRingThreads);
+      if ((stages_mode == 3 || (stages_mode == 0 && rule3)) &&
           ring_smem_bytes(p.n, E, plan.ring_vecs, 0, 3) <= smem_per_block_optin())
         plan.ring_stages = 3;
       plan.smem = ring_smem_bytes(p.n, E, plan.ring_vecs, 0, plan.ring_stages);
-      plan.ring_rms = p.rms && !p.db && rownorm_bwd_ring_rms();
       // scale registers (set_rownorm_bwd_ring_sreg): mode 1, the generic 16-bit instance of 3 vectors and 3 slots
       // (one row group per CTA: bf16 N 8200..12288; 128 registers without spills, where the 4-vector ones spill
       // 68-124 bytes), mode 2 wherever exact
