@@ -116,7 +116,9 @@ bool rownorm_bwd_ring_wstat();
 // rank order; x and dy are read once, where rowsum + coltile (the path without it, and past 8 CTAs) reads them
 // twice. Session 41 (H200, bf16 LayerNorm unless said, ms, off / on): 4096 x 20480 0.2659 / 0.2011, x 24576 0.3099 /
 // 0.2144, x 32768 0.4057 / 0.2588 (3.1 TB/s); 512 x 32768 0.0725 / 0.0518, x 65536 0.1180 / 0.0900, x 131072 0.2091 /
-// 0.1593; RMSNorm 4096 x 32768 0.4027 / 0.2387; fp32 4096 x 16384 0.3575 / 0.2088. On by default;
+// 0.1593; RMSNorm 4096 x 32768 0.4027 / 0.2387; fp32 4096 x 16384 0.3575 / 0.2088. Its generic instance spilled
+// 48 B until the row offsets went 32-bit (RowIndexer::offset_lean, session 53: LayerNorm bf16 512 x 32768 0.0504 ->
+// 0.0438, 2048 x 32768 0.1593 -> 0.1240, 256 x 131072 0.1094 -> 0.0813). On by default;
 // FW_NORM_BWD_CLUSTER=0 turns it off at start. Returns the previous setting (tests, fastweight_bench --bwd-cluster=off|on).
 bool set_rownorm_bwd_cluster(bool on);
 bool rownorm_bwd_cluster();
